@@ -1,0 +1,1 @@
+"""Benchmarks behind ``tide bench ...``: each prints one JSON object."""

@@ -1,0 +1,244 @@
+"""Hugging Face DeepSeek checkpoints: expected tensors, loading, saving, random init.
+
+Reads ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+Every tensor the architecture needs must be present with the right shape and nothing else may be
+left over (except the multi-token-prediction layers that real V3 checkpoints append after the last
+decoder layer); anything else is a ``CheckpointError`` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import ModelConfig, load_config
+from model.layers import SwiGLU
+from model.mla import MLA, MLAWeights
+from model.model import DecoderLayer, DeepseekModel
+from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
+
+__all__ = [
+    "CheckpointError",
+    "expected_shapes",
+    "load_model",
+    "load_state_dict",
+    "build_model",
+    "random_state_dict",
+    "save_checkpoint",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Progress = Callable[[int, int], None]  # (tensors done, tensors total)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config."""
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the architecture needs."""
+    m, h = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, m),
+        "model.norm.weight": (m,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, m)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (m,)
+        shapes[p + "post_attention_layernorm.weight"] = (m,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            shapes[a + "q_proj.weight"] = (h * cfg.qk_head_dim, m)
+        else:
+            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, m)
+            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            shapes[a + "q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
+            if cfg.attention_bias:
+                shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+        shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.latent_dim, m)
+        shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        shapes[a + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        shapes[a + "o_proj.weight"] = (m, h * cfg.v_head_dim)
+        if cfg.attention_bias:
+            shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.latent_dim,)
+            shapes[a + "o_proj.bias"] = (m,)
+        f = p + "mlp."
+        if cfg.is_moe_layer(i):
+            inter = cfg.moe_intermediate_size
+            shapes[f + "gate.weight"] = (cfg.n_routed_experts, m)
+            if cfg.topk_method == "noaux_tc":
+                shapes[f + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            for e in range(cfg.n_routed_experts):
+                _mlp_shapes(shapes, f"{f}experts.{e}.", m, inter)
+            if cfg.n_shared_experts:
+                _mlp_shapes(shapes, f + "shared_experts.", m, inter * cfg.n_shared_experts)
+        else:
+            _mlp_shapes(shapes, f, m, cfg.intermediate_size)
+    return shapes
+
+
+def _mlp_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, m: int, inter: int) -> None:
+    shapes[prefix + "gate_proj.weight"] = (inter, m)
+    shapes[prefix + "up_proj.weight"] = (inter, m)
+    shapes[prefix + "down_proj.weight"] = (m, inter)
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _shard_files(ckpt: Path) -> dict[str, Path]:
+    """Tensor name -> file that holds it."""
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: ckpt / fname for name, fname in weight_map.items()}
+    single = ckpt / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {ckpt}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_state_dict(
+    ckpt_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read and validate every tensor; converts to ``dtype`` (gates stay fp32)."""
+    ckpt = Path(ckpt_dir)
+    want = expected_shapes(cfg)
+    where = _shard_files(ckpt)
+    extra = []
+    for name in where:
+        if name in want:
+            continue
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            continue  # multi-token-prediction layers: not used for serving
+        extra.append(name)
+    if extra:
+        hint = " (fp8 checkpoints must be converted to bf16 first)" if any(
+            n.endswith("weight_scale_inv") for n in extra
+        ) else ""
+        raise CheckpointError(f"unexpected tensor {extra[0]!r} ({len(extra)} in all){hint}")
+    missing = [n for n in want if n not in where]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} in all)")
+    by_file: dict[Path, list[str]] = {}
+    for name in want:
+        by_file.setdefault(where[name], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    done = 0
+    for path, names in by_file.items():
+        with safe_open(path, "pt") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != want[name]:
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(t.shape)}, config needs {want[name]}"
+                    )
+                if not t.is_floating_point():
+                    raise CheckpointError(f"tensor {name!r} has non-float dtype {t.dtype}")
+                keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+                out[name] = t.to(torch.float32 if keep_fp32 else dtype)
+                done += 1
+                if progress is not None:
+                    progress(done, len(want))
+    return out
+
+
+def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> DeepseekModel:
+    """Assemble a model from a validated HF-named state dict (tensors are used, not copied,
+    except where experts are stacked)."""
+
+    def mlp(prefix: str) -> SwiGLU:
+        gate_up = torch.cat((sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]))
+        return SwiGLU(gate_up, sd[prefix + "down_proj.weight"])
+
+    layers, experts = [], {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w = MLAWeights(
+            kv_a=sd[a + "kv_a_proj_with_mqa.weight"],
+            kv_a_norm=sd[a + "kv_a_layernorm.weight"],
+            kv_b=sd[a + "kv_b_proj.weight"],
+            o=sd[a + "o_proj.weight"],
+            q=sd.get(a + "q_proj.weight"),
+            q_a=sd.get(a + "q_a_proj.weight"),
+            q_a_norm=sd.get(a + "q_a_layernorm.weight"),
+            q_b=sd.get(a + "q_b_proj.weight"),
+            kv_a_bias=sd.get(a + "kv_a_proj_with_mqa.bias"),
+            q_a_bias=sd.get(a + "q_a_proj.bias"),
+            o_bias=sd.get(a + "o_proj.bias"),
+        )
+        f = p + "mlp."
+        ffn: SwiGLU | MoE
+        if cfg.is_moe_layer(i):
+            gate = Gate(sd[f + "gate.weight"], sd.get(f + "gate.e_score_correction_bias"))
+            shared = mlp(f + "shared_experts.") if cfg.n_shared_experts else None
+            ffn = MoE(cfg, i, gate, shared)
+            experts[i] = ExpertWeights.stack(
+                [torch.cat((sd[f"{f}experts.{e}.gate_proj.weight"], sd[f"{f}experts.{e}.up_proj.weight"]))
+                 for e in range(cfg.n_routed_experts)],
+                [sd[f"{f}experts.{e}.down_proj.weight"] for e in range(cfg.n_routed_experts)],
+            )
+        else:
+            ffn = mlp(f)
+        layers.append(DecoderLayer(
+            sd[p + "input_layernorm.weight"], MLA(cfg, w), sd[p + "post_attention_layernorm.weight"], ffn
+        ))
+    embed = sd["model.embed_tokens.weight"]
+    lm_head = embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
+    model = DeepseekModel(cfg, embed, layers, sd["model.norm.weight"], lm_head)
+    model.set_expert_executor(LocalExpertExecutor(experts))
+    return model
+
+
+def load_model(
+    ckpt_dir: str | Path, dtype: str | torch.dtype = "float32", progress: Progress | None = None
+) -> DeepseekModel:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    cfg = load_config(ckpt_dir)
+    return build_model(cfg, load_state_dict(ckpt_dir, cfg, dtype, progress))
+
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Deterministic random weights (norms at 1, biases at 0), same on every machine."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            sd[name] = torch.ones(shape)
+        elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+            sd[name] = torch.zeros(shape)
+        else:
+            sd[name] = torch.randn(shape, generator=gen) * std
+    return sd
+
+
+def save_checkpoint(
+    ckpt_dir: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], extra_files: dict[str, str] | None = None
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (atomically: temp name, then rename)."""
+    ckpt = Path(ckpt_dir)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    for fname, text in (extra_files or {}).items():
+        (ckpt / fname).write_text(text)
+    return ckpt

@@ -1,0 +1,33 @@
+"""Small building blocks: RMSNorm and the SwiGLU MLP (dense layers and shared experts).
+
+Legend: T tokens, H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rms_norm", "SwiGLU"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 (as Hugging Face does), returned in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class SwiGLU:
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one [2I, H] matrix."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        assert gate_up.shape[0] == 2 * down.shape[1], (gate_up.shape, down.shape)
+        self.gate_up = gate_up  # [2I, H]
+        self.down = down  # [H, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
+        return F.linear(F.silu(g) * u, self.down)  # [T, H]

@@ -1,0 +1,130 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2/V3.
+
+Legend: T new tokens, S attended tokens (cached + new), B sequences, H heads,
+N nope dims (``qk_nope_head_dim``), P rope dims, R ``kv_lora_rank``, V ``v_head_dim``,
+D = R + P latent values per token, M model hidden size.
+
+Per token and layer only the latent ``[c_kv (R), k_rope (P)]`` is cached. Two equivalent ways to
+attend over it:
+
+* naive (prefill): expand every cached latent to per-head keys/values with ``W_UK``/``W_UV``
+  (``kv_b_proj``), then run ordinary attention. Cheap when T ~ S.
+* absorbed (decode): fold ``W_UK`` into the query and ``W_UV`` after the attention, so the heads
+  attend directly over the latent cache. Cheap when T << S: no per-token expansion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.layers import rms_norm
+from model.rope import apply_rope
+
+__all__ = ["MLA", "MLAWeights"]
+
+
+@dataclass(slots=True)
+class MLAWeights:
+    kv_a: torch.Tensor  # [D, M]  (kv_a_proj_with_mqa)
+    kv_a_norm: torch.Tensor  # [R]
+    kv_b: torch.Tensor  # [H*(N+V), R]
+    o: torch.Tensor  # [M, H*V]
+    q: torch.Tensor | None = None  # [H*(N+P), M] when q_lora_rank is None
+    q_a: torch.Tensor | None = None  # [q_lora, M]
+    q_a_norm: torch.Tensor | None = None  # [q_lora]
+    q_b: torch.Tensor | None = None  # [H*(N+P), q_lora]
+    kv_a_bias: torch.Tensor | None = None
+    q_a_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+class MLA:
+    def __init__(self, cfg: ModelConfig, w: MLAWeights) -> None:
+        self.cfg = cfg
+        self.w = w
+        h, n, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        kv_b = w.kv_b.view(h, n + v, r)
+        self.w_uk = kv_b[:, :n, :].contiguous()  # [H, N, R]
+        self.w_uv_t = kv_b[:, n:, :].transpose(1, 2).contiguous()  # [H, R, V]
+        self.scale = cfg.softmax_scale
+
+    # -- projections -------------------------------------------------------------------
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, M] -> (q_nope [T, H, N], q_rope [T, H, P], latent [T, D]) with RoPE applied."""
+        cfg, w = self.cfg, self.w
+        t = x.shape[0]
+        if w.q is not None:
+            q = F.linear(x, w.q)
+        else:
+            q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+        q = q.view(t, cfg.num_attention_heads, cfg.qk_head_dim)  # [T, H, N+P]
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv = F.linear(x, w.kv_a, w.kv_a_bias)  # [T, D]
+        c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv = rms_norm(c_kv, w.kv_a_norm, cfg.rms_norm_eps)  # [T, R]
+        q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)  # [T, H, P]
+        k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)  # [T, P]
+        return q_nope, q_rope, torch.cat((c_kv, k_rope), dim=-1)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, H, V] -> [T, M]."""
+        return F.linear(o.flatten(1), self.w.o, self.w.o_bias)
+
+    # -- attention over the latent cache -----------------------------------------------
+    def attend_naive(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Causal attention of T queries at positions ``start..start+T-1`` over ``latents`` [S, D]
+        (positions 0..S-1, S = start + T). Returns [T, H, V]."""
+        cfg = self.cfg
+        h, n, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        s, t = latents.shape[0], q_nope.shape[0]
+        assert s == start + t, (s, start, t)
+        kv = F.linear(latents[:, :r], self.w.kv_b).view(s, h, -1)  # [S, H, N+V]
+        k_nope, v = kv.split([n, cfg.v_head_dim], dim=-1)
+        k_rope = latents[:, None, r:].expand(s, h, cfg.qk_rope_head_dim)  # [S, H, P]
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)[None]  # [1, H, T, N+P]
+        k = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)[None]  # [1, H, S, N+P]
+        # The fused (flash) SDPA kernels want equal q/k/v head dims and 4-D inputs; pad V with
+        # zeros up to N+P and drop the padding afterwards (zeros contribute nothing).
+        v = F.pad(v, (0, k.shape[-1] - v.shape[-1])).transpose(0, 1)[None]  # [1, H, S, N+P]
+        if start == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            mask = _causal_mask(t, start, q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = o[0, ..., : cfg.v_head_dim]  # [H, T, V]
+        return o.transpose(0, 1)  # [T, H, V]
+
+    def attend_absorbed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries of B sequences (T_b = 1 for decode, or T queries of one sequence with B=1 via
+        a [1, T, S] mask) attending directly over latents.
+
+        q_nope [B, Q, H, N], q_rope [B, Q, H, P], latents [B, S, D], mask [B, Q, S] bool (True =
+        attend). Returns [B, Q, H, V]."""
+        r = self.cfg.kv_lora_rank
+        b, nq, h, _ = q_nope.shape
+        q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, self.w_uk)  # [B, Q, H, R]
+        q_full = torch.cat((q_lat, q_rope), dim=-1).reshape(b, nq * h, -1)  # [B, Q*H, D]
+        scores = torch.bmm(q_full, latents.transpose(1, 2)) * self.scale  # [B, Q*H, S]
+        scores = scores.view(b, nq, h, -1).masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(latents.dtype)  # [B, Q, H, S]
+        o_lat = torch.bmm(probs.view(b, nq * h, -1), latents[:, :, :r])  # [B, Q*H, R]
+        o_lat = o_lat.view(b * nq, h, r).transpose(0, 1)  # [H, B*Q, R]
+        o = torch.bmm(o_lat, self.w_uv_t).transpose(0, 1)  # [B*Q, H, V]
+        return o.reshape(b, nq, h, -1)
+
+
+def _causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:
+    """[T, start+T] bool: query i (position start+i) sees keys 0..start+i."""
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    k_pos = torch.arange(start + t, device=device)[None, :]
+    return k_pos <= q_pos

@@ -1,0 +1,162 @@
+"""The DeepSeek-V2/V3 decoder: prefill (optionally after a cached prefix) and batched decode.
+
+Legend: T new tokens, B sequences, S attended tokens, M hidden, V vocab, D latent dims.
+
+Single device, no processes, no scheduling: the engine owns the ``LatentKVPool`` and the block
+tables; this module reads and writes latents where it is told to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.kv_cache import LatentKVPool, slots_for
+from model.layers import SwiGLU, rms_norm
+from model.mla import MLA
+from model.moe import MoE
+from model.rope import RotaryEmbedding
+
+__all__ = ["DecoderLayer", "DeepseekModel"]
+
+AttnPath = Literal["naive", "absorbed"]
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor  # [M]
+    attn: MLA
+    post_attn_norm: torch.Tensor  # [M]
+    mlp: SwiGLU | MoE
+
+
+class DeepseekModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        assert len(layers) == cfg.num_hidden_layers, (len(layers), cfg.num_hidden_layers)
+        self.cfg = cfg
+        self.embed = embed  # [V, M]
+        self.layers = layers
+        self.norm = norm  # [M]
+        self.lm_head = lm_head  # [V, M]
+        self.rope = RotaryEmbedding(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def set_expert_executor(self, executor) -> None:
+        """Route every MoE layer's experts through ``executor`` (see ``model.moe.ExpertExecutor``)."""
+        for moe in self.moe_layers():
+            moe.executor = executor
+
+    def new_pool(self, num_pages: int, page_size: int = 16) -> LatentKVPool:
+        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype)
+
+    def _ffn(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        return h + layer.mlp(rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        pool: LatentKVPool,
+        block_table: torch.Tensor,
+        start: int = 0,
+        attn: AttnPath = "naive",
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run ``token_ids`` [T] at positions ``start..start+T-1`` of one sequence.
+
+        The latents of positions ``0..start-1`` must already be in ``pool`` at ``block_table``
+        (computed earlier or loaded from the unit cache); the new tokens' latents are written
+        there too. Returns fp32 logits, [V] for the last token or [T, V] with ``all_logits``.
+        """
+        t = token_ids.shape[0]
+        if t == 0:
+            raise ValueError("prefill needs at least one token")
+        z = pool.page_size
+        if block_table.shape[0] * z < start + t:
+            raise ValueError(
+                f"block table of {block_table.shape[0]} pages holds {block_table.shape[0] * z} "
+                f"tokens, sequence needs {start + t}"
+            )
+        positions = torch.arange(start, start + t)
+        all_slots = slots_for(block_table, torch.arange(start + t), z)  # [S]
+        new_slots = all_slots[start:]
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        h = self.embed[token_ids]  # [T, M]
+        mask = None
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
+            pool.write(i, new_slots, latent)
+            latents = latent if start == 0 else pool.read(i, all_slots)  # [S, D]
+            if attn == "naive":
+                o = layer.attn.attend_naive(q_nope, q_rope, latents, start)
+            else:
+                if mask is None:
+                    mask = (torch.arange(start + t)[None, :] <= positions[:, None])[None]  # [1,T,S]
+                o = layer.attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], mask)[0]
+            h = self._ffn(layer, h + layer.attn.output(o))
+        return self._logits(h if all_logits else h[-1])
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        pool: LatentKVPool,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttnPath = "absorbed",
+    ) -> torch.Tensor:
+        """One decode step for B sequences of different lengths.
+
+        token_ids [B], block_tables [B, pages] (padded rows may repeat any valid page),
+        positions [B] = the position of each new token (its sequence length before the step).
+        Writes the new latents and returns fp32 logits [B, V].
+        """
+        b = token_ids.shape[0]
+        z = pool.page_size
+        max_len = int(positions.max()) + 1
+        if block_tables.shape[1] * z < max_len:
+            raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
+        span = torch.arange(max_len)  # [S]
+        read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), z)  # [B, S]
+        new_slots = read_slots.gather(1, positions[:, None])[:, 0]  # [B]
+        mask = (span[None, :] <= positions[:, None])[:, None, :]  # [B, 1, S]
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        h = self.embed[token_ids]  # [B, M]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
+            pool.write(i, new_slots, latent)
+            latents = pool.read(i, read_slots)  # [B, S, D]
+            if attn == "absorbed":
+                o = layer.attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, mask)[:, 0]
+            else:
+                o = torch.cat([
+                    layer.attn.attend_naive(
+                        q_nope[j : j + 1], q_rope[j : j + 1], latents[j, : int(positions[j]) + 1],
+                        int(positions[j]),
+                    )
+                    for j in range(b)
+                ])
+            h = self._ffn(layer, h + layer.attn.output(o))
+        return self._logits(h)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sets up tideserve on a fresh machine: a virtual environment in .venv with torch (the CPU build
+# on machines without CUDA), the package and its test dependencies, and redis-server.
+# Usage: scripts/setup.sh            (idempotent; re-run after pulling)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "== installing redis-server (apt)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip"
+"$PIP" install -q --upgrade pip
+
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    echo "== installing torch (CUDA build)"
+    "$PIP" install -q "torch>=2.6,<3"
+  else
+    # An unpinned torch would pull a multi-GB CUDA build; 2.13.0 is the CPU build we test with.
+    echo "== installing torch==2.13.0 (CPU build)"
+    "$PIP" install -q "torch==2.13.0"
+  fi
+fi
+
+echo "== installing tideserve and its test dependencies"
+"$PIP" install -q -e ".[test]"
+echo "== done: $VENV/bin/tide --help"

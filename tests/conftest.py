@@ -1,0 +1,35 @@
+"""Shared test setup: service markers skip locally when a service is missing, fail under CI=true."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require(condition: bool, why: str) -> None:
+    """Skip (locally) or fail (CI=true) when a needed service is missing."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"{why} (CI=true: a missing service is a failure, not a skip)")
+    pytest.skip(why)
+
+
+@pytest.fixture(autouse=True)
+def _services_for_markers(request):
+    if request.node.get_closest_marker("redis"):
+        require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    if request.node.get_closest_marker("ray"):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            require(False, "ray is not installed")
+    if request.node.get_closest_marker("gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")

@@ -1,0 +1,56 @@
+"""Small random DeepSeek-V2/V3 checkpoints written by ``transformers`` (the numerical reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+    n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512, initializer_range=0.15,
+    rope_theta=10000.0,
+)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+SHAPES = {
+    # V3, query low-rank path, group-limited routing, YaRN, one dense first layer
+    "v3_grouped_yarn": ("v3", dict(q_lora_rank=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                   rope_scaling=YARN)),
+    # V3, ungrouped routing, no YaRN, half-split RoPE, all layers MoE
+    "v3_ungrouped": ("v3", dict(q_lora_rank=32, n_group=1, topk_group=1, first_k_dense_replace=0,
+                                rope_interleave=False, norm_topk_prob=False)),
+    # V2-Lite style: no q_lora_rank, greedy softmax routing, YaRN, dense first layer
+    "v2_lite_yarn": ("v2", dict(q_lora_rank=None, topk_method="greedy", first_k_dense_replace=1,
+                                rope_scaling=YARN)),
+    # V2 with q_lora_rank and group-limited greedy routing
+    "v2_group_limited": ("v2", dict(q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
+                                    topk_group=2, first_k_dense_replace=2, routed_scaling_factor=1.5)),
+}
+
+
+def make_hf_checkpoint(name: str, out_dir: Path, seed: int = 0):
+    """Write the named shape as an HF checkpoint; returns the transformers model (eval mode)."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    family, extra = SHAPES[name]
+    torch.manual_seed(seed)
+    if family == "v3":
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **extra))
+    else:
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**BASE, **extra))
+    with torch.no_grad():  # a non-zero correction bias exercises the V3 choice/weight split
+        for buf_name, buf in model.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model

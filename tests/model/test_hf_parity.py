@@ -1,0 +1,46 @@
+"""tideserve's model matches transformers on small random DeepSeek-V2/V3 checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.checkpoint import load_model
+from model.generate import generate
+from tests.model.hf_checkpoints import SHAPES, make_hf_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def pair(request, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_checkpoint(request.param, ckpt)
+    return hf, load_model(ckpt)
+
+
+def _prompt(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attn", ["naive", "absorbed"])
+def test_prefill_logits_match_transformers(pair, attn):
+    hf, ours = pair
+    ids = _prompt(150, ours.cfg.vocab_size)  # longer than YaRN's original context (64)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    pool = ours.new_pool(10, 16)
+    got = ours.prefill(ids, pool, torch.arange(10), attn=attn, all_logits=True)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_32_greedy_tokens_identical_to_generate(pair):
+    hf, ours = pair
+    ids = _prompt(20, ours.cfg.vocab_size, seed=2)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ref = hf.generate(ids[None], max_new_tokens=32, do_sample=False)[0, 20:].tolist()
+    assert len(ref) == 32
+    assert generate(ours, ids.tolist(), 32, eos_id=None) == ref

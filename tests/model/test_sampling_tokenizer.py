@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.sampling import SamplingParams, sample
+from model.tokenizer import ByteTokenizer
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    assert sample(logits, [SamplingParams()] * 2, [None, None]).tolist() == [1, 0]
+
+
+def test_seeded_sampling_is_reproducible_and_respects_top_k():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, top_k=3, seed=7)
+    draws = [int(sample(logits, [p], [torch.Generator().manual_seed(7)])[0]) for _ in range(5)]
+    assert len(set(draws)) == 1
+    allowed = set(logits[0].topk(3).indices.tolist())
+    gen = torch.Generator().manual_seed(1)
+    assert {int(sample(logits, [p], [gen])[0]) for _ in range(200)} <= allowed
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
+    p = SamplingParams(temperature=1.0, top_p=0.8)
+    gen = torch.Generator().manual_seed(0)
+    assert {int(sample(logits, [p], [gen])[0]) for _ in range(300)} == {0, 1}
+
+
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}])
+def test_bad_sampling_values_are_rejected(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)
+
+
+def test_byte_tokenizer_round_trip_and_chat_template():
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("héllo")) == "héllo"
+    ids = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert ids[0] == tok.BOS and ids[-1] == tok.ASSISTANT and tok.USER in ids
+    with pytest.raises(ValueError, match="robot"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
