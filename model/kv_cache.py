@@ -51,7 +51,9 @@ class LatentKVPool:
 
     def read(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor:
         """slots [...] -> [..., D]."""
-        return self.data[layer_idx][slots]
+        # index_select on a flat index is several times faster than advanced indexing here
+        flat = self.data[layer_idx].index_select(0, slots.reshape(-1))
+        return flat.view(*slots.shape, self.latent_dim)
 
     def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
         """Whole pages for every layer, in order: -> [L, len(pages)*Z, D] (a copy)."""

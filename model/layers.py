@@ -8,7 +8,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "SwiGLU"]
+from kernels.cpu_gemv import small_linear
+
+__all__ = ["linear", "rms_norm", "SwiGLU"]
+
+# Up to this many rows a linear layer is a (multi-row) GEMV: see kernels.cpu_gemv.
+SMALL_ROWS = 16
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for x [T, K], w [N, K]; decode-sized fp32 CPU batches use the GEMV kernel."""
+    if (
+        bias is None
+        and x.dim() == 2
+        and x.shape[0] <= SMALL_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
+        return small_linear(x.contiguous(), w)
+    return F.linear(x, w, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,5 +47,5 @@ class SwiGLU:
         self.down = down  # [H, I]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(F.silu(g) * u, self.down)  # [T, H]
+        g, u = linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
+        return linear(F.silu(g) * u, self.down)  # [T, H]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.layers import rms_norm
+from model.layers import linear, rms_norm
 from model.rope import apply_rope
 
 __all__ = ["MLA", "MLAWeights"]
@@ -60,12 +60,12 @@ class MLA:
         cfg, w = self.cfg, self.w
         t = x.shape[0]
         if w.q is not None:
-            q = F.linear(x, w.q)
+            q = linear(x, w.q)
         else:
-            q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+            q = linear(rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
         q = q.view(t, cfg.num_attention_heads, cfg.qk_head_dim)  # [T, H, N+P]
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        kv = F.linear(x, w.kv_a, w.kv_a_bias)  # [T, D]
+        kv = linear(x, w.kv_a, w.kv_a_bias)  # [T, D]
         c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = rms_norm(c_kv, w.kv_a_norm, cfg.rms_norm_eps)  # [T, R]
         q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)  # [T, H, P]
@@ -74,7 +74,7 @@ class MLA:
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o [T, H, V] -> [T, M]."""
-        return F.linear(o.flatten(1), self.w.o, self.w.o_bias)
+        return linear(o.flatten(1), self.w.o, self.w.o_bias)
 
     # -- attention over the latent cache -----------------------------------------------
     def attend_naive(

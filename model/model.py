@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.kv_cache import LatentKVPool, slots_for
-from model.layers import SwiGLU, rms_norm
+from model.layers import SwiGLU, linear, rms_norm
 from model.mla import MLA
 from model.moe import MoE
 from model.rope import RotaryEmbedding
@@ -70,7 +69,7 @@ class DeepseekModel:
         return h + layer.mlp(rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(

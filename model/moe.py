@@ -11,13 +11,13 @@ outside with one that dispatches tokens to remote shards. The model never knows 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemv import moe_experts, ref_moe_experts
 from model.config import ModelConfig
 from model.layers import SwiGLU
 
@@ -80,33 +80,26 @@ class ExpertExecutor(Protocol):
 
 @dataclass(slots=True)
 class ExpertWeights:
-    """All routed experts of one layer, stacked and pre-transposed for grouped GEMMs."""
+    """Routed experts of one layer, stacked in Hugging Face layout."""
 
-    gate_up_t: torch.Tensor  # [E, M, 2I]
-    down_t: torch.Tensor  # [E, I, M]
+    gate_up: torch.Tensor  # [E, 2I, M]  (gate_proj rows, then up_proj rows)
+    down: torch.Tensor  # [E, M, I]
 
     @classmethod
     def stack(cls, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> ExpertWeights:
         """From per-expert ``gate_up`` [2I, M] and ``down`` [M, I] matrices."""
-        return cls(
-            gate_up_t=torch.stack(gate_up).transpose(1, 2).contiguous(),
-            down_t=torch.stack(down).transpose(1, 2).contiguous(),
-        )
+        return cls(gate_up=torch.stack(gate_up), down=torch.stack(down))
 
 
 def grouped_expert_forward(
-    w: ExpertWeights,
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-    pool: ThreadPoolExecutor | None = None,
+    w: ExpertWeights, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """Sort token copies by expert and run each expert on its contiguous slice.
+    """Sort token copies by expert and run each expert on its contiguous slice of rows.
 
     ``expert_ids`` index ``w``'s first dim (physical slots for a shard, logical experts locally).
-    Few tokens (decode): each expert is a GEMV that one core runs at a fraction of memory
-    bandwidth, so experts are spread over ``pool``'s threads. Many tokens (prefill): one grouped
-    GEMM per projection, parallel inside. Shapes as ``ExpertExecutor``.
+    Many rows (prefill): one grouped GEMM per projection. Few rows (decode): every expert is a
+    GEMV, which BLAS runs far below memory bandwidth, so a CPU kernel that streams each active
+    expert's weights once takes over (``kernels.cpu_gemv``). Shapes as ``ExpertExecutor``.
     """
     t, k = expert_ids.shape
     out = torch.zeros_like(x)
@@ -116,36 +109,19 @@ def grouped_expert_forward(
     order = flat_ids.argsort(stable=True)  # [T*K]
     token_idx = order // k
     xs = x.index_select(0, token_idx)  # [T*K, M]
-    counts = torch.bincount(flat_ids, minlength=w.gate_up_t.shape[0])  # [E]
-    if _HAS_GROUPED_MM and (pool is None or t * k > _GEMV_ROWS):
+    counts = torch.bincount(flat_ids, minlength=w.gate_up.shape[0])  # [E]
+    small = t * k <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+    if _HAS_GROUPED_MM and not small:
         offs = counts.cumsum(0).to(torch.int32)
-        gu = torch._grouped_mm(xs, w.gate_up_t, offs=offs)  # [T*K, 2I]
+        gu = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offs)  # [T*K, 2I]
         g, u = gu.chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(g) * u, w.down_t, offs=offs)  # [T*K, M]
+        ys = torch._grouped_mm(F.silu(g) * u, w.down.transpose(1, 2), offs=offs)  # [T*K, M]
     else:
-        ys = torch.empty_like(xs)
-        spans, begin = [], 0
-        for expert, n in enumerate(counts.tolist()):
-            if n:
-                spans.append((expert, begin, begin + n))
-                begin += n
-
-        inference = torch.is_inference_mode_enabled()  # thread-local: carry it into the workers
-
-        def run(part: list[tuple[int, int, int]]) -> None:
-            with torch.inference_mode(inference):
-                _run_experts(part)
-
-        def _run_experts(part: list[tuple[int, int, int]]) -> None:
-            for expert, lo, hi in part:
-                g, u = (xs[lo:hi] @ w.gate_up_t[expert]).chunk(2, dim=-1)
-                torch.matmul(F.silu(g) * u, w.down_t[expert], out=ys[lo:hi])
-
-        if pool is None:
-            run(spans)
-        else:
-            n_parts = pool._max_workers  # noqa: SLF001 - the pool is ours
-            list(pool.map(run, [spans[i::n_parts] for i in range(n_parts)]))
+        ends = counts.cumsum(0)
+        active = counts.nonzero()[:, 0]
+        spans = torch.stack((active, ends[active] - counts[active], ends[active]), dim=1)  # [A, 3]
+        run = moe_experts if small else ref_moe_experts
+        ys = run(xs, spans, w.gate_up, w.down)
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return out.index_add_(0, token_idx, ys)
 
@@ -162,22 +138,20 @@ def _grouped_mm_works() -> bool:
 
 
 _HAS_GROUPED_MM = _grouped_mm_works()
-# Up to this many (token, expert) rows the experts run as per-thread GEMVs (decode-sized batches).
-_GEMV_ROWS = 256
+# Up to this many (token, expert) rows the experts run as GEMVs (decode-sized batches).
+_GEMV_ROWS = 128
 
 
 class LocalExpertExecutor:
     """Every routed expert of every MoE layer in this process."""
 
-    def __init__(self, layers: dict[int, ExpertWeights], num_threads: int | None = None) -> None:
+    def __init__(self, layers: dict[int, ExpertWeights]) -> None:
         self.layers = layers
-        n = num_threads or torch.get_num_threads()
-        self.pool = ThreadPoolExecutor(n, thread_name_prefix="experts") if n > 1 else None
 
     def __call__(
         self, layer_idx: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        return grouped_expert_forward(self.layers[layer_idx], x, expert_ids, weights, self.pool)
+        return grouped_expert_forward(self.layers[layer_idx], x, expert_ids, weights)
 
 
 class MoE:

@@ -1,0 +1,61 @@
+"""CPU decode kernels against their torch references over odd shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_gemv import (
+    cpu_kernels,
+    moe_experts,
+    ref_moe_experts,
+    ref_small_linear,
+    small_linear,
+)
+from tests.conftest import require
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_built():
+    require(cpu_kernels() is not None, "the CPU kernel extension did not build (see the log)")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("k, n", [(8, 1), (60, 63), (512, 257), (1536, 64)])
+def test_small_linear_matches_reference(m, k, n):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    torch.testing.assert_close(small_linear(x, w), ref_small_linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def _spans(counts):
+    spans, begin = [], 0
+    for expert, n in enumerate(counts):
+        if n:
+            spans.append((expert, begin, begin + n))
+            begin += n
+    return torch.tensor(spans, dtype=torch.long).view(-1, 3), begin
+
+
+@pytest.mark.parametrize("counts", [[1], [0, 3, 0, 1, 7], [2] * 9, [0, 0, 0, 5]])
+@pytest.mark.parametrize("hidden, inter", [(64, 32), (60, 20), (512, 256)])
+def test_moe_experts_matches_reference(counts, hidden, inter):
+    gen = torch.Generator().manual_seed(len(counts) + hidden)
+    e = max(len(counts), 4)
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1
+    down = torch.randn(e, hidden, inter, generator=gen) * 0.1
+    spans, rows = _spans(counts)
+    xs = torch.randn(rows, hidden, generator=gen)
+    torch.testing.assert_close(
+        moe_experts(xs, spans, gate_up, down), ref_moe_experts(xs, spans, gate_up, down), atol=1e-4, rtol=1e-5
+    )
+
+
+def test_bad_inputs_are_rejected_with_the_reason():
+    mod = cpu_kernels()
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.small_linear(torch.ones(2, 8, dtype=torch.float64), torch.ones(3, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        mod.small_linear(torch.ones(2, 8), torch.ones(3, 9))
+    with pytest.raises(RuntimeError, match="expert id 7"):
+        mod.moe_experts(torch.ones(2, 8), torch.tensor([[7, 0, 2]]), torch.ones(4, 8, 8), torch.ones(4, 8, 4))
