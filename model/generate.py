@@ -18,11 +18,12 @@ def generate(
     model: DeepseekModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    params: SamplingParams = SamplingParams(),
+    params: SamplingParams | None = None,
     eos_id: int | None = None,
     page_size: int = 16,
 ) -> list[int]:
-    """Generated token ids (the EOS id included when it ends the output)."""
+    """Generated token ids (the EOS id included when it ends the output); greedy by default."""
+    params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_new_tokens < 1:
