@@ -1,0 +1,36 @@
+"""Directory backends, chosen by URL scheme: ``mem://`` (in-process) or ``redis://``/``rediss://``."""
+
+from __future__ import annotations
+
+from cachedir.directory.base import (
+    Directory,
+    DirectoryUnavailable,
+    Holder,
+    HotUnit,
+    PrefixMatch,
+)
+
+__all__ = [
+    "Directory",
+    "DirectoryUnavailable",
+    "Holder",
+    "HotUnit",
+    "PrefixMatch",
+    "open_directory",
+]
+
+SCHEMES = ("mem", "redis", "rediss")
+
+
+def open_directory(url: str, namespace: str, **options) -> Directory:
+    """A directory for ``url``; unknown schemes raise and list the supported ones."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme == "mem":
+        from cachedir.directory.memory import MemoryDirectory
+
+        return MemoryDirectory(namespace, **options)
+    if scheme in ("redis", "rediss"):
+        from cachedir.directory.redis_backend import RedisDirectory
+
+        return RedisDirectory(url, namespace, **options)
+    raise ValueError(f"unsupported directory URL {url!r}; supported schemes: {', '.join(SCHEMES)}")

@@ -1,0 +1,116 @@
+"""In-memory directory (``mem://``): one process, same contract as Redis; for tests and
+single-node runs."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from cachedir.directory.base import Directory, Holder, HotUnit, PrefixMatch, add_log2
+
+__all__ = ["MemoryDirectory"]
+
+
+class MemoryDirectory(Directory):
+    def __init__(
+        self, namespace: str, half_life_s: float = 600.0, now_s: Callable[[], float] = time.time
+    ) -> None:
+        super().__init__(namespace, half_life_s)
+        self._now = now_s
+        self._lock = threading.Lock()
+        self._holders: dict[bytes, dict[str, str]] = {}
+        self._by_node: dict[str, set[bytes]] = {}
+        self._alive: dict[str, tuple[str, float]] = {}  # node -> (address, expires)
+        self._hot: dict[bytes, float] = {}  # key -> log2 of time-scaled hit mass
+        self._epoch = uuid.uuid4().hex
+
+    def _is_live(self, node_id: str) -> bool:
+        entry = self._alive.get(node_id)
+        return entry is not None and entry[1] > self._now()
+
+    def register(self, node_id: str, keys: Sequence[bytes], tier: str = "ssd") -> None:
+        self._check_tier(tier)
+        with self._lock:
+            mine = self._by_node.setdefault(node_id, set())
+            for k in keys:
+                self._holders.setdefault(k, {})[node_id] = tier
+                mine.add(k)
+
+    def unregister(self, node_id: str, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            mine = self._by_node.get(node_id, set())
+            for k in keys:
+                holders = self._holders.get(k)
+                if holders is not None:
+                    holders.pop(node_id, None)
+                    if not holders:
+                        del self._holders[k]
+                mine.discard(k)
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
+        out: list[list[Holder]] = []
+        with self._lock:
+            for k in keys:
+                live = [Holder(n, t) for n, t in self._holders.get(k, {}).items() if self._is_live(n)]
+                if not live:
+                    break
+                out.append(sorted(live, key=lambda h: h.node_id))
+        return PrefixMatch(out)
+
+    def heartbeat(self, node_id: str, address: str, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self._lock:
+            self._alive[node_id] = (address, self._now() + ttl_s)
+            self._by_node.setdefault(node_id, set())
+
+    def live_nodes(self) -> dict[str, str]:
+        with self._lock:
+            return {n: a for n, (a, _) in self._alive.items() if self._is_live(n)}
+
+    def node_keys(self, node_id: str) -> set[bytes]:
+        with self._lock:
+            return set(self._by_node.get(node_id, set()))
+
+    def collect_dead(self) -> list[str]:
+        with self._lock:
+            dead = [n for n in self._by_node if not self._is_live(n)]
+        for n in dead:
+            self.unregister(n, list(self.node_keys(n)))
+            with self._lock:
+                self._by_node.pop(n, None)
+                self._alive.pop(n, None)
+        return dead
+
+    def record_hits(self, keys: Sequence[bytes], now_s: float) -> None:
+        mass = now_s / self.half_life_s  # log2 of 2^(t/h): later hits weigh more
+        with self._lock:
+            for k in keys:
+                self._hot[k] = add_log2(self._hot.get(k, -math.inf), mass)
+
+    def hot_units(self, limit: int, max_replicas: int, now_s: float) -> list[HotUnit]:
+        with self._lock:
+            ranked = sorted(self._hot.items(), key=lambda kv: kv[1], reverse=True)
+            out = []
+            for k, score in ranked:
+                live = sorted(n for n in self._holders.get(k, {}) if self._is_live(n))
+                if 0 < len(live) < max_replicas:
+                    out.append(HotUnit(k, 2.0 ** (score - now_s / self.half_life_s), len(live), live))
+                    if len(out) == limit:
+                        break
+            return out
+
+    def epoch(self) -> str:
+        return self._epoch
+
+    def reset(self) -> None:
+        """Forget everything, as a restarted empty store would (tests)."""
+        with self._lock:
+            self._holders.clear()
+            self._by_node.clear()
+            self._alive.clear()
+            self._hot.clear()
+            self._epoch = uuid.uuid4().hex

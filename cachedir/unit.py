@@ -1,0 +1,43 @@
+"""The cache unit value type and the store events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachedir.unitfile import encode
+
+__all__ = ["Unit", "UnitRemoved", "UnitStored"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One cache unit: the latent KV of ``len(token_ids)`` tokens for every layer.
+
+    ``payload`` holds a [num_layers, len(token_ids), dim] array of ``dtype`` as raw bytes.
+    """
+
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    token_ids: tuple[int, ...]
+    payload: bytes
+    num_layers: int
+    dim: int
+    dtype: str
+
+    def encode(self) -> bytes:
+        return encode(self.namespace, self.key, self.parent, self.token_ids, self.payload,
+                      self.num_layers, self.dim, self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitStored:
+    key: bytes
+    nbytes: int
+    tier: str  # "ram" | "ssd"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitRemoved:
+    key: bytes
+    tier: str

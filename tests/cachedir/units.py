@@ -1,0 +1,22 @@
+"""Helpers that make real cache units."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachedir.hashing import Namespace, chain_keys
+from cachedir.unit import Unit
+
+NS = Namespace("fp-test", "rev1", "float32", "mla-latent:16+8", 64)
+
+
+def make_units(tokens, ns: Namespace = NS, layers: int = 2, dim: int = 24, seed: int = 0) -> list[Unit]:
+    keys = chain_keys(ns.seed, tokens, ns.unit_size)
+    rng = np.random.default_rng(seed)
+    units, parent = [], ns.seed
+    for i, key in enumerate(keys):
+        toks = tuple(int(t) for t in tokens[i * ns.unit_size : (i + 1) * ns.unit_size])
+        payload = rng.standard_normal((layers, ns.unit_size, dim), dtype=np.float32).tobytes()
+        units.append(Unit(ns.seed, key, parent, toks, payload, layers, dim, "float32"))
+        parent = key
+    return units
