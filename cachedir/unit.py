@@ -13,14 +13,15 @@ __all__ = ["Unit", "UnitRemoved", "UnitStored"]
 class Unit:
     """One cache unit: the latent KV of ``len(token_ids)`` tokens for every layer.
 
-    ``payload`` holds a [num_layers, len(token_ids), dim] array of ``dtype`` as raw bytes.
+    ``payload`` holds a [num_layers, len(token_ids), dim] array of ``dtype`` as raw bytes (``bytes``
+    or a read-only ``memoryview`` of a file buffer).
     """
 
     namespace: bytes
     key: bytes
     parent: bytes
     token_ids: tuple[int, ...]
-    payload: bytes
+    payload: bytes | memoryview
     num_layers: int
     dim: int
     dtype: str

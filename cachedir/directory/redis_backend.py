@@ -32,10 +32,14 @@ from cachedir.directory.base import Directory, DirectoryUnavailable, Holder, Hot
 
 __all__ = ["RedisDirectory"]
 
+# Returns run-length encoded holder sets: {n1, "a=ssd,b=ram", n2, "a=ssd", ...}; consecutive
+# units of a prompt are usually held by the same nodes, so 2,000 units come back as a few strings.
 _LONGEST_PREFIX = """
 local p = ARGV[1]
 local alive = {}
 local out = {}
+local prev = nil
+local run = 0
 for i = 2, #ARGV do
   local h = redis.call('HGETALL', p .. 'u:' .. ARGV[i])
   local live = {}
@@ -44,14 +48,20 @@ for i = 2, #ARGV do
     if alive[node] == nil then
       alive[node] = redis.call('EXISTS', p .. 'alive:' .. node)
     end
-    if alive[node] == 1 then
-      live[#live + 1] = node
-      live[#live + 1] = h[j + 1]
-    end
+    if alive[node] == 1 then live[#live + 1] = node .. '=' .. h[j + 1] end
   end
   if #live == 0 then break end
-  out[#out + 1] = live
+  table.sort(live)
+  local s = table.concat(live, ',')
+  if s == prev then
+    run = run + 1
+  else
+    if prev then out[#out + 1] = run; out[#out + 1] = prev end
+    prev = s
+    run = 1
+  end
 end
+if prev then out[#out + 1] = run; out[#out + 1] = prev end
 return out
 """
 
@@ -188,11 +198,12 @@ class RedisDirectory(Directory):
     def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         if not keys:
             return PrefixMatch([])
-        rows = self._call(self._longest, args=[self._p, *(k.hex() for k in keys)])
-        holders = []
-        for row in rows:
-            pairs = [(row[j].decode(), row[j + 1].decode()) for j in range(0, len(row), 2)]
-            holders.append(sorted((Holder(n, t) for n, t in pairs), key=lambda h: h.node_id))
+        flat = self._call(self._longest, args=[self._p, *(k.hex() for k in keys)])
+        holders: list[list[Holder]] = []
+        for j in range(0, len(flat), 2):
+            pairs = (item.split("=", 1) for item in flat[j + 1].decode().split(","))
+            same = [Holder(node, tier) for node, tier in pairs]
+            holders.extend([same] * int(flat[j]))  # the runs share one (read-only) list
         return PrefixMatch(holders)
 
     def heartbeat(self, node_id: str, address: str, ttl_s: float) -> None:

@@ -30,3 +30,69 @@ def bench_model(
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
     _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf))
+
+
+@bench_app.command("unit-io")
+def bench_unit_io(
+    dir: Path = typer.Option(None, "--dir", help="directory on the disk to measure (default: the temp dir)"),
+    total_mb: int = typer.Option(256, "--total-mb", min=8, help="bytes written and read per measurement"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Unit write/read GB/s (bench-model and DeepSeek-V3-sized units) beside raw sequential
+    I/O of the same disk; reads are cold (page cache dropped)."""
+    from deploy.bench.cache_bench import run_unit_io
+
+    if dir is not None and not dir.is_dir():
+        raise typer.BadParameter(f"--dir {str(dir)!r} is not a directory")
+    _emit(run_unit_io(dir, total_mb))
+
+
+@bench_app.command("directory")
+def bench_directory(
+    redis_url: str = typer.Option(None, "--redis-url", help="default: a local redis-server child process"),
+    units: int = typer.Option(2000, "--units", min=1, help="chain length looked up (2,000 = 128K tokens)"),
+    lookups: int = typer.Option(300, "--lookups", min=1),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Directory lookups (round trips per lookup, lookups/s, p99) and registrations/s on Redis."""
+    from deploy.bench.cache_bench import run_directory
+
+    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
+        raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
+    _emit(run_directory(redis_url, units, lookups))
+
+
+@bench_app.command("trace")
+def bench_trace(
+    trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace"),
+    policy: str = typer.Option("all", "--policy", help="all | deepseek | second-sight | every (all three)"),
+    capacity_gb: float = typer.Option(None, "--capacity-gb", min=0.0, help="SSD capacity (default: unlimited)"),
+    capacity_fraction: float = typer.Option(None, "--capacity-fraction", min=0.0, help="capacity as a share of the trace's unique unit bytes"),
+    ram_gb: float = typer.Option(None, "--ram-gb", min=0.0, help="RAM tier above the SSD"),
+    unit: int = typer.Option(64, "--unit", min=1, help="tokens per cache unit (must divide 512)"),
+    unit_bytes: int = typer.Option(None, "--unit-bytes", min=1, help="bytes per unit (default: the bench model's)"),
+    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu"),
+    limit: int = typer.Option(None, "--limit", min=1, help="replay only the first N requests"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Replay a trace through the real admission and eviction code; hit rate and bytes moved."""
+    from cachedir.admission import POLICIES
+    from deploy.bench.cache_bench import bench_unit_bytes, run_trace
+
+    if not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    if policy != "every" and policy not in POLICIES:
+        raise typer.BadParameter(f"--policy {policy!r} is not one of {', '.join(POLICIES)}, every")
+    if 512 % unit:
+        raise typer.BadParameter(f"--unit {unit} must divide the trace's 512-token blocks")
+    if eviction not in ("lru", "lfu"):
+        raise typer.BadParameter(f"--eviction {eviction!r} is not one of lru, lfu")
+    if capacity_gb is not None and capacity_fraction is not None:
+        raise typer.BadParameter("give at most one of --capacity-gb and --capacity-fraction")
+    policies = list(POLICIES) if policy == "every" else [policy]
+    try:
+        result = run_trace(trace, policies, capacity_gb, capacity_fraction, unit,
+                           unit_bytes or bench_unit_bytes(), ram_gb, eviction, limit)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    _emit(result)

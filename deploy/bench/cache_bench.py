@@ -1,0 +1,186 @@
+"""``tide bench unit-io | directory | trace``: the prompt cache's I/O, directory and hit rates."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachedir.directory import open_directory
+from cachedir.hashing import Namespace, chain_keys
+from cachedir.store import StoreConfig, UnitStore
+from cachedir.trace import read_trace, replay, unique_unit_count
+from cachedir.unit import Unit
+
+UNIT_TOKENS = 64
+# (layers, values per token, dtype, bytes per value)
+UNIT_SHAPES = {
+    "bench_model": (8, 160, "float32", 4),  # the bench config, fp32 on CPU
+    "deepseek_v3": (61, 576, "bfloat16", 2),  # ~4.3 MiB
+}
+
+
+def bench_unit_bytes() -> int:
+    layers, dim, _, item = UNIT_SHAPES["bench_model"]
+    return layers * UNIT_TOKENS * dim * item
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _raw_io(root: Path, total_bytes: int, chunk: int) -> tuple[float, float]:
+    """Sequential write (+fsync) and cold read of one large file, in ``chunk``-sized calls."""
+    path = root / "raw.bin"
+    block = np.random.default_rng(0).bytes(chunk)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(total_bytes // chunk):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    _drop_cache(path)
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(chunk):
+            pass
+    read_s = time.perf_counter() - t0
+    path.unlink()
+    return total_bytes / write_s / 1e9, total_bytes / read_s / 1e9
+
+
+def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
+    layers, dim, dtype, item = UNIT_SHAPES[shape]
+    ns = Namespace(f"bench-{shape}", "0", dtype, f"latent:{dim}", UNIT_TOKENS)
+    tokens = np.arange(count * UNIT_TOKENS) % 50_000
+    keys = chain_keys(ns.seed, tokens, UNIT_TOKENS)
+    payload = np.random.default_rng(1).bytes(layers * UNIT_TOKENS * dim * item)
+    units, parent = [], ns.seed
+    for i, k in enumerate(keys):
+        toks = tuple(int(t) for t in tokens[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS])
+        units.append(Unit(ns.seed, k, parent, toks, payload, layers, dim, dtype))
+        parent = k
+    return ns, units
+
+
+def run_unit_io(root: Path | None = None, total_mb: int = 256) -> dict[str, Any]:
+    out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)"}
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        base = Path(tmp)
+        for shape in UNIT_SHAPES:
+            layers, dim, dtype, item = UNIT_SHAPES[shape]
+            unit_bytes = layers * UNIT_TOKENS * dim * item
+            count = max(8, total_mb * 2**20 // unit_bytes)
+            ns, units = _units(shape, count)
+            store = UnitStore(StoreConfig(base / shape, capacity_bytes=1 << 42, io_threads=4))
+            t0 = time.perf_counter()
+            for f in [store.put_async(u) for u in units]:
+                assert f.result()
+            write_s = time.perf_counter() - t0
+            for u in units:
+                store.drop_page_cache(u.key)
+            t0 = time.perf_counter()
+            got = store.get_many_async([u.key for u in units], ns.seed, [u.token_ids for u in units]).result()
+            read_s = time.perf_counter() - t0
+            assert all(g is not None for g in got)
+            nbytes = sum(len(u.payload) for u in units)
+            raw_w, raw_r = _raw_io(base, nbytes, unit_bytes)
+            w, r = nbytes / write_s / 1e9, nbytes / read_s / 1e9
+            out[shape] = {
+                "unit_bytes": unit_bytes,
+                "units": count,
+                "write_gb_per_s": round(w, 3),
+                "read_gb_per_s": round(r, 3),
+                "raw_write_gb_per_s": round(raw_w, 3),
+                "raw_read_gb_per_s": round(raw_r, 3),
+                "write_fraction_of_raw": round(w / raw_w, 3),
+                "read_fraction_of_raw": round(r / raw_r, 3),
+            }
+            store.close()
+    return out
+
+
+def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300) -> dict[str, Any]:
+    from deploy.redis_proc import RedisServer
+
+    server = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if redis_url is None:
+            server = RedisServer(Path(tmp)).start()
+            redis_url = server.url
+        try:
+            d = open_directory(redis_url, f"bench{os.getpid()}", timeout_s=5.0)
+            d.heartbeat("node-a", "127.0.0.1:1", ttl_s=600)
+            d.heartbeat("node-b", "127.0.0.1:2", ttl_s=600)
+            keys = chain_keys(b"\0" * 16, np.arange(units * UNIT_TOKENS) % 30_000, UNIT_TOKENS)
+            t0 = time.perf_counter()
+            for i in range(0, units, 500):
+                d.register("node-a", keys[i : i + 500])
+            reg_s = time.perf_counter() - t0
+            d.register("node-b", keys[: units // 2], "ram")
+            d.longest_prefix(keys[:1])  # script load
+            before = d.round_trips()
+            times = []
+            for _ in range(lookups):
+                t0 = time.perf_counter()
+                m = d.longest_prefix(keys)
+                times.append(time.perf_counter() - t0)
+                assert m.num_units == units
+            trips = (d.round_trips() - before) / lookups
+            # unpipelined single-key calls, for scale
+            return {
+                "redis_url": redis_url.split("@")[-1],
+                "chain_units": units,
+                "round_trips_per_lookup": trips,
+                "lookups_per_s": round(lookups / sum(times), 1),
+                "p50_lookup_ms": round(statistics.median(times) * 1000, 3),
+                "p99_lookup_ms": round(float(np.percentile(times, 99)) * 1000, 3),
+                "registrations_per_s": round(units / reg_s, 1),
+            }
+        finally:
+            if server is not None:
+                server.kill()
+
+
+def run_trace(
+    trace: Path, policies: list[str], capacity_gb: float | None, capacity_fraction: float | None,
+    unit_tokens: int, unit_bytes: int, ram_gb: float | None, eviction: str, limit: int | None,
+) -> dict[str, Any]:
+    requests = list(read_trace(trace, limit))
+    unique = unique_unit_count(requests, unit_tokens)
+    if capacity_fraction is not None:
+        capacity = int(unique * unit_bytes * capacity_fraction)
+    elif capacity_gb is not None:
+        capacity = int(capacity_gb * 1e9)
+    else:
+        capacity = None
+    results = []
+    for policy in policies:
+        t0 = time.perf_counter()
+        r = replay(requests, policy, capacity, unit_bytes, unit_tokens,
+                   int(ram_gb * 1e9) if ram_gb else None, eviction)
+        results.append({**r.as_dict(), "replay_s": round(time.perf_counter() - t0, 2)})
+    out: dict[str, Any] = {
+        "trace": str(trace),
+        "requests": len(requests),
+        "unit_tokens": unit_tokens,
+        "unit_bytes": unit_bytes,
+        "unique_unit_bytes": unique * unit_bytes,
+        "capacity_bytes": capacity,
+        "eviction": eviction,
+    }
+    if len(results) == 1:
+        out.update(results[0])
+    else:
+        out["policies"] = results
+    return out
