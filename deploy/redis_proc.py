@@ -28,15 +28,21 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server")
         assert binary, "redis-server is not installed"
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = (self.workdir / "redis.log").read_text(errors="replace")[-500:]
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 
-from cachedir.directory.memory import MemoryDirectory
 from deploy.redis_proc import RedisServer
 
 
@@ -19,8 +18,9 @@ class FakeClock:
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    from tests.conftest import require
     import shutil
+
+    from tests.conftest import require
 
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()

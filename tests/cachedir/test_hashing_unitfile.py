@@ -38,7 +38,7 @@ def test_keys_are_the_same_in_another_process():
     toks = list(range(1000, 1300))
     code = (
         "from cachedir.hashing import chain_keys; from tests.cachedir.units import NS;"
-        f"print(','.join(k.hex() for k in chain_keys(NS.seed, list(range(1000, 1300)), 64)))"
+        "print(','.join(k.hex() for k in chain_keys(NS.seed, list(range(1000, 1300)), 64)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=".")
