@@ -84,7 +84,6 @@ def read_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequ
 
 
 def _prompt_keys(req: TraceRequest, unit_tokens: int) -> list[bytes]:
-    per_block = BLOCK_TOKENS // unit_tokens
     keys = []
     for b, block in enumerate(req.hash_ids):
         tokens_in_block = min(BLOCK_TOKENS, req.input_length - b * BLOCK_TOKENS)

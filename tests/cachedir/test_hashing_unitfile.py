@@ -63,7 +63,7 @@ def test_unit_file_round_trip_and_every_corruption_is_detected():
         "header": data[:30],
         "magic": b"X" + data[1:],
     }
-    for name, bad in cases.items():
+    for bad in cases.values():
         with pytest.raises(UnitCorrupt):
             decode(bad, unit.namespace, unit.key)
     with pytest.raises(UnitCorrupt, match="token ids"):
