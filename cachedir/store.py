@@ -79,6 +79,7 @@ class UnitStore:
         self._events: list[UnitStored | UnitRemoved] = []
         self.stats = StoreStats()
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="unit-io")
+        self._pending_writes: set[Future] = set()
         self._rebuild()
 
     # -- paths -------------------------------------------------------------------------
@@ -192,7 +193,22 @@ class UnitStore:
         return True
 
     def put_async(self, unit: Unit) -> Future[bool]:
-        return self._pool.submit(self.put, unit)
+        fut = self._pool.submit(self.put, unit)
+        with self._lock:
+            self._pending_writes.add(fut)
+        fut.add_done_callback(self._write_done)
+        return fut
+
+    def _write_done(self, fut: Future) -> None:
+        with self._lock:
+            self._pending_writes.discard(fut)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the background writes submitted so far."""
+        with self._lock:
+            pending = list(self._pending_writes)
+        for fut in pending:
+            fut.result(timeout=timeout_s)
 
     # -- reads ---------------------------------------------------------------------------
     def get(self, key: bytes, namespace: bytes, token_ids: Sequence[int] | None = None) -> Unit | None:

@@ -242,3 +242,23 @@ def save_checkpoint(
     for fname, text in (extra_files or {}).items():
         (ckpt / fname).write_text(text)
     return ckpt
+
+
+def weights_digest(ckpt_dir: str | Path) -> str:
+    """A stable id of a checkpoint's weights (part of the cache namespace).
+
+    Hashes ``config.json`` and, per safetensors file, its name, size, header and last MiB, which
+    changes whenever the weights do without reading hundreds of GB.
+    """
+    import hashlib
+
+    ckpt = Path(ckpt_dir)
+    h = hashlib.sha256((ckpt / "config.json").read_bytes())
+    for path in sorted(ckpt.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]

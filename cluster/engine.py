@@ -1,0 +1,360 @@
+"""The serving engine: continuous batching over a paged latent KV pool, with the prompt cache.
+
+One engine drives one model replica. Each ``step``:
+
+1. **Prefill** (chunked, at most ``max_prefill_tokens`` per step): the oldest waiting sequence is
+   admitted when pages allow. Its prompt's leading units come, in order of preference, from
+   pages this replica already holds (prefix sharing), then from the node cache (RAM, SSD), whose
+   load started when the request arrived so it overlapped the queue wait. Only the rest is
+   computed. A load that fails or times out is simply computed; it never yields wrong tokens.
+2. **Decode** one token for every running sequence in one batch.
+
+When the pool is full, cached prefix entries are dropped first, then the newest running sequence
+is preempted (its pages freed; it is recomputed later from its tokens, which stay the same).
+New units are persisted per the admission policy after the input and after the output, on the
+cache's I/O threads: persistence never blocks decode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cachedir.admission import make_admission
+from cachedir.hashing import Namespace, chain_keys
+from cachedir.node_cache import NodeCache
+from cachedir.unit import Unit
+from cluster.pages import PageAllocator, PrefixTable
+from cluster.request import FinishReason, GenerationRequest, RequestOutput, Sequence
+from model.model import DeepseekModel
+from model.sampling import sample
+
+__all__ = ["Engine", "EngineConfig"]
+
+UNIT_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_pages: int = 2048
+    page_size: int = 16
+    max_num_seqs: int = 16
+    max_prefill_tokens: int = 2048
+    load_timeout_s: float = 5.0
+    admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
+
+    def __post_init__(self) -> None:
+        if self.admission not in ("all", "second-sight"):
+            raise ValueError(
+                f"admission policy {self.admission!r} is not available for serving; use all or second-sight"
+            )
+        if UNIT_TOKENS % self.page_size:
+            raise ValueError(f"page_size {self.page_size} must divide the {UNIT_TOKENS}-token unit")
+        for name in ("num_pages", "max_num_seqs", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DeepseekModel,
+        cfg: EngineConfig,
+        namespace: Namespace,
+        detokenize: Callable[[list[int]], str],
+        eos_id: int | None,
+        cache: NodeCache | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.namespace = namespace
+        self.detokenize = detokenize
+        self.eos_id = eos_id
+        self.cache = cache
+        self.admission = make_admission(cfg.admission)
+        self.pool = model.new_pool(cfg.num_pages, cfg.page_size)
+        self.pages = PageAllocator(cfg.num_pages)
+        self.prefix = PrefixTable(self.pages)
+        self.unit_pages = UNIT_TOKENS // cfg.page_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._lock = threading.RLock()  # add/abort from other threads vs step
+        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0}
+
+    # -- requests ------------------------------------------------------------------------
+    def namespace_for(self, tenant: str) -> Namespace:
+        return self.namespace.for_tenant(tenant) if tenant else self.namespace
+
+    def add_request(self, req: GenerationRequest) -> None:
+        """Queue a request; its cached units start loading now (overlapping the queue wait)."""
+        max_ctx = self.model.cfg.max_position_embeddings
+        if len(req.prompt_ids) + req.max_tokens > max_ctx:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                f"context length {max_ctx}"
+            )
+        need = -(-(len(req.prompt_ids) + req.max_tokens) // self.cfg.page_size)
+        if need > self.cfg.num_pages:
+            raise ValueError(f"request needs {need} KV pages, the pool has {self.cfg.num_pages}")
+        ns = self.namespace_for(req.tenant)
+        keys = chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
+        seq = Sequence(req, keys)
+        if req.sampling.seed is not None:
+            seq.generator = torch.Generator().manual_seed(req.sampling.seed)
+        usable = (len(req.prompt_ids) - 1) // UNIT_TOKENS  # always compute the last token
+        if self.cache is not None and usable:
+            tiers = self.cache.lookup(keys[:usable])
+            if tiers:
+                n = len(tiers)
+                toks = [req.prompt_ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS] for i in range(n)]
+                seq.load = self.cache.load_async(keys[:n], ns.seed, toks)
+        with self._lock:
+            if req.request_id in self._by_id:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            self._by_id[req.request_id] = seq
+            self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            seq = self._by_id.get(request_id)
+            if seq is not None and seq.finished is None:
+                seq.finished = FinishReason.ABORT
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        with self._lock:
+            self._reap_aborted(outputs)
+        self._prefill(outputs)
+        self._decode(outputs)
+        return outputs
+
+    def _reap_aborted(self, outputs: list[RequestOutput]) -> None:
+        for seq in [s for s in list(self.waiting) + self.running if s.finished == FinishReason.ABORT]:
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self._finish(seq, FinishReason.ABORT, outputs)
+
+    def _prefill(self, outputs: list[RequestOutput]) -> None:
+        budget = self.cfg.max_prefill_tokens
+        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.pages and not self._admit(seq):
+                return  # not enough pages yet: wait for running sequences to finish
+            ids = seq.all_ids
+            end = min(len(ids), seq.num_computed + budget)
+            table = torch.tensor(seq.pages)
+            logits = self.model.prefill(torch.tensor(ids[seq.num_computed : end]), self.pool, table,
+                                        start=seq.num_computed)
+            n_new = end - seq.num_computed
+            budget -= n_new
+            self.stats["prefill_tokens"] += n_new
+            seq.num_computed = end
+            if end < len(ids):
+                return  # the rest of this prompt in the next step (chunked prefill)
+            self.waiting.popleft()
+            self.running.append(seq)
+            if not seq.input_persisted:
+                seq.input_persisted = True
+                self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
+            self._append(seq, logits[None], outputs)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
+        ids = seq.all_ids
+        usable = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS
+        shared = self.prefix.match(seq.unit_keys[:usable])
+        loaded: list = []
+        if seq.load is not None and len(shared) < usable:
+            try:
+                results = seq.load.result(timeout=self.cfg.load_timeout_s)
+            except Exception:  # noqa: BLE001 - any load failure is a cache miss, never an error
+                self.stats["load_failures"] += 1
+                results = []
+            for r in results[len(shared) :]:
+                if r is None or not self._fits(r.unit):
+                    break
+                loaded.append(r)
+            seq.load = None
+        n_cached_units = len(shared) + len(loaded)
+        total_pages = -(-(len(ids) + 1) // self.cfg.page_size)
+        fresh_needed = total_pages - len(shared) * self.unit_pages
+        for pages in shared:
+            self.pages.incref(pages)
+        fresh = self._allocate(fresh_needed)
+        if fresh is None:
+            for pages in shared:
+                self.pages.release(pages)
+            return False
+        seq.pages = [p for pages in shared for p in pages] + fresh
+        for i, r in enumerate(loaded):
+            unit_idx = len(shared) + i
+            pages = seq.pages[unit_idx * self.unit_pages : (unit_idx + 1) * self.unit_pages]
+            self.pool.write_pages(pages, self._unit_tensor(r.unit))
+        seq.num_computed = n_cached_units * UNIT_TOKENS
+        if not seq.input_persisted:  # first admission (not a recompute after preemption)
+            src = seq.sources
+            src.ram = (len(shared) + sum(r.tier == "ram" for r in loaded)) * UNIT_TOKENS
+            src.ssd = sum(r.tier == "ssd" for r in loaded) * UNIT_TOKENS
+            src.compute = len(seq.req.prompt_ids) - src.cached
+        return True
+
+    def _fits(self, unit: Unit) -> bool:
+        return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.latent_dim
+                and unit.dtype == str(self.pool.dtype).removeprefix("torch.")
+                and len(unit.token_ids) == UNIT_TOKENS)
+
+    def _unit_tensor(self, unit: Unit) -> torch.Tensor:
+        with warnings.catch_warnings():  # the buffer is read-only; write_pages copies it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(unit.payload, dtype=self.pool.dtype)
+        return flat.view(unit.num_layers, UNIT_TOKENS, unit.dim)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        pages = self.pages.allocate(n)
+        if pages is None:
+            self.prefix.evict(n)
+            pages = self.pages.allocate(n)
+        return pages
+
+    def _decode(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted while making room for another
+            pos = seq.length - 1
+            while pos // self.cfg.page_size >= len(seq.pages):
+                page = self._allocate(1)
+                if page is None:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                    continue
+                seq.pages.extend(page)
+            if seq in self.running:
+                batch.append(seq)
+        if not batch:
+            return
+        width = max(len(s.pages) for s in batch)
+        tables = torch.tensor([s.pages + [s.pages[0]] * (width - len(s.pages)) for s in batch])
+        tokens = torch.tensor([s.all_ids[-1] for s in batch])
+        positions = torch.tensor([s.length - 1 for s in batch])
+        logits = self.model.decode(tokens, self.pool, tables, positions)
+        self.stats["decode_tokens"] += len(batch)
+        for seq, row in zip(batch, logits, strict=True):
+            seq.num_computed = seq.length
+            self._append(seq, row[None], outputs)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
+        self.running.remove(seq)
+        self.pages.release(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    # -- tokens out ----------------------------------------------------------------------
+    def _append(self, seq: Sequence, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        tok = int(sample(logits, [seq.req.sampling], [seq.generator])[0])
+        if seq.first_token_s is None:
+            seq.first_token_s = time.monotonic()
+        seq.output_ids.append(tok)
+        reason = None
+        if tok == self.eos_id and not seq.req.ignore_eos:
+            reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.req.max_tokens:
+            reason = FinishReason.LENGTH
+        visible = seq.output_ids[:-1] if reason == FinishReason.STOP else seq.output_ids
+        seq.text = self.detokenize(visible)
+        for stop in seq.req.stop:
+            at = seq.text.find(stop)
+            if at >= 0:
+                seq.text = seq.text[:at]
+                reason = FinishReason.STOP
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason, outputs)
+        else:
+            outputs.append(self._output(seq, hold_back=max((len(s) for s in seq.req.stop), default=1) - 1))
+
+    def _output(self, seq: Sequence, hold_back: int = 0) -> RequestOutput:
+        """New tokens and text since the last output; text that may start a stop string waits."""
+        upto = max(seq.emitted_text_len, len(seq.text) - hold_back)
+        text = seq.text[seq.emitted_text_len : upto]
+        seq.emitted_text_len = upto
+        new = seq.output_ids[seq.emitted_tokens :]
+        seq.emitted_tokens = len(seq.output_ids)
+        return RequestOutput(
+            seq.req.request_id, new, text, seq.finished is not None, seq.finished,
+            len(seq.req.prompt_ids), len(seq.output_ids), seq.sources.cached, seq.sources,
+        )
+
+    def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:
+        seq.finished = reason
+        if seq.pages:
+            ns = self.namespace_for(seq.req.tenant)
+            complete = seq.num_computed // UNIT_TOKENS
+            all_keys = chain_keys(ns.seed, seq.all_ids[: complete * UNIT_TOKENS], UNIT_TOKENS)
+            for i, key in enumerate(all_keys):  # keep finished units for prefix sharing
+                self.prefix.insert(key, seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages])
+            if reason != FinishReason.ABORT:
+                admit = self.admission.on_output_end(all_keys, len(seq.unit_keys))
+                self._persist(seq, admit.units, all_keys)
+            self.pages.release(seq.pages)
+            seq.pages = []
+        with self._lock:
+            self._by_id.pop(seq.req.request_id, None)
+        outputs.append(self._output(seq))
+
+    def _persist(self, seq: Sequence, unit_idx: list[int], keys: list[bytes]) -> None:
+        if self.cache is None or not unit_idx:
+            return
+        ns = self.namespace_for(seq.req.tenant)
+        ids = seq.all_ids
+        units = []
+        for i in unit_idx:
+            if (i + 1) * UNIT_TOKENS > seq.num_computed or keys[i] in self.cache.ssd:
+                continue
+            pages = seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages]
+            data = self.pool.read_pages(pages).contiguous()  # [L, 64, D], a copy
+            payload = data.view(torch.uint8).numpy().tobytes()
+            parent = keys[i - 1] if i else ns.seed
+            units.append(Unit(ns.seed, keys[i], parent, tuple(ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS]),
+                              payload, data.shape[0], data.shape[2], str(data.dtype).removeprefix("torch.")))
+        self.cache.persist(units)
+
+    # -- convenience ---------------------------------------------------------------------
+    def run_to_completion(self) -> dict[str, list[RequestOutput]]:
+        """Step until idle; every output, grouped by request (tests, the CLI, benchmarks)."""
+        out: dict[str, list[RequestOutput]] = {}
+        while self.has_work():
+            for o in self.step():
+                out.setdefault(o.request_id, []).append(o)
+        return out
+
+    def check_integrity(self) -> None:
+        """Every page's refcount equals its holders (sequences, prefix entries): no leak, no
+        double free; every request is running, waiting or reported finished."""
+        from collections import Counter
+
+        self.pages.check_integrity()
+        holders = Counter(p for s in list(self.waiting) + self.running for p in s.pages)
+        holders.update(p for pages in self.prefix.entries() for p in pages)
+        for page in range(self.cfg.num_pages):
+            assert self.pages.refcount(page) == holders[page], (page, self.pages.refcount(page), holders[page])
+        live = {s.req.request_id for s in list(self.waiting) + self.running}
+        assert live == set(self._by_id), (live, set(self._by_id))

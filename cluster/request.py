@@ -1,0 +1,89 @@
+"""Requests as the engine sees them, and what it reports back per step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from model.sampling import SamplingParams
+
+__all__ = ["FinishReason", "GenerationRequest", "RequestOutput", "Sequence", "TokenSources"]
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(slots=True)
+class TokenSources:
+    """Where each prompt token's KV came from."""
+
+    compute: int = 0
+    ram: int = 0  # this replica's pool (shared pages) or the node's RAM tier
+    ssd: int = 0
+    remote: int = 0
+
+    @property
+    def cached(self) -> int:
+        return self.ram + self.ssd + self.remote
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the previous output
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    sources: TokenSources
+
+
+@dataclass(slots=True)
+class Sequence:
+    req: GenerationRequest
+    unit_keys: list[bytes]  # chain keys of the prompt's whole units
+    arrival_s: float = field(default_factory=time.monotonic)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # prompt (+ recomputed output) tokens whose KV is in the pool
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_text_len: int = 0
+    emitted_tokens: int = 0
+    load: Future | None = None  # cache units being loaded while the request queues
+    sources: TokenSources = field(default_factory=TokenSources)
+    first_token_s: float | None = None
+    finished: FinishReason | None = None
+    input_persisted: bool = False
+    generator: object = None  # torch.Generator for seeded sampling
+
+    @property
+    def all_ids(self) -> list[int]:
+        return list(self.req.prompt_ids) + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output_ids)

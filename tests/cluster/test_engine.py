@@ -1,0 +1,168 @@
+"""The engine: continuous batching, prefix sharing, the disk cache, preemption — all token-identical
+to a single sequence computed alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cachedir.hashing import Namespace
+from cachedir.node_cache import CacheConfig, NodeCache
+from cachedir.store import StoreConfig
+from cluster.engine import Engine, EngineConfig
+from cluster.request import FinishReason, GenerationRequest
+from model.checkpoint import build_model, random_state_dict
+from model.config import named_config
+from model.generate import generate
+from model.sampling import SamplingParams
+from model.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = named_config("tiny")
+    return build_model(cfg, random_state_dict(cfg, seed=5, std=0.1))
+
+
+def _ns(model):
+    return Namespace(model.cfg.fingerprint(), "test", "float32", "latent", 64)
+
+
+def _engine(model, cache=None, **kw):
+    tok = ByteTokenizer()
+    return Engine(model, EngineConfig(**{"num_pages": 256, **kw}), _ns(model), tok.decode, None, cache)
+
+
+def _cache(tmp_path, ram=64 << 20):
+    return NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=ram))
+
+
+def _prompt(n, seed):
+    g = random.Random(seed)
+    return tuple(g.randrange(0, 256) for _ in range(n))
+
+
+def _tokens(outs):
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def _ref(model, prompt, n):
+    return generate(model, list(prompt), n)
+
+
+def test_concurrent_requests_with_shared_and_unique_prefixes_match_the_reference(model):
+    eng = _engine(model, max_num_seqs=4, max_prefill_tokens=100)  # chunked prefill, queueing
+    system = _prompt(150, 0)
+    prompts = {f"r{i}": (system + _prompt(20 + i * 7, i + 1)) if i % 2 else _prompt(90 + i * 13, i + 1)
+               for i in range(7)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, max_tokens=12))
+    outs = {}
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+        eng.check_integrity()
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == _ref(model, p, 12), rid
+        assert outs[rid][-1].finish_reason == FinishReason.LENGTH
+    # the odd requests shared the 150-token system prompt: 2 whole units reused in-pool
+    assert any(outs[f"r{i}"][-1].cached_tokens == 128 for i in (3, 5))
+
+
+def test_prefix_from_ssd_and_ram_is_token_identical(model, tmp_path):
+    prompt = _prompt(300, 42)
+    ref = _ref(model, prompt, 10)
+    cache = _cache(tmp_path)
+    first = _engine(model, cache)
+    first.add_request(GenerationRequest("a", prompt, 10))
+    assert _tokens(first.run_to_completion()["a"]) == ref
+    cache.flush()
+    assert len(cache.ssd) >= 4
+    # a new replica (empty pool) on the same node: units come from RAM
+    second = _engine(model, cache)
+    second.add_request(GenerationRequest("b", prompt, 10))
+    out = second.run_to_completion()["b"]
+    assert _tokens(out) == ref and out[-1].sources.ram == 256 and out[-1].sources.compute == 44
+    # no RAM tier: from SSD
+    ssd_only = NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=0))
+    third = _engine(model, ssd_only)
+    third.add_request(GenerationRequest("c", prompt, 10))
+    out = third.run_to_completion()["c"]
+    assert _tokens(out) == ref and out[-1].sources.ssd == 256
+
+
+def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
+    prompt = _prompt(260, 7)
+    ref = _ref(model, prompt, 8)
+    cache = _cache(tmp_path, ram=0)
+    eng = _engine(model, cache)
+    eng.add_request(GenerationRequest("a", prompt, 8))
+    eng.run_to_completion()
+    cache.flush()
+    for key in cache.ssd.keys():
+        path = cache.ssd.path(key)
+        data = bytearray(path.read_bytes())
+        data[-50] ^= 0xFF
+        path.write_bytes(bytes(data))
+    fresh = _engine(model, NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=0)))
+    fresh.add_request(GenerationRequest("b", prompt, 8))
+    out = fresh.run_to_completion()["b"]
+    assert _tokens(out) == ref and out[-1].cached_tokens == 0
+
+
+def test_preemption_under_a_small_pool_loses_nothing(model):
+    eng = _engine(model, num_pages=40, max_num_seqs=6)
+    prompts = {f"p{i}": _prompt(70 + 11 * i, 100 + i) for i in range(6)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, max_tokens=40))
+    outs = {}
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+        eng.check_integrity()
+    assert eng.stats["preemptions"] > 0
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == _ref(model, p, 40), rid
+
+
+def test_stop_strings_eos_seed_and_abort(model):
+    tok = ByteTokenizer()
+    eng = _engine(model)
+    prompt = _prompt(40, 9)
+    ref = _ref(model, prompt, 20)
+    text = tok.decode(ref)
+    stop = next((text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].isprintable()), None)
+    if stop:
+        eng.add_request(GenerationRequest("s", prompt, 20, stop=(stop,)))
+        outs = eng.run_to_completion()["s"]
+        assert "".join(o.text for o in outs) == text[: text.find(stop)]
+        assert outs[-1].finish_reason == FinishReason.STOP
+    eos_engine = Engine(model, EngineConfig(num_pages=64), _ns(model), tok.decode, ref[3], None)
+    eos_engine.add_request(GenerationRequest("e", prompt, 20))
+    out = eos_engine.run_to_completion()["e"]
+    assert _tokens(out) == ref[:4] and out[-1].finish_reason == FinishReason.STOP
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=3)
+    runs = []
+    for i in range(2):
+        eng.add_request(GenerationRequest(f"seed{i}", prompt, 10, sampling=sp))
+        runs.append(_tokens(eng.run_to_completion()[f"seed{i}"]))
+    assert runs[0] == runs[1]
+    eng.add_request(GenerationRequest("x", prompt, 50))
+    eng.step()
+    eng.abort("x")
+    out = eng.run_to_completion()["x"]
+    assert out[-1].finish_reason == FinishReason.ABORT
+    eng.check_integrity()
+
+
+def test_bad_requests_are_rejected(model):
+    eng = _engine(model)
+    with pytest.raises(ValueError, match="context length"):
+        eng.add_request(GenerationRequest("big", (1,) * 4000, max_tokens=200))
+    with pytest.raises(ValueError, match="empty"):
+        GenerationRequest("e", (), 5)
+    with pytest.raises(ValueError, match="admission"):
+        EngineConfig(admission="deepseek")
+    torch.manual_seed(0)
