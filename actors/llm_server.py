@@ -1,0 +1,157 @@
+"""``LLMServer``: one model replica as a Ray Serve deployment (a plain class; ``deploy/app.py``
+applies ``serve.deployment``).
+
+It owns the engine and the node's prompt cache and runs the engine loop on a thread; each
+``generate`` call streams the request's ``RequestOutput``s back as dicts. When a directory URL is
+configured it publishes the node's units (batched, retried) and heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from cachedir.directory import open_directory
+from cachedir.hashing import Namespace
+from cachedir.node_cache import CacheConfig, NodeCache
+from cachedir.publisher import DirectoryPublisher
+from cachedir.store import StoreConfig
+from cluster.engine import Engine, EngineConfig
+from cluster.request import GenerationRequest, RequestOutput
+from model.checkpoint import load_model, weights_digest
+from model.sampling import SamplingParams
+from model.tokenizer import load_tokenizer
+
+__all__ = ["LLMServer", "output_to_dict"]
+
+log = logging.getLogger(__name__)
+
+
+def output_to_dict(o: RequestOutput) -> dict:
+    return {
+        "request_id": o.request_id, "token_ids": o.new_token_ids, "text": o.text,
+        "finished": o.finished, "finish_reason": o.finish_reason.value if o.finish_reason else None,
+        "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+        "cached_tokens": o.cached_tokens, "sources": dataclasses.asdict(o.sources),
+    }
+
+
+class LLMServer:
+    def __init__(self, cfg: dict) -> None:
+        """``cfg`` keys: checkpoint, dtype, cache_dir, ssd_bytes, ram_bytes, admission,
+        num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace."""
+        ckpt = Path(cfg["checkpoint"])
+        self.model = load_model(ckpt, cfg.get("dtype", "float32"))
+        self.tokenizer = load_tokenizer(ckpt)
+        mcfg = self.model.cfg
+        namespace = Namespace(
+            mcfg.fingerprint(), weights_digest(ckpt), str(self.model.dtype).removeprefix("torch."),
+            f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", 64,
+        )
+        self.node_id = f"{socket.gethostname()}-{os.getpid()}"
+        cache_root = Path(cfg["cache_dir"]) / namespace.id
+        self.cache = NodeCache(CacheConfig(
+            StoreConfig(cache_root, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30))),
+            ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
+        ))
+        self.engine = Engine(
+            self.model,
+            EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
+                         max_prefill_tokens=int(cfg.get("max_prefill_tokens", 2048)),
+                         admission=cfg.get("admission", "all")),
+            namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
+        )
+        self.publisher = None
+        if cfg.get("directory_url"):
+            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id)
+            self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        last_sync = 0.0
+        while not self._stop:
+            if not self.engine.has_work():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+            if self.engine.has_work():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - fail the requests, keep the replica
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    continue
+                for o in outputs:
+                    self._deliver(o.request_id, output_to_dict(o))
+            now = time.monotonic()
+            if self.publisher is not None and now - last_sync > 1.0:
+                last_sync = now
+                self.publisher.record(self.cache.drain_events())
+                self.publisher.sync()  # failures are counted and retried; never raises
+
+    def _deliver(self, request_id: str, item: dict | BaseException) -> None:
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._queues):
+            self.engine.abort(rid)
+            self._deliver(rid, error)
+
+    # -- the deployment's methods --------------------------------------------------------
+    async def generate(self, req: dict) -> AsyncIterator[dict]:
+        """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``tenant``."""
+        rid = req.get("request_id") or uuid.uuid4().hex
+        gen = GenerationRequest(
+            rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
+            SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
+                           int(req.get("top_k", 0)), req.get("seed")),
+            tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
+        )
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(gen)
+            self._wake.set()
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item["finished"]:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            self.engine.abort(rid)  # no-op when finished; frees pages if the client went away
+
+    def stats(self) -> dict:
+        out = {"node_id": self.node_id, "engine": dict(self.engine.stats),
+               "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+               "cache": self.cache.stats()}
+        if self.publisher is not None:
+            out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
+        return out
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("engine thread died")
+
+    def __del__(self) -> None:
+        self._stop = True
+
+

@@ -1,0 +1,80 @@
+"""Builds the Ray Serve application: the OpenAI ingress in front of ``LLMServer`` replicas.
+
+``build_app(args)`` is the ``import_path`` target of ``deploy/serve_config.yaml`` (``serve run`` /
+``serve deploy``) and of KubeRay's ``serveConfigV2``; ``tide up`` calls it too. Deployment options
+are applied here, not on the classes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+from ray import serve
+
+from actors.llm_server import LLMServer
+from deploy.openai_api import OpenAIIngress
+
+__all__ = ["AppArgs", "build_app"]
+
+
+class AppArgs(BaseModel):
+    """Arguments of the app (``args:`` in a Serve config). Unset paths get local defaults."""
+
+    checkpoint: str | None = None  # default: the built-in 'tiny' model
+    model_name: str = "tiny"
+    dtype: str = "float32"
+    replicas: int = Field(default=1, ge=1)
+    replica_cpus: float = Field(default=1.0, gt=0)
+    cache_dir: str | None = None  # default: $TIDE_HOME/cache
+    ssd_gb: float = Field(default=8.0, gt=0)
+    ram_mb: int = Field(default=512, ge=0)
+    admission: str = "all"
+    num_pages: int = Field(default=4096, ge=16)
+    max_num_seqs: int = Field(default=16, ge=1)
+    max_prefill_tokens: int = Field(default=2048, ge=64)
+    directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    api_keys: dict[str, str] | None = None  # key -> tenant; also TIDE_API_KEYS="key:tenant,..."
+    limits: dict[str, int] | None = None
+
+
+def _api_keys_from_env() -> dict[str, str] | None:
+    raw = os.environ.get("TIDE_API_KEYS")
+    if not raw:
+        return None
+    keys = {}
+    for item in raw.split(","):
+        key, _, tenant = item.partition(":")
+        if not key:
+            raise ValueError("TIDE_API_KEYS entries are key:tenant, comma-separated")
+        keys[key] = tenant or key[:8]
+    return keys
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None):
+    from model.default import cache_root, default_checkpoint
+
+    a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
+    checkpoint = a.checkpoint or str(default_checkpoint())
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise ValueError(f"checkpoint {checkpoint!r} has no config.json")
+    server_cfg = {
+        "checkpoint": checkpoint, "dtype": a.dtype,
+        "cache_dir": a.cache_dir or str(cache_root() / "cache"),
+        "ssd_bytes": int(a.ssd_gb * 1e9), "ram_bytes": a.ram_mb << 20, "admission": a.admission,
+        "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
+        "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
+    }
+    server = serve.deployment(
+        LLMServer, name="LLMServer", num_replicas=a.replicas,
+        ray_actor_options={"num_cpus": a.replica_cpus},
+        max_ongoing_requests=64, health_check_period_s=10,
+    ).bind(server_cfg)
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=256)
+    return ingress.bind(server, {
+        "checkpoint": checkpoint, "model_name": a.model_name,
+        "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
+    })

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI) in front of the ``LLMServer`` replicas.
+
+Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming or not), ``/v1/models``,
+``/health``, ``/metrics``. The ingress validates, applies the chat template, tokenizes, checks
+limits and API keys (each key maps to a tenant whose salt isolates its cache), then streams from
+an ``LLMServer`` replica. Errors use OpenAI's JSON shape.
+
+``serve.ingress`` is applied where the class is defined: a replica re-imports this module, and only
+a class decorated at import time carries its routes there. ``deploy/app.py`` applies
+``serve.deployment`` and binds.
+"""
+
+
+# No `from __future__ import annotations` here: FastAPI must see the route annotations as types.
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from ray import serve
+
+from deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits, error_body
+from model.config import load_config
+from model.tokenizer import load_tokenizer
+
+__all__ = ["OpenAIIngress", "api"]
+
+log = logging.getLogger(__name__)
+
+api = FastAPI(title="tideserve", description="OpenAI-compatible API of tideserve")
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    errs = e.errors()
+    if errs and errs[0].get("type") == "json_invalid":
+        return JSONResponse(error_body(f"malformed JSON body: {errs[0].get('msg')}", "invalid_request_error"), 400)
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ())[1:])
+    msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", "invalid request"))
+    return JSONResponse(error_body(msg, "invalid_request_error", loc or None), 422)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter("tide_prompt_tokens", "prompt tokens by KV source", ["source"], registry=self.registry)
+        self.completion_tokens = Counter("tide_completion_tokens", "generated tokens", registry=self.registry)
+        self.requests = Counter("tide_requests", "finished requests", ["status"], registry=self.registry)
+        self.running = Gauge("tide_requests_running", "requests being served", registry=self.registry)
+        self.ttft = Histogram("tide_time_to_first_token_seconds", "time to first token", registry=self.registry,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tpot = Histogram("tide_time_per_output_token_seconds", "time per output token after the first",
+                              registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+        self.tier_bytes = Gauge("tide_cache_bytes", "bytes held per cache tier", ["tier"], registry=self.registry)
+
+
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, server, cfg: dict) -> None:
+        """``server``: a handle to the ``LLMServer`` deployment. ``cfg`` keys: checkpoint,
+        model_name, api_keys ({key: tenant} or None), limits (dict)."""
+        self.server = server
+        ckpt = Path(cfg["checkpoint"])
+        self.tokenizer = load_tokenizer(ckpt)
+        mcfg = load_config(ckpt)
+        self.context_len = mcfg.max_position_embeddings
+        self.vocab_size = mcfg.vocab_size
+        self.model_name = cfg["model_name"]
+        self.api_keys: dict[str, str] | None = cfg.get("api_keys") or None
+        self.limits = Limits(**(cfg.get("limits") or {}))
+        self.metrics = _Metrics()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _tenant(self, request: Request) -> str:
+        if self.api_keys is None:
+            return ""
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        for key, tenant in self.api_keys.items():  # constant-time compare each, never log keys
+            if hmac.compare_digest(token.encode(), key.encode()):
+                return tenant
+        raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
+
+    async def _check_body(self, request: Request) -> None:
+        size = int(request.headers.get("content-length") or 0)
+        if size > self.limits.max_body_bytes:
+            raise APIError(413, f"request body of {size} bytes exceeds the limit of {self.limits.max_body_bytes}")
+
+    def _engine_request(self, body, prompt_ids: list[int], tenant: str) -> dict:
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; available: {self.model_name!r}",
+                           param="model", code="model_not_found")
+        if body.n > self.limits.max_n:
+            raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", param="n")
+        stops = body.stop_list()
+        if len(stops) > self.limits.max_stop:
+            raise APIError(400, f"{len(stops)} stop strings exceed the limit of {self.limits.max_stop}", param="stop")
+        if len(prompt_ids) > self.limits.max_prompt_tokens:
+            raise APIError(413, f"prompt of {len(prompt_ids)} tokens exceeds the limit of {self.limits.max_prompt_tokens}",
+                           param="messages")
+        room = self.context_len - len(prompt_ids)
+        if room < 1:
+            raise APIError(413, f"prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_len}",
+                           code="context_length_exceeded")
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = min(room, self.limits.max_tokens)
+        if not 1 <= max_tokens <= self.limits.max_tokens:
+            raise APIError(400, f"max_tokens={max_tokens} must be in [1, {self.limits.max_tokens}]", param="max_tokens")
+        if max_tokens > room:
+            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                           f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
+        return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": body.temperature,
+                "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
+                "ignore_eos": body.ignore_eos, "tenant": tenant}
+
+    @staticmethod
+    def _usage(last: dict) -> dict:
+        hit = last["cached_tokens"]
+        return {
+            "prompt_tokens": last["prompt_tokens"], "completion_tokens": last["completion_tokens"],
+            "total_tokens": last["prompt_tokens"] + last["completion_tokens"],
+            "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": last["prompt_tokens"] - hit,
+            "prompt_tokens_details": {"cached_tokens": hit},
+        }
+
+    async def _stream(self, engine_req: dict) -> AsyncIterator[dict]:
+        start = time.monotonic()
+        first = last_t = None
+        n_tokens = 0
+        self.metrics.running.inc()
+        status = "error"
+        try:
+            gen = self.server.options(stream=True).generate.remote(engine_req)
+            async for item in gen:
+                now = time.monotonic()
+                if item["token_ids"]:
+                    if first is None:
+                        first = now
+                        self.metrics.ttft.observe(now - start)
+                    elif last_t is not None:
+                        self.metrics.tpot.observe((now - last_t) / len(item["token_ids"]))
+                    last_t = now
+                    n_tokens += len(item["token_ids"])
+                if item["finished"]:
+                    for source, n in item["sources"].items():
+                        self.metrics.prompt_tokens.labels(source).inc(n)
+                    self.metrics.completion_tokens.inc(item["completion_tokens"])
+                    status = "ok"
+                yield item
+        finally:
+            self.metrics.running.dec()
+            self.metrics.requests.labels(status).inc()
+
+    async def _respond(self, engine_req: dict, body, kind: str):
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+
+        def choice(text: str, finish: str | None, delta: bool) -> dict:
+            if kind == "chat":
+                key = "delta" if delta else "message"
+                msg = {"role": "assistant", "content": text} if not delta or text else {}
+                return {"index": 0, key: msg, "finish_reason": finish}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        if not body.stream:
+            text, last = [], None
+            async for item in self._stream(engine_req):
+                text.append(item["text"])
+                last = item
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                 "choices": [choice("".join(text), last["finish_reason"], False)],
+                                 "usage": self._usage(last)})
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        async def sse() -> AsyncIterator[str]:
+            async for item in self._stream(engine_req):
+                chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                         "choices": [choice(item["text"], item["finish_reason"], True)]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk)}\n\n"
+                if item["finished"] and include_usage:
+                    usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                             "choices": [], "usage": self._usage(item)}
+                    yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    # -- routes --------------------------------------------------------------------------
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        await self._check_body(request)
+        tenant = self._tenant(request)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt_ids = self.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return await self._respond(self._engine_request(body, prompt_ids, tenant), body, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        await self._check_body(request)
+        tenant = self._tenant(request)
+        if isinstance(body.prompt, str):
+            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
+            prompt_ids = bos + self.tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
+        return await self._respond(self._engine_request(body, prompt_ids, tenant), body, "completion")
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._tenant(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                             "owned_by": "tideserve"}]}
+
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        try:
+            stats = await self.server.stats.remote()
+            cache = stats["cache"]
+            self.metrics.tier_bytes.labels("ssd").set(cache.get("ssd_bytes", 0))
+            self.metrics.tier_bytes.labels("ram").set(cache.get("ram_bytes", 0))
+        except Exception as e:  # noqa: BLE001 - metrics still serve the ingress's own series
+            log.warning("replica stats unavailable for /metrics: %s", e)
+        return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")

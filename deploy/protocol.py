@@ -1,0 +1,91 @@
+"""OpenAI-compatible request bodies, validation and error shapes (the ingress's edge)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Limits", "error_body"]
+
+
+class APIError(Exception):
+    """An error reported to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class Limits(BaseModel):
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int = 32768
+    max_tokens: int = 4096
+    max_stop: int = 4
+    max_n: int = 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model: str
+    max_tokens: int | None = Field(default=None)
+    max_completion_tokens: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        return stops
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"unsupported content part type {part.get('type')!r}; only text", param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
+            raise ValueError("prompt must not be empty")
+        return v

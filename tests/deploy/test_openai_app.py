@@ -1,0 +1,144 @@
+"""The Serve app end to end through HTTP with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+openai = pytest.importorskip("openai")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    home = tmp_path_factory.mktemp("tide")
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"cache_dir": str(home / "cache"), "replica_cpus": 1, "num_pages": 512,
+                     "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}, "limits": {"max_tokens": 64}})
+    serve.run(app, name="tideserve", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("the app did not become healthy")
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="sk-alpha", max_retries=0)
+
+
+def test_models_and_chat(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=8, temperature=0)
+    u = r.usage
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert u.completion_tokens <= 8 and u.prompt_tokens > 0
+    extra = u.model_extra
+    assert extra["prompt_cache_hit_tokens"] + extra["prompt_cache_miss_tokens"] == u.prompt_tokens
+    assert u.prompt_tokens_details.cached_tokens == extra["prompt_cache_hit_tokens"]
+
+
+def test_repeated_long_prompt_hits_the_cache_with_identical_output(client):
+    prompt = "The tide comes in and goes out. " * 12  # > 256 tokens with the byte tokenizer
+    a = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    b = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.usage.model_extra["prompt_cache_hit_tokens"] == 0
+    assert b.usage.model_extra["prompt_cache_hit_tokens"] >= 256
+
+
+def test_streaming_with_usage(client):
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "stream me"}],
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens <= 6
+    full = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "stream me"}],
+                                          max_tokens=6, temperature=0)
+    assert text == full.choices[0].message.content
+
+
+def test_completion_streaming(client):
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="abc", max_tokens=5, temperature=0, stream=True)]
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0)
+    assert "".join(pieces) == full.choices[0].text
+
+
+def test_tenants_do_not_share_cache(base_url):
+    prompt = "tenant isolation check " * 15
+    alpha = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-alpha", max_retries=0)
+    beta = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-beta", max_retries=0)
+    alpha.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    r = beta.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert r.usage.model_extra["prompt_cache_hit_tokens"] == 0
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"model": "nope", "prompt": "x", "max_tokens": 2}, 404, "nope"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 422, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 422, "top_p"),
+    ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}, 413, "context length"),
+    ({"model": "tiny", "prompt": [1, 99999], "max_tokens": 2}, 400, "99999"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n=3"),
+])
+def test_bad_requests_get_openai_errors(base_url, body, status, needle):
+    r = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-alpha"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_malformed_json_and_missing_key(base_url):
+    r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": "Bearer sk-alpha", "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
+    assert r.status_code == 401
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_metrics(base_url, client):
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=2, temperature=0)
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    assert 'tide_prompt_tokens_total{source="compute"}' in text
+    assert "tide_time_to_first_token_seconds_bucket" in text
+    assert 'tide_cache_bytes{tier="ssd"}' in text
+    json.dumps(text)
