@@ -12,7 +12,7 @@ from model.sampling import SamplingParams
 __all__ = ["FinishReason", "GenerationRequest", "RequestOutput", "Sequence", "TokenSources"]
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"

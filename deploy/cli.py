@@ -47,10 +47,12 @@ def generate(
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
 ) -> None:
-    """Run the model in-process (no Ray, no cache) and print the generated text."""
+    """Run the model through the engine in-process (no Ray, no cache) and print the text."""
+    from cachedir.hashing import Namespace
+    from cluster.engine import Engine, EngineConfig
+    from cluster.request import GenerationRequest
     from model.checkpoint import DTYPES, CheckpointError, load_model
     from model.default import default_checkpoint
-    from model.generate import generate as run_generate
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
 
@@ -78,15 +80,84 @@ def generate(
         bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
         if bad:
             raise typer.BadParameter(f"token id {bad[0]} is outside the vocabulary [0, {model.cfg.vocab_size})")
+    pages = -(-(len(ids) + max_tokens + 1) // 16)
+    ns = Namespace(model.cfg.fingerprint(), "cli", dtype, "latent", 64)
+    engine = Engine(model, EngineConfig(num_pages=pages), ns, tok.decode, model.cfg.eos_token_id)
     try:
-        out = run_generate(model, ids, max_tokens, params, eos_id=model.cfg.eos_token_id)
+        engine.add_request(GenerationRequest("cli", tuple(ids), max_tokens, params))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    text = tok.decode(out)
+    outputs = engine.run_to_completion()["cli"]
+    out = [t for o in outputs for t in o.new_token_ids]
+    text = "".join(o.text for o in outputs)
     if as_json:
         sys.stdout.write(json.dumps({"token_ids": out, "text": text}) + "\n")
     else:
         typer.echo(text)
+
+
+def _parse_api_keys(items: list[str] | None) -> dict[str, str] | None:
+    if not items:
+        return None
+    keys = {}
+    for item in items:
+        key, _, tenant = item.partition(":")
+        if not key or not tenant:
+            raise typer.BadParameter(f"--api-key {item!r} must be KEY:TENANT")
+        keys[key] = tenant
+    return keys
+
+
+@app.command()
+def up(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    model_name: str = typer.Option("tiny", "--model-name", help="the model id clients ask for"),
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (loopback by default)"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    redis_url: str = typer.Option(None, "--redis-url", help="cache directory Redis; default: a local redis-server"),
+    replicas: int = typer.Option(1, "--replicas", min=1),
+    num_cpus: int = typer.Option(None, "--num-cpus", min=1, help="CPUs Ray may use (default: all)"),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="unit store directory (default: $TIDE_HOME/cache)"),
+    ssd_gb: float = typer.Option(8.0, "--ssd-gb", min=0.001),
+    admission: str = typer.Option("all", "--admission", help="all | second-sight"),
+    api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT; repeat for several (default: no auth)"),
+) -> None:
+    """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
+    from rich.console import Console
+
+    from deploy.local import up as start
+
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
+        raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
+    if admission not in ("all", "second-sight"):
+        raise typer.BadParameter(f"--admission {admission!r} is not one of all, second-sight")
+    args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
+            "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
+            "admission": admission, "api_keys": _parse_api_keys(api_key)}
+    console = Console(stderr=True)
+    with console.status("starting tideserve") as status:
+        try:
+            state = start(args, host, port, redis_url, num_cpus,
+                          step=lambda msg: (status.update(msg), console.log(msg)))
+        except (RuntimeError, ValueError, OSError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+    typer.echo(f"tideserve is up: {state['url']}  (model {model_name!r}; stop with `tide down`)")
+    typer.echo(f"try: curl {state['url']}/chat/completions -H 'Content-Type: application/json' "
+               f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+
+
+@app.command()
+def down() -> None:
+    """Stop the local cluster that `tide up` started."""
+    from deploy.local import down as stop
+
+    if not stop():
+        typer.echo("no local cluster is running (nothing to stop)", err=True)
+        raise typer.Exit(1)
+    typer.echo("tideserve is down")
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -1,0 +1,43 @@
+"""`tide up` / `tide down` as a newcomer runs them: a real local cluster, then a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from deploy.redis_proc import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
+
+
+def _tide(*args, home, timeout=600):
+    env = {**os.environ, "TIDE_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_up_serves_then_down_stops_everything(tmp_path):
+    port = free_port()
+    r = _tide("up", "--port", str(port), "--num-cpus", "2", home=tmp_path)
+    try:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"http://127.0.0.1:{port}/v1" in r.stdout
+        state = json.loads((tmp_path / "run" / "state.json").read_text())
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
+        again = _tide("up", "--port", str(port), home=tmp_path)
+        assert again.returncode == 1 and "already up" in again.stderr
+    finally:
+        d = _tide("down", home=tmp_path)
+    assert d.returncode == 0, d.stderr[-2000:]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
+    with pytest.raises(ProcessLookupError):
+        os.kill(state["redis_pid"], 0)
+    assert _tide("down", home=tmp_path).returncode == 1  # nothing left to stop
