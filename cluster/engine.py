@@ -108,7 +108,7 @@ class Engine:
         seq = Sequence(req, keys)
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
-        usable = (len(req.prompt_ids) - 1) // UNIT_TOKENS  # always compute the last token
+        usable = len(req.prompt_ids) // UNIT_TOKENS
         if self.cache is not None and usable:
             tiers = self.cache.lookup(keys[:usable])
             if tiers:
@@ -174,8 +174,11 @@ class Engine:
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
         ids = seq.all_ids
-        usable = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS
-        shared = self.prefix.match(seq.unit_keys[:usable])
+        # Shared pages are immutable, so they never include the prompt's last token, which is
+        # always computed (its logits start the output). A loaded unit may: that token's KV is
+        # then recomputed into the sequence's own page.
+        usable = len(seq.req.prompt_ids) // UNIT_TOKENS
+        shared = self.prefix.match(seq.unit_keys[: (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS])
         loaded: list = []
         if seq.load is not None and len(shared) < usable:
             try:
@@ -203,11 +206,16 @@ class Engine:
             unit_idx = len(shared) + i
             pages = seq.pages[unit_idx * self.unit_pages : (unit_idx + 1) * self.unit_pages]
             self.pool.write_pages(pages, self._unit_tensor(r.unit))
-        seq.num_computed = n_cached_units * UNIT_TOKENS
+        seq.num_computed = min(n_cached_units * UNIT_TOKENS, len(ids) - 1)
         if not seq.input_persisted:  # first admission (not a recompute after preemption)
             src = seq.sources
             src.ram = (len(shared) + sum(r.tier == "ram" for r in loaded)) * UNIT_TOKENS
             src.ssd = sum(r.tier == "ssd" for r in loaded) * UNIT_TOKENS
+            if src.cached > seq.num_computed:  # the recomputed last token
+                if src.ssd:
+                    src.ssd -= 1
+                else:
+                    src.ram -= 1
             src.compute = len(seq.req.prompt_ids) - src.cached
         return True
 

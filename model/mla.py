@@ -113,14 +113,16 @@ class MLA:
         r = self.cfg.kv_lora_rank
         b, nq, h, _ = q_nope.shape
         q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, self.w_uk)  # [B, Q, H, R]
-        q_full = torch.cat((q_lat, q_rope), dim=-1).reshape(b, nq * h, -1)  # [B, Q*H, D]
-        scores = torch.bmm(q_full, latents.transpose(1, 2)) * self.scale  # [B, Q*H, S]
-        scores = scores.view(b, nq, h, -1).masked_fill(~mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(latents.dtype)  # [B, Q, H, S]
-        o_lat = torch.bmm(probs.view(b, nq * h, -1), latents[:, :, :r])  # [B, Q*H, R]
-        o_lat = o_lat.view(b * nq, h, r).transpose(0, 1)  # [H, B*Q, R]
-        o = torch.bmm(o_lat, self.w_uv_t).transpose(0, 1)  # [B*Q, H, V]
-        return o.reshape(b, nq, h, -1)
+        q_full = torch.cat((q_lat, q_rope), dim=-1).transpose(1, 2)  # [B, H, Q, D]
+        s, d = latents.shape[1], latents.shape[2]
+        # Multi-query attention over the latent: every head reads the same keys ([c_kv, k_rope])
+        # and values (c_kv, zero-padded to D so the fused SDPA kernel applies).
+        k = latents[:, None].expand(b, h, s, d)
+        v = F.pad(latents[:, :, :r], (0, d - r))[:, None].expand(b, h, s, d)
+        o = F.scaled_dot_product_attention(q_full, k, v, attn_mask=mask[:, None], scale=self.scale)
+        o_lat = o[..., :r].transpose(0, 1).reshape(h, b * nq, r)  # [H, B*Q, R]
+        out = torch.bmm(o_lat, self.w_uv_t)  # [H, B*Q, V]
+        return out.transpose(0, 1).reshape(b, nq, h, -1)  # [B, Q, H, V]
 
 
 def _causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:

@@ -22,7 +22,7 @@ from model.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
 
-AttnPath = Literal["naive", "absorbed"]
+AttnPath = Literal["naive", "absorbed", "auto"]
 
 
 @dataclass(slots=True)
@@ -78,7 +78,7 @@ class DeepseekModel:
         pool: LatentKVPool,
         block_table: torch.Tensor,
         start: int = 0,
-        attn: AttnPath = "naive",
+        attn: AttnPath = "auto",
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Run ``token_ids`` [T] at positions ``start..start+T-1`` of one sequence.
@@ -86,7 +86,13 @@ class DeepseekModel:
         The latents of positions ``0..start-1`` must already be in ``pool`` at ``block_table``
         (computed earlier or loaded from the unit cache); the new tokens' latents are written
         there too. Returns fp32 logits, [V] for the last token or [T, V] with ``all_logits``.
+
+        ``attn="auto"`` expands the latents (naive) when most of the sequence is new, and attends
+        over them directly (absorbed) when a short suffix follows a long cached prefix, where
+        expanding every cached token would dominate the cost.
         """
+        if attn == "auto":
+            attn = "absorbed" if start >= token_ids.shape[0] else "naive"
         t = token_ids.shape[0]
         if t == 0:
             raise ValueError("prefill needs at least one token")

@@ -110,7 +110,8 @@ def grouped_expert_forward(
     token_idx = order // k
     xs = x.index_select(0, token_idx)  # [T*K, M]
     counts = torch.bincount(flat_ids, minlength=w.gate_up.shape[0])  # [E]
-    small = t * k <= _GEMV_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+    num_slots = w.gate_up.shape[0]
+    small = t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu"
     if _HAS_GROUPED_MM and not small:
         offs = counts.cumsum(0).to(torch.int32)
         gu = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offs)  # [T*K, 2I]
@@ -138,8 +139,9 @@ def _grouped_mm_works() -> bool:
 
 
 _HAS_GROUPED_MM = _grouped_mm_works()
-# Up to this many (token, expert) rows the experts run as GEMVs (decode-sized batches).
-_GEMV_ROWS = 128
+# Up to this many (token, expert) rows per expert on average, experts run as multi-row GEMVs
+# (decode batches, short prefill chunks); above it BLAS's grouped GEMM wins.
+_GEMV_ROWS_PER_EXPERT = 16
 
 
 class LocalExpertExecutor:

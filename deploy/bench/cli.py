@@ -96,3 +96,19 @@ def bench_trace(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     _emit(result)
+
+
+@bench_app.command("ttft")
+def bench_ttft(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the bench config"),
+    prompt_tokens: int = typer.Option(4096, "--prompt-tokens", min=65),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Time to first token of a long prompt: cold, with its units on SSD (page cache dropped),
+    and in the RAM tier; each run on a fresh engine and checked to give the same first token."""
+    from deploy.bench.ttft_bench import run_ttft
+
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    _emit(run_ttft(checkpoint, prompt_tokens, repeats))

@@ -166,3 +166,19 @@ def test_bad_requests_are_rejected(model):
     with pytest.raises(ValueError, match="admission"):
         EngineConfig(admission="deepseek")
     torch.manual_seed(0)
+
+
+def test_prompt_of_whole_units_recomputes_only_its_last_token(model, tmp_path):
+    prompt = _prompt(256, 77)  # exactly 4 units
+    ref = _ref(model, prompt, 6)
+    cache = _cache(tmp_path)
+    first = _engine(model, cache)
+    first.add_request(GenerationRequest("a", prompt, 6))
+    first.run_to_completion()
+    cache.flush()
+    second = _engine(model, cache)
+    second.add_request(GenerationRequest("b", prompt, 6))
+    out = second.run_to_completion()["b"]
+    assert _tokens(out) == ref
+    assert out[-1].cached_tokens == 255 and out[-1].sources.compute == 1
+    second.check_integrity()
