@@ -57,20 +57,22 @@ class LLMServer:
             f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", 64,
         )
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
-        cache_root = Path(cfg["cache_dir"]) / namespace.id
-        self.cache = NodeCache(CacheConfig(
-            StoreConfig(cache_root, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30))),
-            ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
-        ))
+        enable_cache = bool(cfg.get("enable_cache", True))
+        self.cache = None
+        if enable_cache:
+            self.cache = NodeCache(CacheConfig(
+                StoreConfig(Path(cfg["cache_dir"]) / namespace.id, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30))),
+                ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
+            ))
         self.engine = Engine(
             self.model,
             EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
                          max_prefill_tokens=int(cfg.get("max_prefill_tokens", 2048)),
-                         admission=cfg.get("admission", "all")),
+                         admission=cfg.get("admission", "all"), prefix_sharing=enable_cache),
             namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
         )
         self.publisher = None
-        if cfg.get("directory_url"):
+        if cfg.get("directory_url") and self.cache is not None:
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id)
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -142,7 +144,7 @@ class LLMServer:
     def stats(self) -> dict:
         out = {"node_id": self.node_id, "engine": dict(self.engine.stats),
                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-               "cache": self.cache.stats()}
+               "cache": self.cache.stats() if self.cache is not None else {}}
         if self.publisher is not None:
             out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
         return out

@@ -48,6 +48,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048
     load_timeout_s: float = 5.0
     admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
+    prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -178,7 +179,8 @@ class Engine:
         # always computed (its logits start the output). A loaded unit may: that token's KV is
         # then recomputed into the sequence's own page.
         usable = len(seq.req.prompt_ids) // UNIT_TOKENS
-        shared = self.prefix.match(seq.unit_keys[: (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS])
+        shareable = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS if self.cfg.prefix_sharing else 0
+        shared = self.prefix.match(seq.unit_keys[:shareable])
         loaded: list = []
         if seq.load is not None and len(shared) < usable:
             try:
@@ -317,7 +319,7 @@ class Engine:
             ns = self.namespace_for(seq.req.tenant)
             complete = seq.num_computed // UNIT_TOKENS
             all_keys = chain_keys(ns.seed, seq.all_ids[: complete * UNIT_TOKENS], UNIT_TOKENS)
-            for i, key in enumerate(all_keys):  # keep finished units for prefix sharing
+            for i, key in enumerate(all_keys if self.cfg.prefix_sharing else []):
                 self.prefix.insert(key, seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages])
             if reason != FinishReason.ABORT:
                 admit = self.admission.on_output_end(all_keys, len(seq.unit_keys))

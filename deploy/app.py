@@ -32,6 +32,7 @@ class AppArgs(BaseModel):
     ssd_gb: float = Field(default=8.0, gt=0)
     ram_mb: int = Field(default=512, ge=0)
     admission: str = "all"
+    enable_cache: bool = True  # False: no unit store, no prefix sharing (benchmarks' baseline)
     num_pages: int = Field(default=4096, ge=16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
@@ -64,7 +65,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "checkpoint": checkpoint, "dtype": a.dtype,
         "cache_dir": a.cache_dir or str(cache_root() / "cache"),
         "ssd_bytes": int(a.ssd_gb * 1e9), "ram_bytes": a.ram_mb << 20, "admission": a.admission,
-        "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
+        "enable_cache": a.enable_cache, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
         "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
     }
     server = serve.deployment(

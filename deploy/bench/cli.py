@@ -112,3 +112,21 @@ def bench_ttft(
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
     _emit(run_ttft(checkpoint, prompt_tokens, repeats))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    requests: int = typer.Option(64, "--requests", min=1),
+    concurrency: int = typer.Option(8, "--concurrency", min=1),
+    system_tokens: int = typer.Option(2048, "--system-tokens", min=0, help="shared system prompt (half the requests)"),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """A bounded load through HTTP (streaming, half the requests sharing a system prompt) against
+    a local Ray Serve app, once with the prompt cache and once without."""
+    from deploy.bench.serve_bench import run_serve_bench
+
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    _emit(run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens))

@@ -1,0 +1,113 @@
+"""``tide bench serve``: a bounded HTTP load against the Serve app, with and without the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deploy.redis_proc import free_port
+
+
+def _prompts(n: int, system_chars: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = ["tide", "moon", "shore", "wave", "salt", "reef", "gull", "foam", "drift", "sand"]
+
+    def text(chars: int) -> str:
+        out = []
+        while sum(len(w) + 1 for w in out) < chars:
+            out.append(rng.choice(words))
+        return " ".join(out)[:chars]
+
+    system = text(system_chars)
+    return [(system + " " + text(120)) if i % 2 == 0 else text(system_chars + 120) for i in range(n)]
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            elif ttft is None and chunk["choices"]:
+                ttft = time.perf_counter() - t0
+    return {"ttft": ttft, "usage": usage}
+
+
+async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def run(p: str) -> dict:
+            async with sem:
+                try:
+                    return await _one(client, url, model, p, max_tokens)
+                except httpx.HTTPError as e:
+                    return {"error": repr(e)}
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r and r["ttft"] is not None and r["usage"]]
+    ttfts = sorted(r["ttft"] for r in ok)
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in ok)
+    hits = sum(r["usage"]["prompt_cache_hit_tokens"] for r in ok)
+    return {
+        "requests": len(prompts), "errors": len(prompts) - len(ok),
+        "requests_per_s": round(len(ok) / wall, 2),
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "ttft_p99_ms": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000, 1) if ttfts else None,
+        "token_hit_rate": round(hits / max(1, prompt_tokens), 4),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+    }
+
+
+def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: int = 8,
+                    system_tokens: int = 2048, max_tokens: int = 16) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    out: dict[str, Any] = {"requests": requests, "concurrency": concurrency,
+                           "shared_system_prompt_tokens": system_tokens, "max_tokens": max_tokens}
+    prompts = _prompts(requests, system_tokens)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            url = f"http://127.0.0.1:{port}"
+            for label, enable in (("with_cache", True), ("without_cache", False)):
+                app = build_app({"checkpoint": str(checkpoint) if checkpoint else None,
+                                 "cache_dir": str(Path(tmp) / label), "enable_cache": enable,
+                                 "replica_cpus": 1, "max_num_seqs": concurrency})
+                serve.run(app, name="bench", route_prefix="/", blocking=False)
+                deadline = time.monotonic() + 300
+                while httpx.get(url + "/health", timeout=5).status_code != 200:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the app did not become healthy")
+                    time.sleep(0.5)
+                model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                out[label] = asyncio.run(_load(url, model, prompts, concurrency, max_tokens))
+                serve.delete("bench")
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    return out
