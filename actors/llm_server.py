@@ -44,12 +44,25 @@ def output_to_dict(o: RequestOutput) -> dict:
     }
 
 
+def _log_progress(ckpt: Path):
+    """A progress callback that logs every 10% of the tensors loaded."""
+    last = [-1]
+
+    def report(done: int, total: int) -> None:
+        tenth = done * 10 // max(1, total)
+        if tenth != last[0]:
+            last[0] = tenth
+            log.info("loading %s: %d/%d tensors", ckpt, done, total)
+
+    return report
+
+
 class LLMServer:
     def __init__(self, cfg: dict) -> None:
         """``cfg`` keys: checkpoint, dtype, cache_dir, ssd_bytes, ram_bytes, admission,
         num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace."""
         ckpt = Path(cfg["checkpoint"])
-        self.model = load_model(ckpt, cfg.get("dtype", "float32"))
+        self.model = load_model(ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt))
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
         namespace = Namespace(

@@ -22,6 +22,17 @@ app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
+def _load_with_progress(ckpt: Path, dtype: str, load_model):
+    """Load a checkpoint showing a progress bar on stderr (it disappears when done)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(str(ckpt), total=None)
+        return load_model(ckpt, dtype, progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
@@ -68,7 +79,7 @@ def generate(
         raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} is not a directory")
     ckpt = checkpoint or default_checkpoint()
     try:
-        model = load_model(ckpt, dtype)
+        model = _load_with_progress(ckpt, dtype, load_model)
     except (CheckpointError, FileNotFoundError) as e:
         typer.echo(f"error: cannot load {ckpt}: {e}", err=True)
         raise typer.Exit(2) from None

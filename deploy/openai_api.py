@@ -60,6 +60,8 @@ class _Metrics:
         self.completion_tokens = Counter("tide_completion_tokens", "generated tokens", registry=self.registry)
         self.requests = Counter("tide_requests", "finished requests", ["status"], registry=self.registry)
         self.running = Gauge("tide_requests_running", "requests being served", registry=self.registry)
+        self.engine_running = Gauge("tide_engine_running", "sequences in the decode batch", registry=self.registry)
+        self.engine_queued = Gauge("tide_engine_queued", "sequences waiting for prefill", registry=self.registry)
         self.ttft = Histogram("tide_time_to_first_token_seconds", "time to first token", registry=self.registry,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.tpot = Histogram("tide_time_per_output_token_seconds", "time per output token after the first",
@@ -247,6 +249,8 @@ class OpenAIIngress:
         try:
             stats = await self.server.stats.remote()
             cache = stats["cache"]
+            self.metrics.engine_running.set(stats["running"])
+            self.metrics.engine_queued.set(stats["waiting"])
             self.metrics.tier_bytes.labels("ssd").set(cache.get("ssd_bytes", 0))
             self.metrics.tier_bytes.labels("ram").set(cache.get("ram_bytes", 0))
         except Exception as e:  # noqa: BLE001 - metrics still serve the ingress's own series

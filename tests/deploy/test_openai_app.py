@@ -141,4 +141,5 @@ def test_metrics(base_url, client):
     assert 'tide_prompt_tokens_total{source="compute"}' in text
     assert "tide_time_to_first_token_seconds_bucket" in text
     assert 'tide_cache_bytes{tier="ssd"}' in text
+    assert "tide_engine_queued" in text and "tide_time_per_output_token_seconds_bucket" in text
     json.dumps(text)

@@ -1,0 +1,32 @@
+"""deploy/serve_config.yaml is a valid Serve config whose args build the app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.ray
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+
+
+def test_serve_config_validates_against_serve_deploy_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    (app,) = cfg.applications
+    assert app.import_path == "deploy.app:build_app"
+
+
+def test_its_args_are_app_args_and_build(tmp_path, monkeypatch):
+    from deploy.app import AppArgs, build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    args = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
+    AppArgs(**args)  # unknown or bad fields would raise
+    app = build_app(args)
+    assert app is not None
+    with pytest.raises(ValueError, match="config.json"):
+        build_app({"checkpoint": str(tmp_path)})
