@@ -25,7 +25,13 @@ app.add_typer(bench_app, name="bench")
 def _load_with_progress(ckpt: Path, dtype: str, load_model):
     """Load a checkpoint showing a progress bar on stderr (it disappears when done)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from deploy.redis_proc import free_port
+from deploy.redis_proc import RedisServer, free_port, wait_healthy
 from model.default import cache_root
 
 __all__ = ["down", "read_state", "up"]
@@ -34,30 +30,8 @@ def read_state() -> dict[str, Any] | None:
 
 
 def _start_redis(workdir: Path) -> tuple[int, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it), or pass --redis-url")
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    log = open(workdir / "redis.log", "ab")  # noqa: SIM115 - handed to the daemon
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "60 1000",
-         "--appendonly", "no"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    log.close()
-    deadline = time.monotonic() + 10
-    import socket
-
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}; see {workdir / 'redis.log'}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc.pid, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start within 10 s")
+    server = RedisServer(workdir, detach=True, save="60 1000").start()
+    return server.proc.pid, server.url
 
 
 def _ray_cli() -> str:
@@ -100,16 +74,7 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         serve.run(build_app(app_args), name="tideserve", route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
         step("waiting for the app to be healthy")
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("the app did not become healthy within 300 s (see `serve status`)")
+        wait_healthy(url)
         state["url"] = url + "/v1"
         state_path().parent.mkdir(parents=True, exist_ok=True)
         state_path().write_text(json.dumps(state, indent=2))

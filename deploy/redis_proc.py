@@ -16,9 +16,14 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, password: str | None = None) -> None:
+    """``detach=True`` starts it in its own session so it outlives this process (``tide up``)."""
+
+    def __init__(self, workdir: Path, password: str | None = None, detach: bool = False,
+                 save: str = "") -> None:
         self.workdir = workdir
         self.password = password
+        self.detach = detach
+        self.save = save
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -30,13 +35,14 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server")
-        assert binary, "redis-server is not installed"
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", self.save,
                 "--appendonly", "no", "--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=self.detach)
         log.close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -59,3 +65,18 @@ class RedisServer:
     def restart_empty(self) -> None:
         self.kill()
         self.start()
+
+
+def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+    """Poll ``url``/health until it answers 200; RuntimeError after ``timeout_s``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not become healthy within {timeout_s:.0f} s")

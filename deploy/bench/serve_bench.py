@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from deploy.redis_proc import free_port
+from deploy.redis_proc import free_port, wait_healthy
 
 
 def _prompts(n: int, system_chars: int, seed: int = 0) -> list[str]:
@@ -99,11 +99,7 @@ def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: in
                                  "cache_dir": str(Path(tmp) / label), "enable_cache": enable,
                                  "replica_cpus": 1, "max_num_seqs": concurrency})
                 serve.run(app, name="bench", route_prefix="/", blocking=False)
-                deadline = time.monotonic() + 300
-                while httpx.get(url + "/health", timeout=5).status_code != 200:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the app did not become healthy")
-                    time.sleep(0.5)
+                wait_healthy(url)
                 model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                 out[label] = asyncio.run(_load(url, model, prompts, concurrency, max_tokens))
                 serve.delete("bench")

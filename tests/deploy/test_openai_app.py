@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -26,6 +25,7 @@ def base_url(tmp_path_factory):
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
 
     home = tmp_path_factory.mktemp("tide")
     port = _free_port()
@@ -36,16 +36,7 @@ def base_url(tmp_path_factory):
                      "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}, "limits": {"max_tokens": 64}})
     serve.run(app, name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        pytest.fail("the app did not become healthy")
+    wait_healthy(url, 120)
     yield url
     serve.shutdown()
     ray.shutdown()
