@@ -19,7 +19,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cpu_kernels", "moe_experts", "ref_moe_experts", "ref_small_linear", "small_linear"]
+__all__ = [
+    "cpu_kernels",
+    "moe_experts",
+    "moe_routed",
+    "ref_moe_experts",
+    "ref_moe_routed",
+    "ref_small_linear",
+    "small_linear",
+]
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -85,3 +93,30 @@ def moe_experts(
     if mod is None:
         return ref_moe_experts(xs, spans, gate_up, down)
     return mod.moe_experts(xs, spans, gate_up, down)
+
+
+def ref_moe_routed(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H], ids [T, K] int64, weights [T, K] fp32, gate_up [E, 2I, H], down [E, H, I] ->
+    [T, H] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    ends = counts.cumsum(0)
+    active = counts.nonzero()[:, 0]
+    spans = torch.stack((active, ends[active] - counts[active], ends[active]), dim=1)
+    ys = ref_moe_experts(x.index_select(0, order // k), spans, gate_up, down)
+    ys = ys * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, order // k, ys)
+
+
+def moe_routed(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as ``ref_moe_routed``; one call instead of a dozen small ops per layer."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_moe_routed(x, ids, weights, gate_up, down)
+    return mod.moe_routed(x, ids, weights, gate_up, down)

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import moe_experts, ref_moe_experts
+from kernels.cpu_gemv import moe_routed, ref_moe_routed
 from model.config import ModelConfig
 from model.layers import SwiGLU
 
@@ -102,29 +102,22 @@ def grouped_expert_forward(
     expert's weights once takes over (``kernels.cpu_gemv``). Shapes as ``ExpertExecutor``.
     """
     t, k = expert_ids.shape
-    out = torch.zeros_like(x)
+    num_slots = w.gate_up.shape[0]
     if t == 0:
-        return out
+        return torch.zeros_like(x)
+    if t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu":
+        return moe_routed(x.contiguous(), expert_ids.contiguous(), weights.float().contiguous(), w.gate_up, w.down)
+    if not _HAS_GROUPED_MM:
+        return ref_moe_routed(x, expert_ids, weights.to(x.dtype), w.gate_up, w.down)
     flat_ids = expert_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)  # [T*K]
     token_idx = order // k
     xs = x.index_select(0, token_idx)  # [T*K, M]
-    counts = torch.bincount(flat_ids, minlength=w.gate_up.shape[0])  # [E]
-    num_slots = w.gate_up.shape[0]
-    small = t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu"
-    if _HAS_GROUPED_MM and not small:
-        offs = counts.cumsum(0).to(torch.int32)
-        gu = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offs)  # [T*K, 2I]
-        g, u = gu.chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(g) * u, w.down.transpose(1, 2), offs=offs)  # [T*K, M]
-    else:
-        ends = counts.cumsum(0)
-        active = counts.nonzero()[:, 0]
-        spans = torch.stack((active, ends[active] - counts[active], ends[active]), dim=1)  # [A, 3]
-        run = moe_experts if small else ref_moe_experts
-        ys = run(xs, spans, w.gate_up, w.down)
+    offs = torch.bincount(flat_ids, minlength=num_slots).cumsum(0).to(torch.int32)  # [E]
+    g, u = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*K, I]
+    ys = torch._grouped_mm(F.silu(g) * u, w.down.transpose(1, 2), offs=offs)  # [T*K, M]
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-    return out.index_add_(0, token_idx, ys)
+    return torch.zeros_like(x).index_add_(0, token_idx, ys)
 
 
 def _grouped_mm_works() -> bool:

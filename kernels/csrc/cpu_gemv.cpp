@@ -13,7 +13,6 @@
 
 namespace {
 
-constexpr int64_t kRowBlock = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -26,54 +25,76 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// Register block: 4 input rows x 2 weight rows -> 8 accumulators, each weight vector feeding 4 FMAs.
-// Requires K % 8 == 0 (checked by the caller).
-inline void dot_block_avx2(const float* const xr[4], const float* w0, const float* w1, int64_t K,
-                           float out[4][2]) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-         a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-         a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-    __m256 x = _mm256_loadu_ps(xr[0] + k);
-    a00 = _mm256_fmadd_ps(x, v0, a00);
-    a01 = _mm256_fmadd_ps(x, v1, a01);
-    x = _mm256_loadu_ps(xr[1] + k);
-    a10 = _mm256_fmadd_ps(x, v0, a10);
-    a11 = _mm256_fmadd_ps(x, v1, a11);
-    x = _mm256_loadu_ps(xr[2] + k);
-    a20 = _mm256_fmadd_ps(x, v0, a20);
-    a21 = _mm256_fmadd_ps(x, v1, a21);
-    x = _mm256_loadu_ps(xr[3] + k);
-    a30 = _mm256_fmadd_ps(x, v0, a30);
-    a31 = _mm256_fmadd_ps(x, v1, a31);
+// 1 input row x 4 weight rows, k unrolled twice: 8 independent accumulators, one x load per four
+// weight loads. Requires K % 16 == 0.
+inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4]) {
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+         a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+         b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+    a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w0 + k), a0);
+    a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w1 + k), a1);
+    a2 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w2 + k), a2);
+    a3 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w3 + k), a3);
+    b0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k + 8), b0);
+    b1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k + 8), b1);
+    b2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k + 8), b2);
+    b3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k + 8), b3);
   }
-  out[0][0] = hsum(a00); out[0][1] = hsum(a01);
-  out[1][0] = hsum(a10); out[1][1] = hsum(a11);
-  out[2][0] = hsum(a20); out[2][1] = hsum(a21);
-  out[3][0] = hsum(a30); out[3][1] = hsum(a31);
+  out[0] = hsum(_mm256_add_ps(a0, b0));
+  out[1] = hsum(_mm256_add_ps(a1, b1));
+  out[2] = hsum(_mm256_add_ps(a2, b2));
+  out[3] = hsum(_mm256_add_ps(a3, b3));
+}
+
+// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs. Requires K % 8 == 0.
+inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, float out[2][4]) {
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+         a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(),
+         c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 xa = _mm256_loadu_ps(x0 + k), xc = _mm256_loadu_ps(x1 + k);
+    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
+    const __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
+    a0 = _mm256_fmadd_ps(xa, v0, a0);
+    a1 = _mm256_fmadd_ps(xa, v1, a1);
+    a2 = _mm256_fmadd_ps(xa, v2, a2);
+    a3 = _mm256_fmadd_ps(xa, v3, a3);
+    c0 = _mm256_fmadd_ps(xc, v0, c0);
+    c1 = _mm256_fmadd_ps(xc, v1, c1);
+    c2 = _mm256_fmadd_ps(xc, v2, c2);
+    c3 = _mm256_fmadd_ps(xc, v3, c3);
+  }
+  out[0][0] = hsum(a0); out[0][1] = hsum(a1); out[0][2] = hsum(a2); out[0][3] = hsum(a3);
+  out[1][0] = hsum(c0); out[1][1] = hsum(c1); out[1][2] = hsum(c2); out[1][3] = hsum(c3);
 }
 #endif
 
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < m, n in [n0, n1); y has leading dimension ldy.
-// Weight rows are the outer loop so each is read from memory once, whatever m is.
+// Groups of 4 weight rows are the outer loop: each is read from memory once and stays in L1
+// while every input row (two at a time) is dotted with it.
 void dot_rows(const float* x, int64_t m, int64_t K, const float* w, int64_t n0, int64_t n1,
               float* y, int64_t ldy) {
   int64_t n = n0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (K % 8 == 0) {
-    float out[4][2];
-    for (; n + 1 < n1; n += 2) {
-      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-        const int64_t rm = std::min(kRowBlock, m - r0);
-        const float* x0 = x + r0 * K;
-        const float* xr[4] = {x0, rm > 1 ? x0 + K : x0, rm > 2 ? x0 + 2 * K : x0,
-                              rm > 3 ? x0 + 3 * K : x0};
-        dot_block_avx2(xr, w + n * K, w + (n + 1) * K, K, out);
-        for (int64_t r = 0; r < rm; ++r) {
-          y[(r0 + r) * ldy + n] = out[r][0];
-          y[(r0 + r) * ldy + n + 1] = out[r][1];
+  if (K % 16 == 0) {
+    float o1[4], o2[2][4];
+    for (; n + 3 < n1; n += 4) {
+      const float* wn = w + n * K;
+      int64_t r = 0;
+      for (; r + 1 < m; r += 2) {
+        dot_2x4(x + r * K, x + (r + 1) * K, wn, K, o2);
+        for (int j = 0; j < 4; ++j) {
+          y[r * ldy + n + j] = o2[0][j];
+          y[(r + 1) * ldy + n + j] = o2[1][j];
         }
+      }
+      if (r < m) {
+        dot_1x4(x + r * K, wn, K, o1);
+        for (int j = 0; j < 4; ++j) y[r * ldy + n + j] = o1[j];
       }
     }
   }
@@ -113,38 +134,15 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-// Routed experts for rows already sorted by expert.
-// xs [R, H]; spans [A, 3] int64 rows (expert, lo, hi); gate_up [E, 2I, H]; down [E, H, I]
-// -> ys [R, H] with ys[lo:hi] = down_e(silu(gate_e(xs)) * up_e(xs)).
-torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor gate_up,
-                          torch::Tensor down) {
-  check_f32(xs, "xs");
-  check_f32(gate_up, "gate_up");
-  check_f32(down, "down");
-  TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 3,
-              "spans must be int64 [A, 3]");
-  const int64_t R = xs.size(0), H = xs.size(1), E = gate_up.size(0), I2 = gate_up.size(1);
-  const int64_t I = I2 / 2;
-  TORCH_CHECK(gate_up.size(2) == H && down.size(0) == E && down.size(1) == H && down.size(2) == I,
-              "expert weight shapes gate_up ", gate_up.sizes(), " down ", down.sizes(),
-              " do not fit hidden size ", H);
-  auto sp = spans.contiguous();
-  const int64_t A = sp.size(0);
-  const int64_t* s = sp.data_ptr<int64_t>();
-  for (int64_t a = 0; a < A; ++a) {
-    TORCH_CHECK(s[3 * a] >= 0 && s[3 * a] < E, "expert id ", s[3 * a], " outside [0, ", E, ")");
-    TORCH_CHECK(0 <= s[3 * a + 1] && s[3 * a + 1] <= s[3 * a + 2] && s[3 * a + 2] <= R, "bad span");
-  }
-  auto h = torch::empty({R, I2}, xs.options());
-  auto act = torch::empty({R, I}, xs.options());
-  auto ys = torch::empty({R, H}, xs.options());
-  const float* xp = xs.data_ptr<float>();
-  const float* gp = gate_up.data_ptr<float>();
-  const float* dp = down.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  float* yp = ys.data_ptr<float>();
+namespace {
 
+// ys[lo:hi] = down_e(silu(gate_e(xs[lo:hi])) * up_e(xs[lo:hi])) for every span (e, lo, hi).
+void run_experts(const float* xp, const int64_t* s, int64_t A, int64_t R, int64_t H, int64_t I,
+                 const float* gp, const float* dp, float* yp) {
+  const int64_t I2 = 2 * I;
+  std::vector<float> h(R * I2), act(R * I);
+  float* hp = h.data();
+  float* ap = act.data();
   // Work items: (span, column chunk); every weight byte is read by exactly one item.
   constexpr int64_t kChunk = 64;
   const int64_t up_chunks = (I2 + kChunk - 1) / kChunk;
@@ -171,10 +169,85 @@ torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor g
       dot_rows(ap + lo * I, hi - lo, I, dp + ex * H * I, n0, n1, yp + lo * H, H);
     }
   });
+}
+
+void check_experts(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t H) {
+  check_f32(gate_up, "gate_up");
+  check_f32(down, "down");
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(2) == H && down.size(0) == E && down.size(1) == H && down.size(2) == I,
+              "expert weight shapes gate_up ", gate_up.sizes(), " down ", down.sizes(),
+              " do not fit hidden size ", H);
+}
+
+}  // namespace
+
+// Routed experts for rows already sorted by expert.
+// xs [R, H]; spans [A, 3] int64 rows (expert, lo, hi); gate_up [E, 2I, H]; down [E, H, I]
+// -> ys [R, H] with ys[lo:hi] = down_e(silu(gate_e(xs)) * up_e(xs)).
+torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor gate_up,
+                          torch::Tensor down) {
+  check_f32(xs, "xs");
+  TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 3,
+              "spans must be int64 [A, 3]");
+  const int64_t R = xs.size(0), H = xs.size(1), E = gate_up.size(0);
+  check_experts(gate_up, down, H);
+  auto sp = spans.contiguous();
+  const int64_t A = sp.size(0);
+  const int64_t* s = sp.data_ptr<int64_t>();
+  for (int64_t a = 0; a < A; ++a) {
+    TORCH_CHECK(s[3 * a] >= 0 && s[3 * a] < E, "expert id ", s[3 * a], " outside [0, ", E, ")");
+    TORCH_CHECK(0 <= s[3 * a + 1] && s[3 * a + 1] <= s[3 * a + 2] && s[3 * a + 2] <= R, "bad span");
+  }
+  auto ys = torch::empty({R, H}, xs.options());
+  run_experts(xs.data_ptr<float>(), s, A, R, H, gate_up.size(1) / 2, gate_up.data_ptr<float>(),
+              down.data_ptr<float>(), ys.data_ptr<float>());
   return ys;
+}
+
+// The whole routed-expert step for a few tokens: group (token, k) pairs by expert (counting
+// sort), run each active expert once, and sum the weighted outputs per token.
+// x [T, H]; ids [T, K] int64; weights [T, K] float32 -> [T, H].
+torch::Tensor moe_routed(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                         torch::Tensor gate_up, torch::Tensor down) {
+  check_f32(x, "x");
+  check_f32(weights, "weights");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous(), "ids must be contiguous int64");
+  TORCH_CHECK(ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0),
+              "ids ", ids.sizes(), " and weights ", weights.sizes(), " must be [T, K] for x ", x.sizes());
+  const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = gate_up.size(0), R = T * K;
+  check_experts(gate_up, down, H);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t j = 0; j < R; ++j) {
+    TORCH_CHECK(id[j] >= 0 && id[j] < E, "expert id ", id[j], " outside [0, ", E, ")");
+    ++count[id[j] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // start row of each expert
+  std::vector<int64_t> spans, row_of(R);
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) spans.insert(spans.end(), {e, count[e], count[e + 1]});
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t j = 0; j < R; ++j) row_of[j] = next[id[j]]++;  // stable: token order per expert
+  std::vector<float> xs(R * H), ys(R * H);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t j = 0; j < R; ++j) std::copy_n(xp + (j / K) * H, H, xs.data() + row_of[j] * H);
+  run_experts(xs.data(), spans.data(), static_cast<int64_t>(spans.size() / 3), R, H,
+              gate_up.size(1) / 2, gate_up.data_ptr<float>(), down.data_ptr<float>(), ys.data());
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  for (int64_t j = 0; j < R; ++j) {
+    const float wj = wp[j];
+    const float* yr = ys.data() + row_of[j] * H;
+    float* o = op + (j / K) * H;
+    for (int64_t c = 0; c < H; ++c) o[c] += wj * yr[c];
+  }
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
   m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
+  m.def("moe_routed", &moe_routed, "group by expert, run, and combine weighted outputs (fp32)");
 }

@@ -59,3 +59,20 @@ def test_bad_inputs_are_rejected_with_the_reason():
         mod.small_linear(torch.ones(2, 8), torch.ones(3, 9))
     with pytest.raises(RuntimeError, match="expert id 7"):
         mod.moe_experts(torch.ones(2, 8), torch.tensor([[7, 0, 2]]), torch.ones(4, 8, 8), torch.ones(4, 8, 4))
+
+
+@pytest.mark.parametrize("t, k, e", [(1, 1, 4), (8, 4, 32), (5, 2, 3), (33, 6, 16)])
+@pytest.mark.parametrize("hidden, inter", [(64, 32), (60, 20)])
+def test_moe_routed_matches_reference(t, k, e, hidden, inter):
+    from kernels.cpu_gemv import moe_routed, ref_moe_routed
+
+    gen = torch.Generator().manual_seed(t * 100 + k + e)
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1
+    down = torch.randn(e, hidden, inter, generator=gen) * 0.1
+    x = torch.randn(t, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[: min(k, e)] for _ in range(t)])
+    weights = torch.rand(ids.shape, generator=gen)
+    torch.testing.assert_close(moe_routed(x, ids, weights, gate_up, down),
+                               ref_moe_routed(x, ids, weights, gate_up, down), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="expert id"):
+        cpu_kernels().moe_routed(x, ids + e, weights, gate_up, down)
