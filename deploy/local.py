@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +101,30 @@ def _teardown(state: dict[str, Any]) -> None:
         subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True)
     pid = state.get("redis_pid")
     if pid:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        stop_process(pid)
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its reaper counts as stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGTERM, wait for the exit, SIGKILL after ``timeout_s``."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
 
 
 def down() -> bool:
