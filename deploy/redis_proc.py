@@ -19,26 +19,35 @@ class RedisServer:
     """``detach=True`` starts it in its own session so it outlives this process (``tide up``)."""
 
     def __init__(self, workdir: Path, password: str | None = None, detach: bool = False,
-                 save: str = "") -> None:
+                 save: str = "", tls: tuple[Path, Path, Path] | None = None) -> None:
+        """``tls``: (CA cert, server cert, server key) to serve TLS only (``rediss://``)."""
         self.workdir = workdir
         self.password = password
         self.detach = detach
         self.save = save
+        self.tls = tls
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", self.save,
-                "--appendonly", "no", "--dir", str(self.workdir)]
+        args = [binary, "--bind", "127.0.0.1", "--save", self.save, "--appendonly", "no",
+                "--dir", str(self.workdir)]
+        if self.tls:
+            ca, cert, key = self.tls
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-ca-cert-file", str(ca),
+                     "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-auth-clients", "no"]
+        else:
+            args += ["--port", str(self.port)]
         if self.password:
             args += ["--requirepass", self.password]
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
