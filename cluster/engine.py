@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -359,8 +359,6 @@ class Engine:
     def check_integrity(self) -> None:
         """Every page's refcount equals its holders (sequences, prefix entries): no leak, no
         double free; every request is running, waiting or reported finished."""
-        from collections import Counter
-
         self.pages.check_integrity()
         holders = Counter(p for s in list(self.waiting) + self.running for p in s.pages)
         holders.update(p for pages in self.prefix.entries() for p in pages)

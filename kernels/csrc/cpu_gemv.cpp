@@ -136,39 +136,36 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
 
 namespace {
 
+// For every span (e, lo, hi): out[lo:hi] = in[lo:hi] @ w_e^T, with w_e = w + e * N * K of shape
+// [N, K]. Work items are (span, chunk of output columns), so every weight byte is read by exactly
+// one item and the threads split the experts' weights between them.
+void per_expert_linear(const float* in, const int64_t* s, int64_t A, int64_t K, const float* w,
+                       int64_t N, float* out) {
+  constexpr int64_t kChunk = 64;
+  const int64_t chunks = (N + kChunk - 1) / kChunk;
+  at::parallel_for(0, A * chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t a = it / chunks, c = it % chunks;
+      const int64_t ex = s[3 * a], lo = s[3 * a + 1], hi = s[3 * a + 2];
+      const int64_t n0 = c * kChunk, n1 = std::min(N, n0 + kChunk);
+      dot_rows(in + lo * K, hi - lo, K, w + ex * N * K, n0, n1, out + lo * N, N);
+    }
+  });
+}
+
 // ys[lo:hi] = down_e(silu(gate_e(xs[lo:hi])) * up_e(xs[lo:hi])) for every span (e, lo, hi).
 void run_experts(const float* xp, const int64_t* s, int64_t A, int64_t R, int64_t H, int64_t I,
                  const float* gp, const float* dp, float* yp) {
   const int64_t I2 = 2 * I;
   std::vector<float> h(R * I2), act(R * I);
-  float* hp = h.data();
-  float* ap = act.data();
-  // Work items: (span, column chunk); every weight byte is read by exactly one item.
-  constexpr int64_t kChunk = 64;
-  const int64_t up_chunks = (I2 + kChunk - 1) / kChunk;
-  at::parallel_for(0, A * up_chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t a = it / up_chunks, c = it % up_chunks;
-      const int64_t ex = s[3 * a], lo = s[3 * a + 1], hi = s[3 * a + 2];
-      const int64_t n0 = c * kChunk, n1 = std::min(I2, n0 + kChunk);
-      dot_rows(xp + lo * H, hi - lo, H, gp + ex * I2 * H, n0, n1, hp + lo * I2, I2);
-    }
-  });
+  per_expert_linear(xp, s, A, H, gp, I2, h.data());
   for (int64_t r = 0; r < R; ++r) {
-    const float* g = hp + r * I2;
+    const float* g = h.data() + r * I2;
     const float* u = g + I;
-    float* o = ap + r * I;
+    float* o = act.data() + r * I;
     for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
-  const int64_t down_chunks = (H + kChunk - 1) / kChunk;
-  at::parallel_for(0, A * down_chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t a = it / down_chunks, c = it % down_chunks;
-      const int64_t ex = s[3 * a], lo = s[3 * a + 1], hi = s[3 * a + 2];
-      const int64_t n0 = c * kChunk, n1 = std::min(H, n0 + kChunk);
-      dot_rows(ap + lo * I, hi - lo, I, dp + ex * H * I, n0, n1, yp + lo * H, H);
-    }
-  });
+  per_expert_linear(act.data(), s, A, I, dp, H, yp);
 }
 
 void check_experts(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t H) {
