@@ -1,0 +1,36 @@
+"""Compute kernels below the model: CPU decode kernels (``cpu_gemv``) and Triton kernels for GPUs
+(``mla_decode``, ``moe_route``, ``moe_grouped``, ``unit_copy``), each beside a same-signature
+pure-torch ``ref_*`` reference. ``resolve_impl`` picks between them."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+__all__ = ["Impl", "resolve_impl", "triton_interpreted"]
+
+Impl = Literal["ref", "triton"]
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_impl(impl: str, device: torch.device | str) -> Impl:
+    """``auto`` -> ``triton`` on CUDA, ``ref`` elsewhere. ``triton`` off CUDA needs the
+    interpreter (``TRITON_INTERPRET=1``); anything else raises ``ValueError`` naming the value."""
+    device = torch.device(device)
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "ref"
+    if impl == "ref":
+        return "ref"
+    if impl == "triton":
+        if device.type != "cuda" and not triton_interpreted():
+            raise ValueError(
+                f"impl='triton' on device {device.type!r} needs CUDA or TRITON_INTERPRET=1"
+            )
+        return "triton"
+    raise ValueError(f"unknown impl {impl!r}; supported: auto, ref, triton")

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels import resolve_impl
 from model.config import ModelConfig, load_config
 from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
@@ -156,9 +157,11 @@ def load_state_dict(
     return out
 
 
-def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> DeepseekModel:
+def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto") -> DeepseekModel:
     """Assemble a model from a validated HF-named state dict (tensors are used, not copied,
-    except where experts are stacked)."""
+    except where experts are stacked). ``impl``: ``auto`` (Triton kernels on CUDA, torch
+    elsewhere), ``ref`` or ``triton`` (see ``kernels.resolve_impl``)."""
+    kernels_impl = resolve_impl(impl, sd["model.embed_tokens.weight"].device)
 
     def mlp(prefix: str) -> SwiGLU:
         gate_up = torch.cat((sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]))
@@ -186,7 +189,7 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> DeepseekModel:
         if cfg.is_moe_layer(i):
             gate = Gate(sd[f + "gate.weight"], sd.get(f + "gate.e_score_correction_bias"))
             shared = mlp(f + "shared_experts.") if cfg.n_shared_experts else None
-            ffn = MoE(cfg, i, gate, shared)
+            ffn = MoE(cfg, i, gate, shared, kernels_impl)
             experts[i] = ExpertWeights.stack(
                 [torch.cat((sd[f"{f}experts.{e}.gate_proj.weight"], sd[f"{f}experts.{e}.up_proj.weight"]))
                  for e in range(cfg.n_routed_experts)],
@@ -199,20 +202,23 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> DeepseekModel:
         ))
     embed = sd["model.embed_tokens.weight"]
     lm_head = embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
-    model = DeepseekModel(cfg, embed, layers, sd["model.norm.weight"], lm_head)
-    model.set_expert_executor(LocalExpertExecutor(experts))
+    model = DeepseekModel(cfg, embed, layers, sd["model.norm.weight"], lm_head, kernels_impl)
+    model.set_expert_executor(LocalExpertExecutor(experts, kernels_impl))
     return model
 
 
 def load_model(
-    ckpt_dir: str | Path, dtype: str | torch.dtype = "float32", progress: Progress | None = None
+    ckpt_dir: str | Path,
+    dtype: str | torch.dtype = "float32",
+    progress: Progress | None = None,
+    impl: str = "auto",
 ) -> DeepseekModel:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     cfg = load_config(ckpt_dir)
-    return build_model(cfg, load_state_dict(ckpt_dir, cfg, dtype, progress))
+    return build_model(cfg, load_state_dict(ckpt_dir, cfg, dtype, progress), impl)
 
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import Impl
+from kernels.unit_copy import gather_units, scatter_units
 from model.config import ModelConfig
 
 __all__ = ["LatentKVPool", "slots_for"]
@@ -26,7 +28,12 @@ def slots_for(block_table: torch.Tensor, positions: torch.Tensor, page_size: int
 
 class LatentKVPool:
     def __init__(
-        self, cfg: ModelConfig, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        impl: Impl = "ref",
     ) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
@@ -36,6 +43,7 @@ class LatentKVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.latent_dim = cfg.latent_dim
+        self.impl = impl
         self.data = torch.zeros(cfg.num_hidden_layers, num_pages * page_size, cfg.latent_dim, dtype=dtype)
 
     @property
@@ -57,15 +65,20 @@ class LatentKVPool:
 
     def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
         """Whole pages for every layer, in order: -> [L, len(pages)*Z, D] (a copy)."""
-        pages_t = torch.as_tensor(pages, dtype=torch.long)
+        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
+        if self.impl == "triton":
+            return gather_units(self.data, pages_t[None], self.page_size)[0]
         view = self.data.view(self.num_layers, self.num_pages, self.page_size, self.latent_dim)
         return view[:, pages_t].reshape(self.num_layers, -1, self.latent_dim)
 
     def write_pages(self, pages: list[int] | torch.Tensor, latents: torch.Tensor) -> None:
         """Inverse of ``read_pages``: latents [L, len(pages)*Z, D]."""
-        pages_t = torch.as_tensor(pages, dtype=torch.long)
+        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
         expected = (self.num_layers, len(pages_t) * self.page_size, self.latent_dim)
         if tuple(latents.shape) != expected:
             raise ValueError(f"latents shape {tuple(latents.shape)} != expected {expected}")
+        if self.impl == "triton":
+            scatter_units(self.data, pages_t[None], latents[None].to(self.dtype), self.page_size)
+            return
         view = self.data.view(self.num_layers, self.num_pages, self.page_size, self.latent_dim)
         view[:, pages_t] = latents.view(self.num_layers, len(pages_t), self.page_size, -1).to(self.dtype)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.mla_decode import mla_decode
 from model.config import ModelConfig
 from model.layers import linear, rms_norm
 from model.rope import apply_rope
@@ -123,6 +124,28 @@ class MLA:
         o_lat = o[..., :r].transpose(0, 1).reshape(h, b * nq, r)  # [H, B*Q, R]
         out = torch.bmm(o_lat, self.w_uv_t)  # [H, B*Q, V]
         return out.transpose(0, 1).reshape(b, nq, h, -1)  # [B, Q, H, V]
+
+
+    def attend_paged(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        """Absorbed decode straight over one layer of the paged pool (Triton kernel, no gather).
+
+        q_nope [B, H, N], q_rope [B, H, P], kv [slots, D], block_tables [B, X], seq_lens [B]
+        (tokens to attend, the new one included). Returns [B, H, V]."""
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, self.w_uk).to(kv.dtype)  # [B, H, R]
+        o_lat = mla_decode(
+            q_lat.contiguous(), q_rope.to(kv.dtype).contiguous(), kv, block_tables, seq_lens,
+            self.scale, page_size,
+        )  # [B, H, R]
+        out = torch.bmm(o_lat.transpose(0, 1).to(self.w_uv_t.dtype), self.w_uv_t)  # [H, B, V]
+        return out.transpose(0, 1)  # [B, H, V]
 
 
 def _causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:

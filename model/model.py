@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from kernels import Impl
 from model.config import ModelConfig
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
@@ -41,6 +42,7 @@ class DeepseekModel:
         layers: list[DecoderLayer],
         norm: torch.Tensor,
         lm_head: torch.Tensor,
+        impl: Impl = "ref",
     ) -> None:
         assert len(layers) == cfg.num_hidden_layers, (len(layers), cfg.num_hidden_layers)
         self.cfg = cfg
@@ -49,6 +51,9 @@ class DeepseekModel:
         self.norm = norm  # [M]
         self.lm_head = lm_head  # [V, M]
         self.rope = RotaryEmbedding(cfg)
+        # "triton": decode attends over the paged pool with kernels.mla_decode and the pool copies
+        # units with kernels.unit_copy (MoE layers carry their own impl); "ref": pure torch.
+        self.impl = impl
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,7 +68,7 @@ class DeepseekModel:
             moe.executor = executor
 
     def new_pool(self, num_pages: int, page_size: int = 16) -> LatentKVPool:
-        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype)
+        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype, self.impl)
 
     def _ffn(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         return h + layer.mlp(rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps))
@@ -142,16 +147,22 @@ class DeepseekModel:
         max_len = int(positions.max()) + 1
         if block_tables.shape[1] * z < max_len:
             raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
-        span = torch.arange(max_len)  # [S]
-        read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), z)  # [B, S]
-        new_slots = read_slots.gather(1, positions[:, None])[:, 0]  # [B]
-        mask = (span[None, :] <= positions[:, None])[:, None, :]  # [B, 1, S]
+        new_slots = slots_for(block_tables, positions[:, None], z)[:, 0]  # [B]
+        paged = self.impl == "triton" and attn == "absorbed"
+        if not paged:
+            span = torch.arange(max_len)  # [S]
+            read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), z)  # [B, S]
+            mask = (span[None, :] <= positions[:, None])[:, None, :]  # [B, 1, S]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         h = self.embed[token_ids]  # [B, M]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
             q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
             pool.write(i, new_slots, latent)
+            if paged:
+                o = layer.attn.attend_paged(q_nope, q_rope, pool.data[i], block_tables, positions + 1, z)
+                h = self._ffn(layer, h + layer.attn.output(o))
+                continue
             latents = pool.read(i, read_slots)  # [B, S, D]
             if attn == "absorbed":
                 o = layer.attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, mask)[:, 0]

@@ -17,7 +17,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import Impl
 from kernels.cpu_gemv import moe_routed, ref_moe_routed
+from kernels.moe_grouped import moe_grouped_mlp
+from kernels.moe_route import moe_route_v3
 from model.config import ModelConfig
 from model.layers import SwiGLU
 
@@ -30,7 +33,9 @@ class Gate:
     e_score_correction_bias: torch.Tensor | None = None  # [E] (V3)
 
 
-def route(cfg: ModelConfig, gate: Gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    cfg: ModelConfig, gate: Gate, x: torch.Tensor, impl: Impl = "ref"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K routing. x [T, M] -> (expert ids [T, K] int64, weights [T, K] fp32).
 
     V2: softmax scores, ``greedy`` or ``group_limited_greedy`` (groups ranked by their max score).
@@ -38,6 +43,11 @@ def route(cfg: ModelConfig, gate: Gate, x: torch.Tensor) -> tuple[torch.Tensor, 
     of their top-2 biased scores), the weights are the unbiased scores, optionally normalised.
     """
     logits = F.linear(x.float(), gate.weight.float())  # [T, E]
+    if impl == "triton" and cfg.topk_method == "noaux_tc" and cfg.scoring_func == "sigmoid":
+        return moe_route_v3(
+            logits, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+        )
     t, e = logits.shape
     g = cfg.n_group
     if cfg.scoring_func == "softmax":
@@ -92,19 +102,23 @@ class ExpertWeights:
 
 
 def grouped_expert_forward(
-    w: ExpertWeights, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    w: ExpertWeights, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+    impl: Impl = "ref",
 ) -> torch.Tensor:
     """Sort token copies by expert and run each expert on its contiguous slice of rows.
 
     ``expert_ids`` index ``w``'s first dim (physical slots for a shard, logical experts locally).
     Many rows (prefill): one grouped GEMM per projection. Few rows (decode): every expert is a
     GEMV, which BLAS runs far below memory bandwidth, so a CPU kernel that streams each active
-    expert's weights once takes over (``kernels.cpu_gemv``). Shapes as ``ExpertExecutor``.
+    expert's weights once takes over (``kernels.cpu_gemv``). ``impl="triton"`` runs the Triton
+    grouped GEMM (``kernels.moe_grouped``) instead. Shapes as ``ExpertExecutor``.
     """
     t, k = expert_ids.shape
     num_slots = w.gate_up.shape[0]
     if t == 0:
         return torch.zeros_like(x)
+    if impl == "triton":
+        return moe_grouped_mlp(x, expert_ids, weights, w.gate_up, w.down)
     if t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu":
         return moe_routed(x.contiguous(), expert_ids.contiguous(), weights.float().contiguous(), w.gate_up, w.down)
     if not _HAS_GROUPED_MM:
@@ -140,20 +154,24 @@ _GEMV_ROWS_PER_EXPERT = 16
 class LocalExpertExecutor:
     """Every routed expert of every MoE layer in this process."""
 
-    def __init__(self, layers: dict[int, ExpertWeights]) -> None:
+    def __init__(self, layers: dict[int, ExpertWeights], impl: Impl = "ref") -> None:
         self.layers = layers
+        self.impl = impl
 
     def __call__(
         self, layer_idx: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        return grouped_expert_forward(self.layers[layer_idx], x, expert_ids, weights)
+        return grouped_expert_forward(self.layers[layer_idx], x, expert_ids, weights, self.impl)
 
 
 class MoE:
     """Gate + routed experts (through the executor) + shared experts."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, gate: Gate, shared: SwiGLU | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, gate: Gate, shared: SwiGLU | None, impl: Impl = "ref"
+    ) -> None:
         self.cfg = cfg
+        self.impl = impl
         self.layer_idx = layer_idx
         self.gate = gate
         self.shared = shared
@@ -163,7 +181,7 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         assert self.executor is not None, "no expert executor set"
-        ids, weights = route(self.cfg, self.gate, x)
+        ids, weights = route(self.cfg, self.gate, x, self.impl)
         if self.on_route is not None:
             self.on_route(self.layer_idx, ids)
         y = self.executor(self.layer_idx, x, ids, weights)  # [T, M]

@@ -6,8 +6,14 @@ import os
 import shutil
 
 import pytest
+import torch
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Triton kernels run in Triton's CPU interpreter when there is no GPU. The flag is read when a
+# kernel is decorated, so it must be set before any ``kernels.*`` module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def require(condition: bool, why: str) -> None:

@@ -32,6 +32,19 @@ def bench_model(
     _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf))
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    peak_gbps: float = typer.Option(None, "--peak-gbps", min=1.0, help="device peak memory GB/s (default: from NVML)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Triton kernels on CUDA: MLA decode GB/s and fraction of peak bandwidth (batch 64/128,
+    context 4K/32K, bf16, DeepSeek-V3 dims), MoE grouped GEMM TFLOP/s. Without CUDA it says so
+    and exits 0."""
+    from deploy.bench.kernel_bench import run_kernel_bench
+
+    _emit(run_kernel_bench(peak_gbps))
+
+
 @bench_app.command("unit-io")
 def bench_unit_io(
     dir: Path = typer.Option(None, "--dir", help="directory on the disk to measure (default: the temp dir)"),

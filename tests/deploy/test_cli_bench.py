@@ -53,3 +53,16 @@ def test_bench_unit_io_json(tmp_path):
     out = json.loads(r.stdout)
     for shape in ("bench_model", "deepseek_v3"):
         assert out[shape]["write_gb_per_s"] > 0 and out[shape]["raw_read_gb_per_s"] > 0
+
+
+def test_bench_kernels_without_cuda_says_so_and_exits_0():
+    import torch
+
+    r = _tide("kernels", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    if torch.cuda.is_available():
+        assert out["mla_decode"] and all(m["gb_per_s"] > 0 for m in out["mla_decode"])
+        assert all(g["tflop_per_s"] > 0 for g in out["moe_grouped_gemm"])
+    else:
+        assert "needs CUDA" in out["skipped"]

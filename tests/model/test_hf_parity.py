@@ -13,10 +13,19 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
-def pair(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp(request.param)
-    hf = make_hf_checkpoint(request.param, ckpt)
-    return hf, load_model(ckpt)
+    return make_hf_checkpoint(request.param, ckpt), ckpt
+
+
+# Every parity test runs with the torch path and with the Triton kernels (MLA decode over the
+# paged pool, V3 routing, grouped experts, unit copies), which run in Triton's interpreter on CPU.
+@pytest.fixture(scope="module", params=["ref", "triton"])
+def pair(request, checkpoint):
+    hf, ckpt = checkpoint
+    model = load_model(ckpt, impl=request.param)
+    assert model.impl == request.param and all(m.impl == request.param for m in model.moe_layers())
+    return hf, model
 
 
 def _prompt(n: int, vocab: int, seed: int = 1) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""MLA decode attention in the absorbed form over the paged latent cache (Triton + reference).
+
+Legend: B sequences, H query heads, R ``kv_lora_rank``, P rope dims, D = R + P latent values per
+token, Z page size, X pages per block table row, S context length, C context splits.
+
+Each decode query has already folded ``W_UK`` into its no-RoPE part (``q_lat = q_nope @ W_UK``,
+[B, H, R]); every head then attends over the same cached latents ``[c_kv (R), k_rope (P)]``:
+
+    score[b, h, s] = (q_lat[b, h] . c_kv[s] + q_rope[b, h] . k_rope[s]) * scale
+    out[b, h]      = softmax_s(score) @ c_kv            # [R], still in latent space
+
+``W_UV`` is applied by the caller. Token ``s`` of sequence ``b`` lives in slot
+``block_table[b, s // Z] * Z + s % Z`` of ``kv`` [slots, D]; only ``s < seq_lens[b]`` is read,
+so unused pages and table entries may hold anything (the tests fill them with NaN).
+
+Long contexts are split into C chunks handled by separate programs (split-K, as in flash-decoding):
+each writes a partial output normalised by its own softmax sum plus its log-sum-exp, and a second
+kernel merges the C partials.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import triton_interpreted
+
+__all__ = ["mla_decode", "ref_mla_decode"]
+
+
+@triton.jit
+def _mla_decode_split(
+    q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
+    scale, num_heads, split_len,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_kv, stride_bt,
+    stride_pb, stride_ph, stride_ps,
+    R: tl.constexpr, P: tl.constexpr, Z: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h0 = tl.program_id(1) * BLOCK_H
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    heads = h0 + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    head_ok = heads < num_heads
+    ql = tl.load(q_lat + b * stride_qb + heads[:, None] * stride_qh + r[None, :],
+                 mask=head_ok[:, None] & (r[None, :] < R), other=0.0)  # [BH, BR]
+    qr = tl.load(q_rope + b * stride_rb + heads[:, None] * stride_rh + p[None, :],
+                 mask=head_ok[:, None] & (p[None, :] < P), other=0.0)  # [BH, BP]
+    if UPCAST:
+        ql = ql.to(tl.float32)
+        qr = qr.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        page = tl.load(block_table + b * stride_bt + pos // Z, mask=ok, other=0)
+        slot = page.to(tl.int64) * Z + pos % Z
+        c = tl.load(kv + slot[:, None] * stride_kv + r[None, :],
+                    mask=ok[:, None] & (r[None, :] < R), other=0.0)  # [BN, BR]
+        k = tl.load(kv + slot[:, None] * stride_kv + R + p[None, :],
+                    mask=ok[:, None] & (p[None, :] < P), other=0.0)  # [BN, BP]
+        if UPCAST:
+            c = c.to(tl.float32)
+            k = k.to(tl.float32)
+        s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(k))  # [BH, BN]
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        w = tl.exp(s - m_new[:, None])  # [BH, BN]
+        l_i = l_i * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c)
+        m_i = m_new
+
+    # An empty split (its chunk lies past the sequence end) writes lse = -inf and zeros.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    base = b * stride_pb + split * stride_ps
+    tl.store(part_out + base + heads[:, None] * stride_ph + r[None, :], out,
+             mask=head_ok[:, None] & (r[None, :] < R))
+    tl.store(part_lse + (b * num_heads + heads) * tl.num_programs(2) + split, lse, mask=head_ok)
+
+
+@triton.jit
+def _mla_decode_merge(
+    part_out, part_lse, out, num_heads, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.arange(0, BLOCK_C)
+    r = tl.arange(0, BLOCK_R)
+    lse = tl.load(part_lse + (b * num_heads + h) * num_splits + c, mask=c < num_splits,
+                  other=float("-inf"))  # [BC]
+    w = tl.exp(lse - tl.max(lse, axis=0))  # split 0 always holds a token, so the max is finite
+    w = w / tl.sum(w, axis=0)
+    parts = tl.load(part_out + b * stride_pb + h * stride_ph + c[:, None] * stride_ps + r[None, :],
+                    mask=(c[:, None] < num_splits) & (r[None, :] < R), other=0.0)  # [BC, BR]
+    o = tl.sum(parts * w[:, None], axis=0)
+    tl.store(out + b * stride_ob + h * stride_oh + r, o.to(out.dtype.element_ty), mask=r < R)
+
+
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    page_size: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q_lat [B, H, R], q_rope [B, H, P], kv [slots, R+P], block_table [B, X] int32/int64,
+    seq_lens [B] (each >= 1, <= X*Z) -> out [B, H, R] in q's dtype. ``num_splits`` None picks
+    enough context splits to fill the device."""
+    b, h, r = q_lat.shape
+    p = q_rope.shape[2]
+    _check(q_lat, q_rope, kv, block_table, seq_lens, page_size)
+    if kv.stride(1) != 1 or q_lat.stride(2) != 1 or q_rope.stride(2) != 1:
+        raise ValueError("q_lat, q_rope and kv need a contiguous last dimension")
+    out = torch.empty_like(q_lat)
+    if b == 0:
+        return out
+    block_h = 16 if h >= 16 else triton.next_power_of_2(h)
+    block_n = 32
+    max_len = block_table.shape[1] * page_size
+    if num_splits is None:
+        programs = b * triton.cdiv(h, block_h)
+        sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
+        num_splits = max(1, min(triton.cdiv(max_len, 256), triton.cdiv(2 * sm, programs)))
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_len, split_len)
+    part_out = torch.empty(b, num_splits, h, r, device=q_lat.device, dtype=torch.float32)
+    part_lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
+    block_r, block_p = triton.next_power_of_2(r), triton.next_power_of_2(p)
+    _mla_decode_split[(b, triton.cdiv(h, block_h), num_splits)](
+        q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
+        scale, h, split_len,
+        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0),
+        block_table.stride(0), part_out.stride(0), part_out.stride(2), part_out.stride(1),
+        R=r, P=p, Z=page_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
+        UPCAST=triton_interpreted() or kv.dtype == torch.float32,
+    )
+    _mla_decode_merge[(b, h)](
+        part_out, part_lse, out, h, num_splits,
+        part_out.stride(0), part_out.stride(2), part_out.stride(1), out.stride(0), out.stride(1),
+        R=r, BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+def ref_mla_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    page_size: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``mla_decode`` in plain torch (fp32 math); ``num_splits`` is ignored."""
+    _check(q_lat, q_rope, kv, block_table, seq_lens, page_size)
+    r = q_lat.shape[2]
+    out = torch.empty_like(q_lat)
+    for i in range(q_lat.shape[0]):
+        n = int(seq_lens[i])
+        pos = torch.arange(n, device=kv.device)
+        slots = block_table[i].long()[pos // page_size] * page_size + pos % page_size
+        lat = kv[slots].float()  # [S, D]
+        s = q_lat[i].float() @ lat[:, :r].T + q_rope[i].float() @ lat[:, r:].T  # [H, S]
+        out[i] = ((s * scale).softmax(-1) @ lat[:, :r]).to(out.dtype)  # [H, R]
+    return out
+
+
+def _check(q_lat, q_rope, kv, block_table, seq_lens, page_size) -> None:
+    if q_lat.dim() != 3 or q_rope.dim() != 3 or q_lat.shape[:2] != q_rope.shape[:2]:
+        raise ValueError(f"q_lat {tuple(q_lat.shape)} and q_rope {tuple(q_rope.shape)} must be [B, H, *]")
+    b, _, r = q_lat.shape
+    if kv.dim() != 2 or kv.shape[1] != r + q_rope.shape[2]:
+        raise ValueError(f"kv {tuple(kv.shape)} must be [slots, R+P] = [*, {r + q_rope.shape[2]}]")
+    if q_lat.dtype != kv.dtype or q_rope.dtype != kv.dtype:
+        raise TypeError(f"dtypes differ: q_lat {q_lat.dtype}, q_rope {q_rope.dtype}, kv {kv.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table {tuple(block_table.shape)} {block_table.dtype} must be [B={b}, X] int")
+    if seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} must be [B={b}]")
+    if page_size <= 0 or kv.shape[0] % page_size:
+        raise ValueError(f"page_size {page_size} must divide the {kv.shape[0]} kv slots")
