@@ -133,7 +133,8 @@ def mla_decode(
     out = torch.empty_like(q_lat)
     if b == 0:
         return out
-    block_h = 16 if h >= 16 else triton.next_power_of_2(h)
+    # tl.dot needs every tile dimension >= 16 on GPUs; masks cover the padding.
+    block_h = 16
     block_n = 32
     max_len = block_table.shape[1] * page_size
     if num_splits is None:
@@ -144,7 +145,7 @@ def mla_decode(
     num_splits = triton.cdiv(max_len, split_len)
     part_out = torch.empty(b, num_splits, h, r, device=q_lat.device, dtype=torch.float32)
     part_lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
-    block_r, block_p = triton.next_power_of_2(r), triton.next_power_of_2(p)
+    block_r, block_p = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
     _mla_decode_split[(b, triton.cdiv(h, block_h), num_splits)](
         q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
         scale, h, split_len,
