@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from deploy.bench.cli import bench_app
+from deploy.eplb_cli import eplb_app
 
 app = typer.Typer(
     help="tideserve: serve DeepSeek-style models (MLA + MoE) on Ray with a disk prompt cache.",
@@ -20,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(bench_app, name="bench")
+app.add_typer(eplb_app, name="eplb")
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model):

@@ -32,6 +32,37 @@ def bench_model(
     _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf))
 
 
+@bench_app.command("eplb")
+def bench_eplb(
+    layers: int = typer.Option(58, "--layers", min=1, help="MoE layers"),
+    experts: int = typer.Option(256, "--experts", min=1),
+    groups: int = typer.Option(8, "--groups", min=1),
+    shards: int = typer.Option(32, "--shards", min=1),
+    nodes: int = typer.Option(4, "--nodes", min=1),
+    slots: int = typer.Option(288, "--slots", min=1),
+    exponents: str = typer.Option("0.5,1.0,1.5", "--exponents", help="Zipf exponents, comma-separated"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """EPLB policies (global, hierarchical, spill) on Zipf-skewed loads: imbalance before/after,
+    spill_fraction, runtime_ms, and moved_slots when re-planning after a 5% load drift."""
+    from cluster.eplb import EplbConfig
+    from deploy.bench.eplb_bench import run_eplb_bench
+
+    try:
+        exps = tuple(float(x) for x in exponents.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"--exponents {exponents!r} must be comma-separated numbers") from None
+    try:
+        EplbConfig(slots, groups, nodes, shards)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if experts % shards or experts % groups or slots < experts:
+        raise typer.BadParameter(
+            f"--experts {experts} must divide by --shards {shards} and --groups {groups} and be <= --slots {slots}"
+        )
+    _emit(run_eplb_bench(exps, experts, groups, shards, nodes, slots, layers))
+
+
 @bench_app.command("kernels")
 def bench_kernels(
     peak_gbps: float = typer.Option(None, "--peak-gbps", min=1.0, help="device peak memory GB/s (default: from NVML)"),

@@ -1,0 +1,86 @@
+"""``tide eplb``: expert placement. ``plan`` is offline (a load file in, a placement out)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+eplb_app = typer.Typer(help="Expert-parallel load balancing (expert placement).", no_args_is_help=True)
+
+
+def read_load(path: Path):
+    """A JSON load matrix [layers][experts] of non-negative numbers -> a [L, E] double tensor."""
+    import torch
+
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise typer.BadParameter(f"--load {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"--load {str(path)!r} is not JSON: {e}") from None
+    if isinstance(data, dict) and "load" in data:
+        data = data["load"]
+    if (
+        not isinstance(data, list)
+        or not data
+        or not all(isinstance(row, list) and row and len(row) == len(data[0]) for row in data)
+    ):
+        raise typer.BadParameter(f"--load {str(path)!r} must hold a non-empty [layers][experts] matrix")
+    try:
+        return torch.tensor(data, dtype=torch.double)
+    except (TypeError, ValueError):
+        raise typer.BadParameter(f"--load {str(path)!r} must hold numbers only") from None
+
+
+@eplb_app.command("plan")
+def eplb_plan(
+    load: Path = typer.Option(..., "--load", help="JSON [layers][experts] tokens per expert (or {\"load\": ...})"),
+    slots: int = typer.Option(..., "--slots", help="physical expert slots (>= experts)"),
+    groups: int = typer.Option(1, "--groups", help="expert groups (n_group)"),
+    nodes: int = typer.Option(1, "--nodes", help="nodes the shards are spread over"),
+    shards: int = typer.Option(..., "--shards", help="expert shards (GPUs / shard actors)"),
+    policy: str = typer.Option("auto", "--policy", help="auto | global | hierarchical | spill"),
+    spill_copies: int = typer.Option(16, "--spill-copies", help="policy spill: copies per layer moved across nodes"),
+    previous: Path = typer.Option(None, "--previous", help="an earlier plan's JSON: re-plan moving few weights"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Place experts on shard slots; prints phy2log, log2phy, logcnt and the imbalance
+    (max/mean load per shard, averaged over layers) before and after."""
+    from cluster.eplb import EplbConfig, Placement, imbalance, moved_slots, plan, spill_fraction
+
+    matrix = read_load(load)
+    try:
+        cfg = EplbConfig(slots, groups, nodes, shards, policy, spill_copies)
+        prev = None
+        if previous is not None:
+            old = json.loads(previous.read_text())
+            import torch
+
+            prev = Placement.from_phy2log(torch.tensor(old["phy2log"]), matrix.shape[1], shards)
+        placement = plan(matrix, cfg, previous=prev)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise typer.BadParameter(f"--previous {str(previous)!r} is not a plan printed by this command: {e}") from None
+    num_layers, num_experts = matrix.shape
+    out = {
+        "policy": cfg.resolve_policy(num_experts),
+        "layers": num_layers,
+        "experts": num_experts,
+        "slots": slots,
+        "shards": shards,
+        "imbalance_before": round(imbalance(Placement.in_order(num_layers, num_experts, shards), matrix), 4)
+        if num_experts % shards == 0
+        else None,
+        "imbalance": round(imbalance(placement, matrix), 4),
+        "spill_fraction": round(spill_fraction(placement, matrix, groups, nodes), 4),
+        "phy2log": placement.phy2log.tolist(),
+        "log2phy": placement.log2phy.tolist(),
+        "logcnt": placement.logcnt.tolist(),
+    }
+    if prev is not None:
+        out["moved_slots"] = moved_slots(prev, placement)
+    sys.stdout.write(json.dumps(out) + "\n")

@@ -1,0 +1,81 @@
+"""``tide eplb plan`` and ``tide bench eplb`` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cluster.eplb import Placement
+
+
+def _tide(*args):
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ})
+
+
+@pytest.fixture
+def load_file(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    base = 1.0 / torch.arange(1, 33, dtype=torch.double)
+    load = torch.stack([base[torch.randperm(32, generator=gen)] * 1000 for _ in range(3)])
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(load.tolist()))
+    return path, load
+
+
+def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
+    path, load = load_file
+    r = _tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
+              "--shards", "4", "--policy", "spill", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    p = Placement(torch.tensor(out["phy2log"]), torch.tensor(out["log2phy"]), torch.tensor(out["logcnt"]), 4)
+    p.check_integrity()
+    assert p.phy2log.shape == (3, 40)
+    assert out["imbalance"] < out["imbalance_before"]
+    # re-planning the same load from the printed plan moves nothing
+    prev = tmp_path / "plan.json"
+    prev.write_text(r.stdout)
+    r2 = _tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
+               "--shards", "4", "--policy", "spill", "--previous", str(prev))
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["moved_slots"] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slots", "10", "--shards", "4"], "num_slots 10"),
+    (["--slots", "40", "--shards", "4", "--policy", "best"], "'best'"),
+    (["--slots", "16", "--shards", "4"], "num_slots 16 < 32"),
+    (["--slots", "40", "--shards", "4", "--groups", "3"], "num_groups 3"),
+])
+def test_plan_bad_arguments_name_the_value(load_file, args, message):
+    path, _ = load_file
+    r = _tide("eplb", "plan", "--load", str(path), *args)
+    assert r.returncode == 2
+    assert message in r.stderr.replace("\n", " ").replace("│", "")
+
+
+def test_plan_bad_load_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[1, 2], [3]]")
+    r = _tide("eplb", "plan", "--load", str(bad), "--slots", "2", "--shards", "1")
+    assert r.returncode == 2 and "[layers][experts]" in r.stderr.replace("\n", " ").replace("│", "")
+
+
+def test_bench_eplb_json():
+    r = _tide("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = {row["policy"]: row for row in out["results"]}
+    assert set(rows) == {"global", "hierarchical", "spill"}
+    for row in rows.values():
+        assert row["imbalance_after"] < row["imbalance_before"]
+        assert {"spill_fraction", "runtime_ms", "moved_slots"} <= set(row)
+    assert rows["global"]["imbalance_after"] <= 1.05
+    assert rows["spill"]["imbalance_after"] < rows["hierarchical"]["imbalance_after"]
+    assert rows["hierarchical"]["spill_fraction"] < 1e-9 < rows["spill"]["spill_fraction"]
