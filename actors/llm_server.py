@@ -19,12 +19,16 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import torch
+
+from actors.ep_group import EPGroup
 from cachedir.directory import open_directory
 from cachedir.hashing import Namespace
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig
 from cluster.engine import Engine, EngineConfig
+from cluster.eplb import EplbConfig, Placement
 from cluster.request import GenerationRequest, RequestOutput
 from model.checkpoint import load_model, weights_digest
 from model.sampling import SamplingParams
@@ -60,9 +64,16 @@ def _log_progress(ckpt: Path):
 class LLMServer:
     def __init__(self, cfg: dict) -> None:
         """``cfg`` keys: checkpoint, dtype, cache_dir, ssd_bytes, ram_bytes, admission,
-        num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace."""
+        num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
+        expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
+        slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand)."""
+        self._stop = False
         ckpt = Path(cfg["checkpoint"])
-        self.model = load_model(ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt))
+        shards = cfg.get("ep_shards") or []
+        self.model = load_model(
+            ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=not shards
+        )
+        self.ep = self._start_ep(cfg, shards) if shards else None
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
         namespace = Namespace(
@@ -93,6 +104,44 @@ class LLMServer:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+
+    def _start_ep(self, cfg: dict, shards: list) -> EPGroup:
+        mcfg = self.model.cfg
+        moe_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
+        eplb = EplbConfig(
+            int(cfg.get("ep_slots") or mcfg.n_routed_experts), mcfg.n_group, int(cfg.get("ep_nodes", 1)),
+            len(shards), cfg.get("ep_policy", "auto"),
+        )
+        group = EPGroup(shards, moe_layers, mcfg.n_routed_experts, eplb, self.model.dtype)
+        self.model.set_expert_executor(group.start(mcfg.hidden_size))
+        every = float(cfg.get("ep_rebalance_s", 0))
+        if every > 0:
+            threading.Thread(target=self._rebalance_loop, args=(every,), name="eplb", daemon=True).start()
+        return group
+
+    def _rebalance_loop(self, every_s: float) -> None:
+        while not self._stop:
+            time.sleep(every_s)
+            try:
+                self.ep.rebalance()
+            except Exception:  # noqa: BLE001 - a failed rebalance keeps the current placement
+                log.exception("periodic expert rebalance failed; keeping the current placement")
+
+    def rebalance_experts(self, phy2log: list[list[int]] | None = None) -> dict:
+        """Re-plan expert placement now (from measured loads, or the given ``phy2log``)."""
+        if self.ep is None:
+            raise ValueError("this replica does not use expert parallelism")
+        placement = None
+        if phy2log is not None:
+            placement = Placement.from_phy2log(torch.tensor(phy2log), self.model.cfg.n_routed_experts, len(self.ep.shards))
+        return self.ep.rebalance(placement)
+
+    def ep_stats(self) -> dict:
+        if self.ep is None:
+            return {}
+        ex = self.ep.executor
+        return {**self.ep.stats, **ex.stats, "version": ex.version, "phy2log": ex.placement.phy2log.tolist(),
+                "load": ex.load.tolist()}
 
     # -- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:

@@ -113,8 +113,10 @@ def load_state_dict(
     cfg: ModelConfig,
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
+    include: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read and validate every tensor; converts to ``dtype`` (gates stay fp32)."""
+    """Read and validate every tensor (or those ``include`` accepts); converts to ``dtype``
+    (gates stay fp32). The checkpoint must still hold every tensor the architecture names."""
     ckpt = Path(ckpt_dir)
     want = expected_shapes(cfg)
     where = _shard_files(ckpt)
@@ -134,6 +136,8 @@ def load_state_dict(
     missing = [n for n in want if n not in where]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} in all)")
+    if include is not None:
+        want = {name: shape for name, shape in want.items() if include(name)}
     by_file: dict[Path, list[str]] = {}
     for name in want:
         by_file.setdefault(where[name], []).append(name)
@@ -160,7 +164,8 @@ def load_state_dict(
 def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto") -> DeepseekModel:
     """Assemble a model from a validated HF-named state dict (tensors are used, not copied,
     except where experts are stacked). ``impl``: ``auto`` (Triton kernels on CUDA, torch
-    elsewhere), ``ref`` or ``triton`` (see ``kernels.resolve_impl``)."""
+    elsewhere), ``ref`` or ``triton`` (see ``kernels.resolve_impl``). Without routed-expert
+    tensors in ``sd`` the model gets no expert executor: the caller sets one (expert parallelism)."""
     kernels_impl = resolve_impl(impl, sd["model.embed_tokens.weight"].device)
 
     def mlp(prefix: str) -> SwiGLU:
@@ -190,11 +195,8 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto
             gate = Gate(sd[f + "gate.weight"], sd.get(f + "gate.e_score_correction_bias"))
             shared = mlp(f + "shared_experts.") if cfg.n_shared_experts else None
             ffn = MoE(cfg, i, gate, shared, kernels_impl)
-            experts[i] = ExpertWeights.stack(
-                [torch.cat((sd[f"{f}experts.{e}.gate_proj.weight"], sd[f"{f}experts.{e}.up_proj.weight"]))
-                 for e in range(cfg.n_routed_experts)],
-                [sd[f"{f}experts.{e}.down_proj.weight"] for e in range(cfg.n_routed_experts)],
-            )
+            if f + "experts.0.gate_proj.weight" in sd:
+                experts[i] = _stack_experts(sd, f, range(cfg.n_routed_experts))
         else:
             ffn = mlp(f)
         layers.append(DecoderLayer(
@@ -203,8 +205,39 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto
     embed = sd["model.embed_tokens.weight"]
     lm_head = embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
     model = DeepseekModel(cfg, embed, layers, sd["model.norm.weight"], lm_head, kernels_impl)
-    model.set_expert_executor(LocalExpertExecutor(experts, kernels_impl))
+    if experts:
+        model.set_expert_executor(LocalExpertExecutor(experts, kernels_impl))
     return model
+
+
+def _stack_experts(sd: dict[str, torch.Tensor], prefix: str, expert_ids) -> ExpertWeights:
+    return ExpertWeights.stack(
+        [torch.cat((sd[f"{prefix}experts.{e}.gate_proj.weight"], sd[f"{prefix}experts.{e}.up_proj.weight"]))
+         for e in expert_ids],
+        [sd[f"{prefix}experts.{e}.down_proj.weight"] for e in expert_ids],
+    )
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def load_expert_slots(
+    ckpt_dir: str | Path, slot_experts: dict[int, list[int]], dtype: str | torch.dtype = "float32"
+) -> dict[int, ExpertWeights]:
+    """The routed experts that fill one shard's slots: ``slot_experts`` maps a model layer index
+    to the logical expert of each slot (repeats allowed across shards, not needed within).
+    Returns, per layer, weights stacked in slot order ([slots, 2I, M] and [slots, M, I])."""
+    dtype = _dtype(dtype)
+    cfg = load_config(ckpt_dir)
+    names = {
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        for layer, experts in slot_experts.items()
+        for e in experts
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    sd = load_state_dict(ckpt_dir, cfg, dtype, include=names.__contains__)
+    return {layer: _stack_experts(sd, f"model.layers.{layer}.mlp.", experts) for layer, experts in slot_experts.items()}
 
 
 def load_model(
@@ -212,13 +245,22 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     progress: Progress | None = None,
     impl: str = "auto",
+    routed_experts: bool = True,
 ) -> DeepseekModel:
+    """``routed_experts=False`` leaves the routed experts on disk (an attention replica under
+    expert parallelism, whose executor sends tokens to expert shards)."""
+    dtype = _dtype(dtype)
+    cfg = load_config(ckpt_dir)
+    include = None if routed_experts else (lambda name: not is_routed_expert(name))
+    return build_model(cfg, load_state_dict(ckpt_dir, cfg, dtype, progress, include), impl)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
-        dtype = DTYPES[dtype]
-    cfg = load_config(ckpt_dir)
-    return build_model(cfg, load_state_dict(ckpt_dir, cfg, dtype, progress), impl)
+        return DTYPES[dtype]
+    return dtype
 
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -1,0 +1,117 @@
+"""The expert-parallel data plane over a ``torch.distributed`` process group (gloo on CPU).
+
+Legend: H shards, W = H + 1 ranks, R rows, M hidden.
+
+One group per attention replica: rank 0 is the replica, ranks 1..H are the shards. A round (one
+MoE layer of one forward pass) is four all-to-alls issued in the same order on every rank:
+
+1. headers  [W, 4] int64: (command, placement row, placement version, rows) from rank 0 to each shard
+2. slot ids [R] int64 and 3. hidden rows [R, M], rank 0 -> shards
+4. outputs  [R, M], shards -> rank 0
+
+A ``STOP`` header ends the shards' serve loops. The group is a standalone ``ProcessGroupGloo``
+over its own TCP store (no global ``init_process_group``), so a shard can serve several replicas'
+groups at once, one thread each, and a group is re-formed by building a new one on a new port.
+Measured on a 2-core VM, a gloo all-to-all of 0.26 MB takes ~0.7 ms against 11-25 ms for a Ray
+actor call of the same size; Ray only sets groups up and tears them down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from cluster.ep import EPTransportError
+
+__all__ = ["GlooTransport", "form_group", "serve_shard"]
+
+log = logging.getLogger(__name__)
+
+CMD_LAYER, CMD_STOP = 1, 2
+
+
+def form_group(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+    """Join (rank 0: host) the group's TCP store and build the gloo group; blocks until all
+    ``world`` ranks have joined or ``timeout_s`` passes."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _a2a(pg, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+    try:
+        pg.alltoall_base(out, inp, out_splits, in_splits).wait()
+    except RuntimeError as e:  # gloo reports a closed or timed-out peer this way
+        raise EPTransportError(f"expert-parallel all-to-all failed: {e}") from e
+
+
+class GlooTransport:
+    """Rank 0's side (the attention replica). See ``cluster.ep.Transport``."""
+
+    def __init__(self, pg, world: int, dtype: torch.dtype) -> None:
+        self.pg = pg
+        self.world = world
+        self.dtype = dtype
+        self._ones = [1] * world
+
+    def dispatch_combine(
+        self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        assert len(counts) == self.world - 1, (counts, self.world)
+        header = torch.zeros(self.world, 4, dtype=torch.long)
+        header[1:, 0] = CMD_LAYER
+        header[1:, 1] = layer
+        header[1:, 2] = version
+        header[1:, 3] = torch.tensor(counts)
+        _a2a(self.pg, torch.empty_like(header), header, self._ones, self._ones)
+        splits, none = [0, *counts], [0] * self.world
+        _a2a(self.pg, torch.empty(0, dtype=torch.long), local_slots.long().contiguous(), none, splits)
+        x = x.to(self.dtype).contiguous()
+        _a2a(self.pg, torch.empty(0, x.shape[1], dtype=self.dtype), x, none, splits)
+        out = torch.empty_like(x)
+        _a2a(self.pg, out, torch.empty(0, x.shape[1], dtype=self.dtype), splits, none)
+        return out
+
+    def stop(self) -> None:
+        """End the shards' serve loops (best effort: a broken group needs no stop)."""
+        header = torch.zeros(self.world, 4, dtype=torch.long)
+        header[1:, 0] = CMD_STOP
+        try:
+            _a2a(self.pg, torch.empty_like(header), header, self._ones, self._ones)
+        except EPTransportError:
+            pass
+
+
+def serve_shard(
+    pg, rank: int, world: int, hidden: int, dtype: torch.dtype,
+    compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> str:
+    """A shard's loop for one group: receive rows, ``compute(version, row, local_slots, x)``,
+    send the outputs back. Returns why it ended (``stop`` or the transport error)."""
+    ones = [1] * world
+    none = [0] * world
+    zero_header = torch.zeros(world, 4, dtype=torch.long)
+    while True:
+        header = torch.empty(world, 4, dtype=torch.long)
+        try:
+            _a2a(pg, header, zero_header, ones, ones)
+            cmd, layer, version, rows = header[0].tolist()
+            if cmd == CMD_STOP:
+                return "stop"
+            from_root = [rows] + [0] * (world - 1)
+            slots = torch.empty(rows, dtype=torch.long)
+            _a2a(pg, slots, torch.empty(0, dtype=torch.long), from_root, none)
+            x = torch.empty(rows, hidden, dtype=dtype)
+            _a2a(pg, x, torch.empty(0, hidden, dtype=dtype), from_root, none)
+            y = compute(version, layer, slots, x).to(dtype).contiguous()
+            _a2a(pg, torch.empty(0, hidden, dtype=dtype), y, none, from_root)
+        except EPTransportError as e:
+            log.info("shard rank %d leaves its group: %s", rank, e)
+            return f"error: {e}"
+        except Exception as e:  # noqa: BLE001 - leaving closes the group, so rank 0 fails fast and recovers
+            log.exception("shard rank %d failed a round", rank)
+            return f"error: {e}"
