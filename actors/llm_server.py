@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import ray
 import torch
 
 from actors.ep_group import EPGroup
@@ -29,7 +30,7 @@ from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig
 from cluster.engine import Engine, EngineConfig
 from cluster.eplb import EplbConfig, Placement
-from cluster.request import GenerationRequest, RequestOutput
+from cluster.request import GenerationRequest, Prefilled, RequestOutput, TokenSources
 from model.checkpoint import load_model, weights_digest
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
@@ -40,12 +41,23 @@ log = logging.getLogger(__name__)
 
 
 def output_to_dict(o: RequestOutput) -> dict:
-    return {
+    out = {
         "request_id": o.request_id, "token_ids": o.new_token_ids, "text": o.text,
         "finished": o.finished, "finish_reason": o.finish_reason.value if o.finish_reason else None,
         "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
         "cached_tokens": o.cached_tokens, "sources": dataclasses.asdict(o.sources),
     }
+    if o.handoff is not None:  # P/D: the prompt's KV travels through the Ray object store
+        h = o.handoff
+        out["handoff"] = {"kv": ray.put(h.kv), "first_token": h.first_token,
+                          "sources": dataclasses.asdict(h.sources), "generator_state": h.generator_state}
+    return out
+
+
+async def _prefilled(handoff: dict) -> Prefilled:
+    kv = await handoff["kv"]  # fetched from the prefill replica's node
+    return Prefilled(kv, int(handoff["first_token"]), TokenSources(**handoff["sources"]),
+                     handoff.get("generator_state"))
 
 
 def _log_progress(ckpt: Path):
@@ -179,13 +191,17 @@ class LLMServer:
     # -- the deployment's methods --------------------------------------------------------
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``tenant``."""
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``tenant``.
+        P/D: ``handoff`` (prefill only; the last output carries ``handoff`` with a KV object ref)
+        or ``prefilled`` (such a ``handoff`` dict: decode only)."""
         rid = req.get("request_id") or uuid.uuid4().hex
+        prefilled = await _prefilled(req["prefilled"]) if req.get("prefilled") else None
         gen = GenerationRequest(
             rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
             SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
                            int(req.get("top_k", 0)), req.get("seed")),
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
+            bool(req.get("handoff", False)), prefilled,
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)
@@ -202,6 +218,9 @@ class LLMServer:
         finally:
             self._queues.pop(rid, None)
             self.engine.abort(rid)  # no-op when finished; frees pages if the client went away
+
+    def kv_capacity(self) -> dict:
+        return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}
 
     def stats(self) -> dict:
         out = {"node_id": self.node_id, "engine": dict(self.engine.stats),

@@ -17,6 +17,7 @@ cache's I/O threads: persistence never blocks decode.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
@@ -31,7 +32,8 @@ from cachedir.hashing import Namespace, chain_keys
 from cachedir.node_cache import NodeCache
 from cachedir.unit import Unit
 from cluster.pages import PageAllocator, PrefixTable
-from cluster.request import FinishReason, GenerationRequest, RequestOutput, Sequence
+from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
+from model.kv_cache import slots_for
 from model.model import DeepseekModel
 from model.sampling import sample
 
@@ -109,7 +111,11 @@ class Engine:
         seq = Sequence(req, keys)
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
-        usable = len(req.prompt_ids) // UNIT_TOKENS
+        if req.prefilled is not None:
+            self._check_prefilled(req)
+            if seq.generator is not None and req.prefilled.generator_state is not None:
+                seq.generator.set_state(req.prefilled.generator_state)
+        usable = len(req.prompt_ids) // UNIT_TOKENS if req.prefilled is None else 0
         if self.cache is not None and usable:
             tiers = self.cache.lookup(keys[:usable])
             if tiers:
@@ -121,6 +127,13 @@ class Engine:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._by_id[req.request_id] = seq
             self.waiting.append(seq)
+
+    def _check_prefilled(self, req: GenerationRequest) -> None:
+        kv = req.prefilled.kv
+        want = (self.pool.num_layers, len(req.prompt_ids), self.pool.latent_dim)
+        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise ValueError(f"prefilled KV has shape {got}, this model needs {want}")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -152,6 +165,12 @@ class Engine:
         budget = self.cfg.max_prefill_tokens
         while budget > 0 and self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.req.prefilled is not None and not seq.output_ids:
+                if not self._admit_prefilled(seq):
+                    return
+                self.waiting.popleft()
+                self.running.append(seq)
+                continue
             if not seq.pages and not self._admit(seq):
                 return  # not enough pages yet: wait for running sequences to finish
             ids = seq.all_ids
@@ -221,6 +240,30 @@ class Engine:
             src.compute = len(seq.req.prompt_ids) - src.cached
         return True
 
+    def _admit_prefilled(self, seq: Sequence) -> bool:
+        """Pages for a sequence prefilled on another replica; its prompt KV is written in and its
+        first token (sampled there) becomes the input of the next decode step."""
+        pre = seq.req.prefilled
+        n = len(seq.req.prompt_ids)
+        pages = self._allocate(-(-(n + 1) // self.cfg.page_size))
+        if pages is None:
+            return False
+        seq.pages = pages
+        slots = slots_for(torch.tensor(pages), torch.arange(n), self.cfg.page_size)
+        for layer in range(self.pool.num_layers):
+            self.pool.write(layer, slots, pre.kv[layer])
+        seq.num_computed = n
+        seq.output_ids.append(pre.first_token)
+        seq.sources = dataclasses.replace(pre.sources)
+        seq.input_persisted = True  # the prefill replica persisted the prompt
+        seq.first_token_s = time.monotonic()
+        return True
+
+    def _export_prompt_kv(self, seq: Sequence) -> torch.Tensor:
+        n = len(seq.req.prompt_ids)
+        slots = slots_for(torch.tensor(seq.pages), torch.arange(n), self.cfg.page_size)
+        return torch.stack([self.pool.read(layer, slots) for layer in range(self.pool.num_layers)])  # [L, P, D]
+
     def _fits(self, unit: Unit) -> bool:
         return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.latent_dim
                 and unit.dtype == str(self.pool.dtype).removeprefix("torch.")
@@ -288,6 +331,8 @@ class Engine:
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.req.max_tokens:
             reason = FinishReason.LENGTH
+        if reason is None and seq.req.handoff:
+            reason = FinishReason.HANDOFF
         visible = seq.output_ids[:-1] if reason == FinishReason.STOP else seq.output_ids
         seq.text = self.detokenize(visible)
         for stop in seq.req.stop:
@@ -301,7 +346,7 @@ class Engine:
         else:
             outputs.append(self._output(seq, hold_back=max((len(s) for s in seq.req.stop), default=1) - 1))
 
-    def _output(self, seq: Sequence, hold_back: int = 0) -> RequestOutput:
+    def _output(self, seq: Sequence, hold_back: int = 0, handoff: Prefilled | None = None) -> RequestOutput:
         """New tokens and text since the last output; text that may start a stop string waits."""
         upto = max(seq.emitted_text_len, len(seq.text) - hold_back)
         text = seq.text[seq.emitted_text_len : upto]
@@ -310,11 +355,15 @@ class Engine:
         seq.emitted_tokens = len(seq.output_ids)
         return RequestOutput(
             seq.req.request_id, new, text, seq.finished is not None, seq.finished,
-            len(seq.req.prompt_ids), len(seq.output_ids), seq.sources.cached, seq.sources,
+            len(seq.req.prompt_ids), len(seq.output_ids), seq.sources.cached, seq.sources, handoff,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:
         seq.finished = reason
+        handoff = None
+        if reason == FinishReason.HANDOFF:
+            state = seq.generator.get_state() if seq.generator is not None else None
+            handoff = Prefilled(self._export_prompt_kv(seq), seq.output_ids[0], dataclasses.replace(seq.sources), state)
         if seq.pages:
             ns = self.namespace_for(seq.req.tenant)
             complete = seq.num_computed // UNIT_TOKENS
@@ -328,7 +377,7 @@ class Engine:
             seq.pages = []
         with self._lock:
             self._by_id.pop(seq.req.request_id, None)
-        outputs.append(self._output(seq))
+        outputs.append(self._output(seq, handoff=handoff))
 
     def _persist(self, seq: Sequence, unit_idx: list[int], keys: list[bytes]) -> None:
         if self.cache is None or not unit_idx:

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 
 from model.sampling import SamplingParams
 
-__all__ = ["FinishReason", "GenerationRequest", "RequestOutput", "Sequence", "TokenSources"]
+__all__ = ["FinishReason", "GenerationRequest", "Prefilled", "RequestOutput", "Sequence", "TokenSources"]
 
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    HANDOFF = "handoff"  # prefill done; decoding continues on a decode replica (P/D split)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +28,14 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     tenant: str = ""
+    handoff: bool = False  # prefill only: finish with HANDOFF and the prompt's KV after token 1
+    prefilled: Prefilled | None = None  # decode only: start from a prefill done elsewhere
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
+        if self.handoff and self.prefilled is not None:
+            raise ValueError("a request is either handed off (prefill) or prefilled (decode), not both")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -50,6 +55,18 @@ class TokenSources:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A prompt prefilled elsewhere (P/D disaggregation): its latent KV ``kv`` [L, P, D] for the
+    P prompt tokens, the first output token sampled from the prefill's logits, where the prompt's
+    KV came from, and the sampler's generator state (seeded sampling continues where it was)."""
+
+    kv: object  # torch.Tensor [L, P, D]
+    first_token: int
+    sources: TokenSources
+    generator_state: object = None  # torch.ByteTensor or None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -60,6 +77,7 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     sources: TokenSources
+    handoff: Prefilled | None = None  # with finish_reason HANDOFF
 
 
 @dataclass(slots=True)

@@ -136,3 +136,41 @@ def test_a_killed_shard_is_recovered(ep_server, reference):
     stats = ray.get(server.ep_stats.remote())
     assert stats["reforms"] > reforms
     assert _generate_all(server) == reference
+
+
+def test_prefill_decode_split_with_ep_equals_single_process(ep_server, checkpoint, reference, tmp_path_factory):
+    """A prefill replica on node 0 and decode replicas on nodes 1 and 2, all over the same three
+    expert shards (each replica its own gloo group); the KV moves through the object store."""
+    import asyncio
+
+    import ray
+
+    from actors.llm_server import LLMServer
+    from actors.pd_router import PDRouter
+
+    _, shards = ep_server
+
+    def replica(node: int, num_pages: int):
+        return ray.remote(num_cpus=0, resources={f"node{node}": 0.01})(LLMServer).remote({
+            "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
+            "enable_cache": False, "num_pages": num_pages, "ep_shards": shards, "ep_slots": 18, "ep_nodes": 3,
+        })
+
+    prefill, decode = [replica(0, 64)], [replica(1, 6), replica(2, 6)]  # 96 KV tokens each
+    ray.get([r.check_health.remote() for r in prefill + decode], timeout=300)
+    router = PDRouter(prefill, decode)
+
+    async def run_all():
+        async def one(prompt):
+            req = {"prompt_ids": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+            return [t async for item in router.generate(req) for t in item["token_ids"]]
+
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    assert asyncio.run(run_all()) == reference
+    assert router.stats["handoffs"] == len(PROMPTS)
+    assert router.stats["queued"] >= 1  # 4 requests of 48-80 KV tokens do not all fit at once
+    served = [ray.get(d.stats.remote())["engine"]["decode_tokens"] for d in decode]
+    assert all(n > 0 for n in served)  # both decode replicas took requests
+    router.balancer.check_integrity()
+    assert all(r.reserved_tokens == 0 for r in router.balancer.replicas.values())

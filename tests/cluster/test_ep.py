@@ -10,7 +10,7 @@ from cluster.ep import EPExecutor, EPTransportError, ShardExperts, choose_slots
 from cluster.eplb import EplbConfig, Placement, plan
 from model.moe import ExpertWeights, LocalExpertExecutor
 
-E, M, I, K, SHARDS, SLOTS = 8, 16, 12, 3, 3, 12
+E, M, INTER, K, SHARDS, SLOTS = 8, 16, 12, 3, 3, 12
 
 
 class InProcessTransport:
@@ -44,8 +44,8 @@ def _slots_of(w: ExpertWeights, experts: torch.Tensor) -> ExpertWeights:
 @pytest.fixture
 def setup():
     gen = torch.Generator().manual_seed(0)
-    experts = {layer: ExpertWeights(torch.randn(E, 2 * I, M, generator=gen) * 0.2,
-                                    torch.randn(E, M, I, generator=gen) * 0.2) for layer in (1, 3)}
+    experts = {layer: ExpertWeights(torch.randn(E, 2 * INTER, M, generator=gen) * 0.2,
+                                    torch.randn(E, M, INTER, generator=gen) * 0.2) for layer in (1, 3)}
     load = torch.rand(2, E, generator=gen, dtype=torch.float64) + torch.tensor([5.0] + [0.0] * (E - 1))
     placement = plan(load, EplbConfig(SLOTS, 1, 1, SHARDS, "global"))
     x = torch.randn(20, M, generator=gen)
