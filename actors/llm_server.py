@@ -78,7 +78,8 @@ class LLMServer:
         """``cfg`` keys: checkpoint, dtype, cache_dir, ssd_bytes, ram_bytes, admission,
         num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
         expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
-        slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand)."""
+        slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand),
+        ``micro_batches`` (2 overlaps one half's expert round with the other's attention)."""
         self._stop = False
         ckpt = Path(cfg["checkpoint"])
         shards = cfg.get("ep_shards") or []
@@ -104,7 +105,8 @@ class LLMServer:
             self.model,
             EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
                          max_prefill_tokens=int(cfg.get("max_prefill_tokens", 2048)),
-                         admission=cfg.get("admission", "all"), prefix_sharing=enable_cache),
+                         admission=cfg.get("admission", "all"), prefix_sharing=enable_cache,
+                         micro_batches=int(cfg.get("micro_batches", 1))),
             namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
         )
         self.publisher = None

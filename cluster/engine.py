@@ -51,6 +51,7 @@ class EngineConfig:
     load_timeout_s: float = 5.0
     admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
     prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
+    micro_batches: int = 1  # 2: decode in two pipelined halves (hides expert-parallel rounds)
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -59,6 +60,8 @@ class EngineConfig:
             )
         if UNIT_TOKENS % self.page_size:
             raise ValueError(f"page_size {self.page_size} must divide the {UNIT_TOKENS}-token unit")
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, got {self.micro_batches}")
         for name in ("num_pages", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -305,7 +308,7 @@ class Engine:
         tables = torch.tensor([s.pages + [s.pages[0]] * (width - len(s.pages)) for s in batch])
         tokens = torch.tensor([s.all_ids[-1] for s in batch])
         positions = torch.tensor([s.length - 1 for s in batch])
-        logits = self.model.decode(tokens, self.pool, tables, positions)
+        logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
         self.stats["decode_tokens"] += len(batch)
         for seq, row in zip(batch, logits, strict=True):
             seq.num_computed = seq.length

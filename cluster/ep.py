@@ -18,6 +18,7 @@ depends only on its inputs, so a retried round returns the same values.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -38,7 +39,9 @@ class Transport(Protocol):
 
     ``counts`` [H] rows per shard, ``local_slots`` [R_total] (slot within its shard) and ``x``
     [R_total, M] sorted by shard. Returns [R_total, M] unweighted expert outputs in the same order.
-    Raises ``EPTransportError`` when the round cannot complete."""
+    Raises ``EPTransportError`` when the round cannot complete. A transport may also offer
+    ``start(...)`` with the same arguments, returning a function that waits for the result, so
+    that the caller computes while the round is in flight (two micro-batches)."""
 
     def dispatch_combine(
         self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
@@ -54,8 +57,9 @@ def choose_slots(expert_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.
 
 
 class EPExecutor:
-    """``model.moe.ExpertExecutor`` over expert shards. ``moe_layers[i]`` is the model layer of
-    placement row i. Counts tokens per expert (``load``, decayed) for EPLB."""
+    """``model.moe.ExpertExecutor`` over expert shards, with ``submit`` for overlapped rounds.
+    ``moe_layers[i]`` is the model layer of placement row i. Counts tokens per expert (``load``,
+    decayed) for EPLB, and the time spent blocked on rounds (``stats["wait_s"]``)."""
 
     def __init__(
         self,
@@ -74,11 +78,11 @@ class EPExecutor:
         self.max_retries = max_retries
         self.load_decay = load_decay
         self.load = torch.zeros(placement.logcnt.shape, dtype=torch.float64)  # [L, E]
-        self.stats = {"rounds": 0, "retries": 0, "rows": 0}
+        self.stats = {"rounds": 0, "retries": 0, "rows": 0, "wait_s": 0.0}
         self._lock = threading.Lock()
         self._placement, self._version = placement, 0
         self._pending: tuple[Placement, int] | None = None
-        self._busy = False
+        self._in_flight = 0
 
     @property
     def version(self) -> int:
@@ -89,35 +93,33 @@ class EPExecutor:
         return self._placement
 
     def switch_placement(self, placement: Placement, version: int) -> None:
-        """Use ``placement`` (whose weights every shard holds as ``version``) from the next layer
-        on; a round in flight finishes on the old one (``version`` changes once it has)."""
+        """Use ``placement`` (whose weights every shard holds as ``version``) for the next round
+        started when none is in flight; ``version`` changes then."""
         with self._lock:
-            if self._busy:
-                self._pending = (placement, version)
-            else:
-                self._placement, self._version = placement, version
+            self._pending = (placement, version)
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None and self._in_flight == 0:
+            (self._placement, self._version), self._pending = self._pending, None
 
     def __call__(
         self, layer_idx: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        return self.submit(layer_idx, x, expert_ids, weights)()
+
+    def submit(
+        self, layer_idx: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """Send the layer's rows now; the returned function waits and combines -> [T, M]."""
         t, k = expert_ids.shape
         if t == 0:
-            return torch.zeros_like(x)
+            empty = torch.zeros_like(x)
+            return lambda: empty
         with self._lock:
-            if self._pending is not None:
-                (self._placement, self._version), self._pending = self._pending, None
+            self._apply_pending()
             placement, version = self._placement, self._version
-            self._busy = True
-        try:
-            return self._dispatch(layer_idx, x, expert_ids, weights, placement, version)
-        finally:
-            with self._lock:
-                self._busy = False
-                if self._pending is not None:
-                    (self._placement, self._version), self._pending = self._pending, None
-
-    def _dispatch(self, layer_idx, x, expert_ids, weights, placement: Placement, version: int) -> torch.Tensor:
-        k = expert_ids.shape[1]
+            self._in_flight += 1
         row = self.row_of[layer_idx]
         self._count(row, expert_ids)
         slots = choose_slots(expert_ids, placement.log2phy[row], placement.logcnt[row])  # [T, K]
@@ -126,25 +128,51 @@ class EPExecutor:
         order = torch.argsort(flat // per, stable=True)  # rows grouped by shard
         counts = torch.bincount(flat // per, minlength=placement.num_shards).tolist()
         token = order // k
-        xs = x.index_select(0, token)  # [T*K, M]
-        ys = self._round(row, version, counts, (flat % per)[order], xs)
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+        args = (row, version, counts, (flat % per)[order], x.index_select(0, token))
+        transport = self.transport
+        started: Callable[[], torch.Tensor] | EPTransportError
+        try:
+            start = getattr(transport, "start", None)
+            started = start(*args) if start is not None else (lambda: transport.dispatch_combine(*args))
+        except EPTransportError as e:
+            started = e
 
-    def _round(self, row: int, version: int, counts: list[int], local: torch.Tensor, xs: torch.Tensor):
-        for attempt in range(self.max_retries + 1):
+        def finish() -> torch.Tensor:
+            t0 = time.perf_counter()
             try:
-                ys = self.transport.dispatch_combine(row, version, counts, local, xs)
-                self.stats["rounds"] += 1
-                self.stats["rows"] += xs.shape[0]
-                return ys
+                if isinstance(started, EPTransportError):
+                    raise started
+                ys = started()
             except EPTransportError as e:
-                if self.recover is None or attempt == self.max_retries:
-                    raise
-                self.stats["retries"] += 1
-                self.transport = None  # type: ignore[assignment]  # let the broken group close
-                self.transport = self.recover(e)
-        raise AssertionError("unreachable")
+                ys = self._retry(e, transport, args)
+            finally:
+                with self._lock:
+                    self.stats["wait_s"] += time.perf_counter() - t0
+                    self._in_flight -= 1
+                    self._apply_pending()
+            self.stats["rounds"] += 1
+            self.stats["rows"] += ys.shape[0]
+            ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+            return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+        return finish
+
+    def _retry(self, error: EPTransportError, used: Transport, args: tuple) -> torch.Tensor:
+        """Re-form the group (once per failure, however many rounds saw it) and resend."""
+        for _ in range(self.max_retries):
+            if self.recover is None:
+                break
+            self.stats["retries"] += 1
+            with self._lock:
+                if self.transport is used:
+                    self.transport = None  # type: ignore[assignment]  # let the broken group close
+                    self.transport = self.recover(error)
+                used = self.transport
+            try:
+                return used.dispatch_combine(*args)
+            except EPTransportError as e:
+                error = e
+        raise error
 
     def _count(self, row: int, expert_ids: torch.Tensor) -> None:
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.load.shape[1]).double()

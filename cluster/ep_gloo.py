@@ -61,20 +61,43 @@ class GlooTransport:
     def dispatch_combine(
         self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
+        return self.start(layer, version, counts, local_slots, x)()
+
+    def start(
+        self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
+    ):
+        """Post the round's four all-to-alls without waiting; returns the function that waits.
+        Gloo tags collectives in the order they are posted, so rounds started back to back (two
+        micro-batches) pair up with the shards' rounds in the same order."""
         assert len(counts) == self.world - 1, (counts, self.world)
         header = torch.zeros(self.world, 4, dtype=torch.long)
         header[1:, 0] = CMD_LAYER
         header[1:, 1] = layer
         header[1:, 2] = version
         header[1:, 3] = torch.tensor(counts)
-        _a2a(self.pg, torch.empty_like(header), header, self._ones, self._ones)
         splits, none = [0, *counts], [0] * self.world
-        _a2a(self.pg, torch.empty(0, dtype=torch.long), local_slots.long().contiguous(), none, splits)
         x = x.to(self.dtype).contiguous()
-        _a2a(self.pg, torch.empty(0, x.shape[1], dtype=self.dtype), x, none, splits)
         out = torch.empty_like(x)
-        _a2a(self.pg, out, torch.empty(0, x.shape[1], dtype=self.dtype), splits, none)
-        return out
+        keep = (header, torch.empty_like(header), local_slots.long().contiguous(), x)  # alive until done
+        try:
+            works = [
+                self.pg.alltoall_base(keep[1], header, self._ones, self._ones),
+                self.pg.alltoall_base(torch.empty(0, dtype=torch.long), keep[2], none, splits),
+                self.pg.alltoall_base(torch.empty(0, x.shape[1], dtype=self.dtype), x, none, splits),
+                self.pg.alltoall_base(out, torch.empty(0, x.shape[1], dtype=self.dtype), splits, none),
+            ]
+        except RuntimeError as e:
+            raise EPTransportError(f"expert-parallel all-to-all failed: {e}") from e
+
+        def wait(_keep=keep) -> torch.Tensor:  # the default argument keeps the buffers alive
+            try:
+                for w in works:
+                    w.wait()
+            except RuntimeError as e:
+                raise EPTransportError(f"expert-parallel all-to-all failed: {e}") from e
+            return out
+
+        return wait
 
     def stop(self) -> None:
         """End the shards' serve loops (best effort: a broken group needs no stop)."""

@@ -135,44 +135,108 @@ class DeepseekModel:
         block_tables: torch.Tensor,
         positions: torch.Tensor,
         attn: AttnPath = "absorbed",
+        micro_batches: int = 1,
     ) -> torch.Tensor:
         """One decode step for B sequences of different lengths.
 
         token_ids [B], block_tables [B, pages] (padded rows may repeat any valid page),
         positions [B] = the position of each new token (its sequence length before the step).
         Writes the new latents and returns fp32 logits [B, V].
+
+        ``micro_batches=2`` splits the batch in two and pipelines them: while one half's MoE
+        round is with the expert executor (remote shards under expert parallelism), the other
+        half computes attention. Results are the same as one batch.
         """
         b = token_ids.shape[0]
         z = pool.page_size
         max_len = int(positions.max()) + 1
         if block_tables.shape[1] * z < max_len:
             raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
-        new_slots = slots_for(block_tables, positions[:, None], z)[:, 0]  # [B]
-        paged = self.impl == "triton" and attn == "absorbed"
-        if not paged:
-            span = torch.arange(max_len)  # [S]
-            read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), z)  # [B, S]
-            mask = (span[None, :] <= positions[:, None])[:, None, :]  # [B, 1, S]
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
-        h = self.embed[token_ids]  # [B, M]
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
+        if micro_batches == 2 and b >= 2:
+            half = (b + 1) // 2
+            parts = [
+                _DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], z, attn)
+                for sl in (slice(0, half), slice(half, b))
+            ]
+            return torch.cat([self._logits(h) for h in self._decode_pipelined(parts, pool, attn)])
+        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, z, attn)
+        h = batch.h
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
-            pool.write(i, new_slots, latent)
-            if paged:
-                o = layer.attn.attend_paged(q_nope, q_rope, pool.data[i], block_tables, positions + 1, z)
-                h = self._ffn(layer, h + layer.attn.output(o))
-                continue
-            latents = pool.read(i, read_slots)  # [B, S, D]
-            if attn == "absorbed":
-                o = layer.attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, mask)[:, 0]
-            else:
-                o = torch.cat([
-                    layer.attn.attend_naive(
-                        q_nope[j : j + 1], q_rope[j : j + 1], latents[j, : int(positions[j]) + 1],
-                        int(positions[j]),
-                    )
-                    for j in range(b)
-                ])
-            h = self._ffn(layer, h + layer.attn.output(o))
+            h = h + self._decode_attention(i, layer, h, batch, pool, attn)
+            h = self._ffn(layer, h)
         return self._logits(h)
+
+    def _decode_pipelined(self, parts: list[_DecodeBatch], pool: LatentKVPool, attn: AttnPath) -> list[torch.Tensor]:
+        """Two micro-batches, one layer apart: finishing micro-batch m's MoE of layer i-1 and its
+        attention of layer i run while the other's MoE round is in flight."""
+        h = [p.h for p in parts]
+        pending: list = [None, None]  # (residual, finisher) of an MoE round in flight
+        for i, layer in enumerate(self.layers):
+            for m, part in enumerate(parts):
+                if pending[m] is not None:
+                    residual, finish = pending[m]
+                    h[m], pending[m] = residual + finish(), None
+                h[m] = h[m] + self._decode_attention(i, layer, h[m], part, pool, attn)
+                x = rms_norm(h[m], layer.post_attn_norm, self.cfg.rms_norm_eps)
+                if isinstance(layer.mlp, MoE):
+                    pending[m] = (h[m], layer.mlp.submit(x))
+                else:
+                    h[m] = h[m] + layer.mlp(x)
+        for m in range(len(parts)):
+            if pending[m] is not None:
+                residual, finish = pending[m]
+                h[m] = residual + finish()
+        return h
+
+    def _decode_attention(
+        self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: _DecodeBatch, pool: LatentKVPool, attn: AttnPath
+    ) -> torch.Tensor:
+        """Attention output [B, M] of layer ``i`` for one decode batch (writes its new latents)."""
+        x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+        q_nope, q_rope, latent = layer.attn.project(x, batch.cos, batch.sin)
+        pool.write(i, batch.new_slots, latent)
+        if batch.paged:
+            o = layer.attn.attend_paged(
+                q_nope, q_rope, pool.data[i], batch.block_tables, batch.positions + 1, pool.page_size
+            )
+            return layer.attn.output(o)
+        latents = pool.read(i, batch.read_slots)  # [B, S, D]
+        if attn == "absorbed":
+            o = layer.attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, batch.mask)[:, 0]
+        else:
+            pos = batch.positions.tolist()
+            o = torch.cat([
+                layer.attn.attend_naive(q_nope[j : j + 1], q_rope[j : j + 1], latents[j, : pos[j] + 1], pos[j])
+                for j in range(len(pos))
+            ])
+        return layer.attn.output(o)
+
+
+@dataclass(slots=True)
+class _DecodeBatch:
+    """What every layer of one decode step needs for one (micro-)batch."""
+
+    h: torch.Tensor  # [B, M] embeddings
+    positions: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, pages]
+    new_slots: torch.Tensor  # [B]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    paged: bool  # the Triton kernel reads the pool directly
+    read_slots: torch.Tensor | None = None  # [B, S] (torch path)
+    mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
+
+    @classmethod
+    def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: str) -> _DecodeBatch:
+        new_slots = slots_for(block_tables, positions[:, None], page_size)[:, 0]
+        cos, sin = model.rope.cos_sin(positions, model.dtype)
+        batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin,
+                    model.impl == "triton" and attn == "absorbed")
+        if not batch.paged:
+            b, max_len = token_ids.shape[0], int(positions.max()) + 1
+            span = torch.arange(max_len)  # [S]
+            batch.read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), page_size)
+            batch.mask = (span[None, :] <= positions[:, None])[:, None, :]
+        return batch

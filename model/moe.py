@@ -180,11 +180,20 @@ class MoE:
         self.on_route = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.submit(x)()
+
+    def submit(self, x: torch.Tensor):
+        """Start the routed experts (asynchronously when the executor has ``submit``) and compute
+        the shared experts meanwhile; returns a function that waits and gives [T, M]."""
         assert self.executor is not None, "no expert executor set"
         ids, weights = route(self.cfg, self.gate, x, self.impl)
         if self.on_route is not None:
             self.on_route(self.layer_idx, ids)
-        y = self.executor(self.layer_idx, x, ids, weights)  # [T, M]
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            routed = submit(self.layer_idx, x, ids, weights)
+        else:
+            y = self.executor(self.layer_idx, x, ids, weights)  # [T, M]
+            routed = lambda: y  # noqa: E731
+        shared = self.shared(x) if self.shared is not None else None
+        return lambda: routed() if shared is None else routed() + shared

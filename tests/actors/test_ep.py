@@ -59,6 +59,7 @@ def ep_server(cluster, checkpoint, tmp_path_factory):
         "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
         "enable_cache": False, "num_pages": 256, "max_num_seqs": 8,
         "ep_shards": shards, "ep_slots": 18, "ep_nodes": 3,  # 16 experts + 2 redundant copies
+        "micro_batches": 2,  # decode rounds overlap: the kill and the rebalance hit rounds in flight
     })
     ray.get(server.check_health.remote(), timeout=300)
     return server, shards

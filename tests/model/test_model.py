@@ -62,6 +62,25 @@ def test_absorbed_and_naive_decode_agree(model):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("batch", [2, 5])
+def test_two_micro_batches_equal_one_batch(model, batch):
+    pool = model.new_pool(10 * batch, 16)
+    tables = torch.arange(10 * batch).view(batch, 10)
+    lengths = [20 + 31 * j for j in range(batch)]
+    for j, n in enumerate(lengths):
+        model.prefill(_ids(n, seed=30 + j), pool, tables[j])
+    snapshot = pool.data.clone()
+    tokens, positions = torch.arange(batch) + 3, torch.tensor(lengths)
+    one = model.decode(tokens, pool, tables, positions)
+    after_one = pool.data.clone()
+    pool.data.copy_(snapshot)
+    two = model.decode(tokens, pool, tables, positions, micro_batches=2)
+    torch.testing.assert_close(two, one, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.data, after_one, atol=1e-5, rtol=0)  # same latents written
+    with pytest.raises(ValueError, match="micro_batches must be 1 or 2, got 3"):
+        model.decode(tokens, pool, tables, positions, micro_batches=3)
+
+
 def test_prefill_rejects_a_block_table_too_small(model):
     with pytest.raises(ValueError, match="block table"):
         model.prefill(_ids(40), model.new_pool(4, 16), torch.arange(2))
