@@ -63,6 +63,25 @@ def bench_eplb(
     _emit(run_eplb_bench(exps, experts, groups, shards, nodes, slots, layers))
 
 
+@bench_app.command("ep")
+def bench_ep(
+    nodes: int = typer.Option(3, "--nodes", min=1, max=8, help="simulated nodes, one expert shard each"),
+    batch: int = typer.Option(32, "--batch", min=2),
+    context: int = typer.Option(256, "--context", min=1, help="tokens of KV per sequence"),
+    steps: int = typer.Option(8, "--steps", min=1, help="timed decode steps (median reported)"),
+    config: str = typer.Option("bench", "--config", help="named model config (random weights)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Decode tokens/s and step latency with experts on shards across simulated Ray nodes,
+    two micro-batches on and off, beside one process; dispatch_hidden_fraction."""
+    from deploy.bench.ep_bench import run_ep_bench
+    from model.config import NAMED_CONFIGS
+
+    if config not in NAMED_CONFIGS:
+        raise typer.BadParameter(f"--config {config!r} is not one of {sorted(NAMED_CONFIGS)}")
+    _emit(run_ep_bench(nodes, batch, context, steps, config))
+
+
 @bench_app.command("kernels")
 def bench_kernels(
     peak_gbps: float = typer.Option(None, "--peak-gbps", min=1.0, help="device peak memory GB/s (default: from NVML)"),

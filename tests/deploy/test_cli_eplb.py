@@ -79,3 +79,21 @@ def test_bench_eplb_json():
     assert rows["global"]["imbalance_after"] <= 1.05
     assert rows["spill"]["imbalance_after"] < rows["hierarchical"]["imbalance_after"]
     assert rows["hierarchical"]["spill_fraction"] < 1e-9 < rows["spill"]["spill_fraction"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bench_ep_json():
+    r = _tide("bench", "ep", "--nodes", "2", "--batch", "4", "--context", "16", "--steps", "2",
+              "--config", "tiny", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("single_process", "ep_overlap_off", "ep_overlap_on"):
+        assert out[key]["tokens_per_s"] > 0 and out[key]["step_ms"] > 0
+    assert out["ep_overlap_off"]["blocked_on_experts_ms"] > 0
+    assert 0.0 <= out["dispatch_hidden_fraction"] <= 1.0
+
+
+def test_bench_ep_bad_config():
+    r = _tide("bench", "ep", "--config", "huge")
+    assert r.returncode == 2 and "'huge'" in r.stderr
