@@ -77,11 +77,13 @@ class EplbConfig:
         return self.num_slots // self.num_shards
 
     def resolve_policy(self, num_experts: int) -> str:
-        """``auto`` -> ``hierarchical`` when groups and slots divide evenly over nodes, else ``global``."""
+        """``auto`` -> ``hierarchical`` when groups divide evenly over nodes and each node's shards
+        can be filled from its own experts (no expert twice on a shard), else ``global``."""
         if self.policy != "auto":
             return self.policy
         even = self.num_groups % self.num_nodes == 0 and num_experts % self.num_groups == 0
-        return "hierarchical" if even else "global"
+        fits = self.slots_per_shard <= num_experts // self.num_nodes
+        return "hierarchical" if even and fits else "global"
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,6 +113,12 @@ def test_config_errors_name_the_value(kwargs, message):
         EplbConfig(**kwargs)
 
 
+def test_auto_policy():
+    assert EplbConfig(288, 8, 4, 32).resolve_policy(256) == "hierarchical"
+    assert EplbConfig(18, 4, 3, 3).resolve_policy(16) == "global"  # groups do not divide over nodes
+    assert EplbConfig(18, 4, 2, 2).resolve_policy(16) == "global"  # 9 slots per shard > 8 experts per node
+
+
 def test_plan_errors_name_the_value():
     with pytest.raises(ValueError, match="num_slots 8 < 16"):
         plan(torch.ones(1, 16), EplbConfig(8, 4, 1, 4))
