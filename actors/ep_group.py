@@ -7,12 +7,16 @@ forms the gloo group (the replica is rank 0), and hands the model a ``cluster.ep
   every shard actor answers again (Ray restarts a dead one), reload the current placement where it
   is missing, re-form the group on a fresh port, and resend the layer.
 * Rebalance: plan from the executor's measured loads (``cluster.eplb``), load the new version on
-  every shard while serving continues, switch the executor between two layers, then drop the old
+  every shard while serving continues (an expert a shard lacks is copied from a shard that holds
+  it, through the object store), switch the executor between two rounds, then drop the old
   version. Routing never points at weights that are not in place.
+* Resize (scale-down / scale-up): the same, onto a new list of shards with a new gloo group; the
+  executor switches placement and group together, then the old group is stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -66,7 +70,8 @@ class EPGroup:
         self.recover_deadline_s = recover_deadline_s
         self.host = ray.util.get_node_ip_address()
         self.executor: EPExecutor | None = None
-        self.stats = {"reforms": 0, "rebalances": 0, "moved_slots": 0}
+        self.stats = {"reforms": 0, "rebalances": 0, "resizes": 0, "moved_slots": 0,
+                      "experts_from_peers": 0, "experts_from_checkpoint": 0}
         self._transport: GlooTransport | None = None
         self._rebalance_lock = threading.Lock()
 
@@ -85,14 +90,42 @@ class EPGroup:
         rows = placement.phy2log[:, shard_idx * per : (shard_idx + 1) * per].tolist()
         return {layer: rows[i] for i, layer in enumerate(self.moe_layers)}
 
-    def _load_everywhere(self, placement: Placement, version: int, timeout_s: float | None = None) -> None:
-        refs = [s.load.remote(version, self._slot_map(placement, i), self.moe_layers) for i, s in enumerate(self.shards)]
-        ray.get(refs, timeout=timeout_s)
+    def _load_everywhere(
+        self, placement: Placement, version: int, timeout_s: float | None = None,
+        shards: list | None = None, from_peers: bool = False,
+    ) -> None:
+        shards = self.shards if shards is None else shards
+        refs = []
+        for i, shard in enumerate(shards):
+            slot_map = self._slot_map(placement, i)
+            peers = self._peer_refs(slot_map, shard) if from_peers else None
+            refs.append(shard.load.remote(version, slot_map, self.moe_layers, peers))
+        for counts in ray.get(refs, timeout=timeout_s):
+            self.stats["experts_from_peers"] += counts["peer"]
+            self.stats["experts_from_checkpoint"] += counts["checkpoint"]
 
-    def _form(self) -> GlooTransport:
-        world = len(self.shards) + 1
+    def _peer_refs(self, slot_map: dict[int, list[int]], dst) -> dict[int, list]:
+        """For each layer, ``export`` calls on the current shards that hold the experts ``dst``
+        lacks (object refs; ``dst`` fetches them)."""
+        cur = self.executor.placement
+        per = cur.slots_per_shard
+        ids = [s._actor_id for s in self.shards]
+        dst_idx = ids.index(dst._actor_id) if dst._actor_id in ids else None
+        out: dict[int, list] = {}
+        for layer, experts in slot_map.items():
+            row = self.moe_layers.index(layer)
+            have = set(cur.phy2log[row, dst_idx * per : (dst_idx + 1) * per].tolist()) if dst_idx is not None else set()
+            by_src: dict[int, list[int]] = {}
+            for e in sorted(set(experts) - have):
+                by_src.setdefault(int(cur.log2phy[row, e, 0]) // per, []).append(e)
+            out[layer] = [self.shards[src].export.remote(layer, es) for src, es in by_src.items()]
+        return out
+
+    def _form(self, shards: list | None = None) -> GlooTransport:
+        shards = self.shards if shards is None else shards
+        world = len(shards) + 1
         port, group_id = _free_port(), uuid.uuid4().hex[:8]
-        for rank, shard in enumerate(self.shards, start=1):
+        for rank, shard in enumerate(shards, start=1):
             shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s)
         pg = form_group(self.host, port, 0, world, self.timeout_s)
         return GlooTransport(pg, world, self.dtype)
@@ -136,16 +169,52 @@ class EPGroup:
             if moved == 0:
                 return {"moved_slots": 0, "version": old_version}
             version = old_version + 1
-            self._load_everywhere(placement, version, timeout_s)  # serving continues meanwhile
+            self._load_everywhere(placement, version, timeout_s, from_peers=True)  # serving continues
             ex.switch_placement(placement, version)
-            deadline = time.monotonic() + timeout_s
-            while ex.version != version and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if ex.version == version:
+            if self._wait_switched(version, timeout_s):
                 ray.get([s.drop_except.remote([version]) for s in self.shards], timeout=timeout_s)
             self.stats["rebalances"] += 1
             self.stats["moved_slots"] += moved
             return {"moved_slots": moved, "version": version}
+
+    def resize(self, shards: list, num_nodes: int, timeout_s: float = 300.0) -> dict:
+        """Serve from ``shards`` (spread over ``num_nodes`` nodes) instead: EPLB re-plans onto
+        them (each shard keeps at least its slot count), weights move, and the group is re-formed.
+        Shards left out stop serving this replica and drop their weights."""
+        assert self.executor is not None, "start() first"
+        if not shards:
+            raise ValueError("resize needs at least one expert shard")
+        with self._rebalance_lock:
+            ex = self.executor
+            per = max(self.eplb.slots_per_shard, -(-self.num_experts // len(shards)))
+            eplb = dataclasses.replace(self.eplb, num_slots=per * len(shards), num_nodes=num_nodes,
+                                       num_shards=len(shards))
+            load = ex.load.clone()
+            if float(load.sum()) == 0.0:
+                load = torch.ones_like(load)
+            placement = plan(load, eplb)
+            version = ex.version + 1
+            self._load_everywhere(placement, version, timeout_s, shards=shards, from_peers=True)
+            transport = self._form(shards)
+            old_transport, old_shards = self._transport, self.shards
+            ex.switch_placement(placement, version, transport)
+            if not self._wait_switched(version, timeout_s):
+                raise TimeoutError(f"the executor did not switch to placement version {version} in {timeout_s}s")
+            self.shards, self.eplb, self._transport = shards, eplb, transport
+            if old_transport is not None:
+                old_transport.stop()
+            kept = {s._actor_id for s in shards}
+            ray.get([s.drop_except.remote([version] if s._actor_id in kept else []) for s in old_shards + shards],
+                    timeout=timeout_s)
+            self.stats["resizes"] += 1
+            return {"shards": len(shards), "slots": eplb.num_slots, "version": version}
+
+    def _wait_switched(self, version: int, timeout_s: float) -> bool:
+        """The executor takes a new placement when no round is in flight (at once when idle)."""
+        deadline = time.monotonic() + timeout_s
+        while self.executor.version != version and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.executor.version == version
 
     def close(self) -> None:
         if self._transport is not None:

@@ -18,6 +18,7 @@ from cluster.ep import ShardExperts
 from cluster.ep_gloo import form_group, serve_shard
 from model.checkpoint import DTYPES, load_expert_slots
 from model.config import load_config
+from model.moe import ExpertWeights
 
 __all__ = ["ExpertShard"]
 
@@ -31,6 +32,7 @@ class ExpertShard:
         self.hidden = load_config(checkpoint).hidden_size
         self.experts = ShardExperts()
         self.slot_maps: dict[int, dict[int, list[int]]] = {}  # version -> model layer -> experts
+        self.moe_layers: list[int] = []
         self.groups: dict[str, threading.Thread] = {}
         self.ended: dict[str, str] = {}
 
@@ -38,22 +40,71 @@ class ExpertShard:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "versions": self.experts.versions()}
 
-    def load(self, version: int, slot_map: dict[int, list[int]], moe_layers: list[int]) -> int:
+    def load(
+        self, version: int, slot_map: dict[int, list[int]], moe_layers: list[int], peers: dict | None = None
+    ) -> dict:
         """Hold ``version``: for each model layer, the experts of this shard's slots, in slot
-        order. Layers whose slots match an already-held version reuse those tensors. Returns the
-        number of layers read from the checkpoint."""
+        order. Each expert's weights come from this shard's own held versions, else from
+        ``peers`` (model layer -> object refs of other shards' ``export``), else the checkpoint.
+        Returns how many experts came from where."""
         if version in self.slot_maps:
-            return 0
-        reuse, fresh = {}, {}
+            return {"local": 0, "peer": 0, "checkpoint": 0}
+        self.moe_layers = list(moe_layers)
+        fetched: dict[tuple[int, int], tuple] = {}
+        for layer, refs in (peers or {}).items():
+            for part in ray.get(list(refs)):
+                fetched.update({(layer, e): w for e, w in part.items()})
+        counts = {"local": 0, "peer": 0, "checkpoint": 0}
+        tensors: dict[tuple[int, int], tuple] = {}
+        missing: dict[int, list[int]] = {}
+        same: dict[int, ExpertWeights] = {}  # layers whose slots are unchanged: share the tensors
         for layer, experts in slot_map.items():
             held = next((v for v, m in self.slot_maps.items() if m.get(layer) == experts), None)
-            (reuse if held is not None else fresh)[layer] = held if held is not None else experts
-        weights = load_expert_slots(self.checkpoint, fresh, self.dtype) if fresh else {}
-        for layer, held in reuse.items():
-            weights[layer] = self.experts.layer(held, moe_layers.index(layer))
-        self.experts.put(version, {moe_layers.index(layer): w for layer, w in weights.items()})
+            if held is not None:
+                same[layer] = self.experts.layer(held, moe_layers.index(layer))
+                counts["local"] += len(experts)
+                continue
+            for e in experts:
+                held = self._held(layer, e)
+                if held is not None:
+                    tensors[(layer, e)], counts["local"] = held, counts["local"] + 1
+                elif (layer, e) in fetched:
+                    tensors[(layer, e)], counts["peer"] = fetched[(layer, e)], counts["peer"] + 1
+                else:
+                    missing.setdefault(layer, []).append(e)
+        for layer, stacked in (load_expert_slots(self.checkpoint, missing, self.dtype) if missing else {}).items():
+            for i, e in enumerate(missing[layer]):
+                tensors[(layer, e)] = (stacked.gate_up[i], stacked.down[i])
+                counts["checkpoint"] += 1
+        weights = {
+            moe_layers.index(layer): same.get(layer) or ExpertWeights.stack(
+                [tensors[(layer, e)][0] for e in experts], [tensors[(layer, e)][1] for e in experts]
+            )
+            for layer, experts in slot_map.items()
+        }
+        self.experts.put(version, weights)
         self.slot_maps[version] = dict(slot_map)
-        return len(fresh)
+        return counts
+
+    def _held(self, layer: int, expert: int) -> tuple | None:
+        """(gate_up, down) of ``expert`` at model layer ``layer`` from any version held here."""
+        for version, layers in self.slot_maps.items():
+            experts = layers.get(layer, [])
+            if expert in experts:
+                w = self.experts.layer(version, self.moe_layers.index(layer))
+                i = experts.index(expert)
+                return w.gate_up[i], w.down[i]
+        return None
+
+    def export(self, layer: int, experts: list[int]) -> dict[int, tuple]:
+        """Weights of those ``experts`` of model layer ``layer`` that this shard holds (for a
+        peer loading a new placement; travels through the object store)."""
+        out = {}
+        for e in experts:
+            held = self._held(layer, e)
+            if held is not None:
+                out[e] = (held[0].clone(), held[1].clone())
+        return out
 
     def drop_except(self, keep: list[int]) -> None:
         self.experts.drop_except(set(keep))

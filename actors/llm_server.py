@@ -150,12 +150,18 @@ class LLMServer:
             placement = Placement.from_phy2log(torch.tensor(phy2log), self.model.cfg.n_routed_experts, len(self.ep.shards))
         return self.ep.rebalance(placement)
 
+    def resize_experts(self, shards: list, num_nodes: int) -> dict:
+        """Serve the routed experts from ``shards`` instead (scale-down / scale-up)."""
+        if self.ep is None:
+            raise ValueError("this replica does not use expert parallelism")
+        return self.ep.resize(shards, num_nodes)
+
     def ep_stats(self) -> dict:
         if self.ep is None:
             return {}
         ex = self.ep.executor
         return {**self.ep.stats, **ex.stats, "version": ex.version, "phy2log": ex.placement.phy2log.tolist(),
-                "load": ex.load.tolist()}
+                "load": ex.load.tolist(), "num_shards": ex.placement.num_shards}
 
     # -- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:

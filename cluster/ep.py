@@ -81,7 +81,7 @@ class EPExecutor:
         self.stats = {"rounds": 0, "retries": 0, "rows": 0, "wait_s": 0.0}
         self._lock = threading.Lock()
         self._placement, self._version = placement, 0
-        self._pending: tuple[Placement, int] | None = None
+        self._pending: tuple[Placement, int, Transport | None] | None = None
         self._in_flight = 0
 
     @property
@@ -92,16 +92,20 @@ class EPExecutor:
     def placement(self) -> Placement:
         return self._placement
 
-    def switch_placement(self, placement: Placement, version: int) -> None:
-        """Use ``placement`` (whose weights every shard holds as ``version``) for the next round
-        started when none is in flight; ``version`` changes then."""
+    def switch_placement(self, placement: Placement, version: int, transport: Transport | None = None) -> None:
+        """Use ``placement`` (whose weights every shard holds as ``version``), and ``transport``
+        when the shard set changes, for the next round started when none is in flight;
+        ``version`` changes then."""
         with self._lock:
-            self._pending = (placement, version)
+            self._pending = (placement, version, transport)
             self._apply_pending()
 
     def _apply_pending(self) -> None:
         if self._pending is not None and self._in_flight == 0:
-            (self._placement, self._version), self._pending = self._pending, None
+            placement, version, transport = self._pending
+            self._placement, self._version, self._pending = placement, version, None
+            if transport is not None:
+                self.transport = transport
 
     def __call__(
         self, layer_idx: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor

@@ -122,6 +122,8 @@ def test_rebalance_during_a_stream_loses_nothing(ep_server, reference):
     assert moved["moved_slots"] > 0
     after = ray.get(server.ep_stats.remote())
     assert after["version"] == before["version"] + 1 and after["phy2log"] == shifted
+    assert after["experts_from_peers"] > before["experts_from_peers"]  # moved between shards
+    assert after["experts_from_checkpoint"] == before["experts_from_checkpoint"]
     # and a plan from the measured loads
     assert ray.get(server.rebalance_experts.remote())["version"] >= after["version"]
     assert _generate_all(server) == reference
@@ -175,3 +177,22 @@ def test_prefill_decode_split_with_ep_equals_single_process(ep_server, checkpoin
     assert all(n > 0 for n in served)  # both decode replicas took requests
     router.balancer.check_integrity()
     assert all(r.reserved_tokens == 0 for r in router.balancer.replicas.values())
+
+
+def test_scale_down_and_up_during_a_stream(ep_server, reference):
+    """Re-plan onto two shards (node 2's shard leaves) mid-stream, then back onto three; weights
+    move between shards through the object store and the group is re-formed each time."""
+    import ray
+
+    server, shards = ep_server
+    before = ray.get(server.ep_stats.remote())
+    result = {}
+    out = _while_streaming(server, lambda: result.update(ray.get(server.resize_experts.remote(shards[:2], 2))))
+    assert out == reference
+    assert result["shards"] == 2 and result["slots"] >= 16
+    down = ray.get(server.ep_stats.remote())
+    assert down["num_shards"] == 2 and down["experts_from_peers"] > before["experts_from_peers"]
+    assert ray.get(shards[2].info.remote())["versions"] == []  # the lent shard dropped its weights
+    out = _while_streaming(server, lambda: ray.get(server.resize_experts.remote(shards, 3)))
+    assert out == reference
+    assert ray.get(server.ep_stats.remote())["num_shards"] == 3
