@@ -28,9 +28,10 @@ from cachedir.hashing import Namespace
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig
+from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine, EngineConfig
 from cluster.eplb import EplbConfig, Placement
-from cluster.request import GenerationRequest, Prefilled, RequestOutput, TokenSources
+from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, TokenSources
 from model.checkpoint import load_model, weights_digest
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
@@ -109,9 +110,12 @@ class LLMServer:
                          micro_batches=int(cfg.get("micro_batches", 1))),
             namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
         )
+        # One usage log per replica process (``tide stats`` reads them all).
+        self.usage = JsonlLog(Path(cfg["usage_dir"]) / f"{self.node_id}.jsonl") if cfg.get("usage_dir") else None
         self.publisher = None
         if cfg.get("directory_url") and self.cache is not None:
-            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id)
+            options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
+            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id, **options)
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -179,6 +183,9 @@ class LLMServer:
                     continue
                 for o in outputs:
                     self._deliver(o.request_id, output_to_dict(o))
+                    if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:
+                        self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens,
+                                                      o.completion_tokens, o.decode_s))
             now = time.monotonic()
             if self.publisher is not None and now - last_sync > 1.0:
                 last_sync = now

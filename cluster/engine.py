@@ -359,6 +359,7 @@ class Engine:
         return RequestOutput(
             seq.req.request_id, new, text, seq.finished is not None, seq.finished,
             len(seq.req.prompt_ids), len(seq.output_ids), seq.sources.cached, seq.sources, handoff,
+            time.monotonic() - seq.first_token_s if seq.finished and seq.first_token_s is not None else 0.0,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:

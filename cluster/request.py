@@ -78,6 +78,7 @@ class RequestOutput:
     cached_tokens: int
     sources: TokenSources
     handoff: Prefilled | None = None  # with finish_reason HANDOFF
+    decode_s: float = 0.0  # first to last output token, set when finished
 
 
 @dataclass(slots=True)

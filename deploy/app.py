@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from actors.llm_server import LLMServer
@@ -21,7 +21,10 @@ __all__ = ["AppArgs", "build_app"]
 
 
 class AppArgs(BaseModel):
-    """Arguments of the app (``args:`` in a Serve config). Unset paths get local defaults."""
+    """Arguments of the app (``args:`` in a Serve config). Unset paths get local defaults;
+    unknown fields are an error (a typo must not silently fall back to a default)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     checkpoint: str | None = None  # default: the built-in 'tiny' model
     model_name: str = "tiny"
@@ -37,6 +40,8 @@ class AppArgs(BaseModel):
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    directory_password_env: str | None = None  # name of the env var holding the Redis password
+    usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
     api_keys: dict[str, str] | None = None  # key -> tenant; also TIDE_API_KEYS="key:tenant,..."
     limits: dict[str, int] | None = None
 
@@ -67,7 +72,12 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "ssd_bytes": int(a.ssd_gb * 1e9), "ram_bytes": a.ram_mb << 20, "admission": a.admission,
         "enable_cache": a.enable_cache, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
         "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
+        "usage_dir": a.usage_dir or str(cache_root() / "usage"),
     }
+    if a.directory_password_env:
+        if a.directory_password_env not in os.environ:
+            raise ValueError(f"directory_password_env names {a.directory_password_env!r}, which is not set")
+        server_cfg["directory_password"] = os.environ[a.directory_password_env]
     server = serve.deployment(
         LLMServer, name="LLMServer", num_replicas=a.replicas,
         ray_actor_options={"num_cpus": a.replica_cpus},

@@ -14,6 +14,7 @@ import typer
 
 from deploy.bench.cli import bench_app
 from deploy.eplb_cli import eplb_app
+from deploy.stats_cli import stats
 
 app = typer.Typer(
     help="tideserve: serve DeepSeek-style models (MLA + MoE) on Ray with a disk prompt cache.",
@@ -22,6 +23,7 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.add_typer(eplb_app, name="eplb")
+app.command("stats")(stats)
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model):

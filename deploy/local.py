@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.daily_report import JsonlLog, NodeSample
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 from model.default import cache_root
 
@@ -79,6 +80,7 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         state["url"] = url + "/v1"
         state_path().parent.mkdir(parents=True, exist_ok=True)
         state_path().write_text(json.dumps(state, indent=2))
+        record_serving_nodes(1)
         return state
     except BaseException:
         _teardown(state)
@@ -134,4 +136,10 @@ def down() -> bool:
         return False
     _teardown(state)
     state_path().unlink(missing_ok=True)
+    record_serving_nodes(0)
     return True
+
+
+def record_serving_nodes(n: int) -> None:
+    """Append to the serving-node log that ``tide stats`` integrates into node-hours."""
+    JsonlLog(cache_root() / "nodes.jsonl").append(NodeSample(time.time(), n))

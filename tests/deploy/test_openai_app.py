@@ -20,19 +20,24 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
+def tide_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("tide")
+
+
+@pytest.fixture(scope="module")
+def base_url(tide_home):
     import ray
     from ray import serve
 
     from deploy.app import build_app
     from deploy.redis_proc import wait_healthy
 
-    home = tmp_path_factory.mktemp("tide")
+    home = tide_home
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"cache_dir": str(home / "cache"), "replica_cpus": 1, "num_pages": 512,
+    app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1, "num_pages": 512,
                      "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}, "limits": {"max_tokens": 64}})
     serve.run(app, name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
@@ -134,3 +139,21 @@ def test_metrics(base_url, client):
     assert 'tide_cache_bytes{tier="ssd"}' in text
     assert "tide_engine_queued" in text and "tide_time_per_output_token_seconds_bucket" in text
     json.dumps(text)
+
+
+def test_finished_requests_are_logged_for_tide_stats(client, tide_home):
+    import time
+
+    from cluster.daily_report import UsageRecord, read_jsonl
+
+    r = client.completions.create(model="tiny", prompt="usage " * 30, max_tokens=5, temperature=0)
+    deadline = time.monotonic() + 10
+    while True:
+        records = read_jsonl(sorted((tide_home / "usage").glob("*.jsonl")), UsageRecord)
+        match = [u for u in records if u.prompt_tokens == r.usage.prompt_tokens
+                 and u.completion_tokens == r.usage.completion_tokens]
+        if match or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert match, records
+    assert match[-1].cached_tokens == r.usage.model_extra["prompt_cache_hit_tokens"]

@@ -1,0 +1,75 @@
+"""``tide stats``: DeepSeek's daily report for this cluster (``cluster.daily_report``).
+
+Reads the usage logs every replica appends to (``$TIDE_HOME/usage/*.jsonl``, one line per finished
+request) and the serving-node log (``$TIDE_HOME/nodes.jsonl``: ``tide up`` and ``tide scale``
+append a sample whenever the number of serving nodes changes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from cluster.daily_report import NodeSample, Prices, UsageRecord, daily_report, read_jsonl
+from cluster.scaling import Schedule
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_window(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise typer.BadParameter(f"--window {text!r} must be a positive number with s, m, h or d (e.g. 24h)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def stats(
+    window: str = typer.Option("24h", "--window", help="report period ending now: 90m, 24h, 7d"),
+    usage_dir: Path = typer.Option(None, "--usage-dir", help="usage logs (default: $TIDE_HOME/usage)"),
+    nodes_log: Path = typer.Option(None, "--nodes-log", help="serving-node samples (default: $TIDE_HOME/nodes.jsonl)"),
+    price_hit: float = typer.Option(0.07, "--price-hit", min=0, help="per 1M cache-hit input tokens"),
+    price_miss: float = typer.Option(0.27, "--price-miss", min=0, help="per 1M cache-miss input tokens"),
+    price_output: float = typer.Option(1.10, "--price-output", min=0, help="per 1M output tokens"),
+    node_hour_cost: float = typer.Option(16.0, "--node-hour-cost", min=0, help="cost of one serving node-hour"),
+    night_discount: float = typer.Option(0.0, "--night-discount", min=0, max=0.99, help="e.g. 0.5: half price at night"),
+    night: str = typer.Option("00:30-08:30", "--night", help="night window HH:MM-HH:MM for the discount"),
+    timezone: str = typer.Option("Asia/Shanghai", "--tz", help="timezone of --night"),
+    now: float = typer.Option(None, "--now", help="end of the window as Unix time (default: now)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Input tokens, cache-hit tokens and rate, output tokens, average output tokens/s per request,
+    average KV length, serving nodes peak/average, theoretical revenue against node-hour cost."""
+    from model.default import cache_root
+
+    window_s = parse_window(window)
+    usage_dir = usage_dir or cache_root() / "usage"
+    nodes_log = nodes_log or cache_root() / "nodes.jsonl"
+    if not usage_dir.is_dir():
+        raise typer.BadParameter(f"--usage-dir {str(usage_dir)!r} does not exist (has the cluster served yet?)")
+    try:
+        start, _, end = night.partition("-")
+        schedule = Schedule.parse(end, start, timezone)  # the night ends when the day starts
+    except ValueError as e:
+        raise typer.BadParameter(f"--night/--tz: {e}") from None
+    prices = Prices(price_hit, price_miss, price_output, node_hour_cost, night_discount, schedule)
+    usage = read_jsonl(sorted(usage_dir.glob("*.jsonl")), UsageRecord)
+    nodes = read_jsonl([nodes_log], NodeSample) if nodes_log.is_file() else []
+    report = daily_report(usage, nodes, window_s, now if now is not None else time.time(), prices)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tideserve, {report['window_start']} .. {report['window_end']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in report.items():
+        if key not in ("window_start", "window_end", "prices"):
+            table.add_row(key, f"{value:,}" if isinstance(value, int | float) else str(value))
+    Console().print(table)

@@ -1,0 +1,64 @@
+"""The daily report: totals that add up, time-weighted nodes, revenue at list prices."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.daily_report import JsonlLog, NodeSample, Prices, UsageRecord, daily_report, read_jsonl
+from cluster.scaling import Schedule
+
+DAY = 86400.0
+T0 = 1_796_000_000.0  # some Unix time
+
+
+def test_totals_add_up_and_revenue_follows_the_prices():
+    usage = [
+        UsageRecord(T0 + 10, 1000, 600, 100, 2.0),
+        UsageRecord(T0 + 20, 500, 0, 50, 1.0),
+        UsageRecord(T0 - 2 * DAY, 999, 999, 999, 1.0),  # outside the window
+    ]
+    prices = Prices(cache_hit_input=1.0, cache_miss_input=2.0, output=4.0, node_hour_cost=0.0)
+    r = daily_report(usage, [], DAY, T0 + 100, prices)
+    assert r["requests"] == 2
+    assert r["input_tokens"] == 1500 and r["cache_hit_tokens"] == 600 and r["cache_miss_tokens"] == 900
+    assert r["cache_hit_tokens"] + r["cache_miss_tokens"] == r["input_tokens"]
+    assert r["cache_hit_rate"] == 0.4
+    assert r["output_tokens"] == 150
+    assert r["avg_output_tokens_per_s"] == 50.0  # (100/2 + 50/1) / 2
+    assert r["avg_kv_length"] == (1100 + 550) / 2
+    assert r["revenue"] == pytest.approx((600 * 1 + 900 * 2 + 150 * 4) / 1e6)
+    assert r["serving_nodes_peak"] is None and r["cost"] is None
+
+
+def test_serving_nodes_are_time_weighted_and_cost_node_hours():
+    nodes = [NodeSample(T0 - 100, 8), NodeSample(T0 + 6 * 3600, 2), NodeSample(T0 + 12 * 3600, 8)]
+    r = daily_report([UsageRecord(T0 + 1, 10, 0, 10, 1.0)], nodes, DAY, T0 + DAY, Prices(node_hour_cost=10.0))
+    assert r["serving_nodes_peak"] == 8
+    assert r["serving_nodes_avg"] == pytest.approx((6 * 8 + 6 * 2 + 12 * 8) / 24)
+    assert r["node_hours"] == pytest.approx(6 * 8 + 6 * 2 + 12 * 8)
+    assert r["cost"] == pytest.approx(10.0 * r["node_hours"])
+
+
+def test_night_discount_applies_to_requests_finishing_at_night():
+    night = Schedule.parse("08:00", "00:00")
+    midnight = 1_796_083_200.0  # a UTC midnight
+    usage = [UsageRecord(midnight + 3600, 0, 0, 1_000_000, 1.0), UsageRecord(midnight + 12 * 3600, 0, 0, 1_000_000, 1.0)]
+    r = daily_report(usage, [], DAY, midnight + DAY, Prices(output=2.0, night_discount=0.5, night=night))
+    assert r["revenue"] == pytest.approx(1.0 + 2.0)
+
+
+def test_usage_log_round_trip_skips_a_torn_line(tmp_path):
+    log = JsonlLog(tmp_path / "u" / "usage.jsonl")
+    log.append(UsageRecord(T0, 10, 5, 3, 0.5, "alpha"))
+    with open(log.path, "a") as f:
+        f.write('{"end_s": 1, "prompt')  # a writer killed mid-line
+    assert read_jsonl([log.path], UsageRecord) == [UsageRecord(T0, 10, 5, 3, 0.5, "alpha")]
+
+
+def test_bad_records_and_prices_are_refused():
+    with pytest.raises(ValueError, match="inconsistent"):
+        UsageRecord(T0, 10, 11, 0, 0.0)
+    with pytest.raises(ValueError, match="night_discount"):
+        Prices(night_discount=1.5)
+    with pytest.raises(ValueError, match="output"):
+        Prices(output=-1)

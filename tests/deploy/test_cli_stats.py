@@ -1,0 +1,102 @@
+"""``tide stats`` after a replayed load: the report's numbers add up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import islice
+from pathlib import Path
+
+import pytest
+
+from cachedir.hashing import Namespace
+from cachedir.node_cache import CacheConfig, NodeCache
+from cachedir.store import StoreConfig
+from cachedir.trace import read_trace
+from cluster.daily_report import JsonlLog, NodeSample, UsageRecord
+from cluster.engine import Engine, EngineConfig
+from cluster.request import GenerationRequest
+from model.checkpoint import build_model, random_state_dict
+from model.config import named_config
+from model.tokenizer import ByteTokenizer
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+T0 = 1_796_000_000.0
+TOKENS_PER_HASH = 32  # the trace's 512-token blocks, scaled down
+
+
+def _tide(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def _sharing_requests(n: int):
+    """The first ``n`` trace requests whose first two blocks another request also starts with
+    (so the replay has prefixes to hit), in trace order."""
+    from collections import Counter
+
+    reqs = list(islice(read_trace(TRACE), 3000))
+    starts = Counter(r.hash_ids[:2] for r in reqs if len(r.hash_ids) >= 3)
+    return [r for r in reqs if len(r.hash_ids) >= 3 and starts[r.hash_ids[:2]] >= 2][:n]
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    """Replay the first requests of the trace through a real engine with a disk cache and log
+    every finished request as the serving app does."""
+    if not TRACE.is_file():
+        pytest.skip(f"no trace at {TRACE}")
+    home = tmp_path_factory.mktemp("home")
+    cfg = named_config("tiny")
+    model = build_model(cfg, random_state_dict(cfg, seed=1))
+    cache = NodeCache(CacheConfig(StoreConfig(home / "ssd", capacity_bytes=1 << 30), ram_bytes=32 << 20))
+    engine = Engine(model, EngineConfig(num_pages=512), Namespace(cfg.fingerprint(), "t", "float32", "l", 64),
+                    ByteTokenizer().decode, None, cache)
+    log = JsonlLog(home / "usage" / "replica-0.jsonl")
+    for i, req in enumerate(_sharing_requests(12)):
+        hashes = req.hash_ids[:8]  # prompts cut to 8 blocks of 32 tokens so the replay is quick
+        prompt = tuple(t for h in hashes for t in ((h * 7 + j) % 250 for j in range(TOKENS_PER_HASH)))
+        engine.add_request(GenerationRequest(f"r{i}", prompt, 4))
+        for outs in engine.run_to_completion().values():
+            o = outs[-1]
+            log.append(UsageRecord(T0 + req.timestamp_ms / 1000, o.prompt_tokens, o.cached_tokens,
+                                   o.completion_tokens, max(o.decode_s, 1e-3)))
+        cache.flush()
+    nodes = JsonlLog(home / "nodes.jsonl")
+    nodes.append(NodeSample(T0 - 3600, 3))
+    nodes.append(NodeSample(T0 + 600, 1))
+    return home
+
+
+def test_stats_json_adds_up(replayed):
+    r = _tide("stats", "--window", "24h", "--now", str(T0 + 20 * 3600), "--price-hit", "1", "--price-miss", "2",
+              "--price-output", "4", "--node-hour-cost", "10", "--json", env={"TIDE_HOME": str(replayed)})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    records = [json.loads(line) for line in (replayed / "usage" / "replica-0.jsonl").read_text().splitlines()]
+    assert out["requests"] == len(records) == 12
+    assert out["input_tokens"] == sum(u["prompt_tokens"] for u in records)
+    assert out["cache_hit_tokens"] + out["cache_miss_tokens"] == out["input_tokens"]
+    assert out["cache_hit_tokens"] > 0  # the trace's shared prefixes hit the disk cache
+    assert out["cache_hit_rate"] == round(out["cache_hit_tokens"] / out["input_tokens"], 4)
+    assert out["output_tokens"] == 12 * 4
+    assert out["revenue"] == pytest.approx(
+        (out["cache_hit_tokens"] * 1 + out["cache_miss_tokens"] * 2 + out["output_tokens"] * 4) / 1e6)
+    assert out["serving_nodes_peak"] == 3
+    # nodes are known from the first sample (T0-1h): 3 until T0+600s, then 1 until T0+20h
+    assert out["node_hours"] == pytest.approx(3 * (1 + 600 / 3600) + 1 * (20 - 600 / 3600), rel=1e-3)
+    assert out["cost"] == pytest.approx(10 * out["node_hours"], rel=1e-3)
+    for field in ("avg_output_tokens_per_s", "avg_kv_length", "serving_nodes_avg", "margin"):
+        assert out[field] is not None
+
+
+def test_stats_table_and_bad_arguments(replayed):
+    env = {"TIDE_HOME": str(replayed)}
+    r = _tide("stats", "--now", str(T0 + 3600), env=env)
+    assert r.returncode == 0 and "cache_hit_rate" in r.stdout
+    r = _tide("stats", "--window", "yesterday", env=env)
+    assert r.returncode == 2 and "'yesterday'" in r.stderr
+    r = _tide("stats", "--usage-dir", "/nonexistent", env=env)
+    assert r.returncode == 2 and "/nonexistent" in r.stderr.replace("\n", "").replace("│", "")

@@ -1,0 +1,132 @@
+"""k8s/: every manifest validates (KubeRay CRD schemas, core kinds against the official client's
+models), serveConfigV2 against Ray Serve's schema and our AppArgs, and the kustomization renders."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
+CRDS = {"RayService": "rayservice_v1.json", "RayJob": "rayjob_v1.json", "RayCluster": "raycluster_v1.json"}
+
+
+def documents() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs.append((f"{path.name}:{doc['kind']}/{doc['metadata']['name']}", doc))
+    return docs
+
+
+DOCS = documents()
+
+
+def test_the_expected_kinds_are_there():
+    kinds = sorted(d["kind"] for _, d in DOCS)
+    for kind in ("RayService", "RayJob", "StatefulSet", "Service", "Secret", "CronJob", "ServiceAccount",
+                 "Role", "RoleBinding"):
+        assert kind in kinds, kind
+
+
+@pytest.mark.parametrize("name, doc", [d for d in DOCS if d[1]["kind"] in CRDS], ids=lambda v: v if isinstance(v, str) else "")
+def test_kuberay_resources_validate_against_the_crd_schemas(name, doc):
+    jsonschema = pytest.importorskip("jsonschema")
+    path = SCHEMAS / CRDS[doc["kind"]]
+    if not path.is_file():
+        pytest.skip(f"KubeRay schema {path} is not available")
+    assert doc["apiVersion"] == "ray.io/v1"
+    schema = json.loads(path.read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+
+
+def _core_model(doc: dict) -> str:
+    group_version = doc["apiVersion"].split("/")[-1]
+    return f"{group_version.capitalize()}{doc['kind']}"
+
+
+def _check_model(data, type_name: str, path: str) -> None:
+    """Every key is a field of the kubernetes client model, recursively; required fields present."""
+    import kubernetes.client.models as models
+
+    m = re.fullmatch(r"list\[(.+)\]", type_name)
+    if m:
+        assert isinstance(data, list), f"{path}: expected a list"
+        for i, item in enumerate(data):
+            _check_model(item, m.group(1), f"{path}[{i}]")
+        return
+    m = re.fullmatch(r"dict\((.+), (.+)\)", type_name)
+    if m:
+        assert isinstance(data, dict), f"{path}: expected a mapping"
+        for k, v in data.items():
+            _check_model(v, m.group(2), f"{path}.{k}")
+        return
+    cls = getattr(models, type_name, None)
+    if cls is None:  # str, int, bool, object, datetime
+        return
+    assert isinstance(data, dict), f"{path}: expected a {type_name} mapping"
+    by_json = {json_key: attr for attr, json_key in cls.attribute_map.items()}
+    for key, value in data.items():
+        assert key in by_json, f"{path}: {type_name} has no field {key!r}"
+        _check_model(value, cls.openapi_types[by_json[key]], f"{path}.{key}")
+    # constructing the model runs the client's own required-field checks
+    from kubernetes.client import ApiClient
+
+    ApiClient()._ApiClient__deserialize(data, type_name)
+
+
+@pytest.mark.parametrize("name, doc", [d for d in DOCS if d[1]["kind"] not in CRDS], ids=lambda v: v if isinstance(v, str) else "")
+def test_core_resources_validate_against_the_kubernetes_models(name, doc):
+    pytest.importorskip("kubernetes")
+    _check_model(doc, _core_model(doc), name)
+
+
+def test_serve_config_v2_is_a_valid_serve_config_of_our_app():
+    from ray.serve.schema import ServeDeploySchema
+
+    from deploy.app import AppArgs
+
+    (service,) = [d for _, d in DOCS if d["kind"] == "RayService"]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    (app,) = config.applications
+    assert app.import_path == "deploy.app:build_app"
+    AppArgs(**app.args)  # unknown or bad fields raise
+
+
+def test_rbac_allows_exactly_what_the_scaler_needs():
+    (role,) = [d for _, d in DOCS if d["kind"] == "Role"]
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
+    assert rules[(("ray.io",), ("rayservices",))] == {"get", "patch"}
+    assert rules[(("ray.io",), ("rayclusters",))] == {"get", "patch"}
+    assert all("*" not in verbs and "delete" not in verbs or res == ("rayjobs",) for (_, res), verbs in rules.items())
+
+
+def test_the_training_job_only_runs_on_lendable_nodes():
+    (job,) = [d for _, d in DOCS if d["kind"] == "RayJob"]
+    assert json.loads(job["spec"]["entrypointResources"]) == {"lendable": 1}
+    (service,) = [d for _, d in DOCS if d["kind"] == "RayService"]
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert "lendable" in groups["lendable"]["rayStartParams"]["resources"]
+    assert "lendable" not in groups["serve"]["rayStartParams"]["resources"]
+
+
+def test_kustomization_renders():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (Debian: kubernetes-client); the manifests were validated above")
+    r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert len(rendered) == len(DOCS)
+    assert all(d["metadata"].get("namespace") == "tideserve" for d in rendered if d["kind"] != "Namespace")
