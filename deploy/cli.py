@@ -14,7 +14,9 @@ import typer
 
 from deploy.bench.cli import bench_app
 from deploy.eplb_cli import eplb_app
+from deploy.scale_cli import scale
 from deploy.stats_cli import stats
+from deploy.train_cli import train_app
 
 app = typer.Typer(
     help="tideserve: serve DeepSeek-style models (MLA + MoE) on Ray with a disk prompt cache.",
@@ -24,6 +26,8 @@ app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 app.add_typer(eplb_app, name="eplb")
 app.command("stats")(stats)
+app.add_typer(train_app, name="train")
+app.command("scale")(scale)
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model):

@@ -169,7 +169,9 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto
     kernels_impl = resolve_impl(impl, sd["model.embed_tokens.weight"].device)
 
     def mlp(prefix: str) -> SwiGLU:
-        gate_up = torch.cat((sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]))
+        gate_up = sd.get(prefix + "gate_up_proj.weight")  # already fused (the trainer holds it so)
+        if gate_up is None:
+            gate_up = torch.cat((sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]))
         return SwiGLU(gate_up, sd[prefix + "down_proj.weight"])
 
     layers, experts = [], {}

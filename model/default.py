@@ -1,5 +1,7 @@
-"""The default model: a named small config whose weights are made deterministically from a seed
-and saved in Hugging Face format on first use, so the main job runs with no download."""
+"""The default model: the ``tiny`` config with weights trained by ``tide train`` and shipped in the
+package (``model/weights/tiny``, bf16, a few MB), so the main job answers with language-like
+text and needs no download. Without the shipped weights (or for other named configs) the weights
+are made deterministically from a seed and saved in Hugging Face format on first use."""
 
 from __future__ import annotations
 
@@ -28,5 +30,10 @@ def ensure_named_checkpoint(name: str, root: Path | None = None, seed: int = SEE
     return ckpt
 
 
+SHIPPED = Path(__file__).resolve().parent / "weights" / DEFAULT_MODEL
+
+
 def default_checkpoint(root: Path | None = None) -> Path:
+    if (SHIPPED / "model.safetensors").is_file() and (SHIPPED / "config.json").is_file():
+        return SHIPPED
     return ensure_named_checkpoint(DEFAULT_MODEL, root)

@@ -1,0 +1,90 @@
+"""``tide train``: train the tideserve architecture on the standard library's docstrings.
+
+``run`` trains in this process (resumable: run it again with the same ``--out`` and it continues;
+SIGTERM or SIGINT checkpoints and stops, which is how the morning scale-up ends a night's
+training). ``export`` writes a compact serving checkpoint (bf16 by default) from a training run;
+the default model shipped in ``model/weights/tiny`` was made by
+
+    tide train run --out runs/tiny --minutes 45 && tide train export runs/tiny model/weights/tiny
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+train_app = typer.Typer(help="Train the model architecture (resumable, HF-format checkpoints).", no_args_is_help=True)
+
+
+@train_app.command("run")
+def train_run(
+    out: Path = typer.Option(..., "--out", help="checkpoint directory (resumed when it holds one)"),
+    config: str = typer.Option("tiny", "--config", help="named model config for a new run"),
+    steps: int = typer.Option(100000, "--steps", min=1, help="total optimizer steps (the LR schedule's length)"),
+    minutes: float = typer.Option(None, "--minutes", min=0.0, help="stop (with a checkpoint) after this long"),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    seq_len: int = typer.Option(256, "--seq-len", min=32),
+    lr: float = typer.Option(3e-3, "--lr", min=0.0),
+    checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1),
+    docs_limit: int = typer.Option(None, "--docs-limit", min=1, help="use only the first N docstrings"),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON line per step"),
+) -> None:
+    """Train on the docstrings of this Python's standard library (offline, English)."""
+    from model.config import named_config
+    from model.train import TrainConfig, Trainer, encode_corpus, stdlib_documents
+
+    try:
+        cfg = named_config(config)
+        train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, min_lr=lr / 10,
+                            checkpoint_every=checkpoint_every, seed=seed)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    corpus = encode_corpus(stdlib_documents(limit=docs_limit), seed)
+    trainer = Trainer(cfg, train, out, corpus)
+    stop = {"now": False}
+
+    def on_signal(signum, frame) -> None:
+        stop["now"] = True  # finish the step, checkpoint, exit
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    deadline = time.monotonic() + minutes * 60 if minutes is not None else None
+
+    def report(row: dict) -> None:
+        if as_json:
+            sys.stdout.write(json.dumps(row) + "\n")
+            sys.stdout.flush()
+        elif row["step"] % 10 == 0:
+            print(f"step {row['step']}: loss {row['loss']:.3f}  {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+
+    start_step = trainer.step
+    last = trainer.run(deadline, lambda: stop["now"], report)
+    summary = {"out": str(out), "started_at_step": start_step, "step": trainer.step, "loss": last.get("loss"),
+               "corpus_tokens": int(corpus.numel()), "stopped_by_signal": stop["now"]}
+    sys.stdout.write(json.dumps({"done": summary}) + "\n")
+
+
+@train_app.command("export")
+def train_export(
+    run_dir: Path = typer.Argument(..., help="a `tide train run --out` directory"),
+    dest: Path = typer.Argument(..., help="serving checkpoint directory to write"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16 | float16"),
+) -> None:
+    """Write a serving checkpoint (config.json + model.safetensors) from a training run."""
+    from model.checkpoint import DTYPES, load_config, load_state_dict, save_checkpoint
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if not (run_dir / "model.safetensors").is_file():
+        raise typer.BadParameter(f"{str(run_dir)!r} holds no model.safetensors")
+    cfg = load_config(run_dir)
+    sd = load_state_dict(run_dir, cfg, DTYPES[dtype])
+    save_checkpoint(dest, cfg, sd)
+    size = (dest / "model.safetensors").stat().st_size
+    sys.stdout.write(json.dumps({"dest": str(dest), "bytes": size}) + "\n")

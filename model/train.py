@@ -1,0 +1,276 @@
+"""Training the tideserve architecture (next-token prediction), resumable, in HF checkpoint format.
+
+Legend: B sequences per step, T tokens per sequence, M hidden, V vocab, E routed experts.
+
+The forward pass reuses the serving model's layers (the same MLA projections, naive attention,
+gates and SwiGLU experts) on tensors that require grad, without the paged pool: one causal pass
+per sequence. Routed experts run through the differentiable torch reference; the V3 gate's
+``e_score_correction_bias`` is trained the way DeepSeek-V3 balances load without an auxiliary
+loss: after each step it moves by ``bias_rate`` towards under-loaded experts.
+
+The corpus is English that ships with every Python: the docstrings of the standard library.
+Half of the documents are shaped as a chat turn (the user names the function or class, the
+assistant answers with its docstring), so a chat request gets documentation-like English back.
+
+Checkpoints are written atomically to ``out`` (``config.json`` + ``model.safetensors`` +
+``trainer_state.pt`` with the optimizer, step and RNG), so a killed or stopped run resumes.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import random
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_gemv import ref_moe_routed
+from model.checkpoint import (
+    build_model,
+    load_config,
+    load_state_dict,
+    random_state_dict,
+    save_checkpoint,
+)
+from model.config import ModelConfig
+from model.layers import rms_norm
+from model.model import DeepseekModel
+from model.moe import MoE, route
+from model.tokenizer import ByteTokenizer
+
+__all__ = ["TrainConfig", "Trainer", "encode_corpus", "stdlib_documents"]
+
+FUSED = "gate_up_proj.weight"  # dense MLP gate and up rows, fused (see model.checkpoint.build_model)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    bias_rate: float = 1e-3
+    seed: int = 0
+    checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 32:
+            raise ValueError(f"seq_len must be >= 32, got {self.seq_len}")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"need 0 < min_lr ({self.min_lr}) <= lr ({self.lr})")
+
+
+def stdlib_documents(root: Path | None = None, limit: int | None = None) -> list[tuple[str, str]]:
+    """(name, docstring) of modules, classes and functions of the standard library, sorted."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    docs: list[tuple[str, str]] = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in ("test", "tests", "idle_test", "site-packages") for part in path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40 and doc.isascii():
+                    name = path.stem if isinstance(node, ast.Module) else f"{path.stem}.{node.name}"
+                    docs.append((name, doc))
+        if limit is not None and len(docs) >= limit:
+            return docs[:limit]
+    return docs
+
+
+def encode_corpus(docs: list[tuple[str, str]], seed: int) -> torch.Tensor:
+    """One token stream: each document as plain text or as a chat turn, EOS between them."""
+    tok = ByteTokenizer()
+    rng = random.Random(seed)
+    ids: list[int] = []
+    for name, doc in docs:
+        if rng.random() < 0.5:
+            ids += tok.apply_chat_template([{"role": "user", "content": name}]) + tok.encode(doc) + [tok.EOS]
+        else:
+            ids += [tok.BOS] + tok.encode(doc) + [tok.EOS]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class Trainer:
+    def __init__(self, cfg: ModelConfig, train: TrainConfig, out: str | Path, corpus: torch.Tensor) -> None:
+        if corpus.numel() < train.seq_len + 2:
+            raise ValueError(f"the corpus has {corpus.numel()} tokens; seq_len {train.seq_len} needs more")
+        self.cfg, self.train, self.out, self.corpus = cfg, train, Path(out), corpus
+        self.step = 0
+        state_file = self.out / "trainer_state.pt"
+        if state_file.is_file():  # resume
+            self.cfg = load_config(self.out)
+            self.params = load_state_dict(self.out, self.cfg)
+            state = torch.load(state_file, weights_only=False)
+            self.step = state["step"]
+        else:
+            self.params = random_state_dict(cfg, seed=train.seed)
+            state = None
+        # Routed experts train as one stacked tensor per layer and projection ([E, 2I, M], [E, M, I])
+        # and dense MLPs with gate and up fused, as the serving model holds them; ``hf_state_dict``
+        # splits both back into Hugging Face names.
+        self.experts = {}
+        for i in range(self.cfg.num_hidden_layers):
+            if self.cfg.is_moe_layer(i):
+                p = f"model.layers.{i}.mlp.experts."
+                self.experts[i] = (
+                    torch.stack([torch.cat((self.params.pop(f"{p}{e}.gate_proj.weight"), self.params.pop(f"{p}{e}.up_proj.weight")))
+                                 for e in range(self.cfg.n_routed_experts)]),
+                    torch.stack([self.params.pop(f"{p}{e}.down_proj.weight") for e in range(self.cfg.n_routed_experts)]),
+                )
+        for name in [k for k in self.params if k.endswith(".gate_proj.weight")]:
+            prefix = name.removesuffix("gate_proj.weight")
+            self.params[prefix + FUSED] = torch.cat((self.params.pop(name), self.params.pop(prefix + "up_proj.weight")))
+        trainable = {k: v for k, v in self.params.items() if not k.endswith("e_score_correction_bias")}
+        for i, (gate_up, down) in self.experts.items():
+            trainable[f"experts.{i}.gate_up"], trainable[f"experts.{i}.down"] = gate_up, down
+        for t in trainable.values():
+            t.requires_grad_(True)
+        decay = [t for k, t in trainable.items() if t.dim() >= 2]
+        no_decay = [t for k, t in trainable.items() if t.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=train.lr, betas=(0.9, 0.95),
+        )
+        self.rng = torch.Generator().manual_seed(train.seed)
+        if state is not None:
+            self.opt.load_state_dict(state["optimizer"])
+            self.rng.set_state(state["rng"])
+        self.model = build_model(self.cfg, self.params, impl="ref")  # computes with these very tensors
+        self._expert_load: dict[int, torch.Tensor] = {}
+        for moe in self.model.moe_layers():
+            moe.executor = self._experts
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its Hugging Face name (experts split out of their stacks)."""
+        sd = {}
+        for k, v in self.params.items():
+            if k.endswith(FUSED):
+                gate, up = v.detach().chunk(2)
+                sd[k.removesuffix(FUSED) + "gate_proj.weight"] = gate.contiguous()
+                sd[k.removesuffix(FUSED) + "up_proj.weight"] = up.contiguous()
+            else:
+                sd[k] = v.detach()
+        inter = self.cfg.moe_intermediate_size
+        for i, (gate_up, down) in self.experts.items():
+            for e in range(self.cfg.n_routed_experts):
+                p = f"model.layers.{i}.mlp.experts.{e}."
+                sd[p + "gate_proj.weight"] = gate_up[e, :inter].detach().contiguous()
+                sd[p + "up_proj.weight"] = gate_up[e, inter:].detach().contiguous()
+                sd[p + "down_proj.weight"] = down[e].detach().contiguous()
+        return sd
+
+    # -- the forward pass ---------------------------------------------------------------
+    def _experts(self, layer_idx: int, x, ids, weights):
+        gate_up, down = self.experts[layer_idx]
+        counts = torch.bincount(ids.reshape(-1), minlength=self.cfg.n_routed_experts).float()
+        self._expert_load[layer_idx] = self._expert_load.get(layer_idx, 0) + counts
+        return ref_moe_routed(x, ids, weights, gate_up, down)
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy over ``batch`` [B, T+1]: projections, MLPs and experts
+        run on all B*T tokens at once, attention per sequence."""
+        model: DeepseekModel = self.model
+        b, t = batch.shape[0], batch.shape[1] - 1
+        cos, sin = model.rope.cos_sin(torch.arange(t), torch.float32)
+        cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)  # [B*T, P/2]
+        h = self.params["model.embed_tokens.weight"][batch[:, :-1].reshape(-1)]  # [B*T, M]
+        for layer in model.layers:
+            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
+            o = torch.cat([
+                layer.attn.attend_naive(q_nope[i * t : (i + 1) * t], q_rope[i * t : (i + 1) * t],
+                                        latent[i * t : (i + 1) * t], 0)
+                for i in range(b)
+            ])  # [B*T, H, V]
+            h = h + layer.attn.output(o)
+            x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
+            h = h + (self._moe(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+        logits = F.linear(rms_norm(h, model.norm, self.cfg.rms_norm_eps), model.lm_head)  # [B*T, V]
+        return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
+
+    def _moe(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(self.cfg, moe.gate, x)
+        y = self._experts(moe.layer_idx, x, ids, weights)
+        return y + moe.shared(x) if moe.shared is not None else y
+
+    # -- the loop -------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        t = self.train
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def sample_batch(self) -> torch.Tensor:
+        n = self.train.seq_len + 1
+        starts = torch.randint(0, self.corpus.numel() - n, (self.train.batch_size,), generator=self.rng)
+        return torch.stack([self.corpus[s : s + n] for s in starts.tolist()])
+
+    def run(
+        self,
+        deadline_s: float | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        report: Callable[[dict], None] = lambda row: None,
+    ) -> dict:
+        """Train until ``train.steps``, the deadline or ``should_stop()``; checkpoint every
+        ``checkpoint_every`` steps and at the end. Returns the last report row."""
+        torch.manual_seed(self.train.seed + self.step)
+        row: dict = {"step": self.step}
+        t0 = time.monotonic()
+        while self.step < self.train.steps:
+            if should_stop() or (deadline_s is not None and time.monotonic() > deadline_s):
+                break
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr_at(self.step)
+            self._expert_load.clear()
+            loss = self.loss(self.sample_batch())
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]], 1.0)
+            self.opt.step()
+            self._balance_experts()
+            self.step += 1
+            row = {"step": self.step, "loss": round(loss.item(), 4), "lr": self.lr_at(self.step - 1),
+                   "tokens_per_s": round(self.step_tokens() / max(1e-9, time.monotonic() - t0), 1)}
+            t0 = time.monotonic()
+            report(row)
+            if self.step % self.train.checkpoint_every == 0:
+                self.save()
+        self.save()
+        return row
+
+    def step_tokens(self) -> int:
+        return self.train.batch_size * self.train.seq_len
+
+    def _balance_experts(self) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        for layer_idx, load in self._expert_load.items():
+            bias = self.params.get(f"model.layers.{layer_idx}.mlp.gate.e_score_correction_bias")
+            if bias is not None:
+                bias.add_(self.train.bias_rate * torch.sign(load.mean() - load))
+
+    def save(self) -> Path:
+        """Weights (HF names, fp32) and the trainer state, each written atomically."""
+        save_checkpoint(self.out, self.cfg, {k: v.contiguous() for k, v in self.hf_state_dict().items()})
+        tmp = self.out / "trainer_state.pt.tmp"
+        torch.save({"step": self.step, "optimizer": self.opt.state_dict(), "rng": self.rng.get_state(),
+                    "train": asdict(self.train)}, tmp)
+        tmp.replace(self.out / "trainer_state.pt")
+        return self.out

@@ -1,0 +1,106 @@
+"""``tide scale --k8s`` against an in-memory Kubernetes object store (no live cluster)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.k8s_scale import K8sScaleError, scale_worker_group
+
+RAYSERVICE = Path(__file__).resolve().parents[2] / "k8s" / "rayservice.yaml"
+
+
+class FakeCustomObjects:
+    """``CustomObjectsApi``'s get/patch over a dict, with JSON merge patch semantics."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.patches: list[tuple[str, str, dict]] = []
+
+    def put(self, plural: str, namespace: str, obj: dict) -> None:
+        self.objects[(plural, namespace, obj["metadata"]["name"])] = copy.deepcopy(obj)
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        try:
+            return copy.deepcopy(self.objects[(plural, namespace, name)])
+        except KeyError:
+            raise RuntimeError(f"(404) {plural} {namespace}/{name} not found") from None
+
+    def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body):
+        obj = self.objects[(plural, namespace, name)]
+        _merge(obj, body)
+        self.patches.append((plural, name, body))
+        return copy.deepcopy(obj)
+
+
+def _merge(target: dict, patch: dict) -> None:
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(target.get(k), dict):
+            _merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+
+
+@pytest.fixture
+def api():
+    svc = yaml.safe_load(RAYSERVICE.read_text())
+    svc["status"] = {"activeServiceStatus": {"rayClusterName": "tideserve-abc12"}}
+    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "tideserve-abc12"},
+               "spec": copy.deepcopy(svc["spec"]["rayClusterConfig"])}
+    fake = FakeCustomObjects()
+    fake.put("rayservices", "tideserve", svc)
+    fake.put("rayclusters", "tideserve", cluster)
+    return fake
+
+
+def _replicas(obj_spec: dict, group: str) -> int:
+    return next(g["replicas"] for g in obj_spec["workerGroupSpecs"] if g["groupName"] == group)
+
+
+def test_night_then_day_patches_the_service_and_the_live_cluster(api):
+    r = scale_worker_group(api, "tideserve", "tideserve", "lendable", 0)
+    assert r["replicas_before"] == 2 and r["raycluster"] == "tideserve-abc12"
+    svc = api.get_namespaced_custom_object("ray.io", "v1", "tideserve", "rayservices", "tideserve")
+    live = api.get_namespaced_custom_object("ray.io", "v1", "tideserve", "rayclusters", "tideserve-abc12")
+    assert _replicas(svc["spec"]["rayClusterConfig"], "lendable") == 0
+    assert _replicas(live["spec"], "lendable") == 0  # KubeRay 2331: the live cluster too
+    assert _replicas(live["spec"], "serve") == 2  # other groups untouched
+    scale_worker_group(api, "tideserve", "tideserve", "lendable", 2)
+    live = api.get_namespaced_custom_object("ray.io", "v1", "tideserve", "rayclusters", "tideserve-abc12")
+    assert _replicas(live["spec"], "lendable") == 2
+    assert [p[0] for p in api.patches] == ["rayservices", "rayclusters"] * 2
+
+
+def test_dry_run_changes_nothing(api):
+    r = scale_worker_group(api, "tideserve", "tideserve", "lendable", 1, dry_run=True)
+    assert r["dry_run"] and r["replicas"] == 1 and api.patches == []
+
+
+def test_errors_name_the_problem(api):
+    with pytest.raises(K8sScaleError, match="no worker group 'gpu'"):
+        scale_worker_group(api, "tideserve", "tideserve", "gpu", 1)
+    with pytest.raises(K8sScaleError, match="at most 2"):
+        scale_worker_group(api, "tideserve", "tideserve", "lendable", 5)
+    with pytest.raises(K8sScaleError, match="404"):
+        scale_worker_group(api, "tideserve", "missing", "lendable", 1)
+    with pytest.raises(ValueError, match="-1"):
+        scale_worker_group(api, "tideserve", "tideserve", "lendable", -1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["night"], "no local cluster is running"),
+    (["dusk"], "'dusk'"),
+    ([], "exactly one"),
+    (["day", "--serve-nodes", "2"], "exactly one"),
+])
+def test_scale_cli_says_what_is_wrong(tmp_path, args, message):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "scale", *args], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "TIDE_HOME": str(tmp_path)})
+    assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
