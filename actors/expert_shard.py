@@ -24,6 +24,10 @@ __all__ = ["ExpertShard"]
 
 log = logging.getLogger(__name__)
 
+# A shard waits in a collective between requests; only a replica gone quiet this long (not dead:
+# a dead one closes the connection) makes it leave the group.
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+
 
 class ExpertShard:
     def __init__(self, checkpoint: str, dtype: str = "float32") -> None:
@@ -116,7 +120,7 @@ class ExpertShard:
 
         def run() -> None:
             try:
-                pg = form_group(host, port, rank, world, timeout_s)
+                pg = form_group(host, port, rank, world, timeout_s, op_timeout_s=IDLE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the replica times out and re-forms
                 self.ended[group_id] = f"join failed: {e}"
                 return

@@ -80,6 +80,7 @@ class LLMServer:
         num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
         expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
         slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand),
+        ``ep_timeout_s`` (a round slower than this counts as a failed shard),
         ``micro_batches`` (2 overlaps one half's expert round with the other's attention)."""
         self._stop = False
         ckpt = Path(cfg["checkpoint"])
@@ -130,7 +131,8 @@ class LLMServer:
             int(cfg.get("ep_slots") or mcfg.n_routed_experts), mcfg.n_group, int(cfg.get("ep_nodes", 1)),
             len(shards), cfg.get("ep_policy", "auto"),
         )
-        group = EPGroup(shards, moe_layers, mcfg.n_routed_experts, eplb, self.model.dtype)
+        group = EPGroup(shards, moe_layers, mcfg.n_routed_experts, eplb, self.model.dtype,
+                        timeout_s=float(cfg.get("ep_timeout_s", 30.0)))
         self.model.set_expert_executor(group.start(mcfg.hidden_size))
         every = float(cfg.get("ep_rebalance_s", 0))
         if every > 0:

@@ -34,12 +34,17 @@ log = logging.getLogger(__name__)
 CMD_LAYER, CMD_STOP = 1, 2
 
 
-def form_group(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+def form_group(
+    host: str, port: int, rank: int, world: int, timeout_s: float, op_timeout_s: float | None = None
+) -> dist.ProcessGroup:
     """Join (rank 0: host) the group's TCP store and build the gloo group; blocks until all
-    ``world`` ranks have joined or ``timeout_s`` passes."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+    ``world`` ranks have joined or ``timeout_s`` passes. Each collective then times out after
+    ``op_timeout_s`` (default ``timeout_s``) on this rank: short on the replica, which must notice
+    a hung shard, long on shards, which wait idle between requests (a dead replica closes the
+    connection, which they notice at once)."""
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=op_timeout_s or timeout_s))
 
 
 def _a2a(pg, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:

@@ -109,6 +109,27 @@ def _while_streaming(server, action) -> list[list[int]]:
     return result[0]
 
 
+def test_idle_longer_than_the_round_timeout_needs_no_recovery(cluster, checkpoint, tmp_path_factory, reference):
+    """Shards wait in a collective between requests; idling past the replica's round timeout
+    must not break the group."""
+    import ray
+
+    from actors.ep_group import expert_shard_actor
+    from actors.llm_server import LLMServer
+
+    shards = [expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote(str(checkpoint)) for i in range(2)]
+    server = ray.remote(num_cpus=0, resources={"node0": 0.01})(LLMServer).remote({
+        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")), "enable_cache": False,
+        "num_pages": 64, "ep_shards": shards, "ep_slots": 16, "ep_nodes": 2, "ep_timeout_s": 2.0,
+    })
+    ray.get(server.check_health.remote(), timeout=300)
+    time.sleep(4.0)  # twice the replica's round timeout
+    assert _generate_all(server)[:1] == reference[:1]
+    assert ray.get(server.ep_stats.remote())["retries"] == 0
+    for actor in [server, *shards]:
+        ray.kill(actor)
+
+
 def test_rebalance_during_a_stream_loses_nothing(ep_server, reference):
     import ray
 
