@@ -42,6 +42,9 @@ class AppArgs(BaseModel):
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
+    expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
+    expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
+    micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
     api_keys: dict[str, str] | None = None  # key -> tenant; also TIDE_API_KEYS="key:tenant,..."
     limits: dict[str, int] | None = None
 
@@ -59,6 +62,28 @@ def _api_keys_from_env() -> dict[str, str] | None:
     return keys
 
 
+def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
+    """Detached expert-shard actors spread over the nodes (named, so a redeploy reuses them;
+    Ray restarts one that dies), and the replica settings that use them."""
+    import ray
+
+    from actors.ep_group import expert_shard_actor
+    from model.checkpoint import load_config
+
+    experts = load_config(checkpoint).n_routed_experts
+    shards = [
+        expert_shard_actor(name=f"tideserve-expert-shard-{i}", namespace="tideserve", lifetime="detached",
+                           get_if_exists=True, num_cpus=0, scheduling_strategy="SPREAD").remote(checkpoint, a.dtype)
+        for i in range(a.expert_shards)
+    ]
+    alive = sum(1 for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else 1
+    nodes = min(alive, a.expert_shards)
+    if a.expert_shards % nodes:  # EPLB wants equal shards per node
+        nodes = 1
+    slots = a.expert_slots or experts + (-experts) % a.expert_shards + a.expert_shards
+    return {"ep_shards": shards, "ep_slots": slots, "ep_nodes": nodes}
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None):
     from model.default import cache_root, default_checkpoint
 
@@ -72,8 +97,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "ssd_bytes": int(a.ssd_gb * 1e9), "ram_bytes": a.ram_mb << 20, "admission": a.admission,
         "enable_cache": a.enable_cache, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
         "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
-        "usage_dir": a.usage_dir or str(cache_root() / "usage"),
+        "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }
+    if a.expert_shards:
+        server_cfg.update(_expert_shards(checkpoint, a))
     if a.directory_password_env:
         if a.directory_password_env not in os.environ:
             raise ValueError(f"directory_password_env names {a.directory_password_env!r}, which is not set")

@@ -146,6 +146,8 @@ def up(
     ssd_gb: float = typer.Option(8.0, "--ssd-gb", min=0.001),
     admission: str = typer.Option("all", "--admission", help="all | second-sight"),
     api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT; repeat for several (default: no auth)"),
+    expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors (0: in the replica)"),
+    micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
     from rich.console import Console
@@ -160,7 +162,8 @@ def up(
         raise typer.BadParameter(f"--admission {admission!r} is not one of all, second-sight")
     args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
             "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
-            "admission": admission, "api_keys": _parse_api_keys(api_key)}
+            "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
+            "micro_batches": micro_batches}
     console = Console(stderr=True)
     with console.status("starting tideserve") as status:
         try:

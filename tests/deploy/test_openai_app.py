@@ -37,7 +37,9 @@ def base_url(tide_home):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # The app serves with expert parallelism: routed experts on two expert-shard actors.
     app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1, "num_pages": 512,
+                     "expert_shards": 2, "micro_batches": 2,
                      "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}, "limits": {"max_tokens": 64}})
     serve.run(app, name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
@@ -157,3 +159,11 @@ def test_finished_requests_are_logged_for_tide_stats(client, tide_home):
         time.sleep(0.2)
     assert match, records
     assert match[-1].cached_tokens == r.usage.model_extra["prompt_cache_hit_tokens"]
+
+
+def test_the_app_serves_with_expert_parallelism(client):
+    from ray import serve
+
+    client.completions.create(model="tiny", prompt="experts " * 10, max_tokens=4, temperature=0)
+    stats = serve.get_deployment_handle("LLMServer", app_name="tideserve").ep_stats.remote().result()
+    assert stats["num_shards"] == 2 and stats["rounds"] > 0 and stats["retries"] == 0
