@@ -23,6 +23,7 @@ import ray
 import torch
 
 from actors.ep_group import EPGroup
+from actors.gpu import gpu_telemetry
 from cachedir.directory import open_directory
 from cachedir.hashing import Namespace
 from cachedir.node_cache import CacheConfig, NodeCache
@@ -242,7 +243,7 @@ class LLMServer:
     def stats(self) -> dict:
         out = {"node_id": self.node_id, "engine": dict(self.engine.stats),
                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-               "cache": self.cache.stats() if self.cache is not None else {}}
+               "cache": self.cache.stats() if self.cache is not None else {}, "gpus": gpu_telemetry()}
         if self.publisher is not None:
             out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
         return out

@@ -16,6 +16,7 @@ from deploy.bench.cli import bench_app
 from deploy.eplb_cli import eplb_app
 from deploy.scale_cli import scale
 from deploy.stats_cli import stats
+from deploy.status_cli import status
 from deploy.train_cli import train_app
 
 app = typer.Typer(
@@ -28,6 +29,7 @@ app.add_typer(eplb_app, name="eplb")
 app.command("stats")(stats)
 app.add_typer(train_app, name="train")
 app.command("scale")(scale)
+app.command("status")(status)
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model):

@@ -140,6 +140,24 @@ def down() -> bool:
     return True
 
 
+def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
+    """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=state["ray_address"], log_to_driver=False)
+    handle = serve.get_deployment_handle("LLMServer", app_name="tideserve")
+    replicas = [handle.stats.remote().result(timeout_s=30)]  # the router picks one replica per call
+    ep = handle.ep_stats.remote().result(timeout_s=30)
+    nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "cpus": n["Resources"].get("CPU", 0),
+              "role": ("lent" if n["Resources"].get("lent") else "serving") if n["Alive"] else "gone"}
+             for n in ray.nodes()]
+    placement = {"shards": ep.get("num_shards"), "version": ep.get("version")} if ep else None
+    return {"url": state["url"], "nodes": nodes, "replicas": replicas, "expert_placement": placement}
+
+
 def record_serving_nodes(n: int) -> None:
     """Append to the serving-node log that ``tide stats`` integrates into node-hours."""
     JsonlLog(cache_root() / "nodes.jsonl").append(NodeSample(time.time(), n))

@@ -67,6 +67,11 @@ class _Metrics:
         self.tpot = Histogram("tide_time_per_output_token_seconds", "time per output token after the first",
                               registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
         self.tier_bytes = Gauge("tide_cache_bytes", "bytes held per cache tier", ["tier"], registry=self.registry)
+        self.gpus = Gauge("tide_gpus", "NVIDIA GPUs a replica's node reports (0: absent)", registry=self.registry)
+        self.gpu_memory_used = Gauge("tide_gpu_memory_used_bytes", "GPU memory used", ["gpu"], registry=self.registry)
+        self.gpu_memory_total = Gauge("tide_gpu_memory_total_bytes", "GPU memory", ["gpu"], registry=self.registry)
+        self.gpu_utilization = Gauge("tide_gpu_utilization", "GPU busy fraction", ["gpu"], registry=self.registry)
+        self.gpu_temperature = Gauge("tide_gpu_temperature_celsius", "GPU temperature", ["gpu"], registry=self.registry)
 
 
 @serve.ingress(api)
@@ -253,6 +258,14 @@ class OpenAIIngress:
             self.metrics.engine_queued.set(stats["waiting"])
             self.metrics.tier_bytes.labels("ssd").set(cache.get("ssd_bytes", 0))
             self.metrics.tier_bytes.labels("ram").set(cache.get("ram_bytes", 0))
+            gpus = stats.get("gpus", {}).get("gpus", [])
+            self.metrics.gpus.set(len(gpus))
+            for g in gpus:
+                idx = str(g["index"])
+                self.metrics.gpu_memory_used.labels(idx).set(g["memory_used_bytes"])
+                self.metrics.gpu_memory_total.labels(idx).set(g["memory_total_bytes"])
+                self.metrics.gpu_utilization.labels(idx).set(g["utilization"])
+                self.metrics.gpu_temperature.labels(idx).set(g["temperature_c"])
         except Exception as e:  # noqa: BLE001 - metrics still serve the ingress's own series
             log.warning("replica stats unavailable for /metrics: %s", e)
         return PlainTextResponse(generate_latest(self.metrics.registry).decode(),

@@ -34,6 +34,12 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
         again = _tide("up", "--port", str(port), home=tmp_path)
         assert again.returncode == 1 and "already up" in again.stderr
+        st = _tide("status", "--json", home=tmp_path)
+        assert st.returncode == 0, st.stderr[-2000:]
+        report = json.loads(st.stdout)
+        assert report["url"] == state["url"] and report["nodes"][0]["role"] == "serving"
+        assert report["replicas"][0]["engine"]["decode_tokens"] >= 1
+        assert report["gpus"]["available"] in (True, False) and "gpus" in report["gpus"]
     finally:
         d = _tide("down", home=tmp_path)
     assert d.returncode == 0, d.stderr[-2000:]
@@ -41,3 +47,5 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
     assert not process_alive(state["redis_pid"])
     assert _tide("down", home=tmp_path).returncode == 1  # nothing left to stop
+    gone = _tide("status", home=tmp_path)
+    assert gone.returncode == 2 and "no local cluster is running" in gone.stderr.replace("\n", " ").replace("│", "")

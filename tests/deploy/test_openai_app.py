@@ -140,6 +140,10 @@ def test_metrics(base_url, client):
     assert "tide_time_to_first_token_seconds_bucket" in text
     assert 'tide_cache_bytes{tier="ssd"}' in text
     assert "tide_engine_queued" in text and "tide_time_per_output_token_seconds_bucket" in text
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "tide_gpus 0.0" in text  # absent GPUs are reported as absent
     json.dumps(text)
 
 
