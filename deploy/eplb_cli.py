@@ -84,3 +84,42 @@ def eplb_plan(
     if prev is not None:
         out["moved_slots"] = moved_slots(prev, placement)
     sys.stdout.write(json.dumps(out) + "\n")
+
+
+def _replica():
+    from deploy.local import read_state, serve_handle
+
+    state = read_state()
+    if state is None:
+        raise typer.BadParameter("no local cluster is running (start one with `tide up --expert-shards N`)")
+    return serve_handle(state)
+
+
+@eplb_app.command("show")
+def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """The running cluster's expert placement: version, shards, copies per expert, measured load."""
+    stats = _replica().ep_stats.remote().result(timeout_s=60)
+    if not stats:
+        raise typer.BadParameter("this cluster does not use expert parallelism (tide up --expert-shards N)")
+    import torch
+
+    from cluster.eplb import Placement, imbalance
+
+    phy2log = torch.tensor(stats["phy2log"])
+    load = torch.tensor(stats["load"], dtype=torch.float64)
+    placement = Placement.from_phy2log(phy2log, load.shape[1], stats["num_shards"])
+    out = {"version": stats["version"], "shards": stats["num_shards"], "slots": phy2log.shape[1],
+           "copies_max": int(placement.logcnt.max()), "imbalance": round(imbalance(placement, load), 4)
+           if float(load.sum()) > 0 else None, "rebalances": stats["rebalances"], "reforms": stats["reforms"],
+           "rounds": stats["rounds"], "phy2log": stats["phy2log"]}
+    sys.stdout.write(json.dumps(out) + "\n" if as_json else "\n".join(f"{k}: {v}" for k, v in out.items() if k != "phy2log") + "\n")
+
+
+@eplb_app.command("rebalance")
+def eplb_rebalance(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """Re-plan from the measured loads now; weights move while serving continues."""
+    try:
+        result = _replica().rebalance_experts.remote().result(timeout_s=600)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    sys.stdout.write(json.dumps(result) + "\n" if as_json else f"{result}\n")

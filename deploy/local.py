@@ -140,15 +140,22 @@ def down() -> bool:
     return True
 
 
-def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
-    """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
+def serve_handle(state: dict[str, Any]):
+    """A handle to the running app's ``LLMServer`` deployment (connects this process to Ray)."""
     os.environ["RAY_AUTH_MODE"] = "token"
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=state["ray_address"], log_to_driver=False)
-    handle = serve.get_deployment_handle("LLMServer", app_name="tideserve")
+    return serve.get_deployment_handle("LLMServer", app_name="tideserve")
+
+
+def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
+    """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
+    handle = serve_handle(state)  # sets RAY_AUTH_MODE before ray is imported
+    import ray
+
     replicas = [handle.stats.remote().result(timeout_s=30)]  # the router picks one replica per call
     ep = handle.ep_stats.remote().result(timeout_s=30)
     nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "cpus": n["Resources"].get("CPU", 0),

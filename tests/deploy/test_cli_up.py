@@ -24,7 +24,7 @@ def _tide(*args, home, timeout=600):
 
 def test_up_serves_then_down_stops_everything(tmp_path):
     port = free_port()
-    r = _tide("up", "--port", str(port), "--num-cpus", "2", home=tmp_path)
+    r = _tide("up", "--port", str(port), "--num-cpus", "2", "--expert-shards", "2", home=tmp_path)
     try:
         assert r.returncode == 0, r.stderr[-2000:]
         assert f"http://127.0.0.1:{port}/v1" in r.stdout
@@ -40,6 +40,13 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         assert report["url"] == state["url"] and report["nodes"][0]["role"] == "serving"
         assert report["replicas"][0]["engine"]["decode_tokens"] >= 1
         assert report["gpus"]["available"] in (True, False) and "gpus" in report["gpus"]
+        assert report["expert_placement"]["shards"] == 2
+        show = _tide("eplb", "show", "--json", home=tmp_path)
+        assert show.returncode == 0, show.stderr[-2000:]
+        assert json.loads(show.stdout)["shards"] == 2 and json.loads(show.stdout)["rounds"] > 0
+        rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path)
+        assert rebalance.returncode == 0, rebalance.stderr[-2000:]
+        assert "moved_slots" in json.loads(rebalance.stdout)
     finally:
         d = _tide("down", home=tmp_path)
     assert d.returncode == 0, d.stderr[-2000:]
