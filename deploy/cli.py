@@ -15,6 +15,7 @@ import typer
 from deploy.bench.cli import bench_app
 from deploy.eplb_cli import eplb_app
 from deploy.scale_cli import scale
+from deploy.schedule_cli import schedule_app
 from deploy.stats_cli import stats
 from deploy.status_cli import status
 from deploy.train_cli import train_app
@@ -30,6 +31,7 @@ app.command("stats")(stats)
 app.add_typer(train_app, name="train")
 app.command("scale")(scale)
 app.command("status")(status)
+app.add_typer(schedule_app, name="schedule")
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model):

@@ -10,6 +10,7 @@ import time
 import typer
 
 from cluster.scaling import LoadSample, ScalingConfig, ScalingPolicy, Schedule
+from deploy.schedule_cli import load_schedule
 
 
 def scale(
@@ -21,7 +22,7 @@ def scale(
     namespace: str = typer.Option("tideserve", "--namespace"),
     group: str = typer.Option("lendable", "--group", help="the worker group lent to training at night"),
     fixed_nodes: int = typer.Option(None, "--fixed-nodes", min=0, help="always-serving nodes (default: from the RayService)"),
-    night_nodes: int = typer.Option(None, "--night-nodes", min=1, help="serving nodes the night aims for (default: the fixed ones)"),
+    night_nodes: int = typer.Option(None, "--night-nodes", min=1, help="serving nodes the night aims for (default: tide schedule)"),
     tokens_per_s: float = typer.Option(0.0, "--tokens-per-s", min=0.0, help="current cluster load"),
     kv_occupancy: float = typer.Option(0.0, "--kv-occupancy", min=0.0, max=1.0),
     node_tokens_per_s: float = typer.Option(1000.0, "--node-tokens-per-s", min=1.0, help="one node's capacity"),
@@ -67,9 +68,11 @@ def scale(
     else:
         total = fixed + lendable_max
         cfg = ScalingConfig(total_nodes=total, min_nodes=max(1, min(fixed, total)),
-                            night_nodes=min(total, max(1, night_nodes or fixed)), node_tokens_per_s=node_tokens_per_s,
+                            night_nodes=min(total, max(1, night_nodes or load_schedule()["night_nodes"])),
+                            node_tokens_per_s=node_tokens_per_s,
                             min_dwell_s=0)
-        policy = ScalingPolicy(cfg, Schedule.parse("08:00", "00:00"))  # the CronJob decides *when*
+        saved = load_schedule()
+        policy = ScalingPolicy(cfg, Schedule.parse(saved["day"], saved["night"], saved["timezone"]))
         now = time.time()
         policy.observe(LoadSample(now, tokens_per_s, kv_occupancy=kv_occupancy, serving_nodes=current))
         goal = cfg.total_nodes if mode == "day" else max(cfg.night_nodes, policy.needed(cfg.headroom))

@@ -104,3 +104,23 @@ def test_scale_cli_says_what_is_wrong(tmp_path, args, message):
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "scale", *args], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "TIDE_HOME": str(tmp_path)})
     assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
+
+
+def test_schedule_show_and_set(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def tide(*args):
+        return subprocess.run([sys.executable, "-m", "deploy.cli", "schedule", *args], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "TIDE_HOME": str(tmp_path)})
+
+    assert json.loads(tide("show", "--json").stdout)["day"] == "08:00"
+    r = tide("set", "--night", "23:30", "--tz", "Europe/Berlin", "--night-nodes", "2")
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(tide("show", "--json").stdout)
+    assert shown == {"day": "08:00", "night": "23:30", "timezone": "Europe/Berlin", "night_nodes": 2}
+    bad = tide("set", "--tz", "Mars/Base")
+    assert bad.returncode == 2 and "Mars/Base" in bad.stderr
+    assert json.loads(tide("show", "--json").stdout)["timezone"] == "Europe/Berlin"  # nothing lost
