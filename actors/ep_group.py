@@ -76,11 +76,10 @@ class EPGroup:
         self._rebalance_lock = threading.Lock()
 
     # -- setup ----------------------------------------------------------------------------
-    def start(self, hidden_size: int) -> EPExecutor:
+    def start(self) -> EPExecutor:
         uniform = torch.ones(len(self.moe_layers), self.num_experts, dtype=torch.float64)
         placement = plan(uniform, self.eplb)
         self._load_everywhere(placement, 0)
-        self.hidden_size = hidden_size
         self._transport = self._form()
         self.executor = EPExecutor(placement, self.moe_layers, self._transport, recover=self._recover)
         return self.executor
@@ -215,8 +214,3 @@ class EPGroup:
         while self.executor.version != version and time.monotonic() < deadline:
             time.sleep(0.01)
         return self.executor.version == version
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.stop()
-            self._transport = None

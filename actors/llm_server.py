@@ -121,20 +121,19 @@ class LLMServer:
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
-        self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
     def _start_ep(self, cfg: dict, shards: list) -> EPGroup:
         mcfg = self.model.cfg
-        moe_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
+        moe_layers = [moe.layer_idx for moe in self.model.moe_layers()]
         eplb = EplbConfig(
             int(cfg.get("ep_slots") or mcfg.n_routed_experts), mcfg.n_group, int(cfg.get("ep_nodes", 1)),
             len(shards), cfg.get("ep_policy", "auto"),
         )
         group = EPGroup(shards, moe_layers, mcfg.n_routed_experts, eplb, self.model.dtype,
                         timeout_s=float(cfg.get("ep_timeout_s", 30.0)))
-        self.model.set_expert_executor(group.start(mcfg.hidden_size))
+        self.model.set_expert_executor(group.start())
         every = float(cfg.get("ep_rebalance_s", 0))
         if every > 0:
             threading.Thread(target=self._rebalance_loop, args=(every,), name="eplb", daemon=True).start()

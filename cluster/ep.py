@@ -72,7 +72,6 @@ class EPExecutor:
     ) -> None:
         assert placement.phy2log.shape[0] == len(moe_layers), (placement.phy2log.shape, moe_layers)
         self.row_of = {layer: i for i, layer in enumerate(moe_layers)}
-        self.moe_layers = list(moe_layers)
         self.transport = transport
         self.recover = recover
         self.max_retries = max_retries
@@ -163,9 +162,7 @@ class EPExecutor:
 
     def _retry(self, error: EPTransportError, used: Transport, args: tuple) -> torch.Tensor:
         """Re-form the group (once per failure, however many rounds saw it) and resend."""
-        for _ in range(self.max_retries):
-            if self.recover is None:
-                break
+        for _ in range(self.max_retries if self.recover is not None else 0):
             self.stats["retries"] += 1
             with self._lock:
                 if self.transport is used:

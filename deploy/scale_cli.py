@@ -67,11 +67,11 @@ def scale(
         target, reason = serve_nodes, "asked"
     else:
         total = fixed + lendable_max
+        saved = load_schedule()
         cfg = ScalingConfig(total_nodes=total, min_nodes=max(1, min(fixed, total)),
-                            night_nodes=min(total, max(1, night_nodes or load_schedule()["night_nodes"])),
+                            night_nodes=min(total, max(1, night_nodes or saved["night_nodes"])),
                             node_tokens_per_s=node_tokens_per_s,
                             min_dwell_s=0)
-        saved = load_schedule()
         policy = ScalingPolicy(cfg, Schedule.parse(saved["day"], saved["night"], saved["timezone"]))
         now = time.time()
         policy.observe(LoadSample(now, tokens_per_s, kv_occupancy=kv_occupancy, serving_nodes=current))

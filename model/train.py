@@ -41,7 +41,6 @@ from model.checkpoint import (
 from model.config import ModelConfig
 from model.layers import rms_norm
 from model.model import DeepseekModel
-from model.moe import MoE, route
 from model.tokenizer import ByteTokenizer
 
 __all__ = ["TrainConfig", "Trainer", "encode_corpus", "stdlib_documents"]
@@ -201,14 +200,9 @@ class Trainer:
             ])  # [B*T, H, V]
             h = h + layer.attn.output(o)
             x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
-            h = h + (self._moe(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+            h = h + layer.mlp(x)  # MoE layers route to ``_experts`` (set as their executor)
         logits = F.linear(rms_norm(h, model.norm, self.cfg.rms_norm_eps), model.lm_head)  # [B*T, V]
         return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
-
-    def _moe(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(self.cfg, moe.gate, x)
-        y = self._experts(moe.layer_idx, x, ids, weights)
-        return y + moe.shared(x) if moe.shared is not None else y
 
     # -- the loop -------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:

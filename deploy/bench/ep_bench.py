@@ -51,10 +51,10 @@ class EPBenchReplica:
 
         self.model = load_model(checkpoint, routed_experts=False)
         cfg = self.model.cfg
-        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        moe_layers = [moe.layer_idx for moe in self.model.moe_layers()]
         self.group = EPGroup(shards, moe_layers, cfg.n_routed_experts,
                              EplbConfig(slots, cfg.n_group, nodes, len(shards)), self.model.dtype)
-        self.executor = self.group.start(cfg.hidden_size)
+        self.executor = self.group.start()
         self.model.set_expert_executor(self.executor)
 
     def time_decode(self, batch: int, context: int, steps: int, micro_batches: int) -> dict[str, float]:
