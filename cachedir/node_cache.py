@@ -12,12 +12,14 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from cachedir.ram import RamTier
 from cachedir.store import StoreConfig, UnitStore
 from cachedir.unit import Unit, UnitRemoved, UnitStored
+from cachedir.unitfile import UnitCorrupt, decode, read_header
 
-__all__ = ["CacheConfig", "LoadedUnit", "NodeCache"]
+__all__ = ["CacheConfig", "LoadedUnit", "NodeCache", "PromptCache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +36,25 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class LoadedUnit:
     unit: Unit
-    tier: str  # "ram" | "ssd"
+    tier: str  # "ram" | "ssd" | "remote" (another node's agent)
+
+
+class PromptCache(Protocol):
+    """What the engine needs from a prompt cache: ``NodeCache`` (this process owns the node's
+    store) and ``cachedir.agent.ClusterCache`` (the node's agent owns it; other nodes' units
+    are reachable) both provide it."""
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]: ...
+
+    def load_async(
+        self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int]]
+    ) -> Future[list[LoadedUnit | None]]: ...
+
+    def persist(self, units: Sequence[Unit]) -> list[Future[bool]]: ...
+
+    def holds(self, key: bytes) -> bool: ...
+
+    def stats(self) -> dict: ...
 
 
 class NodeCache:
@@ -88,6 +108,57 @@ class NodeCache:
 
         inner.add_done_callback(finish)
         return done
+
+    def has(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier of every key ("" where absent), without stopping at a gap."""
+        return ["ram" if self.ram is not None and k in self.ram else "ssd" if k in self.ssd else "" for k in keys]
+
+    def holds(self, key: bytes) -> bool:
+        return key in self.ssd
+
+    def read_encoded(self, keys: Sequence[bytes]) -> list[tuple[str, bytes] | None]:
+        """(tier, encoded unit file) for each key of any namespace, None where absent or damaged
+        (serves other nodes; they verify again against what they expect)."""
+        out: list[tuple[str, bytes] | None] = [None] * len(keys)
+        by_namespace: dict[bytes, list[int]] = {}
+        for i, k in enumerate(keys):
+            unit = self.ram.get(k, None) if self.ram is not None else None
+            if unit is not None:
+                out[i] = ("ram", unit.encode())
+                continue
+            ns = self.ssd.namespace_of(k)
+            if ns is not None:
+                by_namespace.setdefault(ns, []).append(i)
+        reads = [(idx, self.ssd.get_many_async([keys[i] for i in idx], ns, [None] * len(idx)))
+                 for ns, idx in by_namespace.items()]
+        for idx, fut in reads:
+            for i, unit in zip(idx, fut.result(), strict=True):
+                if unit is not None:
+                    out[i] = ("ssd", unit.encode())
+                    if self.ram is not None:
+                        self.ram.put(unit)
+        return out
+
+    def accept(self, encoded: bytes) -> Unit | None:
+        """Verify an encoded unit from elsewhere (its key is the chain hash of its parent and
+        tokens, its payload matches its checksum) and persist it; None when it fails."""
+        try:
+            h = read_header(encoded)
+            _, payload = decode(encoded, h.namespace, h.key)
+        except UnitCorrupt:
+            return None
+        unit = Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+        self.persist([unit])
+        return unit
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop units from both tiers (``tide cache evict``); returns how many the SSD held."""
+        n = 0
+        for k in keys:
+            if self.ram is not None:
+                self.ram.remove(k)
+            n += self.ssd.remove(k)
+        return n
 
     def persist(self, units: Sequence[Unit]) -> list[Future[bool]]:
         """Keep ``units`` in RAM and write them to SSD in the background."""

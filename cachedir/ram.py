@@ -33,10 +33,11 @@ class RamTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._units
 
-    def get(self, key: bytes, namespace: bytes) -> Unit | None:
+    def get(self, key: bytes, namespace: bytes | None) -> Unit | None:
+        """The unit if held (and of ``namespace``, unless that is None)."""
         with self._lock:
             unit = self._units.get(key)
-            if unit is None or unit.namespace != namespace:
+            if unit is None or (namespace is not None and unit.namespace != namespace):
                 self.stats.misses += 1
                 return None
             self._index.touch(key, self._now())

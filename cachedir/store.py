@@ -124,6 +124,10 @@ class UnitStore:
         with self._lock:
             return [k for k, ns in self._namespaces.items() if namespace is None or ns == namespace]
 
+    def namespace_of(self, key: bytes) -> bytes | None:
+        with self._lock:
+            return self._namespaces.get(key)
+
     def drain_events(self) -> list[UnitStored | UnitRemoved]:
         with self._lock:
             events, self._events = self._events, []

@@ -4,8 +4,8 @@ One engine drives one model replica. Each ``step``:
 
 1. **Prefill** (chunked, at most ``max_prefill_tokens`` per step): the oldest waiting sequence is
    admitted when pages allow. Its prompt's leading units come, in order of preference, from
-   pages this replica already holds (prefix sharing), then from the node cache (RAM, SSD), whose
-   load started when the request arrived so it overlapped the queue wait. Only the rest is
+   pages this replica already holds (prefix sharing), then from the prompt cache (this node's RAM
+   or SSD, or with a cluster cache another node's agent), whose load started when the request arrived so it overlapped the queue wait. Only the rest is
    computed. A load that fails or times out is simply computed; it never yields wrong tokens.
 2. **Decode** one token for every running sequence in one batch.
 
@@ -29,7 +29,7 @@ import torch
 
 from cachedir.admission import make_admission
 from cachedir.hashing import Namespace, chain_keys
-from cachedir.node_cache import NodeCache
+from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
@@ -75,7 +75,7 @@ class Engine:
         namespace: Namespace,
         detokenize: Callable[[list[int]], str],
         eos_id: int | None,
-        cache: NodeCache | None = None,
+        cache: PromptCache | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -235,11 +235,10 @@ class Engine:
             src = seq.sources
             src.ram = (len(shared) + sum(r.tier == "ram" for r in loaded)) * UNIT_TOKENS
             src.ssd = sum(r.tier == "ssd" for r in loaded) * UNIT_TOKENS
-            if src.cached > seq.num_computed:  # the recomputed last token
-                if src.ssd:
-                    src.ssd -= 1
-                else:
-                    src.ram -= 1
+            src.remote = sum(r.tier == "remote" for r in loaded) * UNIT_TOKENS
+            if src.cached > seq.num_computed:  # the recomputed last token (of the last unit)
+                last = loaded[-1].tier if loaded else "ram"
+                setattr(src, last, getattr(src, last) - 1)
             src.compute = len(seq.req.prompt_ids) - src.cached
         return True
 
@@ -390,7 +389,7 @@ class Engine:
         ids = seq.all_ids
         units = []
         for i in unit_idx:
-            if (i + 1) * UNIT_TOKENS > seq.num_computed or keys[i] in self.cache.ssd:
+            if (i + 1) * UNIT_TOKENS > seq.num_computed or self.cache.holds(keys[i]):
                 continue
             pages = seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages]
             data = self.pool.read_pages(pages).contiguous()  # [L, 64, D], a copy

@@ -182,23 +182,10 @@ def test_memory_clock_is_injectable():
 @pytest.mark.redis
 def test_redis_over_tls(tmp_path):
     """rediss:// with the server's CA: works; without trusting the CA: unavailable, not a hang."""
-    import shutil
-    import subprocess
-
     from deploy.redis_proc import RedisServer
+    from tests.certs import make_certs
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    ca, ca_key = tmp_path / "ca.crt", tmp_path / "ca.key"
-    cert, key, csr = tmp_path / "server.crt", tmp_path / "server.key", tmp_path / "server.csr"
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
-        "-days", "1", "-subj", "/CN=tide-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-        "-out", str(cert), "-days", "1", "-extfile", str(ext))
+    ca, cert, key = make_certs(tmp_path)
     server = RedisServer(tmp_path / "redis", tls=(ca, cert, key)).start()
     try:
         assert server.url.startswith("rediss://")

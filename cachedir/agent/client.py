@@ -1,0 +1,129 @@
+"""``AgentClient``: calls one node's cache agent. Errors come out as ``AgentError`` (with the gRPC
+status code), so callers on a request path can treat any of them as a cache miss."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+
+from cachedir.agent import agent_pb2, agent_pb2_grpc
+from cachedir.agent.service import CHUNK_BYTES
+
+__all__ = ["AgentClient", "AgentError"]
+
+
+class AgentError(RuntimeError):
+    """A cache agent call failed (unreachable, timed out, refused, or a broken stream)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AgentClient:
+    def __init__(
+        self, address: str, token: str | None = None, root_certificates: bytes | None = None,
+        timeout_s: float = 5.0, tls_server_name: str | None = None,
+    ) -> None:
+        """``address`` is ``host:port``; ``root_certificates`` (PEM) switches to TLS."""
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
+                   ("grpc.max_send_message_length", 2 * CHUNK_BYTES)]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = agent_pb2_grpc.CacheAgentStub(self._channel)
+
+    def _error(self, e: grpc.RpcError, what: str) -> AgentError:
+        code = e.code() if hasattr(e, "code") else None
+        detail = e.details() if hasattr(e, "details") else str(e)
+        return AgentError(f"cache agent {self.address}: {what} failed: {code.name if code else ''} {detail}", code)
+
+    def fetch(self, keys: Sequence[bytes], requester: str = "") -> list[tuple[str, bytes] | None]:
+        """(tier, encoded unit) per key, None where the agent lacks it. Unverified: the caller
+        checks each unit against what it expects."""
+        out: list[tuple[str, bytes] | None] = [None] * len(keys)
+        if not keys:
+            return out
+        try:
+            stream = self._stub.Fetch(agent_pb2.FetchRequest(keys=list(keys), requester=requester),
+                                      timeout=self.timeout_s, metadata=self._metadata)
+            for index, tier, data in self._assemble(stream, len(keys)):
+                out[index] = (tier, data)
+        except grpc.RpcError as e:
+            raise self._error(e, "fetch") from None
+        return out
+
+    @staticmethod
+    def _assemble(stream: Iterator, n: int) -> Iterator[tuple[int, str, bytes]]:
+        parts: list[bytes] = []
+        current = tier = None
+        size = 0
+        for chunk in stream:
+            if chunk.index >= n:
+                raise AgentError(f"chunk for unit {chunk.index} of a {n}-unit fetch")
+            if current is None:
+                if chunk.missing:
+                    continue
+                current, tier, size, parts = chunk.index, chunk.tier, chunk.size, []
+            elif chunk.index != current:
+                raise AgentError(f"unit {current} ended without its last chunk")
+            parts.append(chunk.data)
+            if chunk.last:
+                data = b"".join(parts)
+                if len(data) == size:  # a short unit is dropped (a miss), never used
+                    yield current, tier, data
+                current = None
+        if current is not None:
+            raise AgentError(f"stream ended inside unit {current}")
+
+    def has(self, keys: Sequence[bytes]) -> list[str]:
+        if not keys:
+            return []
+        try:
+            reply = self._stub.Has(agent_pb2.HasRequest(keys=list(keys)), timeout=self.timeout_s,
+                                   metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "has") from None
+        return list(reply.tiers)
+
+    def push(self, encoded_units: Iterable[bytes]) -> tuple[int, int]:
+        """Send units (encoded files); returns (accepted, rejected)."""
+
+        def chunks() -> Iterator[agent_pb2.UnitChunk]:
+            for i, data in enumerate(encoded_units):
+                view = memoryview(data)
+                n = max(1, -(-len(view) // CHUNK_BYTES))
+                for c in range(n):
+                    yield agent_pb2.UnitChunk(index=i, data=bytes(view[c * CHUNK_BYTES : (c + 1) * CHUNK_BYTES]),
+                                              size=len(view) if c == 0 else 0, last=c == n - 1)
+
+        try:
+            reply = self._stub.Push(chunks(), timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "push") from None
+        return reply.accepted, reply.rejected
+
+    def stats(self) -> dict:
+        try:
+            reply = self._stub.Stats(agent_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "stats") from None
+        return json.loads(reply.json)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,240 @@
+"""``ClusterCache``: the prompt cache as an engine on a node with a cache agent sees it.
+
+``lookup`` asks the node's agent which leading units it holds and, in ONE directory round trip,
+which live nodes hold the rest of the run; units are then "ram"/"ssd" (this node) or "remote".
+``load_async`` fetches the local ones from the node's agent and the remote ones from their
+holders, several holders in parallel (each unit goes to one holder, spread evenly), verifies
+every unit against the key, tokens and namespace the engine expects, retries a failed unit once
+on another holder, and otherwise reports a miss there (the engine computes from that unit on).
+A directory that is down or slow means local units only; an agent that is down means no hit.
+``persist`` pushes new units to the node's agent in the background.
+
+It keeps the bytes and seconds of every load by source (``transfer``) so the prefill load
+balancer can use measured bandwidths.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from cachedir.agent.client import AgentClient, AgentError
+from cachedir.directory.base import Directory, DirectoryUnavailable
+from cachedir.node_cache import LoadedUnit
+from cachedir.unit import Unit
+from cachedir.unitfile import UnitCorrupt, decode
+
+__all__ = ["ClusterCache"]
+
+_REMEMBER = 1 << 16  # keys whose holders are remembered between lookup and load
+
+
+class ClusterCache:
+    def __init__(
+        self,
+        node_id: str,
+        local: AgentClient,
+        directory: Directory | None,
+        client_for: Callable[[str], AgentClient],
+        io_threads: int = 8,
+        live_ttl_s: float = 1.0,
+    ) -> None:
+        """``local`` is this node's agent; ``client_for(address)`` gives a client for another."""
+        self.node_id = node_id
+        self.local = local
+        self.directory = directory
+        self._client_for = client_for
+        # loads wait on fetches, so they run on separate pools (one pool could deadlock)
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="cluster-cache")
+        self._fetch_pool = ThreadPoolExecutor(2 * io_threads, thread_name_prefix="cluster-cache-fetch")
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+        self._holders: OrderedDict[bytes, list[str]] = OrderedDict()  # remote key -> live holders
+        self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be cached somewhere
+        self._live: tuple[float, dict[str, str]] = (-1e18, {})
+        self._live_ttl_s = live_ttl_s
+        self.counters = {"lookups": 0, "directory_errors": 0, "agent_errors": 0, "remote_units": 0,
+                         "local_units": 0, "verify_failures": 0, "retried_units": 0, "persisted_units": 0}
+        # source -> [bytes, seconds] of loads, for measured bandwidths
+        self.transfer = {"local": [0, 0.0], "remote": [0, 0.0]}
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _remember(self, table: OrderedDict, key: bytes, value) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > _REMEMBER:
+            table.popitem(last=False)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _live_nodes(self) -> dict[str, str]:
+        at, live = self._live
+        if time.monotonic() - at > self._live_ttl_s:
+            live = self.directory.live_nodes()
+            self._live = (time.monotonic(), live)
+        return live
+
+    def holds(self, key: bytes) -> bool:
+        """Cached on some node as far as this replica knows (so persisting it again is a waste)."""
+        with self._lock:
+            return key in self._held
+
+    # -- lookups and loads ---------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        self._count("lookups")
+        try:
+            local = self.local.has(keys)
+        except AgentError:
+            self._count("agent_errors")
+            local = [""] * len(keys)
+        remote: list[list[str]] = []
+        if self.directory is not None and not all(local):
+            try:
+                match = self.directory.longest_prefix(keys)
+                live = self._live_nodes()
+                remote = [[h.node_id for h in hs if h.node_id != self.node_id and h.node_id in live]
+                          for hs in match.holders]
+            except DirectoryUnavailable:
+                self._count("directory_errors")
+        tiers = []
+        with self._lock:
+            for i, k in enumerate(keys):
+                if local[i]:
+                    tiers.append(local[i])
+                elif i < len(remote) and remote[i]:
+                    tiers.append("remote")
+                    self._remember(self._holders, k, remote[i])
+                else:
+                    break
+                self._remember(self._held, k, None)
+        return tiers
+
+    def load_async(
+        self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int]]
+    ) -> Future[list[LoadedUnit | None]]:
+        """Verified units for ``keys`` (None where missing or damaged), in order."""
+        return self._submit(self._load, list(keys), namespace, [tuple(t) for t in token_ids])
+
+    def _submit(self, fn, *args) -> Future:
+        fut = self._pool.submit(fn, *args)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(lambda f: self._pending.discard(f))
+        return fut
+
+    def _load(self, keys: list[bytes], namespace: bytes, tokens: list[tuple]) -> list[LoadedUnit | None]:
+        out: list[LoadedUnit | None] = [None] * len(keys)
+        with self._lock:
+            holders = {i: self._holders.get(k) for i, k in enumerate(keys)}
+        local = [i for i, h in holders.items() if not h]
+        # each remote unit goes to the holder with the fewest units assigned so far
+        assigned: dict[str, list[int]] = {}
+        for i, hs in holders.items():
+            if hs:
+                assigned.setdefault(min(hs, key=lambda n: len(assigned.get(n, ()))), []).append(i)
+        jobs = [self._fetch_pool.submit(self._fetch, None, local, keys, namespace, tokens)] if local else []
+        jobs += [self._fetch_pool.submit(self._fetch, node, idx, keys, namespace, tokens) for node, idx in assigned.items()]
+        failed: list[tuple[int, str]] = []
+        for job in jobs:
+            node, got = job.result()
+            for i, unit in got.items():
+                out[i] = unit
+            failed += [(i, node) for i in got if got[i] is None and node is not None]
+        retry: dict[str, list[int]] = {}  # a failed remote unit once more from another holder
+        for i, bad in failed:
+            others = [n for n in holders[i] if n != bad]
+            if others:
+                retry.setdefault(others[0], []).append(i)
+        for node, idx in retry.items():
+            self._count("retried_units", len(idx))
+            _, got = self._fetch(node, idx, keys, namespace, tokens)
+            for i, unit in got.items():
+                out[i] = unit
+        loaded = [k for k, o in zip(keys, out, strict=True) if o is not None]
+        if loaded and self.directory is not None:
+            try:
+                self.directory.record_hits(loaded, time.time())
+            except DirectoryUnavailable:
+                self._count("directory_errors")
+        return out
+
+    def _fetch(self, node: str | None, idx: list[int], keys: list[bytes], namespace: bytes,
+               tokens: list[tuple]) -> tuple[str | None, dict[int, LoadedUnit | None]]:
+        """Fetch ``idx`` from ``node`` (None: this node's agent); verified units by index."""
+        got: dict[int, LoadedUnit | None] = dict.fromkeys(idx)
+        t0 = time.perf_counter()
+        try:
+            if node is None:
+                client = self.local
+            else:
+                address = self._live_nodes().get(node)
+                if address is None:
+                    return node, got
+                client = self._client_for(address)
+            found = client.fetch([keys[i] for i in idx], requester=self.node_id)
+        except (AgentError, DirectoryUnavailable):
+            self._count("agent_errors")
+            return node, got
+        nbytes = 0
+        for i, item in zip(idx, found, strict=True):
+            if item is None:
+                continue
+            tier, data = item
+            try:
+                h, payload = decode(data, namespace, keys[i], tokens[i])
+            except UnitCorrupt:
+                self._count("verify_failures")
+                continue
+            nbytes += len(data)
+            unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+            got[i] = LoadedUnit(unit, tier if node is None else "remote")
+        source = "local" if node is None else "remote"
+        with self._lock:
+            self.counters[f"{source}_units"] += sum(u is not None for u in got.values())
+            self.transfer[source][0] += nbytes
+            self.transfer[source][1] += time.perf_counter() - t0
+        return node, got
+
+    # -- persistence ---------------------------------------------------------------------------
+    def persist(self, units: Sequence[Unit]) -> list[Future[bool]]:
+        """Push new units to this node's agent in the background."""
+        if not units:
+            return []
+        with self._lock:
+            for u in units:
+                self._remember(self._held, u.key, None)
+
+        def push() -> bool:
+            try:
+                accepted, _ = self.local.push(u.encode() for u in units)
+            except AgentError:
+                self._count("agent_errors")
+                return False
+            self._count("persisted_units", accepted)
+            return accepted == len(units)
+
+        return [self._submit(push)]
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the pushes and loads submitted so far (tests, shutdown)."""
+        with self._lock:
+            pending = list(self._pending)
+        for fut in pending:
+            fut.result(timeout=timeout_s)
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counters)
+            for source, (nbytes, secs) in self.transfer.items():
+                out[f"{source}_bytes"] = nbytes
+                out[f"{source}_seconds"] = round(secs, 6)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._fetch_pool.shutdown(wait=True)

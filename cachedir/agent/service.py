@@ -1,0 +1,161 @@
+"""The ``CacheAgent`` gRPC service (``agent.proto``) over one node's ``NodeCache``.
+
+Fetch streams each requested unit's encoded file in chunks of at most ``CHUNK_BYTES`` (a unit the
+node lacks is one ``missing`` chunk, so the stream stays in request order); the caller verifies
+every unit against its own key, tokens and namespace before using it. Push accepts units (engine
+persistence and replication) through ``accept``, which re-verifies each one. Requests that are
+malformed get ``INVALID_ARGUMENT`` with a message; with a token configured, a call without
+``authorization: Bearer <token>`` metadata gets ``UNAUTHENTICATED``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from cachedir.agent import agent_pb2, agent_pb2_grpc
+from cachedir.hashing import KEY_BYTES
+
+__all__ = ["CHUNK_BYTES", "MAX_KEYS", "AgentBackend", "ServerConfig", "start_server"]
+
+CHUNK_BYTES = 1 << 20
+MAX_KEYS = 4096
+MAX_UNIT_BYTES = 64 << 20  # a DeepSeek-V3 unit is ~4.3 MiB; anything far larger is not a unit
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 0  # 0: any free port (the bound one is returned)
+    token: str | None = None
+    tls_cert_chain: bytes | None = None  # PEM; with tls_private_key enables TLS
+    tls_private_key: bytes | None = None
+    threads: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class AgentBackend:
+    """What the service needs from the node (``NodeAgent`` provides these)."""
+
+    read: Callable[[Sequence[bytes], str], list[tuple[str, bytes] | None]]  # keys, requester
+    has: Callable[[Sequence[bytes]], list[str]]
+    accept: Callable[[bytes], bool]  # one encoded unit; False when rejected
+    stats: Callable[[], dict]
+
+
+def _check_keys(keys: Sequence[bytes], context: grpc.ServicerContext) -> None:
+    if len(keys) > MAX_KEYS:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call; at most {MAX_KEYS}")
+    for i, k in enumerate(keys):
+        if len(k) != KEY_BYTES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"key {i} has {len(k)} bytes; unit keys have {KEY_BYTES}")
+
+
+class _Servicer(agent_pb2_grpc.CacheAgentServicer):
+    def __init__(self, backend: AgentBackend) -> None:
+        self.b = backend
+
+    def Fetch(self, request, context) -> Iterator[agent_pb2.UnitChunk]:  # noqa: N802 - gRPC names
+        keys = list(request.keys)
+        _check_keys(keys, context)
+        for i, found in enumerate(self.b.read(keys, request.requester)):
+            if found is None:
+                yield agent_pb2.UnitChunk(index=i, key=keys[i], missing=True, last=True)
+                continue
+            tier, data = found
+            view = memoryview(data)
+            n = max(1, -(-len(view) // CHUNK_BYTES))
+            for c in range(n):
+                part = view[c * CHUNK_BYTES : (c + 1) * CHUNK_BYTES]
+                if c == 0:
+                    yield agent_pb2.UnitChunk(index=i, key=keys[i], data=bytes(part), tier=tier,
+                                              size=len(view), last=n == 1)
+                else:
+                    yield agent_pb2.UnitChunk(index=i, data=bytes(part), last=c == n - 1)
+
+    def Has(self, request, context) -> agent_pb2.HasReply:  # noqa: N802
+        keys = list(request.keys)
+        _check_keys(keys, context)
+        return agent_pb2.HasReply(tiers=self.b.has(keys))
+
+    def Push(self, request_iterator, context) -> agent_pb2.PushReply:  # noqa: N802
+        accepted = rejected = 0
+        parts: list[bytes] | None = None
+        size = 0
+        for chunk in request_iterator:
+            if parts is None:
+                if not chunk.size or chunk.size > MAX_UNIT_BYTES:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"a unit's first chunk must give its size (1..{MAX_UNIT_BYTES}), got {chunk.size}")
+                parts, size = [], chunk.size
+            parts.append(chunk.data)
+            got = sum(len(p) for p in parts)
+            if got > size:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unit {chunk.index} is longer than its size {size}")
+            if chunk.last:
+                ok = got == size and self.b.accept(b"".join(parts))
+                accepted += ok
+                rejected += not ok
+                parts = None
+        if parts is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended inside a unit (no last chunk)")
+        return agent_pb2.PushReply(accepted=accepted, rejected=rejected)
+
+    def Stats(self, request, context) -> agent_pb2.StatsReply:  # noqa: N802
+        return agent_pb2.StatsReply(json=json.dumps(self.b.stats()))
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` (constant-time comparison)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache agent token")
+
+        # the refusal must have the method's own streaming shape
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer)
+
+
+def start_server(backend: AgentBackend, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and its bound port."""
+    interceptors = [_TokenAuth(cfg.token)] if cfg.token else []
+    server = grpc.server(
+        ThreadPoolExecutor(cfg.threads, thread_name_prefix="cache-agent-rpc"), interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
+                 ("grpc.max_send_message_length", 2 * CHUNK_BYTES)],
+    )
+    agent_pb2_grpc.add_CacheAgentServicer_to_server(_Servicer(backend), server)
+    addr = f"{cfg.host}:{cfg.port}"
+    if (cfg.tls_cert_chain is None) != (cfg.tls_private_key is None):
+        raise ValueError("TLS needs both tls_cert_chain and tls_private_key")
+    if cfg.tls_cert_chain is not None:
+        creds = grpc.ssl_server_credentials([(cfg.tls_private_key, cfg.tls_cert_chain)])
+        port = server.add_secure_port(addr, creds)
+    else:
+        port = server.add_insecure_port(addr)
+    if port == 0:
+        raise OSError(f"cache agent could not bind {addr}")
+    server.start()
+    return server, port

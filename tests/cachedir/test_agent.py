@@ -1,0 +1,294 @@
+"""The cache agent's gRPC service, client, cluster cache and replication, in-process (two or
+three ``NodeAgent``s on one machine sharing a directory). The same code on a real 3-node Ray
+cluster: tests/actors/test_cache_agents.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+
+from cachedir.agent import agent_pb2, agent_pb2_grpc
+from cachedir.agent.client import AgentClient, AgentError
+from cachedir.agent.cluster_cache import ClusterCache
+from cachedir.agent.node_agent import AgentConfig, NodeAgent
+from cachedir.agent.service import ServerConfig
+from cachedir.directory.base import DirectoryUnavailable
+from cachedir.directory.memory import MemoryDirectory
+from cachedir.node_cache import CacheConfig
+from cachedir.replication import ReplicationConfig
+from cachedir.store import StoreConfig
+from tests.cachedir.units import NS, make_units
+
+TOKENS = list(range(1000, 1000 + 64 * 4))
+
+
+def _agent(tmp_path, name, directory=None, token=None, replication=None, **server) -> NodeAgent:
+    cfg = AgentConfig(
+        name, CacheConfig(StoreConfig(tmp_path / name, 1 << 30, fsync=False), ram_bytes=0),
+        ServerConfig(host="127.0.0.1", token=token, **server), heartbeat_ttl_s=2.0, sync_every_s=3600,
+        replication=replication,
+    )
+    return NodeAgent(cfg, directory)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    d = MemoryDirectory("agents")
+    a, b = _agent(tmp_path, "node-a", d), _agent(tmp_path, "node-b", d)
+    yield d, a, b
+    a.close()
+    b.close()
+
+
+def _store(agent: NodeAgent, units) -> None:
+    agent.cache.persist(units)
+    agent.cache.flush()
+    agent.sync_once()
+
+
+def _cluster_cache(agent: NodeAgent, directory) -> ClusterCache:
+    return ClusterCache(agent.node_id, AgentClient(agent.address), directory, AgentClient)
+
+
+def test_fetch_has_push_and_stats_round_trip(pair):
+    _, a, b = pair
+    units = make_units(TOKENS)
+    _store(a, units)
+    with AgentClient(a.address) as c:
+        assert c.has([u.key for u in units] + [b"\0" * 16]) == ["ssd"] * 4 + [""]
+        got = c.fetch([units[1].key, b"\0" * 16, units[3].key], requester="node-b")
+        assert got[0] == ("ssd", units[1].encode()) and got[1] is None and got[2][1] == units[3].encode()
+        assert c.stats()["fetch_remote_units"] == 2
+    with AgentClient(b.address) as c:
+        assert c.push(u.encode() for u in units[:2]) == (2, 0)
+        corrupt = bytearray(units[2].encode())
+        corrupt[-1] ^= 1
+        assert c.push([bytes(corrupt)]) == (0, 1)  # fails its checksum: refused, not stored
+    b.cache.flush()
+    assert b.cache.has([u.key for u in units]) == ["ssd", "ssd", "", ""]
+
+
+def test_large_units_stream_in_chunks(tmp_path):
+    """A DeepSeek-V3-sized unit (several 1 MiB chunks) arrives whole and verified."""
+    a = _agent(tmp_path, "big")
+    try:
+        (unit,) = make_units(TOKENS[:64], layers=61, dim=576)  # fp32: 8.6 MiB
+        _store(a, [unit])
+        with AgentClient(a.address) as c:
+            tier, data = c.fetch([unit.key])[0]
+        assert data == unit.encode() and len(data) > 8 << 20
+    finally:
+        a.close()
+
+
+def test_bad_token_and_malformed_requests_get_clear_statuses(tmp_path):
+    a = _agent(tmp_path, "secured", token="s3cret")
+    try:
+        for token in (None, "wrong"):
+            with AgentClient(a.address, token=token) as c, pytest.raises(AgentError) as e:
+                c.has([b"\0" * 16])
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "token" in str(e.value)
+            with AgentClient(a.address, token=token) as c, pytest.raises(AgentError) as e:
+                c.fetch([b"\0" * 16])
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with AgentClient(a.address, token="s3cret") as c:
+            assert c.has([b"\0" * 16]) == [""]
+            with pytest.raises(AgentError) as e:
+                c.fetch([b"short"])
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "16" in str(e.value)
+            with pytest.raises(AgentError) as e:
+                c.has([b"\0" * 16] * 5000)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "4096" in str(e.value)
+        # a raw stream without the unit's size, and one that ends inside a unit
+        channel = grpc.insecure_channel(a.address)
+        stub = agent_pb2_grpc.CacheAgentStub(channel)
+        md = (("authorization", "Bearer s3cret"),)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Push(iter([agent_pb2.UnitChunk(index=0, data=b"x", last=True)]), metadata=md, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "size" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Push(iter([agent_pb2.UnitChunk(index=0, data=b"x", size=10)]), metadata=md, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "last chunk" in e.value.details()
+        channel.close()
+        assert json.loads(json.dumps(a.stats()))["push_accepted"] == 0
+    finally:
+        a.close()
+
+
+def test_tls(tmp_path):
+    from tests.certs import make_certs
+
+    ca, cert, key = make_certs(tmp_path)
+    a = _agent(tmp_path, "tls", tls_cert_chain=cert.read_bytes(), tls_private_key=key.read_bytes())
+    try:
+        with AgentClient(a.address, root_certificates=ca.read_bytes()) as c:
+            assert c.has([b"\0" * 16]) == [""]
+        with AgentClient(a.address, timeout_s=2) as plain, pytest.raises(AgentError):
+            plain.has([b"\0" * 16])
+    finally:
+        a.close()
+
+
+def test_cluster_cache_loads_remote_units_verified(pair):
+    d, a, b = pair
+    units = make_units(TOKENS)
+    _store(a, units[:3])
+    _store(b, units[:1])
+    b.sync_once()
+    cache = _cluster_cache(b, d)
+    keys = [u.key for u in units]
+    assert cache.lookup(keys) == ["ssd", "remote", "remote"]  # unit 3 is nowhere
+    toks = [u.token_ids for u in units[:3]]
+    loaded = cache.load_async(keys[:3], NS.seed, toks).result(timeout=10)
+    assert [x.tier for x in loaded] == ["ssd", "remote", "remote"]
+    assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units[:3]]
+    assert cache.stats()["remote_units"] == 2 and cache.stats()["remote_bytes"] > 0
+    # the engine asked for other tokens than the units hold: a miss, never the wrong KV
+    cache.lookup(keys[:3])
+    wrong = [toks[0], toks[1], tuple(t + 1 for t in toks[2])]
+    assert cache.load_async(keys[:3], NS.seed, wrong).result(timeout=10)[2] is None
+    assert cache.stats()["verify_failures"] == 1
+    # hits were recorded in the directory (they drive replication)
+    assert any(h.key == keys[1] for h in d.hot_units(10, 5, time.time()))
+    cache.close()
+
+
+def test_cluster_cache_spreads_a_run_over_holders_and_retries_another(tmp_path):
+    d = MemoryDirectory("spread")
+    agents = [_agent(tmp_path, f"n{i}", d) for i in range(3)]
+    try:
+        units = make_units(TOKENS)
+        for ag in agents[:2]:
+            _store(ag, units)
+        cache = _cluster_cache(agents[2], d)
+        keys = [u.key for u in units]
+        assert cache.lookup(keys) == ["remote"] * 4
+        loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=10)
+        assert all(x is not None for x in loaded)
+        served = [ag.stats()["fetch_remote_units"] for ag in agents[:2]]
+        assert served == [2, 2]  # both holders served half of the run, in parallel
+        # one holder's copy of unit 0 is damaged: the unit comes from the other holder
+        agents[0].cache.ssd.path(keys[0]).write_bytes(b"garbage")
+        agents[1].cache.ssd.path(keys[0]).write_bytes(b"garbage")
+        agents[0].cache.ssd.path(keys[1]).write_bytes(b"garbage")
+        cache.lookup(keys)
+        loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=10)
+        assert loaded[0] is None and loaded[1] is not None and loaded[1].tier == "remote"
+        assert cache.stats()["retried_units"] >= 1
+        cache.close()
+    finally:
+        for ag in agents:
+            ag.close()
+
+
+def test_dead_agent_and_dead_directory_degrade_to_misses(pair, monkeypatch):
+    d, a, b = pair
+    units = make_units(TOKENS)
+    _store(a, units)
+    cache = _cluster_cache(b, d)
+    keys = [u.key for u in units]
+    assert cache.lookup(keys) == ["remote"] * 4
+    a.server.stop(grace=0).wait()  # the agent dies between lookup and load
+    loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=30)
+    assert loaded == [None] * 4 and cache.stats()["agent_errors"] >= 1
+
+    def down(*a, **k):
+        raise DirectoryUnavailable("redis is down")
+
+    monkeypatch.setattr(d, "longest_prefix", down)
+    _store(b, units[:2])
+    assert cache.lookup(keys) == ["ssd", "ssd"]  # local units only
+    assert cache.stats()["directory_errors"] == 1
+    cache.close()
+
+
+def test_heartbeat_ttl_hides_a_stopped_agents_units(tmp_path):
+    d = MemoryDirectory("ttl")
+    a = _agent(tmp_path, "a", d)
+    b = _agent(tmp_path, "b", d)
+    units = make_units(TOKENS)
+    _store(a, units)
+    cache = _cluster_cache(b, d)
+    assert cache.lookup([u.key for u in units]) == ["remote"] * 4
+    a.close()  # no more heartbeats
+    time.sleep(2.2)  # the TTL
+    cache._live = (-1e18, {})
+    assert cache.lookup([u.key for u in units]) == []
+    cache.close()
+    b.close()
+
+
+def test_hot_units_get_a_replica_preferring_the_node_that_fetched_them(tmp_path):
+    d = MemoryDirectory("repl")
+    rep = ReplicationConfig(replicas=2, min_hits=2.0, cooldown_s=60.0, retry_after_s=0.0)
+    agents = [_agent(tmp_path, f"r{i}", d, replication=rep) for i in range(3)]
+    try:
+        for ag in agents:
+            ag.sync_once()
+        units = make_units(TOKENS)
+        _store(agents[0], units[:1])
+        cache = _cluster_cache(agents[2], d)
+        key = units[0].key
+        for _ in range(3):  # r2 hits the unit remotely three times
+            assert cache.lookup([key]) == ["remote"]
+            assert cache.load_async([key], NS.seed, [units[0].token_ids]).result(timeout=10)[0] is not None
+        agents[0].sync_once()  # the holder's replication tick pushes it
+        agents[0].replicator.wait(10)
+        agents[2].cache.flush()
+        agents[2].sync_once()  # the receiver registers its copy
+        holders = {h.node_id for h in d.longest_prefix([key]).holders[0]}
+        assert holders == {"r0", "r2"}  # to the node that fetched it, not r1
+        assert agents[0].stats()["replication_pushed"] == 1
+        # R reached: no more copies
+        agents[0].sync_once()
+        assert agents[0].replicator.stats["pushed"] == 1
+        # r2 evicts its copy; the unit is hot and under R again, but r2 refuses it (cooldown)
+        assert agents[2].evict([key]) == 1
+        d.record_hits([key], time.time())
+        agents[0].sync_once()
+        agents[0].replicator.wait(10)
+        assert agents[2].stats()["push_refused"] == 1
+        assert {h.node_id for h in d.longest_prefix([key]).holders[0]} == {"r0"}
+        cache.close()
+    finally:
+        for ag in agents:
+            ag.close()
+
+
+def test_replication_respects_the_byte_budget(tmp_path):
+    d = MemoryDirectory("budget")
+    rep = ReplicationConfig(replicas=2, min_hits=0.5, bytes_per_s=1.0, retry_after_s=0.0)
+    agents = [_agent(tmp_path, f"b{i}", d, replication=rep) for i in range(2)]
+    try:
+        for ag in agents:
+            ag.sync_once()
+        units = make_units(TOKENS[:64 * 3])
+        _store(agents[0], units)
+        d.record_hits([u.key for u in units], time.time())
+        agents[0].replicator._bucket.level = len(units[0].encode())  # room for exactly one unit
+        agents[0].replicator._bucket.burst = len(units[0].encode())
+        assert agents[0].replicator.tick() == 1  # max_inflight (2) would allow two
+        assert agents[0].replicator.tick() == 0  # the bucket refills at 1 byte/s
+    finally:
+        for ag in agents:
+            ag.close()
+
+
+def test_generated_modules_match_the_proto(tmp_path):
+    """agent_pb2*.py are what scripts/gen_proto.sh makes from agent.proto today."""
+    import shutil
+    from pathlib import Path
+
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "cachedir" / "agent").mkdir(parents=True)
+    shutil.copy(root / "cachedir/agent/agent.proto", tmp_path / "cachedir/agent/agent.proto")
+    assert protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                        str(tmp_path / "cachedir/agent/agent.proto")]) == 0
+    for name in ("agent_pb2.py", "agent_pb2_grpc.py"):
+        assert (tmp_path / "cachedir/agent" / name).read_text() == (root / "cachedir/agent" / name).read_text(), (
+            f"cachedir/agent/{name} is stale: run scripts/gen_proto.sh")
