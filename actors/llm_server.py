@@ -22,10 +22,13 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.cache_agent import ensure_cache_agents
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
+from cachedir.agent.client import AgentClient
+from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.directory import open_directory
-from cachedir.hashing import Namespace
+from cachedir.hashing import Namespace, chain_keys
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig
@@ -82,7 +85,9 @@ class LLMServer:
         expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
         slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand),
         ``ep_timeout_s`` (a round slower than this counts as a failed shard),
-        ``micro_batches`` (2 overlaps one half's expert round with the other's attention)."""
+        ``micro_batches`` (2 overlaps one half's expert round with the other's attention);
+        ``cache_agents`` (the agents' cfg, see ``actors/cache_agent.py``): the node's cache agent
+        owns the unit store and the engine reaches every node's units through it."""
         self._stop = False
         ckpt = Path(cfg["checkpoint"])
         shards = cfg.get("ep_shards") or []
@@ -99,7 +104,10 @@ class LLMServer:
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         enable_cache = bool(cfg.get("enable_cache", True))
         self.cache = None
-        if enable_cache:
+        self._agent_cfg = cfg.get("cache_agents") if enable_cache else None
+        if self._agent_cfg:
+            self.cache = self._cluster_cache(self._agent_cfg)
+        elif enable_cache:
             self.cache = NodeCache(CacheConfig(
                 StoreConfig(Path(cfg["cache_dir"]) / namespace.id, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30))),
                 ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
@@ -115,7 +123,7 @@ class LLMServer:
         # One usage log per replica process (``tide stats`` reads them all).
         self.usage = JsonlLog(Path(cfg["usage_dir"]) / f"{self.node_id}.jsonl") if cfg.get("usage_dir") else None
         self.publisher = None
-        if cfg.get("directory_url") and self.cache is not None:
+        if cfg.get("directory_url") and isinstance(self.cache, NodeCache):
             options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id, **options)
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
@@ -123,6 +131,27 @@ class LLMServer:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+
+    def _cluster_cache(self, agent_cfg: dict) -> ClusterCache:
+        """The engine's view of every node's units, through this node's agent (started on every
+        node that lacks one; ``_loop`` repeats that now and then for nodes added later)."""
+        self.node_id = ray.get_runtime_context().get_node_id()
+        agents = ensure_cache_agents(agent_cfg)
+        address = ray.get(agents[self.node_id].info.remote())["address"]
+        token = agent_cfg.get("agent_token")
+        directory = None
+        if agent_cfg.get("directory_url"):
+            options = {"password": agent_cfg["directory_password"]} if agent_cfg.get("directory_password") else {}
+            directory = open_directory(agent_cfg["directory_url"], agent_cfg.get("directory_namespace") or "tideserve",
+                                       **options)
+        clients: dict[str, AgentClient] = {}
+
+        def client_for(addr: str) -> AgentClient:
+            if addr not in clients:
+                clients[addr] = AgentClient(addr, token, timeout_s=float(agent_cfg.get("fetch_timeout_s", 5.0)))
+            return clients[addr]
+
+        return ClusterCache(self.node_id, client_for(address), directory, client_for)
 
     def _start_ep(self, cfg: dict, shards: list) -> EPGroup:
         mcfg = self.model.cfg
@@ -170,8 +199,14 @@ class LLMServer:
                 "load": ex.load.tolist(), "num_shards": ex.placement.num_shards}
 
     # -- the engine thread ---------------------------------------------------------------
+    def _ensure_agents(self) -> None:
+        try:
+            ensure_cache_agents(self._agent_cfg)
+        except Exception:  # noqa: BLE001 - retried at the next check
+            log.exception("could not ensure a cache agent on every node")
+
     def _loop(self) -> None:
-        last_sync = 0.0
+        last_sync = last_agents = time.monotonic()
         while not self._stop:
             if not self.engine.has_work():
                 self._wake.wait(timeout=1.0)
@@ -189,6 +224,9 @@ class LLMServer:
                         self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens,
                                                       o.completion_tokens, o.decode_s))
             now = time.monotonic()
+            if self._agent_cfg and now - last_agents > float(self._agent_cfg.get("agent_check_s", 30.0)):
+                last_agents = now
+                threading.Thread(target=self._ensure_agents, daemon=True).start()
             if self.publisher is not None and now - last_sync > 1.0:
                 last_sync = now
                 self.publisher.record(self.cache.drain_events())
@@ -235,6 +273,11 @@ class LLMServer:
         finally:
             self._queues.pop(rid, None)
             self.engine.abort(rid)  # no-op when finished; frees pages if the client went away
+
+    def unit_keys(self, prompt_ids: list[int], tenant: str = "") -> list[str]:
+        """The prompt's cache unit keys (hex), as the directory knows them."""
+        ns = self.engine.namespace_for(tenant)
+        return [k.hex() for k in chain_keys(ns.seed, prompt_ids, ns.unit_size)]
 
     def kv_capacity(self) -> dict:
         return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}

@@ -32,7 +32,7 @@ __all__ = ["ReplicationConfig", "Replicator"]
 @dataclass(frozen=True, slots=True)
 class ReplicationConfig:
     replicas: int = 2  # R: wanted live copies of a hot unit
-    min_hits: float = 3.0  # decayed hit count from which a unit counts as hot
+    min_hits: float = 2.0  # decayed hit count from which a unit counts as hot (hits decay, so > n-1)
     scan_limit: int = 64  # hot units examined per tick
     max_inflight: int = 2
     bytes_per_s: float = 100e6

@@ -39,3 +39,14 @@ def _services_for_markers(request):
 
         if not torch.cuda.is_available():
             pytest.skip("needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the module (killed at its end)."""
+    from deploy.redis_proc import RedisServer
+
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()

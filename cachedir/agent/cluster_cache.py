@@ -112,7 +112,15 @@ class ClusterCache:
                 else:
                     break
                 self._remember(self._held, k, None)
+        if tiers and self.directory is not None:  # hotness counts every request that finds a unit
+            self._submit(self._record_hits, list(keys[: len(tiers)]))
         return tiers
+
+    def _record_hits(self, keys: list[bytes]) -> None:
+        try:
+            self.directory.record_hits(keys, time.time())
+        except DirectoryUnavailable:
+            self._count("directory_errors")
 
     def load_async(
         self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int]]
@@ -155,12 +163,6 @@ class ClusterCache:
             _, got = self._fetch(node, idx, keys, namespace, tokens)
             for i, unit in got.items():
                 out[i] = unit
-        loaded = [k for k, o in zip(keys, out, strict=True) if o is not None]
-        if loaded and self.directory is not None:
-            try:
-                self.directory.record_hits(loaded, time.time())
-            except DirectoryUnavailable:
-                self._count("directory_errors")
         return out
 
     def _fetch(self, node: str | None, idx: list[int], keys: list[bytes], namespace: bytes,

@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import pytest
-
-from deploy.redis_proc import RedisServer
 
 
 class FakeClock:
@@ -15,14 +12,3 @@ class FakeClock:
     def advance(self, dt: float) -> None:
         self.t += dt
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    import shutil
-
-    from tests.conftest import require
-
-    require(shutil.which("redis-server") is not None, "redis-server is not installed")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.kill()

@@ -151,7 +151,8 @@ def test_cluster_cache_loads_remote_units_verified(pair):
     wrong = [toks[0], toks[1], tuple(t + 1 for t in toks[2])]
     assert cache.load_async(keys[:3], NS.seed, wrong).result(timeout=10)[2] is None
     assert cache.stats()["verify_failures"] == 1
-    # hits were recorded in the directory (they drive replication)
+    # every lookup that found units counted as hits in the directory (they drive replication)
+    cache.flush()
     assert any(h.key == keys[1] for h in d.hot_units(10, 5, time.time()))
     cache.close()
 
@@ -235,6 +236,7 @@ def test_hot_units_get_a_replica_preferring_the_node_that_fetched_them(tmp_path)
         for _ in range(3):  # r2 hits the unit remotely three times
             assert cache.lookup([key]) == ["remote"]
             assert cache.load_async([key], NS.seed, [units[0].token_ids]).result(timeout=10)[0] is not None
+        cache.flush()  # the hits are recorded in the background
         agents[0].sync_once()  # the holder's replication tick pushes it
         agents[0].replicator.wait(10)
         agents[2].cache.flush()

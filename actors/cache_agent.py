@@ -1,0 +1,93 @@
+"""``CacheAgent``: the Ray shell of a node's cache agent (``cachedir.agent.NodeAgent``).
+
+One named, detached actor per node (``tideserve-cache-agent-<node id>`` in namespace
+``tideserve``), pinned to its node with a hard node-affinity strategy and restarted by Ray if
+its process dies. ``ensure_cache_agents`` creates the missing ones and is idempotent; replicas call
+it on start and periodically, so a node added later gets its agent too. The agent keeps running
+while its node is lent to training, so its units stay fetchable.
+
+``cfg`` keys: ``cache_dir`` (``{node}`` is replaced by the node id's first 12 characters — needed
+when several simulated nodes share one disk), ``ssd_bytes``, ``ram_bytes``, ``eviction``,
+``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password``,
+``agent_token``, ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
+off), ``replication_min_hits``, ``replication_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cachedir.agent.node_agent import AgentConfig, NodeAgent
+from cachedir.agent.service import ServerConfig
+from cachedir.directory import open_directory
+from cachedir.node_cache import CacheConfig
+from cachedir.replication import ReplicationConfig
+from cachedir.store import StoreConfig
+
+__all__ = ["CacheAgent", "agent_name", "ensure_cache_agents", "NAMESPACE"]
+
+NAMESPACE = "tideserve"
+
+
+def agent_name(node_id: str) -> str:
+    return f"tideserve-cache-agent-{node_id}"
+
+
+def node_cache_dir(cache_dir: str, node_id: str) -> Path:
+    return Path(cache_dir.replace("{node}", node_id[:12]))
+
+
+class CacheAgent:
+    def __init__(self, cfg: dict) -> None:
+        node_id = ray.get_runtime_context().get_node_id()
+        directory = None
+        if cfg.get("directory_url"):
+            options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
+            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or NAMESPACE, **options)
+        replicas = int(cfg.get("replicas", 2))
+        replication = None
+        if replicas > 1:
+            replication = ReplicationConfig(replicas=replicas, min_hits=float(cfg.get("replication_min_hits", 2.0)),
+                                            bytes_per_s=float(cfg.get("replication_bytes_per_s", 100e6)))
+        store = StoreConfig(node_cache_dir(cfg["cache_dir"], node_id), int(cfg.get("ssd_bytes", 8 << 30)),
+                            eviction=cfg.get("eviction", "lru"), max_age_s=cfg.get("max_age_s"))
+        self.agent = NodeAgent(AgentConfig(
+            node_id, CacheConfig(store, ram_bytes=int(cfg.get("ram_bytes", 512 << 20))),
+            ServerConfig(token=cfg.get("agent_token")), advertise_host=ray.util.get_node_ip_address(),
+            heartbeat_ttl_s=float(cfg.get("heartbeat_ttl_s", 10.0)),
+            sync_every_s=float(cfg.get("sync_every_s", 1.0)), replication=replication,
+        ), directory)
+        self.agent.sync_once()  # registered and heartbeating before anyone asks
+
+    def info(self) -> dict:
+        return {"node_id": self.agent.node_id, "address": self.agent.address}
+
+    def stats(self) -> dict:
+        return self.agent.stats()
+
+    def evict(self, keys_hex: list[str] | None = None) -> int:
+        """Drop the given units (hex keys), or every unit when None (``tide cache evict``)."""
+        keys = [bytes.fromhex(k) for k in keys_hex] if keys_hex is not None else self.agent.cache.ssd.keys()
+        return self.agent.evict(keys)
+
+    def sync(self) -> None:
+        self.agent.sync_once()
+
+
+def ensure_cache_agents(cfg: dict, timeout_s: float = 120.0) -> dict[str, ray.actor.ActorHandle]:
+    """The agent of every alive node (created where missing), by node id, each ready."""
+    handles = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        node_id = node["NodeID"]
+        handles[node_id] = ray.remote(CacheAgent).options(
+            name=agent_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=8,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(cfg)
+    ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)
+    return handles

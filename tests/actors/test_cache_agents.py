@@ -1,0 +1,173 @@
+"""Cache agents on a simulated 3-node Ray cluster, each node with its own cache directory and
+all sharing one real redis-server directory: a prefix computed on node A is served on node B from
+A's units (token-identical), a repeatedly hit unit gets a second replica, and a killed agent's
+units leave lookups within the heartbeat TTL while requests keep succeeding."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from model.checkpoint import load_model, random_state_dict, save_checkpoint
+from model.config import named_config
+from model.generate import generate
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
+
+TTL_S = 2.0
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = named_config("tiny")
+    return save_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_state_dict(cfg, seed=11, std=0.06))
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
+    c.add_node(num_cpus=1, resources={"node1": 1})
+    c.add_node(num_cpus=1, resources={"node2": 1})
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    agent_cfg = {
+        "cache_dir": str(tmp_path_factory.mktemp("cache") / "{node}"), "ssd_bytes": 1 << 30,
+        "ram_bytes": 0, "directory_url": redis_server.url, "directory_namespace": "agents-test",
+        "agent_token": "test-token", "heartbeat_ttl_s": TTL_S, "sync_every_s": 0.25, "replicas": 2,
+        "agent_check_s": 3600,  # the test decides when a killed agent comes back
+    }
+    yield c, agent_cfg
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def servers(cluster, checkpoint):
+    import ray
+
+    from actors.llm_server import LLMServer
+
+    _, agent_cfg = cluster
+    out = [
+        ray.remote(num_cpus=0, resources={f"node{i}": 0.01})(LLMServer).remote({
+            "checkpoint": str(checkpoint), "num_pages": 256, "max_num_seqs": 8, "cache_agents": agent_cfg,
+        })
+        for i in range(2)
+    ]
+    ray.get([s.check_health.remote() for s in out], timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def directory(redis_server):
+    from cachedir.directory import open_directory
+
+    return open_directory(redis_server.url, "agents-test")
+
+
+def _run(server, prompt) -> dict:
+    """Greedy tokens and the last output (with the usage and token sources)."""
+    import ray
+
+    tokens, last = [], None
+    for ref in server.generate.options(num_returns="streaming").remote(
+        {"prompt_ids": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    ):
+        last = ray.get(ref, timeout=300)
+        tokens += last["token_ids"]
+    return {"tokens": tokens, **last}
+
+
+def _holders(directory, server, prompt) -> list[set[str]]:
+    import ray
+
+    keys = [bytes.fromhex(k) for k in ray.get(server.unit_keys.remote(prompt))]
+    return [{h.node_id for h in hs} for hs in directory.longest_prefix(keys).holders]
+
+
+def _wait(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _prompt(seed: int) -> list[int]:
+    return [256] + [(seed * 131 + i * 7) % 250 + 3 for i in range(64 * 3 + 4)]  # 3 whole units
+
+
+def test_one_agent_per_node_also_on_nodes_added_later(cluster, servers):
+    import ray
+
+    from actors.cache_agent import ensure_cache_agents
+
+    c, agent_cfg = cluster
+    first = ensure_cache_agents(agent_cfg)
+    again = ensure_cache_agents(agent_cfg)
+    assert len(first) == 3 and {k: h._actor_id for k, h in first.items()} == {k: h._actor_id for k, h in again.items()}
+    infos = ray.get([h.info.remote() for h in first.values()])
+    assert {i["node_id"] for i in infos} == set(first)  # each agent runs on its own node
+    node = c.add_node(num_cpus=0)
+    try:
+        c.wait_for_nodes()
+        grown = ensure_cache_agents(agent_cfg)
+        assert len(grown) == 4 and set(first) < set(grown)
+    finally:
+        c.remove_node(node)
+
+
+def test_prefix_from_node_a_is_served_on_node_b(servers, checkpoint, directory):
+    a, b = servers
+    prompt = _prompt(1)
+    want = generate(load_model(checkpoint), prompt, MAX_TOKENS, eos_id=None)
+    on_a = _run(a, prompt)
+    assert on_a["tokens"] == want and on_a["sources"]["compute"] == len(prompt)
+    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    on_b = _run(b, prompt)
+    assert on_b["tokens"] == want  # token-identical, from A's units
+    assert on_b["sources"]["remote"] == 3 * 64 and on_b["cached_tokens"] == 3 * 64
+
+
+def test_a_hot_unit_gets_a_second_replica(servers, directory):
+    a, b = servers
+    prompt = _prompt(2)
+    _run(a, prompt)
+    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    assert all(len(h) == 1 for h in _holders(directory, a, prompt))
+    for _ in range(3):  # three more requests find the units: hot
+        _run(b, prompt)
+    replicated = _wait(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
+                       15, "a second replica of every unit")
+    assert all(len(x) == 2 for x in replicated)
+
+
+def test_killed_agent_units_leave_lookups_and_requests_still_succeed(cluster, servers, checkpoint, directory):
+    import ray
+
+    from actors.cache_agent import agent_name, ensure_cache_agents
+
+    _, agent_cfg = cluster
+    a, b = servers
+    prompt = _prompt(3)
+    want = generate(load_model(checkpoint), prompt, MAX_TOKENS, eos_id=None)
+    _run(a, prompt)
+    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    a_node = ray.get(a.stats.remote())["node_id"]
+    ray.kill(ray.get_actor(agent_name(a_node), namespace="tideserve"), no_restart=True)
+    t0 = time.monotonic()
+    _wait(lambda: not _holders(directory, a, prompt), TTL_S + 3, "A's units to leave lookups")
+    assert time.monotonic() - t0 <= TTL_S + 3
+    on_b = _run(b, prompt)  # nothing to fetch: computed, same tokens
+    assert on_b["tokens"] == want and on_b["sources"]["remote"] == 0
+    on_a = _run(a, prompt)  # A's own agent is gone: A still serves (its pool may share pages)
+    assert on_a["tokens"] == want
+    # the agent comes back (Ray restart or the periodic check); its units are on disk: found again
+    ensure_cache_agents(agent_cfg)
+    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units after the agent restarted")
