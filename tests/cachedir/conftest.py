@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 
-
 class FakeClock:
     def __init__(self, t: float = 1_000_000.0) -> None:
         self.t = t
