@@ -28,13 +28,14 @@ from actors.gpu import gpu_telemetry
 from cachedir.agent.client import AgentClient
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.directory import open_directory
-from cachedir.hashing import Namespace, chain_keys
+from cachedir.hashing import chain_keys
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig
 from cluster.daily_report import JsonlLog, UsageRecord
-from cluster.engine import Engine, EngineConfig
+from cluster.engine import Engine, EngineConfig, cache_namespace
 from cluster.eplb import EplbConfig, Placement
+from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, TokenSources
 from model.checkpoint import load_model, weights_digest
 from model.sampling import SamplingParams
@@ -97,10 +98,7 @@ class LLMServer:
         self.ep = self._start_ep(cfg, shards) if shards else None
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
-        namespace = Namespace(
-            mcfg.fingerprint(), weights_digest(ckpt), str(self.model.dtype).removeprefix("torch."),
-            f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", 64,
-        )
+        namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype)
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         enable_cache = bool(cfg.get("enable_cache", True))
         self.cache = None
@@ -127,6 +125,10 @@ class LLMServer:
             options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id, **options)
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
+        unit_bytes = mcfg.num_hidden_layers * 64 * (mcfg.kv_lora_rank + mcfg.qk_rope_head_dim) * self.model.dtype.itemsize
+        self._cost = CostModel(unit_bytes=unit_bytes)
+        self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}
+        self._transfer_seen = {"local": (0, 0.0), "remote": (0, 0.0)}
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -278,6 +280,22 @@ class LLMServer:
         """The prompt's cache unit keys (hex), as the directory knows them."""
         ns = self.engine.namespace_for(tenant)
         return [k.hex() for k in chain_keys(ns.seed, prompt_ids, ns.unit_size)]
+
+    def record_routing_stats(self) -> dict:
+        """What the prefill router scores this replica by (Ray Serve polls it): its node, queue,
+        running requests and its measured cost model (compute fit, load bandwidths)."""
+        token_s, attn_s = fit_compute(list(self.engine.prefill_samples), self._cost)
+        if isinstance(self.cache, ClusterCache):
+            for source, bw in self._bandwidth.items():
+                nbytes, secs = self.cache.transfer[source]
+                seen_b, seen_s = self._transfer_seen[source]
+                bw.observe(nbytes - seen_b, secs - seen_s)
+                self._transfer_seen[source] = (nbytes, secs)
+        cost = dataclasses.replace(self._cost, token_s=token_s, attn_s=attn_s,
+                                   local_bps=self._bandwidth["local"].bps, remote_bps=self._bandwidth["remote"].bps)
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else self.node_id
+        return {"node": node, "time": time.time(), "queued": self.engine.queue_state(), "running": len(self.engine.running),
+                "cost": dataclasses.asdict(cost)}
 
     def kv_capacity(self) -> dict:
         return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}

@@ -37,7 +37,7 @@ from model.kv_cache import slots_for
 from model.model import DeepseekModel
 from model.sampling import sample
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
 UNIT_TOKENS = 64
 
@@ -67,6 +67,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def cache_namespace(mcfg, weights_digest: str, dtype: torch.dtype) -> Namespace:
+    """The cache namespace of a model: units never cross architectures, checkpoints, dtypes or
+    KV layouts (the ingress computes it too, to look a prompt's units up before routing)."""
+    return Namespace(mcfg.fingerprint(), weights_digest, str(dtype).removeprefix("torch."),
+                     f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS)
+
+
 class Engine:
     def __init__(
         self,
@@ -89,6 +96,7 @@ class Engine:
         self.prefix = PrefixTable(self.pages)
         self.unit_pages = UNIT_TOKENS // cfg.page_size
         self.waiting: deque[Sequence] = deque()
+        self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
@@ -125,6 +133,7 @@ class Engine:
                 n = len(tiers)
                 toks = [req.prompt_ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS] for i in range(n)]
                 seq.load = self.cache.load_async(keys[:n], ns.seed, toks)
+                seq.expected_cached = n * UNIT_TOKENS
         with self._lock:
             if req.request_id in self._by_id:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -143,6 +152,14 @@ class Engine:
             seq = self._by_id.get(request_id)
             if seq is not None and seq.finished is None:
                 seq.finished = FinishReason.ABORT
+
+    def queue_state(self, limit: int = 256) -> list[tuple[int, int]]:
+        """(new, cached) prompt tokens of the waiting requests, oldest first (prefill LB input)."""
+        out = []
+        for seq in list(self.waiting)[:limit]:
+            cached = max(seq.num_computed, seq.expected_cached)
+            out.append((max(0, len(seq.all_ids) - cached), cached))
+        return out
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -179,9 +196,11 @@ class Engine:
             ids = seq.all_ids
             end = min(len(ids), seq.num_computed + budget)
             table = torch.tensor(seq.pages)
+            t0 = time.perf_counter()
             logits = self.model.prefill(torch.tensor(ids[seq.num_computed : end]), self.pool, table,
                                         start=seq.num_computed)
             n_new = end - seq.num_computed
+            self.prefill_samples.append((n_new, seq.num_computed, time.perf_counter() - t0))
             budget -= n_new
             self.stats["prefill_tokens"] += n_new
             seq.num_computed = end

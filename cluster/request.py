@@ -93,6 +93,7 @@ class Sequence:
     emitted_text_len: int = 0
     emitted_tokens: int = 0
     load: Future | None = None  # cache units being loaded while the request queues
+    expected_cached: int = 0  # prompt tokens the cache lookup found (the queue estimate)
     sources: TokenSources = field(default_factory=TokenSources)
     first_token_s: float | None = None
     finished: FinishReason | None = None

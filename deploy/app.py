@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from actors.llm_server import LLMServer
 from deploy.openai_api import OpenAIIngress
@@ -31,6 +32,7 @@ class AppArgs(BaseModel):
     dtype: str = "float32"
     replicas: int = Field(default=1, ge=1)
     replica_cpus: float = Field(default=1.0, gt=0)
+    max_replicas_per_node: int | None = Field(default=None, ge=1)  # 1: one DP replica per node
     cache_dir: str | None = None  # default: $TIDE_HOME/cache
     ssd_gb: float = Field(default=8.0, gt=0)
     ram_mb: int = Field(default=512, ge=0)
@@ -40,6 +42,11 @@ class AppArgs(BaseModel):
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
+    cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
+    cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
+    agent_token_env: str | None = None  # env var holding the cache agents' bearer token
+    router: Literal["cache-aware", "round-robin", "power-of-two"] = "cache-aware"
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
     expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
@@ -60,6 +67,15 @@ def _api_keys_from_env() -> dict[str, str] | None:
             raise ValueError("TIDE_API_KEYS entries are key:tenant, comma-separated")
         keys[key] = tenant or key[:8]
     return keys
+
+
+def _secret(env_name: str | None, field: str) -> str | None:
+    """The value of the env var a ``*_env`` field names (secrets never sit in a Serve config)."""
+    if not env_name:
+        return None
+    if env_name not in os.environ:
+        raise ValueError(f"{field} names {env_name!r}, which is not set")
+    return os.environ[env_name]
 
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
@@ -97,22 +113,38 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "ssd_bytes": int(a.ssd_gb * 1e9), "ram_bytes": a.ram_mb << 20, "admission": a.admission,
         "enable_cache": a.enable_cache, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
         "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
+        "directory_namespace": a.directory_namespace,
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }
     if a.expert_shards:
         server_cfg.update(_expert_shards(checkpoint, a))
-    if a.directory_password_env:
-        if a.directory_password_env not in os.environ:
-            raise ValueError(f"directory_password_env names {a.directory_password_env!r}, which is not set")
-        server_cfg["directory_password"] = os.environ[a.directory_password_env]
+    password = _secret(a.directory_password_env, "directory_password_env")
+    if password:
+        server_cfg["directory_password"] = password
+    if a.cache_agents and a.enable_cache:
+        server_cfg["cache_agents"] = {
+            "cache_dir": server_cfg["cache_dir"], "ssd_bytes": server_cfg["ssd_bytes"],
+            "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
+            "directory_namespace": a.directory_namespace, "directory_password": password,
+            "agent_token": _secret(a.agent_token_env, "agent_token_env"), "replicas": a.cache_replicas,
+        }
+    router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
+              "round-robin": "deploy.prefill_router:RoundRobinRouter"}.get(a.router)
+    options: dict[str, Any] = {}
+    if router:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router, request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
     server = serve.deployment(
         LLMServer, name="LLMServer", num_replicas=a.replicas,
         ray_actor_options={"num_cpus": a.replica_cpus},
-        max_ongoing_requests=64, health_check_period_s=10,
+        max_ongoing_requests=64, health_check_period_s=10, max_replicas_per_node=a.max_replicas_per_node,
+        **options,
     ).bind(server_cfg)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=256)
     return ingress.bind(server, {
-        "checkpoint": checkpoint, "model_name": a.model_name,
+        "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype,
+        "directory_url": a.directory_url if a.router == "cache-aware" else None,
+        "directory_namespace": a.directory_namespace, "directory_password": password,
         "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
     })

@@ -12,6 +12,7 @@ a class decorated at import time carries its routes there. ``deploy/app.py`` app
 
 
 # No `from __future__ import annotations` here: FastAPI must see the route annotations as types.
+import asyncio
 import hmac
 import json
 import logging
@@ -26,7 +27,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from ray import serve
 
+from cachedir.directory import open_directory
+from cachedir.directory.base import DirectoryUnavailable
+from cachedir.hashing import chain_keys
+from cluster.engine import UNIT_TOKENS, cache_namespace
 from deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits, error_body
+from model.checkpoint import weights_digest
 from model.config import load_config
 from model.tokenizer import load_tokenizer
 
@@ -78,7 +84,9 @@ class _Metrics:
 class OpenAIIngress:
     def __init__(self, server, cfg: dict) -> None:
         """``server``: a handle to the ``LLMServer`` deployment. ``cfg`` keys: checkpoint,
-        model_name, api_keys ({key: tenant} or None), limits (dict)."""
+        model_name, api_keys ({key: tenant} or None), limits (dict); with ``directory_url`` (and
+        ``directory_namespace``, ``directory_password``, ``dtype``) each request carries its
+        cached ``prefix`` (one directory round trip) for the cache-aware router."""
         self.server = server
         ckpt = Path(cfg["checkpoint"])
         self.tokenizer = load_tokenizer(ckpt)
@@ -89,6 +97,32 @@ class OpenAIIngress:
         self.api_keys: dict[str, str] | None = cfg.get("api_keys") or None
         self.limits = Limits(**(cfg.get("limits") or {}))
         self.metrics = _Metrics()
+        self.directory = self.namespace = None
+        if cfg.get("directory_url"):
+            import torch
+
+            options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
+            self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve", **options)
+            self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")))
+
+    async def _prefix(self, req: dict) -> dict | None:
+        """How many leading units of the prompt some live node holds, and per node how many of
+        them it holds from the start (the cache-aware router's input); None on any failure."""
+        usable = (len(req["prompt_ids"]) - 1) // UNIT_TOKENS
+        if self.directory is None or usable == 0:
+            return None
+        ns = self.namespace.for_tenant(req["tenant"]) if req["tenant"] else self.namespace
+        keys = chain_keys(ns.seed, req["prompt_ids"], UNIT_TOKENS, max_units=usable)
+        try:
+            match = await asyncio.to_thread(self.directory.longest_prefix, keys)
+        except DirectoryUnavailable:
+            return None
+        local_run: dict[str, int] = {}
+        for i, holders in enumerate(match.holders):
+            for h in holders:
+                if local_run.get(h.node_id, 0) == i:
+                    local_run[h.node_id] = i + 1
+        return {"units": match.num_units, "local_run": local_run}
 
     # -- helpers -------------------------------------------------------------------------
     def _tenant(self, request: Request) -> str:
@@ -151,6 +185,9 @@ class OpenAIIngress:
         self.metrics.running.inc()
         status = "error"
         try:
+            prefix = await self._prefix(engine_req)
+            if prefix is not None:
+                engine_req = {**engine_req, "prefix": prefix}
             gen = self.server.options(stream=True).generate.remote(engine_req)
             async for item in gen:
                 now = time.monotonic()

@@ -15,6 +15,7 @@ balancer can use measured bandwidths.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,8 @@ from cachedir.unit import Unit
 from cachedir.unitfile import UnitCorrupt, decode
 
 __all__ = ["ClusterCache"]
+
+log = logging.getLogger(__name__)
 
 _REMEMBER = 1 << 16  # keys whose holders are remembered between lookup and load
 
@@ -72,6 +75,12 @@ class ClusterCache:
         with self._lock:
             self.counters[name] += n
 
+    def _agent_error(self, e: AgentError) -> None:
+        """Counted; logged the first time and every 100th (a wrong token would fail every call)."""
+        self._count("agent_errors")
+        if self.counters["agent_errors"] % 100 == 1:
+            log.warning("cache agent call failed (a cache miss; %d so far): %s", self.counters["agent_errors"], e)
+
     def _live_nodes(self) -> dict[str, str]:
         at, live = self._live
         if time.monotonic() - at > self._live_ttl_s:
@@ -89,8 +98,8 @@ class ClusterCache:
         self._count("lookups")
         try:
             local = self.local.has(keys)
-        except AgentError:
-            self._count("agent_errors")
+        except AgentError as e:
+            self._agent_error(e)
             local = [""] * len(keys)
         remote: list[list[str]] = []
         if self.directory is not None and not all(local):
@@ -179,8 +188,11 @@ class ClusterCache:
                     return node, got
                 client = self._client_for(address)
             found = client.fetch([keys[i] for i in idx], requester=self.node_id)
-        except (AgentError, DirectoryUnavailable):
-            self._count("agent_errors")
+        except AgentError as e:
+            self._agent_error(e)
+            return node, got
+        except DirectoryUnavailable:
+            self._count("directory_errors")
             return node, got
         nbytes = 0
         for i, item in zip(idx, found, strict=True):
@@ -214,8 +226,8 @@ class ClusterCache:
         def push() -> bool:
             try:
                 accepted, _ = self.local.push(u.encode() for u in units)
-            except AgentError:
-                self._count("agent_errors")
+            except AgentError as e:
+                self._agent_error(e)
                 return False
             self._count("persisted_units", accepted)
             return accepted == len(units)

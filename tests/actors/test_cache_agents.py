@@ -171,3 +171,56 @@ def test_killed_agent_units_leave_lookups_and_requests_still_succeed(cluster, se
     # the agent comes back (Ray restart or the periodic check); its units are on disk: found again
     ensure_cache_agents(agent_cfg)
     _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units after the agent restarted")
+
+
+@pytest.mark.parametrize("router", ["cache-aware", "round-robin"])
+def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
+    cluster, servers, checkpoint, redis_server, directory, router, monkeypatch
+):
+    """Two Serve replicas on two nodes: after one request computed a prompt, the cache-aware
+    router sends the next request with that prefix to the same node (its units load locally);
+    round-robin sends it to the other node (the units come over gRPC)."""
+    import socket
+
+    import httpx
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
+
+    _, agent_cfg = cluster
+    monkeypatch.setenv("TIDE_TEST_AGENT_TOKEN", agent_cfg["agent_token"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({
+        "checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 0.5, "max_replicas_per_node": 1,
+        "num_pages": 256, "cache_dir": agent_cfg["cache_dir"], "directory_url": redis_server.url,
+        "directory_namespace": "agents-test", "router": router, "agent_token_env": "TIDE_TEST_AGENT_TOKEN",
+    })
+    serve.run(app, name=f"route-{router}", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 180)
+        seed = 10 if router == "cache-aware" else 20
+        for i in range(4):
+            prompt = _prompt(seed + i)
+            usage = []
+            for _ in range(2):
+                r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                usage.append(r.json()["usage"])
+                _wait(lambda p=prompt: len(_holders(directory, servers[0], p)) == 3, 10, "the units in the directory")
+            assert usage[0]["prompt_cache_hit_tokens"] == 0 and usage[1]["prompt_cache_hit_tokens"] == 3 * 64
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        remote = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith('tide_prompt_tokens_total{source="remote"}')]
+        if router == "cache-aware":
+            assert remote == [0.0]  # every repeat ran where its units were
+        else:
+            assert remote == [4 * 3 * 64]  # every repeat ran on the other node
+    finally:
+        serve.delete(f"route-{router}")
+        serve.shutdown()

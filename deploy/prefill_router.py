@@ -1,0 +1,99 @@
+"""Ray Serve request routers for ``LLMServer`` replicas (``AppArgs.router`` picks one).
+
+``CacheAwareRouter`` applies the prefill load balancer (``cluster/prefill_lb.py``): the ingress
+has looked the prompt's units up in the directory (one round trip) and put ``prefix`` =
+``{"units": n, "local_run": {node id: leading units held}}`` into the request; every replica
+reports its node, queue and measured cost model through ``record_routing_stats`` (polled every
+``request_routing_stats_period_s``). Requests this router sent since the last report and that
+have not finished are added to the queue it scores, so a burst between two polls does not all
+land on one replica. The chosen replica is
+ranked first and the rest by estimated TTFT, so Serve falls back in that order when one is full.
+
+Why a router rather than the ingress picking a replica: Serve owns replica membership, queue
+limits, retries and back-pressure; a router keeps all of that and only supplies the ranking.
+
+``RoundRobinRouter`` ignores the cache (the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate
+
+__all__ = ["CacheAwareRouter", "RoundRobinRouter"]
+
+RECENT_S = 0.5  # the replicas' report period: a request sent since is not in the reported queue
+
+
+def _request(pending: PendingRequest | None) -> dict | None:
+    if pending is None or not pending.args:
+        return None
+    req = pending.args[0]
+    return req if isinstance(req, dict) and "prompt_ids" in req else None
+
+
+class CacheAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        self._planned: dict[str, tuple[int, int]] = {}  # request id -> (new, cached) tokens
+        self._inflight: dict[str, tuple[str, float, int, int]] = {}  # request id -> (replica, sent, new, cached)
+        self._done_at: dict[str, float] = {}  # replica -> wall time of its last finished request
+
+    def _state(self, replica: RunningReplica, now: float) -> ReplicaState:
+        st = replica.routing_stats or {}
+        rid = replica.replica_id.unique_id
+        mine = [(sent, new, cached) for r, sent, new, cached in self._inflight.values() if r == rid]
+        if st.get("time", 0.0) >= self._done_at.get(rid, 0.0):
+            # the report is current: add what was sent since (not in its queue yet)
+            queued = [tuple(q) for q in st.get("queued", [])] + [(n, c) for sent, n, c in mine if now - sent < RECENT_S]
+        else:  # a request finished after the report: its queue is stale; count what is in flight
+            queued = [(n, c) for _, n, c in mine]
+        cost = CostModel(**st["cost"]) if "cost" in st else None
+        return ReplicaState(rid, st.get("node", replica.node_id), queued, int(st.get("running", 0)), cost)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        req = _request(pending_request)
+        if req is None or not candidate_replicas:
+            return [candidate_replicas]
+        now = time.monotonic()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        states = [self._state(r, now) for r in candidate_replicas]
+        p = req.get("prefix") or {}
+        prefix = PrefixInfo(len(req["prompt_ids"]), int(p.get("units", 0)), p.get("local_run") or {})
+        best = choose(states, prefix)
+        cached = best.load_units * 64
+        self._planned[pending_request.metadata.internal_request_id] = (prefix.prompt_tokens - cached, cached)
+        rest = sorted((s for s in states if s.replica != best.replica), key=lambda s: estimate(s, prefix).ttft_s)
+        return [[by_id[best.replica]], [by_id[s.replica] for s in rest]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        req = _request(pending_request) or {}
+        new, cached = self._planned.pop(rid, (len(req.get("prompt_ids", ())), 0))
+        self._inflight[rid] = (replica_id.unique_id, time.monotonic(), new, cached)
+        if len(self._inflight) > 4096:  # completions that never came (a dead replica): forget old ones
+            now = time.monotonic()
+            self._inflight = {k: v for k, v in self._inflight.items() if now - v[1] < 60}
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._inflight.pop(internal_request_id, None)
+        self._done_at[replica_id.unique_id] = time.time()
+
+
+class RoundRobinRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        self._counter = itertools.count()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return [candidate_replicas]
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        i = next(self._counter) % len(ordered)
+        return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]  # ranks: this one, then the rest
