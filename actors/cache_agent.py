@@ -9,7 +9,8 @@ while its node is lent to training, so its units stay fetchable.
 ``cfg`` keys: ``cache_dir`` (``{node}`` is replaced by the node id's first 12 characters — needed
 when several simulated nodes share one disk), ``ssd_bytes``, ``ram_bytes``, ``eviction``,
 ``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password``,
-``agent_token``, ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
+``agent_token``, ``tls_cert_file``/``tls_key_file`` (PEM: the agent serves TLS) and
+``tls_ca_file`` (PEM: clients verify agents with it), ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
 off), ``replication_min_hits``, ``replication_bytes_per_s``.
 """
 
@@ -40,6 +41,15 @@ def node_cache_dir(cache_dir: str, node_id: str) -> Path:
     return Path(cache_dir.replace("{node}", node_id[:12]))
 
 
+def tls_files(cfg: dict) -> dict[str, bytes | None]:
+    """The agent TLS material named in ``cfg`` (read on the node that uses it)."""
+    out = {}
+    for name in ("cert", "key", "ca"):
+        path = cfg.get(f"tls_{name}_file")
+        out[name] = Path(path).read_bytes() if path else None
+    return out
+
+
 class CacheAgent:
     def __init__(self, cfg: dict) -> None:
         node_id = ray.get_runtime_context().get_node_id()
@@ -52,13 +62,15 @@ class CacheAgent:
         if replicas > 1:
             replication = ReplicationConfig(replicas=replicas, min_hits=float(cfg.get("replication_min_hits", 2.0)),
                                             bytes_per_s=float(cfg.get("replication_bytes_per_s", 100e6)))
+        tls = tls_files(cfg)
         store = StoreConfig(node_cache_dir(cfg["cache_dir"], node_id), int(cfg.get("ssd_bytes", 8 << 30)),
                             eviction=cfg.get("eviction", "lru"), max_age_s=cfg.get("max_age_s"))
         self.agent = NodeAgent(AgentConfig(
             node_id, CacheConfig(store, ram_bytes=int(cfg.get("ram_bytes", 512 << 20))),
-            ServerConfig(token=cfg.get("agent_token")), advertise_host=ray.util.get_node_ip_address(),
+            ServerConfig(token=cfg.get("agent_token"), tls_cert_chain=tls["cert"], tls_private_key=tls["key"]),
+            advertise_host=ray.util.get_node_ip_address(), tls_root_certificates=tls["ca"],
             heartbeat_ttl_s=float(cfg.get("heartbeat_ttl_s", 10.0)),
-            sync_every_s=float(cfg.get("sync_every_s", 1.0)), replication=replication,
+            sync_every_s=float(cfg.get("sync_every_s", 0.25)), replication=replication,
         ), directory)
         self.agent.sync_once()  # registered and heartbeating before anyone asks
 
@@ -72,6 +84,12 @@ class CacheAgent:
         """Drop the given units (hex keys), or every unit when None (``tide cache evict``)."""
         keys = [bytes.fromhex(k) for k in keys_hex] if keys_hex is not None else self.agent.cache.ssd.keys()
         return self.agent.evict(keys)
+
+    def pin(self, keys_hex: list[str], unpin: bool = False) -> int:
+        """Pin (or unpin) the units this node holds among ``keys_hex``; returns how many."""
+        keys = [bytes.fromhex(k) for k in keys_hex]
+        ssd = self.agent.cache.ssd
+        return ssd.unpin(keys) if unpin else ssd.pin(keys)
 
     def sync(self) -> None:
         self.agent.sync_once()

@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.cache_agent import ensure_cache_agents
+from actors.cache_agent import ensure_cache_agents, tls_files
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
 from cachedir.agent.client import AgentClient
@@ -36,7 +36,14 @@ from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine, EngineConfig, cache_namespace
 from cluster.eplb import EplbConfig, Placement
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
-from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, TokenSources
+from cluster.request import (
+    FinishReason,
+    GenerationRequest,
+    Prefilled,
+    RequestMigrated,
+    RequestOutput,
+    TokenSources,
+)
 from model.checkpoint import load_model, weights_digest
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
@@ -130,6 +137,9 @@ class LLMServer:
         self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}
         self._transfer_seen = {"local": (0, 0.0), "remote": (0, 0.0)}
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.role = "serving"  # day/night: "draining" / "migrate" when its node is being lent
+        if cfg.get("tidal", True) and ray.is_initialized():
+            threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -141,6 +151,7 @@ class LLMServer:
         agents = ensure_cache_agents(agent_cfg)
         address = ray.get(agents[self.node_id].info.remote())["address"]
         token = agent_cfg.get("agent_token")
+        ca = tls_files(agent_cfg)["ca"]
         directory = None
         if agent_cfg.get("directory_url"):
             options = {"password": agent_cfg["directory_password"]} if agent_cfg.get("directory_password") else {}
@@ -150,7 +161,7 @@ class LLMServer:
 
         def client_for(addr: str) -> AgentClient:
             if addr not in clients:
-                clients[addr] = AgentClient(addr, token, timeout_s=float(agent_cfg.get("fetch_timeout_s", 5.0)))
+                clients[addr] = AgentClient(addr, token, ca, timeout_s=float(agent_cfg.get("fetch_timeout_s", 5.0)))
             return clients[addr]
 
         return ClusterCache(self.node_id, client_for(address), directory, client_for)
@@ -201,6 +212,29 @@ class LLMServer:
                 "load": ex.load.tolist(), "num_shards": ex.placement.num_shards}
 
     # -- the engine thread ---------------------------------------------------------------
+    def _tidal_loop(self) -> None:
+        """Report to the cluster's ``TidalState`` twice a second and follow its node's role."""
+        from actors.tidal import tidal_state
+
+        node = ray.get_runtime_context().get_node_id()
+        try:
+            actor_name = ray.get_runtime_context().get_actor_name()
+            state = tidal_state()
+        except Exception:  # noqa: BLE001 - not in a named actor / no cluster: no day/night
+            return
+        while not self._stop:
+            try:
+                role = ray.get(state.report.remote(node, {
+                    "actor_name": actor_name, "draining": self.role != "serving",
+                    "running": len(self.engine.running) + len(self.engine.waiting)}), timeout=10)
+            except Exception:  # noqa: BLE001 - the state actor restarts; keep serving
+                time.sleep(1.0)
+                continue
+            if role == "migrate" and self.role != "migrate":
+                self._fail_all(RequestMigrated("this replica's node is being lent to training; continue elsewhere"))
+            self.role = role
+            time.sleep(0.5)
+
     def _ensure_agents(self) -> None:
         try:
             ensure_cache_agents(self._agent_cfg)
@@ -276,8 +310,12 @@ class LLMServer:
             self._queues.pop(rid, None)
             self.engine.abort(rid)  # no-op when finished; frees pages if the client went away
 
-    def unit_keys(self, prompt_ids: list[int], tenant: str = "") -> list[str]:
-        """The prompt's cache unit keys (hex), as the directory knows them."""
+    def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
+        """The prompt's cache unit keys (hex), as the directory knows them; ``text`` is tokenized
+        as the completions API does (BOS + text)."""
+        if text is not None:
+            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
+            prompt_ids = bos + self.tokenizer.encode(text)
         ns = self.engine.namespace_for(tenant)
         return [k.hex() for k in chain_keys(ns.seed, prompt_ids, ns.unit_size)]
 
@@ -294,7 +332,8 @@ class LLMServer:
         cost = dataclasses.replace(self._cost, token_s=token_s, attn_s=attn_s,
                                    local_bps=self._bandwidth["local"].bps, remote_bps=self._bandwidth["remote"].bps)
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else self.node_id
-        return {"node": node, "time": time.time(), "queued": self.engine.queue_state(), "running": len(self.engine.running),
+        return {"node": node, "time": time.time(), "draining": self.role != "serving",
+                "queued": self.engine.queue_state(), "running": len(self.engine.running),
                 "cost": dataclasses.asdict(cost)}
 
     def kv_capacity(self) -> dict:

@@ -186,6 +186,7 @@ class NodeCache:
             "ssd_units": s.units, "ssd_bytes": s.bytes, "ssd_hits": s.hits, "ssd_misses": s.misses,
             "ssd_corrupt": s.corrupt, "ssd_evictions": s.evictions, "ssd_write_errors": s.write_errors,
             "ssd_bytes_written": s.bytes_written, "ssd_bytes_read": s.bytes_read,
+            "ssd_pinned": len(self.ssd.pinned()),
         }
         if self.ram is not None:
             r = self.ram.stats

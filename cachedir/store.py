@@ -27,6 +27,7 @@ from cachedir.unitfile import UnitCorrupt, decode, read_header
 __all__ = ["StoreConfig", "StoreStats", "UnitStore"]
 
 SUFFIX = ".unit"
+PINS_FILE = "pinned.keys"  # hex keys of pinned units, one per line
 _HEADER_PROBE = 64 * 1024  # enough for the fixed header plus 16k token ids
 
 
@@ -112,6 +113,7 @@ class UnitStore:
                 self._delete_file(gone)
             if h.key in self._index:
                 self._namespaces[h.key] = h.namespace
+        self._load_pins()
         self._sync_stats()
 
     def __contains__(self, key: bytes) -> bool:
@@ -123,6 +125,44 @@ class UnitStore:
     def keys(self, namespace: bytes | None = None) -> list[bytes]:
         with self._lock:
             return [k for k, ns in self._namespaces.items() if namespace is None or ns == namespace]
+
+    # -- pins ----------------------------------------------------------------------------
+    @property
+    def _pins_path(self) -> Path:
+        return self.root / PINS_FILE
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Exempt held units from eviction (kept across restarts); returns how many are pinned."""
+        with self._lock:
+            n = sum(self._index.pin(k) for k in keys)
+            self._save_pins()
+        return n
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            n = sum(self._index.unpin(k, self._now()) for k in keys)
+            self._save_pins()
+        return n
+
+    def pinned(self) -> list[bytes]:
+        with self._lock:
+            return sorted(self._index.pinned)
+
+    def _save_pins(self) -> None:
+        tmp = self._pins_path.with_suffix(".tmp")
+        tmp.write_text("".join(k.hex() + "\n" for k in sorted(self._index.pinned)))
+        os.replace(tmp, self._pins_path)
+
+    def _load_pins(self) -> None:
+        try:
+            lines = self._pins_path.read_text().split()
+        except FileNotFoundError:
+            return
+        for line in lines:
+            try:
+                self._index.pin(bytes.fromhex(line))
+            except ValueError:
+                continue  # a damaged line pins nothing
 
     def namespace_of(self, key: bytes) -> bytes | None:
         with self._lock:
@@ -188,6 +228,10 @@ class UnitStore:
                 return True
             for gone in self._index.add(unit.key, len(data), self._now()):
                 self._delete_file(gone)
+            if unit.key not in self._index:  # no room: only pinned units are left
+                tmp.unlink(missing_ok=True)
+                self._sync_stats()
+                return False
             os.replace(tmp, path)
             self._namespaces[unit.key] = unit.namespace
             self._events.append(UnitStored(unit.key, len(data), "ssd"))

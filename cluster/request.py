@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 
 from model.sampling import SamplingParams
 
-__all__ = ["FinishReason", "GenerationRequest", "Prefilled", "RequestOutput", "Sequence", "TokenSources"]
+__all__ = ["FinishReason", "GenerationRequest", "Prefilled", "RequestMigrated", "RequestOutput", "Sequence", "TokenSources"]
+
+
+class RequestMigrated(RuntimeError):
+    """The replica gave the request back (its node is leaving serving); the caller continues it
+    elsewhere from its prompt and the tokens generated so far."""
 
 
 class FinishReason(enum.StrEnum):

@@ -21,7 +21,7 @@ from datetime import datetime
 from datetime import time as clock
 from zoneinfo import ZoneInfo
 
-__all__ = ["Decision", "LoadSample", "Schedule", "ScalingConfig", "ScalingPolicy"]
+__all__ = ["Decision", "LoadSample", "NodeLoad", "Schedule", "ScalingConfig", "ScalingPolicy", "nodes_to_free"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +161,23 @@ class ScalingPolicy:
     def _change(self, now_s: float, target: int, needed: int, night: bool, reason: str) -> Decision:
         self.last_change_s = now_s
         return Decision(target, needed, night, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """A serving node as the scale-down sees it."""
+
+    node_id: str
+    running: int  # requests running or waiting on its replica
+    unique_units: int  # cache units no other node holds (its agent keeps serving them while the
+    #                    node is lent, but only as remote loads)
+    head: bool = False  # the head node (Serve's controller and ingress live there) is lent last
+
+
+def nodes_to_free(nodes: list[NodeLoad], n: int) -> list[str]:
+    """The ``n`` serving nodes to lend: not the head, then the fewest running requests, then the
+    least unique cache; ties by node id (deterministic)."""
+    if n < 0 or n > len(nodes):
+        raise ValueError(f"cannot free {n} of {len(nodes)} serving nodes")
+    ranked = sorted(nodes, key=lambda s: (s.head, s.running, s.unique_units, s.node_id))
+    return [s.node_id for s in ranked[:n]]

@@ -46,6 +46,9 @@ class AppArgs(BaseModel):
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
     cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
     agent_token_env: str | None = None  # env var holding the cache agents' bearer token
+    agent_tls_cert_file: str | None = None  # PEM files on every node: agents serve gRPC over TLS
+    agent_tls_key_file: str | None = None  # (the certificate must name the node's IP)
+    agent_tls_ca_file: str | None = None
     router: Literal["cache-aware", "round-robin", "power-of-two"] = "cache-aware"
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
@@ -127,6 +130,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
             "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
             "directory_namespace": a.directory_namespace, "directory_password": password,
             "agent_token": _secret(a.agent_token_env, "agent_token_env"), "replicas": a.cache_replicas,
+            "tls_cert_file": a.agent_tls_cert_file, "tls_key_file": a.agent_tls_key_file,
+            "tls_ca_file": a.agent_tls_ca_file,
         }
     router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
               "round-robin": "deploy.prefill_router:RoundRobinRouter"}.get(a.router)

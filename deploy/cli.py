@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from deploy.bench.cli import bench_app
+from deploy.cache_cli import cache_app
 from deploy.eplb_cli import eplb_app
 from deploy.scale_cli import scale
 from deploy.schedule_cli import schedule_app
@@ -27,6 +28,7 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.add_typer(eplb_app, name="eplb")
+app.add_typer(cache_app, name="cache")
 app.command("stats")(stats)
 app.add_typer(train_app, name="train")
 app.command("scale")(scale)

@@ -162,7 +162,10 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
               "role": ("lent" if n["Resources"].get("lent") else "serving") if n["Alive"] else "gone"}
              for n in ray.nodes()]
     placement = {"shards": ep.get("num_shards"), "version": ep.get("version")} if ep else None
-    return {"url": state["url"], "nodes": nodes, "replicas": replicas, "expert_placement": placement}
+    from deploy.cache_cli import cache_stats
+
+    return {"url": state["url"], "nodes": nodes, "replicas": replicas, "expert_placement": placement,
+            "cache": cache_stats()}
 
 
 def record_serving_nodes(n: int) -> None:

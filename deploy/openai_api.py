@@ -31,6 +31,7 @@ from cachedir.directory import open_directory
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys
 from cluster.engine import UNIT_TOKENS, cache_namespace
+from cluster.request import RequestMigrated
 from deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits, error_body
 from model.checkpoint import weights_digest
 from model.config import load_config
@@ -59,12 +60,25 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     return JSONResponse(error_body(msg, "invalid_request_error", loc or None), 422)
 
 
+MAX_CONTINUATIONS = 2
+
+
+def _continuable(e: BaseException) -> bool:
+    """A replica gave the request back or went away: the request can go on elsewhere."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(e, (RequestMigrated, RayActorError, ActorDiedError, ActorUnavailableError)) or isinstance(
+        getattr(e, "cause", None), RequestMigrated)
+
+
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.prompt_tokens = Counter("tide_prompt_tokens", "prompt tokens by KV source", ["source"], registry=self.registry)
         self.completion_tokens = Counter("tide_completion_tokens", "generated tokens", registry=self.registry)
         self.requests = Counter("tide_requests", "finished requests", ["status"], registry=self.registry)
+        self.continued = Counter("tide_requests_continued", "requests moved to another replica mid-stream",
+                                 registry=self.registry)
         self.running = Gauge("tide_requests_running", "requests being served", registry=self.registry)
         self.engine_running = Gauge("tide_engine_running", "sequences in the decode batch", registry=self.registry)
         self.engine_queued = Gauge("tide_engine_queued", "sequences waiting for prefill", registry=self.registry)
@@ -178,6 +192,35 @@ class OpenAIIngress:
             "prompt_tokens_details": {"cached_tokens": hit},
         }
 
+    async def _continued(self, engine_req: dict) -> AsyncIterator[dict]:
+        """The replica's outputs. When a replica hands the request back (its node is being lent to
+        training) or dies mid-stream, the request continues on another replica from its prompt
+        plus the tokens already streamed (greedy output is unchanged); usage still describes the
+        client's request."""
+        prompt_len = len(engine_req["prompt_ids"])
+        emitted: list[int] = []
+        cached: int | None = None
+        req = engine_req
+        for attempt in range(MAX_CONTINUATIONS + 1):
+            try:
+                async for item in self.server.options(stream=True).generate.remote(req):
+                    if cached is None:
+                        cached = item["cached_tokens"]
+                    emitted += item["token_ids"]
+                    if item["finished"] and attempt:
+                        item = {**item, "prompt_tokens": prompt_len, "completion_tokens": len(emitted),
+                                "cached_tokens": min(cached, prompt_len)}
+                    yield item
+                return
+            except Exception as e:
+                remaining = engine_req["max_tokens"] - len(emitted)
+                if not _continuable(e) or attempt == MAX_CONTINUATIONS or remaining <= 0:
+                    raise
+                log.warning("continuing a request elsewhere after %d tokens: %s", len(emitted), type(e).__name__)
+                self.metrics.continued.inc()
+                req = {k: v for k, v in engine_req.items() if k != "prefix"}
+                req.update(prompt_ids=engine_req["prompt_ids"] + emitted, max_tokens=remaining)
+
     async def _stream(self, engine_req: dict) -> AsyncIterator[dict]:
         start = time.monotonic()
         first = last_t = None
@@ -188,8 +231,7 @@ class OpenAIIngress:
             prefix = await self._prefix(engine_req)
             if prefix is not None:
                 engine_req = {**engine_req, "prefix": prefix}
-            gen = self.server.options(stream=True).generate.remote(engine_req)
-            async for item in gen:
+            async for item in self._continued(engine_req):
                 now = time.monotonic()
                 if item["token_ids"]:
                     if first is None:

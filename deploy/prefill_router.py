@@ -12,7 +12,8 @@ ranked first and the rest by estimated TTFT, so Serve falls back in that order w
 Why a router rather than the ingress picking a replica: Serve owns replica membership, queue
 limits, retries and back-pressure; a router keeps all of that and only supplies the ranking.
 
-``RoundRobinRouter`` ignores the cache (the benchmark's baseline).
+``RoundRobinRouter`` ignores the cache (the benchmark's baseline). Both skip replicas that report
+``draining`` (their node is being lent to training: ``actors/tidal.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         if req is None or not candidate_replicas:
             return [candidate_replicas]
         now = time.monotonic()
+        # replicas whose node is being lent to training get no new work (unless all are)
+        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
+        candidate_replicas = serving or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         states = [self._state(r, now) for r in candidate_replicas]
         p = req.get("prefix") or {}
@@ -94,6 +98,7 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return [candidate_replicas]
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
+        ordered = sorted(serving or candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = next(self._counter) % len(ordered)
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]  # ranks: this one, then the rest

@@ -37,7 +37,7 @@ class AgentConfig:
     server: ServerConfig = ServerConfig()
     advertise_host: str = "127.0.0.1"  # the host other nodes reach this agent at
     heartbeat_ttl_s: float = 10.0
-    sync_every_s: float = 1.0
+    sync_every_s: float = 0.25
     replication: ReplicationConfig | None = field(default_factory=ReplicationConfig)  # None: off
     tls_root_certificates: bytes | None = None  # for pushing to other agents over TLS
     tls_server_name: str | None = None

@@ -177,6 +177,42 @@ def bench_ttft(
     _emit(run_ttft(checkpoint, prompt_tokens, repeats))
 
 
+@bench_app.command("cluster")
+def bench_cluster(
+    trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)"),
+    nodes: int = typer.Option(3, "--nodes", min=2, max=8, help="simulated Ray nodes (one replica and one cache agent each)"),
+    requests: int = typer.Option(1500, "--requests", min=1, help="replay the first N trace records (the whole 3,993-request shared trace takes ~13 min here)"),
+    concurrency: int = typer.Option(4, "--concurrency", min=1),
+    block_tokens: int = typer.Option(8, "--block-tokens", min=1, max=512, help="tokens per 512-token trace block (scale factor = 512 / this)"),
+    max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
+    max_tokens: int = typer.Option(4, "--max-tokens", min=1, help="cap on each request's (scaled) output"),
+    modes: str = typer.Option("shared,per_node,round_robin", "--modes", help="comma-separated: shared, per_node, round_robin"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Replay a trace against a simulated multi-node cluster with the shared cache directory and
+    the cache-aware router, then with per-node caches only, then with round-robin placement:
+    token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms, ttft_p99_ms, errors."""
+    from deploy.bench.cluster_bench import MODES, run_cluster_bench
+
+    if not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in chosen if m not in MODES]
+    if bad or not chosen:
+        raise typer.BadParameter(f"--modes {modes!r}: unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(MODES)}")
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    try:
+        from cachedir.trace import read_trace
+
+        next(iter(read_trace(trace, limit=1)), None)
+    except ValueError as e:
+        raise typer.BadParameter(f"--trace: {e}") from None
+    _emit(run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens, max_tokens,
+                            checkpoint, chosen))
+
+
 @bench_app.command("serve")
 def bench_serve(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),

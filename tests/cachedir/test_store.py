@@ -183,3 +183,29 @@ def test_ram_tier_is_bounded_lru():
     assert ram.get(u[0].key, NS.for_tenant("t").seed) is None  # other namespace: miss
     assert ram.stats.evictions == 1
     ram.check_integrity()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_pinned_units_survive_eviction_expiry_and_restarts(tmp_path, eviction):
+    clock = FakeClock()
+    store = _store(tmp_path, units=3, clock=clock, eviction=eviction, max_age_s=100.0)
+    units = make_units(list(range(64 * 6)))
+    for u in units[:3]:
+        assert store.put(u)
+    assert store.pin([units[0].key, b"\0" * 16]) == 1  # an absent key pins nothing
+    clock.advance(50)
+    for u in units[3:5]:  # two more: the two unpinned units go, the pinned one stays
+        assert store.put(u)
+    clock.advance(200)  # past max_age: every unpinned unit expires
+    assert store.put(units[5])
+    assert units[0].key in store and units[3].key not in store and units[5].key in store
+    store.check_integrity()
+    store.close()
+    again = UnitStore(store.cfg, now_s=clock)  # pins are kept on disk
+    assert again.pinned() == [units[0].key]
+    assert again.put(units[1]) and again.pin([u.key for u in units]) == 3
+    assert again.put(units[2]) is False  # full of pinned units: refused
+    assert again.get(units[2].key, NS.seed) is None and again.unpin([units[5].key]) == 1
+    assert again.put(units[2]) and units[5].key not in again  # the unpinned one made room
+    again.check_integrity()
+    again.close()

@@ -117,3 +117,14 @@ def test_schedule_errors_name_the_value():
         Schedule.parse("08:00", "00:00", "Mars/Base")
     with pytest.raises(ValueError, match="both"):
         Schedule.parse("08:00", "08:00")
+
+
+def test_nodes_to_free_prefers_idle_nodes_with_little_unique_cache_and_never_the_head_first():
+    from cluster.scaling import NodeLoad, nodes_to_free
+
+    nodes = [NodeLoad("head", 0, 0, head=True), NodeLoad("a", 3, 10), NodeLoad("b", 0, 50), NodeLoad("c", 0, 5)]
+    assert nodes_to_free(nodes, 1) == ["c"]
+    assert nodes_to_free(nodes, 2) == ["c", "b"]
+    assert nodes_to_free(nodes, 4)[-1] == "head"
+    with pytest.raises(ValueError, match="cannot free 5 of 4"):
+        nodes_to_free(nodes, 5)

@@ -66,3 +66,50 @@ def test_bench_kernels_without_cuda_says_so_and_exits_0():
         assert all(g["tflop_per_s"] > 0 for g in out["moe_grouped_gemm"])
     else:
         assert "needs CUDA" in out["skipped"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cluster", "--trace", "/nope.jsonl"], "/nope.jsonl"),
+    (["cluster", "--trace", __file__, "--modes", "shared,fifo"], "fifo"),
+    (["cluster", "--trace", __file__], "not a trace record"),
+    (["cluster", "--trace", __file__, "--nodes", "1"], "1"),
+])
+def test_bench_cluster_bad_arguments(args, message):
+    r = _tide(*args)
+    assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
+
+
+def test_trace_prompts_share_blocks_exactly_like_the_trace(tmp_path):
+    from deploy.bench.cluster_bench import trace_prompts
+
+    trace = tmp_path / "t.jsonl"
+    records = [{"timestamp": 0, "input_length": 1500, "output_length": 40, "hash_ids": [1, 2, 3]},
+               {"timestamp": 5, "input_length": 1024, "output_length": 3, "hash_ids": [1, 2]},
+               {"timestamp": 9, "input_length": 600, "output_length": 1, "hash_ids": [7, 2]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (p0, m0), (p1, m1), (p2, m2) = trace_prompts(trace, 10, block_tokens=64, max_prompt_tokens=4096, max_tokens=4)
+    assert (len(p0), len(p1), len(p2)) == (188, 128, 75)  # lengths / 8, rounded up
+    assert p1 == p0[:128] and p2[:64] != p0[:64] and p2[64:] == p0[64:75]  # same block = same tokens
+    assert (m0, m1, m2) == (4, 1, 1)  # outputs scaled and capped
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.slow
+def test_bench_cluster_json(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
+                                         "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(8)))
+    r = _tide("cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32", "--modes", "shared,per_node",
+              "--concurrency", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["scale_factor"] == 16 and out["requests"] == 8
+    for mode in ("shared", "per_node"):
+        m = out[mode]
+        assert m["errors"] == 0 and m["requests"] == 8
+        assert {"token_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "hit_rate_by_source"} <= set(m)
+        assert set(m["hit_rate_by_source"]) == {"ram", "local_ssd", "remote"}
+        assert sum(m["hit_rate_by_source"].values()) == pytest.approx(m["token_hit_rate"], abs=1e-3)
+    # requests 2..7 share a 64-token unit with an earlier one (at most 6 x 64 of 8 x 128 tokens)
+    assert 0 < out["shared"]["token_hit_rate"] <= 6 * 64 / (8 * 128) + 1e-3

@@ -47,6 +47,25 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path)
         assert rebalance.returncode == 0, rebalance.stderr[-2000:]
         assert "moved_slots" in json.loads(rebalance.stdout)
+        # the cache through the node's agent: stats, pin a served prompt's units, evict the rest
+        text = "the tide comes in and the tide goes out, " * 6  # 246 bytes: 3 whole units
+        for _ in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": text, "max_tokens": 2})
+            assert r.status_code == 200
+        assert r.json()["usage"]["prompt_cache_hit_tokens"] == 3 * 64
+        assert report["cache"]["totals"]["ssd_units"] >= 0 and len(report["cache"]["nodes"]) == 1
+        stats = json.loads(_tide("cache", "stats", "--json", home=tmp_path).stdout)
+        assert stats["totals"]["ssd_units"] >= 3
+        pinned = _tide("cache", "pin", "--prompt", text, "--json", home=tmp_path)
+        assert pinned.returncode == 0, pinned.stderr[-2000:]
+        assert json.loads(pinned.stdout)["units"] == 3 and sum(json.loads(pinned.stdout)["pinned"].values()) == 3
+        assert json.loads(_tide("cache", "stats", "--json", home=tmp_path).stdout)["totals"]["ssd_pinned"] == 3
+        bad = _tide("cache", "evict", "--key", "xyz", home=tmp_path)
+        assert bad.returncode == 2 and "xyz" in bad.stderr
+        ev = _tide("cache", "evict", "--all", "--json", home=tmp_path)
+        assert ev.returncode == 0 and json.loads(ev.stdout)["total"] >= 3
+        assert json.loads(_tide("cache", "stats", "--json", home=tmp_path).stdout)["totals"]["ssd_units"] == 0
     finally:
         d = _tide("down", home=tmp_path)
     assert d.returncode == 0, d.stderr[-2000:]

@@ -1,0 +1,125 @@
+"""Day/night on Ray, the actor side: the cluster's ``TidalState`` (each node's role, the
+replicas' reports), node leases, and training jobs on lent nodes through the Ray Jobs API.
+``deploy/tidal.py`` drives a night and a morning with them (its docstring tells the steps)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+__all__ = ["TidalState", "lease_name", "lease_node", "release_lease", "stop_training", "submit_training", "tidal_state"]
+
+NAMESPACE = "tideserve"
+STATE_NAME = "tideserve-tidal"
+ROLES = ("serving", "draining", "migrate", "lent")
+
+
+class TidalState:
+    """Roles of the nodes and the replicas' latest reports (one detached actor per cluster)."""
+
+    def __init__(self) -> None:
+        self._roles: dict[str, str] = {}
+        self._reports: dict[str, dict] = {}
+        self.job_id: str | None = None
+
+    def set_roles(self, roles: dict[str, str]) -> None:
+        for node, role in roles.items():
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
+            self._roles[node] = role
+
+    def roles(self) -> dict[str, str]:
+        return dict(self._roles)
+
+    def report(self, node_id: str, info: dict) -> str:
+        """A replica's heartbeat; returns the role of its node."""
+        self._reports[node_id] = {**info, "time": time.time()}
+        return self._roles.get(node_id, "serving")
+
+    def reports(self) -> dict[str, dict]:
+        return dict(self._reports)
+
+    def set_job(self, job_id: str | None) -> None:
+        self.job_id = job_id
+
+    def job(self) -> str | None:
+        return self.job_id
+
+
+def tidal_state():
+    return ray.remote(TidalState).options(name=STATE_NAME, namespace=NAMESPACE, lifetime="detached",
+                                          get_if_exists=True, num_cpus=0).remote()
+
+
+class _Lease:
+    """Holds a lent node's serving resources so no serving replica lands there."""
+
+    def ready(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def lease_name(node_id: str) -> str:
+    return f"tideserve-lease-{node_id}"
+
+
+def lease_node(node_id: str, cpus: float, gpus: float = 0.0):
+    """A pinned, detached actor holding a replica's resources on ``node_id`` (pending until the
+    node's replica has gone); ``ready`` answers once it holds them."""
+    return ray.remote(_Lease).options(
+        name=lease_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=cpus,
+        num_gpus=gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+
+
+def release_lease(node_id: str) -> None:
+    try:
+        ray.kill(ray.get_actor(lease_name(node_id), namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
+
+
+
+
+
+
+
+
+
+
+
+
+def _jobs(train: dict[str, Any] | None = None):
+    from ray.job_submission import JobSubmissionClient
+
+    address = (train or {}).get("dashboard") or ray._private.worker.get_dashboard_url()
+    if not address.startswith("http"):
+        address = f"http://{address}"
+    return JobSubmissionClient(address)
+
+
+def submit_training(nodes: list[str], train: dict[str, Any]) -> str:
+    """A Ray job whose driver may run only on ``nodes`` (the ``ray.io/node-id`` label)."""
+    selector = nodes[0] if len(nodes) == 1 else f"in({','.join(nodes)})"
+    return _jobs(train).submit_job(
+        entrypoint=train["entrypoint"], runtime_env=train.get("runtime_env"),
+        submission_id=train.get("submission_id"), entrypoint_label_selector={"ray.io/node-id": selector},
+    )
+
+
+def stop_training(job_id: str, deadline_s: float = 60.0) -> str:
+    """SIGTERM the job (the trainer checkpoints and exits), wait for it to end; its final status."""
+    from ray.job_submission import JobStatus
+
+    client = _jobs()
+    if not client.get_job_status(job_id).is_terminal():
+        client.stop_job(job_id)
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and not client.get_job_status(job_id).is_terminal():
+        time.sleep(0.25)
+    if not client.get_job_status(job_id).is_terminal():
+        client.stop_job(job_id)  # again: Ray kills it after its own grace period
+    status = client.get_job_status(job_id)
+    return status.value if isinstance(status, JobStatus) else str(status)
+

@@ -1,0 +1,191 @@
+"""``tide bench cluster``: a Mooncake-format trace replayed through HTTP against a simulated
+multi-node Ray cluster (``ray.cluster_utils.Cluster``, one Serve replica and one cache agent per
+node, a real redis-server directory), in three modes:
+
+* ``shared`` — the cache directory is shared and the cache-aware prefill router places requests;
+* ``per_node`` — no directory: each node hits only its own cache (the router balances load);
+* ``round_robin`` — the shared directory, but cache-unaware round-robin placement.
+
+The trace is scaled down so it runs on a small machine: each 512-token ``hash_id`` block becomes
+``block_tokens`` tokens (the scale factor 512 / block_tokens is printed) whose ids are derived
+from the hash id, so equal blocks are equal token runs and prefixes are shared exactly as in the
+trace; prompts are capped at ``max_prompt_tokens`` and outputs at ``max_tokens``. Requests are
+replayed in trace order by ``concurrency`` clients (closed loop). Token sources come from the
+ingress's ``tide_prompt_tokens_total`` counters; TTFT is measured by the client (streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cachedir.trace import BLOCK_TOKENS, read_trace
+from deploy.redis_proc import RedisServer, free_port, wait_healthy
+
+__all__ = ["MODES", "run_cluster_bench", "trace_prompts"]
+
+MODES = {
+    "shared": {"router": "cache-aware", "directory": True},
+    "per_node": {"router": "cache-aware", "directory": False},
+    "round_robin": {"router": "round-robin", "directory": True},
+}
+
+
+def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt_tokens: int,
+                  max_tokens: int, vocab: int = 256) -> list[tuple[list[int], int]]:
+    """(prompt ids, max tokens) for the first ``requests`` records of the trace, scaled down."""
+    scale = BLOCK_TOKENS / block_tokens
+    blocks: dict[int, list[int]] = {}
+    out = []
+    for req in read_trace(path, limit=requests):
+        n = min(max_prompt_tokens, max(1, math.ceil(req.input_length / scale)))
+        ids: list[int] = []
+        for h in req.hash_ids:
+            if len(ids) >= n:
+                break
+            if h not in blocks:
+                rng = random.Random(h)
+                blocks[h] = [rng.randrange(vocab) for _ in range(block_tokens)]
+            ids += blocks[h]
+        ids = ids[:n] or [0]
+        out.append((ids, max(1, min(max_tokens, math.ceil(req.output_length / scale)))))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ttft = usage = None
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            elif ttft is None and chunk["choices"]:
+                ttft = time.perf_counter() - t0
+    return {"ttft": ttft, "usage": usage}
+
+
+async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, item in enumerate(work):
+        queue.put_nowait((i, item))
+    results: list[dict] = [{}] * len(work)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def worker() -> None:
+            while not queue.empty():
+                i, (prompt, max_tokens) = queue.get_nowait()
+                try:
+                    results[i] = await _one(client, url, prompt, max_tokens)
+                except httpx.HTTPError as e:
+                    results[i] = {"error": repr(e)}
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def _source_tokens(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("tide_prompt_tokens_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = float(line.split()[-1])
+    return out
+
+
+def _summary(results: list[dict], sources: dict[str, float], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in results if "error" not in r and r.get("ttft") is not None and r.get("usage")]
+    ttfts = sorted(r["ttft"] for r in ok)
+    prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
+    hits = sum(r["usage"]["prompt_cache_hit_tokens"] for r in ok)
+    share = lambda n: round(n / max(1, prompt), 4)  # noqa: E731
+    return {
+        "requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
+        "token_hit_rate": share(hits),
+        "hit_rate_by_source": {"ram": share(sources.get("ram", 0)), "local_ssd": share(sources.get("ssd", 0)),
+                               "remote": share(sources.get("remote", 0))},
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "ttft_p99_ms": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000, 1) if ttfts else None,
+        "wall_s": round(wall_s, 1),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+    }
+
+
+def run_cluster_bench(
+    trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
+    max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
+    modes: tuple[str, ...] = tuple(MODES),
+) -> dict[str, Any]:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from actors.cache_agent import NAMESPACE, agent_name
+    from deploy.app import build_app
+
+    work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
+    out: dict[str, Any] = {
+        "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
+        "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
+        "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens,
+        "prompt_tokens": sum(len(p) for p, _ in work),
+    }
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp) / "redis").start()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=1)
+        try:
+            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            url = f"http://127.0.0.1:{port}"
+            for mode in modes:
+                spec = MODES[mode]
+                app = build_app({
+                    "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
+                    "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / mode / "{node}"),
+                    "directory_url": redis.url if spec["directory"] else None,
+                    "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
+                    "max_num_seqs": max(4, concurrency), "num_pages": 2048,
+                })
+                serve.run(app, name="bench", route_prefix="/", blocking=False)
+                wait_healthy(url)
+                before = _source_tokens(url)
+                t0 = time.perf_counter()
+                results = asyncio.run(_replay(url, work, concurrency))
+                wall = time.perf_counter() - t0
+                after = _source_tokens(url)
+                out[mode] = _summary(results, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wall)
+                serve.delete("bench")
+                for node in ray.nodes():  # the next mode starts from empty caches
+                    try:
+                        ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
+                    except ValueError:
+                        pass
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
+            redis.kill()
+    if "shared" in out and "per_node" in out:
+        out["shared_beats_per_node_hit_rate"] = out["shared"]["token_hit_rate"] > out["per_node"]["token_hit_rate"]
+    if "shared" in out and "round_robin" in out and out["shared"]["ttft_p50_ms"] and out["round_robin"]["ttft_p50_ms"]:
+        out["shared_beats_round_robin_ttft_p50"] = out["shared"]["ttft_p50_ms"] < out["round_robin"]["ttft_p50_ms"]
+    return out

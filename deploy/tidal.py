@@ -1,0 +1,167 @@
+"""Day/night on a Ray cluster (the Serve side; ``actors/tidal.py`` has the actors): lend serving nodes to training at night, take them back by day.
+
+The decision (how many nodes serve) is ``cluster.scaling``'s; this module carries it out on a
+running Serve app whose ``LLMServer`` replicas run one per node (``max_replicas_per_node=1``):
+
+Night (``lend_nodes``)
+  1. Choose the nodes to free (``nodes_to_free``: not the head, fewest running requests, least
+     unique cache).
+  2. Drain them: their replicas learn the role ``draining`` from the ``TidalState`` actor and
+     report it in their routing stats, so the router stops sending them requests; in-flight
+     requests finish. Past ``deadline_s`` the role becomes ``migrate``: the replica hands its
+     remaining requests back and the ingress continues each one on another replica (prompt +
+     tokens so far; greedy output is unchanged). No request fails.
+  3. Lease the node (a pinned actor holding the replica's resources, so Serve cannot place a
+     serving replica there), stop its replica and lower the deployment's replicas; the role
+     becomes ``lent``. The node's cache agent keeps running: its units stay fetchable.
+  4. Optionally submit a training job through the Ray Jobs API, its driver constrained to the
+     lent nodes by the ``ray.io/node-id`` label.
+
+Day (``return_nodes``)
+  Stop the training job (SIGTERM: ``tide train run`` checkpoints and exits; after ``deadline_s``
+  it is killed), release the leases, and raise the replicas again (``reload``: serve a new
+  checkpoint, a rolling update).
+
+Expert-parallel apps re-plan their experts onto the remaining shards with
+``LLMServer.resize_experts`` (``tests/actors/test_ep.py``); this module drives plain DP replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from actors.tidal import (
+    lease_node,
+    release_lease,
+    stop_training,
+    submit_training,
+    tidal_state,
+)
+from cluster.scaling import NodeLoad, nodes_to_free
+
+__all__ = ["lend_nodes", "return_nodes"]
+
+log = logging.getLogger(__name__)
+
+
+def _wait(cond, timeout_s: float, what: str, every_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+def _running_replicas(app_name: str) -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return 0
+    dep = app.deployments.get("LLMServer")
+    return dep.replica_states.get("RUNNING", 0) if dep else 0
+def _unique_units(directory_url: str | None, namespace: str, nodes: list[str]) -> dict[str, int]:
+    """Units held by each node and no other (a maintenance read of the directory)."""
+    if not directory_url:
+        return dict.fromkeys(nodes, 0)
+    from cachedir.directory import open_directory
+
+    d = open_directory(directory_url, namespace)
+    try:
+        keys = {n: d.node_keys(n) for n in d.live_nodes()}
+    except Exception:  # noqa: BLE001 - no directory: every node looks the same
+        return dict.fromkeys(nodes, 0)
+    out = {}
+    for n in nodes:
+        others = set().union(*(k for m, k in keys.items() if m != n)) if len(keys) > 1 else set()
+        out[n] = len(keys.get(n, set()) - others)
+    return out
+def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int) -> None:
+    from ray import serve
+
+    from deploy.app import build_app
+
+    serve.run(build_app({**app_args, "replicas": replicas}), name=app_name, route_prefix=route_prefix,
+              blocking=False)
+def lend_nodes(
+    app_args: dict[str, Any], n: int, app_name: str = "tideserve", route_prefix: str = "/",
+    deadline_s: float = 60.0, train: dict[str, Any] | None = None, timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Lend ``n`` serving nodes (see the module docstring). ``train``: ``entrypoint`` (a shell
+    command) and optionally ``runtime_env``, ``submission_id``; ``dashboard`` (the Jobs API
+    address, default the local one). Returns the lent nodes, serving replicas and the job id."""
+    state = tidal_state()
+    roles = ray.get(state.roles.remote())
+    reports = ray.get(state.reports.remote())
+    head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
+    serving = [node for node, r in reports.items() if roles.get(node, "serving") == "serving"
+               and time.time() - r["time"] < 10]
+    if n < 1 or n >= len(serving):
+        raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
+    unique = _unique_units(app_args.get("directory_url"), app_args.get("directory_namespace", "tideserve"), serving)
+    loads = [NodeLoad(node, reports[node].get("running", 0), unique[node], node == head) for node in serving]
+    chosen = nodes_to_free(loads, n)
+    log.info("lending %s", chosen)
+
+    # 2. drain: the router stops sending them work; in-flight requests finish or move
+    ray.get(state.set_roles.remote(dict.fromkeys(chosen, "draining")))
+    started = time.time()
+
+    def drained() -> bool:
+        now = ray.get(state.reports.remote())
+        return all(now[x]["time"] > started + 1.0 and now[x].get("draining") and now[x].get("running", 0) == 0
+                   for x in chosen)
+
+    try:
+        _wait(drained, deadline_s, "the lent nodes' requests to finish")
+        migrated = False
+    except TimeoutError:
+        ray.get(state.set_roles.remote(dict.fromkeys(chosen, "migrate")))
+        _wait(drained, 60.0, "the lent nodes to hand their requests back")
+        migrated = True
+
+    # 3. lease, stop the replicas, fewer replicas
+    cpus = float(app_args.get("replica_cpus", 1.0))
+    leases = [lease_node(x, cpus) for x in chosen]
+    final = ray.get(state.reports.remote())
+    for x in chosen:
+        try:
+            ray.kill(ray.get_actor(final[x]["actor_name"], namespace="serve"), no_restart=True)
+        except (ValueError, KeyError):
+            pass  # already gone
+    total = len(serving) + sum(1 for r in roles.values() if r == "lent")
+    target = len(serving) - n
+    _deploy(app_name, route_prefix, app_args, target)
+    ray.get([lease.ready.remote() for lease in leases], timeout=timeout_s)
+    _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
+    ray.get(state.set_roles.remote(dict.fromkeys(chosen, "lent")))
+
+    job_id = None
+    if train is not None:
+        job_id = submit_training(chosen, train)
+        ray.get(state.set_job.remote(job_id))
+    return {"lent": chosen, "serving_replicas": target, "nodes": total, "migrated": migrated, "job_id": job_id}
+def return_nodes(
+    app_args: dict[str, Any], app_name: str = "tideserve", route_prefix: str = "/", deadline_s: float = 60.0,
+    reload: str | None = None, timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Stop the night's training, release the leases and serve on every node again."""
+    state = tidal_state()
+    job_id = ray.get(state.job.remote())
+    job_status = stop_training(job_id, deadline_s) if job_id else None
+    roles = ray.get(state.roles.remote())
+    lent = [x for x, r in roles.items() if r != "serving"]
+    for x in lent:
+        release_lease(x)
+    ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
+    ray.get(state.set_job.remote(None))
+    target = _running_replicas(app_name) + len(lent)
+    args = {**app_args, "checkpoint": reload} if reload else app_args
+    _deploy(app_name, route_prefix, args, target)
+    _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
+    return {"returned": lent, "serving_replicas": target, "job_id": job_id, "job_status": job_status}
+
