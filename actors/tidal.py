@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-__all__ = ["TidalState", "lease_name", "lease_node", "release_lease", "stop_training", "submit_training", "tidal_state"]
+__all__ = ["TidalState", "lease_name", "lease_node", "jobs_client", "release_lease", "stop_training", "submit_training", "tidal_state"]
 
 NAMESPACE = "tideserve"
 STATE_NAME = "tideserve-tidal"
@@ -90,10 +90,13 @@ def release_lease(node_id: str) -> None:
 
 
 
-def _jobs(train: dict[str, Any] | None = None):
+def jobs_client(dashboard: str | None = None):
+    """The Ray Jobs API of this cluster (``dashboard``: its address when known)."""
     from ray.job_submission import JobSubmissionClient
 
-    address = (train or {}).get("dashboard") or ray._private.worker.get_dashboard_url()
+    address = dashboard or ray._private.worker.get_dashboard_url()
+    if not address:
+        raise RuntimeError("this Ray cluster runs no dashboard, so no Jobs API (start it with --include-dashboard=true)")
     if not address.startswith("http"):
         address = f"http://{address}"
     return JobSubmissionClient(address)
@@ -102,17 +105,17 @@ def _jobs(train: dict[str, Any] | None = None):
 def submit_training(nodes: list[str], train: dict[str, Any]) -> str:
     """A Ray job whose driver may run only on ``nodes`` (the ``ray.io/node-id`` label)."""
     selector = nodes[0] if len(nodes) == 1 else f"in({','.join(nodes)})"
-    return _jobs(train).submit_job(
+    return jobs_client(train.get("dashboard")).submit_job(
         entrypoint=train["entrypoint"], runtime_env=train.get("runtime_env"),
         submission_id=train.get("submission_id"), entrypoint_label_selector={"ray.io/node-id": selector},
     )
 
 
-def stop_training(job_id: str, deadline_s: float = 60.0) -> str:
+def stop_training(job_id: str, deadline_s: float = 60.0, dashboard: str | None = None) -> str:
     """SIGTERM the job (the trainer checkpoints and exits), wait for it to end; its final status."""
     from ray.job_submission import JobStatus
 
-    client = _jobs()
+    client = jobs_client(dashboard)
     if not client.get_job_status(job_id).is_terminal():
         client.stop_job(job_id)
     deadline = time.monotonic() + deadline_s

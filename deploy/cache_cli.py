@@ -104,9 +104,9 @@ def evict(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Drop units from every node (both tiers); the directory forgets them at the next sync."""
+    server = _connect()  # before `import ray`: it sets the cluster's auth mode
     import ray
 
-    server = _connect()
     if all_units:
         if key or prompt is not None or prompt_ids is not None:
             raise typer.BadParameter("--all takes no --key, --prompt or --prompt-ids")
@@ -129,9 +129,9 @@ def pin(
 ) -> None:
     """Keep units on every node that holds them, whatever the eviction policy (also across
     restarts). A prompt's units exist once it has been served."""
+    server = _connect()  # before `import ray`: it sets the cluster's auth mode
     import ray
 
-    server = _connect()
     keys = _keys(server, key, prompt, prompt_ids, tenant)
     handles = agents()
     counts = ray.get([h.pin.remote(keys, unpin) for h in handles.values()], timeout=120)

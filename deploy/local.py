@@ -57,13 +57,15 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         # Token authentication on (Ray keeps the token in ~/.ray/auth_token); a driver that
         # connects to an existing cluster only sends it when the mode is set explicitly.
         os.environ["RAY_AUTH_MODE"] = "token"
-        gcs_port = free_port()
+        gcs_port, dashboard_port = free_port(), free_port()
+        # the dashboard serves the Ray Jobs API (`tide train submit` runs night training through it)
         cmd = [_ray_cli(), "start", "--head", f"--port={gcs_port}", "--disable-usage-stats",
-               "--include-dashboard=false"]
+               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
         if num_cpus is not None:
             cmd.append(f"--num-cpus={num_cpus}")
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         state["ray_address"] = f"127.0.0.1:{gcs_port}"
+        state["dashboard"] = f"http://127.0.0.1:{dashboard_port}"
         step("building the model and starting Serve")
         import ray
         from ray import serve
@@ -73,6 +75,7 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         ray.init(address=state["ray_address"], log_to_driver=False)
         serve.start(http_options={"host": host, "port": port})
         app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url}
+        state["app_args"] = app_args  # `tide scale` redeploys with another replica count
         serve.run(build_app(app_args), name="tideserve", route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
         step("waiting for the app to be healthy")

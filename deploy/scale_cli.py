@@ -1,5 +1,6 @@
-"""``tide scale``: day/night serving size. The decision is ``cluster.scaling``'s; Kubernetes mode
-applies it to the KubeRay RayService (``deploy.k8s_scale``)."""
+"""``tide scale``: day/night serving size. The decision is ``cluster.scaling``'s; on a local Ray
+cluster ``deploy.tidal`` carries it out (drain, lend, take back), Kubernetes mode applies it to
+the KubeRay RayService (``deploy.k8s_scale``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def scale(
     tokens_per_s: float = typer.Option(0.0, "--tokens-per-s", min=0.0, help="current cluster load"),
     kv_occupancy: float = typer.Option(0.0, "--kv-occupancy", min=0.0, max=1.0),
     node_tokens_per_s: float = typer.Option(1000.0, "--node-tokens-per-s", min=1.0, help="one node's capacity"),
+    deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds in-flight requests get to finish (then they move) / training gets to checkpoint"),
+    reload: str = typer.Option(None, "--reload", help="day: serve this checkpoint (e.g. the night's export)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Scale serving for the day (all nodes) or the night (lend nodes to training, never below
@@ -35,11 +38,8 @@ def scale(
     if mode is not None and mode not in ("day", "night"):
         raise typer.BadParameter(f"mode {mode!r} is not day or night")
     if not k8s:
-        from deploy.local import read_state
-
-        if read_state() is None:
-            raise typer.BadParameter("no local cluster is running (start one with `tide up`), and --k8s was not given")
-        _emit({"mode": mode, "serve_nodes": 1, "note": "a local `tide up` cluster has one node: nothing to lend"}, as_json)
+        _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
+                     deadline_s, reload, as_json)
         return
     try:
         from kubernetes import client, config
@@ -63,20 +63,9 @@ def scale(
     fixed = fixed_nodes if fixed_nodes is not None else sum(g.get("replicas", 0) for n, g in groups.items() if n != group)
     lendable_max = groups[group].get("maxReplicas", groups[group].get("replicas", 0))
     current = fixed + groups[group].get("replicas", 0)
-    if serve_nodes is not None:
-        target, reason = serve_nodes, "asked"
-    else:
-        total = fixed + lendable_max
-        saved = load_schedule()
-        cfg = ScalingConfig(total_nodes=total, min_nodes=max(1, min(fixed, total)),
-                            night_nodes=min(total, max(1, night_nodes or saved["night_nodes"])),
-                            node_tokens_per_s=node_tokens_per_s,
-                            min_dwell_s=0)
-        policy = ScalingPolicy(cfg, Schedule.parse(saved["day"], saved["night"], saved["timezone"]))
-        now = time.time()
-        policy.observe(LoadSample(now, tokens_per_s, kv_occupancy=kv_occupancy, serving_nodes=current))
-        goal = cfg.total_nodes if mode == "day" else max(cfg.night_nodes, policy.needed(cfg.headroom))
-        target, reason = goal, f"{mode}: load {tokens_per_s:.0f} tok/s needs {policy.needed(cfg.headroom)} nodes"
+    total = fixed + lendable_max
+    target, reason = _target(mode, serve_nodes, total, current, night_nodes, tokens_per_s, kv_occupancy,
+                             node_tokens_per_s, min_nodes=max(1, min(fixed, total)))
     lendable = min(lendable_max, max(0, target - fixed))
     try:
         result = scale_worker_group(api, namespace, rayservice, group, lendable, dry_run)
@@ -87,6 +76,59 @@ def scale(
 
         record_serving_nodes(fixed + lendable)
     _emit({**result, "serve_nodes": fixed + lendable, "reason": reason}, as_json)
+
+
+def _target(mode: str | None, serve_nodes: int | None, total: int, current: int, night_nodes: int | None,
+            tokens_per_s: float, kv_occupancy: float, node_tokens_per_s: float, min_nodes: int = 1) -> tuple[int, str]:
+    """Serving nodes wanted now: ``--serve-nodes``, every node by day, or the night's size (never
+    below what the load needs)."""
+    if serve_nodes is not None:
+        return serve_nodes, "asked"
+    saved = load_schedule()
+    cfg = ScalingConfig(total_nodes=total, min_nodes=min_nodes, night_nodes=min(total, max(1, night_nodes or saved["night_nodes"])),
+                        node_tokens_per_s=node_tokens_per_s, min_dwell_s=0)
+    policy = ScalingPolicy(cfg, Schedule.parse(saved["day"], saved["night"], saved["timezone"]))
+    policy.observe(LoadSample(time.time(), tokens_per_s, kv_occupancy=kv_occupancy, serving_nodes=current))
+    needed = policy.needed(cfg.headroom)
+    goal = total if mode == "day" else max(cfg.night_nodes, needed)
+    return goal, f"{mode}: load {tokens_per_s:.0f} tok/s needs {needed} nodes"
+
+
+def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
+                 deadline_s, reload, as_json) -> None:
+    """Lend nodes of the local Ray cluster (``tide up`` plus nodes joined with ``ray start``)."""
+    from deploy.local import read_state, record_serving_nodes, serve_handle
+
+    state = read_state()
+    if state is None:
+        raise typer.BadParameter("no local cluster is running (start one with `tide up`), and --k8s was not given")
+    serve_handle(state)  # connects to the cluster
+    import ray
+
+    from actors.tidal import tidal_state
+    from deploy.tidal import lend_nodes, return_nodes
+
+    roles = ray.get(tidal_state().roles.remote())
+    lent = [n for n, r in roles.items() if r == "lent"]
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    current = len(alive) - len(lent)
+    target, reason = _target(mode, serve_nodes, len(alive), current, night_nodes, tokens_per_s, kv_occupancy,
+                             node_tokens_per_s)
+    target = max(1, min(len(alive), target))
+    out = {"nodes": len(alive), "serving_before": current, "serve_nodes": target, "reason": reason}
+    if dry_run or target == current:
+        _emit({**out, "changed": False, "dry_run": dry_run}, as_json)
+        return
+    args = state.get("app_args") or {}
+    if target < current:
+        result = lend_nodes(args, current - target, deadline_s=deadline_s)
+    else:
+        if target < len(alive):
+            raise typer.BadParameter(f"--serve-nodes {target}: taking back only some lent nodes is not supported; "
+                                     "use `tide scale day`")
+        result = return_nodes(args, deadline_s=deadline_s, reload=reload, dashboard=state.get("dashboard"))
+    record_serving_nodes(result["serving_replicas"])
+    _emit({**out, "changed": True, **result}, as_json)
 
 
 def _emit(result: dict, as_json: bool) -> None:

@@ -147,12 +147,12 @@ def lend_nodes(
     return {"lent": chosen, "serving_replicas": target, "nodes": total, "migrated": migrated, "job_id": job_id}
 def return_nodes(
     app_args: dict[str, Any], app_name: str = "tideserve", route_prefix: str = "/", deadline_s: float = 60.0,
-    reload: str | None = None, timeout_s: float = 300.0,
+    reload: str | None = None, timeout_s: float = 300.0, dashboard: str | None = None,
 ) -> dict[str, Any]:
     """Stop the night's training, release the leases and serve on every node again."""
     state = tidal_state()
     job_id = ray.get(state.job.remote())
-    job_status = stop_training(job_id, deadline_s) if job_id else None
+    job_status = stop_training(job_id, deadline_s, dashboard) if job_id else None
     roles = ray.get(state.roles.remote())
     lent = [x for x, r in roles.items() if r != "serving"]
     for x in lent:

@@ -88,3 +88,77 @@ def train_export(
     save_checkpoint(dest, cfg, sd)
     size = (dest / "model.safetensors").stat().st_size
     sys.stdout.write(json.dumps({"dest": str(dest), "bytes": size}) + "\n")
+
+
+def _cluster():
+    from deploy.local import read_state, serve_handle
+
+    state = read_state()
+    if state is None:
+        raise typer.BadParameter("no local cluster is running (start one with `tide up`)")
+    serve_handle(state)  # connects this process to the cluster
+    import ray
+
+    from actors.tidal import tidal_state
+
+    return state, tidal_state(), ray
+
+
+@train_app.command("submit")
+def train_submit(
+    out: Path = typer.Option(None, "--out", help="checkpoint directory on the lent node (default: $TIDE_HOME/train/night)"),
+    entrypoint: str = typer.Option(None, "--entrypoint", help="the job's command (default: `tide train run --out OUT`)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Submit a training job through the Ray Jobs API, its driver pinned to the lent nodes
+    (lend them with `tide scale night`); `tide scale day` stops it with a checkpoint."""
+    state, tidal, ray = _cluster()
+    from actors.tidal import submit_training
+    from model.default import cache_root
+
+    lent = [n for n, r in ray.get(tidal.roles.remote()).items() if r == "lent"]
+    if not lent:
+        raise typer.BadParameter("no node is lent to training (run `tide scale night` first)")
+    if ray.get(tidal.job.remote()):
+        raise typer.BadParameter(f"job {ray.get(tidal.job.remote())} is already training (tide train stop)")
+    out = out or cache_root() / "train" / "night"
+    cmd = entrypoint or f"{sys.executable} -m deploy.cli train run --out {out}"
+    job_id = submit_training(lent, {"entrypoint": cmd, "dashboard": state.get("dashboard")})
+    ray.get(tidal.set_job.remote(job_id))
+    out_obj = {"job_id": job_id, "nodes": lent, "entrypoint": cmd}
+    sys.stdout.write(json.dumps(out_obj) + "\n" if as_json else f"submitted {job_id} on {', '.join(n[:12] for n in lent)}\n")
+
+
+@train_app.command("status")
+def train_status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """The night's training job: status, the node its driver runs on, the last log lines."""
+    state, tidal, ray = _cluster()
+    from actors.tidal import jobs_client
+
+    job_id = ray.get(tidal.job.remote())
+    if job_id is None:
+        out = {"job_id": None, "status": None}
+    else:
+        client = jobs_client(state.get("dashboard"))
+        info = client.get_job_info(job_id)
+        out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
+               "node": info.driver_node_id, "logs_tail": client.get_job_logs(job_id)[-2000:]}
+    sys.stdout.write(json.dumps(out) + "\n" if as_json else "\n".join(f"{k}: {v}" for k, v in out.items()) + "\n")
+
+
+@train_app.command("stop")
+def train_stop(
+    deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds to checkpoint before it is killed"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Signal the training job to checkpoint and stop (SIGTERM), then stop it after the deadline."""
+    state, tidal, ray = _cluster()
+    from actors.tidal import stop_training
+
+    job_id = ray.get(tidal.job.remote())
+    if job_id is None:
+        raise typer.BadParameter("no training job is running")
+    status = stop_training(job_id, deadline_s, state.get("dashboard"))
+    ray.get(tidal.set_job.remote(None))
+    out = {"job_id": job_id, "status": status}
+    sys.stdout.write(json.dumps(out) + "\n" if as_json else f"{job_id}: {status}\n")

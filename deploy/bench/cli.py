@@ -209,8 +209,12 @@ def bench_cluster(
         next(iter(read_trace(trace, limit=1)), None)
     except ValueError as e:
         raise typer.BadParameter(f"--trace: {e}") from None
-    _emit(run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens, max_tokens,
-                            checkpoint, chosen))
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
+                                   max_tokens, checkpoint, chosen)
+    _emit(result)
 
 
 @bench_app.command("serve")

@@ -47,6 +47,13 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path)
         assert rebalance.returncode == 0, rebalance.stderr[-2000:]
         assert "moved_slots" in json.loads(rebalance.stdout)
+        # day/night on a one-node cluster: nothing to lend, no training
+        night = _tide("scale", "night", "--json", home=tmp_path)
+        assert night.returncode == 0, night.stderr[-2000:]
+        assert json.loads(night.stdout)["changed"] is False and json.loads(night.stdout)["serve_nodes"] == 1
+        assert json.loads(_tide("train", "status", "--json", home=tmp_path).stdout)["job_id"] is None
+        sub = _tide("train", "submit", home=tmp_path)
+        assert sub.returncode == 2 and "no node is lent" in sub.stderr.replace("\n", " ").replace("│", "")
         # the cache through the node's agent: stats, pin a served prompt's units, evict the rest
         text = "the tide comes in and the tide goes out, " * 6  # 246 bytes: 3 whole units
         for _ in range(2):
