@@ -63,12 +63,13 @@ class CacheAgent:
             replication = ReplicationConfig(replicas=replicas, min_hits=float(cfg.get("replication_min_hits", 2.0)),
                                             bytes_per_s=float(cfg.get("replication_bytes_per_s", 100e6)))
         tls = tls_files(cfg)
+        host = ray.util.get_node_ip_address()  # bound to the node's cluster address only
         store = StoreConfig(node_cache_dir(cfg["cache_dir"], node_id), int(cfg.get("ssd_bytes", 8 << 30)),
                             eviction=cfg.get("eviction", "lru"), max_age_s=cfg.get("max_age_s"))
         self.agent = NodeAgent(AgentConfig(
             node_id, CacheConfig(store, ram_bytes=int(cfg.get("ram_bytes", 512 << 20))),
-            ServerConfig(token=cfg.get("agent_token"), tls_cert_chain=tls["cert"], tls_private_key=tls["key"]),
-            advertise_host=ray.util.get_node_ip_address(), tls_root_certificates=tls["ca"],
+            ServerConfig(host=host, token=cfg.get("agent_token"), tls_cert_chain=tls["cert"], tls_private_key=tls["key"]),
+            advertise_host=host, tls_root_certificates=tls["ca"],
             heartbeat_ttl_s=float(cfg.get("heartbeat_ttl_s", 10.0)),
             sync_every_s=float(cfg.get("sync_every_s", 0.25)), replication=replication,
         ), directory)

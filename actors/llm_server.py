@@ -333,7 +333,8 @@ class LLMServer:
                                    local_bps=self._bandwidth["local"].bps, remote_bps=self._bandwidth["remote"].bps)
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else self.node_id
         return {"node": node, "time": time.time(), "draining": self.role != "serving",
-                "queued": self.engine.queue_state(), "running": len(self.engine.running),
+                "queued": self.engine.queue_state(), "samples": len(self.engine.prefill_samples),
+                "running": len(self.engine.running),
                 "cost": dataclasses.asdict(cost)}
 
     def kv_capacity(self) -> dict:

@@ -13,7 +13,9 @@ replica's own node, and none, and keeps the fastest (a slow network and a short 
 recomputing wins). Ties (within ``tie_tolerance``) go to the least loaded replica.
 
 Bandwidths and compute coefficients are measured by the replicas (``Bandwidth.observe`` on every
-load, ``fit_compute`` on recent prefill chunks) and reported with their routing stats. In Ray Serve,
+load, ``fit_compute`` on recent prefill chunks) and reported with their routing stats; the router
+pools them into one cost model (the replicas run on the same hardware, and a per-replica fit
+would favour whichever replica has measured least). In Ray Serve,
 ``deploy/prefill_router.py`` is a custom ``RequestRouter`` that calls ``choose`` with the stats the
 replicas report and the prefix the ingress looked up (one directory round trip per request).
 """

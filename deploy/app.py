@@ -8,6 +8,7 @@ are applied here, not on the classes.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +46,7 @@ class AppArgs(BaseModel):
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
     cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
-    agent_token_env: str | None = None  # env var holding the cache agents' bearer token
+    agent_token_env: str | None = None  # env var holding the cache agents' token (default: a random one per deploy)
     agent_tls_cert_file: str | None = None  # PEM files on every node: agents serve gRPC over TLS
     agent_tls_key_file: str | None = None  # (the certificate must name the node's IP)
     agent_tls_ca_file: str | None = None
@@ -79,6 +80,20 @@ def _secret(env_name: str | None, field: str) -> str | None:
     if env_name not in os.environ:
         raise ValueError(f"{field} names {env_name!r}, which is not set")
     return os.environ[env_name]
+
+
+def _cluster_agent_token() -> str:
+    """The cluster's cache-agent token when none is configured: made once, kept in Ray's internal
+    KV, so every deploy (and redeploy) of the app agrees with the agents already running."""
+    import ray
+
+    if not ray.is_initialized():
+        return secrets.token_urlsafe(24)
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+    key = b"tideserve/agent_token"
+    _internal_kv_put(key, secrets.token_urlsafe(24).encode(), overwrite=False)
+    return _internal_kv_get(key).decode()
 
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
@@ -129,7 +144,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
             "cache_dir": server_cfg["cache_dir"], "ssd_bytes": server_cfg["ssd_bytes"],
             "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
             "directory_namespace": a.directory_namespace, "directory_password": password,
-            "agent_token": _secret(a.agent_token_env, "agent_token_env"), "replicas": a.cache_replicas,
+            # without a configured token the app makes one: agents never serve unauthenticated
+            "agent_token": _secret(a.agent_token_env, "agent_token_env") or _cluster_agent_token(),
+            "replicas": a.cache_replicas,
             "tls_cert_file": a.agent_tls_cert_file, "tls_key_file": a.agent_tls_key_file,
             "tls_ca_file": a.agent_tls_ca_file,
         }

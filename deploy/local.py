@@ -159,10 +159,23 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
     handle = serve_handle(state)  # sets RAY_AUTH_MODE before ray is imported
     import ray
 
+    from actors.tidal import tidal_state
+
     replicas = [handle.stats.remote().result(timeout_s=30)]  # the router picks one replica per call
     ep = handle.ep_stats.remote().result(timeout_s=30)
-    nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "cpus": n["Resources"].get("CPU", 0),
-              "role": ("lent" if n["Resources"].get("lent") else "serving") if n["Alive"] else "gone"}
+    state_actor = tidal_state()
+    roles, reports = ray.get(state_actor.roles.remote()), ray.get(state_actor.reports.remote())
+    serving = {n for n, r in reports.items() if time.time() - r["time"] < 10}
+
+    def role(n: dict) -> str:
+        if not n["Alive"]:
+            return "gone"
+        r = roles.get(n["NodeID"], "serving")
+        if r == "serving" and n["NodeID"] not in serving:
+            return "idle"  # no replica there
+        return r
+
+    nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "cpus": n["Resources"].get("CPU", 0), "role": role(n)}
              for n in ray.nodes()]
     placement = {"shards": ep.get("num_shards"), "version": ep.get("version")} if ep else None
     from deploy.cache_cli import cache_stats

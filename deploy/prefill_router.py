@@ -19,6 +19,7 @@ limits, retries and back-pressure; a router keeps all of that and only supplies 
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -27,6 +28,7 @@ from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, esti
 
 __all__ = ["CacheAwareRouter", "RoundRobinRouter"]
 
+MIN_SAMPLES = 8  # prefill chunks a replica must have timed before its fit counts
 RECENT_S = 0.5  # the replicas' report period: a request sent since is not in the reported queue
 
 
@@ -52,8 +54,21 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             queued = [tuple(q) for q in st.get("queued", [])] + [(n, c) for sent, n, c in mine if now - sent < RECENT_S]
         else:  # a request finished after the report: its queue is stale; count what is in flight
             queued = [(n, c) for _, n, c in mine]
-        cost = CostModel(**st["cost"]) if "cost" in st else None
-        return ReplicaState(rid, st.get("node", replica.node_id), queued, int(st.get("running", 0)), cost)
+        return ReplicaState(rid, st.get("node", replica.node_id), queued, int(st.get("running", 0)))
+
+    @staticmethod
+    def _pooled_cost(replicas: list[RunningReplica]) -> CostModel:
+        """One cost model for all replicas (same hardware): the median of what the replicas with
+        enough measurements report. Each replica's own fit would make a replica that has measured
+        little look faster than one that has measured much."""
+        costs = [r.routing_stats["cost"] for r in replicas
+                 if (r.routing_stats or {}).get("cost") and r.routing_stats.get("samples", 0) >= MIN_SAMPLES]
+        if not costs:
+            base = next((r.routing_stats["cost"] for r in replicas if (r.routing_stats or {}).get("cost")), None)
+            return CostModel(**base) if base else CostModel()
+        pooled = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
+        pooled["unit_bytes"], pooled["unit_tokens"] = int(pooled["unit_bytes"]), int(pooled["unit_tokens"])
+        return CostModel(**pooled)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -69,10 +84,11 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         states = [self._state(r, now) for r in candidate_replicas]
         p = req.get("prefix") or {}
         prefix = PrefixInfo(len(req["prompt_ids"]), int(p.get("units", 0)), p.get("local_run") or {})
-        best = choose(states, prefix)
+        cost = self._pooled_cost(candidate_replicas)
+        best = choose(states, prefix, cost)
         cached = best.load_units * 64
         self._planned[pending_request.metadata.internal_request_id] = (prefix.prompt_tokens - cached, cached)
-        rest = sorted((s for s in states if s.replica != best.replica), key=lambda s: estimate(s, prefix).ttft_s)
+        rest = sorted((s for s in states if s.replica != best.replica), key=lambda s: estimate(s, prefix, cost).ttft_s)
         return [[by_id[best.replica]], [by_id[s.replica] for s in rest]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

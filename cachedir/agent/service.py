@@ -30,7 +30,7 @@ MAX_UNIT_BYTES = 64 << 20  # a DeepSeek-V3 unit is ~4.3 MiB; anything far larger
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # the node's own address when other nodes must reach it; never 0.0.0.0 by default
     port: int = 0  # 0: any free port (the bound one is returned)
     token: str | None = None
     tls_cert_chain: bytes | None = None  # PEM; with tls_private_key enables TLS
