@@ -17,7 +17,6 @@ ingress's ``tide_prompt_tokens_total`` counters; TTFT is measured by the client 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 
 from cachedir.trace import BLOCK_TOKENS, read_trace
+from deploy.bench.serve_bench import stream_completion
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 
 __all__ = ["MODES", "run_cluster_bench", "trace_prompts"]
@@ -62,26 +62,6 @@ def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt
     return out
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    ttft = usage = None
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif ttft is None and chunk["choices"]:
-                ttft = time.perf_counter() - t0
-    return {"ttft": ttft, "usage": usage}
-
-
 async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
     queue: asyncio.Queue = asyncio.Queue()
     for i, item in enumerate(work):
@@ -92,7 +72,7 @@ async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int)
             while not queue.empty():
                 i, (prompt, max_tokens) = queue.get_nowait()
                 try:
-                    results[i] = await _one(client, url, prompt, max_tokens)
+                    results[i] = await stream_completion(client, url, "tiny", prompt, max_tokens, ignore_eos=True)
                 except httpx.HTTPError as e:
                     results[i] = {"error": repr(e)}
 

@@ -30,12 +30,14 @@ def _prompts(n: int, system_chars: int, seed: int = 0) -> list[str]:
     return [(system + " " + text(120)) if i % 2 == 0 else text(system_chars + 120) for i in range(n)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[int],
+                            max_tokens: int, ignore_eos: bool = False) -> dict:
+    """One streamed greedy completion: client-side TTFT and the usage (or an error)."""
     t0 = time.perf_counter()
     ttft = None
     usage = None
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -57,7 +59,7 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_
         async def run(p: str) -> dict:
             async with sem:
                 try:
-                    return await _one(client, url, model, p, max_tokens)
+                    return await stream_completion(client, url, model, p, max_tokens)
                 except httpx.HTTPError as e:
                     return {"error": repr(e)}
 
