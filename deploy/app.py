@@ -135,6 +135,11 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }
     if a.expert_shards:
+        if a.replicas > 1:
+            # Each replica keeps its own placement versions on the shared shard actors, and a
+            # rebalance drops every version but its own: a second replica would lose its experts.
+            raise ValueError(f"expert_shards with replicas={a.replicas}: expert parallelism serves one "
+                             "attention replica per set of expert shards for now; use replicas=1")
         server_cfg.update(_expert_shards(checkpoint, a))
     password = _secret(a.directory_password_env, "directory_password_env")
     if password:

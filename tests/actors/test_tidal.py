@@ -126,3 +126,37 @@ def test_day_night_day(serving):
     assert failures == [] and done[0] > 0
     morning = _complete(url, PROMPT)
     assert morning["usage"]["prompt_cache_hit_tokens"] >= 4 * 64  # units from before the night
+
+
+def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
+    """Fault: the replica streaming a request dies; the ingress continues the request on another
+    replica from the tokens already streamed, and the output equals an undisturbed run."""
+    import json
+
+    import ray
+
+    from actors.tidal import tidal_state
+    from deploy.tidal import _running_replicas, _wait
+
+    url, _, _ = serving
+    body = {"model": "tiny", "prompt": "a long answer about the sea: ", "max_tokens": 160, "temperature": 0,
+            "ignore_eos": True}
+    ref = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert ref.status_code == 200, ref.text
+    want = ref.json()["choices"][0]["text"]
+    state = tidal_state()
+    killed = []
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(text) == 5 and not killed:  # mid-decode: kill the replica that runs it
+                busy = [rep for rep in ray.get(state.reports.remote()).values() if rep.get("running")]
+                assert len(busy) == 1
+                ray.kill(ray.get_actor(busy[0]["actor_name"], namespace="serve"), no_restart=True)
+                killed.append(busy[0]["actor_name"])
+    assert killed and "".join(text) == want
+    _wait(lambda: _running_replicas("tideserve") == 3, 300, "Serve to replace the killed replica")

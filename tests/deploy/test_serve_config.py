@@ -30,3 +30,10 @@ def test_its_args_are_app_args_and_build(tmp_path, monkeypatch):
     assert app is not None
     with pytest.raises(ValueError, match="config.json"):
         build_app({"checkpoint": str(tmp_path)})
+
+
+def test_expert_shards_with_several_replicas_is_refused_clearly():
+    from deploy.app import build_app
+
+    with pytest.raises(ValueError, match="replicas=2"):
+        build_app({"expert_shards": 2, "replicas": 2})
