@@ -92,7 +92,7 @@ def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: in
     prompts = _prompts(requests, system_tokens)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             url = f"http://127.0.0.1:{port}"

@@ -34,7 +34,7 @@ def base_url(tide_home):
 
     home = tide_home
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # The app serves with expert parallelism: routed experts on two expert-shard actors.
