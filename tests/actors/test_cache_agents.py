@@ -144,7 +144,7 @@ def test_a_hot_unit_gets_a_second_replica(servers, directory):
     for _ in range(3):  # three more requests find the units: hot
         _run(b, prompt)
     replicated = _wait(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
-                       15, "a second replica of every unit")
+                       60, "a second replica of every unit")  # a failed push is retried after 30 s
     assert all(len(x) == 2 for x in replicated)
 
 
