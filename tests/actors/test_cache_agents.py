@@ -143,8 +143,20 @@ def test_a_hot_unit_gets_a_second_replica(servers, directory):
     assert all(len(h) == 1 for h in _holders(directory, a, prompt))
     for _ in range(3):  # three more requests find the units: hot
         _run(b, prompt)
-    replicated = _wait(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
-                       60, "a second replica of every unit")  # a failed push is retried after 30 s
+    try:
+        replicated = _wait(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
+                           60, "a second replica of every unit")  # a failed push is retried after 30 s
+    except AssertionError as e:
+        import ray
+
+        from actors.cache_agent import NAMESPACE, agent_name
+
+        stats = [ray.get(ray.get_actor(agent_name(n["NodeID"]), namespace=NAMESPACE).stats.remote())
+                 for n in ray.nodes() if n["Alive"]]
+        keep = ("node_id", "fetch_remote_units", "push_accepted", "push_refused", "replication_pushed",
+                "replication_refused", "replication_failed")
+        raise AssertionError(f"{e}; holders {_holders(directory, a, prompt)}; agents "
+                             f"{[{k: s.get(k) for k in keep} for s in stats]}") from None
     assert all(len(x) == 2 for x in replicated)
 
 
