@@ -147,6 +147,7 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
     state = tidal_state()
     killed = []
     text = []
+    started = time.time()
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -154,7 +155,13 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
                 continue
             text.append(json.loads(line[6:])["choices"][0]["text"])
             if len(text) == 5 and not killed:  # mid-decode: kill the replica that runs it
-                busy = [rep for rep in ray.get(state.reports.remote()).values() if rep.get("running")]
+                # reports made after this request started (older ones may still show the reference run)
+                deadline = time.monotonic() + 10
+                busy = []
+                while not busy and time.monotonic() < deadline:
+                    busy = [rep for rep in ray.get(state.reports.remote()).values()
+                            if rep.get("running") and rep["time"] > started]
+                    time.sleep(0.1)
                 assert len(busy) == 1
                 ray.kill(ray.get_actor(busy[0]["actor_name"], namespace="serve"), no_restart=True)
                 killed.append(busy[0]["actor_name"])
