@@ -141,7 +141,7 @@ def test_a_hot_unit_gets_a_second_replica(servers, directory):
     _run(a, prompt)
     _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
     assert all(len(h) == 1 for h in _holders(directory, a, prompt))
-    for _ in range(3):  # three more requests find the units: hot
+    for _ in range(5):  # five more requests find the units: hot (min_hits is 2, hits decay)
         _run(b, prompt)
     try:
         replicated = _wait(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
