@@ -227,7 +227,8 @@ class LLMServer:
                 role = ray.get(state.report.remote(node, {
                     "actor_name": actor_name, "draining": self.role != "serving",
                     "running": len(self.engine.running) + len(self.engine.waiting)}), timeout=10)
-            except Exception:  # noqa: BLE001 - the state actor restarts; keep serving
+            except Exception as e:  # noqa: BLE001 - the state actor restarts; keep serving
+                log.warning("day/night state unreachable (%s); serving on as %s", e, self.role)
                 time.sleep(1.0)
                 continue
             if role == "migrate" and self.role != "migrate":

@@ -73,7 +73,8 @@ def _unique_units(directory_url: str | None, namespace: str, nodes: list[str]) -
     d = open_directory(directory_url, namespace)
     try:
         keys = {n: d.node_keys(n) for n in d.live_nodes()}
-    except Exception:  # noqa: BLE001 - no directory: every node looks the same
+    except Exception as e:  # noqa: BLE001 - no directory: every node looks the same
+        log.warning("directory unreadable (%s): choosing nodes to lend without their unique units", e)
         return dict.fromkeys(nodes, 0)
     out = {}
     for n in nodes:
