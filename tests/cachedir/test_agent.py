@@ -294,3 +294,97 @@ def test_generated_modules_match_the_proto(tmp_path):
     for name in ("agent_pb2.py", "agent_pb2_grpc.py"):
         assert (tmp_path / "cachedir/agent" / name).read_text() == (root / "cachedir/agent" / name).read_text(), (
             f"cachedir/agent/{name} is stale: run scripts/gen_proto.sh")
+
+
+class _LyingServicer(agent_pb2_grpc.CacheAgentServicer):
+    """A peer that speaks the protocol but serves garbage: random bytes for the first unit, a
+    valid unit of another key for the second, nothing for the rest."""
+
+    def __init__(self, other: bytes) -> None:
+        self.other = other
+
+    def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
+        for i, key in enumerate(request.keys):
+            data = {0: bytes(range(256)) * 40, 1: self.other}.get(i)
+            if data is None:
+                yield agent_pb2.UnitChunk(index=i, missing=True, last=True)
+            else:
+                yield agent_pb2.UnitChunk(index=i, key=key, data=data, last=True, tier="ssd", size=len(data))
+
+
+def _lying_peer():
+    from concurrent import futures
+
+    other = make_units(list(range(5000, 5064)))[0].encode()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    agent_pb2_grpc.add_CacheAgentServicer_to_server(_LyingServicer(other), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return f"127.0.0.1:{port}", lambda: server.stop(grace=0)
+
+
+def _tcp_peer(noise: bool):
+    """A TCP peer that is not a gRPC server: it never answers (``noise=False``) or answers with
+    random bytes."""
+    import os
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    conns = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            if noise:
+                try:
+                    conn.sendall(os.urandom(4096))
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def close():
+        sock.close()
+        for c in conns:
+            c.close()
+
+    return f"127.0.0.1:{sock.getsockname()[1]}", close
+
+
+@pytest.mark.parametrize("peer", ["lying", "hanging", "noise"])
+def test_garbage_or_hanging_peers_cost_a_bounded_wait_and_never_a_wrong_unit(tmp_path, peer):
+    address, close = _lying_peer() if peer == "lying" else _tcp_peer(noise=peer == "noise")
+    d = MemoryDirectory("evil")
+    units = make_units(TOKENS)
+    keys = [u.key for u in units]
+    d.heartbeat("evil", address, 60)
+    d.register("evil", keys)
+    me = _agent(tmp_path, "me", d)
+    honest = _agent(tmp_path, "honest", d)
+    cache = ClusterCache(me.node_id, AgentClient(me.address), d, lambda a: AgentClient(a, timeout_s=1.0))
+    try:
+        # the bad peer is the only holder: every unit is a miss, within the client timeout
+        assert cache.lookup(keys) == ["remote"] * 4
+        t0 = time.monotonic()
+        loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=30)
+        assert loaded == [None] * 4 and time.monotonic() - t0 < 3.0
+        counters = cache.stats()
+        assert counters["verify_failures"] >= 2 if peer == "lying" else counters["agent_errors"] >= 1
+        # with an honest second holder every unit arrives, verified, from it
+        _store(honest, units)
+        cache._live = (-1e18, {})  # forget the live-node list cached by the first lookup
+        assert cache.lookup(keys) == ["remote"] * 4
+        loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=30)
+        assert [x.unit.encode() for x in loaded] == [u.encode() for u in units]
+    finally:
+        cache.close()
+        me.close()
+        honest.close()
+        close()
