@@ -294,6 +294,7 @@ class LLMServer:
                            int(req.get("top_k", 0)), req.get("seed")),
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
+            tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)),
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)

@@ -119,7 +119,7 @@ class Engine:
             raise ValueError(f"request needs {need} KV pages, the pool has {self.cfg.num_pages}")
         ns = self.namespace_for(req.tenant)
         keys = chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
-        seq = Sequence(req, keys)
+        seq = Sequence(req, keys, emitted_text_len=req.continued_chars)
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.prefilled is not None:
@@ -355,7 +355,7 @@ class Engine:
         if reason is None and seq.req.handoff:
             reason = FinishReason.HANDOFF
         visible = seq.output_ids[:-1] if reason == FinishReason.STOP else seq.output_ids
-        seq.text = self.detokenize(visible)
+        seq.text = self.detokenize([*seq.req.continued_ids, *visible])
         for stop in seq.req.stop:
             at = seq.text.find(stop)
             if at >= 0:
@@ -368,8 +368,13 @@ class Engine:
             outputs.append(self._output(seq, hold_back=max((len(s) for s in seq.req.stop), default=1) - 1))
 
     def _output(self, seq: Sequence, hold_back: int = 0, handoff: Prefilled | None = None) -> RequestOutput:
-        """New tokens and text since the last output; text that may start a stop string waits."""
-        upto = max(seq.emitted_text_len, len(seq.text) - hold_back)
+        """New tokens and text since the last output. Text that may start a stop string waits,
+        and so does a trailing U+FFFD until the sequence finishes: it may be the first bytes of a
+        character whose next token completes it (byte-level tokens)."""
+        upto = len(seq.text) - hold_back
+        if seq.finished is None:
+            upto = min(upto, len(seq.text.rstrip("\ufffd")))
+        upto = max(seq.emitted_text_len, upto)
         text = seq.text[seq.emitted_text_len : upto]
         seq.emitted_text_len = upto
         new = seq.output_ids[seq.emitted_tokens :]

@@ -35,6 +35,11 @@ class GenerationRequest:
     tenant: str = ""
     handoff: bool = False  # prefill only: finish with HANDOFF and the prompt's KV after token 1
     prefilled: Prefilled | None = None  # decode only: start from a prefill done elsewhere
+    # A request continued on this replica after another gave it back: the output tokens streamed
+    # before (they end ``prompt_ids`` too) and how many characters of their text were sent.
+    # Detokenization goes on from them, so a character split across the move comes out whole.
+    continued_ids: tuple[int, ...] = ()
+    continued_chars: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

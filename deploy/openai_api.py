@@ -199,6 +199,7 @@ class OpenAIIngress:
         client's request."""
         prompt_len = len(engine_req["prompt_ids"])
         emitted: list[int] = []
+        chars = 0  # characters of text streamed
         cached: int | None = None
         req = engine_req
         for attempt in range(MAX_CONTINUATIONS + 1):
@@ -207,6 +208,7 @@ class OpenAIIngress:
                     if cached is None:
                         cached = item["cached_tokens"]
                     emitted += item["token_ids"]
+                    chars += len(item["text"])
                     if item["finished"] and attempt:
                         item = {**item, "prompt_tokens": prompt_len, "completion_tokens": len(emitted),
                                 "cached_tokens": min(cached, prompt_len)}
@@ -219,7 +221,8 @@ class OpenAIIngress:
                 log.warning("continuing a request elsewhere after %d tokens: %s", len(emitted), type(e).__name__)
                 self.metrics.continued.inc()
                 req = {k: v for k, v in engine_req.items() if k != "prefix"}
-                req.update(prompt_ids=engine_req["prompt_ids"] + emitted, max_tokens=remaining)
+                req.update(prompt_ids=engine_req["prompt_ids"] + emitted, max_tokens=remaining,
+                           continued_ids=emitted, continued_chars=chars)
 
     async def _stream(self, engine_req: dict) -> AsyncIterator[dict]:
         start = time.monotonic()

@@ -182,3 +182,36 @@ def test_prompt_of_whole_units_recomputes_only_its_last_token(model, tmp_path):
     assert _tokens(out) == ref
     assert out[-1].cached_tokens == 255 and out[-1].sources.compute == 1
     second.check_integrity()
+
+
+def test_streamed_text_equals_the_decoded_tokens_also_across_a_continuation(model):
+    """Byte-level tokens split characters: the streamed pieces must still add up to the decoded
+    output, also when a request moves to another engine mid-stream (the ingress's continuation)."""
+    tok = ByteTokenizer()
+    eng = _engine(model, max_num_seqs=8)
+    prompts = {f"r{i}": _prompt(40 + i, 300 + i) for i in range(24)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, max_tokens=16, ignore_eos=True))
+    outs = {}
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    texts = {rid: tok.decode(_tokens(o)) for rid, o in outs.items()}
+    assert {rid: "".join(x.text for x in o) for rid, o in outs.items()} == texts
+    multibyte = [t for t in texts.values() if any(ord(c) > 127 and c != "\ufffd" for c in t)]
+    assert multibyte, "no output had a multi-byte character: the test would not test anything"
+    # continue each request after 5 tokens on a fresh engine, as the ingress does
+    for rid, o in outs.items():
+        head = []
+        for x in o:
+            head.append(x)
+            if sum(len(y.new_token_ids) for y in head) >= 5:
+                break
+        done_ids = _tokens(head)
+        sent = "".join(x.text for x in head)
+        other = _engine(model)
+        other.add_request(GenerationRequest("c", prompts[rid] + tuple(done_ids), 16 - len(done_ids), ignore_eos=True,
+                                            continued_ids=tuple(done_ids), continued_chars=len(sent)))
+        rest = other.run_to_completion()["c"]
+        assert done_ids + _tokens(rest) == _tokens(o)
+        assert sent + "".join(x.text for x in rest) == texts[rid], rid
