@@ -1,0 +1,261 @@
+"""The fault matrix on a simulated 3-node Ray cluster serving through HTTP under a request stream
+(shared and unique prefixes): Redis killed and restarted empty, a cache agent crashing, a node
+removed from the cluster. For every fault each request succeeds (or gets a retryable 503 with
+Retry-After), every generated token equals the reference, and no unit the cache acknowledged is
+lost unless its node is gone.
+
+The rest of the matrix: a replica killed mid-decode (tests/actors/test_tidal.py), an expert shard
+killed (tests/actors/test_ep.py), damaged/deleted unit files, a full or slow disk
+(tests/cluster/test_engine_faults.py, tests/cachedir/test_store.py), garbage or hanging gRPC peers
+(tests/cachedir/test_agent.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from model.checkpoint import load_model, random_state_dict, save_checkpoint
+from model.config import named_config
+from model.generate import generate
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow, pytest.mark.fault]
+
+MAX_TOKENS = 6
+NAMESPACE = "faults-test"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = named_config("tiny")
+    return save_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_state_dict(cfg, seed=17, std=0.06))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Greedy text of a prompt as the model alone computes it (memoized)."""
+    from model.tokenizer import load_tokenizer
+
+    model, tok, memo = load_model(checkpoint), load_tokenizer(checkpoint), {}
+
+    def text(prompt: tuple[int, ...]) -> str:
+        if prompt not in memo:
+            memo[prompt] = tok.decode(generate(model, list(prompt), MAX_TOKENS, eos_id=None))
+        return memo[prompt]
+
+    return text
+
+
+@pytest.fixture(scope="module")
+def app(redis_server, checkpoint, tmp_path_factory):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    workers = [c.add_node(num_cpus=1) for _ in range(2)]
+    ray.init(address=c.address, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    home = tmp_path_factory.mktemp("faults")
+    args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
+            "num_pages": 256, "ram_mb": 0, "cache_dir": str(home / "cache" / "{node}"),
+            "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
+            "directory_namespace": NAMESPACE}
+    serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 300)
+    yield url, c, workers
+    serve.shutdown()
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def directory(redis_server):
+    from cachedir.directory import open_directory
+
+    return open_directory(redis_server.url, NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def unit_keys(checkpoint):
+    import torch
+
+    from cachedir.hashing import chain_keys
+    from cluster.engine import UNIT_TOKENS, cache_namespace
+    from model.checkpoint import weights_digest
+    from model.config import load_config
+
+    seed = cache_namespace(load_config(checkpoint), weights_digest(checkpoint), torch.float32).seed
+    return lambda prompt: chain_keys(seed, list(prompt), UNIT_TOKENS, max_units=(len(prompt) - 1) // UNIT_TOKENS)
+
+
+def _prompt(seed: int, units: int = 3, shared: int = 0) -> tuple[int, ...]:
+    """``units`` whole units and 4 more tokens; the first ``shared`` units are common to all seeds."""
+    body = [((0 if i < shared * 64 else seed) * 131 + i * 7) % 250 + 3 for i in range(64 * units + 4)]
+    return (256, *body)
+
+
+def _complete(client: httpx.Client, url: str, prompt) -> httpx.Response:
+    return client.post(f"{url}/v1/completions", json={
+        "model": "tiny", "prompt": list(prompt), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+
+
+class Stream:
+    """Two clients sending a mix of repeated, shared-prefix and unique prompts until stopped."""
+
+    def __init__(self, url: str, seed: int) -> None:
+        self.url, self.seed = url, seed
+        self.results: list[tuple[tuple[int, ...], int, str, str | None]] = []  # prompt, status, text, Retry-After
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(2)]
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        with httpx.Client(timeout=300) as client:
+            while not self._stop.is_set():
+                i += 1
+                kind = i % 3
+                prompt = (_prompt(self.seed) if kind == 0 else  # repeated: cache hits
+                          _prompt(self.seed * 1000 + worker * 100 + i, shared=2) if kind == 1 else
+                          _prompt(self.seed * 1000 + worker * 100 + i, units=1))
+                try:
+                    r = _complete(client, self.url, prompt)
+                except httpx.HTTPError as e:
+                    self.results.append((prompt, 0, repr(e), None))
+                    continue
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+                self.results.append((prompt, r.status_code, text, r.headers.get("retry-after")))
+
+    def __enter__(self) -> Stream:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+
+    def check(self, reference) -> int:
+        """Every request succeeded (or got a 503 with Retry-After) with the reference text."""
+        failed = [(s, t[:300]) for _, s, t, retry in self.results if s != 200 and not (s == 503 and retry)]
+        assert failed == [], failed
+        wrong = [p for p, s, t, _ in self.results if s == 200 and t != reference(p)]
+        assert wrong == [], (f"{len(wrong)} wrong outputs of {len(self.results)}, e.g. prompt {wrong[0]}: "
+                             f"{[t for p, _, t, _ in self.results if p == wrong[0]]} != {reference(wrong[0])!r}")
+        ok = sum(s == 200 for _, s, _, _ in self.results)
+        assert ok >= 4, self.results
+        return ok
+
+
+def _wait(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := cond():
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _holders(directory, keys) -> list[set[str]]:
+    from cachedir.directory.base import DirectoryUnavailable
+
+    try:
+        return [{h.node_id for h in hs} for hs in directory.longest_prefix(keys).holders]
+    except DirectoryUnavailable:
+        return []
+
+
+def _warm(url, prompt, reference) -> dict:
+    with httpx.Client(timeout=300) as client:
+        r = _complete(client, url, prompt)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference(prompt)
+    return r.json()["usage"]
+
+
+def test_redis_killed_then_restarted_empty_under_a_stream(app, redis_server, directory, unit_keys, reference):
+    url, _, _ = app
+    warm = _prompt(1)
+    _warm(url, warm, reference)
+    keys = unit_keys(warm)
+    before = _wait(lambda: (h := _holders(directory, keys)) and len(h) == 3 and h, 20, "the units in the directory")
+    with Stream(url, seed=1) as stream:
+        time.sleep(2)
+        redis_server.kill()  # lookups and registrations fail: local units only, requests go on
+        time.sleep(4)
+        redis_server.start()  # empty, same address: every node re-registers what it holds
+        after = _wait(lambda: (h := _holders(directory, keys)) and len(h) == 3 and h, 30, "re-registration")
+        time.sleep(2)
+    stream.check(reference)
+    assert after[0] >= before[0]  # nothing acknowledged was lost
+    assert _warm(url, warm, reference)["prompt_cache_hit_tokens"] == 3 * 64  # hits are back
+
+
+def _actor_pid(name_part: str, node_id: str) -> int | None:
+    from ray.util.state import list_actors
+
+    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True):
+        if a.node_id == node_id and name_part in ((a.class_name or "") + (a.name or "")):
+            return a.pid
+    return None
+
+
+def test_a_cache_agent_crash_under_a_stream(app, directory, unit_keys, reference):
+    url, _, _ = app
+    warm = _prompt(2)
+    _warm(url, warm, reference)
+    keys = unit_keys(warm)
+    holder = next(iter(_wait(lambda: (h := _holders(directory, keys)) and len(h) == 3 and h, 20, "the units")[0]))
+    with Stream(url, seed=2) as stream:
+        time.sleep(2)
+        pid = _actor_pid("CacheAgent", holder)
+        os.kill(pid, signal.SIGKILL)  # Ray restarts it; it rebuilds its index from its files
+        _wait(lambda: _actor_pid("CacheAgent", holder) != pid, 60, "the agent to restart")
+        time.sleep(2)
+    stream.check(reference)
+    # the restarted agent found its units on disk and published them again
+    _wait(lambda: (h := _holders(directory, keys)) and len(h) == 3 and holder in h[0] and h, 30, "the units again")
+    assert _warm(url, warm, reference)["prompt_cache_hit_tokens"] == 3 * 64
+
+
+def test_a_node_removed_under_a_stream(app, directory, unit_keys, reference):
+    """Last in the module: the cluster is one node smaller afterwards."""
+    url, cluster, workers = app
+    replica_nodes = {_node_of(w) for w in workers} & _llm_nodes()
+    assert replica_nodes, "no replica on a worker node"
+    gone = next(w for w in workers if _node_of(w) in replica_nodes)
+    gone_id = _node_of(gone)
+    with Stream(url, seed=3) as stream:
+        time.sleep(3)
+        cluster.remove_node(gone)
+        time.sleep(8)
+        _wait(lambda: len(_llm_nodes()) == 2, 120, "Serve to replace the replica")
+        time.sleep(2)
+    stream.check(reference)
+    warm = _prompt(3)  # its units may have lived on the removed node: lookups forget that node
+    _wait(lambda: all(gone_id not in h for h in _holders(directory, unit_keys(warm))), 30, "the node to leave lookups")
+    _warm(url, warm, reference)
+
+
+def _node_of(node) -> str:
+    return node.node_id
+
+
+def _llm_nodes() -> set[str]:
+    from ray.util.state import list_actors
+
+    return {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if "LLMServer" in (a.class_name or "") + (a.name or "")}
