@@ -12,12 +12,13 @@ import secrets
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.llm_server import LLMServer
 from deploy.openai_api import OpenAIIngress
+from deploy.protocol import KeyGrant
 
 __all__ = ["AppArgs", "build_app"]
 
@@ -56,8 +57,20 @@ class AppArgs(BaseModel):
     expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
     micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
-    api_keys: dict[str, str] | None = None  # key -> tenant; also TIDE_API_KEYS="key:tenant,..."
+    # key -> "TENANT" or "TENANT:MODEL[+MODEL...]" (the models it may use; default all);
+    # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
+    api_keys: dict[str, str] | None = None
     limits: dict[str, int] | None = None
+
+
+    @field_validator("api_keys")
+    @classmethod
+    def _grants(cls, keys: dict[str, str] | None) -> dict[str, str] | None:
+        for key, grant in (keys or {}).items():
+            if not key:
+                raise ValueError("api_keys has an empty key")
+            KeyGrant.parse(grant)  # ValueError naming the bad grant
+        return keys
 
 
 def _api_keys_from_env() -> dict[str, str] | None:
@@ -66,10 +79,11 @@ def _api_keys_from_env() -> dict[str, str] | None:
         return None
     keys = {}
     for item in raw.split(","):
-        key, _, tenant = item.partition(":")
+        key, _, grant = item.partition(":")
         if not key:
-            raise ValueError("TIDE_API_KEYS entries are key:tenant, comma-separated")
-        keys[key] = tenant or key[:8]
+            raise ValueError("TIDE_API_KEYS entries are KEY:TENANT[:MODEL+...], comma-separated")
+        keys[key] = grant or key[:8]
+        KeyGrant.parse(keys[key])
     return keys
 
 

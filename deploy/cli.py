@@ -130,12 +130,18 @@ def generate(
 def _parse_api_keys(items: list[str] | None) -> dict[str, str] | None:
     if not items:
         return None
+    from deploy.protocol import KeyGrant
+
     keys = {}
     for item in items:
-        key, _, tenant = item.partition(":")
-        if not key or not tenant:
-            raise typer.BadParameter(f"--api-key {item!r} must be KEY:TENANT")
-        keys[key] = tenant
+        key, _, grant = item.partition(":")
+        try:
+            if not key:
+                raise ValueError("empty key")
+            KeyGrant.parse(grant)
+        except ValueError:
+            raise typer.BadParameter(f"--api-key {item!r} must be KEY:TENANT or KEY:TENANT:MODEL[+MODEL...]") from None
+        keys[key] = grant
     return keys
 
 
@@ -151,7 +157,7 @@ def up(
     cache_dir: Path = typer.Option(None, "--cache-dir", help="unit store directory (default: $TIDE_HOME/cache)"),
     ssd_gb: float = typer.Option(8.0, "--ssd-gb", min=0.001),
     admission: str = typer.Option("all", "--admission", help="all | second-sight"),
-    api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT; repeat for several (default: no auth)"),
+    api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT[:MODEL+...] (the models the key may use; default all); repeat for several (default: no auth)"),
     expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors (0: in the replica)"),
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
 ) -> None:

@@ -32,7 +32,14 @@ from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys
 from cluster.engine import UNIT_TOKENS, cache_namespace
 from cluster.request import RequestMigrated
-from deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest, Limits, error_body
+from deploy.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    KeyGrant,
+    Limits,
+    error_body,
+)
 from model.checkpoint import weights_digest
 from model.config import load_config
 from model.tokenizer import load_tokenizer
@@ -46,7 +53,8 @@ api = FastAPI(title="tideserve", description="OpenAI-compatible API of tideserve
 
 @api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -61,6 +69,7 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 
 
 MAX_CONTINUATIONS = 2
+RETRY_AFTER_S = 2  # what a 503 tells the client to wait: about one replica restart or handoff
 
 
 def _continuable(e: BaseException) -> bool:
@@ -69,6 +78,19 @@ def _continuable(e: BaseException) -> bool:
 
     return isinstance(e, (RequestMigrated, RayActorError, ActorDiedError, ActorUnavailableError)) or isinstance(
         getattr(e, "cause", None), RequestMigrated)
+
+
+def _unavailable(e: BaseException) -> bool:
+    """No replica could serve the request right now (all gone, or each try was lost): the client
+    should retry, so it gets a 503 with Retry-After rather than a 500."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    return _continuable(e) or isinstance(e, (BackPressureError, DeploymentUnavailableError))
+
+
+def _unavailable_error() -> APIError:
+    return APIError(503, "no serving replica is available right now; retry the request", "server_error",
+                    code="service_unavailable", retry_after_s=RETRY_AFTER_S)
 
 
 class _Metrics:
@@ -98,7 +120,7 @@ class _Metrics:
 class OpenAIIngress:
     def __init__(self, server, cfg: dict) -> None:
         """``server``: a handle to the ``LLMServer`` deployment. ``cfg`` keys: checkpoint,
-        model_name, api_keys ({key: tenant} or None), limits (dict); with ``directory_url`` (and
+        model_name, api_keys ({key: "TENANT[:MODEL+...]"} or None), limits (dict); with ``directory_url`` (and
         ``directory_namespace``, ``directory_password``, ``dtype``) each request carries its
         cached ``prefix`` (one directory round trip) for the cache-aware router."""
         self.server = server
@@ -108,7 +130,8 @@ class OpenAIIngress:
         self.context_len = mcfg.max_position_embeddings
         self.vocab_size = mcfg.vocab_size
         self.model_name = cfg["model_name"]
-        self.api_keys: dict[str, str] | None = cfg.get("api_keys") or None
+        keys = cfg.get("api_keys") or None
+        self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
         self.metrics = _Metrics()
         self.directory = self.namespace = None
@@ -139,25 +162,34 @@ class OpenAIIngress:
         return {"units": match.num_units, "local_run": local_run}
 
     # -- helpers -------------------------------------------------------------------------
-    def _tenant(self, request: Request) -> str:
+    def _grant(self, request: Request) -> KeyGrant:
+        """The caller's grant (401 without a valid key when keys are configured)."""
         if self.api_keys is None:
-            return ""
+            return KeyGrant("")
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        for key, tenant in self.api_keys.items():  # constant-time compare each, never log keys
+        found = None
+        for key, grant in self.api_keys.items():  # constant-time compare with each; keys are never logged
             if hmac.compare_digest(token.encode(), key.encode()):
-                return tenant
-        raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
+                found = grant
+        if found is None:
+            raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
+        return found
 
     async def _check_body(self, request: Request) -> None:
-        size = int(request.headers.get("content-length") or 0)
+        size = request.headers.get("content-length")
+        # a chunked body has no Content-Length: measure it (FastAPI has read it already)
+        size = int(size) if size and size.isdigit() else len(await request.body())
         if size > self.limits.max_body_bytes:
             raise APIError(413, f"request body of {size} bytes exceeds the limit of {self.limits.max_body_bytes}")
 
-    def _engine_request(self, body, prompt_ids: list[int], tenant: str) -> dict:
+    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant) -> dict:
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; available: {self.model_name!r}",
                            param="model", code="model_not_found")
+        if not grant.allows(body.model):
+            raise APIError(403, f"this API key has no access to model {body.model!r}", "permission_error",
+                           param="model", code="model_not_allowed")
         if body.n > self.limits.max_n:
             raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", param="n")
         stops = body.stop_list()
@@ -180,7 +212,7 @@ class OpenAIIngress:
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
         return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": body.temperature,
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
-                "ignore_eos": body.ignore_eos, "tenant": tenant}
+                "ignore_eos": body.ignore_eos, "tenant": grant.tenant}
 
     @staticmethod
     def _usage(last: dict) -> dict:
@@ -268,9 +300,14 @@ class OpenAIIngress:
 
         if not body.stream:
             text, last = [], None
-            async for item in self._stream(engine_req):
-                text.append(item["text"])
-                last = item
+            try:
+                async for item in self._stream(engine_req):
+                    text.append(item["text"])
+                    last = item
+            except Exception as e:
+                if _unavailable(e):
+                    raise _unavailable_error() from None
+                raise
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [choice("".join(text), last["finish_reason"], False)],
                                  "usage": self._usage(last)})
@@ -279,16 +316,23 @@ class OpenAIIngress:
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         async def sse() -> AsyncIterator[str]:
-            async for item in self._stream(engine_req):
-                chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                         "choices": [choice(item["text"], item["finish_reason"], True)]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield f"data: {json.dumps(chunk)}\n\n"
-                if item["finished"] and include_usage:
-                    usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [], "usage": self._usage(item)}
-                    yield f"data: {json.dumps(usage)}\n\n"
+            # the status line is sent already: a failure mid-stream is an error event
+            try:
+                async for item in self._stream(engine_req):
+                    chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                             "choices": [choice(item["text"], item["finish_reason"], True)]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    if item["finished"] and include_usage:
+                        usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                                 "choices": [], "usage": self._usage(item)}
+                        yield f"data: {json.dumps(usage)}\n\n"
+            except Exception as e:
+                err = _unavailable_error() if _unavailable(e) else APIError(500, "the request failed", "server_error")
+                if err.status == 500:
+                    log.exception("streaming request failed")
+                yield f"data: {json.dumps(error_body(err.message, err.type, None, err.code))}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
@@ -297,19 +341,19 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         await self._check_body(request)
-        tenant = self._tenant(request)
+        grant = self._grant(request)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         try:
             prompt_ids = self.tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        return await self._respond(self._engine_request(body, prompt_ids, tenant), body, "chat")
+        return await self._respond(self._engine_request(body, prompt_ids, grant), body, "chat")
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         await self._check_body(request)
-        tenant = self._tenant(request)
+        grant = self._grant(request)
         if isinstance(body.prompt, str):
             bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
             prompt_ids = bos + self.tokenizer.encode(body.prompt)
@@ -319,13 +363,14 @@ class OpenAIIngress:
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param="prompt")
-        return await self._respond(self._engine_request(body, prompt_ids, tenant), body, "completion")
+        return await self._respond(self._engine_request(body, prompt_ids, grant), body, "completion")
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        self._tenant(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                             "owned_by": "tideserve"}]}
+        grant = self._grant(request)
+        models = [self.model_name] if grant.allows(self.model_name) else []
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tideserve"}
+                                            for m in models]}
 
     @api.get("/health")
     async def health(self):

@@ -2,20 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Limits", "error_body"]
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "error_body"]
 
 
 class APIError(Exception):
     """An error reported to the client in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 the client should retry)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyGrant:
+    """What an API key may do: its tenant (whose salt isolates its cache) and the models it may
+    use (None: all)."""
+
+    tenant: str
+    models: frozenset[str] | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> KeyGrant:
+        """``TENANT`` or ``TENANT:MODEL[+MODEL...]`` (the value of ``api_keys``, ``--api-key``
+        and ``TIDE_API_KEYS`` after the key)."""
+        tenant, sep, models = value.partition(":")
+        names = frozenset(m for m in models.split("+") if m)
+        if not tenant or (sep and not names):
+            raise ValueError(f"API key grant {value!r} must be TENANT or TENANT:MODEL[+MODEL...]")
+        return cls(tenant, names if sep else None)
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,7 +41,7 @@ def base_url(tide_home):
     # The app serves with expert parallelism: routed experts on two expert-shard actors.
     app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1, "num_pages": 512,
                      "expert_shards": 2, "micro_batches": 2,
-                     "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta"}, "limits": {"max_tokens": 64}})
+                     "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta:tiny", "sk-gamma": "gamma:other-model"}, "limits": {"max_tokens": 64}})
     serve.run(app, name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 120)
@@ -95,13 +96,68 @@ def test_completion_streaming(client):
     assert "".join(pieces) == full.choices[0].text
 
 
-def test_tenants_do_not_share_cache(base_url):
+def _token_sources(base_url) -> dict[str, float]:
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("tide_prompt_tokens_total{source=")}
+
+
+@pytest.mark.security
+def test_tenants_do_not_share_cache_and_nothing_reveals_a_cross_tenant_hit(base_url):
     prompt = "tenant isolation check " * 15
     alpha = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-alpha", max_retries=0)
     beta = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-beta", max_retries=0)
     alpha.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = alpha.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.model_extra["prompt_cache_hit_tokens"] >= 64  # cacheable: alpha hits its own units
+    before = _token_sources(base_url)
     r = beta.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
-    assert r.usage.model_extra["prompt_cache_hit_tokens"] == 0
+    after = _token_sources(base_url)
+    # the usage fields say "miss", and beta's request really computed every prompt token: it did
+    # the work (and took the time) of a cold request, so its latency cannot reveal alpha's units
+    assert r.usage.model_extra["prompt_cache_hit_tokens"] == 0 == r.usage.prompt_tokens_details.cached_tokens
+    assert r.usage.model_extra["prompt_cache_miss_tokens"] == r.usage.prompt_tokens
+    assert after["compute"] - before.get("compute", 0) == r.usage.prompt_tokens
+    assert all(after.get(s, 0) == before.get(s, 0) for s in ("ram", "ssd", "remote"))
+
+
+@pytest.mark.security
+def test_a_key_without_access_to_the_model_gets_403(base_url):
+    gamma = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-gamma", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError, match="no access to model 'tiny'"):
+        gamma.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert gamma.models.list().data == []  # it sees no model it may not use
+    beta = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-beta", max_retries=0)
+    assert [m.id for m in beta.models.list().data] == ["tiny"]
+
+
+@pytest.mark.security
+def test_an_oversized_body_is_refused_also_without_content_length(base_url):
+    body = json.dumps({"model": "tiny", "prompt": "x" * (5 << 20), "max_tokens": 2}).encode()
+    headers = {"Authorization": "Bearer sk-alpha", "Content-Type": "application/json"}
+    r = httpx.post(base_url + "/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: Transfer-Encoding: chunked
+        for i in range(0, len(body), 1 << 20):
+            yield body[i : i + (1 << 20)]
+
+    r = httpx.post(base_url + "/v1/completions", content=chunked(), headers=headers, timeout=60)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+
+
+@pytest.mark.security
+def test_api_keys_never_reach_the_logs(base_url):
+    import ray
+
+    r = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                   headers={"Authorization": "Bearer sk-alpha"}, timeout=60)
+    assert r.status_code == 200
+    httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+               headers={"Authorization": "Bearer sk-not-a-key"}, timeout=60)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    leaked = [p for p in logs.rglob("*") if p.is_file() and (b"sk-alpha" in p.read_bytes() or b"sk-not-a-key" in p.read_bytes())]
+    assert leaked == []
 
 
 @pytest.mark.parametrize("body, status, needle", [
