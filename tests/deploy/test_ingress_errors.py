@@ -1,0 +1,71 @@
+"""The ingress's answer when no replica can finish a request, with the replica handle replaced by
+one whose every replica dies (a unit test: a real Serve app cannot be made to lose every try
+deterministically)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.fault]
+
+
+class _DyingHandle:
+    """``options(stream=True).generate.remote(req)`` streams ``tokens`` then loses its replica."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.calls = tokens, 0
+        self.generate = SimpleNamespace(remote=self._generate)
+
+    def options(self, **_):
+        return self
+
+    async def _generate(self, req):
+        from ray.exceptions import ActorDiedError
+
+        self.calls += 1
+        for t in range(self.tokens):
+            yield {"token_ids": [t], "text": "x", "finished": False, "finish_reason": None, "cached_tokens": 0}
+        raise ActorDiedError()
+
+
+def _ingress(handle):
+    from deploy.openai_api import OpenAIIngress, _Metrics
+
+    ing = object.__new__(OpenAIIngress)
+    ing.server, ing.model_name, ing.metrics, ing.directory = handle, "tiny", _Metrics(), None
+    return ing
+
+
+def _req():
+    return {"prompt_ids": [1, 2, 3], "max_tokens": 8, "tenant": ""}
+
+
+def test_a_request_every_replica_drops_is_a_503_with_retry_after():
+    from deploy.openai_api import MAX_CONTINUATIONS, RETRY_AFTER_S
+    from deploy.protocol import APIError
+
+    handle = _DyingHandle(tokens=1)
+    body = SimpleNamespace(stream=False, stream_options=None)
+    with pytest.raises(APIError) as e:
+        asyncio.run(_ingress(handle)._respond(_req(), body, "completion"))
+    assert e.value.status == 503 and e.value.retry_after_s == RETRY_AFTER_S
+    assert handle.calls == MAX_CONTINUATIONS + 1  # it was continued elsewhere before giving up
+
+
+def test_mid_stream_the_503_is_an_error_event():
+    handle = _DyingHandle(tokens=1)
+    body = SimpleNamespace(stream=True, stream_options=None)
+
+    async def collect():
+        resp = await _ingress(handle)._respond(_req(), body, "chat")
+        return [c if isinstance(c, str) else c.decode() async for c in resp.body_iterator]
+
+    events = [c.removeprefix("data: ").strip() for c in asyncio.run(collect())]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "service_unavailable" and "retry" in err["message"]
+    assert all("choices" in json.loads(c) for c in events[:-2])  # the tokens streamed before
