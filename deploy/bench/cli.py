@@ -233,3 +233,28 @@ def bench_serve(
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
     _emit(run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    minutes: float = typer.Option(10.0, "--minutes", min=0.1, help="how long the load runs"),
+    concurrency: int = typer.Option(4, "--concurrency", min=1, help="closed-loop HTTP clients"),
+    nodes: int = typer.Option(2, "--nodes", min=2, max=8, help="simulated Ray nodes (one replica and one cache agent each)"),
+    fault_every_s: float = typer.Option(60.0, "--fault-every-s", min=5.0, help="seconds between faults (Redis restart, then agent kill, in turn)"),
+    grace_s: float = typer.Option(5.0, "--grace-s", min=0.0, help="a fault's announced window lasts until it recovered plus this"),
+    max_tokens: int = typer.Option(8, "--max-tokens", min=1),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """A bounded soak through HTTP (shared and unique prefixes) against a simulated multi-node
+    cluster while Redis is restarted empty and cache agents are killed, in turn: requests, errors
+    (outside the faults' 503 windows), wrong_outputs (against the model alone), rss_growth_mb."""
+    from deploy.bench.soak_bench import run_soak
+
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_soak(minutes, concurrency, nodes, fault_every_s, grace_s, max_tokens, checkpoint)
+    _emit(result)

@@ -113,3 +113,28 @@ def test_bench_cluster_json(tmp_path):
         assert sum(m["hit_rate_by_source"].values()) == pytest.approx(m["token_hit_rate"], abs=1e-3)
     # requests 2..7 share a 64-token unit with an earlier one (at most 6 x 64 of 8 x 128 tokens)
     assert 0 < out["shared"]["token_hit_rate"] <= 6 * 64 / (8 * 128) + 1e-3
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.fault
+def test_bench_soak_json_with_faults():
+    r = _tide("soak", "--minutes", "0.3", "--concurrency", "2", "--fault-every-s", "6", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [f["kind"] for f in out["faults"]][:2] == ["redis_restart", "agent_kill"]
+    assert out["errors"] == 0 and out["wrong_outputs"] == 0, out
+    assert out["ok"] > 0 and out["checked_outputs"] == out["ok"]
+    assert out["requests"] == out["ok"] + out["unavailable_in_windows"]
+    assert out["rss_start_mb"] > 0 and out["rss_end_mb"] > 0 and "rss_growth_mb" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--minutes", "0"], "--minutes"),
+    (["--fault-every-s", "1"], "--fault-every-s"),
+    (["--checkpoint", "/nonexistent"], "/nonexistent"),
+])
+def test_bench_soak_bad_arguments(args, message):
+    r = _tide("soak", *args)
+    assert r.returncode == 2 and message in r.stderr
