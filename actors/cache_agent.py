@@ -55,8 +55,8 @@ class CacheAgent:
         node_id = ray.get_runtime_context().get_node_id()
         directory = None
         if cfg.get("directory_url"):
-            options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
-            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or NAMESPACE, **options)
+            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or NAMESPACE,
+                                       password=cfg.get("directory_password"))
         replicas = int(cfg.get("replicas", 2))
         replication = None
         if replicas > 1:

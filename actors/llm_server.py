@@ -129,8 +129,8 @@ class LLMServer:
         self.usage = JsonlLog(Path(cfg["usage_dir"]) / f"{self.node_id}.jsonl") if cfg.get("usage_dir") else None
         self.publisher = None
         if cfg.get("directory_url") and isinstance(self.cache, NodeCache):
-            options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
-            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id, **options)
+            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id,
+                                       password=cfg.get("directory_password"))
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
         unit_bytes = mcfg.num_hidden_layers * 64 * (mcfg.kv_lora_rank + mcfg.qk_rope_head_dim) * self.model.dtype.itemsize
         self._cost = CostModel(unit_bytes=unit_bytes)
@@ -154,9 +154,8 @@ class LLMServer:
         ca = tls_files(agent_cfg)["ca"]
         directory = None
         if agent_cfg.get("directory_url"):
-            options = {"password": agent_cfg["directory_password"]} if agent_cfg.get("directory_password") else {}
             directory = open_directory(agent_cfg["directory_url"], agent_cfg.get("directory_namespace") or "tideserve",
-                                       **options)
+                                       password=agent_cfg.get("directory_password"))
         clients: dict[str, AgentClient] = {}
 
         def client_for(addr: str) -> AgentClient:

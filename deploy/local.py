@@ -1,13 +1,16 @@
 """``tide up`` / ``tide down``: a local cluster — redis-server, a Ray head, the Serve app.
 
 State (addresses, the Redis pid) lives in ``$TIDE_HOME/run/state.json`` so ``tide down`` and
-``tide status`` find what ``tide up`` started.
+``tide status`` find what ``tide up`` started. Every control path needs a credential: the Ray
+head runs with token authentication, the cache agents with a token, and the local redis-server
+with a password (``$TIDE_HOME/run/redis.password``, mode 0600); all bind to loopback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,9 +34,33 @@ def read_state() -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
+REDIS_PASSWORD_ENV = "TIDE_REDIS_PASSWORD"  # how the app's processes get the local Redis password
+
+
+def _redis_password_path() -> Path:
+    return cache_root() / "run" / "redis.password"
+
+
 def _start_redis(workdir: Path) -> tuple[int, str]:
-    server = RedisServer(workdir, detach=True, save="60 1000").start()
-    return server.proc.pid, server.url
+    """A redis-server on loopback that requires a fresh password. The password is kept in a
+    file only this user can read (never in the URL, the state file or the Serve config) and put
+    in this process's environment, which `ray start` passes on to the app's processes."""
+    password = secrets.token_urlsafe(24)
+    server = RedisServer(workdir, password=password, detach=True, save="60 1000").start()
+    path = _redis_password_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password)
+    os.environ[REDIS_PASSWORD_ENV] = password
+    return server.proc.pid, f"redis://127.0.0.1:{server.port}/0"
+
+
+def _load_redis_password() -> None:
+    """Give this process the local Redis password (a CLI command acting on a `tide up` cluster)."""
+    path = _redis_password_path()
+    if REDIS_PASSWORD_ENV not in os.environ and path.is_file():
+        os.environ[REDIS_PASSWORD_ENV] = path.read_text().strip()
 
 
 def _ray_cli() -> str:
@@ -75,6 +102,8 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         ray.init(address=state["ray_address"], log_to_driver=False)
         serve.start(http_options={"host": host, "port": port})
         app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url}
+        if "redis_pid" in state and not app_args.get("directory_password_env"):
+            app_args["directory_password_env"] = REDIS_PASSWORD_ENV
         state["app_args"] = app_args  # `tide scale` redeploys with another replica count
         serve.run(build_app(app_args), name="tideserve", route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
@@ -107,6 +136,7 @@ def _teardown(state: dict[str, Any]) -> None:
     pid = state.get("redis_pid")
     if pid:
         stop_process(pid)
+        _redis_password_path().unlink(missing_ok=True)
 
 
 def process_alive(pid: int) -> bool:
@@ -146,6 +176,7 @@ def down() -> bool:
 def serve_handle(state: dict[str, Any]):
     """A handle to the running app's ``LLMServer`` deployment (connects this process to Ray)."""
     os.environ["RAY_AUTH_MODE"] = "token"
+    _load_redis_password()  # a redeploy (`tide scale`) and the directory reads need it
     import ray
     from ray import serve
 

@@ -138,8 +138,8 @@ class OpenAIIngress:
         if cfg.get("directory_url"):
             import torch
 
-            options = {"password": cfg["directory_password"]} if cfg.get("directory_password") else {}
-            self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve", **options)
+            self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve",
+                                            password=cfg.get("directory_password"))
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")))
 
     async def _prefix(self, req: dict) -> dict | None:

@@ -29,6 +29,7 @@ Expert-parallel apps re-plan their experts onto the remaining shards with
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -64,13 +65,15 @@ def _running_replicas(app_name: str) -> int:
         return 0
     dep = app.deployments.get("LLMServer")
     return dep.replica_states.get("RUNNING", 0) if dep else 0
-def _unique_units(directory_url: str | None, namespace: str, nodes: list[str]) -> dict[str, int]:
+def _unique_units(app_args: dict[str, Any], nodes: list[str]) -> dict[str, int]:
     """Units held by each node and no other (a maintenance read of the directory)."""
-    if not directory_url:
+    if not app_args.get("directory_url"):
         return dict.fromkeys(nodes, 0)
     from cachedir.directory import open_directory
 
-    d = open_directory(directory_url, namespace)
+    password_env = app_args.get("directory_password_env")
+    d = open_directory(app_args["directory_url"], app_args.get("directory_namespace", "tideserve"),
+                       password=os.environ.get(password_env) if password_env else None)
     try:
         keys = {n: d.node_keys(n) for n in d.live_nodes()}
     except Exception as e:  # noqa: BLE001 - no directory: every node looks the same
@@ -103,7 +106,7 @@ def lend_nodes(
                and time.time() - r["time"] < 10]
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
-    unique = _unique_units(app_args.get("directory_url"), app_args.get("directory_namespace", "tideserve"), serving)
+    unique = _unique_units(app_args, serving)
     loads = [NodeLoad(node, reports[node].get("running", 0), unique[node], node == head) for node in serving]
     chosen = nodes_to_free(loads, n)
     log.info("lending %s", chosen)

@@ -6,6 +6,8 @@ which live nodes hold the rest of the run; units are then "ram"/"ssd" (this node
 holders, several holders in parallel (each unit goes to one holder, spread evenly), verifies
 every unit against the key, tokens and namespace the engine expects, retries a failed unit once
 on another holder, and otherwise reports a miss there (the engine computes from that unit on).
+A holder that failed (unreachable, timed out, or served a unit that failed verification) is
+avoided for ``suspect_s``: a hanging or lying peer costs one bounded wait, not one per request.
 A directory that is down or slow means local units only; an agent that is down means no hit.
 ``persist`` pushes new units to the node's agent in the background.
 
@@ -44,6 +46,7 @@ class ClusterCache:
         client_for: Callable[[str], AgentClient],
         io_threads: int = 8,
         live_ttl_s: float = 1.0,
+        suspect_s: float = 30.0,
     ) -> None:
         """``local`` is this node's agent; ``client_for(address)`` gives a client for another."""
         self.node_id = node_id
@@ -59,8 +62,11 @@ class ClusterCache:
         self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be cached somewhere
         self._live: tuple[float, dict[str, str]] = (-1e18, {})
         self._live_ttl_s = live_ttl_s
+        self._suspect_s = suspect_s
+        self._suspects: dict[str, float] = {}  # node -> monotonic time until which it is avoided
         self.counters = {"lookups": 0, "directory_errors": 0, "agent_errors": 0, "remote_units": 0,
-                         "local_units": 0, "verify_failures": 0, "retried_units": 0, "persisted_units": 0}
+                         "local_units": 0, "verify_failures": 0, "retried_units": 0, "persisted_units": 0,
+                         "suspected_holders": 0}
         # source -> [bytes, seconds] of loads, for measured bandwidths
         self.transfer = {"local": [0, 0.0], "remote": [0, 0.0]}
 
@@ -88,6 +94,17 @@ class ClusterCache:
             self._live = (time.monotonic(), live)
         return live
 
+    def _suspect(self, node: str) -> None:
+        with self._lock:
+            if self._suspects.get(node, 0.0) < time.monotonic():
+                self.counters["suspected_holders"] += 1
+            self._suspects[node] = time.monotonic() + self._suspect_s
+
+    def _trusted(self, nodes: list[str]) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            return [n for n in nodes if self._suspects.get(n, 0.0) < now]
+
     def holds(self, key: bytes) -> bool:
         """Cached on some node as far as this replica knows (so persisting it again is a waste)."""
         with self._lock:
@@ -106,7 +123,7 @@ class ClusterCache:
             try:
                 match = self.directory.longest_prefix(keys)
                 live = self._live_nodes()
-                remote = [[h.node_id for h in hs if h.node_id != self.node_id and h.node_id in live]
+                remote = [self._trusted([h.node_id for h in hs if h.node_id != self.node_id and h.node_id in live])
                           for hs in match.holders]
             except DirectoryUnavailable:
                 self._count("directory_errors")
@@ -190,11 +207,14 @@ class ClusterCache:
             found = client.fetch([keys[i] for i in idx], requester=self.node_id)
         except AgentError as e:
             self._agent_error(e)
+            if node is not None:
+                self._suspect(node)
             return node, got
         except DirectoryUnavailable:
             self._count("directory_errors")
             return node, got
         nbytes = 0
+        lied = False
         for i, item in zip(idx, found, strict=True):
             if item is None:
                 continue
@@ -203,10 +223,13 @@ class ClusterCache:
                 h, payload = decode(data, namespace, keys[i], tokens[i])
             except UnitCorrupt:
                 self._count("verify_failures")
+                lied = True
                 continue
             nbytes += len(data)
             unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
             got[i] = LoadedUnit(unit, tier if node is None else "remote")
+        if lied and node is not None:
+            self._suspect(node)
         source = "local" if node is None else "remote"
         with self._lock:
             self.counters[f"{source}_units"] += sum(u is not None for u in got.values())

@@ -22,8 +22,9 @@ __all__ = [
 SCHEMES = ("mem", "redis", "rediss")
 
 
-def open_directory(url: str, namespace: str, **options) -> Directory:
-    """A directory for ``url``; unknown schemes raise and list the supported ones."""
+def open_directory(url: str, namespace: str, password: str | None = None, **options) -> Directory:
+    """A directory for ``url``; unknown schemes raise and list the supported ones. ``password``
+    (Redis AUTH; None: none or the one in the URL) is ignored by ``mem://``."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme == "mem":
         from cachedir.directory.memory import MemoryDirectory
@@ -32,5 +33,5 @@ def open_directory(url: str, namespace: str, **options) -> Directory:
     if scheme in ("redis", "rediss"):
         from cachedir.directory.redis_backend import RedisDirectory
 
-        return RedisDirectory(url, namespace, **options)
+        return RedisDirectory(url, namespace, password=password, **options)
     raise ValueError(f"unsupported directory URL {url!r}; supported schemes: {', '.join(SCHEMES)}")

@@ -4,9 +4,11 @@ removed from the cluster. For every fault each request succeeds (or gets a retry
 Retry-After), every generated token equals the reference, and no unit the cache acknowledged is
 lost unless its node is gone.
 
-The rest of the matrix: a replica killed mid-decode (tests/actors/test_tidal.py), an expert shard
-killed (tests/actors/test_ep.py), damaged/deleted unit files, a full or slow disk
-(tests/cluster/test_engine_faults.py, tests/cachedir/test_store.py), garbage or hanging gRPC peers
+Also here: unit files bit-flipped, truncated and deleted under the stream; a node's disk filling
+up (a 192 KiB tmpfs mounted over its cache directory); a "node" in the directory whose gRPC agent
+serves garbage or hangs. Elsewhere: a replica killed mid-decode (tests/actors/test_tidal.py), an
+expert shard killed (tests/actors/test_ep.py), a slow disk and a writer killed mid-write
+(tests/cluster/test_engine_faults.py, tests/cachedir/test_store.py), garbage peers in detail
 (tests/cachedir/test_agent.py)."""
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def app(redis_server, checkpoint, tmp_path_factory):
     serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
-    yield url, c, workers
+    yield url, c, workers, home
     serve.shutdown()
     ray.shutdown()
     c.shutdown()
@@ -187,7 +189,7 @@ def _warm(url, prompt, reference) -> dict:
 
 
 def test_redis_killed_then_restarted_empty_under_a_stream(app, redis_server, directory, unit_keys, reference):
-    url, _, _ = app
+    url, *_ = app
     warm = _prompt(1)
     _warm(url, warm, reference)
     keys = unit_keys(warm)
@@ -214,7 +216,7 @@ def _actor_pid(name_part: str, node_id: str) -> int | None:
 
 
 def test_a_cache_agent_crash_under_a_stream(app, directory, unit_keys, reference):
-    url, _, _ = app
+    url, *_ = app
     warm = _prompt(2)
     _warm(url, warm, reference)
     keys = unit_keys(warm)
@@ -231,9 +233,100 @@ def test_a_cache_agent_crash_under_a_stream(app, directory, unit_keys, reference
     assert _warm(url, warm, reference)["prompt_cache_hit_tokens"] == 3 * 64
 
 
+def _agent_stats(node_id: str) -> dict:
+    import ray
+
+    from actors.cache_agent import NAMESPACE, agent_name
+
+    return ray.get(ray.get_actor(agent_name(node_id), namespace=NAMESPACE).stats.remote(), timeout=60)
+
+
+def test_unit_files_damaged_under_a_stream(app, reference):
+    url, *_, home = app
+    warm = _prompt(4)
+    _warm(url, warm, reference)
+    nodes = _llm_nodes()
+    corrupt_before = sum(_agent_stats(n)["ssd_corrupt"] for n in nodes)
+    with Stream(url, seed=4) as stream:
+        time.sleep(2)
+        for i, f in enumerate(sorted((home / "cache").rglob("*.unit"))):
+            try:
+                data = bytearray(f.read_bytes())
+                if i % 3 == 0:
+                    data[-10] ^= 0xFF  # a bit flip in the payload
+                    f.write_bytes(bytes(data))
+                elif i % 3 == 1:
+                    f.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+                else:
+                    f.unlink()  # deleted under the reader
+            except FileNotFoundError:
+                continue  # evicted or replaced meanwhile
+        time.sleep(5)
+    stream.check(reference)
+    assert sum(_agent_stats(n)["ssd_corrupt"] for n in nodes) > corrupt_before  # caught and counted
+    _warm(url, warm, reference)
+
+
+@pytest.fixture
+def full_disk(app):
+    """A 192 KiB tmpfs mounted over one replica node's cache directory: its agent's index still
+    lists the hidden units (reads miss) and new writes fail with ENOSPC once two units are in."""
+    import subprocess
+
+    from actors.cache_agent import node_cache_dir
+
+    url, *_, home = app
+    node = sorted(_llm_nodes())[0]
+    root = node_cache_dir(str(home / "cache" / "{node}"), node)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(root)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    yield node
+    subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def test_a_full_disk_under_a_stream(app, full_disk, reference):
+    url, *_ = app
+    errors_before = _agent_stats(full_disk)["ssd_write_errors"]
+    with Stream(url, seed=5) as stream:
+        time.sleep(8)
+    stream.check(reference)
+    stats = _agent_stats(full_disk)
+    assert stats["ssd_write_errors"] > errors_before  # persistence skipped and counted
+
+
+def _bad_peer(kind: str):
+    """A 'node' that is not a real cache agent: it serves garbage (a gRPC server whose Fetch
+    returns random bytes) or accepts connections and never answers."""
+    from tests.cachedir.test_agent import _lying_peer, _tcp_peer
+
+    return _lying_peer() if kind == "garbage" else _tcp_peer(noise=False)
+
+
+@pytest.mark.parametrize("kind", ["garbage", "hanging"])
+def test_a_garbage_or_hanging_peer_in_the_directory(app, directory, unit_keys, reference, kind):
+    """The directory says a bad peer holds every unit of the stream's repeated prompt: replicas
+    fetch from it, get nothing usable within bounded timeouts, and compute instead."""
+    url, *_ = app
+    address, close = _bad_peer(kind)
+    repeated = _prompt(6 if kind == "garbage" else 7)
+    try:
+        directory.heartbeat(f"bad-{kind}", address, 60)
+        directory.register(f"bad-{kind}", unit_keys(repeated))
+        t0 = time.monotonic()
+        usage = _warm(url, repeated, reference)  # only the bad peer holds it: computed, same text
+        assert usage["prompt_cache_hit_tokens"] == 0 and time.monotonic() - t0 < 30
+        with Stream(url, seed=6 if kind == "garbage" else 7) as stream:
+            time.sleep(6)
+        stream.check(reference)
+    finally:
+        directory.unregister(f"bad-{kind}", unit_keys(repeated))
+        close()
+
+
 def test_a_node_removed_under_a_stream(app, directory, unit_keys, reference):
     """Last in the module: the cluster is one node smaller afterwards."""
-    url, cluster, workers = app
+    url, cluster, workers, _ = app
     replica_nodes = {_node_of(w) for w in workers} & _llm_nodes()
     assert replica_nodes, "no replica on a worker node"
     gone = next(w for w in workers if _node_of(w) in replica_nodes)

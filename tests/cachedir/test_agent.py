@@ -377,6 +377,8 @@ def test_garbage_or_hanging_peers_cost_a_bounded_wait_and_never_a_wrong_unit(tmp
         assert loaded == [None] * 4 and time.monotonic() - t0 < 3.0
         counters = cache.stats()
         assert counters["verify_failures"] >= 2 if peer == "lying" else counters["agent_errors"] >= 1
+        # the failed peer is avoided for a while: the next lookup does not offer its units at all
+        assert counters["suspected_holders"] == 1 and cache.lookup(keys) == []
         # with an honest second holder every unit arrives, verified, from it
         _store(honest, units)
         cache._live = (-1e18, {})  # forget the live-node list cached by the first lookup

@@ -32,6 +32,17 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
+        # every control path needs a credential: Redis a password (in a 0600 file, nowhere else),
+        # the Ray Jobs API (the dashboard) Ray's token
+        import redis
+
+        pw_file = tmp_path / "run" / "redis.password"
+        password = pw_file.read_text().strip()
+        assert pw_file.stat().st_mode & 0o777 == 0o600 and password not in (tmp_path / "run" / "state.json").read_text()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(state["redis_url"]).ping()
+        assert redis.Redis.from_url(state["redis_url"], password=password).ping()
+        assert httpx.get(state["dashboard"] + "/api/jobs/", timeout=30).status_code in (401, 403)
         again = _tide("up", "--port", str(port), home=tmp_path)
         assert again.returncode == 1 and "already up" in again.stderr
         st = _tide("status", "--json", home=tmp_path)
@@ -76,6 +87,7 @@ def test_up_serves_then_down_stops_everything(tmp_path):
     finally:
         d = _tide("down", home=tmp_path)
     assert d.returncode == 0, d.stderr[-2000:]
+    assert not (tmp_path / "run" / "redis.password").exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
     assert not process_alive(state["redis_pid"])
