@@ -80,16 +80,6 @@ def release_lease(node_id: str) -> None:
         pass
 
 
-
-
-
-
-
-
-
-
-
-
 def jobs_client(dashboard: str | None = None):
     """The Ray Jobs API of this cluster (``dashboard``: its address when known)."""
     from ray.job_submission import JobSubmissionClient

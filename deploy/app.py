@@ -20,7 +20,7 @@ from actors.llm_server import LLMServer
 from deploy.openai_api import OpenAIIngress
 from deploy.protocol import KeyGrant
 
-__all__ = ["AppArgs", "build_app"]
+__all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes"]
 
 
 class AppArgs(BaseModel):
@@ -96,6 +96,15 @@ def _secret(env_name: str | None, field: str) -> str | None:
     return os.environ[env_name]
 
 
+EXPERT_SHARD_NAME = "tideserve-expert-shard-{}"  # detached, in the "tideserve" namespace
+
+
+def expert_shard_nodes(num_nodes: int, num_shards: int) -> int:
+    """The node count EPLB plans for: its hierarchical policy wants equal shards per node."""
+    nodes = max(1, min(num_nodes, num_shards))
+    return nodes if num_shards % nodes == 0 else 1
+
+
 def _cluster_agent_token() -> str:
     """The cluster's cache-agent token when none is configured: made once, kept in Ray's internal
     KV, so every deploy (and redeploy) of the app agrees with the agents already running."""
@@ -120,14 +129,12 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
 
     experts = load_config(checkpoint).n_routed_experts
     shards = [
-        expert_shard_actor(name=f"tideserve-expert-shard-{i}", namespace="tideserve", lifetime="detached",
+        expert_shard_actor(name=EXPERT_SHARD_NAME.format(i), namespace="tideserve", lifetime="detached",
                            get_if_exists=True, num_cpus=0, scheduling_strategy="SPREAD").remote(checkpoint, a.dtype)
         for i in range(a.expert_shards)
     ]
     alive = sum(1 for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else 1
-    nodes = min(alive, a.expert_shards)
-    if a.expert_shards % nodes:  # EPLB wants equal shards per node
-        nodes = 1
+    nodes = expert_shard_nodes(alive, a.expert_shards)
     slots = a.expert_slots or experts + (-experts) % a.expert_shards + a.expert_shards
     return {"ep_shards": shards, "ep_slots": slots, "ep_nodes": nodes}
 

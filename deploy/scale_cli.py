@@ -127,7 +127,7 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
             raise typer.BadParameter(f"--serve-nodes {target}: taking back only some lent nodes is not supported; "
                                      "use `tide scale day`")
         result = return_nodes(args, deadline_s=deadline_s, reload=reload, dashboard=state.get("dashboard"))
-    record_serving_nodes(result["serving_replicas"])
+    record_serving_nodes(target)  # nodes, not replicas: an expert-parallel app serves from every node
     _emit({**out, "changed": True, **result}, as_json)
 
 

@@ -22,8 +22,11 @@ Day (``return_nodes``)
   it is killed), release the leases, and raise the replicas again (``reload``: serve a new
   checkpoint, a rolling update).
 
-Expert-parallel apps re-plan their experts onto the remaining shards with
-``LLMServer.resize_experts`` (``tests/actors/test_ep.py``); this module drives plain DP replicas.
+Expert-parallel apps (``expert_shards``: one attention replica, routed experts on shard actors
+spread over the nodes) lend nodes that host only expert shards. Night: EPLB re-plans the experts
+onto the shards that stay (``LLMServer.resize_experts``; weights move between shards while the
+replica keeps decoding, no request fails), the left-out shards drop their weights, and the nodes
+are leased and lent as above. Day: the experts are re-planned onto every shard again.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ def lend_nodes(
     """Lend ``n`` serving nodes (see the module docstring). ``train``: ``entrypoint`` (a shell
     command) and optionally ``runtime_env``, ``submission_id``; ``dashboard`` (the Jobs API
     address, default the local one). Returns the lent nodes, serving replicas and the job id."""
+    if app_args.get("expert_shards"):
+        return _lend_shard_nodes(app_args, n, app_name, train, timeout_s)
     state = tidal_state()
     roles = ray.get(state.roles.remote())
     reports = ray.get(state.reports.remote())
@@ -163,9 +168,65 @@ def return_nodes(
         release_lease(x)
     ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
     ray.get(state.set_job.remote(None))
+    if app_args.get("expert_shards"):
+        result = _resize_experts(app_name, _shards(app_args), timeout_s) if lent else {}
+        target = _running_replicas(app_name)
+        if reload:
+            _deploy(app_name, route_prefix, {**app_args, "checkpoint": reload}, target)
+        return {"returned": lent, "serving_replicas": target, "expert_shards": result.get("shards"),
+                "job_id": job_id, "job_status": job_status}
     target = _running_replicas(app_name) + len(lent)
     args = {**app_args, "checkpoint": reload} if reload else app_args
     _deploy(app_name, route_prefix, args, target)
     _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
     return {"returned": lent, "serving_replicas": target, "job_id": job_id, "job_status": job_status}
+
+
+# -- expert-parallel apps --------------------------------------------------------------------------
+def _shards(app_args: dict[str, Any]) -> list:
+    from deploy.app import EXPERT_SHARD_NAME
+
+    return [ray.get_actor(EXPERT_SHARD_NAME.format(i), namespace="tideserve")
+            for i in range(int(app_args["expert_shards"]))]
+
+
+def _resize_experts(app_name: str, shards: list, timeout_s: float) -> dict[str, Any]:
+    """Re-plan the replica's experts onto ``shards`` (weights move while it serves)."""
+    from ray import serve
+
+    from deploy.app import expert_shard_nodes
+
+    nodes = {info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)}
+    handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
+    return handle.resize_experts.remote(shards, expert_shard_nodes(len(nodes), len(shards))).result(
+        timeout_s=timeout_s)
+
+
+def _lend_shard_nodes(app_args: dict[str, Any], n: int, app_name: str, train: dict[str, Any] | None,
+                      timeout_s: float) -> dict[str, Any]:
+    """Night for an expert-parallel app: lend ``n`` nodes that host expert shards but no replica."""
+    state = tidal_state()
+    roles = ray.get(state.roles.remote())
+    reports = ray.get(state.reports.remote())
+    replica_nodes = {node for node, r in reports.items() if time.time() - r["time"] < 10}
+    shards = _shards(app_args)
+    where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
+    head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
+    lendable = sorted({w for w in where if w not in replica_nodes and roles.get(w, "serving") == "serving"})
+    if n < 1 or n > len(lendable):
+        raise ValueError(f"cannot lend {n} nodes: {len(lendable)} node(s) host expert shards and no replica")
+    unique = _unique_units(app_args, lendable)
+    chosen = nodes_to_free([NodeLoad(x, 0, unique[x], x == head) for x in lendable], n)
+    log.info("lending %s (expert shards move to the other nodes)", chosen)
+    keep = [s for s, w in zip(shards, where, strict=True) if w not in chosen]
+    resized = _resize_experts(app_name, keep, timeout_s)
+    leases = [lease_node(x, float(app_args.get("replica_cpus", 1.0))) for x in chosen]
+    ray.get([lease.ready.remote() for lease in leases], timeout=timeout_s)
+    ray.get(state.set_roles.remote(dict.fromkeys(chosen, "lent")))
+    job_id = None
+    if train is not None:
+        job_id = submit_training(chosen, train)
+        ray.get(state.set_job.remote(job_id))
+    return {"lent": chosen, "serving_replicas": _running_replicas(app_name), "expert_shards": resized["shards"],
+            "nodes": len(set(where) | replica_nodes), "migrated": False, "job_id": job_id}
 

@@ -1,0 +1,124 @@
+"""Night and day for an expert-parallel app on a simulated 3-node Ray cluster under a request
+stream: one attention replica, routed experts on three shard actors (one per node). The night
+lends a node that hosts only a shard — EPLB re-plans the experts onto the two shards that stay and
+the weights move while the replica decodes — and the day re-plans onto all three. No request
+fails and every answer equals the model computed alone."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from model.checkpoint import load_model, random_state_dict, save_checkpoint
+from model.config import named_config
+from model.generate import generate
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = named_config("tiny")
+    return save_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_state_dict(cfg, seed=23, std=0.06))
+
+
+@pytest.fixture(scope="module")
+def serving(checkpoint, tmp_path_factory):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    home = tmp_path_factory.mktemp("tidal-ep")
+    args = {"checkpoint": str(checkpoint), "replicas": 1, "replica_cpus": 1, "num_pages": 256,
+            "expert_shards": 3, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}
+    serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 300)
+    yield url, args
+    serve.shutdown()
+    ray.shutdown()
+    c.shutdown()
+
+
+def _prompt(i: int) -> list[int]:
+    return [256] + [(i * 37 + j * 11) % 250 + 3 for j in range(20 + i % 50)]
+
+
+def _ep_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name="tideserve").ep_stats.remote().result(timeout_s=60)
+
+
+def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serving, checkpoint):
+    import ray
+
+    from deploy.app import EXPERT_SHARD_NAME
+    from deploy.tidal import lend_nodes, return_nodes
+
+    url, args = serving
+    shard_nodes = [ray.get(ray.get_actor(EXPERT_SHARD_NAME.format(i), namespace="tideserve").info.remote())["node_id"]
+                   for i in range(3)]
+    assert len(set(shard_nodes)) == 3, "the three shards should spread over the three nodes"
+    assert _ep_stats()["num_shards"] == 3
+
+    answers: list[tuple[int, int, str]] = []
+    stop = threading.Event()
+
+    def stream(worker: int) -> None:
+        i = worker * 10_000
+        with httpx.Client(timeout=300) as client:
+            while not stop.is_set():
+                i += 1
+                r = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": _prompt(i),
+                                                               "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                               "ignore_eos": True})
+                answers.append((i, r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text))
+
+    threads = [threading.Thread(target=stream, args=(w,), daemon=True) for w in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        night = lend_nodes(args, 1, train=None)
+        lent = night["lent"][0]
+        assert night["expert_shards"] == 2 and lent in shard_nodes
+        stats = _ep_stats()
+        assert stats["num_shards"] == 2
+        lent_shard = ray.get_actor(EXPERT_SHARD_NAME.format(shard_nodes.index(lent)), namespace="tideserve")
+        assert ray.get(lent_shard.info.remote())["versions"] == []  # its weights are gone
+        served = len(answers)
+        time.sleep(2)
+        assert len(answers) > served  # serving went on at night
+        day = return_nodes(args)
+        assert day["returned"] == [lent] and day["expert_shards"] == 3
+        assert _ep_stats()["num_shards"] == 3
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+    failed = [(i, s, text[:200]) for i, s, text in answers if s != 200]
+    assert failed == [] and len(answers) >= 4
+    from model.tokenizer import load_tokenizer
+
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    wrong = [i for i, _, text in answers if text != tok.decode(generate(model, _prompt(i), MAX_TOKENS, eos_id=None))]
+    assert wrong == []
