@@ -61,6 +61,9 @@ class AppArgs(BaseModel):
     # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
     api_keys: dict[str, str] | None = None
     limits: dict[str, int] | None = None
+    # True: the HTTP ingress runs on the head node (beside its proxy), so losing a worker node
+    # never loses a request's ingress — only its replica, and the request continues elsewhere
+    ingress_on_head: bool = False
 
 
     @field_validator("api_keys")
@@ -120,21 +123,27 @@ def _cluster_agent_token() -> str:
 
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
-    """Detached expert-shard actors spread over the nodes (named, so a redeploy reuses them;
-    Ray restarts one that dies), and the replica settings that use them."""
+    """Detached expert-shard actors dealt round-robin over the alive nodes (named, so a redeploy
+    reuses them; Ray restarts one that dies, elsewhere if its node is gone), and the replica
+    settings that use them. EPLB plans for equal shards per node, so placement is explicit, not
+    Ray's best-effort SPREAD (which may stack zero-CPU actors on one node)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from actors.ep_group import expert_shard_actor
     from model.checkpoint import load_config
 
     experts = load_config(checkpoint).n_routed_experts
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else []
     shards = [
-        expert_shard_actor(name=EXPERT_SHARD_NAME.format(i), namespace="tideserve", lifetime="detached",
-                           get_if_exists=True, num_cpus=0, scheduling_strategy="SPREAD").remote(checkpoint, a.dtype)
+        expert_shard_actor(
+            name=EXPERT_SHARD_NAME.format(i), namespace="tideserve", lifetime="detached", get_if_exists=True,
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(alive[i % len(alive)], soft=True) if alive else "SPREAD",
+        ).remote(checkpoint, a.dtype)
         for i in range(a.expert_shards)
     ]
-    alive = sum(1 for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else 1
-    nodes = expert_shard_nodes(alive, a.expert_shards)
+    nodes = expert_shard_nodes(max(1, len(alive)), a.expert_shards)
     slots = a.expert_slots or experts + (-experts) % a.expert_shards + a.expert_shards
     return {"ep_shards": shards, "ep_slots": slots, "ep_nodes": nodes}
 
@@ -188,7 +197,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         max_ongoing_requests=64, health_check_period_s=10, max_replicas_per_node=a.max_replicas_per_node,
         **options,
     ).bind(server_cfg)
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
+    ingress_options: dict[str, Any] = {"num_cpus": 0}
+    if a.ingress_on_head:
+        ingress_options["resources"] = {"node:__internal_head__": 0.001}
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
                                max_ongoing_requests=256)
     return ingress.bind(server, {
         "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype,

@@ -40,6 +40,7 @@ def serving(checkpoint, tmp_path_factory):
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(2):
         c.add_node(num_cpus=1)
+    c.wait_for_nodes()  # build_app deals the shards over the nodes alive at deploy time
     ray.init(address=c.address, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
