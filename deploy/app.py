@@ -124,9 +124,10 @@ def _cluster_agent_token() -> str:
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     """Detached expert-shard actors dealt round-robin over the alive nodes (named, so a redeploy
-    reuses them; Ray restarts one that dies, elsewhere if its node is gone), and the replica
-    settings that use them. EPLB plans for equal shards per node, so placement is explicit, not
-    Ray's best-effort SPREAD (which may stack zero-CPU actors on one node)."""
+    reuses them; Ray restarts one that dies on its node), and the replica settings that use them.
+    EPLB plans for equal shards per node, so placement is explicit and hard: Ray's SPREAD and soft
+    node affinity both stacked zero-CPU actors on one node. A shard whose node is gone is dead;
+    the next deploy creates it again on an alive node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -139,7 +140,7 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
         expert_shard_actor(
             name=EXPERT_SHARD_NAME.format(i), namespace="tideserve", lifetime="detached", get_if_exists=True,
             num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(alive[i % len(alive)], soft=True) if alive else "SPREAD",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(alive[i % len(alive)], soft=False) if alive else "SPREAD",
         ).remote(checkpoint, a.dtype)
         for i in range(a.expert_shards)
     ]
