@@ -8,7 +8,7 @@ while its node is lent to training, so its units stay fetchable.
 
 ``cfg`` keys: ``cache_dir`` (``{node}`` is replaced by the node id's first 12 characters — needed
 when several simulated nodes share one disk), ``ssd_bytes``, ``ram_bytes``, ``eviction``,
-``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password``,
+``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password``, ``directory_ca_file``,
 ``agent_token``, ``tls_cert_file``/``tls_key_file`` (PEM: the agent serves TLS) and
 ``tls_ca_file`` (PEM: clients verify agents with it), ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
 off), ``replication_min_hits``, ``replication_bytes_per_s``.
@@ -56,7 +56,7 @@ class CacheAgent:
         directory = None
         if cfg.get("directory_url"):
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or NAMESPACE,
-                                       password=cfg.get("directory_password"))
+                                       password=cfg.get("directory_password"), ssl_ca_certs=cfg.get("directory_ca_file"))
         replicas = int(cfg.get("replicas", 2))
         replication = None
         if replicas > 1:

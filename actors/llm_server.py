@@ -130,7 +130,7 @@ class LLMServer:
         self.publisher = None
         if cfg.get("directory_url") and isinstance(self.cache, NodeCache):
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id,
-                                       password=cfg.get("directory_password"))
+                                       password=cfg.get("directory_password"), ssl_ca_certs=cfg.get("directory_ca_file"))
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
         unit_bytes = mcfg.num_hidden_layers * 64 * (mcfg.kv_lora_rank + mcfg.qk_rope_head_dim) * self.model.dtype.itemsize
         self._cost = CostModel(unit_bytes=unit_bytes)
@@ -155,7 +155,8 @@ class LLMServer:
         directory = None
         if agent_cfg.get("directory_url"):
             directory = open_directory(agent_cfg["directory_url"], agent_cfg.get("directory_namespace") or "tideserve",
-                                       password=agent_cfg.get("directory_password"))
+                                       password=agent_cfg.get("directory_password"),
+                                       ssl_ca_certs=agent_cfg.get("directory_ca_file"))
         clients: dict[str, AgentClient] = {}
 
         def client_for(addr: str) -> AgentClient:

@@ -53,6 +53,7 @@ class AppArgs(BaseModel):
     agent_tls_ca_file: str | None = None
     router: Literal["cache-aware", "round-robin", "power-of-two"] = "cache-aware"
     directory_password_env: str | None = None  # name of the env var holding the Redis password
+    directory_tls_ca_file: str | None = None  # PEM CA of the Redis server's certificate (rediss:// URLs)
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
     expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
@@ -175,11 +176,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     password = _secret(a.directory_password_env, "directory_password_env")
     if password:
         server_cfg["directory_password"] = password
+    if a.directory_tls_ca_file:
+        server_cfg["directory_ca_file"] = a.directory_tls_ca_file
     if a.cache_agents and a.enable_cache:
         server_cfg["cache_agents"] = {
             "cache_dir": server_cfg["cache_dir"], "ssd_bytes": server_cfg["ssd_bytes"],
             "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
             "directory_namespace": a.directory_namespace, "directory_password": password,
+            "directory_ca_file": a.directory_tls_ca_file,
             # without a configured token the app makes one: agents never serve unauthenticated
             "agent_token": _secret(a.agent_token_env, "agent_token_env") or _cluster_agent_token(),
             "replicas": a.cache_replicas,
@@ -207,5 +211,5 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype,
         "directory_url": a.directory_url if a.router == "cache-aware" else None,
         "directory_namespace": a.directory_namespace, "directory_password": password,
-        "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
+        "directory_ca_file": a.directory_tls_ca_file, "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
     })

@@ -139,7 +139,8 @@ class OpenAIIngress:
             import torch
 
             self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve",
-                                            password=cfg.get("directory_password"))
+                                            password=cfg.get("directory_password"),
+                                            ssl_ca_certs=cfg.get("directory_ca_file"))
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")))
 
     async def _prefix(self, req: dict) -> dict | None:

@@ -76,7 +76,8 @@ def _unique_units(app_args: dict[str, Any], nodes: list[str]) -> dict[str, int]:
 
     password_env = app_args.get("directory_password_env")
     d = open_directory(app_args["directory_url"], app_args.get("directory_namespace", "tideserve"),
-                       password=os.environ.get(password_env) if password_env else None)
+                       password=os.environ.get(password_env) if password_env else None,
+                       ssl_ca_certs=app_args.get("directory_tls_ca_file"))
     try:
         keys = {n: d.node_keys(n) for n in d.live_nodes()}
     except Exception as e:  # noqa: BLE001 - no directory: every node looks the same

@@ -22,9 +22,11 @@ __all__ = [
 SCHEMES = ("mem", "redis", "rediss")
 
 
-def open_directory(url: str, namespace: str, password: str | None = None, **options) -> Directory:
+def open_directory(url: str, namespace: str, password: str | None = None, ssl_ca_certs: str | None = None,
+                   **options) -> Directory:
     """A directory for ``url``; unknown schemes raise and list the supported ones. ``password``
-    (Redis AUTH; None: none or the one in the URL) is ignored by ``mem://``."""
+    (Redis AUTH; None: none or the one in the URL) and ``ssl_ca_certs`` (a PEM CA file that
+    signed the server's certificate, for ``rediss://``) are ignored by ``mem://``."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme == "mem":
         from cachedir.directory.memory import MemoryDirectory
@@ -33,5 +35,5 @@ def open_directory(url: str, namespace: str, password: str | None = None, **opti
     if scheme in ("redis", "rediss"):
         from cachedir.directory.redis_backend import RedisDirectory
 
-        return RedisDirectory(url, namespace, password=password, **options)
+        return RedisDirectory(url, namespace, password=password, ssl_ca_certs=ssl_ca_certs, **options)
     raise ValueError(f"unsupported directory URL {url!r}; supported schemes: {', '.join(SCHEMES)}")
