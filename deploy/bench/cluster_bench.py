@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from cachedir.trace import BLOCK_TOKENS, read_trace
-from deploy.bench.serve_bench import stream_completion
-from deploy.redis_proc import RedisServer, free_port, wait_healthy
+from deploy.bench.serve_bench import simulated_cluster, stream_completion
+from deploy.redis_proc import wait_healthy
 
 __all__ = ["MODES", "run_cluster_bench", "trace_prompts"]
 
@@ -114,7 +114,6 @@ def run_cluster_bench(
 ) -> dict[str, Any]:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from actors.cache_agent import NAMESPACE, agent_name
     from deploy.app import build_app
@@ -126,44 +125,30 @@ def run_cluster_bench(
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens,
         "prompt_tokens": sum(len(p) for p, _ in work),
     }
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        redis = RedisServer(Path(tmp) / "redis").start()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-        for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=1)
-        try:
-            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            url = f"http://127.0.0.1:{port}"
-            for mode in modes:
-                spec = MODES[mode]
-                app = build_app({
-                    "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
-                    "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / mode / "{node}"),
-                    "directory_url": redis.url if spec["directory"] else None,
-                    "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
-                    "max_num_seqs": max(4, concurrency), "num_pages": 2048,
-                })
-                serve.run(app, name="bench", route_prefix="/", blocking=False)
-                wait_healthy(url)
-                before = _source_tokens(url)
-                t0 = time.perf_counter()
-                results = asyncio.run(_replay(url, work, concurrency))
-                wall = time.perf_counter() - t0
-                after = _source_tokens(url)
-                out[mode] = _summary(results, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wall)
-                serve.delete("bench")
-                for node in ray.nodes():  # the next mode starts from empty caches
-                    try:
-                        ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
-                    except ValueError:
-                        pass
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            cluster.shutdown()
-            redis.kill()
+    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url):
+        for mode in modes:
+            spec = MODES[mode]
+            app = build_app({
+                "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
+                "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / mode / "{node}"),
+                "directory_url": redis.url if spec["directory"] else None,
+                "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
+                "max_num_seqs": max(4, concurrency), "num_pages": 2048,
+            })
+            serve.run(app, name="bench", route_prefix="/", blocking=False)
+            wait_healthy(url)
+            before = _source_tokens(url)
+            t0 = time.perf_counter()
+            results = asyncio.run(_replay(url, work, concurrency))
+            wall = time.perf_counter() - t0
+            after = _source_tokens(url)
+            out[mode] = _summary(results, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wall)
+            serve.delete("bench")
+            for node in ray.nodes():  # the next mode starts from empty caches
+                try:
+                    ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
+                except ValueError:
+                    pass
     if "shared" in out and "per_node" in out:
         out["shared_beats_per_node_hit_rate"] = out["shared"]["token_hit_rate"] > out["per_node"]["token_hit_rate"]
     if "shared" in out and "round_robin" in out and out["shared"]["ttft_p50_ms"] and out["round_robin"]["ttft_p50_ms"]:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from deploy.redis_proc import free_port, wait_healthy
+from deploy.redis_proc import RedisServer, free_port, wait_healthy
 
 
 def _prompts(n: int, system_chars: int, seed: int = 0) -> list[str]:
@@ -32,25 +34,58 @@ def _prompts(n: int, system_chars: int, seed: int = 0) -> list[str]:
 
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[int],
                             max_tokens: int, ignore_eos: bool = False) -> dict:
-    """One streamed greedy completion: client-side TTFT and the usage (or an error)."""
+    """One streamed greedy completion: ``status`` 200 with the text, client-side TTFT and the
+    usage; or an ``error`` with its ``status`` and ``retry_after`` (a failure after the status
+    line arrives as an error event: 503 when the server calls it retryable, else 500)."""
     t0 = time.perf_counter()
     ttft = None
     usage = None
+    text: list[str] = []
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"),
+                    "error": f"HTTP {r.status_code}: {r.text[:200]}"}
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                retryable = chunk["error"].get("code") == "service_unavailable"
+                return {"status": 503 if retryable else 500, "retry_after": "mid-stream" if retryable else None,
+                        "error": chunk["error"]["message"]}
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            elif ttft is None and chunk["choices"]:
-                ttft = time.perf_counter() - t0
-    return {"ttft": ttft, "usage": usage}
+            if chunk["choices"]:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text.append(chunk["choices"][0]["text"])
+    return {"status": 200, "text": "".join(text), "ttft": ttft, "usage": usage}
+
+
+@contextlib.contextmanager
+def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]]:
+    """A redis-server and a ``ray.cluster_utils.Cluster`` of ``nodes`` one-CPU nodes with Serve
+    listening on a free loopback port: yields (redis, url); everything stops on exit."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    port = free_port()
+    redis = RedisServer(tmp / "redis").start()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield redis, f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        redis.kill()
 
 
 async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:

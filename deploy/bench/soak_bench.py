@@ -18,7 +18,6 @@ the warm-up to the end of the soak.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -32,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from deploy.redis_proc import RedisServer, free_port, wait_healthy
+from deploy.bench.serve_bench import simulated_cluster, stream_completion
+from deploy.redis_proc import RedisServer, wait_healthy
 
 __all__ = ["run_soak"]
 
@@ -74,32 +74,6 @@ class _Workload:
             return (*self.rng.choice(self.systems), *self.rng.choice(self.suffixes))
         self.unique += 1
         return tuple(self._ids(self.rng.randrange(UNIT, 4 * UNIT)))
-
-
-async def _complete(client: httpx.AsyncClient, url: str, prompt: tuple[int, ...], max_tokens: int) -> dict:
-    """One streamed greedy completion: its text, TTFT and usage, or an error with its status."""
-    t0 = time.perf_counter()
-    body = {"model": "tiny", "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    text, ttft, usage = [], None, None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "error": r.text[:200]}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:  # failed after the status line was sent
-                unavailable = chunk["error"].get("code") == "service_unavailable"
-                return {"status": 503 if unavailable else 500, "retry_after": "mid-stream" if unavailable else None,
-                        "error": chunk["error"]["message"]}
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"]:
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text.append(chunk["choices"][0]["text"])
-    return {"status": 200, "text": "".join(text), "ttft": ttft, "usage": usage}
 
 
 def _rss_mb() -> float:
@@ -155,7 +129,7 @@ async def _soak(url: str, work: _Workload, seconds: float, concurrency: int, max
             prompt = work.next()
             at = time.monotonic() - start
             try:
-                r = await _complete(client, url, prompt, max_tokens)
+                r = await stream_completion(client, url, "tiny", list(prompt), max_tokens, ignore_eos=True)
             except httpx.HTTPError as e:
                 res.failures.append((at, 0, repr(e)))
                 continue
@@ -220,41 +194,25 @@ def _check(answers: list[tuple[tuple[int, ...], str]], checkpoint: Path, max_tok
 
 def run_soak(minutes: float, concurrency: int = 4, nodes: int = 2, fault_every_s: float = 60.0,
              grace_s: float = 5.0, max_tokens: int = 8, checkpoint: Path | None = None) -> dict[str, Any]:
-    import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from deploy.app import build_app
     from model.default import default_checkpoint
 
     checkpoint = Path(checkpoint) if checkpoint else default_checkpoint()
-    port = free_port()
     rss: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        redis = RedisServer(Path(tmp) / "redis").start()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-        for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=1)
-        try:
-            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app({
-                "checkpoint": str(checkpoint), "replicas": nodes, "replica_cpus": 1, "max_replicas_per_node": 1,
-                "cache_dir": str(Path(tmp) / "cache" / "{node}"), "usage_dir": str(Path(tmp) / "usage"),
-                "directory_url": redis.url, "directory_namespace": f"soak-{uuid.uuid4().hex[:8]}",
-                "max_num_seqs": max(4, concurrency), "num_pages": 2048,
-            }), name="soak", route_prefix="/", blocking=False)
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url)
-            t0 = time.perf_counter()
-            res, windows = asyncio.run(_soak(url, _Workload(seed=0), minutes * 60, concurrency, max_tokens,
-                                             fault_every_s, grace_s, redis, rss))
-            wall = time.perf_counter() - t0
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            cluster.shutdown()
-            redis.kill()
+    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url):
+        serve.run(build_app({
+            "checkpoint": str(checkpoint), "replicas": nodes, "replica_cpus": 1, "max_replicas_per_node": 1,
+            "cache_dir": str(Path(tmp) / "cache" / "{node}"), "usage_dir": str(Path(tmp) / "usage"),
+            "directory_url": redis.url, "directory_namespace": f"soak-{uuid.uuid4().hex[:8]}",
+            "max_num_seqs": max(4, concurrency), "num_pages": 2048,
+        }), name="soak", route_prefix="/", blocking=False)
+        wait_healthy(url)
+        t0 = time.perf_counter()
+        res, windows = asyncio.run(_soak(url, _Workload(seed=0), minutes * 60, concurrency, max_tokens,
+                                         fault_every_s, grace_s, redis, rss))
+        wall = time.perf_counter() - t0
     checked, wrong, first_wrong = _check(res.answers, checkpoint, max_tokens)
     expected = [f for f in res.failures if f[1] == 503 and "Retry-After: None" not in f[2] and _in_window(f[0], windows)]
     errors = [f for f in res.failures if f not in expected]

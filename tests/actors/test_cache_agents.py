@@ -9,20 +9,14 @@ import time
 
 import pytest
 
-from model.checkpoint import load_model, random_state_dict, save_checkpoint
-from model.config import named_config
+from model.checkpoint import load_model
 from model.generate import generate
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
+CHECKPOINT_SEED = 11  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
 
 TTL_S = 2.0
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    cfg = named_config("tiny")
-    return save_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_state_dict(cfg, seed=11, std=0.06))
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,14 @@ import time
 import pytest
 import torch
 
-from model.checkpoint import load_model, random_state_dict, save_checkpoint
-from model.config import named_config
+from model.checkpoint import load_model
 from model.generate import generate
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+CHECKPOINT_SEED = 7  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
 
 PROMPTS = [[256, 5, 17, 99, 3], [256, 40, 41, 42, 43, 44, 45, 46, 47], [256, 7] * 20, [256, 300, 2]]
 MAX_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    cfg = named_config("tiny")
-    return save_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_state_dict(cfg, seed=7, std=0.06))
 
 
 @pytest.fixture(scope="module")

@@ -23,20 +23,14 @@ import time
 import httpx
 import pytest
 
-from model.checkpoint import load_model, random_state_dict, save_checkpoint
-from model.config import named_config
+from model.checkpoint import load_model
 from model.generate import generate
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow, pytest.mark.fault]
+CHECKPOINT_SEED = 17  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
 
 MAX_TOKENS = 6
 NAMESPACE = "faults-test"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    cfg = named_config("tiny")
-    return save_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_state_dict(cfg, seed=17, std=0.06))
 
 
 @pytest.fixture(scope="module")
