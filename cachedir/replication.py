@@ -7,6 +7,10 @@ live ones, so two holders never both push it) to one node that lacks it: prefera
 recently fetched it remotely (it will use the copy), otherwise the node chosen by rendezvous
 hashing of (unit, node) so copies of different units spread evenly.
 
+A copy being pushed, or accepted but not yet registered by its receiver (receivers publish on
+their next sync), counts towards R for ``settle_s``: without that, the next tick would see the
+unit still under R and push a third copy elsewhere.
+
 Bounds: at most ``max_inflight`` pushes at once and ``bytes_per_s`` per node (a token bucket),
 so replication only uses spare bandwidth. Hysteresis: a (unit, target) pair is not tried again
 within ``retry_after_s``, and a node that evicted a unit refuses it for ``cooldown_s`` (the agent
@@ -38,6 +42,7 @@ class ReplicationConfig:
     bytes_per_s: float = 100e6
     retry_after_s: float = 30.0
     cooldown_s: float = 300.0
+    settle_s: float = 5.0  # a started push counts as a copy this long, until its receiver registers it
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -82,6 +87,7 @@ class Replicator:
         self._inflight: set[Future] = set()
         self._tried: OrderedDict[tuple[bytes, str], float] = OrderedDict()
         self._fetched_by: OrderedDict[bytes, list[str]] = OrderedDict()
+        self._placing: OrderedDict[bytes, dict[str, float]] = OrderedDict()  # key -> {target: when pushed}
         self._lock = threading.Lock()
         self.stats = {"pushed": 0, "refused": 0, "failed": 0, "bytes": 0}
 
@@ -127,7 +133,10 @@ class Replicator:
             holders = {n for n in unit.holders if n in live}
             if self.node_id not in holders or self.node_id != min(holders):
                 continue  # another holder pushes it (or this node no longer has it)
-            target = self._target(unit.key, holders, live)
+            placing = self._placing_to(unit.key, holders)
+            if len(holders) + len(placing) >= self.cfg.replicas:
+                continue  # enough copies once the pushes under way are registered
+            target = self._target(unit.key, holders | placing, live)
             if target is None:
                 continue
             data = self._read(unit.key)
@@ -136,21 +145,40 @@ class Replicator:
             self._tried[(unit.key, target)] = self._now()
             while len(self._tried) > 65536:
                 self._tried.popitem(last=False)
-            fut = self._pool.submit(self._send, live[target], data)
+            with self._lock:
+                self._placing.setdefault(unit.key, {})[target] = self._now()
+                self._placing.move_to_end(unit.key)
+                while len(self._placing) > 65536:
+                    self._placing.popitem(last=False)
+            fut = self._pool.submit(self._send, unit.key, target, live[target], data)
             self._inflight.add(fut)
             started += 1
         return started
 
-    def _send(self, address: str, data: bytes) -> None:
-        try:
-            ok = self._push(address, data)
-        except Exception:  # noqa: BLE001 - a failed push is retried after retry_after_s
-            with self._lock:
-                self.stats["failed"] += 1
-            return
+    def _placing_to(self, key: bytes, holders: set[str]) -> set[str]:
+        """Targets of this node's recent pushes of ``key`` that are not registered holders yet."""
+        now = self._now()
         with self._lock:
-            self.stats["pushed" if ok else "refused"] += 1
-            self.stats["bytes"] += len(data) if ok else 0
+            placing = self._placing.get(key)
+            if not placing:
+                return set()
+            for n in [n for n, t in placing.items() if n in holders or now - t >= self.cfg.settle_s]:
+                del placing[n]  # registered, or given up on (it may have been evicted meanwhile)
+            if not placing:
+                del self._placing[key]
+            return set(placing)
+
+    def _send(self, key: bytes, target: str, address: str, data: bytes) -> None:
+        try:
+            outcome = "pushed" if self._push(address, data) else "refused"
+        except Exception:  # noqa: BLE001 - a failed push is retried after retry_after_s
+            outcome = "failed"
+        with self._lock:
+            self.stats[outcome] += 1
+            if outcome == "pushed":
+                self.stats["bytes"] += len(data)
+            else:  # no copy is coming from this push
+                self._placing.get(key, {}).pop(target, None)
 
     def wait(self, timeout_s: float | None = None) -> None:
         for f in list(self._inflight):

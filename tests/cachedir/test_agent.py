@@ -224,7 +224,8 @@ def test_heartbeat_ttl_hides_a_stopped_agents_units(tmp_path):
 
 def test_hot_units_get_a_replica_preferring_the_node_that_fetched_them(tmp_path):
     d = MemoryDirectory("repl")
-    rep = ReplicationConfig(replicas=2, min_hits=2.0, cooldown_s=60.0, retry_after_s=0.0)
+    # settle_s=0: the eviction below is seen at once (test_a_push_under_way_counts_as_a_copy covers it)
+    rep = ReplicationConfig(replicas=2, min_hits=2.0, cooldown_s=60.0, retry_after_s=0.0, settle_s=0.0)
     agents = [_agent(tmp_path, f"r{i}", d, replication=rep) for i in range(3)]
     try:
         for ag in agents:
@@ -255,6 +256,33 @@ def test_hot_units_get_a_replica_preferring_the_node_that_fetched_them(tmp_path)
         assert agents[2].stats()["push_refused"] == 1
         assert {h.node_id for h in d.longest_prefix([key]).holders[0]} == {"r0"}
         cache.close()
+    finally:
+        for ag in agents:
+            ag.close()
+
+
+def test_a_push_under_way_counts_as_a_copy(tmp_path):
+    """Until its receiver registers a pushed copy (at its next sync), the next ticks must not push
+    the unit to yet another node: R copies, not one per tick."""
+    d = MemoryDirectory("settle")
+    rep = ReplicationConfig(replicas=2, min_hits=0.5, retry_after_s=0.0)
+    agents = [_agent(tmp_path, f"s{i}", d, replication=rep) for i in range(3)]
+    try:
+        for ag in agents:
+            ag.sync_once()
+        units = make_units(TOKENS[:64])
+        _store(agents[0], units)
+        key = units[0].key
+        d.record_hits([key], time.time())
+        assert agents[0].replicator.tick() == 1
+        agents[0].replicator.wait(10)
+        assert agents[0].replicator.tick() == 0  # the receiver has not registered its copy yet
+        for ag in agents[1:]:
+            ag.cache.flush()
+            ag.sync_once()
+        assert agents[0].replicator.tick() == 0
+        assert len(d.longest_prefix([key]).holders[0]) == 2
+        assert sum(ag.stats()["push_accepted"] for ag in agents[1:]) == 1
     finally:
         for ag in agents:
             ag.close()
