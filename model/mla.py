@@ -27,6 +27,10 @@ from model.rope import apply_rope
 
 __all__ = ["MLA", "MLAWeights"]
 
+# Up to this many queries per sequence (decode, short suffixes) the absorbed path is two plain
+# bmm's over the shared latent; longer query runs use the fused SDPA kernel (no [Q*H, S] scores).
+MQA_MAX_QUERIES = 16
+
 
 @dataclass(slots=True)
 class MLAWeights:
@@ -114,8 +118,12 @@ class MLA:
         r = self.cfg.kv_lora_rank
         b, nq, h, _ = q_nope.shape
         q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, self.w_uk)  # [B, Q, H, R]
-        q_full = torch.cat((q_lat, q_rope), dim=-1).transpose(1, 2)  # [B, H, Q, D]
         s, d = latents.shape[1], latents.shape[2]
+        if nq <= MQA_MAX_QUERIES:
+            o_lat = self._attend_latent_mqa(q_lat, q_rope, latents, mask)  # [B, Q, H, R]
+            out = torch.bmm(o_lat.reshape(b * nq, h, r).transpose(0, 1), self.w_uv_t)  # [H, B*Q, V]
+            return out.transpose(0, 1).reshape(b, nq, h, -1)
+        q_full = torch.cat((q_lat, q_rope), dim=-1).transpose(1, 2)  # [B, H, Q, D]
         # Multi-query attention over the latent: every head reads the same keys ([c_kv, k_rope])
         # and values (c_kv, zero-padded to D so the fused SDPA kernel applies).
         k = latents[:, None].expand(b, h, s, d)
@@ -125,6 +133,19 @@ class MLA:
         out = torch.bmm(o_lat, self.w_uv_t)  # [H, B*Q, V]
         return out.transpose(0, 1).reshape(b, nq, h, -1)  # [B, Q, H, V]
 
+    def _attend_latent_mqa(
+        self, q_lat: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Every head reads the same keys and values (the latent), so all Q*H query rows of a
+        sequence go through two bmm's: scores [B, Q*H, S] and the weighted sum of ``c_kv``.
+        Returns [B, Q, H, R]."""
+        r = self.cfg.kv_lora_rank
+        b, nq, h, _ = q_lat.shape
+        q_full = torch.cat((q_lat, q_rope), dim=-1).reshape(b, nq * h, -1)  # [B, Q*H, D]
+        scores = torch.bmm(q_full, latents.transpose(1, 2)).view(b, nq, h, -1)  # [B, Q, H, S]
+        scores = scores.float().mul_(self.scale).masked_fill_(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(latents.dtype).view(b, nq * h, -1)
+        return torch.bmm(probs, latents[:, :, :r]).view(b, nq, h, r)
 
     def attend_paged(
         self,
