@@ -7,7 +7,8 @@ it on start and periodically, so a node added later gets its agent too. The agen
 while its node is lent to training, so its units stay fetchable.
 
 ``cfg`` keys: ``cache_dir`` (``{node}`` is replaced by the node id's first 12 characters — needed
-when several simulated nodes share one disk), ``ssd_bytes``, ``ram_bytes``, ``eviction``,
+when several simulated nodes share one disk), ``ssd_bytes``, ``store_layout`` (``unit`` | ``segment``),
+``ram_bytes``, ``eviction``,
 ``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password``, ``directory_ca_file``,
 ``agent_token``, ``tls_cert_file``/``tls_key_file`` (PEM: the agent serves TLS) and
 ``tls_ca_file`` (PEM: clients verify agents with it), ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
@@ -65,7 +66,8 @@ class CacheAgent:
         tls = tls_files(cfg)
         host = ray.util.get_node_ip_address()  # bound to the node's cluster address only
         store = StoreConfig(node_cache_dir(cfg["cache_dir"], node_id), int(cfg.get("ssd_bytes", 8 << 30)),
-                            eviction=cfg.get("eviction", "lru"), max_age_s=cfg.get("max_age_s"))
+                            eviction=cfg.get("eviction", "lru"), max_age_s=cfg.get("max_age_s"),
+                            layout=cfg.get("store_layout", "segment"))
         self.agent = NodeAgent(AgentConfig(
             node_id, CacheConfig(store, ram_bytes=int(cfg.get("ram_bytes", 512 << 20))),
             ServerConfig(host=host, token=cfg.get("agent_token"), tls_cert_chain=tls["cert"], tls_private_key=tls["key"]),

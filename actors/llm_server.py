@@ -114,7 +114,8 @@ class LLMServer:
             self.cache = self._cluster_cache(self._agent_cfg)
         elif enable_cache:
             self.cache = NodeCache(CacheConfig(
-                StoreConfig(Path(cfg["cache_dir"]) / namespace.id, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30))),
+                StoreConfig(Path(cfg["cache_dir"]) / namespace.id, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30)),
+                            layout=cfg.get("store_layout", "segment")),
                 ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
             ))
         self.engine = Engine(

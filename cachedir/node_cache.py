@@ -162,13 +162,10 @@ class NodeCache:
 
     def persist(self, units: Sequence[Unit]) -> list[Future[bool]]:
         """Keep ``units`` in RAM and write them to SSD in the background."""
-        futures = []
-        for u in units:
-            if self.ram is not None:
+        if self.ram is not None:
+            for u in units:
                 self.ram.put(u)
-            if u.key not in self.ssd:
-                futures.append(self.ssd.put_async(u))
-        return futures
+        return self.ssd.put_many_async([u for u in units if u.key not in self.ssd])  # one batch
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait for background SSD writes (tests, shutdown)."""

@@ -1,11 +1,17 @@
-"""The node's SSD unit store: one atomic, verified file per unit under a byte budget.
+"""The node's SSD unit store: atomic, verified units on disk under a byte budget.
 
-Files live at ``root/ab/cd/<key hex>.unit``. Writes go to a temporary name, are fsynced and then
-renamed, so a process killed mid-write never leaves a visible partial unit (leftover temporaries
-are deleted on start). Every read verifies the file (``unitfile.decode``); a unit that fails is
-deleted, counted in ``stats.corrupt`` and reported as a miss. On start the index is rebuilt from
-the headers on disk, so a restart loses nothing. Mutations append ``UnitStored``/``UnitRemoved``
-events that the node's agent publishes to the directory in batches.
+The bytes are laid out by ``cachedir.layout``: one file per unit (``layout="unit"``) or segment
+files holding the units written together (``layout="segment"``). Either way a write batch goes to
+a temporary name, is fsynced and then renamed, so a process killed mid-write never leaves a
+visible partial unit (leftover temporaries are deleted on start). Every read verifies the unit
+(``unitfile.decode``); a unit that fails is removed, counted in ``stats.corrupt`` and reported as
+a miss. On start the index is rebuilt from the headers on disk, so a restart loses nothing.
+Mutations append ``UnitStored``/``UnitRemoved`` events that the node's agent publishes to the
+directory in batches.
+
+Writes queue up: ``put_async`` adds the unit to a queue and an I/O thread writes what the queue
+holds as one batch (up to the layout's ``batch_bytes``; one unit per batch for ``unit``).
+``get_many_async`` reads a run of units with one read per group the layout can coalesce.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import errno
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,14 +28,14 @@ from pathlib import Path
 
 from cachedir.eviction import make_policy
 from cachedir.index import CapacityIndex
+from cachedir.layout import LAYOUTS, Loc, advise, make_layout
 from cachedir.unit import Unit, UnitRemoved, UnitStored
-from cachedir.unitfile import UnitCorrupt, decode, read_header
+from cachedir.unitfile import UnitCorrupt, decode
 
 __all__ = ["StoreConfig", "StoreStats", "UnitStore"]
 
-SUFFIX = ".unit"
 PINS_FILE = "pinned.keys"  # hex keys of pinned units, one per line
-_HEADER_PROBE = 64 * 1024  # enough for the fixed header plus 16k token ids
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # a write skipped, not a bug
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,8 @@ class StoreConfig:
     max_age_s: float | None = None  # units unused for longer are dropped
     io_threads: int = 4
     fsync: bool = True
+    layout: str = "segment"  # "segment" (a file per write batch) | "unit" (a file per unit)
+    segment_bytes: int = 64 << 20  # the most one segment (write batch) holds
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -50,6 +59,10 @@ class StoreConfig:
             raise ValueError(f"max_age_s must be > 0, got {self.max_age_s}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown store layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
+        if self.segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be > 0, got {self.segment_bytes}")
 
 
 @dataclass(slots=True)
@@ -71,50 +84,54 @@ class UnitStore:
         self.cfg = cfg
         self.root = Path(cfg.root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.layout = make_layout(cfg.layout, self.root, cfg.fsync, cfg.segment_bytes)
         self._now = now_s
         self._lock = threading.RLock()
         self._namespaces: dict[bytes, bytes] = {}  # key -> namespace
+        self._locs: dict[bytes, Loc] = {}  # key -> where its bytes are
         self._index = CapacityIndex(
             cfg.capacity_bytes, make_policy(cfg.eviction, cfg.lfu_half_life_s), cfg.max_age_s
         )
         self._events: list[UnitStored | UnitRemoved] = []
         self.stats = StoreStats()
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="unit-io")
+        self._queue: deque[tuple[Unit, Future[bool]]] = deque()
         self._pending_writes: set[Future] = set()
         self._rebuild()
 
-    # -- paths -------------------------------------------------------------------------
-    def path(self, key: bytes) -> Path:
-        h = key.hex()
-        return self.root / h[:2] / h[2:4] / (h + SUFFIX)
-
     # -- index ---------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Index every valid unit header on disk; delete temporaries and unreadable files."""
+        """Index every valid unit on disk (the layout deletes temporaries and unreadable files)."""
         now = self._now()
-        for path in self.root.rglob("*"):
-            if not path.is_file():
+        for h, loc in self.layout.scan():
+            if h.key in self._index:  # a second copy (a compaction cut short): keep one
+                self.layout.delete(loc)
                 continue
-            if path.suffix != SUFFIX:
-                if path.name.endswith(".tmp"):
-                    path.unlink(missing_ok=True)
-                continue
-            try:
-                with open(path, "rb") as f:
-                    h = read_header(f.read(_HEADER_PROBE))
-                size = path.stat().st_size
-                if size != h.file_len or path.name != h.key.hex() + SUFFIX:
-                    raise UnitCorrupt("size or name does not match header")
-            except (UnitCorrupt, OSError):
-                self.stats.corrupt += 1
-                path.unlink(missing_ok=True)
-                continue
-            for gone in self._index.add(h.key, size, now):
+            for gone in self._index.add(h.key, loc.length, now):
                 self._delete_file(gone)
             if h.key in self._index:
                 self._namespaces[h.key] = h.namespace
+                self._locs[h.key] = loc
+            else:
+                self.layout.delete(loc)
+        self.stats.corrupt += self.layout.corrupt_found
+        for path in self.layout.sparse():
+            self._pool.submit(self._compact, path)
         self._load_pins()
         self._sync_stats()
+
+    def path(self, key: bytes) -> Path:
+        """The file that holds ``key``'s bytes (``location`` says where in it)."""
+        loc = self._locs.get(key)
+        if loc is not None:
+            return loc.path
+        if self.cfg.layout == "unit":
+            return self.layout.path(key)
+        raise KeyError(key.hex())
+
+    def location(self, key: bytes) -> Loc | None:
+        with self._lock:
+            return self._locs.get(key)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
@@ -179,9 +196,16 @@ class UnitStore:
         self.stats.evictions = self._index.evictions
 
     def _delete_file(self, key: bytes) -> None:
-        """Forget a key the index already dropped: its namespace entry, file and event."""
+        """Forget a key the index already dropped: its namespace entry, bytes on disk and event."""
         self._namespaces.pop(key, None)
-        self.path(key).unlink(missing_ok=True)
+        loc = self._locs.pop(key, None)
+        if loc is not None:
+            sparse = self.layout.delete(loc)
+            if sparse is not None:
+                try:
+                    self._pool.submit(self._compact, sparse)
+                except RuntimeError:  # closing: compacted after the next start
+                    pass
         self._events.append(UnitRemoved(key, "ssd"))
 
     def _remove_locked(self, key: bytes) -> None:
@@ -198,54 +222,105 @@ class UnitStore:
     # -- writes --------------------------------------------------------------------------
     def put(self, unit: Unit) -> bool:
         """Persist ``unit`` (idempotent). False when it was not stored (too large, disk full)."""
-        if unit.key in self._index:
-            with self._lock:
-                if unit.key in self._index:
-                    self._index.touch(unit.key, self._now())
-                    return True
-        data = unit.encode()
-        if len(data) > self.cfg.capacity_bytes:
-            return False
-        path = self.path(unit.key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.cfg.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            with self._lock:
-                self.stats.write_errors += 1
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
-                raise
-            return False
+        return self.put_many([unit])[0]
+
+    def put_many(self, units: Sequence[Unit]) -> list[bool]:
+        """Persist ``units`` as one write batch (one segment); one result per unit, as ``put``."""
+        out: list[bool] = [False] * len(units)
+        todo: dict[bytes, tuple[int, Unit, bytes]] = {}
         with self._lock:
-            if unit.key in self._index:  # another writer won the race
-                tmp.unlink(missing_ok=True)
-                return True
-            for gone in self._index.add(unit.key, len(data), self._now()):
-                self._delete_file(gone)
-            if unit.key not in self._index:  # no room: only pinned units are left
-                tmp.unlink(missing_ok=True)
-                self._sync_stats()
-                return False
-            os.replace(tmp, path)
-            self._namespaces[unit.key] = unit.namespace
-            self._events.append(UnitStored(unit.key, len(data), "ssd"))
-            self.stats.writes += 1
-            self.stats.bytes_written += len(data)
+            now = self._now()
+            for i, u in enumerate(units):
+                if u.key in self._index:
+                    self._index.touch(u.key, now)
+                    out[i] = True
+                elif u.key not in todo:
+                    todo[u.key] = (i, u, b"")
+        items = []
+        for key, (i, u, _) in todo.items():
+            data = u.encode()
+            if len(data) <= self.cfg.capacity_bytes:
+                todo[key] = (i, u, data)
+                items.append((key, data))
+        if not items:
+            return self._same_keys(units, out)
+        try:
+            staged = self.layout.stage(items)
+        except OSError as e:
+            with self._lock:
+                self.stats.write_errors += len(items)
+            if e.errno not in _DISK_ERRNOS:
+                raise
+            return self._same_keys(units, out)
+        with self._lock:
+            now, fresh = self._now(), {key for key, _ in items}
+            for key, data in items:
+                if key in self._index:  # another writer won the race
+                    fresh.discard(key)
+                    continue
+                for gone in self._index.add(key, len(data), now):
+                    if gone in fresh:  # a unit of this very batch: it was never visible
+                        fresh.discard(gone)
+                    else:
+                        self._delete_file(gone)
+                if key not in self._index:  # no room: only pinned units are left
+                    fresh.discard(key)
+            keep = [key in fresh and key in self._index for key, _ in items]
+            self.layout.commit(staged, keep)
+            for (key, data), loc, k in zip(items, staged.locs, keep, strict=True):
+                i, u, _ = todo[key]
+                out[i] = k or key in self._index
+                if k:
+                    self._locs[key] = loc
+                    self._namespaces[key] = u.namespace
+                    self._events.append(UnitStored(key, len(data), "ssd"))
+                    self.stats.writes += 1
+                    self.stats.bytes_written += len(data)
             self._sync_stats()
-        return True
+        return self._same_keys(units, out)
+
+    @staticmethod
+    def _same_keys(units: Sequence[Unit], out: list[bool]) -> list[bool]:
+        """A key given twice in one batch gets the result of its first occurrence."""
+        first: dict[bytes, bool] = {}
+        return [first.setdefault(u.key, ok) for u, ok in zip(units, out, strict=True)]
 
     def put_async(self, unit: Unit) -> Future[bool]:
-        fut = self._pool.submit(self.put, unit)
+        return self.put_many_async([unit])[0]
+
+    def put_many_async(self, units: Sequence[Unit]) -> list[Future[bool]]:
+        """Queue ``units`` (together: a run lands in one segment); an I/O thread writes what the
+        queue holds as one batch. One future per unit, as ``put``."""
+        futures: list[Future[bool]] = [Future() for _ in units]
         with self._lock:
-            self._pending_writes.add(fut)
-        fut.add_done_callback(self._write_done)
-        return fut
+            for u, fut in zip(units, futures, strict=True):
+                self._queue.append((u, fut))
+                self._pending_writes.add(fut)
+        for fut in futures:
+            fut.add_done_callback(self._write_done)
+        for _ in range(min(len(futures), self.cfg.io_threads)):
+            self._pool.submit(self._write_queued)
+        return futures
+
+    def _write_queued(self) -> None:
+        """Write batches from the queue until it is empty (other I/O threads take batches too)."""
+        limit = self.layout.batch_bytes
+        while True:
+            with self._lock:
+                batch, size = [], 0
+                while self._queue and (not batch or size + len(self._queue[0][0].payload) <= limit):
+                    batch.append(self._queue.popleft())
+                    size += len(batch[-1][0].payload)
+            if not batch:
+                return
+            try:
+                results = self.put_many([u for u, _ in batch])
+            except BaseException as e:  # noqa: BLE001 - handed to the callers' futures
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            for (_, fut), ok in zip(batch, results, strict=True):
+                fut.set_result(ok)
 
     def _write_done(self, fut: Future) -> None:
         with self._lock:
@@ -258,48 +333,112 @@ class UnitStore:
         for fut in pending:
             fut.result(timeout=timeout_s)
 
+    def _compact(self, path: Path) -> None:
+        """Rewrite the live units of a mostly dead segment to a new one; the old one goes with
+        its last live unit."""
+        with self._lock:
+            moving = {k: loc for k, loc in self._locs.items() if loc.path == path}
+        keys = list(moving)
+        items = []
+        for group in self.layout.read_groups([moving[k] for k in keys]):
+            try:
+                views = self.layout.read([moving[keys[i]] for i in group])
+            except OSError:
+                continue  # found (and removed) by the next read
+            for i, view in zip(group, views, strict=True):
+                try:
+                    decode(view, self._namespaces.get(keys[i], b""), keys[i])
+                except UnitCorrupt:
+                    continue
+                items.append((keys[i], bytes(view)))
+        if not items:
+            return
+        try:
+            staged = self.layout.stage(items)
+        except OSError:
+            return  # the sparse segment stays; a later deletion tries again
+        with self._lock:
+            keep = [self._locs.get(key) == moving[key] for key, _ in items]  # not removed meanwhile
+            self.layout.commit(staged, keep)
+            for (key, _), loc, k in zip(items, staged.locs, keep, strict=True):
+                if k:
+                    self.layout.delete(self._locs[key])
+                    self._locs[key] = loc
+
     # -- reads ---------------------------------------------------------------------------
     def get(self, key: bytes, namespace: bytes, token_ids: Sequence[int] | None = None) -> Unit | None:
-        """The verified unit, or None (absent, or failed verification and now deleted)."""
-        if key not in self._index:
-            with self._lock:
-                self.stats.misses += 1
-            return None
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                buf = f.read()
-            h, payload = decode(buf, namespace, key, token_ids)
-        except FileNotFoundError:
-            with self._lock:
-                self._remove_locked(key)
-                self.stats.misses += 1
-            return None
-        except (UnitCorrupt, OSError):
-            with self._lock:
-                self._remove_locked(key)
-                self.stats.corrupt += 1
-                self.stats.misses += 1
-            return None
+        """The verified unit, or None (absent, or failed verification and now removed)."""
+        return self._get_group([key], namespace, [token_ids])[0]
+
+    def _get_group(
+        self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int] | None]
+    ) -> list[Unit | None]:
+        """Units the layout reads with one read (one key, or a run of one segment)."""
         with self._lock:
-            if key in self._index:
-                self._index.touch(key, self._now())
-            self.stats.hits += 1
-            self.stats.bytes_read += len(buf)
-        # the payload stays a zero-copy view of the file buffer
-        return Unit(namespace, key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+            locs = [self._locs.get(k) for k in keys]
+        out: list[Unit | None] = [None] * len(keys)
+        present = [i for i, loc in enumerate(locs) if loc is not None]
+        views: list[memoryview | None] = [None] * len(keys)
+        missing: set[int] = set()
+        if present:
+            try:
+                for i, v in zip(present, self.layout.read([locs[i] for i in present]), strict=True):
+                    views[i] = v
+            except FileNotFoundError:
+                missing = set(present)
+            except OSError:
+                pass  # every unit of the read counts as damaged
+        hits = nbytes = 0
+        with self._lock:
+            for i, key in enumerate(keys):
+                if locs[i] is None:
+                    self.stats.misses += 1
+                    continue
+                try:
+                    if views[i] is None:
+                        raise FileNotFoundError if i in missing else UnitCorrupt("unreadable")
+                    h, payload = decode(views[i], namespace, key, token_ids[i])
+                except FileNotFoundError:
+                    if self._locs.get(key) == locs[i]:
+                        self._remove_locked(key)
+                    self.stats.misses += 1
+                    continue
+                except UnitCorrupt:
+                    if self._locs.get(key) == locs[i]:  # not rewritten meanwhile
+                        self._remove_locked(key)
+                    self.stats.corrupt += 1
+                    self.stats.misses += 1
+                    continue
+                if key in self._index:
+                    self._index.touch(key, self._now())
+                hits += 1
+                nbytes += len(views[i])
+                # the payload stays a zero-copy view of the read buffer
+                out[i] = Unit(namespace, key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+            self.stats.hits += hits
+            self.stats.bytes_read += nbytes
+        return out
 
     def get_many_async(
         self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int] | None]
     ) -> Future[list[Unit | None]]:
-        """Read a run of units in parallel; the future holds one result per key, in order.
+        """Read a run of units; the future holds one result per key, in order.
 
-        Every file's read-ahead is requested first (``POSIX_FADV_WILLNEED``), so the device sees
-        the whole batch at once instead of one file per I/O thread."""
-        for k in keys:
-            if k in self._index:
-                self._advise(k, os.POSIX_FADV_WILLNEED)
-        futures = [self._pool.submit(self.get, k, namespace, t) for k, t in zip(keys, token_ids, strict=True)]
+        The layout groups the keys into reads (a run of units written together is one read of
+        their segment); the groups' read-ahead is requested first (``POSIX_FADV_WILLNEED``) so
+        the device sees the whole batch at once, then the groups are read in parallel."""
+        with self._lock:
+            locs = [self._locs.get(k) for k in keys]
+        known = [i for i, loc in enumerate(locs) if loc is not None]
+        groups = [[known[j] for j in g] for g in self.layout.read_groups([locs[i] for i in known])]
+        groups += [[i] for i, loc in enumerate(locs) if loc is None]
+        for g in groups:
+            if locs[g[0]] is not None:
+                first, last = locs[g[0]], locs[g[-1]]
+                advise(Loc(first.path, first.offset, last.offset + last.length - first.offset),
+                       os.POSIX_FADV_WILLNEED)
+        futures = [self._pool.submit(self._get_group, [keys[i] for i in g], namespace, [token_ids[i] for i in g])
+                   for g in groups]
         done: Future[list[Unit | None]] = Future()
         remaining = [len(futures)]
         lock = threading.Lock()
@@ -310,7 +449,11 @@ class UnitStore:
                 last = remaining[0] == 0
             if last:
                 try:
-                    done.set_result([f.result() for f in futures])
+                    out: list[Unit | None] = [None] * len(keys)
+                    for g, f in zip(groups, futures, strict=True):
+                        for i, unit in zip(g, f.result(), strict=True):
+                            out[i] = unit
+                    done.set_result(out)
                 except BaseException as e:  # propagate an unexpected read failure
                     done.set_exception(e)
 
@@ -320,28 +463,26 @@ class UnitStore:
             f.add_done_callback(finish)
         return done
 
-    def _advise(self, key: bytes, advice: int) -> None:
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, advice)
-        finally:
-            os.close(fd)
-
     def drop_page_cache(self, key: bytes) -> None:
-        """Ask the kernel to forget the file's cached pages (benchmarks of cold SSD reads)."""
-        self._advise(key, os.POSIX_FADV_DONTNEED)
+        """Ask the kernel to forget the unit's cached pages (benchmarks of cold SSD reads)."""
+        loc = self.location(key)
+        if loc is not None:
+            advise(loc, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
     def check_integrity(self) -> None:
-        """Index, byte count and files agree (tests call this after every operation)."""
+        """Index, byte count, locations and the units on disk agree (tests call this after
+        every operation)."""
         with self._lock:
             self._index.check_integrity()
             assert set(self._namespaces) == set(self._index.keys()), "namespace map and index differ"
+            assert set(self._locs) == set(self._index.keys()), "locations and index differ"
             assert self.stats.bytes == self._index.bytes and self.stats.units == len(self._index)
-            on_disk = {p.name[: -len(SUFFIX)] for p in self.root.rglob("*" + SUFFIX)}
-            assert on_disk == {k.hex() for k in self._index.keys()}, "index and files differ"
+            on_disk = {h.key: loc for h, loc in self.layout.scan(repair=False)}
+            assert on_disk == self._locs, "index and files differ"
+            if hasattr(self.layout, "live"):
+                live = {(p, off, n) for p, recs in self.layout.live().items() for off, n in recs.items()}
+                assert live == {(loc.path, loc.offset, loc.length) for loc in self._locs.values()}, \
+                    "segment accounting and index differ"

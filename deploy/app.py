@@ -37,6 +37,7 @@ class AppArgs(BaseModel):
     max_replicas_per_node: int | None = Field(default=None, ge=1)  # 1: one DP replica per node
     cache_dir: str | None = None  # default: $TIDE_HOME/cache
     ssd_gb: float = Field(default=8.0, gt=0)
+    cache_layout: Literal["unit", "segment"] = "segment"  # unit files on disk: one per unit, or per write batch
     ram_mb: int = Field(default=512, ge=0)
     admission: str = "all"
     enable_cache: bool = True  # False: no unit store, no prefix sharing (benchmarks' baseline)
@@ -160,7 +161,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     server_cfg = {
         "checkpoint": checkpoint, "dtype": a.dtype,
         "cache_dir": a.cache_dir or str(cache_root() / "cache"),
-        "ssd_bytes": int(a.ssd_gb * 1e9), "ram_bytes": a.ram_mb << 20, "admission": a.admission,
+        "ssd_bytes": int(a.ssd_gb * 1e9), "store_layout": a.cache_layout, "ram_bytes": a.ram_mb << 20,
+        "admission": a.admission,
         "enable_cache": a.enable_cache, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
         "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
         "directory_namespace": a.directory_namespace,
@@ -181,6 +183,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     if a.cache_agents and a.enable_cache:
         server_cfg["cache_agents"] = {
             "cache_dir": server_cfg["cache_dir"], "ssd_bytes": server_cfg["ssd_bytes"],
+            "store_layout": server_cfg["store_layout"],
             "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
             "directory_namespace": a.directory_namespace, "directory_password": password,
             "directory_ca_file": a.directory_tls_ca_file,

@@ -156,6 +156,7 @@ def up(
     num_cpus: int = typer.Option(None, "--num-cpus", min=1, help="CPUs Ray may use (default: all)"),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="unit store directory (default: $TIDE_HOME/cache)"),
     ssd_gb: float = typer.Option(8.0, "--ssd-gb", min=0.001),
+    cache_layout: str = typer.Option("segment", "--cache-layout", help="unit files on disk: segment (one file per write batch) | unit (one file per unit)"),
     admission: str = typer.Option("all", "--admission", help="all | second-sight"),
     api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT[:MODEL+...] (the models the key may use; default all); repeat for several (default: no auth)"),
     expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors (0: in the replica)"),
@@ -172,9 +173,11 @@ def up(
         raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
     if admission not in ("all", "second-sight"):
         raise typer.BadParameter(f"--admission {admission!r} is not one of all, second-sight")
+    if cache_layout not in ("segment", "unit"):
+        raise typer.BadParameter(f"--cache-layout {cache_layout!r} is not one of segment, unit")
     args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
             "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
-            "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
+            "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
             "micro_batches": micro_batches}
     console = Console(stderr=True)
     with console.status("starting tideserve") as status:

@@ -13,6 +13,7 @@ import numpy as np
 
 from cachedir.directory import open_directory
 from cachedir.hashing import Namespace, chain_keys
+from cachedir.layout import LAYOUTS
 from cachedir.store import StoreConfig, UnitStore
 from cachedir.trace import read_trace, replay, unique_unit_count
 from cachedir.unit import Unit
@@ -73,7 +74,27 @@ def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
     return ns, units
 
 
-def run_unit_io(root: Path | None = None, total_mb: int = 256) -> dict[str, Any]:
+def _store_io(root: Path, layout: str, ns: Namespace, units: list[Unit]) -> tuple[float, float]:
+    """Seconds to write ``units`` (queued, as the engine persists) and to read them back cold
+    as one run."""
+    store = UnitStore(StoreConfig(root, capacity_bytes=1 << 42, io_threads=4, layout=layout))
+    try:
+        t0 = time.perf_counter()
+        for f in [store.put_async(u) for u in units]:
+            assert f.result()
+        write_s = time.perf_counter() - t0
+        for u in units:
+            store.drop_page_cache(u.key)
+        t0 = time.perf_counter()
+        got = store.get_many_async([u.key for u in units], ns.seed, [u.token_ids for u in units]).result()
+        read_s = time.perf_counter() - t0
+        assert all(g is not None for g in got)
+    finally:
+        store.close()
+    return write_s, read_s
+
+
+def run_unit_io(root: Path | None = None, total_mb: int = 256, layouts: tuple[str, ...] = LAYOUTS) -> dict[str, Any]:
     out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)"}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         base = Path(tmp)
@@ -82,31 +103,20 @@ def run_unit_io(root: Path | None = None, total_mb: int = 256) -> dict[str, Any]
             unit_bytes = layers * UNIT_TOKENS * dim * item
             count = max(8, total_mb * 2**20 // unit_bytes)
             ns, units = _units(shape, count)
-            store = UnitStore(StoreConfig(base / shape, capacity_bytes=1 << 42, io_threads=4))
-            t0 = time.perf_counter()
-            for f in [store.put_async(u) for u in units]:
-                assert f.result()
-            write_s = time.perf_counter() - t0
-            for u in units:
-                store.drop_page_cache(u.key)
-            t0 = time.perf_counter()
-            got = store.get_many_async([u.key for u in units], ns.seed, [u.token_ids for u in units]).result()
-            read_s = time.perf_counter() - t0
-            assert all(g is not None for g in got)
             nbytes = sum(len(u.payload) for u in units)
             raw_w, raw_r = _raw_io(base, nbytes, unit_bytes)
-            w, r = nbytes / write_s / 1e9, nbytes / read_s / 1e9
-            out[shape] = {
-                "unit_bytes": unit_bytes,
-                "units": count,
-                "write_gb_per_s": round(w, 3),
-                "read_gb_per_s": round(r, 3),
-                "raw_write_gb_per_s": round(raw_w, 3),
-                "raw_read_gb_per_s": round(raw_r, 3),
-                "write_fraction_of_raw": round(w / raw_w, 3),
-                "read_fraction_of_raw": round(r / raw_r, 3),
-            }
-            store.close()
+            result: dict[str, Any] = {"unit_bytes": unit_bytes, "units": count,
+                                      "raw_write_gb_per_s": round(raw_w, 3), "raw_read_gb_per_s": round(raw_r, 3)}
+            for layout in layouts:
+                write_s, read_s = _store_io(base / f"{shape}-{layout}", layout, ns, units)
+                w, r = nbytes / write_s / 1e9, nbytes / read_s / 1e9
+                result[layout] = {
+                    "write_gb_per_s": round(w, 3),
+                    "read_gb_per_s": round(r, 3),
+                    "write_fraction_of_raw": round(w / raw_w, 3),
+                    "read_fraction_of_raw": round(r / raw_r, 3),
+                }
+            out[shape] = result
     return out
 
 

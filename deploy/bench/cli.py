@@ -99,15 +99,21 @@ def bench_kernels(
 def bench_unit_io(
     dir: Path = typer.Option(None, "--dir", help="directory on the disk to measure (default: the temp dir)"),
     total_mb: int = typer.Option(256, "--total-mb", min=8, help="bytes written and read per measurement"),
+    layout: list[str] = typer.Option(None, "--layout", help="store layout(s) to measure: unit, segment (default: both)"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """Unit write/read GB/s (bench-model and DeepSeek-V3-sized units) beside raw sequential
-    I/O of the same disk; reads are cold (page cache dropped)."""
+    """Unit write/read GB/s (bench-model and DeepSeek-V3-sized units) for each store layout
+    (a file per unit, segment files) beside raw sequential I/O of the same disk; reads are cold
+    (page cache dropped)."""
+    from cachedir.layout import LAYOUTS
     from deploy.bench.cache_bench import run_unit_io
 
     if dir is not None and not dir.is_dir():
         raise typer.BadParameter(f"--dir {str(dir)!r} is not a directory")
-    _emit(run_unit_io(dir, total_mb))
+    for name in layout or ():
+        if name not in LAYOUTS:
+            raise typer.BadParameter(f"--layout {name!r} is not one of: {', '.join(LAYOUTS)}")
+    _emit(run_unit_io(dir, total_mb, tuple(layout) if layout else LAYOUTS))
 
 
 @bench_app.command("directory")

@@ -4,7 +4,7 @@ removed from the cluster. For every fault each request succeeds (or gets a retry
 Retry-After), every generated token equals the reference, and no unit the cache acknowledged is
 lost unless its node is gone.
 
-Also here: unit files bit-flipped, truncated and deleted under the stream; a node's disk filling
+Also here: unit (segment) files bit-flipped, truncated and deleted under the stream; a node's disk filling
 up (a 192 KiB tmpfs mounted over its cache directory); a "node" in the directory whose gRPC agent
 serves garbage or hangs. Elsewhere: a replica killed mid-decode (tests/actors/test_tidal.py), an
 expert shard killed (tests/actors/test_ep.py), a slow disk and a writer killed mid-write
@@ -253,7 +253,9 @@ def test_unit_files_damaged_under_a_stream(app, reference):
     corrupt_before = sum(_agent_stats(n)["ssd_corrupt"] for n in nodes)
     with Stream(url, seed=4) as stream:
         time.sleep(2)
-        for i, f in enumerate(sorted((home / "cache").rglob("*.unit"))):
+        files = sorted(p for p in (home / "cache").rglob("*") if p.suffix in (".unit", ".seg"))  # either layout
+        assert files
+        for i, f in enumerate(files):
             try:
                 data = bytearray(f.read_bytes())
                 if i % 3 == 0:

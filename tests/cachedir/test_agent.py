@@ -20,7 +20,7 @@ from cachedir.directory.memory import MemoryDirectory
 from cachedir.node_cache import CacheConfig
 from cachedir.replication import ReplicationConfig
 from cachedir.store import StoreConfig
-from tests.cachedir.units import NS, make_units
+from tests.cachedir.units import NS, flip_byte, make_units
 
 TOKENS = list(range(1000, 1000 + 64 * 4))
 
@@ -172,9 +172,9 @@ def test_cluster_cache_spreads_a_run_over_holders_and_retries_another(tmp_path):
         served = [ag.stats()["fetch_remote_units"] for ag in agents[:2]]
         assert served == [2, 2]  # both holders served half of the run, in parallel
         # one holder's copy of unit 0 is damaged: the unit comes from the other holder
-        agents[0].cache.ssd.path(keys[0]).write_bytes(b"garbage")
-        agents[1].cache.ssd.path(keys[0]).write_bytes(b"garbage")
-        agents[0].cache.ssd.path(keys[1]).write_bytes(b"garbage")
+        flip_byte(agents[0].cache.ssd, keys[0])
+        flip_byte(agents[1].cache.ssd, keys[0])
+        flip_byte(agents[0].cache.ssd, keys[1])
         cache.lookup(keys)
         loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=10)
         assert loaded[0] is None and loaded[1] is not None and loaded[1].tier == "remote"

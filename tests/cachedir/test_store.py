@@ -1,4 +1,6 @@
-"""The SSD store and RAM tier: atomic writes, verification, eviction, restart, randomized ops."""
+"""The SSD store and RAM tier: atomic writes, verification, eviction, restart, randomized ops.
+The store's tests run on both layouts (a file per unit, segment files); segment specifics
+(batched writes, coalesced reads, tombstones, compaction) at the end."""
 
 from __future__ import annotations
 
@@ -20,13 +22,25 @@ from tests.cachedir.units import NS, make_units
 UNIT_FILE_BYTES = len(make_units(list(range(64)))[0].encode())
 
 
-def _store(tmp_path, units=100, clock=None, **kw):
-    cfg = StoreConfig(tmp_path / "ssd", capacity_bytes=units * UNIT_FILE_BYTES, **kw)
+@pytest.fixture(params=["unit", "segment"])
+def layout(request) -> str:
+    return request.param
+
+
+def _store(tmp_path, layout, units=100, clock=None, **kw):
+    cfg = StoreConfig(tmp_path / "ssd", capacity_bytes=units * UNIT_FILE_BYTES, layout=layout, **kw)
     return UnitStore(cfg, now_s=clock or time.time)
 
 
-def test_put_get_and_events(tmp_path):
-    store = _store(tmp_path)
+def _rewrite(store: UnitStore, key: bytes, change) -> None:
+    """Replace the bytes of ``key``'s file from its record's start with ``change(record bytes)``."""
+    loc = store.location(key)
+    data = loc.path.read_bytes()
+    loc.path.write_bytes(data[: loc.offset] + change(data[loc.offset : loc.offset + loc.length]))
+
+
+def test_put_get_and_events(tmp_path, layout):
+    store = _store(tmp_path, layout)
     units = make_units(list(range(256)))
     for u in units:
         assert store.put(u)
@@ -40,18 +54,16 @@ def test_put_get_and_events(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "wrong_tokens", "wrong_namespace", "delete"])
-def test_damaged_unit_is_a_miss_removed_and_counted(tmp_path, damage):
-    store = _store(tmp_path)
+def test_damaged_unit_is_a_miss_removed_and_counted(tmp_path, layout, damage):
+    store = _store(tmp_path, layout)
     unit = make_units(list(range(64)))[0]
     store.put(unit)
     path = store.path(unit.key)
     tokens, ns = unit.token_ids, NS.seed
     if damage == "flip":
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        path.write_bytes(bytes(data))
+        _rewrite(store, unit.key, lambda r: r[: len(r) // 2] + bytes([r[len(r) // 2] ^ 0x10]) + r[len(r) // 2 + 1 :])
     elif damage == "truncate":
-        path.write_bytes(path.read_bytes()[:-7])
+        _rewrite(store, unit.key, lambda r: r[:-7])
     elif damage == "wrong_tokens":
         tokens = tuple(reversed(tokens))
     elif damage == "wrong_namespace":
@@ -64,24 +76,23 @@ def test_damaged_unit_is_a_miss_removed_and_counted(tmp_path, damage):
     store.check_integrity()
 
 
-def test_restart_rebuilds_the_index_and_drops_garbage(tmp_path):
-    store = _store(tmp_path)
+def test_restart_rebuilds_the_index_and_drops_garbage(tmp_path, layout):
+    store = _store(tmp_path, layout)
     units = make_units(list(range(640)))
     for u in units:
         store.put(u)
     (store.path(units[0].key).parent / ".leftover.tmp").write_bytes(b"partial")
-    bad = store.path(units[3].key)
-    bad.write_bytes(bad.read_bytes()[:100])
+    _rewrite(store, units[3].key, lambda r: r[:100])
     store.close()
-    again = _store(tmp_path)
+    again = _store(tmp_path, layout)
     assert len(again) == 9 and units[3].key not in again
     assert again.get(units[5].key, NS.seed, units[5].token_ids) == units[5]
     again.check_integrity()
 
 
-def test_capacity_evicts_lru_and_max_age(tmp_path):
+def test_capacity_evicts_lru_and_max_age(tmp_path, layout):
     clock = FakeClock()
-    store = _store(tmp_path, units=3, clock=clock, max_age_s=100)
+    store = _store(tmp_path, layout, units=3, clock=clock, max_age_s=100)
     u = make_units(list(range(64 * 5)))
     for unit in u[:3]:
         store.put(unit)
@@ -96,9 +107,9 @@ def test_capacity_evicts_lru_and_max_age(tmp_path):
     store.check_integrity()
 
 
-def test_lfu_keeps_frequently_used_units(tmp_path):
+def test_lfu_keeps_frequently_used_units(tmp_path, layout):
     clock = FakeClock()
-    store = _store(tmp_path, units=2, clock=clock, eviction="lfu")
+    store = _store(tmp_path, layout, units=2, clock=clock, eviction="lfu")
     u = make_units(list(range(64 * 3)))
     store.put(u[0])
     store.put(u[1])
@@ -110,10 +121,10 @@ def test_lfu_keeps_frequently_used_units(tmp_path):
     assert set(store.keys()) == {u[0].key, u[2].key}
 
 
-def test_disk_full_skips_and_counts(tmp_path, monkeypatch):
+def test_disk_full_skips_and_counts(tmp_path, layout, monkeypatch):
     import errno
 
-    store = _store(tmp_path)
+    store = _store(tmp_path, layout)
     unit = make_units(list(range(64)))[0]
 
     def full(*a, **k):
@@ -129,7 +140,7 @@ _WRITER = """
 import sys, time
 from cachedir.store import StoreConfig, UnitStore
 from tests.cachedir.units import make_units
-store = UnitStore(StoreConfig(sys.argv[1], capacity_bytes=1 << 40))
+store = UnitStore(StoreConfig(sys.argv[1], capacity_bytes=1 << 40, layout=sys.argv[2]))
 units = make_units(list(range(64 * 100)), layers=8, dim=576)
 print("ready", flush=True)
 for u in units:
@@ -137,13 +148,13 @@ for u in units:
 """
 
 
-def test_writer_killed_mid_write_leaves_no_visible_partial_unit(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "ssd")], stdout=subprocess.PIPE)
+def test_writer_killed_mid_write_leaves_no_visible_partial_unit(tmp_path, layout):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "ssd"), layout], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"ready"
     time.sleep(0.25)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    store = UnitStore(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 40))
+    store = UnitStore(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 40, layout=layout))
     units = make_units(list(range(64 * 100)), layers=8, dim=576)
     written = [u for u in units if u.key in store]
     assert 0 < len(written) < len(units), "kill landed outside the write loop"
@@ -153,17 +164,21 @@ def test_writer_killed_mid_write_leaves_no_visible_partial_unit(tmp_path):
     store.check_integrity()
 
 
-def test_randomized_operations_keep_the_store_consistent(tmp_path):
+def test_randomized_operations_keep_the_store_consistent(tmp_path, layout):
     rng = random.Random(7)
     clock = FakeClock()
-    store = _store(tmp_path, units=12, clock=clock, eviction=rng.choice(["lru", "lfu"]), max_age_s=500)
+    store = _store(tmp_path, layout, units=12, clock=clock, eviction=rng.choice(["lru", "lfu"]), max_age_s=500)
     pool = make_units(list(range(64 * 40)))
     for _ in range(300):
         clock.advance(rng.uniform(0, 20))
         u = rng.choice(pool)
         op = rng.random()
-        if op < 0.5:
+        if op < 0.3:
             store.put(u)
+        elif op < 0.5:  # one write batch (one segment)
+            batch = rng.sample(pool, rng.randint(2, 6))
+            results = store.put_many(batch)  # a unit of the batch may evict an earlier one
+            assert all(ok for b, ok in zip(batch, results, strict=True) if b.key in store)
         elif op < 0.85:
             got = store.get(u.key, NS.seed, u.token_ids)
             assert got is None or got == u
@@ -186,9 +201,9 @@ def test_ram_tier_is_bounded_lru():
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
-def test_pinned_units_survive_eviction_expiry_and_restarts(tmp_path, eviction):
+def test_pinned_units_survive_eviction_expiry_and_restarts(tmp_path, layout, eviction):
     clock = FakeClock()
-    store = _store(tmp_path, units=3, clock=clock, eviction=eviction, max_age_s=100.0)
+    store = _store(tmp_path, layout, units=3, clock=clock, eviction=eviction, max_age_s=100.0)
     units = make_units(list(range(64 * 6)))
     for u in units[:3]:
         assert store.put(u)
@@ -209,3 +224,93 @@ def test_pinned_units_survive_eviction_expiry_and_restarts(tmp_path, eviction):
     assert again.put(units[2]) and units[5].key not in again  # the unpinned one made room
     again.check_integrity()
     again.close()
+
+
+def _segment_store(tmp_path, units=100, **kw) -> UnitStore:
+    return _store(tmp_path, "segment", units=units, **kw)
+
+
+def test_queued_writes_share_segments_and_a_run_is_one_read(tmp_path, monkeypatch):
+    from cachedir.layout import SegmentFiles
+
+    store = _segment_store(tmp_path, io_threads=2)
+    units = make_units(list(range(64 * 40)))
+    assert all(f.result(timeout=30) for f in [store.put_async(u) for u in units])
+    segments = {store.location(u.key).path for u in units}
+    assert len(list((tmp_path / "ssd" / "segments").glob("*.seg"))) == len(segments) < len(units)
+    reads = []
+    real_read = SegmentFiles.read
+    monkeypatch.setattr(SegmentFiles, "read", lambda self, locs: reads.append(len(locs)) or real_read(self, locs))
+    got = store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result()
+    assert got == units
+    assert len(reads) == len(segments) and sum(reads) == len(units)  # one read per segment
+    run = make_units(list(range(5000, 5000 + 64 * 6)))
+    assert all(f.result(timeout=30) for f in store.put_many_async(run))
+    assert len({store.location(u.key).path for u in run}) == 1  # a run persisted together: one segment
+    store.check_integrity()
+
+
+def test_a_damaged_record_costs_only_its_unit(tmp_path):
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 8)))
+    assert store.put_many(units) == [True] * 8
+    _rewrite_middle = store.location(units[3].key)
+    data = bytearray(_rewrite_middle.path.read_bytes())
+    data[_rewrite_middle.offset + _rewrite_middle.length - 5] ^= 0x01  # a payload bit of unit 3
+    _rewrite_middle.path.write_bytes(bytes(data))
+    got = store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result()
+    assert got[:3] == units[:3] and got[3] is None and got[4:] == units[4:]
+    assert store.stats.corrupt == 1 and units[3].key not in store
+    store.check_integrity()
+    store.close()
+    again = _segment_store(tmp_path)  # the bad record was tombstoned: not back after a restart
+    assert set(again.keys()) == {u.key for u in units} - {units[3].key}
+    again.check_integrity()
+
+
+def test_a_segment_cut_short_keeps_the_records_before_the_cut(tmp_path):
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 8)))
+    store.put_many(units)
+    cut = store.location(units[5].key)
+    store.close()
+    os.truncate(cut.path, cut.offset + cut.length // 2)
+    again = _segment_store(tmp_path)
+    assert set(again.keys()) == {u.key for u in units[:5]} and again.stats.corrupt == 1
+    assert again.get(units[4].key, NS.seed, units[4].token_ids) == units[4]
+    again.check_integrity()
+
+
+def test_removed_units_stay_removed_and_sparse_segments_are_compacted(tmp_path):
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 8)))
+    store.put_many(units)
+    old = store.location(units[0].key).path
+    store.remove(units[1].key)
+    store.close()
+    again = _segment_store(tmp_path)  # tombstoned: a restart does not bring it back
+    assert units[1].key not in again and len(again) == 7
+    for u in units[2:7]:  # 2 of 8 left: a quarter live, not yet worth a rewrite
+        again.remove(u.key)
+    assert old.exists()
+    again.remove(units[7].key)  # 1 of 8: compacted in the background (rewritten to a new segment)
+    deadline = time.monotonic() + 10
+    while old.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not old.exists()
+    kept = [units[0]]
+    assert again.get_many_async([u.key for u in kept], NS.seed, [u.token_ids for u in kept]).result() == kept
+    again.check_integrity()
+    again.close()
+    assert set(_segment_store(tmp_path).keys()) == {u.key for u in kept}
+
+
+def test_an_empty_segment_is_deleted_with_its_last_unit(tmp_path):
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 3)))
+    store.put_many(units)
+    path = store.location(units[0].key).path
+    for u in units:
+        store.remove(u.key)
+    assert not path.exists() and len(store) == 0
+    store.check_integrity()

@@ -20,3 +20,13 @@ def make_units(tokens, ns: Namespace = NS, layers: int = 2, dim: int = 24, seed:
         units.append(Unit(ns.seed, key, parent, toks, payload, layers, dim, "float32"))
         parent = key
     return units
+
+
+def flip_byte(store, key: bytes, from_end: int = 10) -> None:
+    """Flip one payload byte of ``key``'s record in place (either store layout)."""
+    loc = store.location(key)
+    with open(loc.path, "r+b") as f:
+        f.seek(loc.offset + loc.length - from_end)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -18,6 +18,7 @@ from model.config import named_config
 from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
+from tests.cachedir.units import flip_byte
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +103,7 @@ def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
     eng.run_to_completion()
     cache.flush()
     for key in cache.ssd.keys():
-        path = cache.ssd.path(key)
-        data = bytearray(path.read_bytes())
-        data[-50] ^= 0xFF
-        path.write_bytes(bytes(data))
+        flip_byte(cache.ssd, key, from_end=50)
     fresh = _engine(model, NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=0)))
     fresh.add_request(GenerationRequest("b", prompt, 8))
     out = fresh.run_to_completion()["b"]

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from cachedir.hashing import chain_keys
+from cachedir.layout import SegmentFiles, UnitFiles
 from cachedir.node_cache import CacheConfig, NodeCache
-from cachedir.store import StoreConfig, UnitStore
+from cachedir.store import StoreConfig
 from cluster.request import GenerationRequest
 from tests.cluster.test_engine import _engine, _ns, _prompt, _ref, _tokens, model  # noqa: F401 - fixture
 
@@ -22,10 +23,11 @@ pytestmark = pytest.mark.fault
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real filesystem of 320 KiB: room for three units of the tiny model (~82 KB each)."""
+    """A real filesystem of 480 KiB: room for five units of the tiny model (~82 KB each), or one
+    segment of a 4-unit run."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=480k", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
     yield mnt
@@ -39,9 +41,10 @@ def _run(model, cache, prompt, n=8, **cfg):  # noqa: F811 - model is the fixture
     return eng, _tokens(out), out[-1]
 
 
-def test_disk_full_skips_persistence_and_serving_continues(model, small_disk):  # noqa: F811
-    cache = NodeCache(CacheConfig(StoreConfig(small_disk / "ssd", capacity_bytes=1 << 30), ram_bytes=0))
-    prompts = [_prompt(300, 100 + i) for i in range(4)]  # 4 units each: 16 units, the disk holds 3
+@pytest.mark.parametrize("layout", ["segment", "unit"])
+def test_disk_full_skips_persistence_and_serving_continues(model, small_disk, layout):  # noqa: F811
+    cache = NodeCache(CacheConfig(StoreConfig(small_disk / "ssd", capacity_bytes=1 << 30, layout=layout), ram_bytes=0))
+    prompts = [_prompt(300, 100 + i) for i in range(4)]  # 4 units each: 16 units, the disk holds 5
     for p in prompts:
         _, tokens, _ = _run(model, cache, p)
         assert tokens == _ref(model, p, 8)
@@ -65,47 +68,74 @@ def test_a_slow_disk_times_out_to_compute(model, tmp_path, monkeypatch):  # noqa
     _, tokens, _ = _run(model, cache, prompt)
     cache.flush()
     assert tokens == want
-    slow_get = UnitStore.get
+    layout = type(cache.ssd.layout)
+    real_read = layout.read
 
     def slow(self, *a, **k):
-        time.sleep(2.0)  # a disk that takes 2 s per unit read
-        return slow_get(self, *a, **k)
+        time.sleep(2.0)  # a disk that takes 2 s per read
+        return real_read(self, *a, **k)
 
-    monkeypatch.setattr(UnitStore, "get", slow)
+    monkeypatch.setattr(layout, "read", slow)
     t0 = time.monotonic()
     eng, tokens, last = _run(model, cache, prompt, load_timeout_s=0.3)
     assert tokens == want and last.cached_tokens == 0 and eng.stats["load_failures"] == 1
     assert time.monotonic() - t0 < 1.9  # did not wait for the disk
-    monkeypatch.setattr(UnitStore, "get", slow_get)
+    monkeypatch.setattr(layout, "read", real_read)
     time.sleep(2.5)  # the abandoned reads finish in the background; the units are still there
     _, tokens, last = _run(model, cache, prompt)
     assert tokens == want and last.cached_tokens == 4 * 64
 
 
 def test_unit_files_deleted_or_truncated_under_a_reader(model, tmp_path, monkeypatch):  # noqa: F811
-    cache = NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=0))
+    cache = NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30, layout="unit"), ram_bytes=0))
     prompt = _prompt(300, 9)
     want = _ref(model, prompt, 8)
     _run(model, cache, prompt)
     cache.flush()
     keys = chain_keys(_ns(model).seed, prompt, 64)
-    real_get = UnitStore.get
+    real_read = UnitFiles.read
 
-    def racing(self, key, *a, **k):
+    def racing(self, locs):
         # the file goes away (unit 1) or is cut short (unit 2) after the index said it is there
-        if key == keys[1]:
-            self.path(key).unlink()
-        elif key == keys[2]:
-            path = self.path(key)
-            path.write_bytes(path.read_bytes()[:1000])
-        return real_get(self, key, *a, **k)
+        if locs[0].path == self.path(keys[1]):
+            locs[0].path.unlink()
+        elif locs[0].path == self.path(keys[2]):
+            locs[0].path.write_bytes(locs[0].path.read_bytes()[:1000])
+        return real_read(self, locs)
 
-    monkeypatch.setattr(UnitStore, "get", racing)
+    monkeypatch.setattr(UnitFiles, "read", racing)
     _, tokens, last = _run(model, cache, prompt)
     assert tokens == want and last.cached_tokens == 64  # only the unit before the damage
     assert cache.ssd.stats.corrupt == 1  # the truncated file; the deleted one is a plain miss
-    monkeypatch.setattr(UnitStore, "get", real_get)
+    monkeypatch.setattr(UnitFiles, "read", real_read)
     cache.flush()  # the recomputed units were persisted again, whole
+    cache.ssd.check_integrity()
+    _, tokens, last = _run(model, cache, prompt)
+    assert tokens == want and last.cached_tokens == 4 * 64
+
+
+def test_a_segment_cut_short_under_a_reader(model, tmp_path, monkeypatch):  # noqa: F811
+    cache = NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30, layout="segment"), ram_bytes=0))
+    prompt = _prompt(300, 11)
+    want = _ref(model, prompt, 8)
+    _run(model, cache, prompt)
+    cache.flush()
+    keys = chain_keys(_ns(model).seed, prompt, 64)
+    cut = cache.ssd.location(keys[2])
+    assert {cache.ssd.location(k).path for k in keys[:4]} == {cut.path}  # the run is one segment
+    real_read = SegmentFiles.read
+
+    def racing(self, locs):  # the segment is cut inside unit 2 after the index said it is whole
+        with open(cut.path, "r+b") as f:
+            f.truncate(cut.offset + 1000)
+        return real_read(self, locs)
+
+    monkeypatch.setattr(SegmentFiles, "read", racing)
+    _, tokens, last = _run(model, cache, prompt)
+    assert tokens == want and last.cached_tokens == 2 * 64  # the units before the cut
+    assert cache.ssd.stats.corrupt == 2
+    monkeypatch.setattr(SegmentFiles, "read", real_read)
+    cache.flush()
     cache.ssd.check_integrity()
     _, tokens, last = _run(model, cache, prompt)
     assert tokens == want and last.cached_tokens == 4 * 64

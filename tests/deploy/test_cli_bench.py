@@ -52,7 +52,11 @@ def test_bench_unit_io_json(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for shape in ("bench_model", "deepseek_v3"):
-        assert out[shape]["write_gb_per_s"] > 0 and out[shape]["raw_read_gb_per_s"] > 0
+        assert out[shape]["raw_read_gb_per_s"] > 0
+        for layout in ("unit", "segment"):
+            assert out[shape][layout]["write_gb_per_s"] > 0 and out[shape][layout]["read_fraction_of_raw"] > 0
+    r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
+    assert r.returncode == 2 and "tape" in r.stderr
 
 
 def test_bench_kernels_without_cuda_says_so_and_exits_0():

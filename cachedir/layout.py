@@ -1,0 +1,342 @@
+"""How the SSD store lays its units out on disk: one file per unit, or segment files.
+
+* ``UnitFiles`` (``layout="unit"``): ``root/ab/cd/<key hex>.unit``, one self-describing file per
+  unit (``cachedir.unitfile``). Simple to inspect; every unit costs a file create, an fsync and,
+  on reads, an open.
+* ``SegmentFiles`` (``layout="segment"``): ``root/segments/<seq>.seg``, the units of one write
+  batch (what the store's write queue holds: the runs of units that requests persisted together)
+  appended to one file, each record in the same self-describing format. One fsync per batch,
+  and a run of units written together is read back with one sequential read. A removed unit's
+  record is tombstoned in place (its magic becomes ``TIDEDEAD``) so a restart does not bring it
+  back; a segment is deleted with its last live unit, and one whose live bytes fall under
+  ``compact_below`` of its size is reported to the store, which rewrites its live units.
+
+Both write a batch to a temporary name, fsync it and rename it: a process killed mid-write
+leaves no visible partial unit, and temporaries are deleted on start. The store
+(``cachedir.store``) owns the index, eviction, pins and events; a layout only moves bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachedir.unitfile import MAGIC, UnitCorrupt, UnitHeader, read_header
+
+__all__ = ["LAYOUTS", "Loc", "SegmentFiles", "Staged", "UnitFiles", "make_layout"]
+
+LAYOUTS = ("unit", "segment")
+UNIT_SUFFIX = ".unit"
+SEGMENT_SUFFIX = ".seg"
+TOMBSTONE = b"TIDEDEAD"
+_HEADER_PROBE = 64 * 1024  # enough for the fixed header plus 16k token ids
+_MAX_READ_GAP = 256 * 1024  # dead bytes a coalesced segment read may skip over
+
+
+@dataclass(frozen=True, slots=True)
+class Loc:
+    """Where a unit's encoded bytes are: ``length`` bytes at ``offset`` of ``path``."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class Staged:
+    """A batch written and fsynced under temporary names, not yet visible."""
+
+    temps: list[Path]
+    locs: list[Loc]  # final locations, valid once committed
+
+
+def _write_synced(tmp: Path, chunks: Sequence[bytes], fsync: bool) -> None:
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _pread_exact(path: Path, offset: int, length: int) -> bytes:
+    """Up to ``length`` bytes at ``offset`` (fewer only at the end of the file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts, got = [], 0
+        while got < length:
+            b = os.pread(fd, length - got, offset + got)
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def advise(loc: Loc, advice: int) -> None:
+    try:
+        fd = os.open(loc.path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, loc.offset, loc.length, advice)
+    finally:
+        os.close(fd)
+
+
+class UnitFiles:
+    """One file per unit under ``root/ab/cd/``."""
+
+    batch_bytes = 0  # one unit per write: the store's I/O threads write files in parallel
+
+    def __init__(self, root: Path, fsync: bool = True) -> None:
+        self.root, self.fsync = root, fsync
+
+    def path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.root / h[:2] / h[2:4] / (h + UNIT_SUFFIX)
+
+    def scan(self, repair: bool = True) -> Iterator[tuple[UnitHeader, Loc]]:
+        """Every valid unit on disk. With ``repair``, temporaries and bad files are deleted and
+        counted in ``corrupt_found``."""
+        self.corrupt_found = 0
+        for path in self.root.rglob("*"):
+            if not path.is_file():
+                continue
+            if path.suffix != UNIT_SUFFIX:
+                if repair and path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)
+                continue
+            try:
+                with open(path, "rb") as f:
+                    h = read_header(f.read(_HEADER_PROBE))
+                size = path.stat().st_size
+                if size != h.file_len or path.name != h.key.hex() + UNIT_SUFFIX:
+                    raise UnitCorrupt("size or name does not match header")
+            except (UnitCorrupt, OSError):
+                if repair:
+                    self.corrupt_found += 1
+                    path.unlink(missing_ok=True)
+                continue
+            yield h, Loc(path, 0, size)
+
+    def stage(self, items: Sequence[tuple[bytes, bytes]]) -> Staged:
+        """Write (key, encoded unit) pairs to synced temporaries; raises OSError (nothing left)."""
+        staged = Staged([], [])
+        try:
+            for key, data in items:
+                path = self.path(key)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                staged.temps.append(tmp)
+                _write_synced(tmp, [data], self.fsync)
+                staged.locs.append(Loc(path, 0, len(data)))
+        except OSError:
+            self.discard(staged)
+            raise
+        return staged
+
+    def commit(self, staged: Staged, keep: Sequence[bool]) -> None:
+        for tmp, loc, k in zip(staged.temps, staged.locs, keep, strict=True):
+            if k:
+                os.replace(tmp, loc.path)
+            else:
+                tmp.unlink(missing_ok=True)
+
+    def discard(self, staged: Staged) -> None:
+        for tmp in staged.temps:
+            tmp.unlink(missing_ok=True)
+
+    def delete(self, loc: Loc) -> Path | None:
+        loc.path.unlink(missing_ok=True)
+        return None
+
+    def sparse(self) -> list[Path]:
+        return []
+
+    def read_groups(self, locs: Sequence[Loc]) -> list[list[int]]:
+        return [[i] for i in range(len(locs))]
+
+    def read(self, locs: Sequence[Loc]) -> list[memoryview]:
+        """The bytes of one read group, one view per unit (shorter where the file is)."""
+        (loc,) = locs
+        with open(loc.path, "rb") as f:
+            return [memoryview(f.read())]
+
+
+@dataclass(slots=True)
+class _Segment:
+    size: int
+    live: dict[int, int] = field(default_factory=dict)  # offset -> length of live records
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+
+class SegmentFiles:
+    """Units of a write batch appended to one segment file under ``root/segments/``."""
+
+    def __init__(self, root: Path, fsync: bool = True, segment_bytes: int = 64 << 20,
+                 compact_below: float = 0.25) -> None:
+        self.root, self.fsync = root / "segments", fsync
+        self.batch_bytes, self.compact_below = segment_bytes, compact_below
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._segments: dict[Path, _Segment] = {}
+        self._seq = itertools.count()
+
+    def scan(self, repair: bool = True) -> Iterator[tuple[UnitHeader, Loc]]:
+        """Every live record on disk, segment by segment. With ``repair``, temporaries and
+        segments with nothing live are deleted, records after an unreadable one are lost (counted
+        in ``corrupt_found``), and the records found are registered as live."""
+        self.corrupt_found, last = 0, -1
+        for path in sorted(self.root.iterdir()):
+            if repair and path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != SEGMENT_SUFFIX:
+                continue
+            try:
+                last = max(last, int(path.stem, 16))
+                size = path.stat().st_size
+            except (ValueError, OSError):
+                continue
+            records = list(self._records(path, size, repair))
+            if repair:
+                if not records:
+                    self._drop(path)
+                    continue
+                with self._lock:  # all registered before the store may delete any of them
+                    self._segments[path] = _Segment(size, {loc.offset: loc.length for _, loc in records})
+            yield from records
+        if repair:
+            self._seq = itertools.count(last + 1)
+
+    def _records(self, path: Path, size: int, repair: bool) -> Iterator[tuple[UnitHeader, Loc]]:
+        offset = 0
+        while offset < size:
+            try:
+                probe = bytearray(_pread_exact(path, offset, _HEADER_PROBE))
+                dead = probe[: len(TOMBSTONE)] == TOMBSTONE
+                if dead:
+                    probe[: len(MAGIC)] = MAGIC
+                h = read_header(probe)
+                if offset + h.file_len > size:
+                    raise UnitCorrupt("record runs past the end of its segment")
+            except (UnitCorrupt, OSError):
+                if repair:
+                    self.corrupt_found += 1  # the rest of the segment cannot be parsed
+                return
+            if not dead:
+                yield h, Loc(path, offset, h.file_len)
+            offset += h.file_len
+
+    def stage(self, items: Sequence[tuple[bytes, bytes]]) -> Staged:
+        with self._lock:
+            path = self.root / f"{next(self._seq):016x}{SEGMENT_SUFFIX}"
+        tmp = path.with_name(f".{path.name}.tmp")
+        locs, offset = [], 0
+        for _, data in items:
+            locs.append(Loc(path, offset, len(data)))
+            offset += len(data)
+        try:
+            _write_synced(tmp, [data for _, data in items], self.fsync)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        return Staged([tmp], locs)
+
+    def commit(self, staged: Staged, keep: Sequence[bool]) -> None:
+        (tmp,) = staged.temps
+        if not any(keep):
+            tmp.unlink(missing_ok=True)
+            return
+        for loc, k in zip(staged.locs, keep, strict=True):
+            if not k:
+                self._tombstone(tmp, loc.offset)
+        path = staged.locs[0].path
+        with self._lock:
+            self._segments[path] = _Segment(
+                staged.locs[-1].offset + staged.locs[-1].length,
+                {loc.offset: loc.length for loc, k in zip(staged.locs, keep, strict=True) if k})
+        os.replace(tmp, path)
+
+    def discard(self, staged: Staged) -> None:
+        for tmp in staged.temps:
+            tmp.unlink(missing_ok=True)
+
+    def _tombstone(self, path: Path, offset: int) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.pwrite(fd, TOMBSTONE, offset)
+        finally:
+            os.close(fd)
+
+    def _drop(self, path: Path) -> None:
+        with self._lock:
+            self._segments.pop(path, None)
+        path.unlink(missing_ok=True)
+
+    def delete(self, loc: Loc) -> Path | None:
+        """Tombstone the record; returns its segment when that is now worth compacting."""
+        with self._lock:
+            seg = self._segments.get(loc.path)
+            if seg is None or seg.live.pop(loc.offset, None) is None:
+                return None
+            empty = not seg.live
+            sparse = seg.live_bytes < self.compact_below * seg.size
+        if empty:
+            self._drop(loc.path)
+            return None
+        try:
+            self._tombstone(loc.path, loc.offset)
+        except OSError:
+            pass  # best effort: a record that comes back after a restart is still a valid unit
+        return loc.path if sparse else None
+
+    def read_groups(self, locs: Sequence[Loc]) -> list[list[int]]:
+        """Indices of ``locs`` grouped into runs that one read covers (same segment, in order,
+        at most ``_MAX_READ_GAP`` apart)."""
+        order = sorted(range(len(locs)), key=lambda i: (locs[i].path, locs[i].offset))
+        groups: list[list[int]] = []
+        for i in order:
+            if groups:
+                prev = locs[groups[-1][-1]]
+                if prev.path == locs[i].path and 0 <= locs[i].offset - (prev.offset + prev.length) <= _MAX_READ_GAP:
+                    groups[-1].append(i)
+                    continue
+            groups.append([i])
+        return groups
+
+    def read(self, locs: Sequence[Loc]) -> list[memoryview]:
+        """One read covering ``locs`` (a group from ``read_groups``); one view per unit."""
+        start, end = locs[0].offset, locs[-1].offset + locs[-1].length
+        buf = memoryview(_pread_exact(locs[0].path, start, end - start))
+        return [buf[loc.offset - start : loc.offset - start + loc.length] for loc in locs]
+
+    def sparse(self) -> list[Path]:
+        """Segments worth compacting (live bytes under ``compact_below`` of their size)."""
+        with self._lock:
+            return [p for p, s in self._segments.items() if s.live_bytes < self.compact_below * s.size]
+
+    def live(self) -> dict[Path, dict[int, int]]:
+        with self._lock:
+            return {p: dict(s.live) for p, s in self._segments.items()}
+
+
+def make_layout(name: str, root: Path, fsync: bool, segment_bytes: int):
+    if name == "unit":
+        return UnitFiles(root, fsync)
+    if name == "segment":
+        return SegmentFiles(root, fsync, segment_bytes)
+    raise ValueError(f"unknown store layout {name!r}; supported: {', '.join(LAYOUTS)}")
