@@ -184,7 +184,7 @@ class SegmentFiles:
     """Units of a write batch appended to one segment file under ``root/segments/``."""
 
     def __init__(self, root: Path, fsync: bool = True, segment_bytes: int = 64 << 20,
-                 compact_below: float = 0.25) -> None:
+                 compact_below: float = 0.5) -> None:
         self.root, self.fsync = root / "segments", fsync
         self.batch_bytes, self.compact_below = segment_bytes, compact_below
         self.root.mkdir(parents=True, exist_ok=True)
