@@ -180,6 +180,16 @@ class _Segment:
         return sum(self.live.values())
 
 
+def _seq_of(path: Path) -> int:
+    """The sequence number of a segment file's name, or -1 for any other file."""
+    if path.suffix != SEGMENT_SUFFIX:
+        return -1
+    try:
+        return int(path.stem, 16)
+    except ValueError:
+        return -1
+
+
 class SegmentFiles:
     """Units of a write batch appended to one segment file under ``root/segments/``."""
 
@@ -196,17 +206,19 @@ class SegmentFiles:
         """Every live record on disk, segment by segment. With ``repair``, temporaries and
         segments with nothing live are deleted, records after an unreadable one are lost (counted
         in ``corrupt_found``), and the records found are registered as live."""
-        self.corrupt_found, last = 0, -1
-        for path in sorted(self.root.iterdir()):
-            if repair and path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
-                continue
-            if path.suffix != SEGMENT_SUFFIX:
+        self.corrupt_found = 0
+        entries = sorted(self.root.iterdir())
+        if repair:  # before anything is yielded: the store may start writing (compaction) at once
+            for path in entries:
+                if path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)
+            self._seq = itertools.count(max((_seq_of(p) for p in entries), default=-1) + 1)
+        for path in entries:
+            if _seq_of(path) < 0:
                 continue
             try:
-                last = max(last, int(path.stem, 16))
                 size = path.stat().st_size
-            except (ValueError, OSError):
+            except OSError:
                 continue
             records = list(self._records(path, size, repair))
             if repair:
@@ -216,8 +228,6 @@ class SegmentFiles:
                 with self._lock:  # all registered before the store may delete any of them
                     self._segments[path] = _Segment(size, {loc.offset: loc.length for _, loc in records})
             yield from records
-        if repair:
-            self._seq = itertools.count(last + 1)
 
     def _records(self, path: Path, size: int, repair: bool) -> Iterator[tuple[UnitHeader, Loc]]:
         offset = 0

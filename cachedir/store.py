@@ -116,7 +116,7 @@ class UnitStore:
                 self.layout.delete(loc)
         self.stats.corrupt += self.layout.corrupt_found
         for path in self.layout.sparse():
-            self._pool.submit(self._compact, path)
+            self._compact_async(path)
         self._load_pins()
         self._sync_stats()
 
@@ -202,10 +202,7 @@ class UnitStore:
         if loc is not None:
             sparse = self.layout.delete(loc)
             if sparse is not None:
-                try:
-                    self._pool.submit(self._compact, sparse)
-                except RuntimeError:  # closing: compacted after the next start
-                    pass
+                self._compact_async(sparse)
         self._events.append(UnitRemoved(key, "ssd"))
 
     def _remove_locked(self, key: bytes) -> None:
@@ -327,11 +324,20 @@ class UnitStore:
             self._pending_writes.discard(fut)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Wait for the background writes submitted so far."""
+        """Wait for the background writes (and compactions) submitted so far."""
         with self._lock:
             pending = list(self._pending_writes)
         for fut in pending:
             fut.result(timeout=timeout_s)
+
+    def _compact_async(self, path: Path) -> None:
+        try:
+            fut = self._pool.submit(self._compact, path)
+        except RuntimeError:  # closing: compacted after the next start
+            return
+        with self._lock:
+            self._pending_writes.add(fut)
+        fut.add_done_callback(self._write_done)
 
     def _compact(self, path: Path) -> None:
         """Rewrite the live units of a mostly dead segment to a new one; the old one goes with

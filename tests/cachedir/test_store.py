@@ -314,3 +314,29 @@ def test_an_empty_segment_is_deleted_with_its_last_unit(tmp_path):
         store.remove(u.key)
     assert not path.exists() and len(store) == 0
     store.check_integrity()
+
+
+def test_a_restart_that_evicts_compacts_while_the_scan_goes_on(tmp_path, monkeypatch):
+    """Evictions while the index is rebuilt (a smaller capacity) make a segment sparse and start a
+    compaction before the scan has finished; the store stays consistent."""
+    from cachedir.layout import SegmentFiles
+
+    store = _segment_store(tmp_path)
+    first, second, third = (make_units(list(range(s, s + 64 * 8))) for s in (0, 9000, 19000))
+    for run in (first, second, third):
+        store.put_many(run)
+    store.close()
+    real_records = SegmentFiles._records
+
+    def slow_third(self, path, size, repair):  # the compaction runs while the scan is here
+        if path.name.startswith("0000000000000002"):
+            time.sleep(1.0)
+        return real_records(self, path, size, repair)
+
+    monkeypatch.setattr(SegmentFiles, "_records", slow_third)
+    again = _segment_store(tmp_path, units=11)  # the second run evicts five of the first: sparse
+    again.flush()  # the compaction
+    left = [u for u in first + second + third if u.key in again]
+    assert len(left) == 11
+    assert again.get_many_async([u.key for u in left], NS.seed, [u.token_ids for u in left]).result() == left
+    again.check_integrity()
