@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cachedir.unitfile import MAGIC, UnitCorrupt, UnitHeader, read_header
 
-__all__ = ["LAYOUTS", "Loc", "SegmentFiles", "Staged", "UnitFiles", "make_layout"]
+__all__ = ["LAYOUTS", "Loc", "SegmentFiles", "Staged", "UnitFiles", "make_layout", "nbytes"]
 
 LAYOUTS = ("unit", "segment")
 UNIT_SUFFIX = ".unit"
@@ -35,6 +35,7 @@ SEGMENT_SUFFIX = ".seg"
 TOMBSTONE = b"TIDEDEAD"
 _HEADER_PROBE = 64 * 1024  # enough for the fixed header plus 16k token ids
 _MAX_READ_GAP = 256 * 1024  # dead bytes a coalesced segment read may skip over
+_MAX_READ_BYTES = 4 << 20  # longer runs are split, so the I/O threads read them in parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,10 @@ class Staged:
 
     temps: list[Path]
     locs: list[Loc]  # final locations, valid once committed
+
+
+def nbytes(parts: Sequence[bytes]) -> int:
+    return sum(len(p) for p in parts)
 
 
 def _write_synced(tmp: Path, chunks: Sequence[bytes], fsync: bool) -> None:
@@ -126,17 +131,18 @@ class UnitFiles:
                 continue
             yield h, Loc(path, 0, size)
 
-    def stage(self, items: Sequence[tuple[bytes, bytes]]) -> Staged:
-        """Write (key, encoded unit) pairs to synced temporaries; raises OSError (nothing left)."""
+    def stage(self, items: Sequence[tuple[bytes, Sequence[bytes]]]) -> Staged:
+        """Write (key, encoded unit in parts) pairs to synced temporaries; raises OSError
+        (nothing left)."""
         staged = Staged([], [])
         try:
-            for key, data in items:
+            for key, parts in items:
                 path = self.path(key)
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 staged.temps.append(tmp)
-                _write_synced(tmp, [data], self.fsync)
-                staged.locs.append(Loc(path, 0, len(data)))
+                _write_synced(tmp, parts, self.fsync)
+                staged.locs.append(Loc(path, 0, nbytes(parts)))
         except OSError:
             self.discard(staged)
             raise
@@ -248,16 +254,16 @@ class SegmentFiles:
                 yield h, Loc(path, offset, h.file_len)
             offset += h.file_len
 
-    def stage(self, items: Sequence[tuple[bytes, bytes]]) -> Staged:
+    def stage(self, items: Sequence[tuple[bytes, Sequence[bytes]]]) -> Staged:
         with self._lock:
             path = self.root / f"{next(self._seq):016x}{SEGMENT_SUFFIX}"
         tmp = path.with_name(f".{path.name}.tmp")
         locs, offset = [], 0
-        for _, data in items:
-            locs.append(Loc(path, offset, len(data)))
-            offset += len(data)
+        for _, parts in items:
+            locs.append(Loc(path, offset, nbytes(parts)))
+            offset += nbytes(parts)
         try:
-            _write_synced(tmp, [data for _, data in items], self.fsync)
+            _write_synced(tmp, [chunk for _, parts in items for chunk in parts], self.fsync)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
@@ -316,13 +322,14 @@ class SegmentFiles:
 
     def read_groups(self, locs: Sequence[Loc]) -> list[list[int]]:
         """Indices of ``locs`` grouped into runs that one read covers (same segment, in order,
-        at most ``_MAX_READ_GAP`` apart)."""
+        at most ``_MAX_READ_GAP`` apart, at most ``_MAX_READ_BYTES`` long unless one unit is)."""
         order = sorted(range(len(locs)), key=lambda i: (locs[i].path, locs[i].offset))
         groups: list[list[int]] = []
         for i in order:
             if groups:
-                prev = locs[groups[-1][-1]]
-                if prev.path == locs[i].path and 0 <= locs[i].offset - (prev.offset + prev.length) <= _MAX_READ_GAP:
+                first, prev, loc = locs[groups[-1][0]], locs[groups[-1][-1]], locs[i]
+                if (prev.path == loc.path and 0 <= loc.offset - (prev.offset + prev.length) <= _MAX_READ_GAP
+                        and loc.offset + loc.length - first.offset <= _MAX_READ_BYTES):
                     groups[-1].append(i)
                     continue
             groups.append([i])

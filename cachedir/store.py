@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cachedir.eviction import make_policy
 from cachedir.index import CapacityIndex
-from cachedir.layout import LAYOUTS, Loc, advise, make_layout
+from cachedir.layout import LAYOUTS, Loc, advise, make_layout, nbytes
 from cachedir.unit import Unit, UnitRemoved, UnitStored
 from cachedir.unitfile import UnitCorrupt, decode
 
@@ -224,7 +224,7 @@ class UnitStore:
     def put_many(self, units: Sequence[Unit]) -> list[bool]:
         """Persist ``units`` as one write batch (one segment); one result per unit, as ``put``."""
         out: list[bool] = [False] * len(units)
-        todo: dict[bytes, tuple[int, Unit, bytes]] = {}
+        todo: dict[bytes, tuple[int, Unit]] = {}
         with self._lock:
             now = self._now()
             for i, u in enumerate(units):
@@ -232,13 +232,12 @@ class UnitStore:
                     self._index.touch(u.key, now)
                     out[i] = True
                 elif u.key not in todo:
-                    todo[u.key] = (i, u, b"")
-        items = []
-        for key, (i, u, _) in todo.items():
-            data = u.encode()
-            if len(data) <= self.cfg.capacity_bytes:
-                todo[key] = (i, u, data)
-                items.append((key, data))
+                    todo[u.key] = (i, u)
+        items = []  # (key, encoded unit in parts: header, payload)
+        for key, (_, u) in todo.items():
+            parts = u.encode_parts()
+            if nbytes(parts) <= self.cfg.capacity_bytes:
+                items.append((key, parts))
         if not items:
             return self._same_keys(units, out)
         try:
@@ -251,11 +250,11 @@ class UnitStore:
             return self._same_keys(units, out)
         with self._lock:
             now, fresh = self._now(), {key for key, _ in items}
-            for key, data in items:
+            for key, parts in items:
                 if key in self._index:  # another writer won the race
                     fresh.discard(key)
                     continue
-                for gone in self._index.add(key, len(data), now):
+                for gone in self._index.add(key, nbytes(parts), now):
                     if gone in fresh:  # a unit of this very batch: it was never visible
                         fresh.discard(gone)
                     else:
@@ -264,15 +263,15 @@ class UnitStore:
                     fresh.discard(key)
             keep = [key in fresh and key in self._index for key, _ in items]
             self.layout.commit(staged, keep)
-            for (key, data), loc, k in zip(items, staged.locs, keep, strict=True):
-                i, u, _ = todo[key]
+            for (key, _), loc, k in zip(items, staged.locs, keep, strict=True):
+                i, u = todo[key]
                 out[i] = k or key in self._index
                 if k:
                     self._locs[key] = loc
                     self._namespaces[key] = u.namespace
-                    self._events.append(UnitStored(key, len(data), "ssd"))
+                    self._events.append(UnitStored(key, loc.length, "ssd"))
                     self.stats.writes += 1
-                    self.stats.bytes_written += len(data)
+                    self.stats.bytes_written += loc.length
             self._sync_stats()
         return self._same_keys(units, out)
 
@@ -356,7 +355,7 @@ class UnitStore:
                     decode(view, self._namespaces.get(keys[i], b""), keys[i])
                 except UnitCorrupt:
                     continue
-                items.append((keys[i], bytes(view)))
+                items.append((keys[i], [view]))
         if not items:
             return
         try:

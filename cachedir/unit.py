@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachedir.unitfile import encode
+from cachedir.unitfile import encode, encode_parts
 
 __all__ = ["Unit", "UnitRemoved", "UnitStored"]
 
@@ -29,6 +29,11 @@ class Unit:
     def encode(self) -> bytes:
         return encode(self.namespace, self.key, self.parent, self.token_ids, self.payload,
                       self.num_layers, self.dim, self.dtype)
+
+    def encode_parts(self) -> tuple[bytes, bytes]:
+        """Header and payload of ``encode``, unjoined (the store writes them one after the other)."""
+        return encode_parts(self.namespace, self.key, self.parent, self.token_ids, self.payload,
+                            self.num_layers, self.dim, self.dtype)
 
 
 @dataclass(frozen=True, slots=True)

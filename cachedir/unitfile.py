@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-__all__ = ["DTYPES", "UnitCorrupt", "UnitHeader", "decode", "encode", "read_header"]
+__all__ = ["DTYPES", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "read_header"]
 
 MAGIC = b"TIDEUNIT"
 VERSION = 1
@@ -67,6 +67,16 @@ def encode(
     dim: int, dtype: str,
 ) -> bytes:
     """Header + payload as one bytes object. ``payload`` is the raw [L, T, D] array bytes."""
+    header, payload = encode_parts(namespace, key, parent, token_ids, payload, num_layers, dim, dtype)
+    return header + payload
+
+
+def encode_parts(
+    namespace: bytes, key: bytes, parent: bytes, token_ids, payload: bytes, num_layers: int,
+    dim: int, dtype: str,
+) -> tuple[bytes, bytes]:
+    """The header (fixed fields and token ids) and the payload, to be written one after the other
+    (no copy of the payload)."""
     tokens = np.asarray(token_ids, dtype="<u4")
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported unit dtype {dtype!r}; supported: {sorted(DTYPE_CODES)}")
@@ -78,7 +88,7 @@ def encode(
         MAGIC, VERSION, DTYPE_CODES[dtype], 0, header_len, namespace, key, parent, len(tokens),
         num_layers, dim, len(payload), xxhash.xxh3_64_intdigest(payload),
     )
-    return fixed + tokens.tobytes() + payload
+    return fixed + tokens.tobytes(), payload
 
 
 def read_header(buf: bytes | memoryview) -> UnitHeader:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -19,6 +20,7 @@ from cachedir.trace import read_trace, replay, unique_unit_count
 from cachedir.unit import Unit
 
 UNIT_TOKENS = 64
+READ_RUN_UNITS = 128  # units a request persists and loads together in the I/O bench (an 8K-token prompt)
 # (layers, values per token, dtype, bytes per value)
 UNIT_SHAPES = {
     "bench_model": (8, 160, "float32", 4),  # the bench config, fp32 on CPU
@@ -74,28 +76,38 @@ def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
     return ns, units
 
 
-def _store_io(root: Path, layout: str, ns: Namespace, units: list[Unit]) -> tuple[float, float]:
-    """Seconds to write ``units`` (queued, as the engine persists) and to read them back cold
-    as one run."""
+def _store_io(root: Path, layout: str, ns: Namespace, units: list[Unit], run_units: int) -> tuple[float, float]:
+    """Seconds to write ``units`` and to read them back cold, as the engine does: runs of
+    ``run_units`` (a prompt's units) persisted together, all queued at once; then read back one
+    run after another, each released once read (the engine copies it into its KV pool)."""
+    runs = [units[i : i + run_units] for i in range(0, len(units), run_units)]
     store = UnitStore(StoreConfig(root, capacity_bytes=1 << 42, io_threads=4, layout=layout))
     try:
         t0 = time.perf_counter()
-        for f in [store.put_async(u) for u in units]:
+        for f in [f for run in runs for f in store.put_many_async(run)]:
             assert f.result()
         write_s = time.perf_counter() - t0
         for u in units:
             store.drop_page_cache(u.key)
         t0 = time.perf_counter()
-        got = store.get_many_async([u.key for u in units], ns.seed, [u.token_ids for u in units]).result()
+        for run in runs:
+            got = store.get_many_async([u.key for u in run], ns.seed, [u.token_ids for u in run]).result()
+            assert all(g is not None for g in got)
+            del got
         read_s = time.perf_counter() - t0
-        assert all(g is not None for g in got)
     finally:
         store.close()
+        shutil.rmtree(root, ignore_errors=True)
     return write_s, read_s
 
 
-def run_unit_io(root: Path | None = None, total_mb: int = 256, layouts: tuple[str, ...] = LAYOUTS) -> dict[str, Any]:
-    out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)"}
+def run_unit_io(
+    root: Path | None = None, total_mb: int = 256, layouts: tuple[str, ...] = LAYOUTS,
+    run_units: int = READ_RUN_UNITS, repeats: int = 3,
+) -> dict[str, Any]:
+    """Best of ``repeats`` (alternating raw and each layout, so drift hits all alike)."""
+    out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)",
+                           "run_units": run_units, "repeats": repeats}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         base = Path(tmp)
         for shape in UNIT_SHAPES:
@@ -104,12 +116,20 @@ def run_unit_io(root: Path | None = None, total_mb: int = 256, layouts: tuple[st
             count = max(8, total_mb * 2**20 // unit_bytes)
             ns, units = _units(shape, count)
             nbytes = sum(len(u.payload) for u in units)
-            raw_w, raw_r = _raw_io(base, nbytes, unit_bytes)
+            best: dict[str, list[float]] = {name: [0.0, 0.0] for name in ("raw", *layouts)}
+            for _ in range(repeats):
+                for name in best:
+                    if name == "raw":
+                        w, r = _raw_io(base, nbytes, unit_bytes)
+                    else:
+                        write_s, read_s = _store_io(base / f"{shape}-{name}", name, ns, units, run_units)
+                        w, r = nbytes / write_s / 1e9, nbytes / read_s / 1e9
+                    best[name] = [max(best[name][0], w), max(best[name][1], r)]
+            raw_w, raw_r = best["raw"]
             result: dict[str, Any] = {"unit_bytes": unit_bytes, "units": count,
                                       "raw_write_gb_per_s": round(raw_w, 3), "raw_read_gb_per_s": round(raw_r, 3)}
             for layout in layouts:
-                write_s, read_s = _store_io(base / f"{shape}-{layout}", layout, ns, units)
-                w, r = nbytes / write_s / 1e9, nbytes / read_s / 1e9
+                w, r = best[layout]
                 result[layout] = {
                     "write_gb_per_s": round(w, 3),
                     "read_gb_per_s": round(r, 3),

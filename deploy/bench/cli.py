@@ -100,11 +100,14 @@ def bench_unit_io(
     dir: Path = typer.Option(None, "--dir", help="directory on the disk to measure (default: the temp dir)"),
     total_mb: int = typer.Option(256, "--total-mb", min=8, help="bytes written and read per measurement"),
     layout: list[str] = typer.Option(None, "--layout", help="store layout(s) to measure: unit, segment (default: both)"),
+    run_units: int = typer.Option(128, "--run-units", min=1, help="units a request persists and loads together"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="timed repeats (the best counts, raw and units alike)"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Unit write/read GB/s (bench-model and DeepSeek-V3-sized units) for each store layout
-    (a file per unit, segment files) beside raw sequential I/O of the same disk; reads are cold
-    (page cache dropped)."""
+    (a file per unit, segment files) beside raw sequential I/O of the same disk. Units are
+    written in runs (a request's units, all runs queued at once) and read back cold (page cache
+    dropped) run after run."""
     from cachedir.layout import LAYOUTS
     from deploy.bench.cache_bench import run_unit_io
 
@@ -113,7 +116,7 @@ def bench_unit_io(
     for name in layout or ():
         if name not in LAYOUTS:
             raise typer.BadParameter(f"--layout {name!r} is not one of: {', '.join(LAYOUTS)}")
-    _emit(run_unit_io(dir, total_mb, tuple(layout) if layout else LAYOUTS))
+    _emit(run_unit_io(dir, total_mb, tuple(layout) if layout else LAYOUTS, run_units, repeats))
 
 
 @bench_app.command("directory")
