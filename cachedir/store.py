@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cachedir.eviction import make_policy
 from cachedir.index import CapacityIndex
-from cachedir.layout import LAYOUTS, Loc, advise, make_layout, nbytes
+from cachedir.layout import LAYOUTS, Loc, SegmentFiles, advise, make_layout, nbytes
 from cachedir.unit import Unit, UnitRemoved, UnitStored
 from cachedir.unitfile import UnitCorrupt, decode
 
@@ -487,7 +487,7 @@ class UnitStore:
             assert self.stats.bytes == self._index.bytes and self.stats.units == len(self._index)
             on_disk = {h.key: loc for h, loc in self.layout.scan(repair=False)}
             assert on_disk == self._locs, "index and files differ"
-            if hasattr(self.layout, "live"):
+            if isinstance(self.layout, SegmentFiles):  # its live-record accounting too
                 live = {(p, off, n) for p, recs in self.layout.live().items() for off, n in recs.items()}
                 assert live == {(loc.path, loc.offset, loc.length) for loc in self._locs.values()}, \
                     "segment accounting and index differ"
