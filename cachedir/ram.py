@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,8 @@ class RamTier:
             return unit
 
     def put(self, unit: Unit) -> None:
+        if not isinstance(unit.payload, bytes):  # a view of a read buffer: keep only the unit's bytes
+            unit = dataclasses.replace(unit, payload=bytes(unit.payload))
         with self._lock:
             for gone in self._index.add(unit.key, len(unit.payload), self._now()):
                 del self._units[gone]

@@ -240,7 +240,7 @@ def test_queued_writes_share_segments_and_a_run_is_one_read(tmp_path, monkeypatc
     assert len(list((tmp_path / "ssd" / "segments").glob("*.seg"))) == len(segments) < len(units)
     reads = []
     real_read = SegmentFiles.read
-    monkeypatch.setattr(SegmentFiles, "read", lambda self, locs: reads.append(len(locs)) or real_read(self, locs))
+    monkeypatch.setattr(SegmentFiles, "read", lambda self, locs, *a: reads.append(len(locs)) or real_read(self, locs, *a))
     got = store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result()
     assert got == units
     assert len(reads) == len(segments) and sum(reads) == len(units)  # one read per segment

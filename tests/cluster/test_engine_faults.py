@@ -95,13 +95,13 @@ def test_unit_files_deleted_or_truncated_under_a_reader(model, tmp_path, monkeyp
     keys = chain_keys(_ns(model).seed, prompt, 64)
     real_read = UnitFiles.read
 
-    def racing(self, locs):
+    def racing(self, locs, *a):
         # the file goes away (unit 1) or is cut short (unit 2) after the index said it is there
         if locs[0].path == self.path(keys[1]):
             locs[0].path.unlink()
         elif locs[0].path == self.path(keys[2]):
             locs[0].path.write_bytes(locs[0].path.read_bytes()[:1000])
-        return real_read(self, locs)
+        return real_read(self, locs, *a)
 
     monkeypatch.setattr(UnitFiles, "read", racing)
     _, tokens, last = _run(model, cache, prompt)
@@ -125,10 +125,10 @@ def test_a_segment_cut_short_under_a_reader(model, tmp_path, monkeypatch):  # no
     assert {cache.ssd.location(k).path for k in keys[:4]} == {cut.path}  # the run is one segment
     real_read = SegmentFiles.read
 
-    def racing(self, locs):  # the segment is cut inside unit 2 after the index said it is whole
+    def racing(self, locs, *a):  # the segment is cut inside unit 2 after the index said it is whole
         with open(cut.path, "r+b") as f:
             f.truncate(cut.offset + 1000)
-        return real_read(self, locs)
+        return real_read(self, locs, *a)
 
     monkeypatch.setattr(SegmentFiles, "read", racing)
     _, tokens, last = _run(model, cache, prompt)
