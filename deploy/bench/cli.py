@@ -19,7 +19,7 @@ def _emit(result: dict) -> None:
 def bench_model(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the bench config, random weights"),
     steps: int = typer.Option(16, "--steps", min=1, help="decode steps per measurement"),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="timed repeats (the fastest counts)"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="timed repeats, tideserve and transformers taking turns (the fastest counts)"),
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers comparison"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:

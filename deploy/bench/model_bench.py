@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,43 +19,43 @@ DECODE_CONTEXT = 256
 DECODE_BATCHES = (1, 8, 32)
 
 
-def _best(fn, repeats: int) -> float:
-    """Fastest of ``repeats`` timed calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
+Case = Callable[[], float]  # runs once; returns the seconds that count
+
+
+def _timed(fn: Callable[[], object]) -> Case:
+    def case() -> float:
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        return time.perf_counter() - t0
+
+    return case
 
 
-def _ours(model: DeepseekModel, steps: int, repeats: int) -> dict[str, Any]:
+def _our_cases(model: DeepseekModel, steps: int) -> dict[str, Case]:
     gen = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
     ids = torch.randint(0, vocab, (PREFILL_TOKENS,), generator=gen)
     pool = model.new_pool(PREFILL_TOKENS // 16, 16)
     table = torch.arange(PREFILL_TOKENS // 16)
-    prefill_s = _best(lambda: model.prefill(ids, pool, table), repeats)
-    decode = {}
+    cases = {"prefill": _timed(lambda: model.prefill(ids, pool, table))}
     for b in DECODE_BATCHES:
         pages_per_seq = -(-(DECODE_CONTEXT + steps + 1) // 16)
-        pool = model.new_pool(b * pages_per_seq, 16)
+        pool_b = model.new_pool(b * pages_per_seq, 16)
         tables = torch.arange(b * pages_per_seq).view(b, pages_per_seq)
         ctx = torch.randint(0, vocab, (b, DECODE_CONTEXT), generator=gen)
         for j in range(b):
-            model.prefill(ctx[j], pool, tables[j])
+            model.prefill(ctx[j], pool_b, tables[j])
         tok = torch.randint(0, vocab, (b,), generator=gen)
 
-        def run() -> None:
+        def run(b=b, pool_b=pool_b, tables=tables, tok=tok) -> None:
             for s in range(steps):
-                model.decode(tok, pool, tables, torch.full((b,), DECODE_CONTEXT + s))
+                model.decode(tok, pool_b, tables, torch.full((b,), DECODE_CONTEXT + s))
 
-        decode[str(b)] = round(b * steps / _best(run, repeats), 1)
-    return {"prefill_tokens_per_s": round(PREFILL_TOKENS / prefill_s, 1), "decode_tokens_per_s": decode}
+        cases[f"decode_{b}"] = _timed(run)
+    return cases
 
 
-def _hf(ckpt: Path, steps: int, repeats: int) -> dict[str, Any] | None:
+def _hf_cases(ckpt: Path, steps: int) -> dict[str, Case] | None:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -63,27 +64,44 @@ def _hf(ckpt: Path, steps: int, repeats: int) -> dict[str, Any] | None:
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, PREFILL_TOKENS), generator=gen)
-    with torch.inference_mode():
-        prefill_s = _best(lambda: hf(ids, logits_to_keep=1), repeats)
-        decode = {}
-        for b in DECODE_BATCHES:
-            ctx = torch.randint(0, vocab, (b, DECODE_CONTEXT), generator=gen)
-            tok = torch.randint(0, vocab, (b, 1), generator=gen)
 
-            def run() -> None:
-                past = hf(ctx, use_cache=True).past_key_values  # not timed separately: see below
+    def prefill() -> float:
+        with torch.inference_mode():
+            return _timed(lambda: hf(ids, logits_to_keep=1))()
+
+    cases: dict[str, Case] = {"prefill": prefill}
+    for b in DECODE_BATCHES:
+        ctx = torch.randint(0, vocab, (b, DECODE_CONTEXT), generator=gen)
+        tok = torch.randint(0, vocab, (b, 1), generator=gen)
+
+        def decode(ctx=ctx, tok=tok) -> float:
+            with torch.inference_mode():
+                past = hf(ctx, use_cache=True).past_key_values  # the context: not timed
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     past = hf(tok, past_key_values=past, use_cache=True).past_key_values
-                run.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
+                return time.perf_counter() - t0
 
-            best = float("inf")
-            run()
-            for _ in range(repeats):
-                run()
-                best = min(best, run.elapsed)  # type: ignore[attr-defined]
-            decode[str(b)] = round(b * steps / best, 1)
-    return {"hf_prefill_tokens_per_s": round(PREFILL_TOKENS / prefill_s, 1), "hf_decode_tokens_per_s": decode}
+        cases[f"decode_{b}"] = decode
+    return cases
+
+
+def _best_interleaved(engines: list[dict[str, Case]], repeats: int) -> list[dict[str, float]]:
+    """Fastest of ``repeats`` runs of every case (after one warm-up run), the engines taking
+    turns on each case, so that a noisy machine's drift hits them alike."""
+    best: list[dict[str, float]] = [{} for _ in engines]
+    for name in engines[0]:
+        for cases in engines:
+            cases[name]()
+        for _ in range(repeats):
+            for i, cases in enumerate(engines):
+                best[i][name] = min(best[i].get(name, float("inf")), cases[name]())
+    return best
+
+
+def _rates(best: dict[str, float], steps: int) -> tuple[float, dict[str, float]]:
+    decode = {str(b): round(b * steps / best[f"decode_{b}"], 1) for b in DECODE_BATCHES}
+    return round(PREFILL_TOKENS / best["prefill"], 1), decode
 
 
 def run_model_bench(
@@ -94,25 +112,27 @@ def run_model_bench(
             cfg = named_config("bench")
             checkpoint = save_checkpoint(Path(tmp) / "bench", cfg, random_state_dict(cfg, seed=0))
         cfg = load_config(checkpoint)
-        model = load_model(checkpoint)
+        engines = [_our_cases(load_model(checkpoint), steps)]
+        hf = _hf_cases(checkpoint, steps) if with_hf else None
+        if hf is not None:
+            engines.append(hf)
+        best = _best_interleaved(engines, repeats)
+        prefill, decode = _rates(best[0], steps)
         result: dict[str, Any] = {
             "checkpoint": str(checkpoint),
             "threads": torch.get_num_threads(),
             "prefill_prompt_tokens": PREFILL_TOKENS,
             "decode_context_tokens": DECODE_CONTEXT,
             "decode_steps": steps,
-            **_ours(model, steps, repeats),
+            "repeats": repeats,
+            "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": decode,
         }
-        del model
-        hf = _hf(checkpoint, steps, repeats) if with_hf else None
         if hf is not None:
-            result.update(hf)
-            result["prefill_speedup_vs_hf"] = round(
-                result["prefill_tokens_per_s"] / hf["hf_prefill_tokens_per_s"], 2
-            )
-            result["decode_speedup_vs_hf"] = {
-                b: round(result["decode_tokens_per_s"][b] / hf["hf_decode_tokens_per_s"][b], 2)
-                for b in result["decode_tokens_per_s"]
-            }
+            hf_prefill, hf_decode = _rates(best[1], steps)
+            result["hf_prefill_tokens_per_s"] = hf_prefill
+            result["hf_decode_tokens_per_s"] = hf_decode
+            result["prefill_speedup_vs_hf"] = round(prefill / hf_prefill, 2)
+            result["decode_speedup_vs_hf"] = {b: round(decode[b] / hf_decode[b], 2) for b in decode}
         result["model_type"] = cfg.model_type
     return result

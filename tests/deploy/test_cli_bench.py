@@ -142,3 +142,32 @@ def test_bench_soak_json_with_faults():
 def test_bench_soak_bad_arguments(args, message):
     r = _tide("soak", *args)
     assert r.returncode == 2 and message in r.stderr
+
+
+def test_bench_model_json_on_a_checkpoint(tmp_path):
+    from model.checkpoint import random_state_dict, save_checkpoint
+    from model.config import named_config
+
+    cfg = named_config("tiny")
+    ckpt = save_checkpoint(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=0))
+    r = _tide("model", "--checkpoint", str(ckpt), "--steps", "1", "--repeats", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prefill_tokens_per_s"] > 0 and out["hf_prefill_tokens_per_s"] > 0
+    for key in ("decode_tokens_per_s", "hf_decode_tokens_per_s", "decode_speedup_vs_hf"):
+        assert set(out[key]) == {"1", "8", "32"} and all(v > 0 for v in out[key].values())
+    assert out["prefill_speedup_vs_hf"] == round(out["prefill_tokens_per_s"] / out["hf_prefill_tokens_per_s"], 2)
+
+
+def test_bench_model_engines_take_turns_and_the_fastest_run_counts():
+    from deploy.bench.model_bench import _best_interleaved
+
+    calls = []
+    times = {"ours": iter([9.0, 3.0, 2.0, 7.0]), "hf": iter([9.0, 5.0, 6.0, 4.0])}
+
+    def case(engine):
+        return lambda: calls.append(engine) or next(times[engine])
+
+    best = _best_interleaved([{"prefill": case("ours")}, {"prefill": case("hf")}], repeats=3)
+    assert calls == ["ours", "hf"] * 4  # a warm-up each, then turns
+    assert best == [{"prefill": 2.0}, {"prefill": 4.0}]
