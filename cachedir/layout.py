@@ -184,7 +184,7 @@ class UnitFiles:
         """Every valid unit on disk. With ``repair``, temporaries and bad files are deleted and
         counted in ``corrupt_found``."""
         self.corrupt_found = 0
-        for path in self.root.rglob("*"):
+        for path in self.root.glob("??/??/*"):  # the shard directories only (not segments/)
             if not path.is_file():
                 continue
             if path.suffix != UNIT_SUFFIX:

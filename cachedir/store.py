@@ -123,8 +123,53 @@ class UnitStore:
         self.stats.corrupt += self.layout.corrupt_found
         for path in self.layout.sparse():
             self._compact_async(path)
+        self._migrate()
         self._load_pins()
         self._sync_stats()
+
+    def _migrate(self) -> None:
+        """Rewrite units the other layout left under ``root`` into this one, then delete them.
+
+        A store last opened with the other layout (before ``segment`` became the default, or
+        after ``--cache-layout`` changed) would otherwise ignore those files: no hits from them,
+        and disk used outside the capacity. Each is verified as on a read; a write failure
+        leaves the rest in place for the next start."""
+        other_name = "unit" if self.cfg.layout == "segment" else "segment"
+        if other_name == "segment" and not (self.root / "segments").is_dir():
+            return
+        other = make_layout(other_name, self.root, self.cfg.fsync, self.cfg.segment_bytes)
+        batch: list[tuple[Unit, Loc]] = []
+        size = 0
+        try:
+            for h, loc in other.scan():
+                try:
+                    (view,) = other.read([loc])
+                    _, payload = decode(view, h.namespace, h.key)
+                except (OSError, UnitCorrupt):
+                    self.stats.corrupt += 1
+                    other.delete(loc)
+                    continue
+                batch.append((Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers,
+                                   h.dim, h.dtype), loc))
+                size += loc.length
+                if size >= self.cfg.segment_bytes:
+                    if not self._migrate_batch(other, batch):
+                        return
+                    batch, size = [], 0
+            if batch:
+                self._migrate_batch(other, batch)
+        finally:
+            other.close()
+
+    def _migrate_batch(self, other, batch: list[tuple[Unit, Loc]]) -> bool:
+        """Store ``batch`` in this layout and delete it from ``other``; False on a write error."""
+        errors = self.stats.write_errors
+        self.put_many([u for u, _ in batch])
+        if self.stats.write_errors > errors:
+            return False
+        for _, loc in batch:  # stored, or evicted to stay within the capacity
+            other.delete(loc)
+        return True
 
     def path(self, key: bytes) -> Path:
         """The file that holds ``key``'s bytes (``location`` says where in it)."""

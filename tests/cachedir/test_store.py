@@ -17,7 +17,7 @@ from cachedir.ram import RamTier
 from cachedir.store import StoreConfig, UnitStore
 from cachedir.unit import UnitRemoved, UnitStored
 from tests.cachedir.conftest import FakeClock
-from tests.cachedir.units import NS, make_units
+from tests.cachedir.units import NS, flip_byte, make_units
 
 UNIT_FILE_BYTES = len(make_units(list(range(64)))[0].encode())
 
@@ -87,6 +87,30 @@ def test_restart_rebuilds_the_index_and_drops_garbage(tmp_path, layout):
     again = _store(tmp_path, layout)
     assert len(again) == 9 and units[3].key not in again
     assert again.get(units[5].key, NS.seed, units[5].token_ids) == units[5]
+    again.check_integrity()
+
+
+@pytest.mark.parametrize("before, after", [("unit", "segment"), ("segment", "unit")])
+def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, before, after):
+    old = _store(tmp_path, before, segment_bytes=4 * UNIT_FILE_BYTES)
+    units = make_units(list(range(64 * 10)))
+    for f in old.put_many_async(units[:6]) + old.put_many_async(units[6:]):
+        assert f.result()
+    old.pin([units[1].key])
+    flip_byte(old, units[4].key)  # damaged: not carried over
+    old.close()
+    store = _store(tmp_path, after, segment_bytes=4 * UNIT_FILE_BYTES)
+    assert len(store) == 9 and store.stats.corrupt == 1 and store.pinned() == [units[1].key]
+    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() \
+        == [None if i == 4 else u for i, u in enumerate(units)]
+    assert store.stats.bytes == 9 * UNIT_FILE_BYTES  # within the capacity accounting
+    leftovers = [p for p in (tmp_path / "ssd").rglob("*")
+                 if p.is_file() and p.suffix == (".unit" if before == "unit" else ".seg")]
+    assert leftovers == []
+    store.check_integrity()
+    store.close()
+    again = _store(tmp_path, after)  # nothing left to take over
+    assert len(again) == 9 and again.stats.writes == 0
     again.check_integrity()
 
 
