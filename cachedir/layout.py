@@ -56,6 +56,7 @@ class Staged:
 
     temps: list[Path]
     locs: list[Loc]  # final locations, valid once committed
+    keys: list[bytes] = field(default_factory=list)  # the unit of each location
 
 
 def nbytes(parts: Sequence[bytes]) -> int:
@@ -260,6 +261,7 @@ class UnitFiles:
 class _Segment:
     size: int
     live: dict[int, int] = field(default_factory=dict)  # offset -> length of live records
+    keys: dict[int, bytes] = field(default_factory=dict)  # offset -> unit key of live records
 
     @property
     def live_bytes(self) -> int:
@@ -313,7 +315,8 @@ class SegmentFiles:
                     self._drop(path)
                     continue
                 with self._lock:  # all registered before the store may delete any of them
-                    self._segments[path] = _Segment(size, {loc.offset: loc.length for _, loc in records})
+                    self._segments[path] = _Segment(size, {loc.offset: loc.length for _, loc in records},
+                                                    {loc.offset: h.key for h, loc in records})
             yield from records
 
     def _records(self, path: Path, size: int, repair: bool) -> Iterator[tuple[UnitHeader, Loc]]:
@@ -348,7 +351,7 @@ class SegmentFiles:
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-        return Staged([tmp], locs)
+        return Staged([tmp], locs, [key for key, _ in items])
 
     def commit(self, staged: Staged, keep: Sequence[bool]) -> None:
         (tmp,) = staged.temps
@@ -359,10 +362,11 @@ class SegmentFiles:
             if not k:
                 self._tombstone(tmp, loc.offset)
         path = staged.locs[0].path
+        kept = [(loc, key) for loc, key, k in zip(staged.locs, staged.keys, keep, strict=True) if k]
         with self._lock:
-            self._segments[path] = _Segment(
-                staged.locs[-1].offset + staged.locs[-1].length,
-                {loc.offset: loc.length for loc, k in zip(staged.locs, keep, strict=True) if k})
+            self._segments[path] = _Segment(staged.locs[-1].offset + staged.locs[-1].length,
+                                            {loc.offset: loc.length for loc, _ in kept},
+                                            {loc.offset: key for loc, key in kept})
         os.replace(tmp, path)
 
     def discard(self, staged: Staged) -> None:
@@ -391,6 +395,7 @@ class SegmentFiles:
             seg = self._segments.get(loc.path)
             if seg is None or seg.live.pop(loc.offset, None) is None:
                 return None
+            del seg.keys[loc.offset]
             empty = not seg.live
             sparse = seg.live_bytes < self.compact_below * seg.size
         if empty:
@@ -433,6 +438,15 @@ class SegmentFiles:
     def live(self) -> dict[Path, dict[int, int]]:
         with self._lock:
             return {p: dict(s.live) for p, s in self._segments.items()}
+
+    def live_units(self, path: Path) -> dict[bytes, Loc]:
+        """Key and location of every live record of the segment ``path`` (what a compaction
+        moves), without walking every unit the store holds."""
+        with self._lock:
+            seg = self._segments.get(path)
+            if seg is None:
+                return {}
+            return {key: Loc(path, off, seg.live[off]) for off, key in seg.keys.items()}
 
     def close(self) -> None:
         self._files.close()

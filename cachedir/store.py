@@ -393,7 +393,7 @@ class UnitStore:
         """Rewrite the live units of a mostly dead segment to a new one; the old one goes with
         its last live unit."""
         with self._lock:
-            moving = {k: loc for k, loc in self._locs.items() if loc.path == path}
+            moving = {k: loc for k, loc in self.layout.live_units(path).items() if self._locs.get(k) == loc}
         keys = list(moving)
         items = []
         for group in self.layout.read_groups([moving[k] for k in keys]):
@@ -542,3 +542,5 @@ class UnitStore:
                 live = {(p, off, n) for p, recs in self.layout.live().items() for off, n in recs.items()}
                 assert live == {(loc.path, loc.offset, loc.length) for loc in self._locs.values()}, \
                     "segment accounting and index differ"
+                by_segment = {k: loc for p in self.layout.live() for k, loc in self.layout.live_units(p).items()}
+                assert by_segment == self._locs, "segment records' keys and index differ"
