@@ -103,6 +103,7 @@ class UnitStore:
         self.staging = StagingBuffers(cfg.staging_bytes)
         self._queue: deque[tuple[Unit, Future[bool]]] = deque()
         self._pending_writes: set[Future] = set()
+        self._closing = False
         self._rebuild()
 
     # -- index ---------------------------------------------------------------------------
@@ -123,17 +124,19 @@ class UnitStore:
         self.stats.corrupt += self.layout.corrupt_found
         for path in self.layout.sparse():
             self._compact_async(path)
-        self._migrate()
-        self._load_pins()
+        pins = self._load_pins()
         self._sync_stats()
+        self._background(self._migrate, pins)
 
-    def _migrate(self) -> None:
+    def _migrate(self, pins: set[bytes]) -> None:
         """Rewrite units the other layout left under ``root`` into this one, then delete them.
 
         A store last opened with the other layout (before ``segment`` became the default, or
         after ``--cache-layout`` changed) would otherwise ignore those files: no hits from them,
-        and disk used outside the capacity. Each is verified as on a read; a write failure
-        leaves the rest in place for the next start."""
+        and disk used outside the capacity. Runs in the background after the start (a large
+        cache takes minutes; its units serve hits as they arrive); each is verified as on a
+        read and pinned again if it was (``pins``: the keys the pins file named). A write
+        failure, or ``close``, leaves the rest in place for the next start."""
         other_name = "unit" if self.cfg.layout == "segment" else "segment"
         if other_name == "segment" and not (self.root / "segments").is_dir():
             return
@@ -142,6 +145,8 @@ class UnitStore:
         size = 0
         try:
             for h, loc in other.scan():
+                if self._closing:
+                    return
                 try:
                     (view,) = other.read([loc])
                     _, payload = decode(view, h.namespace, h.key)
@@ -153,20 +158,22 @@ class UnitStore:
                                    h.dim, h.dtype), loc))
                 size += loc.length
                 if size >= self.cfg.segment_bytes:
-                    if not self._migrate_batch(other, batch):
+                    if not self._migrate_batch(other, batch, pins):
                         return
                     batch, size = [], 0
             if batch:
-                self._migrate_batch(other, batch)
+                self._migrate_batch(other, batch, pins)
         finally:
             other.close()
 
-    def _migrate_batch(self, other, batch: list[tuple[Unit, Loc]]) -> bool:
+    def _migrate_batch(self, other, batch: list[tuple[Unit, Loc]], pins: set[bytes]) -> bool:
         """Store ``batch`` in this layout and delete it from ``other``; False on a write error."""
         errors = self.stats.write_errors
         self.put_many([u for u, _ in batch])
         if self.stats.write_errors > errors:
             return False
+        if pins:
+            self.pin([u.key for u, _ in batch if u.key in pins])
         for _, loc in batch:  # stored, or evicted to stay within the capacity
             other.delete(loc)
         return True
@@ -221,16 +228,21 @@ class UnitStore:
         tmp.write_text("".join(k.hex() + "\n" for k in sorted(self._index.pinned)))
         os.replace(tmp, self._pins_path)
 
-    def _load_pins(self) -> None:
+    def _load_pins(self) -> set[bytes]:
+        """Pin the held units the pins file names; returns every key it names."""
         try:
             lines = self._pins_path.read_text().split()
         except FileNotFoundError:
-            return
+            return set()
+        keys = set()
         for line in lines:
             try:
-                self._index.pin(bytes.fromhex(line))
+                keys.add(bytes.fromhex(line))
             except ValueError:
                 continue  # a damaged line pins nothing
+        for key in keys:
+            self._index.pin(key)
+        return keys
 
     def namespace_of(self, key: bytes) -> bytes | None:
         with self._lock:
@@ -374,16 +386,21 @@ class UnitStore:
             self._pending_writes.discard(fut)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Wait for the background writes (and compactions) submitted so far."""
+        """Wait for the background writes submitted so far (and compactions, and a takeover of
+        the other layout's units)."""
         with self._lock:
             pending = list(self._pending_writes)
         for fut in pending:
             fut.result(timeout=timeout_s)
 
     def _compact_async(self, path: Path) -> None:
+        self._background(self._compact, path)
+
+    def _background(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on an I/O thread; ``flush`` waits for it."""
         try:
-            fut = self._pool.submit(self._compact, path)
-        except RuntimeError:  # closing: compacted after the next start
+            fut = self._pool.submit(fn, *args)
+        except RuntimeError:  # closing: done after the next start
             return
         with self._lock:
             self._pending_writes.add(fut)
@@ -525,6 +542,7 @@ class UnitStore:
             advise(loc, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
+        self._closing = True  # a takeover of the other layout's units stops (goes on next start)
         self._pool.shutdown(wait=True)
         self.layout.close()
 

@@ -91,7 +91,7 @@ def test_restart_rebuilds_the_index_and_drops_garbage(tmp_path, layout):
 
 
 @pytest.mark.parametrize("before, after", [("unit", "segment"), ("segment", "unit")])
-def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, before, after):
+def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, before, after, monkeypatch):
     old = _store(tmp_path, before, segment_bytes=4 * UNIT_FILE_BYTES)
     units = make_units(list(range(64 * 10)))
     for f in old.put_many_async(units[:6]) + old.put_many_async(units[6:]):
@@ -99,7 +99,12 @@ def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, bef
     old.pin([units[1].key])
     flip_byte(old, units[4].key)  # damaged: not carried over
     old.close()
+    old_read = type(old.layout).read
+    monkeypatch.setattr(type(old.layout), "read", lambda *a: time.sleep(0.2) or old_read(*a))  # a slow disk
+    t0 = time.monotonic()
     store = _store(tmp_path, after, segment_bytes=4 * UNIT_FILE_BYTES)
+    assert time.monotonic() - t0 < 1.0 and len(store) < 9  # the takeover goes on in the background
+    store.flush()
     assert len(store) == 9 and store.stats.corrupt == 1 and store.pinned() == [units[1].key]
     assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() \
         == [None if i == 4 else u for i, u in enumerate(units)]
@@ -112,6 +117,30 @@ def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, bef
     again = _store(tmp_path, after)  # nothing left to take over
     assert len(again) == 9 and again.stats.writes == 0
     again.check_integrity()
+
+
+def test_a_takeover_cut_short_by_close_goes_on_at_the_next_start(tmp_path, monkeypatch):
+    from cachedir.layout import UnitFiles
+
+    old = _store(tmp_path, "unit")
+    units = make_units(list(range(64 * 10)))
+    assert all(old.put_many(units))
+    old.close()
+    real_read = UnitFiles.read
+    monkeypatch.setattr(UnitFiles, "read", lambda *a: time.sleep(0.2) or real_read(*a))
+    store = _store(tmp_path, "segment", segment_bytes=2 * UNIT_FILE_BYTES)
+    deadline = time.monotonic() + 30
+    while len(store) == 0 and time.monotonic() < deadline:  # the first batch is over
+        time.sleep(0.01)
+    store.close()  # stops the takeover after the unit under way
+    assert 0 < len(store) < 10
+    monkeypatch.setattr(UnitFiles, "read", real_read)
+    again = _store(tmp_path, "segment")
+    again.flush()
+    assert len(again) == 10
+    assert again.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    again.check_integrity()
+    again.close()
 
 
 def test_capacity_evicts_lru_and_max_age(tmp_path, layout):
