@@ -126,7 +126,7 @@ class UnitStore:
             self._compact_async(path)
         pins = self._load_pins()
         self._sync_stats()
-        self._background(self._migrate, pins)
+        self._takeover = self._pool.submit(self._migrate, pins)
 
     def _migrate(self, pins: set[bytes]) -> None:
         """Rewrite units the other layout left under ``root`` into this one, then delete them.
@@ -386,21 +386,20 @@ class UnitStore:
             self._pending_writes.discard(fut)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Wait for the background writes submitted so far (and compactions, and a takeover of
-        the other layout's units)."""
+        """Wait for the background writes (and compactions) submitted so far."""
         with self._lock:
             pending = list(self._pending_writes)
         for fut in pending:
             fut.result(timeout=timeout_s)
 
-    def _compact_async(self, path: Path) -> None:
-        self._background(self._compact, path)
+    def wait_for_takeover(self, timeout_s: float | None = None) -> None:
+        """Wait until the units the other layout left are taken over (``_migrate``)."""
+        self._takeover.result(timeout=timeout_s)
 
-    def _background(self, fn, *args) -> None:
-        """Run ``fn(*args)`` on an I/O thread; ``flush`` waits for it."""
+    def _compact_async(self, path: Path) -> None:
         try:
-            fut = self._pool.submit(fn, *args)
-        except RuntimeError:  # closing: done after the next start
+            fut = self._pool.submit(self._compact, path)
+        except RuntimeError:  # closing: compacted after the next start
             return
         with self._lock:
             self._pending_writes.add(fut)

@@ -104,7 +104,7 @@ def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, bef
     t0 = time.monotonic()
     store = _store(tmp_path, after, segment_bytes=4 * UNIT_FILE_BYTES)
     assert time.monotonic() - t0 < 1.0 and len(store) < 9  # the takeover goes on in the background
-    store.flush()
+    store.wait_for_takeover()
     assert len(store) == 9 and store.stats.corrupt == 1 and store.pinned() == [units[1].key]
     assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() \
         == [None if i == 4 else u for i, u in enumerate(units)]
@@ -114,8 +114,9 @@ def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, bef
     assert leftovers == []
     store.check_integrity()
     store.close()
-    again = _store(tmp_path, after)  # nothing left to take over
-    assert len(again) == 9 and again.stats.writes == 0
+    again = _store(tmp_path, after)
+    again.wait_for_takeover()
+    assert len(again) == 9 and again.stats.writes == 0  # nothing was left to take over
     again.check_integrity()
 
 
@@ -136,7 +137,7 @@ def test_a_takeover_cut_short_by_close_goes_on_at_the_next_start(tmp_path, monke
     assert 0 < len(store) < 10
     monkeypatch.setattr(UnitFiles, "read", real_read)
     again = _store(tmp_path, "segment")
-    again.flush()
+    again.wait_for_takeover()
     assert len(again) == 10
     assert again.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
     again.check_integrity()
