@@ -197,15 +197,17 @@ from tests.cachedir.units import make_units
 store = UnitStore(StoreConfig(sys.argv[1], capacity_bytes=1 << 40, layout=sys.argv[2]))
 units = make_units(list(range(64 * 100)), layers=8, dim=576)
 print("ready", flush=True)
-for u in units:
+for i, u in enumerate(units):
     store.put(u)
+    print(i, flush=True)
 """
 
 
 def test_writer_killed_mid_write_leaves_no_visible_partial_unit(tmp_path, layout):
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "ssd"), layout], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"ready"
-    time.sleep(0.25)
+    for _ in range(5):  # a few units are in; 95 (~110 MB) to go: the kill lands in the loop
+        assert proc.stdout.readline()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     store = UnitStore(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 40, layout=layout))
