@@ -19,6 +19,7 @@ leaves no visible partial unit, and temporaries are deleted on start. The store
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -97,12 +98,17 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> memoryview:
 
 
 def advise(loc: Loc, advice: int) -> None:
+    """``posix_fadvise`` over every page the unit touches, the pages it shares with its
+    neighbours in a segment included (the kernel only acts on whole pages in the range: asked
+    for the unit's exact bytes, it keeps the two partial pages at its ends)."""
+    start = loc.offset - loc.offset % mmap.PAGESIZE
+    end = -(-(loc.offset + loc.length) // mmap.PAGESIZE) * mmap.PAGESIZE
     try:
         fd = os.open(loc.path, os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
-        os.posix_fadvise(fd, loc.offset, loc.length, advice)
+        os.posix_fadvise(fd, start, end - start, advice)
     finally:
         os.close(fd)
 

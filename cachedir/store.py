@@ -460,34 +460,36 @@ class UnitStore:
                 missing = set(present)
             except OSError:
                 pass  # every unit of the read counts as damaged
+        # verify outside the store lock (checksums of a few MiB): the other I/O threads' reads
+        # and the request path's puts and lookups go on meanwhile
+        corrupt: set[int] = set()
+        for i in present:
+            try:
+                if views[i] is None:
+                    raise FileNotFoundError if i in missing else UnitCorrupt("unreadable")
+                h, payload = decode(views[i], namespace, keys[i], token_ids[i])
+            except FileNotFoundError:
+                continue  # gone meanwhile: a plain miss
+            except UnitCorrupt:
+                corrupt.add(i)
+                continue
+            # the payload stays a zero-copy view of the read buffer (a staging buffer: it is
+            # reused once nothing refers to the units read into it)
+            out[i] = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
         hits = nbytes = 0
         with self._lock:
             for i, key in enumerate(keys):
-                if locs[i] is None:
-                    self.stats.misses += 1
+                if out[i] is not None:
+                    if key in self._index:
+                        self._index.touch(key, self._now())
+                    hits += 1
+                    nbytes += len(views[i])
                     continue
-                try:
-                    if views[i] is None:
-                        raise FileNotFoundError if i in missing else UnitCorrupt("unreadable")
-                    h, payload = decode(views[i], namespace, key, token_ids[i])
-                except FileNotFoundError:
-                    if self._locs.get(key) == locs[i]:
-                        self._remove_locked(key)
-                    self.stats.misses += 1
-                    continue
-                except UnitCorrupt:
-                    if self._locs.get(key) == locs[i]:  # not rewritten meanwhile
-                        self._remove_locked(key)
+                if locs[i] is not None and self._locs.get(key) == locs[i]:  # not rewritten meanwhile
+                    self._remove_locked(key)
+                if i in corrupt:
                     self.stats.corrupt += 1
-                    self.stats.misses += 1
-                    continue
-                if key in self._index:
-                    self._index.touch(key, self._now())
-                hits += 1
-                nbytes += len(views[i])
-                # the payload stays a zero-copy view of the read buffer (a staging buffer: it is
-                # reused once nothing refers to the units read into it)
-                out[i] = Unit(namespace, key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+                self.stats.misses += 1
             self.stats.hits += hits
             self.stats.bytes_read += nbytes
         return out

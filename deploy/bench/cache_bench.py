@@ -41,25 +41,33 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _raw_io(root: Path, total_bytes: int, chunk: int) -> tuple[float, float]:
-    """Sequential write (+fsync) and cold read of one large file, in ``chunk``-sized calls."""
-    path = root / "raw.bin"
-    block = np.random.default_rng(0).bytes(chunk)
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(total_bytes // chunk):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - t0
-    _drop_cache(path)
-    t0 = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(chunk):
-            pass
-    read_s = time.perf_counter() - t0
-    path.unlink()
-    return total_bytes / write_s / 1e9, total_bytes / read_s / 1e9
+class _RawFile:
+    """The disk's raw speed: one large file written (+fsync) and read back cold, sequentially,
+    in ``chunk``-sized calls."""
+
+    def __init__(self, path: Path, total_bytes: int, chunk: int) -> None:
+        self.path, self.total_bytes, self.chunk = path, total_bytes, chunk
+
+    def write(self) -> float:
+        block = np.random.default_rng(0).bytes(self.chunk)
+        t0 = time.perf_counter()
+        with open(self.path, "wb") as f:
+            for _ in range(self.total_bytes // self.chunk):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return time.perf_counter() - t0
+
+    def read(self) -> float:
+        _drop_cache(self.path)
+        t0 = time.perf_counter()
+        with open(self.path, "rb") as f:
+            while f.read(self.chunk):
+                pass
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
@@ -76,43 +84,42 @@ def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
     return ns, units
 
 
-def _store_io(root: Path, layout: str, ns: Namespace, units: list[Unit], run_units: int) -> tuple[float, float]:
-    """Seconds to write ``units`` and to read them back cold, as the engine does: runs of
-    ``run_units`` (a prompt's units) persisted together, all queued at once; then read back one
-    run after another, each released once read (the engine copies it into its KV pool). The
-    read is timed on the second pass (page cache dropped before each): the first fills the
-    store's staging buffers, as a server's first loads do."""
-    runs = [units[i : i + run_units] for i in range(0, len(units), run_units)]
-    store = UnitStore(StoreConfig(root, capacity_bytes=1 << 42, io_threads=4, layout=layout))
-    try:
+class _StoreRuns:
+    """Units written and read as the engine does: runs of ``run_units`` (a prompt's units)
+    persisted together, all queued at once; read back cold one run after another, each released
+    once read (the engine copies it into its KV pool)."""
+
+    def __init__(self, root: Path, layout: str, ns: Namespace, units: list[Unit], run_units: int) -> None:
+        self.root, self.ns, self.units = root, ns, units
+        self.runs = [units[i : i + run_units] for i in range(0, len(units), run_units)]
+        self.store = UnitStore(StoreConfig(root, capacity_bytes=1 << 42, io_threads=4, layout=layout))
+
+    def write(self) -> float:
         t0 = time.perf_counter()
-        for f in [f for run in runs for f in store.put_many_async(run)]:
+        for f in [f for run in self.runs for f in self.store.put_many_async(run)]:
             assert f.result()
-        write_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
-        def read_all() -> float:
-            for u in units:
-                store.drop_page_cache(u.key)
-            t0 = time.perf_counter()
-            for run in runs:
-                got = store.get_many_async([u.key for u in run], ns.seed, [u.token_ids for u in run]).result()
-                assert all(g is not None for g in got)
-                del got
-            return time.perf_counter() - t0
+    def read(self) -> float:
+        for u in self.units:
+            self.store.drop_page_cache(u.key)
+        t0 = time.perf_counter()
+        for run in self.runs:
+            got = self.store.get_many_async([u.key for u in run], self.ns.seed, [u.token_ids for u in run]).result()
+            assert all(g is not None for g in got)
+            del got
+        return time.perf_counter() - t0
 
-        read_all()  # a running server's staging buffers are in use already: fill them first
-        read_s = read_all()
-    finally:
-        store.close()
-        shutil.rmtree(root, ignore_errors=True)
-    return write_s, read_s
+    def close(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def run_unit_io(
     root: Path | None = None, total_mb: int = 256, layouts: tuple[str, ...] = LAYOUTS,
     run_units: int = READ_RUN_UNITS, repeats: int = 3,
 ) -> dict[str, Any]:
-    """Best of ``repeats`` (alternating raw and each layout, so drift hits all alike)."""
+    """Best of ``repeats`` (each repeat measures raw and every layout, so drift hits all alike)."""
     out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)",
                            "run_units": run_units, "repeats": repeats}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -125,13 +132,21 @@ def run_unit_io(
             nbytes = sum(len(u.payload) for u in units)
             best: dict[str, list[float]] = {name: [0.0, 0.0] for name in ("raw", *layouts)}
             for _ in range(repeats):
-                for name in best:
-                    if name == "raw":
-                        w, r = _raw_io(base, nbytes, unit_bytes)
-                    else:
-                        write_s, read_s = _store_io(base / f"{shape}-{name}", name, ns, units, run_units)
-                        w, r = nbytes / write_s / 1e9, nbytes / read_s / 1e9
-                    best[name] = [max(best[name][0], w), max(best[name][1], r)]
+                targets = {"raw": _RawFile(base / "raw.bin", nbytes, unit_bytes)}
+                targets.update({name: _StoreRuns(base / f"{shape}-{name}", name, ns, units, run_units)
+                                for name in layouts})
+                try:
+                    # all writes first, then all reads: a disk still busy with a write (this VM's
+                    # disk stays slow for seconds after an fsync) slows whatever reads next
+                    for name, target in targets.items():
+                        best[name][0] = max(best[name][0], nbytes / target.write() / 1e9)
+                    for name, target in targets.items():
+                        target.read()  # timed on the second pass: the first fills the store's
+                        read_s = target.read()  # staging buffers, in use already in a server
+                        best[name][1] = max(best[name][1], nbytes / read_s / 1e9)
+                finally:
+                    for target in targets.values():
+                        target.close()
             raw_w, raw_r = best["raw"]
             result: dict[str, Any] = {"unit_bytes": unit_bytes, "units": count,
                                       "raw_write_gb_per_s": round(raw_w, 3), "raw_read_gb_per_s": round(raw_r, 3)}

@@ -107,8 +107,9 @@ def bench_unit_io(
     """Unit write/read GB/s (bench-model and DeepSeek-V3-sized units) for each store layout
     (a file per unit, segment files) beside raw sequential I/O of the same disk. Units are
     written in runs (a request's units, all runs queued at once) and read back cold (page cache
-    dropped) run after run; the read is timed on a second pass, once the store's staging
-    buffers are in use, as in a running server."""
+    dropped) run after run. Each repeat writes raw and every layout first, then reads them all;
+    reads (raw too) are timed on a second pass, once the store's staging buffers are in use, as
+    in a running server."""
     from cachedir.layout import LAYOUTS
     from deploy.bench.cache_bench import run_unit_io
 

@@ -306,6 +306,75 @@ def test_queued_writes_share_segments_and_a_run_is_one_read(tmp_path, monkeypatc
     store.check_integrity()
 
 
+def test_a_read_verifies_its_units_outside_the_store_lock(tmp_path, layout, monkeypatch):
+    """Checksumming a run of units (MiBs) must not stall the request path's puts and lookups."""
+    import threading
+
+    import cachedir.store
+
+    store = _store(tmp_path, layout)
+    units = make_units(list(range(64 * 4)))
+    assert all(store.put(u) for u in units[:3])
+    verifying, go_on = threading.Event(), threading.Event()
+    real_decode = cachedir.store.decode
+
+    def slow_decode(*args):
+        verifying.set()
+        assert go_on.wait(10)
+        return real_decode(*args)
+
+    monkeypatch.setattr(cachedir.store, "decode", slow_decode)
+    read = store.get_many_async([u.key for u in units[:3]], NS.seed, [u.token_ids for u in units[:3]])
+    assert verifying.wait(10)
+    put = threading.Thread(target=store.put, args=(units[3],))
+    put.start()
+    put.join(5)
+    locked_out = put.is_alive()
+    go_on.set()
+    put.join()
+    assert not locked_out, "a put waited for another read's verification"
+    assert read.result(timeout=10) == units[:3]
+    assert store.location(units[3].key) is not None
+    store.check_integrity()
+
+
+def _resident_pages(path) -> int:
+    """Pages of ``path`` in the page cache (``mincore`` over a private mapping of the file)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(m)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) == 0
+        finally:
+            del anchor
+    return sum(v & 1 for v in vec)
+
+
+def test_dropping_every_units_page_cache_leaves_none_of_their_segment_cached(tmp_path):
+    """What `tide bench unit-io` and `tide bench ttft` call cold: the pages a unit shares with
+    its neighbours go too (the kernel keeps partial pages of an fadvise range)."""
+    with open("/proc/mounts") as f:
+        mounts = [line.split() for line in f]
+    fs = max((m for m in mounts if str(tmp_path).startswith(m[1])), key=lambda m: len(m[1]))[2]
+    if fs == "tmpfs":
+        pytest.skip("tmpfs keeps its files in the page cache")
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 20)))
+    assert all(f.result(timeout=30) for f in store.put_many_async(units))
+    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    (segment,) = {store.location(u.key).path for u in units}
+    assert _resident_pages(segment) > 0
+    for u in units:
+        store.drop_page_cache(u.key)
+    assert _resident_pages(segment) == 0
+
+
 def test_a_damaged_record_costs_only_its_unit(tmp_path):
     store = _segment_store(tmp_path)
     units = make_units(list(range(64 * 8)))
