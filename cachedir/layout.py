@@ -9,7 +9,9 @@
   and a run of units written together is read back with one sequential read. A removed unit's
   record is tombstoned in place (its magic becomes ``TIDEDEAD``) so a restart does not bring it
   back; a segment is deleted with its last live unit, and one whose live bytes fall under
-  ``compact_below`` of its size is reported to the store, which rewrites its live units.
+  ``compact_below`` of its size is reported to the store, which rewrites its live units. Small
+  segments (a replica's push or a single put is a batch of one unit) are merged the same way,
+  ``merge_min`` or more into one, so their number stays bounded.
 
 Both write a batch to a temporary name, fsync it and rename it: a process killed mid-write
 leaves no visible partial unit, and temporaries are deleted on start. The store
@@ -24,6 +26,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,6 +249,9 @@ class UnitFiles:
     def sparse(self) -> list[Path]:
         return []
 
+    def mergeable(self, busy: AbstractSet[Path]) -> list[list[Path]]:
+        return []
+
     def read_groups(self, locs: Sequence[Loc]) -> list[list[int]]:
         return [[i] for i in range(len(locs))]
 
@@ -288,9 +294,11 @@ class SegmentFiles:
     """Units of a write batch appended to one segment file under ``root/segments/``."""
 
     def __init__(self, root: Path, fsync: bool = True, segment_bytes: int = 64 << 20,
-                 compact_below: float = 0.5) -> None:
+                 compact_below: float = 0.5, merge_below: float = 1 / 16, merge_min: int = 16) -> None:
         self.root, self.fsync = root / "segments", fsync
         self.batch_bytes, self.compact_below = segment_bytes, compact_below
+        self.merge_below, self.merge_min = merge_below, merge_min
+        self._small: set[Path] = set()  # segments under merge_below of a batch
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._segments: dict[Path, _Segment] = {}
@@ -320,9 +328,9 @@ class SegmentFiles:
                 if not records:
                     self._drop(path)
                     continue
-                with self._lock:  # all registered before the store may delete any of them
-                    self._segments[path] = _Segment(size, {loc.offset: loc.length for _, loc in records},
-                                                    {loc.offset: h.key for h, loc in records})
+                # all registered before the store may delete any of them
+                self._register(path, _Segment(size, {loc.offset: loc.length for _, loc in records},
+                                              {loc.offset: h.key for h, loc in records}))
             yield from records
 
     def _records(self, path: Path, size: int, repair: bool) -> Iterator[tuple[UnitHeader, Loc]]:
@@ -369,11 +377,16 @@ class SegmentFiles:
                 self._tombstone(tmp, loc.offset)
         path = staged.locs[0].path
         kept = [(loc, key) for loc, key, k in zip(staged.locs, staged.keys, keep, strict=True) if k]
-        with self._lock:
-            self._segments[path] = _Segment(staged.locs[-1].offset + staged.locs[-1].length,
-                                            {loc.offset: loc.length for loc, _ in kept},
-                                            {loc.offset: key for loc, key in kept})
+        self._register(path, _Segment(staged.locs[-1].offset + staged.locs[-1].length,
+                                      {loc.offset: loc.length for loc, _ in kept},
+                                      {loc.offset: key for loc, key in kept}))
         os.replace(tmp, path)
+
+    def _register(self, path: Path, seg: _Segment) -> None:
+        with self._lock:
+            self._segments[path] = seg
+            if seg.size < self.merge_below * self.batch_bytes:
+                self._small.add(path)
 
     def discard(self, staged: Staged) -> None:
         for tmp in staged.temps:
@@ -392,6 +405,7 @@ class SegmentFiles:
     def _drop(self, path: Path) -> None:
         with self._lock:
             self._segments.pop(path, None)
+            self._small.discard(path)
         path.unlink(missing_ok=True)
         self._files.forget(path)  # after the unlink: no read opens it again
 
@@ -440,6 +454,24 @@ class SegmentFiles:
         """Segments worth compacting (live bytes under ``compact_below`` of their size)."""
         with self._lock:
             return [p for p, s in self._segments.items() if s.live_bytes < self.compact_below * s.size]
+
+    def mergeable(self, busy: AbstractSet[Path]) -> list[list[Path]]:
+        """Groups of small segments to merge, each into one (oldest first; at least
+        ``merge_min`` segments and at most a batch of live bytes to a group); ``busy`` ones (a
+        merge or compaction under way) are left out."""
+        with self._lock:
+            if len(self._small) < self.merge_min:
+                return []
+            groups: list[list[Path]] = [[]]
+            size = 0
+            for path in sorted(self._small - busy, key=_seq_of):
+                live = self._segments[path].live_bytes
+                if groups[-1] and size + live > self.batch_bytes:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(path)
+                size += live
+            return [g for g in groups if len(g) >= self.merge_min]
 
     def live(self) -> dict[Path, dict[int, int]]:
         with self._lock:

@@ -104,6 +104,7 @@ class UnitStore:
         self._queue: deque[tuple[Unit, Future[bool]]] = deque()
         self._pending_writes: set[Future] = set()
         self._closing = False
+        self._compacting: set[Path] = set()  # segments a compaction or merge is rewriting
         self._rebuild()
 
     # -- index ---------------------------------------------------------------------------
@@ -123,7 +124,8 @@ class UnitStore:
                 self.layout.delete(loc)
         self.stats.corrupt += self.layout.corrupt_found
         for path in self.layout.sparse():
-            self._compact_async(path)
+            self._compact_async([path])
+        self._merge_small()
         pins = self._load_pins()
         self._sync_stats()
         self._takeover = self._pool.submit(self._migrate, pins)
@@ -265,7 +267,7 @@ class UnitStore:
         if loc is not None:
             sparse = self.layout.delete(loc)
             if sparse is not None:
-                self._compact_async(sparse)
+                self._compact_async([sparse])
         self._events.append(UnitRemoved(key, "ssd"))
 
     def _remove_locked(self, key: bytes) -> None:
@@ -336,6 +338,7 @@ class UnitStore:
                     self.stats.writes += 1
                     self.stats.bytes_written += loc.length
             self._sync_stats()
+            self._merge_small()
         return self._same_keys(units, out)
 
     @staticmethod
@@ -396,22 +399,43 @@ class UnitStore:
         """Wait until the units the other layout left are taken over (``_migrate``)."""
         self._takeover.result(timeout=timeout_s)
 
-    def _compact_async(self, path: Path) -> None:
-        try:
-            fut = self._pool.submit(self._compact, path)
-        except RuntimeError:  # closing: compacted after the next start
-            return
+    def _merge_small(self) -> None:
+        """Merge small segments (batches of a unit or a few: replica pushes, single puts)."""
         with self._lock:
+            for group in self.layout.mergeable(self._compacting):
+                self._compact_async(group)
+
+    def _compact_async(self, paths: Sequence[Path]) -> None:
+        """Rewrite the live units of ``paths`` (a sparse segment, or small ones to merge) to one
+        new segment on an I/O thread; segments another rewrite has taken are left out."""
+        with self._lock:
+            paths = [p for p in paths if p not in self._compacting]
+            if not paths:
+                return
+            self._compacting.update(paths)
+            try:
+                fut = self._pool.submit(self._compact, paths)
+            except RuntimeError:  # closing: compacted after the next start
+                self._compacting.difference_update(paths)
+                return
             self._pending_writes.add(fut)
         fut.add_done_callback(self._write_done)
 
-    def _compact(self, path: Path) -> None:
-        """Rewrite the live units of a mostly dead segment to a new one; the old one goes with
-        its last live unit."""
+    def _compact(self, paths: Sequence[Path]) -> None:
+        try:
+            self._rewrite_live(paths)
+        finally:
+            with self._lock:
+                self._compacting.difference_update(paths)
+
+    def _rewrite_live(self, paths: Sequence[Path]) -> None:
+        """Rewrite the live units of ``paths`` to one new segment; each old one goes with its
+        last live unit."""
         with self._lock:
-            moving = {k: loc for k, loc in self.layout.live_units(path).items() if self._locs.get(k) == loc}
+            moving = {k: loc for path in paths for k, loc in self.layout.live_units(path).items()
+                      if self._locs.get(k) == loc}
         keys = list(moving)
-        items = []
+        items, damaged = [], []
         for group in self.layout.read_groups([moving[k] for k in keys]):
             try:
                 views = self.layout.read([moving[keys[i]] for i in group])
@@ -421,14 +445,21 @@ class UnitStore:
                 try:
                     decode(view, self._namespaces.get(keys[i], b""), keys[i])
                 except UnitCorrupt:
+                    damaged.append(keys[i])
                     continue
                 items.append((keys[i], [view]))
+        if damaged:  # as a read would: gone, and counted (a later rewrite does not meet them again)
+            with self._lock:
+                for key in damaged:
+                    if self._locs.get(key) == moving[key]:
+                        self._remove_locked(key)
+                        self.stats.corrupt += 1
         if not items:
             return
         try:
             staged = self.layout.stage(items)
         except OSError:
-            return  # the sparse segment stays; a later deletion tries again
+            return  # the segments stay; a later deletion or write tries again
         with self._lock:
             keep = [self._locs.get(key) == moving[key] for key, _ in items]  # not removed meanwhile
             self.layout.commit(staged, keep)

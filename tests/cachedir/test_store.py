@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -308,8 +309,6 @@ def test_queued_writes_share_segments_and_a_run_is_one_read(tmp_path, monkeypatc
 
 def test_a_read_verifies_its_units_outside_the_store_lock(tmp_path, layout, monkeypatch):
     """Checksumming a run of units (MiBs) must not stall the request path's puts and lookups."""
-    import threading
-
     import cachedir.store
 
     store = _store(tmp_path, layout)
@@ -465,3 +464,72 @@ def test_a_restart_that_evicts_compacts_while_the_scan_goes_on(tmp_path, monkeyp
     assert len(left) == 11
     assert again.get_many_async([u.key for u in left], NS.seed, [u.token_ids for u in left]).result() == left
     again.check_integrity()
+
+
+def _segment_files(tmp_path) -> list:
+    return sorted((tmp_path / "ssd" / "segments").glob("*.seg"))
+
+
+def test_small_segments_are_merged_and_nothing_is_lost(tmp_path):
+    """Single puts (and replica pushes) write a segment each; small ones are merged, so their
+    number stays bounded, and a restart finds every unit in the merged segments."""
+    store = _segment_store(tmp_path, units=200)
+    store.layout.merge_min = 4
+    units = make_units(list(range(64 * 30)))
+    for u in units:
+        assert store.put(u)
+        store.check_integrity()
+    store.flush()  # the merges under way
+    assert len(_segment_files(tmp_path)) <= 4 < len(units)
+    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    store.check_integrity()
+    store.close()
+    again = _segment_store(tmp_path, units=200)
+    assert set(again.keys()) == {u.key for u in units}
+    again.check_integrity()
+
+
+def test_a_unit_removed_during_a_merge_stays_removed(tmp_path, monkeypatch):
+    from cachedir.layout import SegmentFiles
+
+    store = _segment_store(tmp_path)
+    store.layout.merge_min = 4
+    units = make_units(list(range(64 * 4)))
+    staging, go_on = threading.Event(), threading.Event()
+    real_stage = SegmentFiles.stage
+
+    def held_merge(self, items):
+        if len(items) == 4:  # the merge's write (every put is one unit)
+            staging.set()
+            assert go_on.wait(10)
+        return real_stage(self, items)
+
+    monkeypatch.setattr(SegmentFiles, "stage", held_merge)
+    for u in units:
+        store.put(u)
+    assert staging.wait(10)
+    assert store.remove(units[2].key)
+    go_on.set()
+    store.flush()
+    kept = [u for i, u in enumerate(units) if i != 2]
+    assert len(_segment_files(tmp_path)) == 1 and units[2].key not in store
+    assert store.get_many_async([u.key for u in kept], NS.seed, [u.token_ids for u in kept]).result() == kept
+    store.check_integrity()
+    store.close()
+    assert set(_segment_store(tmp_path).keys()) == {u.key for u in kept}
+
+
+def test_a_merge_that_meets_a_damaged_unit_removes_and_counts_it(tmp_path):
+    store = _segment_store(tmp_path)
+    store.layout.merge_min = 4
+    units = make_units(list(range(64 * 4)))
+    for u in units[:3]:
+        store.put(u)
+    flip_byte(store, units[1].key)
+    store.put(units[3])  # the fourth small segment: the merge
+    store.flush()
+    kept = [u for i, u in enumerate(units) if i != 1]
+    assert units[1].key not in store and store.stats.corrupt == 1
+    assert len(_segment_files(tmp_path)) == 1
+    assert store.get_many_async([u.key for u in kept], NS.seed, [u.token_ids for u in kept]).result() == kept
+    store.check_integrity()
