@@ -49,11 +49,11 @@ class _RawFile:
         self.path, self.total_bytes, self.chunk = path, total_bytes, chunk
 
     def write(self) -> float:
-        block = np.random.default_rng(0).bytes(self.chunk)
+        data = memoryview(np.random.default_rng(0).bytes(self.total_bytes))  # no two blocks alike
         t0 = time.perf_counter()
         with open(self.path, "wb") as f:
-            for _ in range(self.total_bytes // self.chunk):
-                f.write(block)
+            for start in range(0, self.total_bytes - self.chunk + 1, self.chunk):
+                f.write(data[start : start + self.chunk])
             f.flush()
             os.fsync(f.fileno())
         return time.perf_counter() - t0
@@ -75,10 +75,12 @@ def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
     ns = Namespace(f"bench-{shape}", "0", dtype, f"latent:{dim}", UNIT_TOKENS)
     tokens = np.arange(count * UNIT_TOKENS) % 50_000
     keys = chain_keys(ns.seed, tokens, UNIT_TOKENS)
-    payload = np.random.default_rng(1).bytes(layers * UNIT_TOKENS * dim * item)
-    units, parent = [], ns.seed
+    size = layers * UNIT_TOKENS * dim * item
+    payloads = np.random.default_rng(1).bytes(size * len(keys))  # no two units alike (a disk
+    units, parent = [], ns.seed  # that deduplicates or compresses would flatter repeated ones)
     for i, k in enumerate(keys):
         toks = tuple(int(t) for t in tokens[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS])
+        payload = payloads[i * size : (i + 1) * size]
         units.append(Unit(ns.seed, k, parent, toks, payload, layers, dim, dtype))
         parent = k
     return ns, units
