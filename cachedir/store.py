@@ -153,7 +153,8 @@ class UnitStore:
                     (view,) = other.read([loc])
                     _, payload = decode(view, h.namespace, h.key)
                 except (OSError, UnitCorrupt):
-                    self.stats.corrupt += 1
+                    with self._lock:
+                        self.stats.corrupt += 1
                     other.delete(loc)
                     continue
                 batch.append((Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers,
@@ -274,6 +275,14 @@ class UnitStore:
         if self._index.remove(key):
             self._delete_file(key)
             self._sync_stats()
+
+    def _remove_if_at(self, key: bytes, loc: Loc) -> bool:
+        """Remove ``key`` if its bytes are still at ``loc`` (not rewritten meanwhile: a damaged
+        copy must not take a good one with it); under the lock."""
+        if self._locs.get(key) != loc:
+            return False
+        self._remove_locked(key)
+        return True
 
     def remove(self, key: bytes) -> bool:
         with self._lock:
@@ -451,8 +460,7 @@ class UnitStore:
         if damaged:  # as a read would: gone, and counted (a later rewrite does not meet them again)
             with self._lock:
                 for key in damaged:
-                    if self._locs.get(key) == moving[key]:
-                        self._remove_locked(key)
+                    if self._remove_if_at(key, moving[key]):
                         self.stats.corrupt += 1
         if not items:
             return
@@ -516,8 +524,8 @@ class UnitStore:
                     hits += 1
                     nbytes += len(views[i])
                     continue
-                if locs[i] is not None and self._locs.get(key) == locs[i]:  # not rewritten meanwhile
-                    self._remove_locked(key)
+                if locs[i] is not None:
+                    self._remove_if_at(key, locs[i])
                 if i in corrupt:
                     self.stats.corrupt += 1
                 self.stats.misses += 1

@@ -28,6 +28,11 @@ def layout(request) -> str:
     return request.param
 
 
+def _read(store: UnitStore, units) -> list:
+    """``units`` read back as one run (None for each miss)."""
+    return store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result()
+
+
 def _store(tmp_path, layout, units=100, clock=None, **kw):
     cfg = StoreConfig(tmp_path / "ssd", capacity_bytes=units * UNIT_FILE_BYTES, layout=layout, **kw)
     return UnitStore(cfg, now_s=clock or time.time)
@@ -50,7 +55,7 @@ def test_put_get_and_events(tmp_path, layout):
     assert got == units[2]
     assert store.get(b"\1" * 16, NS.seed) is None
     assert [type(e) for e in store.drain_events()] == [UnitStored] * 4
-    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    assert _read(store, units) == units
     assert store.stats.hits == 5 and store.stats.misses == 1
 
 
@@ -107,7 +112,7 @@ def test_a_store_opened_with_the_other_layout_takes_its_units_over(tmp_path, bef
     assert time.monotonic() - t0 < 1.0 and len(store) < 9  # the takeover goes on in the background
     store.wait_for_takeover()
     assert len(store) == 9 and store.stats.corrupt == 1 and store.pinned() == [units[1].key]
-    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() \
+    assert _read(store, units) \
         == [None if i == 4 else u for i, u in enumerate(units)]
     assert store.stats.bytes == 9 * UNIT_FILE_BYTES  # within the capacity accounting
     leftovers = [p for p in (tmp_path / "ssd").rglob("*")
@@ -140,7 +145,7 @@ def test_a_takeover_cut_short_by_close_goes_on_at_the_next_start(tmp_path, monke
     again = _store(tmp_path, "segment")
     again.wait_for_takeover()
     assert len(again) == 10
-    assert again.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    assert _read(again, units) == units
     again.check_integrity()
     again.close()
 
@@ -287,6 +292,10 @@ def _segment_store(tmp_path, units=100, **kw) -> UnitStore:
     return _store(tmp_path, "segment", units=units, **kw)
 
 
+def _segment_files(tmp_path) -> list:
+    return sorted((tmp_path / "ssd" / "segments").glob("*.seg"))
+
+
 def test_queued_writes_share_segments_and_a_run_is_one_read(tmp_path, monkeypatch):
     from cachedir.layout import SegmentFiles
 
@@ -294,11 +303,11 @@ def test_queued_writes_share_segments_and_a_run_is_one_read(tmp_path, monkeypatc
     units = make_units(list(range(64 * 40)))
     assert all(f.result(timeout=30) for f in [store.put_async(u) for u in units])
     segments = {store.location(u.key).path for u in units}
-    assert len(list((tmp_path / "ssd" / "segments").glob("*.seg"))) == len(segments) < len(units)
+    assert len(_segment_files(tmp_path)) == len(segments) < len(units)
     reads = []
     real_read = SegmentFiles.read
     monkeypatch.setattr(SegmentFiles, "read", lambda self, locs, *a: reads.append(len(locs)) or real_read(self, locs, *a))
-    got = store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result()
+    got = _read(store, units)
     assert got == units
     assert len(reads) == len(segments) and sum(reads) == len(units)  # one read per segment
     run = make_units(list(range(5000, 5000 + 64 * 6)))
@@ -366,7 +375,7 @@ def test_dropping_every_units_page_cache_leaves_none_of_their_segment_cached(tmp
     store = _segment_store(tmp_path)
     units = make_units(list(range(64 * 20)))
     assert all(f.result(timeout=30) for f in store.put_many_async(units))
-    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    assert _read(store, units) == units
     (segment,) = {store.location(u.key).path for u in units}
     assert _resident_pages(segment) > 0
     for u in units:
@@ -382,7 +391,7 @@ def test_a_damaged_record_costs_only_its_unit(tmp_path):
     data = bytearray(_rewrite_middle.path.read_bytes())
     data[_rewrite_middle.offset + _rewrite_middle.length - 5] ^= 0x01  # a payload bit of unit 3
     _rewrite_middle.path.write_bytes(bytes(data))
-    got = store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result()
+    got = _read(store, units)
     assert got[:3] == units[:3] and got[3] is None and got[4:] == units[4:]
     assert store.stats.corrupt == 1 and units[3].key not in store
     store.check_integrity()
@@ -423,7 +432,7 @@ def test_removed_units_stay_removed_and_sparse_segments_are_compacted(tmp_path):
         time.sleep(0.05)
     assert not old.exists()
     kept = [units[0], *units[6:]]
-    assert again.get_many_async([u.key for u in kept], NS.seed, [u.token_ids for u in kept]).result() == kept
+    assert _read(again, kept) == kept
     again.check_integrity()
     again.close()
     assert set(_segment_store(tmp_path).keys()) == {u.key for u in kept}
@@ -462,12 +471,8 @@ def test_a_restart_that_evicts_compacts_while_the_scan_goes_on(tmp_path, monkeyp
     again.flush()  # the compaction
     left = [u for u in first + second + third if u.key in again]
     assert len(left) == 11
-    assert again.get_many_async([u.key for u in left], NS.seed, [u.token_ids for u in left]).result() == left
+    assert _read(again, left) == left
     again.check_integrity()
-
-
-def _segment_files(tmp_path) -> list:
-    return sorted((tmp_path / "ssd" / "segments").glob("*.seg"))
 
 
 def test_small_segments_are_merged_and_nothing_is_lost(tmp_path):
@@ -481,7 +486,7 @@ def test_small_segments_are_merged_and_nothing_is_lost(tmp_path):
         store.check_integrity()
     store.flush()  # the merges under way
     assert len(_segment_files(tmp_path)) <= 4 < len(units)
-    assert store.get_many_async([u.key for u in units], NS.seed, [u.token_ids for u in units]).result() == units
+    assert _read(store, units) == units
     store.check_integrity()
     store.close()
     again = _segment_store(tmp_path, units=200)
@@ -513,7 +518,7 @@ def test_a_unit_removed_during_a_merge_stays_removed(tmp_path, monkeypatch):
     store.flush()
     kept = [u for i, u in enumerate(units) if i != 2]
     assert len(_segment_files(tmp_path)) == 1 and units[2].key not in store
-    assert store.get_many_async([u.key for u in kept], NS.seed, [u.token_ids for u in kept]).result() == kept
+    assert _read(store, kept) == kept
     store.check_integrity()
     store.close()
     assert set(_segment_store(tmp_path).keys()) == {u.key for u in kept}
@@ -531,5 +536,5 @@ def test_a_merge_that_meets_a_damaged_unit_removes_and_counts_it(tmp_path):
     kept = [u for i, u in enumerate(units) if i != 1]
     assert units[1].key not in store and store.stats.corrupt == 1
     assert len(_segment_files(tmp_path)) == 1
-    assert store.get_many_async([u.key for u in kept], NS.seed, [u.token_ids for u in kept]).result() == kept
+    assert _read(store, kept) == kept
     store.check_integrity()
