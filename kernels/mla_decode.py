@@ -16,6 +16,13 @@ so unused pages and table entries may hold anything (the tests fill them with Na
 Long contexts are split into C chunks handled by separate programs (split-K, as in flash-decoding):
 each writes a partial output normalised by its own softmax sum plus its log-sum-exp, and a second
 kernel merges the C partials.
+
+Programs run head block fastest: the head blocks of one (sequence, chunk) run side by side and
+read the same latents, so a chunk comes from DRAM about once and from L2 for the other head
+blocks. The tile shapes are tuned on the device at the first call per (H, R, P, Z) from
+``MLA_CONFIGS`` (``tests/kernels/test_hopper_compile.py`` compiles every one for Hopper and checks
+that none spills registers). At 128 heads (DeepSeek-V3) a token's 1,152 bytes feed ~280k FLOPs,
+so the kernel is bound by the tensor cores about as much as by memory.
 """
 
 from __future__ import annotations
@@ -26,9 +33,23 @@ import triton.language as tl
 
 from kernels import triton_interpreted
 
-__all__ = ["mla_decode", "ref_mla_decode"]
+__all__ = ["MLA_CONFIGS", "mla_decode", "ref_mla_decode"]
+
+# Tile shapes (heads x context tokens per step) tried on the device; tl.dot needs every tile
+# dimension >= 16. The interpreter takes the first. Each compiles for Hopper without spilling
+# registers (tests/kernels/test_hopper_compile.py). 64 heads x 16 tokens with 8 warps is the one
+# 64-head tile that fits (Hopper's warpgroup MMA needs 64 rows; 32 tokens spill).
+MLA_CONFIGS = [
+    triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bh, bn, w, st in [(16, 32, 4, 2), (16, 16, 4, 2), (16, 64, 8, 2), (32, 16, 4, 2),
+                          (32, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2)]
+]
+# A chunk is a whole number of the largest BLOCK_N.
+_CHUNK_ALIGN = 64
 
 
+@triton.autotune(MLA_CONFIGS[:1] if triton_interpreted() else MLA_CONFIGS,
+                 key=["num_heads", "R", "P", "Z"])
 @triton.jit
 def _mla_decode_split(
     q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
@@ -39,8 +60,8 @@ def _mla_decode_split(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h0 = tl.program_id(1) * BLOCK_H
+    h0 = tl.program_id(0) * BLOCK_H
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     lo = split * split_len
@@ -73,13 +94,15 @@ def _mla_decode_split(
         if UPCAST:
             c = c.to(tl.float32)
             k = k.to(tl.float32)
-        s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(k))  # [BH, BN]
+        # "ieee": fp32 inputs stay fp32 on GPUs (Triton's default there is tf32); no effect on bf16.
+        s = tl.dot(ql, tl.trans(c), input_precision="ieee")
+        s = tl.dot(qr, tl.trans(k), s, input_precision="ieee")  # [BH, BN]
         s = tl.where(ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         w = tl.exp(s - m_new[:, None])  # [BH, BN]
         l_i = l_i * alpha + tl.sum(w, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c)
+        acc = tl.dot(w.to(c.dtype), c, acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
 
     # An empty split (its chunk lies past the sequence end) writes lse = -inf and zeros.
@@ -133,25 +156,22 @@ def mla_decode(
     out = torch.empty_like(q_lat)
     if b == 0:
         return out
-    # tl.dot needs every tile dimension >= 16 on GPUs; masks cover the padding.
-    block_h = 16
-    block_n = 32
     max_len = block_table.shape[1] * page_size
     if num_splits is None:
-        programs = b * triton.cdiv(h, block_h)
+        # Enough (sequence, chunk) pairs for a few programs per SM, chunks of >= 256 tokens.
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
-        num_splits = max(1, min(triton.cdiv(max_len, 256), triton.cdiv(2 * sm, programs)))
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+        num_splits = max(1, min(triton.cdiv(max_len, 256), triton.cdiv(4 * sm, b * triton.cdiv(h, 64))))
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), _CHUNK_ALIGN) * _CHUNK_ALIGN
     num_splits = triton.cdiv(max_len, split_len)
     part_out = torch.empty(b, num_splits, h, r, device=q_lat.device, dtype=torch.float32)
     part_lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
     block_r, block_p = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
-    _mla_decode_split[(b, triton.cdiv(h, block_h), num_splits)](
+    _mla_decode_split[lambda meta: (triton.cdiv(h, meta["BLOCK_H"]), b, num_splits)](
         q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
         scale, h, split_len,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0),
         block_table.stride(0), part_out.stride(0), part_out.stride(2), part_out.stride(1),
-        R=r, P=p, Z=page_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
+        R=r, P=p, Z=page_size, BLOCK_R=block_r, BLOCK_P=block_p,
         UPCAST=triton_interpreted() or kv.dtype == torch.float32,
     )
     _mla_decode_merge[(b, h)](

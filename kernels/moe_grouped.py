@@ -12,6 +12,10 @@ weights once for all its rows. Two kernels, each a tiled GEMM over (row block, o
 
 and the K rows of a token are summed in torch (no atomics, deterministic). Weights stay in
 Hugging Face layout: ``gate_up`` [E, 2I, M] (gate rows then up rows), ``down`` [E, M, I].
+
+BM follows the rows an expert gets on average (decode: a few, so 16 and little padding; a large
+prefill batch: hundreds, so 128 and each weight tile read once per 128 rows). The column and
+depth tiles are tuned on the device at the first call per (M, I, BM) from ``GROUPED_CONFIGS``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,20 @@ import triton.language as tl
 
 from kernels import triton_interpreted
 
-__all__ = ["moe_grouped_mlp", "ref_moe_grouped_mlp", "sort_rows_by_expert"]
+__all__ = ["BLOCK_ROWS", "GROUPED_CONFIGS", "block_rows", "moe_grouped_mlp", "ref_moe_grouped_mlp", "sort_rows_by_expert"]
+
+# Rows per block (BM), smallest first; tl.dot needs >= 16.
+BLOCK_ROWS = (16, 32, 64, 128)
+# Column (BN) and depth (BK) tiles tried on the device; the interpreter takes the first. Each
+# compiles for Hopper with every BM without spilling (tests/kernels/test_hopper_compile.py).
+GROUPED_CONFIGS = [
+    triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
+    for bn, bk, w, st in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 32, 8, 4)]
+]
+_TUNE = GROUPED_CONFIGS[:1] if triton_interpreted() else GROUPED_CONFIGS
 
 
+@triton.autotune(_TUNE, key=["HIDDEN", "INTER", "BM"])
 @triton.jit
 def _gate_up_silu(
     x, gate_up, rows, block_expert, h, num_rows, HIDDEN, INTER,
@@ -53,13 +68,15 @@ def _gate_up_silu(
             xt = xt.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
-        acc_g += tl.dot(xt, wg)
-        acc_u += tl.dot(xt, wu)
+        # "ieee": fp32 inputs stay fp32 on GPUs (Triton's default there is tf32); no effect on bf16.
+        acc_g = tl.dot(xt, wg, acc_g, input_precision="ieee")
+        acc_u = tl.dot(xt, wu, acc_u, input_precision="ieee")
     out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h + (blk * BM + tl.arange(0, BM))[:, None] * stride_h + n[None, :],
              out.to(h.dtype.element_ty), mask=(n[None, :] < INTER))
 
 
+@triton.autotune(_TUNE, key=["HIDDEN", "INTER", "BM"])
 @triton.jit
 def _down_weighted(
     h, down, rows, block_expert, weights, y, num_rows, HIDDEN, INTER,
@@ -84,11 +101,18 @@ def _down_weighted(
         if UPCAST:
             ht = ht.to(tl.float32)
             wd = wd.to(tl.float32)
-        acc += tl.dot(ht, wd)
+        acc = tl.dot(ht, wd, acc, input_precision="ieee")
     rw = tl.load(weights + r, mask=ok, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     tl.store(y + tl.where(ok, r, 0)[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=ok[:, None] & (n[None, :] < HIDDEN))
+
+
+def block_rows(num_rows: int, num_experts: int) -> int:
+    """BM for ``num_rows`` (token, expert) rows over ``num_experts``: the smallest of
+    ``BLOCK_ROWS`` that holds an expert's average share, at most the largest."""
+    share = triton.cdiv(num_rows, max(1, num_experts))
+    return next((bm for bm in BLOCK_ROWS if bm >= share), BLOCK_ROWS[-1])
 
 
 def sort_rows_by_expert(
@@ -137,22 +161,21 @@ def moe_grouped_mlp(
         return torch.zeros_like(x)
     x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
-    bm = 16
+    bm = block_rows(t * k, e)
     rows, block_expert = sort_rows_by_expert(expert_ids, e, bm)
     nb = block_expert.shape[0]
     h = torch.empty(nb * bm, i, device=x.device, dtype=x.dtype)
     y = torch.empty(t * k, m, device=x.device, dtype=torch.float32)
     upcast = triton_interpreted() or x.dtype == torch.float32
-    bn, bk = 64, 64
-    _gate_up_silu[(nb, triton.cdiv(i, bn))](
+    _gate_up_silu[lambda meta: (nb, triton.cdiv(i, meta["BN"]))](
         x, gate_up, rows, block_expert, h, t * k, m, i,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOPK=k, BM=bm, BN=bn, BK=bk, UPCAST=upcast,
+        TOPK=k, BM=bm, UPCAST=upcast,
     )
-    _down_weighted[(nb, triton.cdiv(m, bn))](
+    _down_weighted[lambda meta: (nb, triton.cdiv(m, meta["BN"]))](
         h, down, rows, block_expert, weights.float().contiguous().reshape(-1), y, t * k, m, i,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BM=bm, BN=bn, BK=bk, UPCAST=upcast,
+        BM=bm, UPCAST=upcast,
     )
     return y.view(t, k, m).sum(1).to(x.dtype)
 

@@ -28,8 +28,10 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     "$PIP" install -q "torch>=2.6,<3"
   else
     # An unpinned torch would pull a multi-GB CUDA build; 2.13.0 is the CPU build we test with.
-    echo "== installing torch==2.13.0 (CPU build)"
-    "$PIP" install -q "torch==2.13.0"
+    # Triton is pinned too: tests/kernels/test_hopper_compile.py checks the kernels' tile configs
+    # against what this compiler makes of them.
+    echo "== installing torch==2.13.0 (CPU build) and triton==3.9.0"
+    "$PIP" install -q "torch==2.13.0" "triton==3.9.0"
   fi
 fi
 

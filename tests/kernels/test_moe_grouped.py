@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_grouped import moe_grouped_mlp, ref_moe_grouped_mlp, sort_rows_by_expert
+from kernels.moe_grouped import (
+    block_rows,
+    moe_grouped_mlp,
+    ref_moe_grouped_mlp,
+    sort_rows_by_expert,
+)
 from tests.kernels.triton_cases import DEVICE, TOLERANCES
 
 
@@ -35,6 +40,13 @@ def test_matches_reference(t, k, e, m, i, dtype, atol, rtol):
 def test_no_tokens():
     args = _case(0, 2, 4, 8, 4, torch.float32, seed=0)
     assert moe_grouped_mlp(*args).shape == (0, 8)
+
+
+def test_block_rows_follow_an_experts_average_share():
+    assert block_rows(64 * 8, 256) == 16  # decode: 2 rows per expert
+    assert block_rows(40, 1) == 64
+    assert block_rows(4096 * 8, 32) == 128  # a prefill batch on one shard: 1,024 rows per expert
+    assert block_rows(0, 8) == 16
 
 
 def test_sort_rows_by_expert_pads_each_run():
