@@ -88,7 +88,7 @@ def _log_progress(ckpt: Path):
 
 class LLMServer:
     def __init__(self, cfg: dict) -> None:
-        """``cfg`` keys: checkpoint, dtype, cache_dir, ssd_bytes, ram_bytes, admission,
+        """``cfg`` keys: checkpoint, dtype, device (cpu | cuda), cache_dir, ssd_bytes, ram_bytes, admission,
         num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
         expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
         slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand),
@@ -100,7 +100,8 @@ class LLMServer:
         ckpt = Path(cfg["checkpoint"])
         shards = cfg.get("ep_shards") or []
         self.model = load_model(
-            ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=not shards
+            ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=not shards,
+            device=cfg.get("device", "cpu"),
         )
         self.ep = self._start_ep(cfg, shards) if shards else None
         self.tokenizer = load_tokenizer(ckpt)

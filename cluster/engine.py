@@ -283,7 +283,8 @@ class Engine:
     def _export_prompt_kv(self, seq: Sequence) -> torch.Tensor:
         n = len(seq.req.prompt_ids)
         slots = slots_for(torch.tensor(seq.pages), torch.arange(n), self.cfg.page_size)
-        return torch.stack([self.pool.read(layer, slots) for layer in range(self.pool.num_layers)])  # [L, P, D]
+        kv = torch.stack([self.pool.read(layer, slots) for layer in range(self.pool.num_layers)])  # [L, P, D]
+        return kv.cpu()  # handed to another replica through host memory
 
     def _fits(self, unit: Unit) -> bool:
         return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.latent_dim
@@ -416,7 +417,7 @@ class Engine:
             if (i + 1) * UNIT_TOKENS > seq.num_computed or self.cache.holds(keys[i]):
                 continue
             pages = seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages]
-            data = self.pool.read_pages(pages).contiguous()  # [L, 64, D], a copy
+            data = self.pool.read_pages(pages).cpu().contiguous()  # [L, 64, D], a copy in host memory
             payload = data.view(torch.uint8).numpy().tobytes()
             parent = keys[i - 1] if i else ns.seed
             units.append(Unit(ns.seed, keys[i], parent, tuple(ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS]),

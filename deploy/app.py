@@ -32,6 +32,9 @@ class AppArgs(BaseModel):
     checkpoint: str | None = None  # default: the built-in 'tiny' model
     model_name: str = "tiny"
     dtype: str = "float32"
+    # "cuda": each replica takes one GPU (Ray's num_gpus) and runs the model there with the Triton
+    # kernels; use dtype bfloat16 for real models
+    device: Literal["cpu", "cuda"] = "cpu"
     replicas: int = Field(default=1, ge=1)
     replica_cpus: float = Field(default=1.0, gt=0)
     max_replicas_per_node: int | None = Field(default=None, ge=1)  # 1: one DP replica per node
@@ -159,7 +162,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     if not (Path(checkpoint) / "config.json").is_file():
         raise ValueError(f"checkpoint {checkpoint!r} has no config.json")
     server_cfg = {
-        "checkpoint": checkpoint, "dtype": a.dtype,
+        "checkpoint": checkpoint, "dtype": a.dtype, "device": a.device,
         "cache_dir": a.cache_dir or str(cache_root() / "cache"),
         "ssd_bytes": int(a.ssd_gb * 1e9), "store_layout": a.cache_layout, "ram_bytes": a.ram_mb << 20,
         "admission": a.admission,
@@ -169,6 +172,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }
     if a.expert_shards:
+        if a.device != "cpu":
+            raise ValueError(f"expert_shards with device={a.device!r}: expert-shard actors run on the CPU "
+                             "for now; use device='cpu' or expert_shards=0")
         if a.replicas > 1:
             # Each replica keeps its own placement versions on the shared shard actors, and a
             # rebalance drops every version but its own: a second replica would lose its experts.
@@ -201,7 +207,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
             request_router_class=router, request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
     server = serve.deployment(
         LLMServer, name="LLMServer", num_replicas=a.replicas,
-        ray_actor_options={"num_cpus": a.replica_cpus},
+        ray_actor_options={"num_cpus": a.replica_cpus, "num_gpus": 1 if a.device == "cuda" else 0},
         max_ongoing_requests=64, health_check_period_s=10, max_replicas_per_node=a.max_replicas_per_node,
         **options,
     ).bind(server_cfg)

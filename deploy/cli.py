@@ -36,7 +36,19 @@ app.command("status")(status)
 app.add_typer(schedule_app, name="schedule")
 
 
-def _load_with_progress(ckpt: Path, dtype: str, load_model):
+def _check_dtype(dtype: str) -> None:
+    from model.checkpoint import DTYPES
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+
+
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r} is not one of cpu, cuda")
+
+
+def _load_with_progress(ckpt: Path, dtype: str, load_model, device: str = "cpu"):
     """Load a checkpoint showing a progress bar on stderr (it disappears when done)."""
     from rich.console import Console
     from rich.progress import (
@@ -50,7 +62,8 @@ def _load_with_progress(ckpt: Path, dtype: str, load_model):
     with Progress(TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(str(ckpt), total=None)
-        return load_model(ckpt, dtype, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        return load_model(ckpt, dtype, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                          device=device)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -76,21 +89,22 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: int = typer.Option(None, "--seed"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (the Triton kernels run on CUDA)"),
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
 ) -> None:
     """Run the model through the engine in-process (no Ray, no cache) and print the text."""
     from cachedir.hashing import Namespace
     from cluster.engine import Engine, EngineConfig
     from cluster.request import GenerationRequest
-    from model.checkpoint import DTYPES, CheckpointError, load_model
+    from model.checkpoint import CheckpointError, load_model
     from model.default import default_checkpoint
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
 
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of --prompt or --prompt-ids")
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    _check_dtype(dtype)
+    _check_device(device)
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     except ValueError as e:
@@ -99,8 +113,8 @@ def generate(
         raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} is not a directory")
     ckpt = checkpoint or default_checkpoint()
     try:
-        model = _load_with_progress(ckpt, dtype, load_model)
-    except (CheckpointError, FileNotFoundError) as e:
+        model = _load_with_progress(ckpt, dtype, load_model, device)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: cannot load {ckpt}: {e}", err=True)
         raise typer.Exit(2) from None
     tok = load_tokenizer(ckpt)
@@ -161,6 +175,8 @@ def up(
     api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT[:MODEL+...] (the models the key may use; default all); repeat for several (default: no auth)"),
     expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors (0: in the replica)"),
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica takes one GPU and runs the Triton kernels)"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
     from rich.console import Console
@@ -175,10 +191,12 @@ def up(
         raise typer.BadParameter(f"--admission {admission!r} is not one of all, second-sight")
     if cache_layout not in ("segment", "unit"):
         raise typer.BadParameter(f"--cache-layout {cache_layout!r} is not one of segment, unit")
+    _check_device(device)
+    _check_dtype(dtype)
     args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
             "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
             "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
-            "micro_batches": micro_batches}
+            "micro_batches": micro_batches, "device": device, "dtype": dtype}
     console = Console(stderr=True)
     with console.status("starting tideserve") as status:
         try:

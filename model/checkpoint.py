@@ -248,13 +248,21 @@ def load_model(
     progress: Progress | None = None,
     impl: str = "auto",
     routed_experts: bool = True,
+    device: str | torch.device = "cpu",
 ) -> DeepseekModel:
     """``routed_experts=False`` leaves the routed experts on disk (an attention replica under
-    expert parallelism, whose executor sends tokens to expert shards)."""
+    expert parallelism, whose executor sends tokens to expert shards). ``device``: where the
+    weights and the latent pool live (``cuda`` selects the Triton kernels under ``impl="auto"``)."""
     dtype = _dtype(dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
     cfg = load_config(ckpt_dir)
     include = None if routed_experts else (lambda name: not is_routed_expert(name))
-    return build_model(cfg, load_state_dict(ckpt_dir, cfg, dtype, progress, include), impl)
+    sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include)
+    for name in sd:  # one tensor at a time, so host memory holds at most one extra copy
+        sd[name] = sd[name].to(device)
+    return build_model(cfg, sd, impl)
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -34,6 +34,7 @@ class LatentKVPool:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         impl: Impl = "ref",
+        device: str | torch.device = "cpu",
     ) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
@@ -44,7 +45,8 @@ class LatentKVPool:
         self.page_size = page_size
         self.latent_dim = cfg.latent_dim
         self.impl = impl
-        self.data = torch.zeros(cfg.num_hidden_layers, num_pages * page_size, cfg.latent_dim, dtype=dtype)
+        self.data = torch.zeros(cfg.num_hidden_layers, num_pages * page_size, cfg.latent_dim, dtype=dtype,
+                                device=device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,13 +56,14 @@ class LatentKVPool:
         return self.data.numel() * self.data.element_size()
 
     def write(self, layer_idx: int, slots: torch.Tensor, latents: torch.Tensor) -> None:
-        """latents [T, D] into ``slots`` [T]."""
-        self.data[layer_idx].index_copy_(0, slots, latents.to(self.data.dtype))
+        """latents [T, D] into ``slots`` [T] (either may live on another device than the pool)."""
+        dev = self.data.device
+        self.data[layer_idx].index_copy_(0, slots.to(dev), latents.to(dev, self.data.dtype))
 
     def read(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor:
         """slots [...] -> [..., D]."""
         # index_select on a flat index is several times faster than advanced indexing here
-        flat = self.data[layer_idx].index_select(0, slots.reshape(-1))
+        flat = self.data[layer_idx].index_select(0, slots.reshape(-1).to(self.data.device))
         return flat.view(*slots.shape, self.latent_dim)
 
     def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
@@ -78,7 +81,8 @@ class LatentKVPool:
         if tuple(latents.shape) != expected:
             raise ValueError(f"latents shape {tuple(latents.shape)} != expected {expected}")
         if self.impl == "triton":
-            scatter_units(self.data, pages_t[None], latents[None].to(self.dtype), self.page_size)
+            scatter_units(self.data, pages_t[None], latents[None].to(self.data.device, self.dtype), self.page_size)
             return
         view = self.data.view(self.num_layers, self.num_pages, self.page_size, self.latent_dim)
-        view[:, pages_t] = latents.view(self.num_layers, len(pages_t), self.page_size, -1).to(self.dtype)
+        view[:, pages_t] = latents.view(self.num_layers, len(pages_t), self.page_size, -1).to(
+            self.data.device, self.dtype)

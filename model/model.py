@@ -59,6 +59,12 @@ class DeepseekModel:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights and pools live; token ids, block tables and positions may come from
+        anywhere and are moved here."""
+        return self.embed.device
+
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
@@ -68,7 +74,7 @@ class DeepseekModel:
             moe.executor = executor
 
     def new_pool(self, num_pages: int, page_size: int = 16) -> LatentKVPool:
-        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype, self.impl)
+        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype, self.impl, self.device)
 
     def _ffn(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         return h + layer.mlp(rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps))
@@ -107,8 +113,10 @@ class DeepseekModel:
                 f"block table of {block_table.shape[0]} pages holds {block_table.shape[0] * z} "
                 f"tokens, sequence needs {start + t}"
             )
-        positions = torch.arange(start, start + t)
-        all_slots = slots_for(block_table, torch.arange(start + t), z)  # [S]
+        dev = self.device
+        token_ids, block_table = token_ids.to(dev), block_table.to(dev)
+        positions = torch.arange(start, start + t, device=dev)
+        all_slots = slots_for(block_table, torch.arange(start + t, device=dev), z)  # [S]
         new_slots = all_slots[start:]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         h = self.embed[token_ids]  # [T, M]
@@ -122,7 +130,7 @@ class DeepseekModel:
                 o = layer.attn.attend_naive(q_nope, q_rope, latents, start)
             else:
                 if mask is None:
-                    mask = (torch.arange(start + t)[None, :] <= positions[:, None])[None]  # [1,T,S]
+                    mask = (torch.arange(start + t, device=dev)[None, :] <= positions[:, None])[None]  # [1,T,S]
                 o = layer.attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], mask)[0]
             h = self._ffn(layer, h + layer.attn.output(o))
         return self._logits(h if all_logits else h[-1])
@@ -149,6 +157,8 @@ class DeepseekModel:
         """
         b = token_ids.shape[0]
         z = pool.page_size
+        dev = self.device
+        token_ids, block_tables, positions = token_ids.to(dev), block_tables.to(dev), positions.to(dev)
         max_len = int(positions.max()) + 1
         if block_tables.shape[1] * z < max_len:
             raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
@@ -236,7 +246,7 @@ class _DecodeBatch:
                     model.impl == "triton" and attn == "absorbed")
         if not batch.paged:
             b, max_len = token_ids.shape[0], int(positions.max()) + 1
-            span = torch.arange(max_len)  # [S]
+            span = torch.arange(max_len, device=positions.device)  # [S]
             batch.read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), page_size)
             batch.mask = (span[None, :] <= positions[:, None])[:, None, :]
         return batch

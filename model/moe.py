@@ -121,7 +121,7 @@ def grouped_expert_forward(
         return moe_grouped_mlp(x, expert_ids, weights, w.gate_up, w.down)
     if t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu":
         return moe_routed(x.contiguous(), expert_ids.contiguous(), weights.float().contiguous(), w.gate_up, w.down)
-    if not _HAS_GROUPED_MM:
+    if not _HAS_GROUPED_MM or x.device.type != "cpu":  # CUDA's grouped GEMM wants bf16 on sm_90
         return ref_moe_routed(x, expert_ids, weights.to(x.dtype), w.gate_up, w.down)
     flat_ids = expert_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)  # [T*K]

@@ -62,17 +62,18 @@ class RotaryEmbedding:
         self._cos = torch.empty(0, inv_freq.numel())
         self._sin = torch.empty(0, inv_freq.numel())
 
-    def _grow(self, n: int) -> None:
+    def _grow(self, n: int, device: torch.device) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq  # [N, R/2]
+        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq  # [N, R/2] (on the CPU)
+        freqs = freqs.to(device)
         self._cos = freqs.cos() * self.attention_factor
         self._sin = freqs.sin() * self.attention_factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for ``positions`` [T] -> two [T, R/2] tensors."""
+        """Tables for ``positions`` [T] -> two [T, R/2] tensors, on the positions' device."""
         top = int(positions.max()) + 1 if positions.numel() else 0
-        if top > self._cos.shape[0]:
-            self._grow(top)
+        if top > self._cos.shape[0] or self._cos.device != positions.device:
+            self._grow(top, positions.device)
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
 
 

@@ -35,12 +35,13 @@ class SamplingParams:
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """logits [B, V] fp32 -> token ids [B]. ``generators[b]`` makes row b reproducible."""
-    out = logits.argmax(dim=-1)  # [B]
+    """logits [B, V] fp32 (any device) -> token ids [B] on the CPU. ``generators[b]`` (a CPU
+    generator) makes row b reproducible."""
+    out = logits.argmax(dim=-1).cpu()  # [B]
     for b, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[b] / p.temperature  # [V]
+        row = logits[b].cpu() / p.temperature  # [V]
         if p.top_k:
             kth = row.topk(min(p.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

@@ -58,6 +58,7 @@ def test_generate_default_model_with_text_prompt(tmp_path):
         (["--prompt", "a", "--top-p", "0"], "top_p"),
         (["--prompt", "a", "--dtype", "int3"], "int3"),
         (["--prompt", "a", "--checkpoint", "/nonexistent"], "/nonexistent"),
+        (["--prompt", "a", "--device", "tpu"], "tpu"),
     ],
 )
 def test_bad_arguments_name_the_bad_value(tmp_path, args, message):
@@ -72,3 +73,12 @@ def test_seeded_sampling_is_reproducible(tmp_path):
     assert runs[0].returncode == 0, runs[0].stderr
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
     torch.manual_seed(0)  # keep global RNG state irrelevant to the outcome
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = _tide("generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--device", "cuda", env_home=tmp_path)
+    assert r.returncode == 2 and "CUDA is not available" in r.stderr

@@ -94,3 +94,11 @@ def test_up_serves_then_down_stops_everything(tmp_path):
     assert _tide("down", home=tmp_path).returncode == 1  # nothing left to stop
     gone = _tide("status", home=tmp_path)
     assert gone.returncode == 2 and "no local cluster is running" in gone.stderr.replace("\n", " ").replace("│", "")
+
+
+@pytest.mark.parametrize("args, message", [(["--device", "tpu"], "tpu"), (["--dtype", "int3"], "int3"),
+                                           (["--cache-layout", "flat"], "flat")])
+def test_bad_arguments_name_the_bad_value_and_start_nothing(tmp_path, args, message):
+    r = _tide("up", *args, home=tmp_path, timeout=120)
+    assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
+    assert not (tmp_path / "run" / "state.json").exists()  # nothing was started

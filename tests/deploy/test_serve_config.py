@@ -37,3 +37,20 @@ def test_expert_shards_with_several_replicas_is_refused_clearly():
 
     with pytest.raises(ValueError, match="replicas=2"):
         build_app({"expert_shards": 2, "replicas": 2})
+
+
+def test_device_cuda_gives_each_replica_a_gpu(tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
+    from deploy.app import build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    server = build_app({"device": "cuda", "dtype": "bfloat16"})._bound_deployment.init_args[0]
+    assert server._bound_deployment.ray_actor_options["num_gpus"] == 1
+    assert server._bound_deployment.init_args[0]["device"] == "cuda"
+    cpu = build_app({})._bound_deployment.init_args[0]
+    assert cpu._bound_deployment.ray_actor_options["num_gpus"] == 0
+    with pytest.raises(ValidationError, match="device"):
+        build_app({"device": "tpu"})
+    with pytest.raises(ValueError, match="device='cuda'"):
+        build_app({"device": "cuda", "expert_shards": 2})
