@@ -1,21 +1,41 @@
 """``tide bench kernels``: achieved bandwidth of MLA decode and TFLOP/s of the MoE grouped GEMM.
 
 CUDA only (on CPU the Triton kernels run in an interpreter, which measures nothing useful). MLA
-decode is memory-bound: bytes = the latent cache read once (B x context x 576 values) plus
-queries and outputs; the fraction is of the device's peak memory bandwidth as NVML reports it
-(bus width x memory clock x 2 for DDR), or ``--peak-gbps``.
+decode: bytes = the latent cache read once (B x context x 576 values) plus queries and outputs;
+the fraction is of the device's peak memory bandwidth as NVML reports it (bus width x memory
+clock x 2 for DDR), or ``--peak-gbps``. With 128 heads every cached token also feeds
+128 x (576 + 512) x 2 FLOPs, ~242 FLOPs per byte, about an H100/H200's ratio of tensor FLOP/s to
+bandwidth, so ``tflop_per_s`` is reported beside it: the kernel is bound by either.
+
+Every case is first checked against the torch reference (``max_abs_err``, on two sequences of
+the batch), then timed as the median of ``triton.testing.do_bench``; the first call tunes the
+kernel's tiles, and ``config`` names the ones it chose.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# DeepSeek-V3 attention and expert shapes
-HEADS, KV_LORA_RANK, ROPE_DIM = 128, 512, 64
-HIDDEN, MOE_INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8
-PAGE_SIZE = 64
+
+@dataclass(frozen=True)
+class Shapes:
+    """Attention and expert sizes of a benchmark (default: DeepSeek-V3's)."""
+
+    heads: int = 128
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    hidden: int = 7168
+    moe_inter: int = 2048
+    top_k: int = 8
+    page_size: int = 64
+
+
+V3 = Shapes()
 
 
 def peak_memory_gbps(device_index: int = 0) -> float | None:
@@ -32,24 +52,53 @@ def peak_memory_gbps(device_index: int = 0) -> float | None:
         return None
 
 
-def _time_ms(fn) -> float:
+def _time_ms(fn, device: str) -> float:
+    """Median milliseconds per call; the first call (which tunes the tiles) is not timed. Off
+    CUDA (the interpreter, for tests) a plain wall-clock median of three calls."""
+    fn()
+    if device != "cuda":
+        return statistics.median(_wall_ms(fn) for _ in range(3))
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def bench_mla_decode(batch: int, context: int, peak_gbps: float | None) -> dict[str, Any]:
-    from kernels.mla_decode import mla_decode
+def _wall_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
-    dev, dt = "cuda", torch.bfloat16
-    pages_per_seq = context // PAGE_SIZE
-    kv = torch.randn(batch * pages_per_seq * PAGE_SIZE, KV_LORA_RANK + ROPE_DIM, device=dev, dtype=dt)
-    table = torch.randperm(batch * pages_per_seq, device=dev, dtype=torch.int32).view(batch, -1)
-    q_lat = torch.randn(batch, HEADS, KV_LORA_RANK, device=dev, dtype=dt)
-    q_rope = torch.randn(batch, HEADS, ROPE_DIM, device=dev, dtype=dt)
-    lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
-    ms = _time_ms(lambda: mla_decode(q_lat, q_rope, kv, table, lens, 0.07, PAGE_SIZE))
-    nbytes = (kv.numel() + q_lat.numel() * 2 + q_rope.numel()) * 2 + table.numel() * 4
+
+def _tuned(kernel) -> str | None:
+    """The tile config the autotuner chose at the last launch, e.g. ``BLOCK_H: 32, BLOCK_N: 32, num_warps: 8, ...``."""
+    best = getattr(kernel, "best_config", None)
+    return str(best) if best is not None else None
+
+
+def bench_mla_decode(
+    batch: int, context: int, peak_gbps: float | None, shapes: Shapes = V3, device: str = "cuda"
+) -> dict[str, Any]:
+    from kernels.mla_decode import _mla_decode_split, mla_decode, ref_mla_decode
+
+    sh, dt = shapes, torch.bfloat16
+    pages_per_seq = -(-context // sh.page_size)
+    kv = torch.randn(batch * pages_per_seq * sh.page_size, sh.kv_lora_rank + sh.rope_dim, device=device, dtype=dt)
+    table = torch.randperm(batch * pages_per_seq, device=device, dtype=torch.int32).view(batch, -1)
+    q_lat = torch.randn(batch, sh.heads, sh.kv_lora_rank, device=device, dtype=dt)
+    q_rope = torch.randn(batch, sh.heads, sh.rope_dim, device=device, dtype=dt)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    scale = (sh.kv_lora_rank + sh.rope_dim) ** -0.5
+
+    def run() -> torch.Tensor:
+        return mla_decode(q_lat, q_rope, kv, table, lens, scale, sh.page_size)
+
+    checked = min(batch, 2)
+    ref = ref_mla_decode(q_lat[:checked], q_rope[:checked], kv, table[:checked], lens[:checked], scale, sh.page_size)
+    err = float((run()[:checked].float() - ref.float()).abs().max())
+    ms = _time_ms(run, device)
+    nbytes = (batch * context * (sh.kv_lora_rank + sh.rope_dim) + q_lat.numel() * 2 + q_rope.numel()) * 2 \
+        + table.numel() * 4
+    flops = 2 * batch * sh.heads * context * (2 * sh.kv_lora_rank + sh.rope_dim)
     gbps = nbytes / ms / 1e6
     return {
         "batch": batch,
@@ -57,23 +106,34 @@ def bench_mla_decode(batch: int, context: int, peak_gbps: float | None) -> dict[
         "ms": round(ms, 4),
         "gb_per_s": round(gbps, 1),
         "fraction_of_peak": round(gbps / peak_gbps, 3) if peak_gbps else None,
+        "tflop_per_s": round(flops / ms / 1e9, 1),
+        "max_abs_err": round(err, 5),
+        "config": _tuned(_mla_decode_split),
     }
 
 
-def bench_moe_grouped(tokens: int, experts: int) -> dict[str, Any]:
-    from kernels.moe_grouped import moe_grouped_mlp
+def bench_moe_grouped(tokens: int, experts: int, shapes: Shapes = V3, device: str = "cuda") -> dict[str, Any]:
+    from kernels.moe_grouped import _gate_up_silu, moe_grouped_mlp, ref_moe_grouped_mlp
 
-    dev, dt = "cuda", torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(tokens, HIDDEN, device=dev, dtype=dt, generator=gen)
-    ids = torch.randint(0, experts, (tokens, TOP_K), device=dev, generator=gen)
-    w = torch.rand(tokens, TOP_K, device=dev, generator=gen)
-    gate_up = torch.randn(experts, 2 * MOE_INTER, HIDDEN, device=dev, dtype=dt, generator=gen) * 0.02
-    down = torch.randn(experts, HIDDEN, MOE_INTER, device=dev, dtype=dt, generator=gen) * 0.02
-    ms = _time_ms(lambda: moe_grouped_mlp(x, ids, w, gate_up, down))
-    flops = 2 * tokens * TOP_K * 3 * HIDDEN * MOE_INTER
-    return {"tokens": tokens, "experts": experts, "top_k": TOP_K, "ms": round(ms, 3),
-            "tflop_per_s": round(flops / ms / 1e9, 1)}
+    sh, dt = shapes, torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, sh.hidden, device=device, dtype=dt, generator=gen)
+    ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, : sh.top_k]  # distinct per token
+    w = torch.rand(tokens, sh.top_k, device=device, generator=gen)
+    gate_up = (torch.randn(experts, 2 * sh.moe_inter, sh.hidden, device=device, generator=gen) * 0.02).to(dt)
+    down = (torch.randn(experts, sh.hidden, sh.moe_inter, device=device, generator=gen) * 0.02).to(dt)
+
+    def run() -> torch.Tensor:
+        return moe_grouped_mlp(x, ids, w, gate_up, down)
+
+    few = slice(0, 64)  # the reference loops over experts: check some of the tokens
+    ref = ref_moe_grouped_mlp(x[few], ids[few], w[few], gate_up, down).float()
+    err = float((run()[few].float() - ref).abs().max() / ref.abs().max())
+    ms = _time_ms(run, device)
+    flops = 2 * tokens * sh.top_k * 3 * sh.hidden * sh.moe_inter
+    return {"tokens": tokens, "experts": experts, "top_k": sh.top_k, "ms": round(ms, 3),
+            "tflop_per_s": round(flops / ms / 1e9, 1), "max_rel_err": round(err, 5),
+            "config": _tuned(_gate_up_silu)}
 
 
 def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:

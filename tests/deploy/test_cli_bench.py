@@ -72,6 +72,22 @@ def test_bench_kernels_without_cuda_says_so_and_exits_0():
         assert "needs CUDA" in out["skipped"]
 
 
+def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
+    """The bench's own code at toy shapes (the kernels in the interpreter on CPU), so the one GPU
+    run a session gets is not spent on a bug in the bench."""
+    import torch
+
+    from deploy.bench.kernel_bench import Shapes, bench_mla_decode, bench_moe_grouped
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    small = Shapes(heads=4, kv_lora_rank=32, rope_dim=16, hidden=64, moe_inter=32, top_k=2, page_size=16)
+    mla = bench_mla_decode(2, 100, 1000.0, small, device)
+    assert mla["max_abs_err"] < 0.05 and mla["ms"] > 0 and mla["gb_per_s"] >= 0 and mla["tflop_per_s"] >= 0
+    assert mla["fraction_of_peak"] == round(mla["gb_per_s"] / 1000.0, 3) and "BLOCK_H" in mla["config"]
+    moe = bench_moe_grouped(24, 4, small, device)
+    assert moe["max_rel_err"] < 0.05 and moe["ms"] > 0 and "BN" in moe["config"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["cluster", "--trace", "/nope.jsonl"], "/nope.jsonl"),
     (["cluster", "--trace", __file__, "--modes", "shared,fifo"], "fifo"),
