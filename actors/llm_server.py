@@ -103,6 +103,8 @@ class LLMServer:
             ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=not shards,
             device=cfg.get("device", "cpu"),
         )
+        if self.model.device.type == "cuda":  # compile and tune the Triton kernels before serving
+            self.model.warmup(int(cfg.get("max_prefill_tokens", 2048)))
         self.ep = self._start_ep(cfg, shards) if shards else None
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg

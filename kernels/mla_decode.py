@@ -27,6 +27,8 @@ so the kernel is bound by the tensor cores about as much as by memory.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -159,7 +161,7 @@ def mla_decode(
     max_len = block_table.shape[1] * page_size
     if num_splits is None:
         # Enough (sequence, chunk) pairs for a few programs per SM, chunks of >= 256 tokens.
-        sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
+        sm = _sm_count(q_lat.device.index or 0) if q_lat.is_cuda else 4
         num_splits = max(1, min(triton.cdiv(max_len, 256), triton.cdiv(4 * sm, b * triton.cdiv(h, 64))))
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), _CHUNK_ALIGN) * _CHUNK_ALIGN
     num_splits = triton.cdiv(max_len, split_len)
@@ -180,6 +182,11 @@ def mla_decode(
         R=r, BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(num_splits),
     )
     return out
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def ref_mla_decode(

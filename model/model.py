@@ -76,6 +76,21 @@ class DeepseekModel:
     def new_pool(self, num_pages: int, page_size: int = 16) -> LatentKVPool:
         return LatentKVPool(self.cfg, num_pages, page_size, self.dtype, self.impl, self.device)
 
+    def warmup(self, prefill_tokens: int = 256, decode_batch: int = 1) -> None:
+        """Run one prefill and one decode step on a scratch pool, so a server's first request does
+        not pay for compiling and tuning the Triton kernels (tens of seconds per kernel on a GPU).
+        The tiles are tuned per shape key: attention once, the grouped GEMM per rows-per-expert
+        bucket, so a prefill and a decode cover the common ones. Leaves no state behind."""
+        z = 16
+        n = max(1, min(prefill_tokens, self.cfg.max_position_embeddings - 1))
+        pages = -(-(n + 1) // z)
+        pool = self.new_pool(pages * decode_batch, z)
+        gen = torch.Generator().manual_seed(0)
+        tables = torch.arange(pages * decode_batch).view(decode_batch, pages)
+        for row in tables:
+            self.prefill(torch.randint(0, self.cfg.vocab_size, (n,), generator=gen), pool, row)
+        self.decode(torch.zeros(decode_batch, dtype=torch.long), pool, tables, torch.full((decode_batch,), n))
+
     def _ffn(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         return h + layer.mlp(rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps))
 

@@ -75,3 +75,12 @@ def test_unit_pages_round_trip_through_host_memory(pair):
     other = model.new_pool(8, 16)
     other.write_pages([1, 3, 4, 6], host)  # what loading it copies in
     torch.testing.assert_close(other.read_pages([1, 3, 4, 6]).cpu(), host, atol=0, rtol=0)
+
+
+def test_warmup_leaves_no_state_behind(tmp_path):
+    """What a GPU replica runs before serving (to compile and tune the kernels), here on the CPU."""
+    make_hf_checkpoint("v3_grouped_yarn", tmp_path)
+    model = load_model(tmp_path)
+    before = generate(model, [1, 2, 3, 4], 8, eos_id=None)
+    model.warmup(prefill_tokens=40, decode_batch=3)
+    assert generate(model, [1, 2, 3, 4], 8, eos_id=None) == before
