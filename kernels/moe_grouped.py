@@ -53,7 +53,7 @@ def _gate_up_silu(
         return
     r = tl.load(rows + blk * BM + tl.arange(0, BM))  # [BM] flat (token, k) row ids, pads = num_rows
     ok = r < num_rows
-    tok = tl.where(ok, r // TOPK, 0)
+    tok = tl.where(ok, r // TOPK, 0).to(tl.int64)  # 64-bit offsets: T x M passes 2**31 at 300k tokens
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     w = gate_up + e.to(tl.int64) * stride_we
     acc_g = tl.zeros([BM, BN], tl.float32)
@@ -72,8 +72,8 @@ def _gate_up_silu(
         acc_g = tl.dot(xt, wg, acc_g, input_precision="ieee")
         acc_u = tl.dot(xt, wu, acc_u, input_precision="ieee")
     out = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h + (blk * BM + tl.arange(0, BM))[:, None] * stride_h + n[None, :],
-             out.to(h.dtype.element_ty), mask=(n[None, :] < INTER))
+    h_rows = (blk * BM + tl.arange(0, BM)).to(tl.int64)
+    tl.store(h + h_rows[:, None] * stride_h + n[None, :], out.to(h.dtype.element_ty), mask=(n[None, :] < INTER))
 
 
 @triton.autotune(_TUNE, key=["HIDDEN", "INTER", "BM"])
@@ -91,10 +91,11 @@ def _down_weighted(
     ok = r < num_rows
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     w = down + e.to(tl.int64) * stride_we
+    h_rows = (blk * BM + tl.arange(0, BM)).to(tl.int64)  # 64-bit offsets (rows x M passes 2**31)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, INTER, BK):
         kk = k0 + tl.arange(0, BK)
-        ht = tl.load(h + (blk * BM + tl.arange(0, BM))[:, None] * stride_h + kk[None, :],
+        ht = tl.load(h + h_rows[:, None] * stride_h + kk[None, :],
                      mask=ok[:, None] & (kk[None, :] < INTER), other=0.0)  # [BM, BK]
         wd = tl.load(w + n[None, :] * stride_wn + kk[:, None],
                      mask=(kk[:, None] < INTER) & (n[None, :] < HIDDEN), other=0.0)  # [BK, BN]
@@ -104,7 +105,7 @@ def _down_weighted(
         acc = tl.dot(ht, wd, acc, input_precision="ieee")
     rw = tl.load(weights + r, mask=ok, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
-    tl.store(y + tl.where(ok, r, 0)[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty),
+    tl.store(y + tl.where(ok, r, 0).to(tl.int64)[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty),
              mask=ok[:, None] & (n[None, :] < HIDDEN))
 
 

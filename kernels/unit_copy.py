@@ -23,8 +23,10 @@ def _copy_pages(
     pool, units, unit_pages, stride_pl, stride_ps, stride_uu, stride_ul, stride_ut, stride_q,
     D, Z: tl.constexpr, BLOCK_D: tl.constexpr, TO_UNITS: tl.constexpr,
 ):
-    u = tl.program_id(0)
-    layer = tl.program_id(1)
+    # 64-bit offsets: a pool of a real model holds more than 2**31 values (61 layers x 262k slots
+    # x 576), and so can a batch of units.
+    u = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
     q = tl.program_id(2)
     page = tl.load(unit_pages + u * stride_q + q).to(tl.int64)
     z = tl.arange(0, Z)
