@@ -5,7 +5,9 @@ decode: bytes = the latent cache read once (B x context x 576 values) plus queri
 the fraction is of the device's peak memory bandwidth as NVML reports it (bus width x memory
 clock x 2 for DDR), or ``--peak-gbps``. With 128 heads every cached token also feeds
 128 x (576 + 512) x 2 FLOPs, ~242 FLOPs per byte, about an H100/H200's ratio of tensor FLOP/s to
-bandwidth, so ``tflop_per_s`` is reported beside it: the kernel is bound by either.
+bandwidth, so ``tflop_per_s`` is reported beside it: the kernel is bound by either. The same
+cases with 16 heads (the heads one GPU holds under 8-way tensor parallelism, 30 FLOPs per byte)
+show the memory-bound side (``mla_decode_16_heads``).
 
 Every case is first checked against the torch reference (``max_abs_err``, on two sequences of
 the batch), then timed as the median of ``triton.testing.do_bench``; the first call tunes the
@@ -144,6 +146,8 @@ def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(),
         "peak_memory_gb_per_s": peak,
         "mla_decode": [bench_mla_decode(b, c, peak) for b in (64, 128) for c in (4096, 32768)],
+        "mla_decode_16_heads": [bench_mla_decode(b, c, peak, Shapes(heads=16)) for b in (64, 128)
+                                for c in (4096, 32768)],
         # 32 local experts = one shard of 256 experts over 8 GPUs; 256 = all experts on one GPU
         "moe_grouped_gemm": [bench_moe_grouped(t, e) for t, e in ((4096, 32), (16384, 256))],
     }
