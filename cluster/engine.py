@@ -211,7 +211,7 @@ class Engine:
             if not seq.input_persisted:
                 seq.input_persisted = True
                 self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-            self._append(seq, logits[None], outputs)
+            self._append(seq, int(sample(logits[None], [seq.req.sampling], [seq.generator])[0]), outputs)
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
@@ -329,9 +329,11 @@ class Engine:
         positions = torch.tensor([s.length - 1 for s in batch])
         logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
         self.stats["decode_tokens"] += len(batch)
-        for seq, row in zip(batch, logits, strict=True):
+        # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
+        toks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch]).tolist()
+        for seq, tok in zip(batch, toks, strict=True):
             seq.num_computed = seq.length
-            self._append(seq, row[None], outputs)
+            self._append(seq, tok, outputs)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
@@ -343,8 +345,7 @@ class Engine:
         self.stats["preemptions"] += 1
 
     # -- tokens out ----------------------------------------------------------------------
-    def _append(self, seq: Sequence, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
-        tok = int(sample(logits, [seq.req.sampling], [seq.generator])[0])
+    def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput]) -> None:
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(tok)
