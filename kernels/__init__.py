@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Impl", "resolve_impl", "triton_interpreted"]
+__all__ = ["Impl", "launch_options", "resolve_impl", "triton_interpreted", "tuned_configs"]
 
 Impl = Literal["ref", "triton"]
 
@@ -17,6 +17,20 @@ Impl = Literal["ref", "triton"]
 def triton_interpreted() -> bool:
     """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tuned_configs(configs: list):
+    """The tile configs a kernel's autotuner tries: all of them on a GPU; only the first in the
+    interpreter or with ``TIDE_AUTOTUNE=0`` (the tests, which check every config separately
+    instead of tuning each test shape)."""
+    if triton_interpreted() or os.environ.get("TIDE_AUTOTUNE", "1") == "0":
+        return configs[:1]
+    return configs
+
+
+def launch_options(config) -> dict:
+    """Keyword arguments that launch a kernel's un-tuned JIT function with ``config``."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def resolve_impl(impl: str, device: torch.device | str) -> Impl:

@@ -33,12 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_interpreted
+from kernels import launch_options, triton_interpreted, tuned_configs
 
 __all__ = ["MLA_CONFIGS", "mla_decode", "ref_mla_decode"]
 
 # Tile shapes (heads x context tokens per step) tried on the device; tl.dot needs every tile
-# dimension >= 16. The interpreter takes the first. Each compiles for Hopper without spilling
+# dimension >= 16 (``kernels.tuned_configs``: the interpreter takes the first). Each compiles for Hopper without spilling
 # registers (tests/kernels/test_hopper_compile.py). 64 heads x 16 tokens with 8 warps is the one
 # 64-head tile that fits (Hopper's warpgroup MMA needs 64 rows; 32 tokens spill).
 MLA_CONFIGS = [
@@ -50,8 +50,7 @@ MLA_CONFIGS = [
 _CHUNK_ALIGN = 64
 
 
-@triton.autotune(MLA_CONFIGS[:1] if triton_interpreted() else MLA_CONFIGS,
-                 key=["num_heads", "R", "P", "Z"])
+@triton.autotune(tuned_configs(MLA_CONFIGS), key=["num_heads", "R", "P", "Z"])
 @triton.jit
 def _mla_decode_split(
     q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
@@ -146,10 +145,12 @@ def mla_decode(
     scale: float,
     page_size: int,
     num_splits: int | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """q_lat [B, H, R], q_rope [B, H, P], kv [slots, R+P], block_table [B, X] int32/int64,
     seq_lens [B] (each >= 1, <= X*Z) -> out [B, H, R] in q's dtype. ``num_splits`` None picks
-    enough context splits to fill the device."""
+    enough context splits to fill the device; ``config`` (one of ``MLA_CONFIGS``) fixes the
+    tiles instead of tuning them."""
     b, h, r = q_lat.shape
     p = q_rope.shape[2]
     _check(q_lat, q_rope, kv, block_table, seq_lens, page_size)
@@ -168,13 +169,14 @@ def mla_decode(
     part_out = torch.empty(b, num_splits, h, r, device=q_lat.device, dtype=torch.float32)
     part_lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
     block_r, block_p = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
-    _mla_decode_split[lambda meta: (triton.cdiv(h, meta["BLOCK_H"]), b, num_splits)](
+    kernel, fixed = (_mla_decode_split, {}) if config is None else (_mla_decode_split.fn, launch_options(config))
+    kernel[lambda meta: (triton.cdiv(h, meta["BLOCK_H"]), b, num_splits)](
         q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
         scale, h, split_len,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0),
         block_table.stride(0), part_out.stride(0), part_out.stride(2), part_out.stride(1),
         R=r, P=p, Z=page_size, BLOCK_R=block_r, BLOCK_P=block_p,
-        UPCAST=triton_interpreted() or kv.dtype == torch.float32,
+        UPCAST=triton_interpreted() or kv.dtype == torch.float32, **fixed,
     )
     _mla_decode_merge[(b, h)](
         part_out, part_lse, out, h, num_splits,
@@ -198,8 +200,10 @@ def ref_mla_decode(
     scale: float,
     page_size: int,
     num_splits: int | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``mla_decode`` in plain torch (fp32 math); ``num_splits`` is ignored."""
+    """Same contract as ``mla_decode`` in plain torch (fp32 math); ``num_splits`` and ``config``
+    are ignored."""
     _check(q_lat, q_rope, kv, block_table, seq_lens, page_size)
     r = q_lat.shape[2]
     out = torch.empty_like(q_lat)

@@ -25,19 +25,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import triton_interpreted
+from kernels import launch_options, triton_interpreted, tuned_configs
 
 __all__ = ["BLOCK_ROWS", "GROUPED_CONFIGS", "block_rows", "moe_grouped_mlp", "ref_moe_grouped_mlp", "sort_rows_by_expert"]
 
 # Rows per block (BM), smallest first; tl.dot needs >= 16.
 BLOCK_ROWS = (16, 32, 64, 128)
-# Column (BN) and depth (BK) tiles tried on the device; the interpreter takes the first. Each
+# Column (BN) and depth (BK) tiles tried on the device (``kernels.tuned_configs``). Each
 # compiles for Hopper with every BM without spilling (tests/kernels/test_hopper_compile.py).
 GROUPED_CONFIGS = [
     triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st)
     for bn, bk, w, st in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 32, 8, 4)]
 ]
-_TUNE = GROUPED_CONFIGS[:1] if triton_interpreted() else GROUPED_CONFIGS
+_TUNE = tuned_configs(GROUPED_CONFIGS)
 
 
 @triton.autotune(_TUNE, key=["HIDDEN", "INTER", "BM"])
@@ -149,10 +149,12 @@ def moe_grouped_mlp(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """x [T, M], expert_ids [T, K] (indexes ``gate_up``'s first dim), weights [T, K],
     gate_up [E, 2I, M], down [E, M, I] -> [T, M] in x's dtype:
-    sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) with e = ids[t, k]."""
+    sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) with e = ids[t, k].
+    ``config`` (one of ``GROUPED_CONFIGS``) fixes the tiles of both kernels instead of tuning them."""
     _check(x, expert_ids, weights, gate_up, down)
     t, m = x.shape
     k = expert_ids.shape[1]
@@ -168,15 +170,18 @@ def moe_grouped_mlp(
     h = torch.empty(nb * bm, i, device=x.device, dtype=x.dtype)
     y = torch.empty(t * k, m, device=x.device, dtype=torch.float32)
     upcast = triton_interpreted() or x.dtype == torch.float32
-    _gate_up_silu[lambda meta: (nb, triton.cdiv(i, meta["BN"]))](
+    fixed = {} if config is None else launch_options(config)
+    gate_up_kernel = _gate_up_silu if config is None else _gate_up_silu.fn
+    down_kernel = _down_weighted if config is None else _down_weighted.fn
+    gate_up_kernel[lambda meta: (nb, triton.cdiv(i, meta["BN"]))](
         x, gate_up, rows, block_expert, h, t * k, m, i,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOPK=k, BM=bm, UPCAST=upcast,
+        TOPK=k, BM=bm, UPCAST=upcast, **fixed,
     )
-    _down_weighted[lambda meta: (nb, triton.cdiv(m, meta["BN"]))](
+    down_kernel[lambda meta: (nb, triton.cdiv(m, meta["BN"]))](
         h, down, rows, block_expert, weights.float().contiguous().reshape(-1), y, t * k, m, i,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BM=bm, UPCAST=upcast,
+        BM=bm, UPCAST=upcast, **fixed,
     )
     return y.view(t, k, m).sum(1).to(x.dtype)
 
@@ -187,8 +192,10 @@ def ref_moe_grouped_mlp(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``moe_grouped_mlp``: a loop over the experts that have tokens."""
+    """Same contract as ``moe_grouped_mlp``: a loop over the experts that have tokens
+    (``config`` is ignored)."""
     _check(x, expert_ids, weights, gate_up, down)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in expert_ids.unique().tolist():

@@ -14,6 +14,9 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 # kernel is decorated, so it must be set before any ``kernels.*`` module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# On a GPU, tuning every kernel for every test shape would compile each config for each of them
+# (minutes); tests run the first config, and the kernel tests check every config separately.
+os.environ.setdefault("TIDE_AUTOTUNE", "0")
 
 
 def require(condition: bool, why: str) -> None:

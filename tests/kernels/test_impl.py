@@ -24,3 +24,16 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 def test_unknown_impl_is_named():
     with pytest.raises(ValueError, match="'cuda-graph'"):
         resolve_impl("cuda-graph", "cpu")
+
+
+def test_autotuning_tries_every_config_on_a_device_and_the_first_otherwise(monkeypatch):
+    from kernels import tuned_configs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TIDE_AUTOTUNE", "1")
+    assert tuned_configs(["a", "b", "c"]) == ["a", "b", "c"]
+    monkeypatch.setenv("TIDE_AUTOTUNE", "0")
+    assert tuned_configs(["a", "b", "c"]) == ["a"]
+    monkeypatch.setenv("TIDE_AUTOTUNE", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tuned_configs(["a", "b", "c"]) == ["a"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_decode import mla_decode, ref_mla_decode
+from kernels.mla_decode import MLA_CONFIGS, mla_decode, ref_mla_decode
 from tests.kernels.triton_cases import DEVICE, TOLERANCES, poisoned_paged_kv
 
 
@@ -57,3 +57,19 @@ def test_bad_inputs_are_named():
         mla_decode(q, qr, kv, table.float(), lens, 1.0, 16)
     with pytest.raises(ValueError, match="page_size 5"):
         mla_decode(q, qr, kv, table, lens, 1.0, 5)
+
+
+@pytest.mark.parametrize("config", MLA_CONFIGS, ids=lambda c: f"h{c.kwargs['BLOCK_H']}n{c.kwargs['BLOCK_N']}w{c.num_warps}")
+def test_every_tuning_config_matches_reference(config):
+    """The autotuner may pick any of ``MLA_CONFIGS`` on a device: each one computes the same."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 70, 200]
+    heads, r, p, z = 33, 64, 16, 16  # more heads than the widest head block
+    dtype, atol, rtol = TOLERANCES[2] if DEVICE == "cuda" else TOLERANCES[0]
+    kv, table = poisoned_paged_kv(lens, z, r + p, dtype, gen)
+    q_lat = torch.randn(len(lens), heads, r, generator=gen).to(dtype).to(DEVICE)
+    q_rope = torch.randn(len(lens), heads, p, generator=gen).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = mla_decode(q_lat, q_rope, kv, table, seq_lens, 0.1, z, num_splits=2, config=config)
+    torch.testing.assert_close(out.float(), ref_mla_decode(q_lat, q_rope, kv, table, seq_lens, 0.1, z).float(),
+                               atol=atol, rtol=rtol)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.moe_grouped import (
+    GROUPED_CONFIGS,
     block_rows,
     moe_grouped_mlp,
     ref_moe_grouped_mlp,
@@ -67,3 +68,13 @@ def test_shape_errors_are_named():
         moe_grouped_mlp(x, ids, w, gate_up, down[:, :, :3])
     with pytest.raises(TypeError, match="dtypes differ"):
         moe_grouped_mlp(x.half(), ids, w, gate_up, down)
+
+
+@pytest.mark.parametrize("config", GROUPED_CONFIGS, ids=lambda c: f"n{c.kwargs['BN']}k{c.kwargs['BK']}w{c.num_warps}")
+@pytest.mark.parametrize("t", [3, 70])  # rows per block 16 and 64
+def test_every_tuning_config_matches_reference(config, t):
+    """The autotuner may pick any of ``GROUPED_CONFIGS`` on a device: each one computes the same."""
+    dtype, atol, rtol = TOLERANCES[2] if DEVICE == "cuda" else TOLERANCES[0]
+    args = _case(t, 2, 3, 150, 140, dtype, seed=t)  # widths past one tile of every config
+    out = moe_grouped_mlp(*args, config=config)
+    torch.testing.assert_close(out.float(), ref_moe_grouped_mlp(*args).float(), atol=atol * 4, rtol=rtol * 4)
