@@ -133,7 +133,7 @@ class DeepseekModel:
         positions = torch.arange(start, start + t, device=dev)
         all_slots = slots_for(block_table, torch.arange(start + t, device=dev), z)  # [S]
         new_slots = all_slots[start:]
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        cos, sin = self.rope.cos_sin(positions, self.dtype, top=start + t)
         h = self.embed[token_ids]  # [T, M]
         mask = None
         for i, layer in enumerate(self.layers):
@@ -173,8 +173,8 @@ class DeepseekModel:
         b = token_ids.shape[0]
         z = pool.page_size
         dev = self.device
+        max_len = int(positions.max()) + 1  # before the move: positions usually come from the host
         token_ids, block_tables, positions = token_ids.to(dev), block_tables.to(dev), positions.to(dev)
-        max_len = int(positions.max()) + 1
         if block_tables.shape[1] * z < max_len:
             raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
         if micro_batches not in (1, 2):
@@ -182,11 +182,11 @@ class DeepseekModel:
         if micro_batches == 2 and b >= 2:
             half = (b + 1) // 2
             parts = [
-                _DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], z, attn)
+                _DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], z, attn, max_len)
                 for sl in (slice(0, half), slice(half, b))
             ]
             return torch.cat([self._logits(h) for h in self._decode_pipelined(parts, pool, attn)])
-        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, z, attn)
+        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, z, attn, max_len)
         h = batch.h
         for i, layer in enumerate(self.layers):
             h = h + self._decode_attention(i, layer, h, batch, pool, attn)
@@ -254,9 +254,12 @@ class _DecodeBatch:
     mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
 
     @classmethod
-    def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: str) -> _DecodeBatch:
+    def build(
+        cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: str, top: int
+    ) -> _DecodeBatch:
+        """``top``: more than every position (known on the host, so no read-back from a GPU)."""
         new_slots = slots_for(block_tables, positions[:, None], page_size)[:, 0]
-        cos, sin = model.rope.cos_sin(positions, model.dtype)
+        cos, sin = model.rope.cos_sin(positions, model.dtype, top=top)
         batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin,
                     model.impl == "triton" and attn == "absorbed")
         if not batch.paged:

@@ -69,9 +69,14 @@ class RotaryEmbedding:
         self._cos = freqs.cos() * self.attention_factor
         self._sin = freqs.sin() * self.attention_factor
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for ``positions`` [T] -> two [T, R/2] tensors, on the positions' device."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, top: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for ``positions`` [T] -> two [T, R/2] tensors, on the positions' device.
+        ``top`` (> every position), when the caller knows it, spares reading the positions back
+        from a GPU."""
+        if top is None:
+            top = int(positions.max()) + 1 if positions.numel() else 0
         if top > self._cos.shape[0] or self._cos.device != positions.device:
             self._grow(top, positions.device)
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
