@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Impl", "launch_options", "resolve_impl", "triton_interpreted", "tuned_configs"]
+__all__ = ["Impl", "resolve_impl", "triton_interpreted", "tuned_configs", "with_config"]
 
 Impl = Literal["ref", "triton"]
 
@@ -28,9 +28,12 @@ def tuned_configs(configs: list):
     return configs
 
 
-def launch_options(config) -> dict:
-    """Keyword arguments that launch a kernel's un-tuned JIT function with ``config``."""
-    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+def with_config(kernel, config) -> tuple:
+    """(kernel to launch, extra launch kwargs): the autotuned ``kernel`` as it is when ``config``
+    is None, else its un-tuned JIT function with ``config``'s tiles, warps and stages."""
+    if config is None:
+        return kernel, {}
+    return kernel.fn, {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def resolve_impl(impl: str, device: torch.device | str) -> Impl:

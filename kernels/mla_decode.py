@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import launch_options, triton_interpreted, tuned_configs
+from kernels import triton_interpreted, tuned_configs, with_config
 
 __all__ = ["MLA_CONFIGS", "mla_decode", "ref_mla_decode"]
 
@@ -169,7 +169,7 @@ def mla_decode(
     part_out = torch.empty(b, num_splits, h, r, device=q_lat.device, dtype=torch.float32)
     part_lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
     block_r, block_p = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
-    kernel, fixed = (_mla_decode_split, {}) if config is None else (_mla_decode_split.fn, launch_options(config))
+    kernel, fixed = with_config(_mla_decode_split, config)
     kernel[lambda meta: (triton.cdiv(h, meta["BLOCK_H"]), b, num_splits)](
         q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
         scale, h, split_len,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import launch_options, triton_interpreted, tuned_configs
+from kernels import triton_interpreted, tuned_configs, with_config
 
 __all__ = ["BLOCK_ROWS", "GROUPED_CONFIGS", "block_rows", "moe_grouped_mlp", "ref_moe_grouped_mlp", "sort_rows_by_expert"]
 
@@ -170,9 +170,8 @@ def moe_grouped_mlp(
     h = torch.empty(nb * bm, i, device=x.device, dtype=x.dtype)
     y = torch.empty(t * k, m, device=x.device, dtype=torch.float32)
     upcast = triton_interpreted() or x.dtype == torch.float32
-    fixed = {} if config is None else launch_options(config)
-    gate_up_kernel = _gate_up_silu if config is None else _gate_up_silu.fn
-    down_kernel = _down_weighted if config is None else _down_weighted.fn
+    gate_up_kernel, fixed = with_config(_gate_up_silu, config)
+    down_kernel, _ = with_config(_down_weighted, config)
     gate_up_kernel[lambda meta: (nb, triton.cdiv(i, meta["BN"]))](
         x, gate_up, rows, block_expert, h, t * k, m, i,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),

@@ -130,8 +130,9 @@ class DeepseekModel:
             )
         dev = self.device
         token_ids, block_table = token_ids.to(dev), block_table.to(dev)
-        positions = torch.arange(start, start + t, device=dev)
-        all_slots = slots_for(block_table, torch.arange(start + t, device=dev), z)  # [S]
+        span = torch.arange(start + t, device=dev)  # [S] every position of the sequence so far
+        positions = span[start:]
+        all_slots = slots_for(block_table, span, z)  # [S]
         new_slots = all_slots[start:]
         cos, sin = self.rope.cos_sin(positions, self.dtype, top=start + t)
         h = self.embed[token_ids]  # [T, M]
@@ -145,7 +146,7 @@ class DeepseekModel:
                 o = layer.attn.attend_naive(q_nope, q_rope, latents, start)
             else:
                 if mask is None:
-                    mask = (torch.arange(start + t, device=dev)[None, :] <= positions[:, None])[None]  # [1,T,S]
+                    mask = (span[None, :] <= positions[:, None])[None]  # [1,T,S]
                 o = layer.attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], mask)[0]
             h = self._ffn(layer, h + layer.attn.output(o))
         return self._logits(h if all_logits else h[-1])

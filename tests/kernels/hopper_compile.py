@@ -117,8 +117,7 @@ def compile_case(case: Case) -> dict[str, object]:
     except Exception as e:  # noqa: BLE001 - report which config fails and why (ptxas's own words)
         lines = [ln for ln in str(e).splitlines() if "fatal" in ln or "error" in ln.lower()]
         return result | {"error": " / ".join(lines[:3]) or type(e).__name__}
-    usage = _resource_usage(kernel.asm["cubin"], case.kernel)
-    sass = _sass(kernel.asm["cubin"])
+    usage, sass = _inspect(kernel.asm["cubin"])
     return result | {
         "registers": usage["REG"],
         "spill_bytes": usage["LOCAL"] + usage["STACK"],
@@ -133,21 +132,15 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _with_cubin(cubin: bytes, args: list[str]) -> str:
+def _inspect(cubin: bytes) -> tuple[dict[str, int], str]:
+    """(resource usage: REG, LOCAL, STACK, SHARED ..., SASS text) of a one-kernel cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run(args + [f.name], capture_output=True, text=True, check=True).stdout
-
-
-def _resource_usage(cubin: bytes, name: str) -> dict[str, int]:
-    text = _with_cubin(cubin, [_tool("cuobjdump"), "--dump-resource-usage"])
-    line = next(ln for ln in text.splitlines() if "REG:" in ln)
-    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
-
-
-def _sass(cubin: bytes) -> str:
-    return _with_cubin(cubin, [_tool("cuobjdump"), "--dump-sass"])
+        usage, sass = (subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("--dump-resource-usage", "--dump-sass"))
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}, sass
 
 
 def main() -> int:
