@@ -200,7 +200,10 @@ def test_redis_killed_then_restarted_empty_under_a_stream(app, redis_server, dir
         redis_server.kill()  # lookups and registrations fail: local units only, requests go on
         time.sleep(4)
         redis_server.start()  # empty, same address: every node re-registers what it holds
-        after = _wait(lambda: (h := _holders(directory, keys)) and len(h) == 3 and h, 30, "re-registration")
+        # nodes re-register independently: wait until every earlier holder is back, not just one
+        after = _wait(lambda: (h := _holders(directory, keys)) and len(h) == 3
+                      and all(a >= b for a, b in zip(h, before, strict=True)) and h,
+                      30, "re-registration by every holder", show=lambda: (_holders(directory, keys), before))
         time.sleep(2)
     stream.check(reference)
     assert all(a >= b for a, b in zip(after, before, strict=True))  # nothing acknowledged was lost
