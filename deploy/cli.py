@@ -37,10 +37,10 @@ app.add_typer(schedule_app, name="schedule")
 
 
 def _check_dtype(dtype: str) -> None:
-    from model.checkpoint import DTYPES
+    from model.config import DTYPE_NAMES
 
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {list(DTYPE_NAMES)}")
 
 
 def _check_device(device: str) -> None:
@@ -93,7 +93,14 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
 ) -> None:
     """Run the model through the engine in-process (no Ray, no cache) and print the text."""
-    from cachedir.hashing import Namespace
+    if (prompt is None) == (prompt_ids is None):
+        raise typer.BadParameter("give exactly one of --prompt or --prompt-ids")
+    _check_dtype(dtype)
+    _check_device(device)
+    if checkpoint is not None and not checkpoint.is_dir():
+        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} is not a directory")
+
+    from cachedir.hashing import Namespace  # torch and the model: only once the arguments are good
     from cluster.engine import Engine, EngineConfig
     from cluster.request import GenerationRequest
     from model.checkpoint import CheckpointError, load_model
@@ -101,16 +108,10 @@ def generate(
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
 
-    if (prompt is None) == (prompt_ids is None):
-        raise typer.BadParameter("give exactly one of --prompt or --prompt-ids")
-    _check_dtype(dtype)
-    _check_device(device)
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    if checkpoint is not None and not checkpoint.is_dir():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} is not a directory")
     ckpt = checkpoint or default_checkpoint()
     try:
         model = _load_with_progress(ckpt, dtype, load_model, device)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels import resolve_impl
-from model.config import ModelConfig, load_config
+from model.config import DTYPE_NAMES, ModelConfig, load_config
 from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
 from model.model import DecoderLayer, DeepseekModel
@@ -34,7 +34,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 Progress = Callable[[int, int], None]  # (tensors done, tensors total)
 
 

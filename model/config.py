@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelConfig", "RopeScaling", "load_config", "named_config", "NAMED_CONFIGS"]
+__all__ = ["DTYPE_NAMES", "ModelConfig", "RopeScaling", "load_config", "named_config", "NAMED_CONFIGS"]
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the weight/KV dtypes a model loads in
 
 
 @dataclass(frozen=True, slots=True)

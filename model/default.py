@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from model.checkpoint import random_state_dict, save_checkpoint
 from model.config import named_config
 
 __all__ = ["default_checkpoint", "ensure_named_checkpoint"]
@@ -23,6 +22,9 @@ def cache_root() -> Path:
 
 def ensure_named_checkpoint(name: str, root: Path | None = None, seed: int = SEED) -> Path:
     """Directory of the named config's checkpoint, created on first call (idempotent)."""
+    # torch is imported only when weights are made (the admin commands read cache_root)
+    from model.checkpoint import random_state_dict, save_checkpoint
+
     cfg = named_config(name)  # raises on an unknown name
     ckpt = (root or cache_root()) / "models" / f"{name}-seed{seed}"
     if not (ckpt / "model.safetensors").is_file():
