@@ -490,9 +490,10 @@ class SegmentFiles:
         self._files.close()
 
 
-def make_layout(name: str, root: Path, fsync: bool, segment_bytes: int):
+def make_layout(name: str, root: Path, fsync: bool, segment_bytes: int, compact_below: float = 0.5,
+                merge_below: float = 1 / 16, merge_min: int = 16):
     if name == "unit":
         return UnitFiles(root, fsync)
     if name == "segment":
-        return SegmentFiles(root, fsync, segment_bytes)
+        return SegmentFiles(root, fsync, segment_bytes, compact_below, merge_below, merge_min)
     raise ValueError(f"unknown store layout {name!r}; supported: {', '.join(LAYOUTS)}")

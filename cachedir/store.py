@@ -51,6 +51,12 @@ class StoreConfig:
     fsync: bool = True
     layout: str = "segment"  # "segment" (a file per write batch) | "unit" (a file per unit)
     segment_bytes: int = 64 << 20  # the most one segment (write batch) holds
+    # segment upkeep (``cachedir.layout.SegmentFiles``): a segment whose live bytes fall under
+    # compact_below of its size is rewritten; segments under merge_below x segment_bytes are
+    # merged, merge_min or more at a time
+    compact_below: float = 0.5
+    merge_below: float = 1 / 16
+    merge_min: int = 16
     staging_bytes: int = 256 << 20  # reusable read buffers (``cachedir.staging``)
 
     def __post_init__(self) -> None:
@@ -66,6 +72,12 @@ class StoreConfig:
             raise ValueError(f"unknown store layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
         if self.segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be > 0, got {self.segment_bytes}")
+        if not 0 < self.compact_below < 1:
+            raise ValueError(f"compact_below must be in (0, 1), got {self.compact_below}")
+        if not 0 < self.merge_below <= 1:
+            raise ValueError(f"merge_below must be in (0, 1], got {self.merge_below}")
+        if self.merge_min < 2:
+            raise ValueError(f"merge_min must be >= 2 (a merge of one segment frees nothing), got {self.merge_min}")
         if self.staging_bytes < 0:
             raise ValueError(f"staging_bytes must be >= 0, got {self.staging_bytes}")
 
@@ -89,7 +101,7 @@ class UnitStore:
         self.cfg = cfg
         self.root = Path(cfg.root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.layout = make_layout(cfg.layout, self.root, cfg.fsync, cfg.segment_bytes)
+        self.layout = self._make_layout(cfg.layout)
         self._now = now_s
         self._lock = threading.RLock()
         self._namespaces: dict[bytes, bytes] = {}  # key -> namespace
@@ -106,6 +118,11 @@ class UnitStore:
         self._closing = False
         self._compacting: set[Path] = set()  # segments a compaction or merge is rewriting
         self._rebuild()
+
+    def _make_layout(self, name: str):
+        cfg = self.cfg
+        return make_layout(name, self.root, cfg.fsync, cfg.segment_bytes, cfg.compact_below, cfg.merge_below,
+                           cfg.merge_min)
 
     # -- index ---------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -142,7 +159,7 @@ class UnitStore:
         other_name = "unit" if self.cfg.layout == "segment" else "segment"
         if other_name == "segment" and not (self.root / "segments").is_dir():
             return
-        other = make_layout(other_name, self.root, self.cfg.fsync, self.cfg.segment_bytes)
+        other = self._make_layout(other_name)
         batch: list[tuple[Unit, Loc]] = []
         size = 0
         try:

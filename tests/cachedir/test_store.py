@@ -478,8 +478,7 @@ def test_a_restart_that_evicts_compacts_while_the_scan_goes_on(tmp_path, monkeyp
 def test_small_segments_are_merged_and_nothing_is_lost(tmp_path):
     """Single puts (and replica pushes) write a segment each; small ones are merged, so their
     number stays bounded, and a restart finds every unit in the merged segments."""
-    store = _segment_store(tmp_path, units=200)
-    store.layout.merge_min = 4
+    store = _segment_store(tmp_path, units=200, merge_min=4)
     units = make_units(list(range(64 * 30)))
     for u in units:
         assert store.put(u)
@@ -494,11 +493,30 @@ def test_small_segments_are_merged_and_nothing_is_lost(tmp_path):
     again.check_integrity()
 
 
+def test_merge_and_compaction_thresholds_come_from_the_config(tmp_path):
+    merge_none = _segment_store(tmp_path / "a", merge_below=1e-9)  # no segment is small enough
+    for u in make_units(list(range(64 * 20))):
+        merge_none.put(u)
+    merge_none.flush()
+    assert len(_segment_files(tmp_path / "a")) == 20
+    merge_none.close()
+    assert (merge_none.layout.compact_below, merge_none.layout.merge_min) == (0.5, 16)
+    store = _segment_store(tmp_path / "b", compact_below=0.25, merge_min=3)
+    assert (store.layout.compact_below, store.layout.merge_min) == (0.25, 3)
+    store.close()
+
+
+@pytest.mark.parametrize("kw, message", [({"compact_below": 1.0}, "compact_below"), ({"compact_below": 0}, "compact_below"),
+                                         ({"merge_below": 0}, "merge_below"), ({"merge_min": 1}, "merge_min")])
+def test_bad_segment_thresholds_are_refused(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        StoreConfig(tmp_path, capacity_bytes=1 << 20, **kw)
+
+
 def test_a_unit_removed_during_a_merge_stays_removed(tmp_path, monkeypatch):
     from cachedir.layout import SegmentFiles
 
-    store = _segment_store(tmp_path)
-    store.layout.merge_min = 4
+    store = _segment_store(tmp_path, merge_min=4)
     units = make_units(list(range(64 * 4)))
     staging, go_on = threading.Event(), threading.Event()
     real_stage = SegmentFiles.stage
@@ -525,8 +543,7 @@ def test_a_unit_removed_during_a_merge_stays_removed(tmp_path, monkeypatch):
 
 
 def test_a_merge_that_meets_a_damaged_unit_removes_and_counts_it(tmp_path):
-    store = _segment_store(tmp_path)
-    store.layout.merge_min = 4
+    store = _segment_store(tmp_path, merge_min=4)
     units = make_units(list(range(64 * 4)))
     for u in units[:3]:
         store.put(u)
