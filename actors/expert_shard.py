@@ -4,6 +4,9 @@ A plain class; ``actors.ep_group.expert_shard_actor`` wraps it with ``ray.remote
 Ray when it dies; the replica's ``EPGroup`` then reloads its slots and re-forms the group). It
 holds weights per placement version (``cluster.ep.ShardExperts``), loads a new version beside the
 serving one, and runs one serve thread per attention replica's group (``cluster.ep_gloo``).
+With ``device="cuda"`` the weights live on the actor's GPU and the experts run there (the Triton
+grouped GEMM); rows arrive and leave through host memory, and weights travel between shards
+(``export``) as host tensors.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class ExpertShard:
-    def __init__(self, checkpoint: str, dtype: str = "float32") -> None:
+    def __init__(self, checkpoint: str, dtype: str = "float32", device: str = "cpu") -> None:
         self.checkpoint = checkpoint
         self.dtype = dtype
         self.hidden = load_config(checkpoint).hidden_size
-        self.experts = ShardExperts()
+        self.experts = ShardExperts(device)
+        self.device = self.experts.device
         self.slot_maps: dict[int, dict[int, list[int]]] = {}  # version -> model layer -> experts
         self.moe_layers: list[int] = []
         self.groups: dict[str, threading.Thread] = {}
@@ -42,7 +46,8 @@ class ExpertShard:
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "versions": self.experts.versions()}
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "versions": self.experts.versions(),
+                "device": str(self.device)}
 
     def load(
         self, version: int, slot_map: dict[int, list[int]], moe_layers: list[int], peers: dict | None = None
@@ -80,9 +85,10 @@ class ExpertShard:
             for i, e in enumerate(missing[layer]):
                 tensors[(layer, e)] = (stacked.gate_up[i], stacked.down[i])
                 counts["checkpoint"] += 1
+        dev = self.device
         weights = {
             moe_layers.index(layer): same.get(layer) or ExpertWeights.stack(
-                [tensors[(layer, e)][0] for e in experts], [tensors[(layer, e)][1] for e in experts]
+                [tensors[(layer, e)][0].to(dev) for e in experts], [tensors[(layer, e)][1].to(dev) for e in experts]
             )
             for layer, experts in slot_map.items()
         }
@@ -107,7 +113,7 @@ class ExpertShard:
         for e in experts:
             held = self._held(layer, e)
             if held is not None:
-                out[e] = (held[0].clone(), held[1].clone())
+                out[e] = (held[0].to("cpu", copy=True), held[1].to("cpu", copy=True))
         return out
 
     def drop_except(self, keep: list[int]) -> None:

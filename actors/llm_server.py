@@ -88,8 +88,8 @@ def _log_progress(ckpt: Path):
 
 class LLMServer:
     def __init__(self, cfg: dict) -> None:
-        """``cfg`` keys: checkpoint, dtype, device (cpu | cuda), cache_dir, ssd_bytes, ram_bytes, admission,
-        num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
+        """``cfg`` keys: checkpoint, dtype, device (cpu | cuda), warmup (default: on cuda), cache_dir, ssd_bytes,
+        ram_bytes, admission, num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
         expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
         slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand),
         ``ep_timeout_s`` (a round slower than this counts as a failed shard),
@@ -103,9 +103,11 @@ class LLMServer:
             ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=not shards,
             device=cfg.get("device", "cpu"),
         )
-        if self.model.device.type == "cuda":  # compile and tune the Triton kernels before serving
-            self.model.warmup(int(cfg.get("max_prefill_tokens", 2048)))
         self.ep = self._start_ep(cfg, shards) if shards else None
+        # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
+        # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
+        if cfg.get("warmup", self.model.device.type == "cuda"):
+            self.model.warmup(int(cfg.get("max_prefill_tokens", 2048)))
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
         namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype)

@@ -13,6 +13,11 @@ version, so a new placement can be loaded beside the serving one and switched to
 Transport failures (a shard died, the group broke) raise ``EPTransportError``; the executor calls
 the injected ``recover`` (which re-forms the group) and resends the same layer. A layer's result
 depends only on its inputs, so a retried round returns the same values.
+
+On GPUs the rows cross host memory: the executor routes on the host, hands the transport host
+tensors and moves the combined output back to the replica's device; a shard moves its rows to its
+own device and its outputs back (the gloo transport moves host tensors). An NCCL transport that
+keeps the rows on the devices is not built.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Protocol
 import torch
 
 from cluster.eplb import Placement
+from kernels import resolve_impl
 from model.moe import ExpertWeights, grouped_expert_forward
 
 __all__ = ["EPExecutor", "EPTransportError", "ShardExperts", "Transport", "choose_slots"]
@@ -119,6 +125,8 @@ class EPExecutor:
         if t == 0:
             empty = torch.zeros_like(x)
             return lambda: empty
+        device = x.device  # routing and rows on the host (no-ops on a CPU replica)
+        x, expert_ids, weights = x.cpu(), expert_ids.cpu(), weights.cpu()
         with self._lock:
             self._apply_pending()
             placement, version = self._placement, self._version
@@ -156,7 +164,7 @@ class EPExecutor:
             self.stats["rounds"] += 1
             self.stats["rows"] += ys.shape[0]
             ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-            return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+            return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype)).to(device)
 
         return finish
 
@@ -182,9 +190,13 @@ class EPExecutor:
 
 class ShardExperts:
     """One shard's expert weights, per placement version: ``weights[version][row]`` stacks the
-    shard's P slots of placement row ``row`` (a MoE layer). Thread-safe."""
+    shard's P slots of placement row ``row`` (a MoE layer), on ``device``. ``compute`` takes and
+    returns host tensors and runs the experts on ``device`` (``impl``: see
+    ``kernels.resolve_impl``; ``auto`` runs the Triton grouped GEMM on CUDA). Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | torch.device = "cpu", impl: str = "auto") -> None:
+        self.device = torch.device(device)
+        self.impl = resolve_impl(impl, self.device)
         self._versions: dict[int, dict[int, ExpertWeights]] = {}
         self._lock = threading.Lock()
 
@@ -213,5 +225,6 @@ class ShardExperts:
             raise KeyError(f"placement version {version} is not loaded on this shard (have {self.versions()})")
         if x.shape[0] == 0:
             return x
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32)
-        return grouped_expert_forward(layers[row], x, local_slots[:, None], ones)
+        x, slots = x.to(self.device), local_slots.to(self.device)
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=self.device)
+        return grouped_expert_forward(layers[row], x, slots[:, None], ones, self.impl).cpu()

@@ -127,6 +127,12 @@ def _cluster_agent_token() -> str:
     return _internal_kv_get(key).decode()
 
 
+def shard_actor_options(device: str) -> dict[str, Any]:
+    """Ray resources of one expert-shard actor: no CPU (it waits in collectives between rounds;
+    its gloo threads are not Ray tasks), and one GPU of its own under ``device="cuda"``."""
+    return {"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0}
+
+
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     """Detached expert-shard actors dealt round-robin over the alive nodes (named, so a redeploy
     reuses them; Ray restarts one that dies on its node), and the replica settings that use them.
@@ -144,9 +150,9 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     shards = [
         expert_shard_actor(
             name=EXPERT_SHARD_NAME.format(i), namespace="tideserve", lifetime="detached", get_if_exists=True,
-            num_cpus=0,
+            **shard_actor_options(a.device),
             scheduling_strategy=NodeAffinitySchedulingStrategy(alive[i % len(alive)], soft=False) if alive else "SPREAD",
-        ).remote(checkpoint, a.dtype)
+        ).remote(checkpoint, a.dtype, a.device)
         for i in range(a.expert_shards)
     ]
     nodes = expert_shard_nodes(max(1, len(alive)), a.expert_shards)
@@ -172,9 +178,6 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }
     if a.expert_shards:
-        if a.device != "cpu":
-            raise ValueError(f"expert_shards with device={a.device!r}: expert-shard actors run on the CPU "
-                             "for now; use device='cpu' or expert_shards=0")
         if a.replicas > 1:
             # Each replica keeps its own placement versions on the shared shard actors, and a
             # rebalance drops every version but its own: a second replica would lose its experts.

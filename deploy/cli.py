@@ -176,7 +176,7 @@ def up(
     api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT[:MODEL+...] (the models the key may use; default all); repeat for several (default: no auth)"),
     expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors (0: in the replica)"),
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica takes one GPU and runs the Triton kernels)"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica, and each expert shard, takes one GPU and runs the Triton kernels)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""

@@ -54,6 +54,7 @@ def ep_server(cluster, checkpoint, tmp_path_factory):
         "enable_cache": False, "num_pages": 256, "max_num_seqs": 8,
         "ep_shards": shards, "ep_slots": 18, "ep_nodes": 3,  # 16 experts + 2 redundant copies
         "micro_batches": 2,  # decode rounds overlap: the kill and the rebalance hit rounds in flight
+        "warmup": True,  # as on a GPU: one prefill and one decode through the shards before serving
     })
     ray.get(server.check_health.remote(), timeout=300)
     return server, shards

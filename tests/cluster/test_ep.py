@@ -16,17 +16,19 @@ E, M, INTER, K, SHARDS, SLOTS = 8, 16, 12, 3, 3, 12
 class InProcessTransport:
     """Shards as ``ShardExperts`` objects in this process; rows travel by slicing."""
 
-    def __init__(self, placement: Placement, experts: dict[int, ExpertWeights], fail_rounds: int = 0):
+    def __init__(self, placement: Placement, experts: dict[int, ExpertWeights], fail_rounds: int = 0,
+                 device: str = "cpu", impl: str = "auto"):
         self.shards = []
         per = placement.slots_per_shard
         for h in range(SHARDS):
-            s = ShardExperts()
-            s.put(0, {row: _slots_of(experts[layer], placement.phy2log[row, h * per : (h + 1) * per])
+            s = ShardExperts(device, impl)
+            s.put(0, {row: _slots_of(experts[layer], placement.phy2log[row, h * per : (h + 1) * per], device)
                       for row, layer in enumerate(sorted(experts))})
             self.shards.append(s)
         self.fail_rounds = fail_rounds
 
     def dispatch_combine(self, layer, version, counts, local_slots, x):
+        assert x.device.type == "cpu" and local_slots.device.type == "cpu"  # rows travel in host memory
         if self.fail_rounds:
             self.fail_rounds -= 1
             raise EPTransportError("peer closed")
@@ -37,8 +39,8 @@ class InProcessTransport:
         return torch.cat(out)
 
 
-def _slots_of(w: ExpertWeights, experts: torch.Tensor) -> ExpertWeights:
-    return ExpertWeights(w.gate_up[experts], w.down[experts])
+def _slots_of(w: ExpertWeights, experts: torch.Tensor, device: str = "cpu") -> ExpertWeights:
+    return ExpertWeights(w.gate_up[experts].to(device), w.down[experts].to(device))
 
 
 @pytest.fixture
@@ -63,6 +65,28 @@ def test_ep_executor_matches_the_local_executor(setup):
     assert ep.stats["rounds"] == 2 and ep.stats["rows"] == 2 * 20 * K
     assert ep.load.sum() == 2 * 20 * K  # tokens counted per expert for EPLB
     assert ep(1, x[:0], ids[:0], w[:0]).shape == (0, M)
+
+
+def test_shards_running_the_triton_grouped_gemm_match_the_local_executor(setup):
+    """What a GPU shard runs (``impl="auto"`` on CUDA); without CUDA in Triton's interpreter."""
+    experts, placement, x, ids, w = setup
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ep = EPExecutor(placement, [1, 3], InProcessTransport(placement, experts, device=device, impl="triton"))
+    assert ep.transport.shards[0].impl == "triton"
+    torch.testing.assert_close(ep(1, x, ids, w), LocalExpertExecutor(experts)(1, x, ids, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_gpu_replica_with_gpu_shards_matches_the_local_executor(setup):
+    """Rows leave the replica's GPU for host memory (the transport), shards compute on their GPU
+    (Triton), and the combined output comes back on the replica's GPU."""
+    experts, placement, x, ids, w = setup
+    transport = InProcessTransport(placement, experts, device="cuda")
+    assert transport.shards[0].impl == "triton"
+    ep = EPExecutor(placement, [1, 3], transport)
+    got = ep(3, x.cuda(), ids.cuda(), w.cuda())
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), LocalExpertExecutor(experts)(3, x, ids, w), atol=1e-4, rtol=1e-4)
 
 
 def test_copies_are_used_in_turn(setup):

@@ -52,5 +52,17 @@ def test_device_cuda_gives_each_replica_a_gpu(tmp_path, monkeypatch):
     assert cpu._bound_deployment.ray_actor_options["num_gpus"] == 0
     with pytest.raises(ValidationError, match="device"):
         build_app({"device": "tpu"})
-    with pytest.raises(ValueError, match="device='cuda'"):
-        build_app({"device": "cuda", "expert_shards": 2})
+
+
+
+def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeypatch):
+    import deploy.app
+    from deploy.app import build_app, shard_actor_options
+
+    assert shard_actor_options("cuda") == {"num_cpus": 0, "num_gpus": 1}
+    assert shard_actor_options("cpu") == {"num_cpus": 0, "num_gpus": 0}
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    asked = []  # the shard actors themselves need a Ray cluster (tests/actors/test_ep.py)
+    monkeypatch.setattr(deploy.app, "_expert_shards", lambda ckpt, a: asked.append(a.device) or {"ep_shards": []})
+    server = build_app({"device": "cuda", "expert_shards": 2})._bound_deployment.init_args[0]
+    assert asked == ["cuda"] and server._bound_deployment.init_args[0]["device"] == "cuda"
