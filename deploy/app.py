@@ -133,6 +133,11 @@ def shard_actor_options(device: str) -> dict[str, Any]:
     return {"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0}
 
 
+def gpus_needed(a: AppArgs) -> int:
+    """GPUs the app takes with ``device="cuda"``: one per replica and one per expert shard."""
+    return a.replicas + a.expert_shards if a.device == "cuda" else 0
+
+
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     """Detached expert-shard actors dealt round-robin over the alive nodes (named, so a redeploy
     reuses them; Ray restarts one that dies on its node), and the replica settings that use them.

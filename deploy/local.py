@@ -97,9 +97,14 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         import ray
         from ray import serve
 
-        from deploy.app import build_app
+        from deploy.app import AppArgs, build_app, gpus_needed
 
         ray.init(address=state["ray_address"], log_to_driver=False)
+        # A replica or shard asking for a GPU the cluster lacks would wait forever (no autoscaler here)
+        need, have = gpus_needed(AppArgs(**app_args)), int(ray.cluster_resources().get("GPU", 0))
+        if need > have:
+            raise ValueError(f"--device cuda needs {need} GPU(s) (one per replica, one per expert shard); "
+                             f"this machine's Ray cluster has {have}")
         serve.start(http_options={"host": host, "port": port})
         app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url}
         if "redis_pid" in state and not app_args.get("directory_password_env"):

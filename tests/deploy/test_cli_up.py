@@ -102,3 +102,15 @@ def test_bad_arguments_name_the_bad_value_and_start_nothing(tmp_path, args, mess
     r = _tide("up", *args, home=tmp_path, timeout=120)
     assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
     assert not (tmp_path / "run" / "state.json").exists()  # nothing was started
+
+
+def test_cuda_without_enough_gpus_is_a_clear_error_and_starts_nothing(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = _tide("up", "--port", str(free_port()), "--num-cpus", "1", "--device", "cuda", "--expert-shards", "2",
+              home=tmp_path, timeout=180)
+    assert r.returncode == 1 and "needs 3 GPU(s)" in r.stderr and "has 0" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
+    assert _tide("status", home=tmp_path).returncode == 2  # nothing is up
