@@ -222,9 +222,16 @@ def down() -> None:
     typer.echo("tideserve is down")
 
 
-def main() -> None:  # pragma: no cover - console entry
-    app()
+def main() -> None:
+    """The ``tide`` console entry: the app, with a dead local cluster reported as one line."""
+    from deploy.local import ClusterUnreachable
+
+    try:
+        app()
+    except ClusterUnreachable as e:
+        typer.echo(f"error: {e}", err=True)
+        raise SystemExit(1) from None
 
 
-if __name__ == "__main__":  # pragma: no cover
-    app()
+if __name__ == "__main__":
+    main()

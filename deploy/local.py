@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,11 @@ from cluster.daily_report import JsonlLog, NodeSample
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 from model.default import cache_root
 
-__all__ = ["down", "read_state", "up"]
+__all__ = ["ClusterUnreachable", "down", "read_state", "up"]
+
+
+class ClusterUnreachable(RuntimeError):
+    """The local cluster's Ray head does not answer: it stopped or crashed since `tide up`."""
 
 
 def state_path() -> Path:
@@ -132,9 +137,12 @@ def _teardown(state: dict[str, Any]) -> None:
             from ray import serve
 
             if not ray.is_initialized():
+                check_reachable(state)
                 ray.init(address=state["ray_address"], log_to_driver=False)
             serve.shutdown()
             ray.shutdown()
+        except ClusterUnreachable:
+            print("warning: the Ray head does not answer; stopping what is left of the cluster", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - tearing down as much as possible
             print(f"warning: serve shutdown: {e}", file=sys.stderr)
         subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True)
@@ -178,6 +186,19 @@ def down() -> bool:
     return True
 
 
+def check_reachable(state: dict[str, Any], timeout_s: float = 3.0) -> None:
+    """Raise ``ClusterUnreachable`` unless the Ray head accepts a connection (``ray.init`` would
+    retry a dead head's address for minutes)."""
+    host, port = state["ray_address"].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ClusterUnreachable(
+            f"the local cluster's Ray head at {state['ray_address']} does not answer ({e.strerror or e}): it "
+            "stopped or crashed since `tide up`; run `tide down` to clean up, then `tide up`"
+        ) from None
+
+
 def serve_handle(state: dict[str, Any]):
     """A handle to the running app's ``LLMServer`` deployment (connects this process to Ray)."""
     os.environ["RAY_AUTH_MODE"] = "token"
@@ -186,6 +207,7 @@ def serve_handle(state: dict[str, Any]):
     from ray import serve
 
     if not ray.is_initialized():
+        check_reachable(state)
         ray.init(address=state["ray_address"], log_to_driver=False)
     return serve.get_deployment_handle("LLMServer", app_name="tideserve")
 

@@ -114,3 +114,26 @@ def test_cuda_without_enough_gpus_is_a_clear_error_and_starts_nothing(tmp_path):
     assert r.returncode == 1 and "needs 3 GPU(s)" in r.stderr and "has 0" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
     assert _tide("status", home=tmp_path).returncode == 2  # nothing is up
+
+
+def test_a_dead_ray_head_is_a_clear_error_and_down_still_cleans_up(tmp_path):
+    """The head stopped or crashed since `tide up` (nothing listens at its address any more): the
+    admin commands say so at once instead of retrying for minutes, and `tide down` stops what is
+    left (here a stand-in for the redis-server) and forgets the cluster."""
+    run = tmp_path / "run"
+    run.mkdir()
+    leftover = subprocess.Popen(["sleep", "300"])
+    (run / "redis.password").write_text("pw")
+    (run / "state.json").write_text(json.dumps({
+        "ray_address": f"127.0.0.1:{free_port()}", "redis_pid": leftover.pid, "url": "http://127.0.0.1:1/v1",
+        "redis_url": "redis://127.0.0.1:1/0"}))
+    try:
+        for cmd in (["status"], ["cache", "stats"], ["scale", "night"]):
+            r = _tide(*cmd, home=tmp_path, timeout=60)
+            assert r.returncode == 1 and "does not answer" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        d = _tide("down", home=tmp_path, timeout=120)
+        assert d.returncode == 0 and "does not answer" in d.stderr, d.stderr[-2000:]
+        assert leftover.wait(timeout=30) is not None
+        assert not (run / "state.json").exists() and not (run / "redis.password").exists()
+    finally:
+        leftover.kill()
