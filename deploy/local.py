@@ -78,6 +78,7 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
     """Start everything; returns the state written for ``tide down``."""
     if read_state() is not None:
         raise RuntimeError(f"a local cluster is already up (state in {state_path()}); run `tide down` first")
+    _check_port_free(host, port)
     state: dict[str, Any] = {}
     try:
         if redis_url is None:
@@ -127,6 +128,17 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
     except BaseException:
         _teardown(state)
         raise
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before starting anything when the HTTP port is taken (Serve's proxy would fail to
+    bind only after Redis, Ray and the replicas have started)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port {port} on {host} is not free ({e.strerror or e}); pick another port") from None
 
 
 def _teardown(state: dict[str, Any]) -> None:

@@ -137,3 +137,15 @@ def test_a_dead_ray_head_is_a_clear_error_and_down_still_cleans_up(tmp_path):
         assert not (run / "state.json").exists() and not (run / "redis.password").exists()
     finally:
         leftover.kill()
+
+
+def test_a_taken_port_is_a_clear_error_and_starts_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _tide("up", "--port", str(port), home=tmp_path, timeout=120)
+    assert r.returncode == 1 and f"--port {port}" in r.stderr and "not free" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
