@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from actors.llm_server import LLMServer
 from deploy.openai_api import OpenAIIngress
 from deploy.protocol import KeyGrant
+from model.config import check_checkpoint_dir
 
 __all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes"]
 
@@ -170,8 +170,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
 
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     checkpoint = a.checkpoint or str(default_checkpoint())
-    if not (Path(checkpoint) / "config.json").is_file():
-        raise ValueError(f"checkpoint {checkpoint!r} has no config.json")
+    check_checkpoint_dir(checkpoint)  # a bad one fails here, not in every replica
     server_cfg = {
         "checkpoint": checkpoint, "dtype": a.dtype, "device": a.device,
         "cache_dir": a.cache_dir or str(cache_root() / "cache"),

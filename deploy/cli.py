@@ -184,8 +184,13 @@ def up(
 
     from deploy.local import up as start
 
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    if checkpoint is not None:
+        from model.config import check_checkpoint_dir
+
+        try:
+            check_checkpoint_dir(checkpoint)
+        except ValueError as e:
+            raise typer.BadParameter(f"--checkpoint: {e}") from None
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
         raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
     if admission not in ("all", "second-sight"):

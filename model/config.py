@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPE_NAMES", "ModelConfig", "RopeScaling", "load_config", "named_config", "NAMED_CONFIGS"]
+__all__ = ["DTYPE_NAMES", "ModelConfig", "check_checkpoint_dir", "RopeScaling", "load_config", "named_config", "NAMED_CONFIGS"]
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the weight/KV dtypes a model loads in
@@ -231,6 +231,20 @@ def load_config(checkpoint_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint_dir}")
     return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+
+
+def check_checkpoint_dir(checkpoint_dir: str | Path) -> ModelConfig:
+    """What a server checks before it starts replicas: the directory has a supported
+    ``config.json`` and its weights (``model.safetensors`` or a sharded index). ``ValueError``
+    naming the directory and the problem otherwise (cheap: no weights are read, no torch)."""
+    ckpt = Path(checkpoint_dir)
+    try:
+        cfg = load_config(ckpt)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # missing, not JSON, unsupported, incomplete
+        raise ValueError(f"checkpoint {str(ckpt)!r}: {e}") from None
+    if not ((ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file()):
+        raise ValueError(f"checkpoint {str(ckpt)!r} has no model.safetensors or model.safetensors.index.json")
+    return cfg
 
 
 _TINY = ModelConfig(

@@ -97,8 +97,13 @@ def test_up_serves_then_down_stops_everything(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [(["--device", "tpu"], "tpu"), (["--dtype", "int3"], "int3"),
-                                           (["--cache-layout", "flat"], "flat")])
+                                           (["--cache-layout", "flat"], "flat"),
+                                           (["--checkpoint", "{llama}"], "unsupported model_type 'llama'")])
 def test_bad_arguments_name_the_bad_value_and_start_nothing(tmp_path, args, message):
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text('{"model_type": "llama"}')
+    args = [a.replace("{llama}", str(llama)) for a in args]
     r = _tide("up", *args, home=tmp_path, timeout=120)
     assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
     assert not (tmp_path / "run" / "state.json").exists()  # nothing was started

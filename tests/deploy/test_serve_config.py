@@ -32,6 +32,31 @@ def test_its_args_are_app_args_and_build(tmp_path, monkeypatch):
         build_app({"checkpoint": str(tmp_path)})
 
 
+@pytest.mark.parametrize("config, weights, message", [
+    ('{"model_type": "llama"}', True, "unsupported model_type 'llama'"),
+    ("{not json", True, "Expecting property name"),
+    (None, True, "no config.json"),
+    ("tiny", False, "no model.safetensors"),
+])
+def test_a_bad_checkpoint_is_refused_before_any_replica_starts(tmp_path, config, weights, message):
+    import json
+
+    from deploy.app import build_app
+    from model.config import named_config
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    if config == "tiny":
+        config = json.dumps(named_config("tiny").to_hf_dict())
+    if config is not None:
+        (ckpt / "config.json").write_text(config)
+    if weights:
+        (ckpt / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=message) as e:
+        build_app({"checkpoint": str(ckpt)})
+    assert str(ckpt) in str(e.value)
+
+
 def test_expert_shards_with_several_replicas_is_refused_clearly():
     from deploy.app import build_app
 
