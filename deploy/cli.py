@@ -15,6 +15,7 @@ import typer
 from deploy.bench.cli import bench_app
 from deploy.cache_cli import cache_app
 from deploy.eplb_cli import eplb_app
+from deploy.options import check_checkpoint, check_device, check_dtype
 from deploy.scale_cli import scale
 from deploy.schedule_cli import schedule_app
 from deploy.stats_cli import stats
@@ -34,18 +35,6 @@ app.add_typer(train_app, name="train")
 app.command("scale")(scale)
 app.command("status")(status)
 app.add_typer(schedule_app, name="schedule")
-
-
-def _check_dtype(dtype: str) -> None:
-    from model.config import DTYPE_NAMES
-
-    if dtype not in DTYPE_NAMES:
-        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {list(DTYPE_NAMES)}")
-
-
-def _check_device(device: str) -> None:
-    if device not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"--device {device!r} is not one of cpu, cuda")
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model, device: str = "cpu"):
@@ -95,10 +84,9 @@ def generate(
     """Run the model through the engine in-process (no Ray, no cache) and print the text."""
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of --prompt or --prompt-ids")
-    _check_dtype(dtype)
-    _check_device(device)
-    if checkpoint is not None and not checkpoint.is_dir():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} is not a directory")
+    check_dtype(dtype)
+    check_device(device)
+    check_checkpoint(checkpoint)
 
     from cachedir.hashing import Namespace  # torch and the model: only once the arguments are good
     from cluster.engine import Engine, EngineConfig
@@ -184,21 +172,15 @@ def up(
 
     from deploy.local import up as start
 
-    if checkpoint is not None:
-        from model.config import check_checkpoint_dir
-
-        try:
-            check_checkpoint_dir(checkpoint)
-        except ValueError as e:
-            raise typer.BadParameter(f"--checkpoint: {e}") from None
+    check_checkpoint(checkpoint)
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
         raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
     if admission not in ("all", "second-sight"):
         raise typer.BadParameter(f"--admission {admission!r} is not one of all, second-sight")
     if cache_layout not in ("segment", "unit"):
         raise typer.BadParameter(f"--cache-layout {cache_layout!r} is not one of segment, unit")
-    _check_device(device)
-    _check_dtype(dtype)
+    check_device(device)
+    check_dtype(dtype)
     args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
             "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
             "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,

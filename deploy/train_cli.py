@@ -18,6 +18,8 @@ from pathlib import Path
 
 import typer
 
+from deploy.options import check_dtype
+
 train_app = typer.Typer(help="Train the model architecture (resumable, HF-format checkpoints).", no_args_is_help=True)
 
 
@@ -77,10 +79,9 @@ def train_export(
     dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16 | float16"),
 ) -> None:
     """Write a serving checkpoint (config.json + model.safetensors) from a training run."""
+    check_dtype(dtype)
     from model.checkpoint import DTYPES, load_config, load_state_dict, save_checkpoint
 
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if not (run_dir / "model.safetensors").is_file():
         raise typer.BadParameter(f"{str(run_dir)!r} holds no model.safetensors")
     cfg = load_config(run_dir)

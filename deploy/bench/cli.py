@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from deploy.options import check_checkpoint
+
 bench_app = typer.Typer(help="Benchmarks; each prints one JSON object.", no_args_is_help=True)
 
 
@@ -27,8 +29,7 @@ def bench_model(
     beside transformers on the same checkpoint and threads when it is installed."""
     from deploy.bench.model_bench import run_model_bench
 
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    check_checkpoint(checkpoint)
     _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf))
 
 
@@ -183,8 +184,7 @@ def bench_ttft(
     and in the RAM tier; each run on a fresh engine and checked to give the same first token."""
     from deploy.bench.ttft_bench import run_ttft
 
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    check_checkpoint(checkpoint)
     _emit(run_ttft(checkpoint, prompt_tokens, repeats))
 
 
@@ -212,8 +212,7 @@ def bench_cluster(
     bad = [m for m in chosen if m not in MODES]
     if bad or not chosen:
         raise typer.BadParameter(f"--modes {modes!r}: unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(MODES)}")
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    check_checkpoint(checkpoint)
     try:
         from cachedir.trace import read_trace
 
@@ -241,8 +240,7 @@ def bench_serve(
     a local Ray Serve app, once with the prompt cache and once without."""
     from deploy.bench.serve_bench import run_serve_bench
 
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    check_checkpoint(checkpoint)
     _emit(run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens))
 
 
@@ -262,8 +260,7 @@ def bench_soak(
     (outside the faults' 503 windows), wrong_outputs (against the model alone), rss_growth_mb."""
     from deploy.bench.soak_bench import run_soak
 
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise typer.BadParameter(f"--checkpoint {str(checkpoint)!r} has no config.json")
+    check_checkpoint(checkpoint)
     import contextlib
 
     with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON

@@ -13,7 +13,7 @@ import pytest
 # modules that admin commands (not generate / train / bench) import to do their work
 ADMIN_MODULES = ["deploy.cli", "deploy.local", "deploy.cache_cli", "deploy.status_cli", "deploy.scale_cli",
                  "deploy.eplb_cli", "deploy.train_cli", "deploy.schedule_cli", "deploy.stats_cli",
-                 "deploy.tidal", "actors.cache_agent", "actors.tidal", "model.default", "model.config"]
+                 "deploy.tidal", "deploy.options", "actors.cache_agent", "actors.tidal", "model.default", "model.config"]
 
 _PROBE = """
 import json, sys
