@@ -127,15 +127,20 @@ def _cluster_agent_token() -> str:
     return _internal_kv_get(key).decode()
 
 
+def _gpus_per_actor(device: str) -> int:
+    """Each replica and each expert shard takes one GPU of its own under ``device="cuda"``."""
+    return 1 if device == "cuda" else 0
+
+
 def shard_actor_options(device: str) -> dict[str, Any]:
     """Ray resources of one expert-shard actor: no CPU (it waits in collectives between rounds;
-    its gloo threads are not Ray tasks), and one GPU of its own under ``device="cuda"``."""
-    return {"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0}
+    its gloo threads are not Ray tasks), and its GPU under ``device="cuda"``."""
+    return {"num_cpus": 0, "num_gpus": _gpus_per_actor(device)}
 
 
 def gpus_needed(a: AppArgs) -> int:
-    """GPUs the app takes with ``device="cuda"``: one per replica and one per expert shard."""
-    return a.replicas + a.expert_shards if a.device == "cuda" else 0
+    """GPUs the app takes: one per replica and one per expert shard under ``device="cuda"``."""
+    return (a.replicas + a.expert_shards) * _gpus_per_actor(a.device)
 
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
@@ -214,7 +219,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
             request_router_class=router, request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
     server = serve.deployment(
         LLMServer, name="LLMServer", num_replicas=a.replicas,
-        ray_actor_options={"num_cpus": a.replica_cpus, "num_gpus": 1 if a.device == "cuda" else 0},
+        ray_actor_options={"num_cpus": a.replica_cpus, "num_gpus": _gpus_per_actor(a.device)},
         max_ongoing_requests=64, health_check_period_s=10, max_replicas_per_node=a.max_replicas_per_node,
         **options,
     ).bind(server_cfg)

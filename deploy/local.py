@@ -142,15 +142,11 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _teardown(state: dict[str, Any]) -> None:
-    os.environ["RAY_AUTH_MODE"] = "token"
     if "ray_address" in state:
         try:
-            import ray
+            ray = _connect(state)
             from ray import serve
 
-            if not ray.is_initialized():
-                check_reachable(state)
-                ray.init(address=state["ray_address"], log_to_driver=False)
             serve.shutdown()
             ray.shutdown()
         except ClusterUnreachable:
@@ -211,16 +207,24 @@ def check_reachable(state: dict[str, Any], timeout_s: float = 3.0) -> None:
         ) from None
 
 
-def serve_handle(state: dict[str, Any]):
-    """A handle to the running app's ``LLMServer`` deployment (connects this process to Ray)."""
-    os.environ["RAY_AUTH_MODE"] = "token"
-    _load_redis_password()  # a redeploy (`tide scale`) and the directory reads need it
+def _connect(state: dict[str, Any]):
+    """Connect this process to the running cluster (once); returns the ``ray`` module.
+    ``ClusterUnreachable`` when the head is gone."""
+    os.environ["RAY_AUTH_MODE"] = "token"  # set before ray is imported
     import ray
-    from ray import serve
 
     if not ray.is_initialized():
         check_reachable(state)
         ray.init(address=state["ray_address"], log_to_driver=False)
+    return ray
+
+
+def serve_handle(state: dict[str, Any]):
+    """A handle to the running app's ``LLMServer`` deployment (connects this process to Ray)."""
+    _load_redis_password()  # a redeploy (`tide scale`) and the directory reads need it
+    _connect(state)
+    from ray import serve
+
     return serve.get_deployment_handle("LLMServer", app_name="tideserve")
 
 
