@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import ray
-import torch
 
 from actors.cache_agent import ensure_cache_agents, tls_files
 from actors.ep_group import EPGroup
@@ -34,7 +33,6 @@ from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig
 from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine, EngineConfig, cache_namespace
-from cluster.eplb import EplbConfig, Placement
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import (
     FinishReason,
@@ -90,20 +88,20 @@ class LLMServer:
     def __init__(self, cfg: dict) -> None:
         """``cfg`` keys: checkpoint, dtype, device (cpu | cuda), warmup (default: on cuda), cache_dir, ssd_bytes,
         ram_bytes, admission, num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
-        expert parallelism ``ep_shards`` (expert-shard actor handles), ``ep_slots`` (physical
-        slots in all), ``ep_nodes``, ``ep_policy``, ``ep_rebalance_s`` (0: only on demand),
-        ``ep_timeout_s`` (a round slower than this counts as a failed shard),
+        expert parallelism ``ep_control`` (the app's ``EPControl`` actor, which owns the expert
+        shards and the placement) and ``ep_timeout_s`` (a round slower than this counts as a failed shard),
         ``micro_batches`` (2 overlaps one half's expert round with the other's attention);
         ``cache_agents`` (the agents' cfg, see ``actors/cache_agent.py``): the node's cache agent
         owns the unit store and the engine reaches every node's units through it."""
         self._stop = False
         ckpt = Path(cfg["checkpoint"])
-        shards = cfg.get("ep_shards") or []
+        control = cfg.get("ep_control")
         self.model = load_model(
-            ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=not shards,
+            ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=control is None,
             device=cfg.get("device", "cpu"),
         )
-        self.ep = self._start_ep(cfg, shards) if shards else None
+        self.replica_id = uuid.uuid4().hex
+        self.ep = self._start_ep(control, float(cfg.get("ep_timeout_s", 30.0))) if control is not None else None
         # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
         # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
         if cfg.get("warmup", self.model.device.type == "cuda"):
@@ -172,50 +170,19 @@ class LLMServer:
 
         return ClusterCache(self.node_id, client_for(address), directory, client_for)
 
-    def _start_ep(self, cfg: dict, shards: list) -> EPGroup:
-        mcfg = self.model.cfg
-        moe_layers = [moe.layer_idx for moe in self.model.moe_layers()]
-        eplb = EplbConfig(
-            int(cfg.get("ep_slots") or mcfg.n_routed_experts), mcfg.n_group, int(cfg.get("ep_nodes", 1)),
-            len(shards), cfg.get("ep_policy", "auto"),
-        )
-        group = EPGroup(shards, moe_layers, mcfg.n_routed_experts, eplb, self.model.dtype,
-                        timeout_s=float(cfg.get("ep_timeout_s", 30.0)))
+    def _start_ep(self, control, timeout_s: float) -> EPGroup:
+        group = EPGroup(control, self.replica_id, self.model.cfg.hidden_size, self.model.dtype, timeout_s=timeout_s)
         self.model.set_expert_executor(group.start())
-        every = float(cfg.get("ep_rebalance_s", 0))
-        if every > 0:
-            threading.Thread(target=self._rebalance_loop, args=(every,), name="eplb", daemon=True).start()
         return group
 
-    def _rebalance_loop(self, every_s: float) -> None:
-        while not self._stop:
-            time.sleep(every_s)
-            try:
-                self.ep.rebalance()
-            except Exception:  # noqa: BLE001 - a failed rebalance keeps the current placement
-                log.exception("periodic expert rebalance failed; keeping the current placement")
-
-    def rebalance_experts(self, phy2log: list[list[int]] | None = None) -> dict:
-        """Re-plan expert placement now (from measured loads, or the given ``phy2log``)."""
-        if self.ep is None:
-            raise ValueError("this replica does not use expert parallelism")
-        placement = None
-        if phy2log is not None:
-            placement = Placement.from_phy2log(torch.tensor(phy2log), self.model.cfg.n_routed_experts, len(self.ep.shards))
-        return self.ep.rebalance(placement)
-
-    def resize_experts(self, shards: list, num_nodes: int) -> dict:
-        """Serve the routed experts from ``shards`` instead (scale-down / scale-up)."""
-        if self.ep is None:
-            raise ValueError("this replica does not use expert parallelism")
-        return self.ep.resize(shards, num_nodes)
-
     def ep_stats(self) -> dict:
+        """This replica's expert-parallel view: the placement it serves (``version``,
+        ``phy2log``), its measured load and rounds, and its group's re-forms and switches."""
         if self.ep is None:
             return {}
         ex = self.ep.executor
-        return {**self.ep.stats, **ex.stats, "version": ex.version, "phy2log": ex.placement.phy2log.tolist(),
-                "load": ex.load.tolist(), "num_shards": ex.placement.num_shards}
+        return {**self.ep.stats, **ex.stats, "replica_id": self.replica_id, "version": ex.version,
+                "phy2log": ex.placement.phy2log.tolist(), "load": ex.load.tolist(), "num_shards": ex.placement.num_shards}
 
     # -- the engine thread ---------------------------------------------------------------
     def _tidal_loop(self) -> None:
@@ -362,5 +329,7 @@ class LLMServer:
 
     def __del__(self) -> None:
         self._stop = True
+        if getattr(self, "ep", None) is not None:
+            self.ep.stop()
 
 

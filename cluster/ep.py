@@ -65,7 +65,8 @@ def choose_slots(expert_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.
 class EPExecutor:
     """``model.moe.ExpertExecutor`` over expert shards, with ``submit`` for overlapped rounds.
     ``moe_layers[i]`` is the model layer of placement row i. Counts tokens per expert (``load``,
-    decayed) for EPLB, and the time spent blocked on rounds (``stats["wait_s"]``)."""
+    decayed) for EPLB, and the time spent blocked on rounds (``stats["wait_s"]``). ``version``:
+    the placement's version on the shards."""
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class EPExecutor:
         recover: Callable[[BaseException], Transport] | None = None,
         max_retries: int = 3,
         load_decay: float = 0.99,
+        version: int = 0,
     ) -> None:
         assert placement.phy2log.shape[0] == len(moe_layers), (placement.phy2log.shape, moe_layers)
         self.row_of = {layer: i for i, layer in enumerate(moe_layers)}
@@ -85,7 +87,7 @@ class EPExecutor:
         self.load = torch.zeros(placement.logcnt.shape, dtype=torch.float64)  # [L, E]
         self.stats = {"rounds": 0, "retries": 0, "rows": 0, "wait_s": 0.0}
         self._lock = threading.Lock()
-        self._placement, self._version = placement, 0
+        self._placement, self._version = placement, version
         self._pending: tuple[Placement, int, Transport | None] | None = None
         self._in_flight = 0
 

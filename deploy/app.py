@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.llm_server import LLMServer
+from deploy.ep_admin import ep_control_name
 from deploy.openai_api import OpenAIIngress
 from deploy.protocol import KeyGrant
 from model.config import check_checkpoint_dir
@@ -61,6 +62,7 @@ class AppArgs(BaseModel):
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
     expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
+    expert_rebalance_s: float = Field(default=0.0, ge=0)  # re-plan placement this often (0: `tide eplb rebalance`)
     micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
     # key -> "TENANT" or "TENANT:MODEL[+MODEL...]" (the models it may use; default all);
     # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
@@ -145,13 +147,14 @@ def gpus_needed(a: AppArgs) -> int:
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     """Detached expert-shard actors dealt round-robin over the alive nodes (named, so a redeploy
-    reuses them; Ray restarts one that dies on its node), and the replica settings that use them.
-    EPLB plans for equal shards per node, so placement is explicit and hard: Ray's SPREAD and soft
-    node affinity both stacked zero-CPU actors on one node. A shard whose node is gone is dead;
-    the next deploy creates it again on an alive node."""
+    reuses them; Ray restarts one that dies on its node) and the ``EPControl`` whose placement
+    every replica follows. EPLB plans for equal shards per node, so placement is explicit and hard:
+    Ray's SPREAD and soft node affinity both stacked zero-CPU actors on one node. A shard whose
+    node is gone is dead; the next deploy creates it again on an alive node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from actors.ep_control import ep_control_actor
     from actors.ep_group import expert_shard_actor
     from model.checkpoint import load_config
 
@@ -162,12 +165,16 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
             name=EXPERT_SHARD_NAME.format(i), namespace="tideserve", lifetime="detached", get_if_exists=True,
             **shard_actor_options(a.device),
             scheduling_strategy=NodeAffinitySchedulingStrategy(alive[i % len(alive)], soft=False) if alive else "SPREAD",
-        ).remote(checkpoint, a.dtype, a.device)
+        ).remote(a.dtype, a.device)
         for i in range(a.expert_shards)
     ]
     nodes = expert_shard_nodes(max(1, len(alive)), a.expert_shards)
     slots = a.expert_slots or experts + (-experts) % a.expert_shards + a.expert_shards
-    return {"ep_shards": shards, "ep_slots": slots, "ep_nodes": nodes}
+    name = ep_control_name(checkpoint)
+    control = ep_control_actor(name=name, namespace="tideserve", lifetime="detached", get_if_exists=True,
+                               num_cpus=0).remote(checkpoint, shards, slots, nodes, rebalance_s=a.expert_rebalance_s,
+                                                  name=name)
+    return {"ep_control": control}
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None):
@@ -187,11 +194,6 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }
     if a.expert_shards:
-        if a.replicas > 1:
-            # Each replica keeps its own placement versions on the shared shard actors, and a
-            # rebalance drops every version but its own: a second replica would lose its experts.
-            raise ValueError(f"expert_shards with replicas={a.replicas}: expert parallelism serves one "
-                             "attention replica per set of expert shards for now; use replicas=1")
         server_cfg.update(_expert_shards(checkpoint, a))
     password = _secret(a.directory_password_env, "directory_password_env")
     if password:

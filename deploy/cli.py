@@ -162,7 +162,8 @@ def up(
     cache_layout: str = typer.Option("segment", "--cache-layout", help="unit files on disk: segment (one file per write batch) | unit (one file per unit)"),
     admission: str = typer.Option("all", "--admission", help="all | second-sight"),
     api_key: list[str] = typer.Option(None, "--api-key", help="KEY:TENANT[:MODEL+...] (the models the key may use; default all); repeat for several (default: no auth)"),
-    expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors (0: in the replica)"),
+    expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors shared by every replica (0: in the replica)"),
+    expert_rebalance_s: float = typer.Option(0.0, "--expert-rebalance-s", min=0.0, help="with --expert-shards: re-plan expert placement from the measured load this often (0: only `tide eplb rebalance`)"),
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica, and each expert shard, takes one GPU and runs the Triton kernels)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
@@ -184,7 +185,7 @@ def up(
     args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
             "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
             "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
-            "micro_batches": micro_batches, "device": device, "dtype": dtype}
+            "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches, "device": device, "dtype": dtype}
     console = Console(stderr=True)
     with console.status("starting tideserve") as status:
         try:

@@ -86,40 +86,53 @@ def eplb_plan(
     sys.stdout.write(json.dumps(out) + "\n")
 
 
-def _replica():
+def _control():
+    """The running local cluster's ``EPControl`` (connects to the cluster; call it before
+    importing ray: the connection sets Ray's auth mode first)."""
+    from deploy.ep_admin import find_ep_control
     from deploy.local import read_state, serve_handle
 
     state = read_state()
     if state is None:
         raise typer.BadParameter("no local cluster is running (start one with `tide up --expert-shards N`)")
-    return serve_handle(state)
+    serve_handle(state)  # connects
+    control = find_ep_control()
+    if control is None:
+        raise typer.BadParameter("this cluster does not use expert parallelism (tide up --expert-shards N)")
+    return control
 
 
 @eplb_app.command("show")
 def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
-    """The running cluster's expert placement: version, shards, copies per expert, measured load."""
-    stats = _replica().ep_stats.remote().result(timeout_s=60)
-    if not stats:
-        raise typer.BadParameter("this cluster does not use expert parallelism (tide up --expert-shards N)")
+    """The running cluster's expert placement: version, shards, copies per expert, the load
+    every replica measured, and the version each replica serves."""
+    control = _control()  # first: it sets Ray's auth mode before ray is imported
+    import ray
     import torch
 
     from cluster.eplb import Placement, imbalance
 
-    phy2log = torch.tensor(stats["phy2log"])
-    load = torch.tensor(stats["load"], dtype=torch.float64)
-    placement = Placement.from_phy2log(phy2log, load.shape[1], stats["num_shards"])
-    out = {"version": stats["version"], "shards": stats["num_shards"], "slots": phy2log.shape[1],
+    info, load = ray.get([control.info.remote(), control.load.remote()], timeout=60)
+    if info["version"] is None:
+        raise typer.BadParameter("no replica has joined the expert-parallel group yet; try again shortly")
+    phy2log = torch.tensor(info["phy2log"])
+    placement = Placement.from_phy2log(phy2log, load.shape[1], info["num_shards"])
+    out = {"version": info["version"], "shards": info["num_shards"], "slots": phy2log.shape[1],
            "copies_max": int(placement.logcnt.max()), "imbalance": round(imbalance(placement, load), 4)
-           if float(load.sum()) > 0 else None, "rebalances": stats["rebalances"], "reforms": stats["reforms"],
-           "rounds": stats["rounds"], "phy2log": stats["phy2log"]}
+           if float(load.sum()) > 0 else None, "rebalances": info["rebalances"], "resizes": info["resizes"],
+           "replicas": info["replicas"], "phy2log": info["phy2log"]}
     sys.stdout.write(json.dumps(out) + "\n" if as_json else "\n".join(f"{k}: {v}" for k, v in out.items() if k != "phy2log") + "\n")
 
 
 @eplb_app.command("rebalance")
 def eplb_rebalance(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
-    """Re-plan from the measured loads now; weights move while serving continues."""
+    """Re-plan from the load every replica measured, now; weights move while serving continues
+    and every replica switches to the new placement."""
+    control = _control()  # first: it sets Ray's auth mode before ray is imported
+    import ray
+
     try:
-        result = _replica().rebalance_experts.remote().result(timeout_s=600)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        result = ray.get(control.rebalance.remote(), timeout=600)
+    except ValueError as e:  # no replica has joined yet (RayTaskError subclasses it)
+        raise typer.BadParameter(str(e).splitlines()[-1]) from None
     sys.stdout.write(json.dumps(result) + "\n" if as_json else f"{result}\n")

@@ -23,7 +23,7 @@ from cluster.daily_report import JsonlLog, NodeSample
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 from model.default import cache_root
 
-__all__ = ["ClusterUnreachable", "down", "read_state", "up"]
+__all__ = ["ClusterUnreachable", "down", "read_state", "up", "write_state"]
 
 
 class ClusterUnreachable(RuntimeError):
@@ -37,6 +37,11 @@ def state_path() -> Path:
 def read_state() -> dict[str, Any] | None:
     p = state_path()
     return json.loads(p.read_text()) if p.is_file() else None
+
+
+def write_state(state: dict[str, Any]) -> None:
+    state_path().parent.mkdir(parents=True, exist_ok=True)
+    state_path().write_text(json.dumps(state, indent=2))
 
 
 REDIS_PASSWORD_ENV = "TIDE_REDIS_PASSWORD"  # how the app's processes get the local Redis password
@@ -121,8 +126,7 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         step("waiting for the app to be healthy")
         wait_healthy(url)
         state["url"] = url + "/v1"
-        state_path().parent.mkdir(parents=True, exist_ok=True)
-        state_path().write_text(json.dumps(state, indent=2))
+        write_state(state)
         record_serving_nodes(1)
         return state
     except BaseException:
@@ -234,9 +238,11 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     from actors.tidal import tidal_state
+    from deploy.ep_admin import find_ep_control
 
     replicas = [handle.stats.remote().result(timeout_s=30)]  # the router picks one replica per call
-    ep = handle.ep_stats.remote().result(timeout_s=30)
+    control = find_ep_control()
+    ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
     state_actor = tidal_state()
     roles, reports = ray.get(state_actor.roles.remote()), ray.get(state_actor.reports.remote())
     serving = {n for n, r in reports.items() if time.time() - r["time"] < 10}
@@ -251,7 +257,8 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
 
     nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "cpus": n["Resources"].get("CPU", 0), "role": role(n)}
              for n in ray.nodes()]
-    placement = {"shards": ep.get("num_shards"), "version": ep.get("version")} if ep else None
+    placement = ({"shards": ep["num_shards"], "version": ep["version"], "replicas": ep["replicas"]}
+                 if ep else None)
     from deploy.cache_cli import cache_stats
 
     return {"url": state["url"], "nodes": nodes, "replicas": replicas, "expert_placement": placement,

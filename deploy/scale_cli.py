@@ -97,7 +97,7 @@ def _target(mode: str | None, serve_nodes: int | None, total: int, current: int,
 def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
                  deadline_s, reload, as_json) -> None:
     """Lend nodes of the local Ray cluster (``tide up`` plus nodes joined with ``ray start``)."""
-    from deploy.local import read_state, record_serving_nodes, serve_handle
+    from deploy.local import read_state, record_serving_nodes, serve_handle, write_state
 
     state = read_state()
     if state is None:
@@ -127,6 +127,8 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
             raise typer.BadParameter(f"--serve-nodes {target}: taking back only some lent nodes is not supported; "
                                      "use `tide scale day`")
         result = return_nodes(args, deadline_s=deadline_s, reload=reload, dashboard=state.get("dashboard"))
+        if reload:  # later redeploys (the next night) must serve the new checkpoint too
+            write_state({**state, "app_args": {**args, "checkpoint": reload}})
     record_serving_nodes(target)  # nodes, not replicas: an expert-parallel app serves from every node
     _emit({**out, "changed": True, **result}, as_json)
 

@@ -22,11 +22,11 @@ Day (``return_nodes``)
   it is killed), release the leases, and raise the replicas again (``reload``: serve a new
   checkpoint, a rolling update).
 
-Expert-parallel apps (``expert_shards``: one attention replica, routed experts on shard actors
+Expert-parallel apps (``expert_shards``: attention replicas, routed experts on shard actors
 spread over the nodes) lend nodes that host only expert shards. Night: EPLB re-plans the experts
-onto the shards that stay (``LLMServer.resize_experts``; weights move between shards while the
-replica keeps decoding, no request fails), the left-out shards drop their weights, and the nodes
-are leased and lent as above. Day: the experts are re-planned onto every shard again.
+onto the shards that stay (``EPControl.resize``; weights move between shards while every replica
+keeps decoding, no request fails), the left-out shards drop their weights, and the nodes are
+leased and lent as above. Day: the experts are re-planned onto every shard again.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def return_nodes(
     ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
     ray.get(state.set_job.remote(None))
     if app_args.get("expert_shards"):
-        result = _resize_experts(app_name, _shards(app_args), timeout_s) if lent else {}
+        result = _resize_experts(_shards(app_args), timeout_s) if lent else {}
         target = _running_replicas(app_name)
         if reload:
             _deploy(app_name, route_prefix, {**app_args, "checkpoint": reload}, target)
@@ -191,16 +191,17 @@ def _shards(app_args: dict[str, Any]) -> list:
             for i in range(int(app_args["expert_shards"]))]
 
 
-def _resize_experts(app_name: str, shards: list, timeout_s: float) -> dict[str, Any]:
-    """Re-plan the replica's experts onto ``shards`` (weights move while it serves)."""
-    from ray import serve
-
+def _resize_experts(shards: list, timeout_s: float) -> dict[str, Any]:
+    """Re-plan the experts onto ``shards``: every replica follows (weights move while they serve)."""
     from deploy.app import expert_shard_nodes
+    from deploy.ep_admin import find_ep_control
 
+    control = find_ep_control()
+    if control is None:
+        raise ValueError("the app's expert-parallel control is not running (no replica has joined it)")
     nodes = {info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)}
-    handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
-    return handle.resize_experts.remote(shards, expert_shard_nodes(len(nodes), len(shards))).result(
-        timeout_s=timeout_s)
+    return ray.get(control.resize.remote(shards, expert_shard_nodes(len(nodes), len(shards)), timeout_s),
+                   timeout=timeout_s + 60)
 
 
 def _lend_shard_nodes(app_args: dict[str, Any], n: int, app_name: str, train: dict[str, Any] | None,
@@ -220,7 +221,7 @@ def _lend_shard_nodes(app_args: dict[str, Any], n: int, app_name: str, train: di
     chosen = nodes_to_free([NodeLoad(x, 0, unique[x], x == head) for x in lendable], n)
     log.info("lending %s (expert shards move to the other nodes)", chosen)
     keep = [s for s, w in zip(shards, where, strict=True) if w not in chosen]
-    resized = _resize_experts(app_name, keep, timeout_s)
+    resized = _resize_experts(keep, timeout_s)
     leases = [lease_node(x, float(app_args.get("replica_cpus", 1.0))) for x in chosen]
     ray.get([lease.ready.remote() for lease in leases], timeout=timeout_s)
     ray.get(state.set_roles.remote(dict.fromkeys(chosen, "lent")))

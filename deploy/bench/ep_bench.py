@@ -45,15 +45,11 @@ def _time_decode(model: DeepseekModel, batch: int, context: int, steps: int, mic
 class EPBenchReplica:
     """The attention replica of the benchmark (runs on node 0 as a Ray actor)."""
 
-    def __init__(self, checkpoint: str, shards: list, slots: int, nodes: int) -> None:
+    def __init__(self, checkpoint: str, control) -> None:
         from actors.ep_group import EPGroup
-        from cluster.eplb import EplbConfig
 
         self.model = load_model(checkpoint, routed_experts=False)
-        cfg = self.model.cfg
-        moe_layers = [moe.layer_idx for moe in self.model.moe_layers()]
-        self.group = EPGroup(shards, moe_layers, cfg.n_routed_experts,
-                             EplbConfig(slots, cfg.n_group, nodes, len(shards)), self.model.dtype)
+        self.group = EPGroup(control, "bench", self.model.cfg.hidden_size, self.model.dtype)
         self.executor = self.group.start()
         self.model.set_expert_executor(self.executor)
 
@@ -66,6 +62,7 @@ def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int
     import ray
     from ray.cluster_utils import Cluster
 
+    from actors.ep_control import ep_control_actor
     from actors.ep_group import expert_shard_actor
 
     cfg = named_config(config)
@@ -78,10 +75,9 @@ def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int
             for i in range(1, nodes):
                 cluster.add_node(num_cpus=1, resources={f"node{i}": 1})
             ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-            shards = [expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote(str(ckpt))
-                      for i in range(nodes)]
-            replica = ray.remote(num_cpus=0, resources={"node0": 0.01})(EPBenchReplica).remote(
-                str(ckpt), shards, slots, nodes)
+            shards = [expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote() for i in range(nodes)]
+            control = ep_control_actor(num_cpus=0, resources={"node0": 0.01}).remote(str(ckpt), shards, slots, nodes)
+            replica = ray.remote(num_cpus=0, resources={"node0": 0.01})(EPBenchReplica).remote(str(ckpt), control)
             off = ray.get(replica.time_decode.remote(batch, context, steps, 1), timeout=1800)
             on = ray.get(replica.time_decode.remote(batch, context, steps, 2), timeout=1800)
         finally:

@@ -39,25 +39,37 @@ def cluster():
     c.shutdown()
 
 
+def _shards_and_control(checkpoint, nodes: int, slots: int, **control_args):
+    from actors.ep_control import ep_control_actor
+    from actors.ep_group import expert_shard_actor
+
+    shards = [expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote() for i in range(nodes)]
+    control = ep_control_actor(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(checkpoint), shards, slots, nodes, **control_args)
+    return shards, control
+
+
+def _replica(checkpoint, tmp_path_factory, control, node: int = 0, **cfg):
+    import ray
+
+    from actors.llm_server import LLMServer
+
+    return ray.remote(num_cpus=0, resources={f"node{node}": 0.01})(LLMServer).remote({
+        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
+        "enable_cache": False, "num_pages": 256, "max_num_seqs": 8, "ep_control": control, **cfg,
+    })
+
+
 @pytest.fixture(scope="module")
 def ep_server(cluster, checkpoint, tmp_path_factory):
     import ray
 
-    from actors.ep_group import expert_shard_actor
-    from actors.llm_server import LLMServer
-
-    shards = [
-        expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote(str(checkpoint)) for i in range(3)
-    ]
-    server = ray.remote(num_cpus=0, resources={"node0": 0.01})(LLMServer).remote({
-        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
-        "enable_cache": False, "num_pages": 256, "max_num_seqs": 8,
-        "ep_shards": shards, "ep_slots": 18, "ep_nodes": 3,  # 16 experts + 2 redundant copies
-        "micro_batches": 2,  # decode rounds overlap: the kill and the rebalance hit rounds in flight
-        "warmup": True,  # as on a GPU: one prefill and one decode through the shards before serving
-    })
+    shards, control = _shards_and_control(checkpoint, 3, 18)  # 16 experts + 2 redundant copies
+    server = _replica(checkpoint, tmp_path_factory, control,
+                      micro_batches=2,  # decode rounds overlap: the kill and the rebalance hit rounds in flight
+                      warmup=True)  # as on a GPU: one prefill and one decode through the shards before serving
     ray.get(server.check_health.remote(), timeout=300)
-    return server, shards
+    return server, shards, control
 
 
 def _generate_all(server) -> list[list[int]]:
@@ -82,7 +94,7 @@ def _generate_all(server) -> list[list[int]]:
 def test_ep_over_three_nodes_equals_single_process(ep_server, reference):
     import ray
 
-    server, shards = ep_server
+    server, shards, _ = ep_server
     nodes = {ray.get(s.info.remote())["node_id"] for s in shards}
     assert len(nodes) == 3  # one shard per node
     assert _generate_all(server) == reference
@@ -109,46 +121,75 @@ def test_idle_longer_than_the_round_timeout_needs_no_recovery(cluster, checkpoin
     must not break the group."""
     import ray
 
-    from actors.ep_group import expert_shard_actor
-    from actors.llm_server import LLMServer
-
-    shards = [expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote(str(checkpoint)) for i in range(2)]
-    server = ray.remote(num_cpus=0, resources={"node0": 0.01})(LLMServer).remote({
-        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")), "enable_cache": False,
-        "num_pages": 64, "ep_shards": shards, "ep_slots": 16, "ep_nodes": 2, "ep_timeout_s": 2.0,
-    })
+    shards, control = _shards_and_control(checkpoint, 2, 16)
+    server = _replica(checkpoint, tmp_path_factory, control, num_pages=64, ep_timeout_s=2.0)
     ray.get(server.check_health.remote(), timeout=300)
     time.sleep(4.0)  # twice the replica's round timeout
     assert _generate_all(server)[:1] == reference[:1]
     assert ray.get(server.ep_stats.remote())["retries"] == 0
-    for actor in [server, *shards]:
+    for actor in [server, control, *shards]:
         ray.kill(actor)
 
 
 def test_rebalance_during_a_stream_loses_nothing(ep_server, reference):
     import ray
 
-    server, _ = ep_server
-    before = ray.get(server.ep_stats.remote())
+    server, shards, control = ep_server
+    before, held = ray.get(server.ep_stats.remote()), ray.get(control.info.remote())
     # move every expert: a placement shifted by one shard
     shifted = torch.tensor(before["phy2log"]).roll(6, dims=1).tolist()
     moved = {}
-    out = _while_streaming(server, lambda: moved.update(ray.get(server.rebalance_experts.remote(shifted))))
+    out = _while_streaming(server, lambda: moved.update(ray.get(control.rebalance.remote(shifted))))
     assert out == reference
-    assert moved["moved_slots"] > 0
-    after = ray.get(server.ep_stats.remote())
+    assert moved["moved_slots"] > 0 and moved["pending"] == []
+    after, info = ray.get(server.ep_stats.remote()), ray.get(control.info.remote())
     assert after["version"] == before["version"] + 1 and after["phy2log"] == shifted
-    assert after["experts_from_peers"] > before["experts_from_peers"]  # moved between shards
-    assert after["experts_from_checkpoint"] == before["experts_from_checkpoint"]
-    # and a plan from the measured loads
-    assert ray.get(server.rebalance_experts.remote())["version"] >= after["version"]
+    assert info["experts_from_peers"] > held["experts_from_peers"]  # moved between shards
+    assert info["experts_from_checkpoint"] == held["experts_from_checkpoint"]
+    assert all(ray.get(s.info.remote())["versions"] == [after["version"]] for s in shards)  # the old one dropped
+    # and a plan from the load the replica measured (it reports it to the control)
+    assert float(ray.get(control.load.remote()).sum()) > 0
+    assert ray.get(control.rebalance.remote())["version"] >= after["version"]
     assert _generate_all(server) == reference
+
+
+def test_two_attention_replicas_follow_one_placement(ep_server, checkpoint, tmp_path_factory, reference):
+    """DeepSeek's shape: data-parallel attention replicas over the same expert shards. A rebalance
+    while both stream moves both to the new placement (the control drops the old weights only
+    once both serve the new one); both answer as the model computed alone."""
+    import ray
+
+    server, shards, control = ep_server
+    other = _replica(checkpoint, tmp_path_factory, control, 1, micro_batches=2)
+    ray.get(other.check_health.remote(), timeout=300)
+    before = ray.get(control.info.remote())
+    assert len(before["replicas"]) == 2 and set(before["replicas"].values()) == {before["version"]}
+    shifted = torch.tensor(before["phy2log"]).roll(-6, dims=1).tolist()
+    results: dict[str, list] = {}
+    workers = [threading.Thread(target=lambda k=k, r=r: results.__setitem__(k, _generate_all(r)))
+               for k, r in (("first", server), ("second", other))]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)
+    assert all(w.is_alive() for w in workers), "the streams ended before the rebalance: make them longer"
+    moved = ray.get(control.rebalance.remote(shifted))
+    for w in workers:
+        w.join(timeout=600)
+    assert results == {"first": reference, "second": reference}
+    assert moved["moved_slots"] > 0 and moved["pending"] == []
+    assert set(ray.get(control.info.remote())["replicas"].values()) == {moved["version"]}
+    for replica in (server, other):
+        stats = ray.get(replica.ep_stats.remote())
+        assert stats["version"] == moved["version"] and stats["phy2log"] == shifted and stats["retries"] == 0
+    assert all(ray.get(s.info.remote())["versions"] == [moved["version"]] for s in shards)
+    ray.get(control.leave.remote(ray.get(other.ep_stats.remote())["replica_id"]))  # as a stopping replica does
+    ray.kill(other)
 
 
 def test_a_killed_shard_is_recovered(ep_server, reference):
     import ray
 
-    server, shards = ep_server
+    server, shards, _ = ep_server
     reforms = ray.get(server.ep_stats.remote())["reforms"]
     out = _while_streaming(server, lambda: ray.kill(shards[1], no_restart=False))
     assert out == reference
@@ -164,16 +205,12 @@ def test_prefill_decode_split_with_ep_equals_single_process(ep_server, checkpoin
 
     import ray
 
-    from actors.llm_server import LLMServer
     from actors.pd_router import PDRouter
 
-    _, shards = ep_server
+    _, _, control = ep_server
 
     def replica(node: int, num_pages: int):
-        return ray.remote(num_cpus=0, resources={f"node{node}": 0.01})(LLMServer).remote({
-            "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
-            "enable_cache": False, "num_pages": num_pages, "ep_shards": shards, "ep_slots": 18, "ep_nodes": 3,
-        })
+        return _replica(checkpoint, tmp_path_factory, control, node, num_pages=num_pages)
 
     prefill, decode = [replica(0, 64)], [replica(1, 6), replica(2, 6)]  # 96 KV tokens each
     ray.get([r.check_health.remote() for r in prefill + decode], timeout=300)
@@ -200,15 +237,36 @@ def test_scale_down_and_up_during_a_stream(ep_server, reference):
     move between shards through the object store and the group is re-formed each time."""
     import ray
 
-    server, shards = ep_server
-    before = ray.get(server.ep_stats.remote())
+    server, shards, control = ep_server
+    before = ray.get(control.info.remote())
     result = {}
-    out = _while_streaming(server, lambda: result.update(ray.get(server.resize_experts.remote(shards[:2], 2))))
+    out = _while_streaming(server, lambda: result.update(ray.get(control.resize.remote(shards[:2], 2))))
     assert out == reference
     assert result["shards"] == 2 and result["slots"] >= 16
-    down = ray.get(server.ep_stats.remote())
-    assert down["num_shards"] == 2 and down["experts_from_peers"] > before["experts_from_peers"]
+    assert ray.get(server.ep_stats.remote())["num_shards"] == 2
+    assert ray.get(control.info.remote())["experts_from_peers"] > before["experts_from_peers"]
     assert ray.get(shards[2].info.remote())["versions"] == []  # the lent shard dropped its weights
-    out = _while_streaming(server, lambda: ray.get(server.resize_experts.remote(shards, 3)))
+    out = _while_streaming(server, lambda: ray.get(control.resize.remote(shards, 3)))
     assert out == reference
     assert ray.get(server.ep_stats.remote())["num_shards"] == 3
+
+
+def test_a_restarted_control_takes_the_placement_the_replicas_serve(ep_server, reference):
+    """The control keeps its state in memory: when it dies, Ray restarts it empty and the replicas
+    re-join with the placement they serve. Serving never depends on it between changes."""
+    import ray
+
+    server, shards, control = ep_server
+    version = ray.get(server.ep_stats.remote())["version"]
+    out = _while_streaming(server, lambda: ray.kill(control, no_restart=False))
+    assert out == reference
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = ray.get(control.info.remote())
+        if info["version"] == version and len(info["replicas"]) >= 1:
+            break
+        time.sleep(0.5)
+    assert info["version"] == version, info
+    assert ray.get(control.rebalance.remote())["version"] >= version  # and it can change placement again
+    assert _generate_all(server) == reference
+

@@ -1,8 +1,9 @@
 """Night and day for an expert-parallel app on a simulated 3-node Ray cluster under a request
-stream: one attention replica, routed experts on three shard actors (one per node). The night
-lends a node that hosts only a shard — EPLB re-plans the experts onto the two shards that stay and
-the weights move while the replica decodes — and the day re-plans onto all three. No request
-fails and every answer equals the model computed alone."""
+stream: two data-parallel attention replicas (nodes apart), routed experts on three shard actors
+(one per node) that both replicas use. The night lends the node that hosts only a shard — EPLB
+re-plans the experts onto the two shards that stay, the weights move while the replicas decode and
+both switch — and the day re-plans onto all three. No request fails and every answer equals the
+model computed alone."""
 
 from __future__ import annotations
 
@@ -41,11 +42,19 @@ def serving(checkpoint, tmp_path_factory):
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     home = tmp_path_factory.mktemp("tidal-ep")
-    args = {"checkpoint": str(checkpoint), "replicas": 1, "replica_cpus": 1, "num_pages": 256,
+    args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "num_pages": 256,
             "expert_shards": 3, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}
     serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
+    from deploy.ep_admin import find_ep_control
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # both replicas up and following the control
+        control = find_ep_control()
+        if control is not None and len(ray.get(control.info.remote())["replicas"]) == 2:
+            break
+        time.sleep(1)
     yield url, args
     serve.shutdown()
     ray.shutdown()
@@ -56,10 +65,15 @@ def _prompt(i: int) -> list[int]:
     return [256] + [(i * 37 + j * 11) % 250 + 3 for j in range(20 + i % 50)]
 
 
-def _ep_stats() -> dict:
-    from ray import serve
+def _placement() -> dict:
+    """The control's placement, after checking that both replicas serve it."""
+    import ray
 
-    return serve.get_deployment_handle("LLMServer", app_name="tideserve").ep_stats.remote().result(timeout_s=60)
+    from deploy.ep_admin import find_ep_control
+
+    info = ray.get(find_ep_control().info.remote(), timeout=60)
+    assert len(info["replicas"]) == 2 and set(info["replicas"].values()) == {info["version"]}, info
+    return info
 
 
 def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serving, checkpoint):
@@ -72,7 +86,7 @@ def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serv
     shard_nodes = [ray.get(ray.get_actor(EXPERT_SHARD_NAME.format(i), namespace="tideserve").info.remote())["node_id"]
                    for i in range(3)]
     assert len(set(shard_nodes)) == 3, "the three shards should spread over the three nodes"
-    assert _ep_stats()["num_shards"] == 3
+    assert _placement()["num_shards"] == 3
 
     answers: list[tuple[int, int, str]] = []
     stop = threading.Event()
@@ -95,8 +109,7 @@ def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serv
         night = lend_nodes(args, 1, train=None)
         lent = night["lent"][0]
         assert night["expert_shards"] == 2 and lent in shard_nodes
-        stats = _ep_stats()
-        assert stats["num_shards"] == 2
+        assert _placement()["num_shards"] == 2
         lent_shard = ray.get_actor(EXPERT_SHARD_NAME.format(shard_nodes.index(lent)), namespace="tideserve")
         assert ray.get(lent_shard.info.remote())["versions"] == []  # its weights are gone
         served = len(answers)
@@ -104,7 +117,7 @@ def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serv
         assert len(answers) > served  # serving went on at night
         day = return_nodes(args)
         assert day["returned"] == [lent] and day["expert_shards"] == 3
-        assert _ep_stats()["num_shards"] == 3
+        assert _placement()["num_shards"] == 3
         time.sleep(2)
     finally:
         stop.set()

@@ -54,7 +54,9 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         assert report["expert_placement"]["shards"] == 2
         show = _tide("eplb", "show", "--json", home=tmp_path)
         assert show.returncode == 0, show.stderr[-2000:]
-        assert json.loads(show.stdout)["shards"] == 2 and json.loads(show.stdout)["rounds"] > 0
+        placement = json.loads(show.stdout)
+        assert placement["shards"] == 2 and list(placement["replicas"].values()) == [placement["version"]]
+        assert placement["imbalance"] is not None  # the replica's measured load reached the control
         rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path)
         assert rebalance.returncode == 0, rebalance.stderr[-2000:]
         assert "moved_slots" in json.loads(rebalance.stdout)

@@ -57,13 +57,6 @@ def test_a_bad_checkpoint_is_refused_before_any_replica_starts(tmp_path, config,
     assert str(ckpt) in str(e.value)
 
 
-def test_expert_shards_with_several_replicas_is_refused_clearly():
-    from deploy.app import build_app
-
-    with pytest.raises(ValueError, match="replicas=2"):
-        build_app({"expert_shards": 2, "replicas": 2})
-
-
 def test_device_cuda_gives_each_replica_a_gpu(tmp_path, monkeypatch):
     from pydantic import ValidationError
 
@@ -88,6 +81,9 @@ def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeyp
     assert shard_actor_options("cpu") == {"num_cpus": 0, "num_gpus": 0}
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
     asked = []  # the shard actors themselves need a Ray cluster (tests/actors/test_ep.py)
-    monkeypatch.setattr(deploy.app, "_expert_shards", lambda ckpt, a: asked.append(a.device) or {"ep_shards": []})
-    server = build_app({"device": "cuda", "expert_shards": 2})._bound_deployment.init_args[0]
+    monkeypatch.setattr(deploy.app, "_expert_shards", lambda ckpt, a: asked.append(a.device) or {"ep_control": None})
+    server = build_app({"device": "cuda", "expert_shards": 2, "replicas": 3})._bound_deployment.init_args[0]
     assert asked == ["cuda"] and server._bound_deployment.init_args[0]["device"] == "cuda"
+    # data-parallel attention replicas over the shared shards: a GPU for each replica and each shard
+    assert server._bound_deployment.num_replicas == 3
+    assert deploy.app.gpus_needed(deploy.app.AppArgs(device="cuda", expert_shards=2, replicas=3)) == 5

@@ -1,0 +1,36 @@
+"""Names and lookup of the expert-parallel app's control actor (``actors.ep_control.EPControl``),
+for the app builder and the admin commands (no torch here: ``tide status`` imports this)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+__all__ = ["EP_CONTROL_PREFIX", "ep_control_name", "find_ep_control"]
+
+EP_CONTROL_PREFIX = "tideserve-ep-control-"  # detached, in the "tideserve" namespace
+
+
+def ep_control_name(checkpoint: str) -> str:
+    """The ``EPControl`` of the app serving ``checkpoint`` (one per checkpoint: while a redeploy
+    rolls the replicas over to a new one, both controls place experts on the same shards)."""
+    return EP_CONTROL_PREFIX + hashlib.sha256(os.path.abspath(checkpoint).encode()).hexdigest()[:12]
+
+
+def find_ep_control(timeout_s: float = 30.0):
+    """The running app's control (the one most replicas follow, during a roll-over), or None
+    when the app does not use expert shards. Needs a connected Ray driver."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "tideserve" and a["name"].startswith(EP_CONTROL_PREFIX)]
+    best, most = None, -1
+    for name in names:
+        try:
+            control = ray.get_actor(name, namespace="tideserve")
+            replicas = len(ray.get(control.info.remote(), timeout=timeout_s)["replicas"])
+        except (ValueError, ray.exceptions.RayError):  # gone meanwhile
+            continue
+        if replicas > most:
+            best, most = control, replicas
+    return best
