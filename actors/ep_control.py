@@ -206,7 +206,7 @@ class EPControl:
         with self._lock:
             placement = self._versions[self.version].placement if self.version is not None else None
             return {
-                **self.stats, "version": self.version, "num_shards": len(self.shards),
+                **self.stats, "name": self.name, "version": self.version, "num_shards": len(self.shards),
                 "phy2log": placement.phy2log.tolist() if placement is not None else None,
                 "replicas": {rid: r.version for rid, r in self._live().items()},
                 "held_versions": sorted(self._versions),

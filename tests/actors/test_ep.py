@@ -251,6 +251,41 @@ def test_scale_down_and_up_during_a_stream(ep_server, reference):
     assert ray.get(server.ep_stats.remote())["num_shards"] == 3
 
 
+def test_a_new_checkpoint_rolls_over_on_the_same_shards(ep_server, tmp_path_factory, reference):
+    """A redeploy with new weights (``tide scale day --reload``) runs a second control on the same
+    shards while replicas roll over: each replica gets its own checkpoint's experts, and the old
+    control frees its weights once no replica follows it."""
+    import ray
+
+    from model.checkpoint import random_state_dict, save_checkpoint
+    from model.config import named_config
+
+    server, shards, control = ep_server
+    cfg = named_config("tiny")
+    retrained = save_checkpoint(tmp_path_factory.mktemp("retrained"), cfg, random_state_dict(cfg, seed=99, std=0.06))
+    expected = [generate(load_model(retrained), p, MAX_TOKENS, eos_id=None) for p in PROMPTS]
+    assert expected != reference
+    from actors.ep_control import ep_control_actor
+
+    new_control = ep_control_actor(num_cpus=0, resources={"node0": 0.01}).remote(
+        str(retrained), shards, 18, 3, replica_timeout_s=2.0, name="retrained")
+    new = _replica(retrained, tmp_path_factory, new_control, 1)
+    ray.get(new.check_health.remote(), timeout=300)
+    assert _generate_all(new) == expected
+    assert _generate_all(server) == reference  # the old replica, same shards, its own weights
+    assert all(ray.get(s.info.remote())["owners"] == sorted([ray.get(control.info.remote())["name"], "retrained"])
+               for s in shards)
+    # the new control's replica goes away: its weights leave the shards
+    ray.get(new_control.leave.remote(ray.get(new.ep_stats.remote())["replica_id"]))
+    ray.kill(new)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any("retrained" in ray.get(s.info.remote())["owners"] for s in shards):
+        time.sleep(0.5)
+    assert all("retrained" not in ray.get(s.info.remote())["owners"] for s in shards)
+    assert _generate_all(server) == reference
+    ray.kill(new_control)
+
+
 def test_a_restarted_control_takes_the_placement_the_replicas_serve(ep_server, reference):
     """The control keeps its state in memory: when it dies, Ray restarts it empty and the replicas
     re-join with the placement they serve. Serving never depends on it between changes."""
