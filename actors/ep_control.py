@@ -108,15 +108,12 @@ class EPControl:
         """Register a replica; returns the placement to serve (``target``). ``serving``: the
         (version, placement, shards) a replica already serves, when it re-joins a control that
         restarted (the first such replica's placement becomes the control's)."""
-        with self._change:
-            if self.version is None:
-                if serving is not None:
-                    version, placement, shards = serving
-                    with self._lock:
-                        self._versions[version] = _Version(placement, list(shards))
-                        self.version, self.shards = version, list(shards)
-                    log.info("re-adopted placement version %d from replica %s", version, replica_id)
-                else:
+        if self.version is None:  # (a replica joining during a placement change does not wait for it)
+            with self._change:
+                if self.version is None and serving is not None:
+                    self._adopt(*serving)
+                    log.info("took placement version %d from replica %s", serving[0], replica_id)
+                elif self.version is None:
                     self._first_placement()
         with self._lock:
             self._replicas[replica_id] = _Replica(serving[0] if serving else self.version, time.monotonic())
@@ -143,6 +140,8 @@ class EPControl:
         """Reload ``version`` where a shard lost it (Ray restarted the shard): called by a
         replica whose round failed, before it re-forms its group. Loads from the checkpoint."""
         with self._lock:
+            if self.version is None:  # restarted: the replicas' polls bring the placement back
+                raise RuntimeError("the expert-parallel control has no placement yet")
             v = self._versions.get(version)
         if v is None:
             raise ValueError(f"placement version {version} is no longer held; serve version {self.version}")
@@ -186,11 +185,11 @@ class EPControl:
             load = self.load()
             placement = plan(load if float(load.sum()) > 0 else torch.ones_like(load), eplb)
             out = self._switch(placement, list(shards), timeout_s)
+            self.eplb = eplb
+            self.stats["resizes"] += 1
             if out["pending"]:
                 raise TimeoutError(f"replicas {out['pending']} did not switch to placement version "
                                    f"{out['version']} in {timeout_s}s")
-            self.eplb = eplb
-            self.stats["resizes"] += 1
             return {"shards": len(shards), "slots": eplb.num_slots, "version": out["version"]}
 
     def load(self) -> torch.Tensor:
@@ -221,6 +220,16 @@ class EPControl:
         with self._lock:
             self._versions[version] = _Version(placement, list(self.shards))
             self.version = version
+
+    def _adopt(self, version: int, placement: Placement, shards: list) -> None:
+        """Serve what a re-joining replica serves (this control restarted and lost its state)."""
+        n = len(shards)
+        nodes = self.eplb.num_nodes if n % self.eplb.num_nodes == 0 else 1
+        with self._lock:
+            self.eplb = dataclasses.replace(self.eplb, num_slots=placement.phy2log.shape[1], num_shards=n,
+                                            num_nodes=nodes)
+            self._versions[version] = _Version(placement, list(shards))
+            self.version, self.shards = version, list(shards)
 
     def _require_placement(self) -> None:
         if self.version is None:

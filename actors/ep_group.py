@@ -167,6 +167,9 @@ class EPGroup:
                 ray.get(self.control.ensure_loaded.remote(version), timeout=60)
                 transport = self._form(shards)
                 break
+            except ValueError as e:  # the version was dropped (we were taken for gone): fail the
+                # round now, so that the switch to the current placement can happen
+                raise EPTransportError(str(e).splitlines()[-1]) from e
             except (ray.exceptions.RayError, RuntimeError) as e:
                 if time.monotonic() > deadline:
                     raise EPTransportError(f"expert shards did not recover within {self.recover_deadline_s}s: {e}") from e

@@ -177,7 +177,11 @@ class EPExecutor:
             with self._lock:
                 if self.transport is used:
                     self.transport = None  # type: ignore[assignment]  # let the broken group close
-                    self.transport = self.recover(error)
+                    try:
+                        self.transport = self.recover(error)
+                    except BaseException:
+                        self.transport = used  # the next round fails on it and recovers again
+                        raise
                 used = self.transport
             try:
                 return used.dispatch_combine(*args)

@@ -118,6 +118,27 @@ def test_a_failed_round_is_retried_after_recovery(setup):
         never(1, x, ids, w)
 
 
+def test_a_failed_recovery_fails_the_round_and_the_next_round_recovers(setup):
+    """When recovery itself fails (the shards stayed away), the round fails with
+    ``EPTransportError`` and the executor keeps a transport, so the next round recovers again."""
+    experts, placement, x, ids, w = setup
+    attempts = []
+
+    def recover(error):
+        attempts.append(str(error))
+        if len(attempts) == 1:
+            raise EPTransportError("expert shards did not recover")
+        return InProcessTransport(placement, experts)
+
+    broken = InProcessTransport(placement, experts, fail_rounds=99)
+    ep = EPExecutor(placement, [1, 3], broken, recover=recover)
+    with pytest.raises(EPTransportError, match="did not recover"):
+        ep(1, x, ids, w)
+    assert ep.transport is broken
+    torch.testing.assert_close(ep(1, x, ids, w), LocalExpertExecutor(experts)(1, x, ids, w), atol=1e-5, rtol=1e-5)
+    assert len(attempts) == 2
+
+
 def test_switch_placement_applies_between_rounds(setup):
     experts, placement, x, ids, w = setup
     ep = EPExecutor(placement, [1, 3], InProcessTransport(placement, experts))
