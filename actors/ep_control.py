@@ -108,16 +108,19 @@ class EPControl:
         """Register a replica; returns the placement to serve (``target``). ``serving``: the
         (version, placement, shards) a replica already serves, when it re-joins a control that
         restarted (the first such replica's placement becomes the control's)."""
-        if self.version is None:  # (a replica joining during a placement change does not wait for it)
-            with self._change:
-                if self.version is None and serving is not None:
-                    self._adopt(*serving)
-                    log.info("took placement version %d from replica %s", serving[0], replica_id)
-                elif self.version is None:
-                    self._first_placement()
-        with self._lock:
-            self._replicas[replica_id] = _Replica(serving[0] if serving else self.version, time.monotonic())
-            return self._target()
+        while True:
+            if self.version is None:  # (a replica joining during a placement change does not wait for it)
+                with self._change:
+                    if self.version is None and serving is not None:
+                        self._adopt(*serving)
+                        log.info("took placement version %d from replica %s", serving[0], replica_id)
+                    elif self.version is None:
+                        self._first_placement()
+            with self._lock:
+                if self.version is None:  # the janitor forgot the placement meanwhile
+                    continue
+                self._replicas[replica_id] = _Replica(serving[0] if serving else self.version, time.monotonic())
+                return self._target()
 
     def poll(self, replica_id: str, version: int, load: torch.Tensor | None = None) -> dict | None:
         """A replica reports the version it serves and its measured load [L, E]; returns the

@@ -295,8 +295,9 @@ class LLMServer:
         return [k.hex() for k in chain_keys(ns.seed, prompt_ids, ns.unit_size)]
 
     def record_routing_stats(self) -> dict:
-        """What the prefill router scores this replica by (Ray Serve polls it): its node, queue,
-        running requests and its measured cost model (compute fit, load bandwidths)."""
+        """What the request routers score this replica by (Ray Serve polls it): its node, queue,
+        running requests and measured cost model (compute fit, load bandwidths) for the prefill
+        router; its KV capacity for the decode router."""
         token_s, attn_s = fit_compute(list(self.engine.prefill_samples), self._cost)
         if isinstance(self.cache, ClusterCache):
             for source, bw in self._bandwidth.items():
@@ -309,14 +310,14 @@ class LLMServer:
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else self.node_id
         return {"node": node, "time": time.time(), "draining": self.role != "serving",
                 "queued": self.engine.queue_state(), "samples": len(self.engine.prefill_samples),
-                "running": len(self.engine.running),
+                "running": len(self.engine.running), "kv": self.kv_capacity(),
                 "cost": dataclasses.asdict(cost)}
 
     def kv_capacity(self) -> dict:
         return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}
 
     def stats(self) -> dict:
-        out = {"node_id": self.node_id, "engine": dict(self.engine.stats),
+        out = {"node_id": self.node_id, "replica_id": self.replica_id, "engine": dict(self.engine.stats),
                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                "cache": self.cache.stats() if self.cache is not None else {}, "gpus": gpu_telemetry()}
         if self.publisher is not None:

@@ -50,17 +50,28 @@ class DecodeBalancer:
         need_tokens = self.reservation(need_tokens)
         return any(r.capacity_tokens >= need_tokens for r in self.replicas.values())
 
+    def rank(self, need_tokens: int) -> list[str]:
+        """The replicas with room for ``need_tokens`` (page-rounded), best first: lowest KV
+        occupancy after placing, then fewest running requests. Reserves nothing."""
+        need_tokens = self.reservation(need_tokens)
+        room = [(rid, r) for rid, r in self.replicas.items() if r.capacity_tokens - r.reserved_tokens >= need_tokens]
+        return [rid for rid, _ in sorted(room, key=lambda item: (item[1].occupancy_after(need_tokens), item[1].running,
+                                                                  item[0]))]
+
+    def reserve(self, replica_id: str, need_tokens: int) -> None:
+        """Hold ``need_tokens`` (page-rounded) on ``replica_id`` until ``release``."""
+        r = self.replicas[replica_id]
+        r.reserved_tokens += self.reservation(need_tokens)
+        r.running += 1
+
     def choose(self, need_tokens: int) -> str | None:
         """Reserve ``need_tokens`` (page-rounded) on the best replica with room and return its
         id, or None. ``release`` takes the same ``need_tokens``."""
-        need_tokens = self.reservation(need_tokens)
-        room = [(rid, r) for rid, r in self.replicas.items() if r.capacity_tokens - r.reserved_tokens >= need_tokens]
-        if not room:
+        ranked = self.rank(need_tokens)
+        if not ranked:
             return None
-        rid, best = min(room, key=lambda item: (item[1].occupancy_after(need_tokens), item[1].running, item[0]))
-        best.reserved_tokens += need_tokens
-        best.running += 1
-        return rid
+        self.reserve(ranked[0], need_tokens)
+        return ranked[0]
 
     def release(self, replica_id: str, need_tokens: int) -> None:
         r = self.replicas.get(replica_id)

@@ -1,4 +1,5 @@
-"""Builds the Ray Serve application: the OpenAI ingress in front of ``LLMServer`` replicas.
+"""Builds the Ray Serve application: the OpenAI ingress in front of ``LLMServer`` replicas
+(and, with ``decode_replicas``, a decode pool ``LLMDecode`` that the prefill replicas hand off to).
 
 ``build_app(args)`` is the ``import_path`` target of ``deploy/serve_config.yaml`` (``serve run`` /
 ``serve deploy``) and of KubeRay's ``serveConfigV2``; ``tide up`` calls it too. Deployment options
@@ -37,6 +38,9 @@ class AppArgs(BaseModel):
     # kernels; use dtype bfloat16 for real models
     device: Literal["cpu", "cuda"] = "cpu"
     replicas: int = Field(default=1, ge=1)
+    # >0: P/D disaggregation: `replicas` prefill replicas hand each prompt's KV to this many decode
+    # replicas (deployment LLMDecode, placed by free KV); 0: every replica does both
+    decode_replicas: int = Field(default=0, ge=0)
     replica_cpus: float = Field(default=1.0, gt=0)
     max_replicas_per_node: int | None = Field(default=None, ge=1)  # 1: one DP replica per node
     cache_dir: str | None = None  # default: $TIDE_HOME/cache
@@ -141,8 +145,9 @@ def shard_actor_options(device: str) -> dict[str, Any]:
 
 
 def gpus_needed(a: AppArgs) -> int:
-    """GPUs the app takes: one per replica and one per expert shard under ``device="cuda"``."""
-    return (a.replicas + a.expert_shards) * _gpus_per_actor(a.device)
+    """GPUs the app takes: one per (prefill or decode) replica and one per expert shard under
+    ``device="cuda"``."""
+    return (a.replicas + a.decode_replicas + a.expert_shards) * _gpus_per_actor(a.device)
 
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
@@ -219,12 +224,20 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     if router:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router, request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
-    server = serve.deployment(
-        LLMServer, name="LLMServer", num_replicas=a.replicas,
-        ray_actor_options={"num_cpus": a.replica_cpus, "num_gpus": _gpus_per_actor(a.device)},
-        max_ongoing_requests=64, health_check_period_s=10, max_replicas_per_node=a.max_replicas_per_node,
-        **options,
-    ).bind(server_cfg)
+    replica_options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": _gpus_per_actor(a.device)},
+        "max_ongoing_requests": 64, "health_check_period_s": 10, "max_replicas_per_node": a.max_replicas_per_node,
+    }
+    server = serve.deployment(LLMServer, name="LLMServer", num_replicas=a.replicas, **replica_options,
+                              **options).bind(server_cfg)
+    decode = None
+    if a.decode_replicas:
+        decode = serve.deployment(
+            LLMServer, name="LLMDecode", num_replicas=a.decode_replicas, **replica_options,
+            request_router_config=RequestRouterConfig(
+                request_router_class="deploy.decode_router:DecodeRouter", request_routing_stats_period_s=0.5,
+                request_routing_stats_timeout_s=5),
+        ).bind(server_cfg)
     ingress_options: dict[str, Any] = {"num_cpus": 0}
     if a.ingress_on_head:
         ingress_options["resources"] = {"node:__internal_head__": 0.001}
@@ -235,4 +248,4 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "directory_url": a.directory_url if a.router == "cache-aware" else None,
         "directory_namespace": a.directory_namespace, "directory_password": password,
         "directory_ca_file": a.directory_tls_ca_file, "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
-    })
+    }, decode)

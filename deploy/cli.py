@@ -155,7 +155,8 @@ def up(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (loopback by default)"),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     redis_url: str = typer.Option(None, "--redis-url", help="cache directory Redis; default: a local redis-server"),
-    replicas: int = typer.Option(1, "--replicas", min=1),
+    replicas: int = typer.Option(1, "--replicas", min=1, help="model replicas (with --decode-replicas: the prefill replicas)"),
+    decode_replicas: int = typer.Option(0, "--decode-replicas", min=0, help="P/D disaggregation: this many decode replicas take each prompt's KV from the prefill replicas (0: every replica does both)"),
     num_cpus: int = typer.Option(None, "--num-cpus", min=1, help="CPUs Ray may use (default: all)"),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="unit store directory (default: $TIDE_HOME/cache)"),
     ssd_gb: float = typer.Option(8.0, "--ssd-gb", min=0.001),
@@ -183,7 +184,7 @@ def up(
     check_device(device)
     check_dtype(dtype)
     args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
-            "replicas": replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
+            "replicas": replicas, "decode_replicas": decode_replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
             "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
             "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches, "device": device, "dtype": dtype}
     console = Console(stderr=True)

@@ -241,6 +241,12 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
     from deploy.ep_admin import find_ep_control
 
     replicas = [handle.stats.remote().result(timeout_s=30)]  # the router picks one replica per call
+    if (state.get("app_args") or {}).get("decode_replicas"):  # P/D: and one of the decode pool
+        from ray import serve
+
+        decode = serve.get_deployment_handle("LLMDecode", app_name="tideserve")
+        replicas.append({**decode.stats.remote().result(timeout_s=30), "pool": "decode"})
+        replicas[0]["pool"] = "prefill"
     control = find_ep_control()
     ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
     state_actor = tidal_state()

@@ -101,6 +101,8 @@ class _Metrics:
         self.requests = Counter("tide_requests", "finished requests", ["status"], registry=self.registry)
         self.continued = Counter("tide_requests_continued", "requests moved to another replica mid-stream",
                                  registry=self.registry)
+        self.handoffs = Counter("tide_pd_handoffs", "requests a prefill replica handed to the decode pool (P/D)",
+                                registry=self.registry)
         self.running = Gauge("tide_requests_running", "requests being served", registry=self.registry)
         self.engine_running = Gauge("tide_engine_running", "sequences in the decode batch", registry=self.registry)
         self.engine_queued = Gauge("tide_engine_queued", "sequences waiting for prefill", registry=self.registry)
@@ -118,12 +120,14 @@ class _Metrics:
 
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, server, cfg: dict) -> None:
-        """``server``: a handle to the ``LLMServer`` deployment. ``cfg`` keys: checkpoint,
+    def __init__(self, server, cfg: dict, decode=None) -> None:
+        """``server``: a handle to the ``LLMServer`` deployment; ``decode``: one to the decode
+        pool (P/D disaggregation: ``server`` then only prefills). ``cfg`` keys: checkpoint,
         model_name, api_keys ({key: "TENANT[:MODEL+...]"} or None), limits (dict); with ``directory_url`` (and
         ``directory_namespace``, ``directory_password``, ``dtype``) each request carries its
         cached ``prefix`` (one directory round trip) for the cache-aware router."""
         self.server = server
+        self.decode = decode
         ckpt = Path(cfg["checkpoint"])
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = load_config(ckpt)
@@ -225,6 +229,29 @@ class OpenAIIngress:
             "prompt_tokens_details": {"cached_tokens": hit},
         }
 
+    async def _generate(self, req: dict) -> AsyncIterator[dict]:
+        """One attempt at the request. Co-located, one replica streams every output. With a
+        decode pool (P/D), a prefill replica computes the prompt and the first token and hands the
+        prompt's KV off (a Ray object); a decode replica, chosen by the decode router for its free
+        KV, pulls it and streams every token. A request that ends at its first token never
+        reaches the decode pool."""
+        if self.decode is None:
+            async for item in self.server.options(stream=True).generate.remote(req):
+                yield item
+            return
+        last = None
+        async for item in self.server.options(stream=True).generate.remote({**req, "handoff": True}):
+            last = item
+        if last is None:
+            return
+        if "handoff" not in last:
+            yield last
+            return
+        self.metrics.handoffs.inc()
+        decode_req = {k: v for k, v in req.items() if k != "prefix"} | {"prefilled": last["handoff"]}
+        async for item in self.decode.options(stream=True).generate.remote(decode_req):
+            yield item
+
     async def _continued(self, engine_req: dict) -> AsyncIterator[dict]:
         """The replica's outputs. When a replica hands the request back (its node is being lent to
         training) or dies mid-stream, the request continues on another replica from its prompt
@@ -237,7 +264,7 @@ class OpenAIIngress:
         req = engine_req
         for attempt in range(MAX_CONTINUATIONS + 1):
             try:
-                async for item in self.server.options(stream=True).generate.remote(req):
+                async for item in self._generate(req):
                     if cached is None:
                         cached = item["cached_tokens"]
                     emitted += item["token_ids"]

@@ -121,7 +121,10 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
         return
     args = state.get("app_args") or {}
     if target < current:
-        result = lend_nodes(args, current - target, deadline_s=deadline_s)
+        try:
+            result = lend_nodes(args, current - target, deadline_s=deadline_s)
+        except ValueError as e:  # nothing this app can lend: say why, change nothing
+            raise typer.BadParameter(str(e)) from None
     else:
         if target < len(alive):
             raise typer.BadParameter(f"--serve-nodes {target}: taking back only some lent nodes is not supported; "

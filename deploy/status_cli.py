@@ -28,7 +28,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
     for node in report["nodes"]:
         console.print(f"  node {node['node_id'][:12]}  {node['role']:<8} cpus={node['cpus']:.0f}")
     for r in report["replicas"]:
-        console.print(f"  replica {r['node_id']}: running={r['running']} waiting={r['waiting']} "
+        pool = f" ({r['pool']})" if "pool" in r else ""
+        console.print(f"  replica {r['node_id']}{pool}: running={r['running']} waiting={r['waiting']} "
                       f"cache={r['cache']}")
     gpus = report["gpus"]
     console.print(f"  GPUs: {len(gpus['gpus'])}" if gpus["available"] else f"  GPUs: absent ({gpus['reason']})")

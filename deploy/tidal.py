@@ -102,6 +102,9 @@ def lend_nodes(
     """Lend ``n`` serving nodes (see the module docstring). ``train``: ``entrypoint`` (a shell
     command) and optionally ``runtime_env``, ``submission_id``; ``dashboard`` (the Jobs API
     address, default the local one). Returns the lent nodes, serving replicas and the job id."""
+    if app_args.get("decode_replicas"):
+        raise ValueError("day/night does not lend nodes of a P/D app (decode_replicas > 0) yet: it sizes one "
+                         "replica pool; serve co-located (decode_replicas 0) to lend nodes at night")
     if app_args.get("expert_shards"):
         return _lend_shard_nodes(app_args, n, app_name, train, timeout_s)
     state = tidal_state()

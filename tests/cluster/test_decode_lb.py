@@ -56,3 +56,17 @@ def test_reservations_are_whole_pages():
 def test_bad_capacity_is_named():
     with pytest.raises(ValueError, match="'x'"):
         DecodeBalancer({"x": 0})
+
+
+def test_rank_orders_by_occupancy_and_reserve_holds_pages():
+    lb = DecodeBalancer({"a": 64, "b": 128}, page_size=16)
+    assert lb.rank(20) == ["b", "a"]  # 32 of 128 beats 32 of 64
+    lb.reserve("b", 20)  # two pages
+    assert lb.replicas["b"].reserved_tokens == 32 and lb.replicas["b"].running == 1
+    assert lb.rank(90) == ["b"]  # 96 tokens: only b has the room (96 left)
+    lb.reserve("b", 90)
+    assert lb.rank(17) == ["a"] and lb.rank(70) == []
+    lb.release("b", 20)
+    lb.release("b", 90)
+    lb.check_integrity()
+    assert lb.replicas["b"].reserved_tokens == 0

@@ -1,0 +1,107 @@
+"""P/D disaggregation in the Serve app (``decode_replicas``), through HTTP: a prefill replica hands
+each prompt's KV to one of two decode replicas, which the decode router fills by free KV and never
+beyond it. Greedy answers equal the model computed alone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MAX_TOKENS = 40
+PROMPTS = [f"p{i} " + "tide " * (5 + i % 6) for i in range(8)]  # 1 + 28..53 tokens (bytes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
+
+    home = tmp_path_factory.mktemp("tide")
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # 16 pages of 16 tokens per replica: a decode replica holds two of these requests at once
+    app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 0.5,
+                     "num_pages": 16, "replicas": 1, "decode_replicas": 2})
+    serve.run(app, name="tideserve", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 300)
+    yield url, home
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _complete(url: str, prompt: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _decode_stats() -> dict[str, dict]:
+    """Each decode replica's stats (by its id): ask the pool until both answered."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMDecode", app_name="tideserve")
+    seen: dict[str, dict] = {}
+    for _ in range(60):
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica_id"]] = stats
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def test_prefill_hands_off_to_decode_replicas_by_free_kv(base_url):
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.generate import generate
+    from model.tokenizer import load_tokenizer
+
+    url, home = base_url
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: _complete(url, p), PROMPTS))
+    ckpt = default_checkpoint(home)
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        ids = [tok.bos_id] + tok.encode(prompt)
+        assert len(ids) + MAX_TOKENS <= 96  # 6 pages: two fit a decode replica, three do not
+        assert answer["choices"][0]["text"] == tok.decode(generate(model, ids, MAX_TOKENS, eos_id=None))
+        assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    stats = list(_decode_stats().values())
+    assert len(stats) == 2
+    # both decode replicas took requests, and neither was asked to hold more KV than it has
+    # (an overfilled engine preempts a running request to make room)
+    assert all(s["engine"]["decode_tokens"] > 0 for s in stats), stats
+    assert sum(s["engine"]["decode_tokens"] for s in stats) >= len(PROMPTS) * (MAX_TOKENS - 1)
+    assert all(s["engine"]["preemptions"] == 0 for s in stats), stats
+    assert _handoffs(url) == len(PROMPTS)
+
+
+def _handoffs(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tide_pd_handoffs_total"))
+
+
+def test_a_request_that_ends_at_its_first_token_never_reaches_the_decode_pool(base_url):
+    url, _ = base_url
+    before = _handoffs(url)
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={"model": "tiny", "prompt": "one token", "max_tokens": 1,
+                                                                 "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert _handoffs(url) == before
