@@ -24,7 +24,9 @@ def _tide(*args, home, timeout=600):
 
 def test_up_serves_then_down_stops_everything(tmp_path):
     port = free_port()
-    r = _tide("up", "--port", str(port), "--num-cpus", "2", "--expert-shards", "2", home=tmp_path)
+    # P/D (a prefill and a decode replica) over two expert shards that both use
+    r = _tide("up", "--port", str(port), "--num-cpus", "2", "--expert-shards", "2", "--decode-replicas", "1",
+              home=tmp_path)
     try:
         assert r.returncode == 0, r.stderr[-2000:]
         assert f"http://127.0.0.1:{port}/v1" in r.stdout
@@ -49,13 +51,15 @@ def test_up_serves_then_down_stops_everything(tmp_path):
         assert st.returncode == 0, st.stderr[-2000:]
         report = json.loads(st.stdout)
         assert report["url"] == state["url"] and report["nodes"][0]["role"] == "serving"
-        assert report["replicas"][0]["engine"]["decode_tokens"] >= 1
+        assert [r.get("pool") for r in report["replicas"]] == ["prefill", "decode"]
+        assert report["replicas"][0]["engine"]["prefill_tokens"] >= 1
+        assert report["replicas"][1]["engine"]["decode_tokens"] >= 1  # the decode replica generated
         assert report["gpus"]["available"] in (True, False) and "gpus" in report["gpus"]
         assert report["expert_placement"]["shards"] == 2
         show = _tide("eplb", "show", "--json", home=tmp_path)
         assert show.returncode == 0, show.stderr[-2000:]
         placement = json.loads(show.stdout)
-        assert placement["shards"] == 2 and list(placement["replicas"].values()) == [placement["version"]]
+        assert placement["shards"] == 2 and list(placement["replicas"].values()) == [placement["version"]] * 2
         assert placement["imbalance"] is not None  # the replica's measured load reached the control
         rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path)
         assert rebalance.returncode == 0, rebalance.stderr[-2000:]
