@@ -20,6 +20,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 
 import ray
 import torch
@@ -102,7 +103,7 @@ class EPGroup:
 
     def _form(self, shards: list) -> GlooTransport:
         world = len(shards) + 1
-        port, group_id = _free_port(), f"{self.replica_id[:8]}-{_free_port()}"
+        port, group_id = _free_port(), uuid.uuid4().hex[:12]
         for rank, shard in enumerate(shards, start=1):
             shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden)
         pg = form_group(self.host, port, 0, world, self.timeout_s)

@@ -71,6 +71,13 @@ async def _prefilled(handoff: dict) -> Prefilled:
                      handoff.get("generator_state"))
 
 
+def _actor_name() -> str | None:
+    try:
+        return ray.get_runtime_context().get_actor_name() or None
+    except Exception:  # noqa: BLE001 - not in a Ray actor
+        return None
+
+
 def _log_progress(ckpt: Path):
     """A progress callback that logs every 10% of the tensors loaded."""
     last = [-1]
@@ -100,7 +107,7 @@ class LLMServer:
             ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=control is None,
             device=cfg.get("device", "cpu"),
         )
-        self.replica_id = uuid.uuid4().hex
+        self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
         self.ep = self._start_ep(control, float(cfg.get("ep_timeout_s", 30.0))) if control is not None else None
         # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
         # after the expert-parallel group forms, so the rounds warm the shards' kernels too.

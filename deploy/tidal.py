@@ -23,10 +23,12 @@ Day (``return_nodes``)
   checkpoint, a rolling update).
 
 Expert-parallel apps (``expert_shards``: attention replicas, routed experts on shard actors
-spread over the nodes) lend nodes that host only expert shards. Night: EPLB re-plans the experts
-onto the shards that stay (``EPControl.resize``; weights move between shards while every replica
-keeps decoding, no request fails), the left-out shards drop their weights, and the nodes are
-leased and lent as above. Day: the experts are re-planned onto every shard again.
+spread over the nodes) lend nodes that host only expert shards when there are enough. Night: EPLB
+re-plans the experts onto the shards that stay (``EPControl.resize``; weights move between shards
+while every replica keeps decoding, no request fails), the left-out shards drop their weights, and
+the nodes are leased and lent as above. When replicas run on the chosen nodes too, the experts move
+off first and the replicas are then drained and removed as for any app. Day: the experts are
+re-planned onto every shard again and the replicas come back to the configured count.
 """
 
 from __future__ import annotations
@@ -105,20 +107,33 @@ def lend_nodes(
     if app_args.get("decode_replicas"):
         raise ValueError("day/night does not lend nodes of a P/D app (decode_replicas > 0) yet: it sizes one "
                          "replica pool; serve co-located (decode_replicas 0) to lend nodes at night")
-    if app_args.get("expert_shards"):
-        return _lend_shard_nodes(app_args, n, app_name, train, timeout_s)
     state = tidal_state()
     roles = ray.get(state.roles.remote())
     reports = ray.get(state.reports.remote())
     head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
     serving = [node for node, r in reports.items() if roles.get(node, "serving") == "serving"
                and time.time() - r["time"] < 10]
+    resized = None
+    if app_args.get("expert_shards"):
+        shards = _shards(app_args)
+        where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
+        replica_nodes = {node for node, r in reports.items() if time.time() - r["time"] < 10}
+        shard_only = sorted({w for w in where if w not in replica_nodes and roles.get(w, "serving") == "serving"})
+        if 1 <= n <= len(shard_only):
+            return _lend_shard_nodes(app_args, n, app_name, train, timeout_s, shard_only, shards, where, head)
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
     unique = _unique_units(app_args, serving)
     loads = [NodeLoad(node, reports[node].get("running", 0), unique[node], node == head) for node in serving]
     chosen = nodes_to_free(loads, n)
     log.info("lending %s", chosen)
+    if app_args.get("expert_shards"):
+        # 1b. DP attention replicas live on these nodes too: move the experts off them first
+        # (every replica switches while serving), then drain their replicas as below
+        keep = [s for s, w in zip(shards, where, strict=True) if w not in chosen]
+        if not keep:
+            raise ValueError(f"cannot lend {chosen}: every expert shard lives there")
+        resized = _resize_experts(keep, timeout_s)["shards"]
 
     # 2. drain: the router stops sending them work; in-flight requests finish or move
     ray.get(state.set_roles.remote(dict.fromkeys(chosen, "draining")))
@@ -146,6 +161,12 @@ def lend_nodes(
             ray.kill(ray.get_actor(final[x]["actor_name"], namespace="serve"), no_restart=True)
         except (ValueError, KeyError):
             pass  # already gone
+    if app_args.get("expert_shards"):  # the control stops waiting for them (their id is their actor name)
+        from deploy.ep_admin import find_ep_control
+
+        control = find_ep_control()
+        if control is not None:
+            ray.get([control.leave.remote(final[x]["actor_name"]) for x in chosen if x in final], timeout=timeout_s)
     total = len(serving) + sum(1 for r in roles.values() if r == "lent")
     target = len(serving) - n
     _deploy(app_name, route_prefix, app_args, target)
@@ -157,7 +178,12 @@ def lend_nodes(
     if train is not None:
         job_id = submit_training(chosen, train)
         ray.get(state.set_job.remote(job_id))
-    return {"lent": chosen, "serving_replicas": target, "nodes": total, "migrated": migrated, "job_id": job_id}
+    out = {"lent": chosen, "serving_replicas": target, "nodes": total, "migrated": migrated, "job_id": job_id}
+    if resized is not None:
+        out["expert_shards"] = resized
+    return out
+
+
 def return_nodes(
     app_args: dict[str, Any], app_name: str = "tideserve", route_prefix: str = "/", deadline_s: float = 60.0,
     reload: str | None = None, timeout_s: float = 300.0, dashboard: str | None = None,
@@ -174,9 +200,12 @@ def return_nodes(
     ray.get(state.set_job.remote(None))
     if app_args.get("expert_shards"):
         result = _resize_experts(_shards(app_args), timeout_s) if lent else {}
-        target = _running_replicas(app_name)
-        if reload:
-            _deploy(app_name, route_prefix, {**app_args, "checkpoint": reload}, target)
+        # replicas lent with their nodes come back (lent nodes that hosted only a shard had none)
+        running = _running_replicas(app_name)
+        target = max(running, int(app_args.get("replicas", 1)))
+        if reload or target != running:
+            _deploy(app_name, route_prefix, {**app_args, "checkpoint": reload} if reload else app_args, target)
+            _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
         return {"returned": lent, "serving_replicas": target, "expert_shards": result.get("shards"),
                 "job_id": job_id, "job_status": job_status}
     target = _running_replicas(app_name) + len(lent)
@@ -208,18 +237,13 @@ def _resize_experts(shards: list, timeout_s: float) -> dict[str, Any]:
 
 
 def _lend_shard_nodes(app_args: dict[str, Any], n: int, app_name: str, train: dict[str, Any] | None,
-                      timeout_s: float) -> dict[str, Any]:
-    """Night for an expert-parallel app: lend ``n`` nodes that host expert shards but no replica."""
+                      timeout_s: float, lendable: list[str], shards: list, where: list[str],
+                      head: str | None) -> dict[str, Any]:
+    """Night for an expert-parallel app: lend ``n`` of the ``lendable`` nodes, which host expert
+    shards but no replica (``where``: each shard's node)."""
     state = tidal_state()
-    roles = ray.get(state.roles.remote())
     reports = ray.get(state.reports.remote())
     replica_nodes = {node for node, r in reports.items() if time.time() - r["time"] < 10}
-    shards = _shards(app_args)
-    where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
-    head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
-    lendable = sorted({w for w in where if w not in replica_nodes and roles.get(w, "serving") == "serving"})
-    if n < 1 or n > len(lendable):
-        raise ValueError(f"cannot lend {n} nodes: {len(lendable)} node(s) host expert shards and no replica")
     unique = _unique_units(app_args, lendable)
     chosen = nodes_to_free([NodeLoad(x, 0, unique[x], x == head) for x in lendable], n)
     log.info("lending %s (expert shards move to the other nodes)", chosen)

@@ -1,9 +1,10 @@
 """Night and day for an expert-parallel app on a simulated 3-node Ray cluster under a request
-stream: two data-parallel attention replicas (nodes apart), routed experts on three shard actors
-(one per node) that both replicas use. The night lends the node that hosts only a shard — EPLB
-re-plans the experts onto the two shards that stay, the weights move while the replicas decode and
-both switch — and the day re-plans onto all three. No request fails and every answer equals the
-model computed alone."""
+stream, with data-parallel attention replicas and routed experts on three shard actors (one per
+node) that every replica uses. First with two replicas: the night lends the node that hosts only a
+shard — EPLB re-plans the experts onto the two shards that stay, the weights move while the
+replicas decode and both switch — and the day re-plans onto all three. Then with a replica on
+every node: the night moves the experts off a node and drains its replica, the day brings both
+back. No request fails and every answer equals the model computed alone."""
 
 from __future__ import annotations
 
@@ -47,14 +48,7 @@ def serving(checkpoint, tmp_path_factory):
     serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
-    from deploy.ep_admin import find_ep_control
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # both replicas up and following the control
-        control = find_ep_control()
-        if control is not None and len(ray.get(control.info.remote())["replicas"]) == 2:
-            break
-        time.sleep(1)
+    _wait_replicas_following(2)
     yield url, args
     serve.shutdown()
     ray.shutdown()
@@ -65,29 +59,42 @@ def _prompt(i: int) -> list[int]:
     return [256] + [(i * 37 + j * 11) % 250 + 3 for j in range(20 + i % 50)]
 
 
-def _placement() -> dict:
-    """The control's placement, after checking that both replicas serve it."""
+def _wait_replicas_following(n: int) -> None:
+    import ray
+
+    from deploy.ep_admin import find_ep_control
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # the replicas are up and follow the control
+        control = find_ep_control()
+        if control is not None and len(ray.get(control.info.remote())["replicas"]) == n:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{n} replicas did not join the expert-parallel control")
+
+
+def _placement(replicas: int) -> dict:
+    """The control's placement, after checking that every replica serves it."""
     import ray
 
     from deploy.ep_admin import find_ep_control
 
     info = ray.get(find_ep_control().info.remote(), timeout=60)
-    assert len(info["replicas"]) == 2 and set(info["replicas"].values()) == {info["version"]}, info
+    assert len(info["replicas"]) == replicas and set(info["replicas"].values()) == {info["version"]}, info
     return info
 
 
-def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serving, checkpoint):
+def _shard_nodes() -> list[str]:
     import ray
 
     from deploy.app import EXPERT_SHARD_NAME
-    from deploy.tidal import lend_nodes, return_nodes
 
-    url, args = serving
-    shard_nodes = [ray.get(ray.get_actor(EXPERT_SHARD_NAME.format(i), namespace="tideserve").info.remote())["node_id"]
-                   for i in range(3)]
-    assert len(set(shard_nodes)) == 3, "the three shards should spread over the three nodes"
-    assert _placement()["num_shards"] == 3
+    return [ray.get(ray.get_actor(EXPERT_SHARD_NAME.format(i), namespace="tideserve").info.remote())["node_id"]
+            for i in range(3)]
 
+
+def _under_a_stream(url: str, checkpoint, night_and_day) -> None:
+    """Two clients send requests while ``night_and_day`` runs; then every answer is checked."""
     answers: list[tuple[int, int, str]] = []
     stop = threading.Event()
 
@@ -106,19 +113,7 @@ def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serv
         t.start()
     try:
         time.sleep(2)
-        night = lend_nodes(args, 1, train=None)
-        lent = night["lent"][0]
-        assert night["expert_shards"] == 2 and lent in shard_nodes
-        assert _placement()["num_shards"] == 2
-        lent_shard = ray.get_actor(EXPERT_SHARD_NAME.format(shard_nodes.index(lent)), namespace="tideserve")
-        assert ray.get(lent_shard.info.remote())["versions"] == []  # its weights are gone
-        served = len(answers)
-        time.sleep(2)
-        assert len(answers) > served  # serving went on at night
-        day = return_nodes(args)
-        assert day["returned"] == [lent] and day["expert_shards"] == 3
-        assert _placement()["num_shards"] == 3
-        time.sleep(2)
+        night_and_day(answers)
     finally:
         stop.set()
         for t in threads:
@@ -130,3 +125,67 @@ def test_night_moves_the_experts_off_the_lent_node_and_day_brings_them_back(serv
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
     wrong = [i for i, _, text in answers if text != tok.decode(generate(model, _prompt(i), MAX_TOKENS, eos_id=None))]
     assert wrong == []
+
+
+def _lent_shard_is_empty(lent: str, shard_nodes: list[str]) -> bool:
+    import ray
+
+    from deploy.app import EXPERT_SHARD_NAME
+
+    shard = ray.get_actor(EXPERT_SHARD_NAME.format(shard_nodes.index(lent)), namespace="tideserve")
+    return ray.get(shard.info.remote())["versions"] == []
+
+
+def test_night_moves_the_experts_off_a_shard_only_node_and_day_brings_them_back(serving, checkpoint):
+    from deploy.tidal import lend_nodes, return_nodes
+
+    url, args = serving
+    shard_nodes = _shard_nodes()
+    assert len(set(shard_nodes)) == 3, "the three shards should spread over the three nodes"
+    assert _placement(2)["num_shards"] == 3
+
+    def night_and_day(answers: list) -> None:
+        night = lend_nodes(args, 1, train=None)
+        lent = night["lent"][0]
+        assert night["expert_shards"] == 2 and lent in shard_nodes and night["serving_replicas"] == 2
+        assert _placement(2)["num_shards"] == 2
+        assert _lent_shard_is_empty(lent, shard_nodes)  # its weights are gone
+        served = len(answers)
+        time.sleep(2)
+        assert len(answers) > served  # serving went on at night
+        day = return_nodes(args)
+        assert day["returned"] == [lent] and day["expert_shards"] == 3 and day["serving_replicas"] == 2
+        assert _placement(2)["num_shards"] == 3
+        time.sleep(2)
+
+    _under_a_stream(url, checkpoint, night_and_day)
+
+
+def test_with_a_replica_on_every_node_night_lends_one_with_its_replica(serving, checkpoint):
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.tidal import lend_nodes, return_nodes
+
+    url, args = serving
+    args = {**args, "replicas": 3}
+    serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+    _wait_replicas_following(3)
+    shard_nodes = _shard_nodes()
+
+    def night_and_day(answers: list) -> None:
+        night = lend_nodes(args, 1, train=None, deadline_s=30)
+        lent = night["lent"][0]
+        assert night["expert_shards"] == 2 and night["serving_replicas"] == 2 and lent in shard_nodes
+        assert _placement(2)["num_shards"] == 2  # the drained replica left the control too
+        assert _lent_shard_is_empty(lent, shard_nodes)
+        served = len(answers)
+        time.sleep(2)
+        assert len(answers) > served
+        day = return_nodes(args)
+        assert day["returned"] == [lent] and day["expert_shards"] == 3 and day["serving_replicas"] == 3
+        _wait_replicas_following(3)
+        assert _placement(3)["num_shards"] == 3
+        time.sleep(2)
+
+    _under_a_stream(url, checkpoint, night_and_day)
