@@ -81,13 +81,14 @@ def train_export(
     """Write a serving checkpoint (config.json + model.safetensors) from a training run."""
     check_dtype(dtype)
     from model.checkpoint import DTYPES, load_config, load_state_dict, save_checkpoint
+    from model.config import WEIGHTS_FILE
 
-    if not (run_dir / "model.safetensors").is_file():
-        raise typer.BadParameter(f"{str(run_dir)!r} holds no model.safetensors")
+    if not (run_dir / WEIGHTS_FILE).is_file():
+        raise typer.BadParameter(f"{str(run_dir)!r} holds no {WEIGHTS_FILE}")
     cfg = load_config(run_dir)
     sd = load_state_dict(run_dir, cfg, DTYPES[dtype])
     save_checkpoint(dest, cfg, sd)
-    size = (dest / "model.safetensors").stat().st_size
+    size = (dest / WEIGHTS_FILE).stat().st_size
     sys.stdout.write(json.dumps({"dest": str(dest), "bytes": size}) + "\n")
 
 

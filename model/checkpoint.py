@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels import resolve_impl
-from model.config import DTYPE_NAMES, ModelConfig, load_config
+from model.config import DTYPE_NAMES, WEIGHTS_FILE, WEIGHTS_INDEX, ModelConfig, load_config
 from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
 from model.model import DecoderLayer, DeepseekModel
@@ -97,13 +97,13 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 def _shard_files(ckpt: Path) -> dict[str, Path]:
     """Tensor name -> file that holds it."""
-    index = ckpt / "model.safetensors.index.json"
+    index = ckpt / WEIGHTS_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: ckpt / fname for name, fname in weight_map.items()}
-    single = ckpt / "model.safetensors"
+    single = ckpt / WEIGHTS_FILE
     if not single.is_file():
-        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {ckpt}")
+        raise CheckpointError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX} in {ckpt}")
     with safe_open(single, "pt") as f:
         return {name: single for name in f.keys()}
 
@@ -293,9 +293,9 @@ def save_checkpoint(
     """Write ``config.json`` + ``model.safetensors`` (atomically: temp name, then rename)."""
     ckpt = Path(ckpt_dir)
     ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / "model.safetensors.tmp"
+    tmp = ckpt / (WEIGHTS_FILE + ".tmp")
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(ckpt / "model.safetensors")
+    tmp.replace(ckpt / WEIGHTS_FILE)
     (ckpt / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     for fname, text in (extra_files or {}).items():
         (ckpt / fname).write_text(text)

@@ -233,6 +233,10 @@ def load_config(checkpoint_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(json.loads(path.read_text()))
 
 
+WEIGHTS_FILE = "model.safetensors"  # a checkpoint's weights: this file, or the index of its shards
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
 def check_checkpoint_dir(checkpoint_dir: str | Path) -> ModelConfig:
     """What a server checks before it starts replicas: the directory has a supported
     ``config.json`` and its weights (``model.safetensors`` or a sharded index). ``ValueError``
@@ -242,8 +246,8 @@ def check_checkpoint_dir(checkpoint_dir: str | Path) -> ModelConfig:
         cfg = load_config(ckpt)
     except (OSError, ValueError, TypeError, KeyError) as e:  # missing, not JSON, unsupported, incomplete
         raise ValueError(f"checkpoint {str(ckpt)!r}: {e}") from None
-    if not ((ckpt / "model.safetensors").is_file() or (ckpt / "model.safetensors.index.json").is_file()):
-        raise ValueError(f"checkpoint {str(ckpt)!r} has no model.safetensors or model.safetensors.index.json")
+    if not ((ckpt / WEIGHTS_FILE).is_file() or (ckpt / WEIGHTS_INDEX).is_file()):
+        raise ValueError(f"checkpoint {str(ckpt)!r} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX}")
     return cfg
 
 

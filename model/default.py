@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from model.config import named_config
+from model.config import WEIGHTS_FILE, named_config
 
 __all__ = ["default_checkpoint", "ensure_named_checkpoint"]
 
@@ -27,7 +27,7 @@ def ensure_named_checkpoint(name: str, root: Path | None = None, seed: int = SEE
 
     cfg = named_config(name)  # raises on an unknown name
     ckpt = (root or cache_root()) / "models" / f"{name}-seed{seed}"
-    if not (ckpt / "model.safetensors").is_file():
+    if not (ckpt / WEIGHTS_FILE).is_file():
         save_checkpoint(ckpt, cfg, random_state_dict(cfg, seed=seed))
     return ckpt
 
@@ -36,6 +36,6 @@ SHIPPED = Path(__file__).resolve().parent / "weights" / DEFAULT_MODEL
 
 
 def default_checkpoint(root: Path | None = None) -> Path:
-    if (SHIPPED / "model.safetensors").is_file() and (SHIPPED / "config.json").is_file():
+    if (SHIPPED / WEIGHTS_FILE).is_file() and (SHIPPED / "config.json").is_file():
         return SHIPPED
     return ensure_named_checkpoint(DEFAULT_MODEL, root)
