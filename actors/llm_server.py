@@ -206,7 +206,8 @@ class LLMServer:
             try:
                 role = ray.get(state.report.remote(node, {
                     "actor_name": actor_name, "draining": self.role != "serving",
-                    "running": len(self.engine.running) + len(self.engine.waiting)}), timeout=10)
+                    "running": len(self.engine.running) + len(self.engine.waiting),
+                    "stats": self.stats(gpus=False)}), timeout=10)
             except Exception as e:  # noqa: BLE001 - the state actor restarts; keep serving
                 log.warning("day/night state unreachable (%s); serving on as %s", e, self.role)
                 time.sleep(1.0)
@@ -323,10 +324,13 @@ class LLMServer:
     def kv_capacity(self) -> dict:
         return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}
 
-    def stats(self) -> dict:
+    def stats(self, gpus: bool = True) -> dict:
+        """Engine counters, queue, cache per tier; the node's GPUs (``gpus``, an NVML read)."""
         out = {"node_id": self.node_id, "replica_id": self.replica_id, "engine": dict(self.engine.stats),
                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-               "cache": self.cache.stats() if self.cache is not None else {}, "gpus": gpu_telemetry()}
+               "cache": self.cache.stats() if self.cache is not None else {}}
+        if gpus:
+            out["gpus"] = gpu_telemetry()
         if self.publisher is not None:
             out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
         return out

@@ -22,7 +22,8 @@ class TidalState:
 
     def __init__(self) -> None:
         self._roles: dict[str, str] = {}
-        self._reports: dict[str, dict] = {}
+        self._reports: dict[str, dict] = {}  # node -> the latest report from a replica there
+        self._by_replica: dict[str, dict] = {}  # replica actor name -> its latest report
         self.job_id: str | None = None
 
     def set_roles(self, roles: dict[str, str]) -> None:
@@ -35,12 +36,23 @@ class TidalState:
         return dict(self._roles)
 
     def report(self, node_id: str, info: dict) -> str:
-        """A replica's heartbeat; returns the role of its node."""
-        self._reports[node_id] = {**info, "time": time.time()}
+        """A replica's heartbeat (``actor_name``, ``draining``, ``running``, optionally its
+        ``stats``); returns the role of its node."""
+        entry = {**info, "node_id": node_id, "time": time.time()}
+        self._reports[node_id] = entry
+        if info.get("actor_name"):
+            self._by_replica[info["actor_name"]] = entry
         return self._roles.get(node_id, "serving")
 
     def reports(self) -> dict[str, dict]:
         return dict(self._reports)
+
+    def replica_reports(self, max_age_s: float = 10.0) -> dict[str, dict]:
+        """Every replica that reported in the last ``max_age_s`` seconds, by actor name (several
+        replicas may share a node)."""
+        now = time.time()
+        self._by_replica = {k: r for k, r in self._by_replica.items() if now - r["time"] < 600}
+        return {k: r for k, r in self._by_replica.items() if now - r["time"] < max_age_s}
 
     def set_job(self, job_id: str | None) -> None:
         self.job_id = job_id

@@ -232,6 +232,23 @@ def serve_handle(state: dict[str, Any]):
     return serve.get_deployment_handle("LLMServer", app_name="tideserve")
 
 
+def _replica_stats(state_actor, handle, pd: bool) -> list[dict]:
+    """Every replica's stats from its heartbeat (prefill pool first under P/D, marked ``pool``);
+    one replica's, asked through the app, when none has reported yet."""
+    import ray
+
+    reports = ray.get(state_actor.replica_reports.remote(), timeout=30)
+    out = []
+    for name, r in sorted(reports.items(), key=lambda item: ("LLMDecode" in item[0], item[0])):
+        if "stats" not in r:
+            continue
+        entry = {**r["stats"], "actor_name": name}
+        if pd:
+            entry["pool"] = "decode" if "LLMDecode" in name else "prefill"
+        out.append(entry)
+    return out or [handle.stats.remote().result(timeout_s=30)]
+
+
 def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
     """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
     handle = serve_handle(state)  # sets RAY_AUTH_MODE before ray is imported
@@ -240,17 +257,11 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
     from actors.tidal import tidal_state
     from deploy.ep_admin import find_ep_control
 
-    replicas = [handle.stats.remote().result(timeout_s=30)]  # the router picks one replica per call
-    if (state.get("app_args") or {}).get("decode_replicas"):  # P/D: and one of the decode pool
-        from ray import serve
-
-        decode = serve.get_deployment_handle("LLMDecode", app_name="tideserve")
-        replicas.append({**decode.stats.remote().result(timeout_s=30), "pool": "decode"})
-        replicas[0]["pool"] = "prefill"
-    control = find_ep_control()
-    ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
     state_actor = tidal_state()
     roles, reports = ray.get(state_actor.roles.remote()), ray.get(state_actor.reports.remote())
+    replicas = _replica_stats(state_actor, handle, bool((state.get("app_args") or {}).get("decode_replicas")))
+    control = find_ep_control()
+    ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
     serving = {n for n, r in reports.items() if time.time() - r["time"] < 10}
 
     def role(n: dict) -> str:

@@ -71,6 +71,11 @@ def test_day_night_day(serving):
     before = _complete(url, PROMPT)
     assert before["usage"]["prompt_cache_hit_tokens"] == 0
     time.sleep(1.0)  # its units reach the directory
+    from actors.tidal import tidal_state
+
+    reports = ray.get(tidal_state().replica_reports.remote())  # what `tide status` lists
+    assert len(reports) == 3 and len({r["node_id"] for r in reports.values()}) == 3
+    assert sum(r["stats"]["engine"]["prefill_tokens"] for r in reports.values()) >= 1
 
     failures: list[str] = []
     done = [0]
