@@ -340,8 +340,18 @@ class LLMServer:
             raise RuntimeError("engine thread died")
 
     def __del__(self) -> None:
+        """Serve calls it when it stops the replica: leave the expert-parallel group's control
+        and the day/night state, which would otherwise wait for this replica until it times out."""
         self._stop = True
         if getattr(self, "ep", None) is not None:
             self.ep.stop()
+        name = _actor_name()
+        if name and ray.is_initialized():
+            try:
+                from actors.tidal import NAMESPACE, STATE_NAME
+
+                ray.get_actor(STATE_NAME, namespace=NAMESPACE).forget.remote(name)
+            except Exception:  # noqa: BLE001 - shutting down (or no day/night state); the report goes stale
+                pass
 
 

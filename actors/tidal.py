@@ -47,9 +47,13 @@ class TidalState:
     def reports(self) -> dict[str, dict]:
         return dict(self._reports)
 
-    def replica_reports(self, max_age_s: float = 10.0) -> dict[str, dict]:
-        """Every replica that reported in the last ``max_age_s`` seconds, by actor name (several
-        replicas may share a node)."""
+    def forget(self, actor_name: str) -> None:
+        """A replica stopped (Serve replaced or removed it)."""
+        self._by_replica.pop(actor_name, None)
+
+    def replica_reports(self, max_age_s: float = 3.0) -> dict[str, dict]:
+        """Every replica that reported in the last ``max_age_s`` seconds (they report twice a
+        second), by actor name: several replicas may share a node."""
         now = time.time()
         self._by_replica = {k: r for k, r in self._by_replica.items() if now - r["time"] < 600}
         return {k: r for k, r in self._by_replica.items() if now - r["time"] < max_age_s}

@@ -8,6 +8,8 @@ are applied here, not on the classes.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import secrets
 from typing import Any, Literal
@@ -228,24 +230,46 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": _gpus_per_actor(a.device)},
         "max_ongoing_requests": 64, "health_check_period_s": 10, "max_replicas_per_node": a.max_replicas_per_node,
     }
-    server = serve.deployment(LLMServer, name="LLMServer", num_replicas=a.replicas, **replica_options,
-                              **options).bind(server_cfg)
+    server_dep = serve.deployment(LLMServer, name="LLMServer", num_replicas=a.replicas, **replica_options, **options)
+    server = _versioned(server_dep, server_cfg, replica_options, router).bind(server_cfg)
     decode = None
     if a.decode_replicas:
-        decode = serve.deployment(
+        decode_dep = serve.deployment(
             LLMServer, name="LLMDecode", num_replicas=a.decode_replicas, **replica_options,
             request_router_config=RequestRouterConfig(
                 request_router_class="deploy.decode_router:DecodeRouter", request_routing_stats_period_s=0.5,
                 request_routing_stats_timeout_s=5),
-        ).bind(server_cfg)
+        )
+        decode = _versioned(decode_dep, server_cfg, replica_options, "decode").bind(server_cfg)
     ingress_options: dict[str, Any] = {"num_cpus": 0}
     if a.ingress_on_head:
         ingress_options["resources"] = {"node:__internal_head__": 0.001}
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
-                               max_ongoing_requests=256)
-    return ingress.bind(server, {
+    ingress_cfg = {
         "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype,
         "directory_url": a.directory_url if a.router == "cache-aware" else None,
         "directory_namespace": a.directory_namespace, "directory_password": password,
         "directory_ca_file": a.directory_tls_ca_file, "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
-    }, decode)
+    }
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
+                               max_ongoing_requests=256)
+    return _versioned(ingress, ingress_cfg, ingress_options, decode is not None).bind(server, ingress_cfg, decode)
+
+
+def deployment_version(*parts: Any) -> str:
+    """A version that changes only with what a deployment's replicas are built from. Without
+    one, every ``serve.run`` gets a random version and Serve replaces every replica: a day/night
+    redeploy that only changes replica counts would restart the whole app, the ingress too, and
+    fail the requests in flight there. Actor handles count by actor id."""
+    def default(o: Any) -> str:
+        actor_id = getattr(o, "_actor_id", None)
+        return actor_id.hex() if actor_id is not None else repr(o)
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=default).encode()).hexdigest()[:16]
+
+
+def _versioned(deployment, *parts: Any):
+    # Serve's Python API takes no version any more (the decorator refuses one), but ``serve.run``
+    # still uses the deployment's ``_version`` when it is set.
+    if hasattr(deployment, "_version"):
+        deployment._version = deployment_version(*parts)
+    return deployment

@@ -50,6 +50,9 @@ class DecodeRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         req = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        # replicas whose node is being lent to training get no new work (unless all are)
+        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
+        candidate_replicas = serving or candidate_replicas
         balancer = self._sync(candidate_replicas)
         if not isinstance(req, dict) or "prompt_ids" not in req or balancer is None or not balancer.replicas:
             return [candidate_replicas]  # not a generate call, or no capacity reported yet

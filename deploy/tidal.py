@@ -12,8 +12,12 @@ Night (``lend_nodes``)
      remaining requests back and the ingress continues each one on another replica (prompt +
      tokens so far; greedy output is unchanged). No request fails.
   3. Lease the node (a pinned actor holding the replica's resources, so Serve cannot place a
-     serving replica there), stop its replica and lower the deployment's replicas; the role
-     becomes ``lent``. The node's cache agent keeps running: its units stay fetchable.
+     serving replica there), stop its replicas, wait until Serve has seen them gone, and lower
+     the deployments' replica counts (a P/D app: each pool by what it lost; a node holding a
+     pool's last replica is never chosen); the role becomes ``lent``. The redeploy keeps the
+     other replicas: deployment versions change only with what replicas are built from
+     (``deploy.app.deployment_version``). The node's cache agent keeps running: its units stay
+     fetchable.
   4. Optionally submit a training job through the Ray Jobs API, its driver constrained to the
      lent nodes by the ``ray.io/node-id`` label.
 
@@ -62,14 +66,24 @@ def _wait(cond, timeout_s: float, what: str, every_s: float = 0.25):
             return got
         time.sleep(every_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-def _running_replicas(app_name: str) -> int:
+def _running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
     from ray import serve
 
     app = serve.status().applications.get(app_name)
     if app is None:
         return 0
-    dep = app.deployments.get("LLMServer")
+    dep = app.deployments.get(deployment)
     return dep.replica_states.get("RUNNING", 0) if dep else 0
+
+
+def _deployments(app_args: dict[str, Any]) -> list[str]:
+    """The app's model deployments: the replicas, and the decode pool under P/D."""
+    return ["LLMServer", "LLMDecode"] if app_args.get("decode_replicas") else ["LLMServer"]
+
+
+def _deployment_of(actor_name: str) -> str:
+    """A Serve replica actor's deployment (its name is ``SERVE_REPLICA::app#deployment#id``)."""
+    return "LLMDecode" if "#LLMDecode#" in actor_name else "LLMServer"
 def _unique_units(app_args: dict[str, Any], nodes: list[str]) -> dict[str, int]:
     """Units held by each node and no other (a maintenance read of the directory)."""
     if not app_args.get("directory_url"):
@@ -90,13 +104,17 @@ def _unique_units(app_args: dict[str, Any], nodes: list[str]) -> dict[str, int]:
         others = set().union(*(k for m, k in keys.items() if m != n)) if len(keys) > 1 else set()
         out[n] = len(keys.get(n, set()) - others)
     return out
-def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int) -> None:
+def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int | dict[str, int]) -> None:
+    """Redeploy with ``replicas`` (a count of LLMServer, or per deployment)."""
     from ray import serve
 
     from deploy.app import build_app
 
-    serve.run(build_app({**app_args, "replicas": replicas}), name=app_name, route_prefix=route_prefix,
-              blocking=False)
+    counts = replicas if isinstance(replicas, dict) else {"LLMServer": replicas}
+    args = {**app_args, "replicas": counts["LLMServer"]}
+    if "LLMDecode" in counts:
+        args["decode_replicas"] = counts["LLMDecode"]
+    serve.run(build_app(args), name=app_name, route_prefix=route_prefix, blocking=False)
 def lend_nodes(
     app_args: dict[str, Any], n: int, app_name: str = "tideserve", route_prefix: str = "/",
     deadline_s: float = 60.0, train: dict[str, Any] | None = None, timeout_s: float = 300.0,
@@ -104,28 +122,36 @@ def lend_nodes(
     """Lend ``n`` serving nodes (see the module docstring). ``train``: ``entrypoint`` (a shell
     command) and optionally ``runtime_env``, ``submission_id``; ``dashboard`` (the Jobs API
     address, default the local one). Returns the lent nodes, serving replicas and the job id."""
-    if app_args.get("decode_replicas"):
-        raise ValueError("day/night does not lend nodes of a P/D app (decode_replicas > 0) yet: it sizes one "
-                         "replica pool; serve co-located (decode_replicas 0) to lend nodes at night")
     state = tidal_state()
     roles = ray.get(state.roles.remote())
-    reports = ray.get(state.reports.remote())
+    replicas = ray.get(state.replica_reports.remote())  # actor name -> report, fresh ones
+    on_node: dict[str, list[str]] = {}
+    for name, r in replicas.items():
+        on_node.setdefault(r["node_id"], []).append(name)
     head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
-    serving = [node for node, r in reports.items() if roles.get(node, "serving") == "serving"
-               and time.time() - r["time"] < 10]
+    serving = [node for node in on_node if roles.get(node, "serving") == "serving"]
     resized = None
     if app_args.get("expert_shards"):
         shards = _shards(app_args)
         where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
-        replica_nodes = {node for node, r in reports.items() if time.time() - r["time"] < 10}
-        shard_only = sorted({w for w in where if w not in replica_nodes and roles.get(w, "serving") == "serving"})
+        shard_only = sorted({w for w in where if w not in on_node and roles.get(w, "serving") == "serving"})
         if 1 <= n <= len(shard_only):
             return _lend_shard_nodes(app_args, n, app_name, train, timeout_s, shard_only, shards, where, head)
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
-    unique = _unique_units(app_args, serving)
-    loads = [NodeLoad(node, reports[node].get("running", 0), unique[node], node == head) for node in serving]
-    chosen = nodes_to_free(loads, n)
+    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
+    pools = {d: sum(1 for a in replicas if _deployment_of(a) == d) for d in _deployments(app_args)}
+    candidates = [x for x in serving
+                  if all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]
+    unique = _unique_units(app_args, candidates)
+    loads = [NodeLoad(node, sum(replicas[a].get("running", 0) for a in on_node[node]), unique[node], node == head)
+             for node in candidates]
+    chosen = nodes_to_free(loads, min(n, len(loads)))
+    leaving = [a for x in chosen for a in on_node[x]]
+    target = {d: count - sum(1 for a in leaving if _deployment_of(a) == d) for d, count in pools.items()}
+    if len(chosen) < n or min(target.values()) < 1:
+        raise ValueError(f"cannot lend {n} nodes: each pool ({', '.join(pools)}) must keep a replica on a "
+                         "serving node")
     log.info("lending %s", chosen)
     if app_args.get("expert_shards"):
         # 1b. DP attention replicas live on these nodes too: move the experts off them first
@@ -135,14 +161,14 @@ def lend_nodes(
             raise ValueError(f"cannot lend {chosen}: every expert shard lives there")
         resized = _resize_experts(keep, timeout_s)["shards"]
 
-    # 2. drain: the router stops sending them work; in-flight requests finish or move
+    # 2. drain: the routers stop sending them work; in-flight requests finish or move
     ray.get(state.set_roles.remote(dict.fromkeys(chosen, "draining")))
     started = time.time()
 
-    def drained() -> bool:
-        now = ray.get(state.reports.remote())
-        return all(now[x]["time"] > started + 1.0 and now[x].get("draining") and now[x].get("running", 0) == 0
-                   for x in chosen)
+    def drained() -> bool:  # a replica that stopped reporting is gone, with nothing to finish
+        now = ray.get(state.replica_reports.remote())
+        return all(a not in now or (now[a]["time"] > started + 1.0 and now[a].get("draining")
+                                    and now[a].get("running", 0) == 0) for a in leaving)
 
     try:
         _wait(drained, deadline_s, "the lent nodes' requests to finish")
@@ -155,30 +181,38 @@ def lend_nodes(
     # 3. lease, stop the replicas, fewer replicas
     cpus = float(app_args.get("replica_cpus", 1.0))
     leases = [lease_node(x, cpus) for x in chosen]
-    final = ray.get(state.reports.remote())
-    for x in chosen:
+    running = {d: _running_replicas(app_name, d) for d in target}
+    for name in leaving:
         try:
-            ray.kill(ray.get_actor(final[x]["actor_name"], namespace="serve"), no_restart=True)
-        except (ValueError, KeyError):
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        except ValueError:
             pass  # already gone
+    # Serve must see them gone before the counts drop: else it stops other running replicas to
+    # meet the lower count, then replaces the killed ones
+    gone = {d: running[d] - sum(1 for a in leaving if _deployment_of(a) == d) for d in target}
+    _wait(lambda: all(_running_replicas(app_name, d) <= n for d, n in gone.items()), 30.0,
+          "Serve to notice the lent nodes' replicas are gone")
     if app_args.get("expert_shards"):  # the control stops waiting for them (their id is their actor name)
         from deploy.ep_admin import find_ep_control
 
         control = find_ep_control()
         if control is not None:
-            ray.get([control.leave.remote(final[x]["actor_name"]) for x in chosen if x in final], timeout=timeout_s)
+            ray.get([control.leave.remote(name) for name in leaving], timeout=timeout_s)
     total = len(serving) + sum(1 for r in roles.values() if r == "lent")
-    target = len(serving) - n
     _deploy(app_name, route_prefix, app_args, target)
     ray.get([lease.ready.remote() for lease in leases], timeout=timeout_s)
-    _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
+    _wait(lambda: all(_running_replicas(app_name, d) == t for d, t in target.items()), timeout_s,
+          f"serving replicas {target}")
     ray.get(state.set_roles.remote(dict.fromkeys(chosen, "lent")))
 
     job_id = None
     if train is not None:
         job_id = submit_training(chosen, train)
         ray.get(state.set_job.remote(job_id))
-    out = {"lent": chosen, "serving_replicas": target, "nodes": total, "migrated": migrated, "job_id": job_id}
+    out = {"lent": chosen, "serving_replicas": target["LLMServer"], "nodes": total, "migrated": migrated,
+           "job_id": job_id}
+    if "LLMDecode" in target:
+        out["decode_replicas"] = target["LLMDecode"]
     if resized is not None:
         out["expert_shards"] = resized
     return out
@@ -198,21 +232,24 @@ def return_nodes(
         release_lease(x)
     ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
     ray.get(state.set_job.remote(None))
+    out: dict[str, Any] = {"returned": lent, "job_id": job_id, "job_status": job_status}
     if app_args.get("expert_shards"):
-        result = _resize_experts(_shards(app_args), timeout_s) if lent else {}
-        # replicas lent with their nodes come back (lent nodes that hosted only a shard had none)
-        running = _running_replicas(app_name)
-        target = max(running, int(app_args.get("replicas", 1)))
-        if reload or target != running:
-            _deploy(app_name, route_prefix, {**app_args, "checkpoint": reload} if reload else app_args, target)
-            _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
-        return {"returned": lent, "serving_replicas": target, "expert_shards": result.get("shards"),
-                "job_id": job_id, "job_status": job_status}
-    target = _running_replicas(app_name) + len(lent)
-    args = {**app_args, "checkpoint": reload} if reload else app_args
-    _deploy(app_name, route_prefix, args, target)
-    _wait(lambda: _running_replicas(app_name) == target, timeout_s, f"{target} serving replicas")
-    return {"returned": lent, "serving_replicas": target, "job_id": job_id, "job_status": job_status}
+        out["expert_shards"] = (_resize_experts(_shards(app_args), timeout_s) if lent else {}).get("shards")
+    if app_args.get("expert_shards") or app_args.get("decode_replicas"):
+        # every pool back to its configured size (lent nodes that hosted only a shard had no replica)
+        target = {"LLMServer": int(app_args.get("replicas", 1))}
+        if app_args.get("decode_replicas"):
+            target["LLMDecode"] = int(app_args["decode_replicas"])
+    else:
+        target = {"LLMServer": _running_replicas(app_name) + len(lent)}
+    if reload or any(_running_replicas(app_name, d) != t for d, t in target.items()):
+        _deploy(app_name, route_prefix, {**app_args, "checkpoint": reload} if reload else app_args, target)
+        _wait(lambda: all(_running_replicas(app_name, d) == t for d, t in target.items()), timeout_s,
+              f"serving replicas {target}")
+    out["serving_replicas"] = target["LLMServer"]
+    if "LLMDecode" in target:
+        out["decode_replicas"] = target["LLMDecode"]
+    return out
 
 
 # -- expert-parallel apps --------------------------------------------------------------------------

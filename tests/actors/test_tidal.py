@@ -106,6 +106,9 @@ def test_day_night_day(serving):
         entrypoint = (f"{sys.executable} -m deploy.cli train run --out {out} --steps 100000 --batch-size 2 "
                       f"--seq-len 64 --checkpoint-every 5 --docs-limit 40")
         night = lend_nodes(args, 1, deadline_s=30, train={"entrypoint": entrypoint})
+        time.sleep(3.0)  # the lent replica's last report goes stale
+        staying = ray.get(tidal_state().replica_reports.remote())
+        assert len(staying) == 2 and set(staying) < set(reports)  # the others were not replaced
         lent = night["lent"][0]
         assert night["serving_replicas"] == 2 and night["job_id"]
         assert sorted(_llm_replica_nodes()) != [] and lent not in _llm_replica_nodes()

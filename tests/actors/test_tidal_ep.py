@@ -8,15 +8,11 @@ back. No request fails and every answer equals the model computed alone."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
-import httpx
 import pytest
 
-from model.checkpoint import load_model
-from model.generate import generate
+from tests.actors.tidal_streams import three_node_serve, under_a_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 23  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -26,33 +22,19 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def serving(checkpoint, tmp_path_factory):
-    import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from deploy.app import build_app
     from deploy.redis_proc import wait_healthy
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()  # build_app deals the shards over the nodes alive at deploy time
-    ray.init(address=c.address, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    home = tmp_path_factory.mktemp("tidal-ep")
-    args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "num_pages": 256,
-            "expert_shards": 3, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}
-    serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 300)
-    _wait_replicas_following(2)
-    yield url, args
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+    with three_node_serve() as url:
+        home = tmp_path_factory.mktemp("tidal-ep")
+        args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "num_pages": 256,
+                "expert_shards": 3, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}
+        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+        wait_healthy(url, 300)
+        _wait_replicas_following(2)
+        yield url, args
 
 
 def _prompt(i: int) -> list[int]:
@@ -93,40 +75,6 @@ def _shard_nodes() -> list[str]:
             for i in range(3)]
 
 
-def _under_a_stream(url: str, checkpoint, night_and_day) -> None:
-    """Two clients send requests while ``night_and_day`` runs; then every answer is checked."""
-    answers: list[tuple[int, int, str]] = []
-    stop = threading.Event()
-
-    def stream(worker: int) -> None:
-        i = worker * 10_000
-        with httpx.Client(timeout=300) as client:
-            while not stop.is_set():
-                i += 1
-                r = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": _prompt(i),
-                                                               "max_tokens": MAX_TOKENS, "temperature": 0,
-                                                               "ignore_eos": True})
-                answers.append((i, r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text))
-
-    threads = [threading.Thread(target=stream, args=(w,), daemon=True) for w in range(2)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(2)
-        night_and_day(answers)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=300)
-    failed = [(i, s, text[:200]) for i, s, text in answers if s != 200]
-    assert failed == [] and len(answers) >= 4
-    from model.tokenizer import load_tokenizer
-
-    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
-    wrong = [i for i, _, text in answers if text != tok.decode(generate(model, _prompt(i), MAX_TOKENS, eos_id=None))]
-    assert wrong == []
-
-
 def _lent_shard_is_empty(lent: str, shard_nodes: list[str]) -> bool:
     import ray
 
@@ -158,7 +106,7 @@ def test_night_moves_the_experts_off_a_shard_only_node_and_day_brings_them_back(
         assert _placement(2)["num_shards"] == 3
         time.sleep(2)
 
-    _under_a_stream(url, checkpoint, night_and_day)
+    under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)
 
 
 def test_with_a_replica_on_every_node_night_lends_one_with_its_replica(serving, checkpoint):
@@ -188,4 +136,4 @@ def test_with_a_replica_on_every_node_night_lends_one_with_its_replica(serving, 
         assert _placement(3)["num_shards"] == 3
         time.sleep(2)
 
-    _under_a_stream(url, checkpoint, night_and_day)
+    under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)

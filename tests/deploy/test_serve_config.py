@@ -87,3 +87,24 @@ def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeyp
     # data-parallel attention replicas over the shared shards: a GPU for each replica and each shard
     assert server._bound_deployment.num_replicas == 3
     assert deploy.app.gpus_needed(deploy.app.AppArgs(device="cuda", expert_shards=2, replicas=3)) == 5
+
+
+def test_deployment_versions_change_with_what_replicas_are_built_from_not_with_counts(tmp_path, monkeypatch):
+    """Serve replaces every replica of a deployment whose version changed: a day/night redeploy
+    that only changes replica counts must keep the versions (and so the running replicas)."""
+    import deploy.app
+    from deploy.app import build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    monkeypatch.setattr(deploy.app, "_cluster_agent_token", lambda: "fixed-token")  # as a cluster keeps it
+
+    def versions(**args):
+        ingress = build_app({"decode_replicas": 1, **args})._bound_deployment
+        return (ingress._version, ingress.init_args[0]._bound_deployment._version,
+                ingress.init_args[2]._bound_deployment._version)
+
+    base = versions(replicas=2)
+    assert all(base) and versions(replicas=3, decode_replicas=2) == base
+    changed = versions(replicas=2, num_pages=64)
+    assert changed[0] == base[0] and changed[1] != base[1] and changed[2] != base[2]
+    assert versions(replicas=2, model_name="other")[0] != base[0]

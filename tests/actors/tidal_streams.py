@@ -1,0 +1,74 @@
+"""Shared by the day/night tests: a simulated 3-node Ray cluster running Serve, and a request
+stream whose every answer is checked against the model computed alone."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+
+
+@contextlib.contextmanager
+def three_node_serve() -> Iterator[str]:
+    """Three nodes of one CPU each, Serve's HTTP proxy on a free port; yields its URL."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()  # build_app deals expert shards over the nodes alive at deploy time
+    ray.init(address=c.address, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+def under_a_stream(url: str, checkpoint, prompt: Callable[[int], list[int]], max_tokens: int,
+                   action: Callable[[list], None]) -> None:
+    """Two clients send greedy requests while ``action(answers)`` runs; then no request may have
+    failed and every answer must equal the model computed alone."""
+    from model.checkpoint import load_model
+    from model.generate import generate
+    from model.tokenizer import load_tokenizer
+
+    answers: list[tuple[int, int, str]] = []
+    stop = threading.Event()
+
+    def stream(worker: int) -> None:
+        i = worker * 10_000
+        with httpx.Client(timeout=300) as client:
+            while not stop.is_set():
+                i += 1
+                r = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt(i),
+                                                               "max_tokens": max_tokens, "temperature": 0,
+                                                               "ignore_eos": True})
+                answers.append((i, r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text))
+
+    threads = [threading.Thread(target=stream, args=(w,), daemon=True) for w in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        action(answers)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+    failed = [(i, s, text[:200]) for i, s, text in answers if s != 200]
+    assert failed == [] and len(answers) >= 4
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    wrong = [i for i, _, text in answers if text != tok.decode(generate(model, prompt(i), max_tokens, eos_id=None))]
+    assert wrong == []
