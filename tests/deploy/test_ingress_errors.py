@@ -36,7 +36,7 @@ def _ingress(handle):
     from deploy.openai_api import OpenAIIngress, _Metrics
 
     ing = object.__new__(OpenAIIngress)
-    ing.server, ing.model_name, ing.metrics, ing.directory = handle, "tiny", _Metrics(), None
+    ing.server, ing.model_name, ing.metrics, ing.directory, ing.decode = handle, "tiny", _Metrics(), None, None
     return ing
 
 
