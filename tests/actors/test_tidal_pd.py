@@ -71,8 +71,10 @@ def test_night_lends_a_prefill_node_and_day_restores_both_pools(serving, checkpo
         # replica counts would otherwise have replaced every replica, and the ingress)
         assert set(left) < set(reports)
         served = len(answers)
-        time.sleep(3)
-        assert len(answers) > served  # serving went on at night, through both pools
+        deadline = time.monotonic() + 120  # serving goes on at night, through both pools (slowly
+        while len(answers) <= served + 1 and time.monotonic() < deadline:  # on a busy 2-core box)
+            time.sleep(0.5)
+        assert len(answers) > served + 1
         day = return_nodes(args)
         assert day["returned"] == night["lent"] and day["serving_replicas"] == 2 and day["decode_replicas"] == 1
         assert set(left) < set(_wait_reports(3))
