@@ -136,7 +136,8 @@ def lend_nodes(
         where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
         shard_only = sorted({w for w in where if w not in on_node and roles.get(w, "serving") == "serving"})
         if 1 <= n <= len(shard_only):
-            return _lend_shard_nodes(app_args, n, app_name, train, timeout_s, shard_only, shards, where, head)
+            return _lend_shard_nodes(app_args, n, app_name, train, timeout_s, shard_only, shards, where, head,
+                                     set(on_node))
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
     # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
@@ -275,12 +276,10 @@ def _resize_experts(shards: list, timeout_s: float) -> dict[str, Any]:
 
 def _lend_shard_nodes(app_args: dict[str, Any], n: int, app_name: str, train: dict[str, Any] | None,
                       timeout_s: float, lendable: list[str], shards: list, where: list[str],
-                      head: str | None) -> dict[str, Any]:
+                      head: str | None, replica_nodes: set[str]) -> dict[str, Any]:
     """Night for an expert-parallel app: lend ``n`` of the ``lendable`` nodes, which host expert
-    shards but no replica (``where``: each shard's node)."""
+    shards but no replica (``where``: each shard's node; ``replica_nodes``: the nodes with one)."""
     state = tidal_state()
-    reports = ray.get(state.reports.remote())
-    replica_nodes = {node for node, r in reports.items() if time.time() - r["time"] < 10}
     unique = _unique_units(app_args, lendable)
     chosen = nodes_to_free([NodeLoad(x, 0, unique[x], x == head) for x in lendable], n)
     log.info("lending %s (expert shards move to the other nodes)", chosen)
