@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ray
 
+from actors import pd_handoff
 from actors.cache_agent import ensure_cache_agents, tls_files
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
@@ -37,10 +38,8 @@ from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import (
     FinishReason,
     GenerationRequest,
-    Prefilled,
     RequestMigrated,
     RequestOutput,
-    TokenSources,
 )
 from model.checkpoint import load_model, weights_digest
 from model.sampling import SamplingParams
@@ -58,17 +57,18 @@ def output_to_dict(o: RequestOutput) -> dict:
         "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
         "cached_tokens": o.cached_tokens, "sources": dataclasses.asdict(o.sources),
     }
-    if o.handoff is not None:  # P/D: the prompt's KV travels through the Ray object store
+    if o.handoff is not None:  # P/D: the prompt's KV is the stream's next item (actors/pd_handoff.py)
         h = o.handoff
-        out["handoff"] = {"kv": ray.put(h.kv), "first_token": h.first_token,
-                          "sources": dataclasses.asdict(h.sources), "generator_state": h.generator_state}
+        out["handoff"] = {"first_token": h.first_token, "sources": dataclasses.asdict(h.sources),
+                          "generator_state": h.generator_state}
     return out
 
 
-async def _prefilled(handoff: dict) -> Prefilled:
-    kv = await handoff["kv"]  # fetched from the prefill replica's node
-    return Prefilled(kv, int(handoff["first_token"]), TokenSources(**handoff["sources"]),
-                     handoff.get("generator_state"))
+@dataclasses.dataclass(frozen=True, slots=True)
+class _KV:
+    """The prompt's KV on its way to the request's queue after the handoff output."""
+
+    kv: object
 
 
 def _actor_name() -> str | None:
@@ -238,6 +238,8 @@ class LLMServer:
                     continue
                 for o in outputs:
                     self._deliver(o.request_id, output_to_dict(o))
+                    if o.handoff is not None:
+                        self._deliver(o.request_id, _KV(o.handoff.kv))
                     if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:
                         self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens,
                                                       o.completion_tokens, o.decode_s))
@@ -265,10 +267,11 @@ class LLMServer:
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``tenant``.
-        P/D: ``handoff`` (prefill only; the last output carries ``handoff`` with a KV object ref)
-        or ``prefilled`` (such a ``handoff`` dict: decode only)."""
+        P/D: ``handoff`` (prefill only; the last output carries ``handoff`` and is followed by
+        the prompt's KV tensor) or ``prefilled`` (such a ``handoff`` dict with ``kv``, the KV
+        item's reference: decode only); see ``actors/pd_handoff.py``."""
         rid = req.get("request_id") or uuid.uuid4().hex
-        prefilled = await _prefilled(req["prefilled"]) if req.get("prefilled") else None
+        prefilled = await pd_handoff.prefilled(req["prefilled"]) if req.get("prefilled") else None
         gen = GenerationRequest(
             rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
             SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
@@ -286,8 +289,11 @@ class LLMServer:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, _KV):  # after the handoff output: the stream's last item
+                    yield item.kv
+                    return
                 yield item
-                if item["finished"]:
+                if item["finished"] and "handoff" not in item:
                     return
         finally:
             self._queues.pop(rid, None)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from actors.pd_handoff import read_prefill
 from cluster.decode_lb import DecodeBalancer
 
 __all__ = ["PDRouter"]
@@ -44,12 +45,11 @@ class PDRouter:
         i = min(range(len(self.prefill)), key=lambda j: self._in_flight[j])
         self._in_flight[i] += 1
         try:
-            last = None
-            async for ref in self.prefill[i].generate.options(num_returns="streaming").remote({**req, "handoff": True}):
-                last = await ref
+            refs = self.prefill[i].generate.options(num_returns="streaming").remote({**req, "handoff": True})
+            last, kv = await read_prefill(refs)
         finally:
             self._in_flight[i] -= 1
-        if last is None or "handoff" not in last:
+        if kv is None:
             self.stats["prefill_only"] += 1
             if last is not None:
                 yield last
@@ -57,7 +57,7 @@ class PDRouter:
         replica = await self._place(need)
         self.stats["handoffs"] += 1
         try:
-            decode_req = {k: v for k, v in req.items() if k != "handoff"} | {"prefilled": last["handoff"]}
+            decode_req = {k: v for k, v in req.items() if k != "handoff"} | {"prefilled": {**last["handoff"], "kv": kv}}
             async for ref in self.decode[replica].generate.options(num_returns="streaming").remote(decode_req):
                 yield await ref
         finally:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from ray import serve
 
+from actors.pd_handoff import read_prefill
 from cachedir.directory import open_directory
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys
@@ -74,10 +75,12 @@ RETRY_AFTER_S = 2  # what a 503 tells the client to wait: about one replica rest
 
 def _continuable(e: BaseException) -> bool:
     """A replica gave the request back or went away: the request can go on elsewhere."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 
-    return isinstance(e, (RequestMigrated, RayActorError, ActorDiedError, ActorUnavailableError)) or isinstance(
-        getattr(e, "cause", None), RequestMigrated)
+    # ObjectLostError: P/D, the prompt's KV was lost before the decode replica pulled it (its
+    # node went away); nothing was streamed from it, the request starts over
+    gone = (RequestMigrated, RayActorError, ActorDiedError, ActorUnavailableError, ObjectLostError)
+    return isinstance(e, gone) or isinstance(getattr(e, "cause", None), gone)
 
 
 def _unavailable(e: BaseException) -> bool:
@@ -239,16 +242,15 @@ class OpenAIIngress:
             async for item in self.server.options(stream=True).generate.remote(req):
                 yield item
             return
-        last = None
-        async for item in self.server.options(stream=True).generate.remote({**req, "handoff": True}):
-            last = item
+        prefill = self.server.options(stream=True).generate.remote({**req, "handoff": True})
+        last, kv = await read_prefill(await prefill._to_object_ref_gen())
         if last is None:
             return
-        if "handoff" not in last:
+        if kv is None:
             yield last
             return
         self.metrics.handoffs.inc()
-        decode_req = {k: v for k, v in req.items() if k != "prefix"} | {"prefilled": last["handoff"]}
+        decode_req = {k: v for k, v in req.items() if k != "prefix"} | {"prefilled": {**last["handoff"], "kv": kv}}
         async for item in self.decode.options(stream=True).generate.remote(decode_req):
             yield item
 

@@ -68,7 +68,8 @@ def under_a_stream(url: str, checkpoint, prompt: Callable[[int], list[int]], max
         for t in threads:
             t.join(timeout=300)
     failed = [(i, s, text[:200]) for i, s, text in answers if s != 200]
-    assert failed == [] and len(answers) >= 4
+    assert failed == [], failed
+    assert len(answers) >= 4, answers
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
     wrong = [i for i, _, text in answers if text != tok.decode(generate(model, prompt(i), max_tokens, eos_id=None))]
     assert wrong == []

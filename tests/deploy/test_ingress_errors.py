@@ -69,3 +69,16 @@ def test_mid_stream_the_503_is_an_error_event():
     err = json.loads(events[-2])["error"]
     assert err["code"] == "service_unavailable" and "retry" in err["message"]
     assert all("choices" in json.loads(c) for c in events[:-2])  # the tokens streamed before
+
+
+def test_a_lost_handoff_kv_is_continued_and_a_user_error_is_not():
+    """P/D: a decode replica that could not pull the prompt's KV (its node went away) raised
+    ``RayTaskError(ObjectLostError)``; nothing was streamed from it, so the request starts over.
+    An error of the request itself is not retried."""
+    from ray.exceptions import ObjectLostError, OwnerDiedError, RayTaskError
+
+    from deploy.openai_api import _continuable
+
+    for cause in (ObjectLostError("ab" * 14, None, ""), OwnerDiedError("ab" * 14, None, "")):
+        assert _continuable(cause) and _continuable(RayTaskError("generate", "tb", cause).as_instanceof_cause())
+    assert not _continuable(RayTaskError("generate", "tb", ValueError("bad request")).as_instanceof_cause())

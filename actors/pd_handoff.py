@@ -1,0 +1,44 @@
+"""How a prompt's KV travels from a prefill replica to a decode replica (P/D disaggregation).
+
+A prefill replica's stream (``LLMServer.generate`` with ``handoff``) ends with two items: the
+output that finishes the prefill, carrying ``handoff`` (the first token, where the prompt's KV
+came from, the sampler's state), then the prompt's KV tensor itself as its own stream item. The
+caller (the ingress, or ``PDRouter``) fetches the first and only takes the *reference* of the
+second (``read_prefill``); the decode replica gets that reference inside its ``prefilled``
+request and pulls the tensor straight from the prefill replica's node (``prefilled``).
+
+Why the KV is a stream item and not an ``ObjectRef`` put by the prefill replica inside the
+output: a stream's items are owned by the caller, so the KV lives as long as the caller holds it,
+even if the prefill replica dies or is lent to training meanwhile. A reference put by the replica
+and nested in a yielded item is owned by the replica, and Ray 2.60's streaming generators can
+lose the caller's borrow of such nested references (ray-project/ray#58080): the decode replica
+then failed with ``ReferenceCountingAssertionError`` now and then.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.request import Prefilled, TokenSources
+
+__all__ = ["prefilled", "read_prefill"]
+
+
+async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[dict | None, ray.ObjectRef | None]:
+    """Read a prefill stream: its last output, and when that output hands the request off, the
+    reference of the KV item that follows it (``None`` when the request ended on the prefill
+    replica, e.g. at its first token). Errors of the stream are raised."""
+    last = None
+    async for ref in refs:
+        last = await ref
+        if "handoff" in last:
+            return last, await refs.__anext__()  # the KV: its reference only, the tensor stays put
+    return last, None
+
+
+async def prefilled(handoff: dict) -> Prefilled:
+    """A decode replica's view of a ``handoff`` dict with its ``kv`` reference: the tensor is
+    fetched from the prefill replica's node."""
+    kv = await handoff["kv"]
+    return Prefilled(kv, int(handoff["first_token"]), TokenSources(**handoff["sources"]),
+                     handoff.get("generator_state"))

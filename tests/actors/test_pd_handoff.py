@@ -1,0 +1,77 @@
+"""The P/D handoff between two ``LLMServer`` actors (``actors/pd_handoff.py``): the prompt's KV is
+the prefill stream's last item, owned by the caller, so the decode replica gets it even when the
+prefill replica is gone by then (lent to training, killed); the answer equals the model alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+CHECKPOINT_SEED = 17
+
+MAX_TOKENS = 6
+PROMPT = [256] + [(j * 13) % 250 + 3 for j in range(37)]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _server(checkpoint, tmp_path_factory):
+    import ray
+
+    from actors.llm_server import LLMServer
+
+    return ray.remote(num_cpus=0)(LLMServer).remote({
+        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
+        "enable_cache": False, "num_pages": 64, "tidal": False})
+
+
+def test_decode_pulls_the_kv_after_the_prefill_replica_died(ray_local, checkpoint, tmp_path_factory):
+    import ray
+    import torch
+
+    from actors.pd_handoff import read_prefill
+    from model.checkpoint import load_model
+    from model.generate import generate
+
+    prefill, decode = _server(checkpoint, tmp_path_factory), _server(checkpoint, tmp_path_factory)
+    ray.get([prefill.check_health.remote(), decode.check_health.remote()], timeout=300)
+    req = {"prompt_ids": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+
+    async def run() -> list[int]:
+        refs = prefill.generate.options(num_returns="streaming").remote({**req, "handoff": True})
+        last, kv = await read_prefill(refs)
+        assert last["finished"] and kv is not None, last
+        assert isinstance(ray.get(kv), torch.Tensor)
+        ray.kill(prefill, no_restart=True)  # before the decode replica pulled the KV
+        await asyncio.sleep(1.0)
+        decode_req = {**req, "prefilled": {**last["handoff"], "kv": kv}}
+        out = []
+        async for ref in decode.generate.options(num_returns="streaming").remote(decode_req):
+            out += (await ref)["token_ids"]
+        return out
+
+    assert asyncio.run(run()) == generate(load_model(checkpoint), PROMPT, MAX_TOKENS, eos_id=None)
+
+
+def test_a_request_that_ends_on_the_prefill_replica_hands_nothing_off(ray_local, checkpoint, tmp_path_factory):
+    import ray
+
+    from actors.pd_handoff import read_prefill
+    from model.checkpoint import load_model
+    from model.generate import generate
+
+    prefill = _server(checkpoint, tmp_path_factory)
+    ray.get(prefill.check_health.remote(), timeout=300)
+    req = {"prompt_ids": PROMPT, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True, "handoff": True}
+    last, kv = asyncio.run(read_prefill(prefill.generate.options(num_returns="streaming").remote(req)))
+    assert kv is None and last["finished"]
+    assert last["token_ids"] == generate(load_model(checkpoint), PROMPT, 1, eos_id=None)
