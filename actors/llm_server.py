@@ -98,6 +98,7 @@ class LLMServer:
         expert parallelism ``ep_control`` (the app's ``EPControl`` actor, which owns the expert
         shards and the placement) and ``ep_timeout_s`` (a round slower than this counts as a failed shard),
         ``micro_batches`` (2 overlaps one half's expert round with the other's attention);
+        ``prefix_sharing`` (default on: reuse finished prompts' pages in this replica);
         ``cache_agents`` (the agents' cfg, see ``actors/cache_agent.py``): the node's cache agent
         owns the unit store and the engine reaches every node's units through it."""
         self._stop = False
@@ -132,7 +133,8 @@ class LLMServer:
             self.model,
             EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
                          max_prefill_tokens=int(cfg.get("max_prefill_tokens", 2048)),
-                         admission=cfg.get("admission", "all"), prefix_sharing=enable_cache,
+                         admission=cfg.get("admission", "all"),
+                         prefix_sharing=enable_cache and bool(cfg.get("prefix_sharing", True)),
                          micro_batches=int(cfg.get("micro_batches", 1))),
             namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
         )

@@ -51,6 +51,9 @@ class AppArgs(BaseModel):
     ram_mb: int = Field(default=512, ge=0)
     admission: str = "all"
     enable_cache: bool = True  # False: no unit store, no prefix sharing (benchmarks' baseline)
+    # False: a replica keeps no finished prompt's pages for reuse, so every prefix hit comes from
+    # the prompt cache (RAM/SSD/other nodes): the disk cache measured alone, as DeepSeek serves
+    prefix_sharing: bool = True
     num_pages: int = Field(default=4096, ge=16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
@@ -195,7 +198,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "cache_dir": a.cache_dir or str(cache_root() / "cache"),
         "ssd_bytes": int(a.ssd_gb * 1e9), "store_layout": a.cache_layout, "ram_bytes": a.ram_mb << 20,
         "admission": a.admission,
-        "enable_cache": a.enable_cache, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
+        "enable_cache": a.enable_cache, "prefix_sharing": a.prefix_sharing, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
         "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
         "directory_namespace": a.directory_namespace,
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,

@@ -9,11 +9,9 @@ have not finished are added to the queue it scores, so a burst between two polls
 land on one replica. The chosen replica is
 ranked first and the rest by estimated TTFT, so Serve falls back in that order when one is full.
 
-Known gap: with ``FIFOMixin`` Serve hands the replica found for one request to the oldest one
-waiting, whose prefix may live elsewhere (the decode router dropped it for that reason). Dropping
-it here too makes repeated prompts stay on their replica's in-memory prefix, and
-``tests/actors/test_faults.py::test_unit_files_damaged_under_a_stream`` then reads no damaged
-file (it relies on prompts landing elsewhere): fix that test first.
+``CacheAwareRouter`` does not use Serve's ``FIFOMixin``: it hands the replica found for one
+request to the oldest request waiting, whose prefix may live on another node; without it each
+request gets the replica ranked for its own prompt.
 
 Why a router rather than the ingress picking a replica: Serve owns replica membership, queue
 limits, retries and back-pressure; a router keeps all of that and only supplies the ranking.
@@ -45,7 +43,7 @@ def _request(pending: PendingRequest | None) -> dict | None:
     return req if isinstance(req, dict) and "prompt_ids" in req else None
 
 
-class CacheAwareRouter(FIFOMixin, RequestRouter):
+class CacheAwareRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._planned: dict[str, tuple[int, int]] = {}  # request id -> (new, cached) tokens
         self._inflight: dict[str, tuple[str, float, int, int]] = {}  # request id -> (replica, sent, new, cached)

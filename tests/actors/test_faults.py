@@ -69,8 +69,10 @@ def app(redis_server, checkpoint, tmp_path_factory):
     # under test is losing a serving node (its replica and cache agent).
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     home = tmp_path_factory.mktemp("faults")
+    # no RAM tier and no prefix sharing in the replicas: every prefix hit reads the unit files
+    # (a repeated prompt goes back to its replica, whose pages would otherwise serve it)
     args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
-            "num_pages": 256, "ram_mb": 0, "cache_dir": str(home / "cache" / "{node}"),
+            "num_pages": 256, "ram_mb": 0, "prefix_sharing": False, "cache_dir": str(home / "cache" / "{node}"),
             "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
             "directory_namespace": NAMESPACE, "ingress_on_head": True}
     serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)

@@ -94,6 +94,24 @@ def test_prefix_from_ssd_and_ram_is_token_identical(model, tmp_path):
     assert _tokens(out) == ref and out[-1].sources.ssd == 256
 
 
+def test_without_prefix_sharing_a_repeat_reads_the_prompt_cache(model, tmp_path):
+    """``prefix_sharing=False``: the replica keeps no finished prompt's pages, so the same prompt
+    again loads its units from the store (here SSD only) instead of this replica's pool."""
+    prompt = _prompt(200, 9)
+    ref = _ref(model, prompt, 6)
+    for sharing, source in ((True, "ram"), (False, "ssd")):
+        cache = _cache(tmp_path / str(sharing), ram=0)
+        eng = _engine(model, cache, prefix_sharing=sharing)
+        for rid in ("a", "b"):
+            eng.add_request(GenerationRequest(rid, prompt, 6))
+            out = eng.run_to_completion()[rid]
+            cache.flush()
+            assert _tokens(out) == ref
+        sources = out[-1].sources
+        assert getattr(sources, source) == 192 and sources.cached == 192, (sharing, sources)
+        eng.check_integrity()
+
+
 def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
     prompt = _prompt(260, 7)
     ref = _ref(model, prompt, 8)

@@ -108,3 +108,12 @@ def test_deployment_versions_change_with_what_replicas_are_built_from_not_with_c
     changed = versions(replicas=2, num_pages=64)
     assert changed[0] == base[0] and changed[1] != base[1] and changed[2] != base[2]
     assert versions(replicas=2, model_name="other")[0] != base[0]
+
+
+def test_prefix_sharing_reaches_the_replicas(tmp_path, monkeypatch):
+    from deploy.app import build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    for value in (True, False):
+        server = build_app({"prefix_sharing": value})._bound_deployment.init_args[0]
+        assert server._bound_deployment.init_args[0]["prefix_sharing"] is value
