@@ -57,10 +57,13 @@ def output_to_dict(o: RequestOutput) -> dict:
         "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
         "cached_tokens": o.cached_tokens, "sources": dataclasses.asdict(o.sources),
     }
+    if o.new_logprobs is not None:
+        out["logprobs"] = [pd_handoff.logprob_to_dict(lp) for lp in o.new_logprobs]
     if o.handoff is not None:  # P/D: the prompt's KV is the stream's next item (actors/pd_handoff.py)
         h = o.handoff
         out["handoff"] = {"first_token": h.first_token, "sources": dataclasses.asdict(h.sources),
-                          "generator_state": h.generator_state}
+                          "generator_state": h.generator_state,
+                          "first_logprob": pd_handoff.logprob_to_dict(h.first_logprob)}
     return out
 
 
@@ -277,7 +280,7 @@ class LLMServer:
         gen = GenerationRequest(
             rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
             SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
-                           int(req.get("top_k", 0)), req.get("seed")),
+                           int(req.get("top_k", 0)), req.get("seed"), req.get("logprobs")),
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
             tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)),

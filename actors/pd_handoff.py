@@ -13,6 +13,9 @@ even if the prefill replica dies or is lent to training meanwhile. A reference p
 and nested in a yielded item is owned by the replica, and Ray 2.60's streaming generators can
 lose the caller's borrow of such nested references (ray-project/ray#58080): the decode replica
 then failed with ``ReferenceCountingAssertionError`` now and then.
+
+Also here: a token's logprobs as replicas send them in their outputs and in ``handoff`` (the
+first token's, computed on the prefill side).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from __future__ import annotations
 import ray
 
 from cluster.request import Prefilled, TokenSources
+from model.sampling import TokenLogprob
 
-__all__ = ["prefilled", "read_prefill"]
+__all__ = ["logprob_from_dict", "logprob_to_dict", "prefilled", "read_prefill"]
 
 
 async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[dict | None, ray.ObjectRef | None]:
@@ -40,5 +44,15 @@ async def prefilled(handoff: dict) -> Prefilled:
     """A decode replica's view of a ``handoff`` dict with its ``kv`` reference: the tensor is
     fetched from the prefill replica's node."""
     kv = await handoff["kv"]
+    first_lp = handoff.get("first_logprob")
     return Prefilled(kv, int(handoff["first_token"]), TokenSources(**handoff["sources"]),
-                     handoff.get("generator_state"))
+                     handoff.get("generator_state"), logprob_from_dict(first_lp) if first_lp else None)
+
+
+def logprob_to_dict(lp: TokenLogprob | None) -> dict | None:
+    """A token's logprobs as replicas send them: ``{"token", "logprob", "top": [[id, logprob], ...]}``."""
+    return None if lp is None else {"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+
+
+def logprob_from_dict(d: dict) -> TokenLogprob:
+    return TokenLogprob(int(d["token"]), float(d["logprob"]), tuple((int(i), float(v)) for i, v in d["top"]))

@@ -35,7 +35,7 @@ from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
 from model.kv_cache import slots_for
 from model.model import DeepseekModel
-from model.sampling import sample
+from model.sampling import TokenLogprob, sample, token_logprobs
 
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
@@ -211,7 +211,8 @@ class Engine:
             if not seq.input_persisted:
                 seq.input_persisted = True
                 self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-            self._append(seq, int(sample(logits[None], [seq.req.sampling], [seq.generator])[0]), outputs)
+            tok = int(sample(logits[None], [seq.req.sampling], [seq.generator])[0])
+            self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
@@ -275,6 +276,7 @@ class Engine:
             self.pool.write(layer, slots, pre.kv[layer])
         seq.num_computed = n
         seq.output_ids.append(pre.first_token)
+        seq.output_logprobs.append(pre.first_logprob)
         seq.sources = dataclasses.replace(pre.sources)
         seq.input_persisted = True  # the prefill replica persisted the prompt
         seq.first_token_s = time.monotonic()
@@ -330,10 +332,11 @@ class Engine:
         logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
-        toks = sample(logits, [s.req.sampling for s in batch], [s.generator for s in batch]).tolist()
-        for seq, tok in zip(batch, toks, strict=True):
+        params = [s.req.sampling for s in batch]
+        toks = sample(logits, params, [s.generator for s in batch]).tolist()
+        for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
-            self._append(seq, tok, outputs)
+            self._append(seq, tok, outputs, lp)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
@@ -345,10 +348,11 @@ class Engine:
         self.stats["preemptions"] += 1
 
     # -- tokens out ----------------------------------------------------------------------
-    def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput]) -> None:
+    def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput], lp: TokenLogprob | None = None) -> None:
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(tok)
+        seq.output_logprobs.append(lp)
         reason = None
         if tok == self.eos_id and not seq.req.ignore_eos:
             reason = FinishReason.STOP
@@ -380,11 +384,13 @@ class Engine:
         text = seq.text[seq.emitted_text_len : upto]
         seq.emitted_text_len = upto
         new = seq.output_ids[seq.emitted_tokens :]
+        logprobs = seq.output_logprobs[seq.emitted_tokens :] if seq.req.sampling.logprobs is not None else None
         seq.emitted_tokens = len(seq.output_ids)
         return RequestOutput(
             seq.req.request_id, new, text, seq.finished is not None, seq.finished,
             len(seq.req.prompt_ids), len(seq.output_ids), seq.sources.cached, seq.sources, handoff,
             time.monotonic() - seq.first_token_s if seq.finished and seq.first_token_s is not None else 0.0,
+            logprobs,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:
@@ -392,7 +398,8 @@ class Engine:
         handoff = None
         if reason == FinishReason.HANDOFF:
             state = seq.generator.get_state() if seq.generator is not None else None
-            handoff = Prefilled(self._export_prompt_kv(seq), seq.output_ids[0], dataclasses.replace(seq.sources), state)
+            handoff = Prefilled(self._export_prompt_kv(seq), seq.output_ids[0], dataclasses.replace(seq.sources), state,
+                                seq.output_logprobs[0])
         if seq.pages:
             ns = self.namespace_for(seq.req.tenant)
             complete = seq.num_computed // UNIT_TOKENS

@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from model.sampling import SamplingParams
+from model.sampling import SamplingParams, TokenLogprob
 
 __all__ = ["FinishReason", "GenerationRequest", "Prefilled", "RequestMigrated", "RequestOutput", "Sequence", "TokenSources"]
 
@@ -74,6 +74,7 @@ class Prefilled:
     first_token: int
     sources: TokenSources
     generator_state: object = None  # torch.ByteTensor or None
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class RequestOutput:
     sources: TokenSources
     handoff: Prefilled | None = None  # with finish_reason HANDOFF
     decode_s: float = 0.0  # first to last output token, set when finished
+    new_logprobs: list[TokenLogprob | None] | None = None  # one per new token, when the request asked
 
 
 @dataclass(slots=True)
@@ -99,6 +101,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # prompt (+ recomputed output) tokens whose KV is in the pool
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per output token
     text: str = ""
     emitted_text_len: int = 0
     emitted_tokens: int = 0

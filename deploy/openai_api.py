@@ -39,6 +39,8 @@ from deploy.protocol import (
     CompletionRequest,
     KeyGrant,
     Limits,
+    chat_logprobs,
+    completion_logprobs,
     error_body,
 )
 from model.checkpoint import weights_digest
@@ -191,6 +193,9 @@ class OpenAIIngress:
         if size > self.limits.max_body_bytes:
             raise APIError(413, f"request body of {size} bytes exceeds the limit of {self.limits.max_body_bytes}")
 
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
     def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant) -> dict:
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; available: {self.model_name!r}",
@@ -220,7 +225,7 @@ class OpenAIIngress:
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
         return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": body.temperature,
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
-                "ignore_eos": body.ignore_eos, "tenant": grant.tenant}
+                "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k()}
 
     @staticmethod
     def _usage(last: dict) -> dict:
@@ -321,25 +326,36 @@ class OpenAIIngress:
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
 
-        def choice(text: str, finish: str | None, delta: bool) -> dict:
+        want_logprobs = engine_req.get("logprobs") is not None
+        text_offset = 0  # completions' logprobs: where the next token's text starts
+
+        def choice(text: str, finish: str | None, delta: bool, logprobs: list[dict]) -> dict:
+            nonlocal text_offset
+            lp = None
+            if want_logprobs and kind == "chat":
+                lp = chat_logprobs(logprobs, self.tokenizer.token_bytes)
+            elif want_logprobs:
+                lp = completion_logprobs(logprobs, self._token_text, text_offset)
+                text_offset += sum(len(t) for t in lp["tokens"])
             if kind == "chat":
                 key = "delta" if delta else "message"
                 msg = {"role": "assistant", "content": text} if not delta or text else {}
-                return {"index": 0, key: msg, "finish_reason": finish}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                return {"index": 0, key: msg, "finish_reason": finish, "logprobs": lp}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
 
         if not body.stream:
-            text, last = [], None
+            text, logprobs, last = [], [], None
             try:
                 async for item in self._stream(engine_req):
                     text.append(item["text"])
+                    logprobs += item.get("logprobs") or []
                     last = item
             except Exception as e:
                 if _unavailable(e):
                     raise _unavailable_error() from None
                 raise
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [choice("".join(text), last["finish_reason"], False)],
+                                 "choices": [choice("".join(text), last["finish_reason"], False, logprobs)],
                                  "usage": self._usage(last)})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -350,7 +366,7 @@ class OpenAIIngress:
             try:
                 async for item in self._stream(engine_req):
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [choice(item["text"], item["finish_reason"], True)]}
+                             "choices": [choice(item["text"], item["finish_reason"], True, item.get("logprobs") or [])]}
                     if include_usage:
                         chunk["usage"] = None
                     yield f"data: {json.dumps(chunk)}\n\n"

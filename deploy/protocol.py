@@ -7,7 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "error_body"]
+from model.sampling import MAX_LOGPROBS
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
+           "completion_logprobs", "error_body"]
 
 
 class APIError(Exception):
@@ -102,10 +105,22 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # each output token's logprob
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
+
+    def logprobs_k(self) -> int | None:
+        """The engine's ``logprobs`` (None: off)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # chosen token's + this many alternatives
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -113,3 +128,27 @@ class CompletionRequest(_Sampling):
         if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
             raise ValueError("prompt must not be empty")
         return v
+
+
+def completion_logprobs(entries: list[dict], token_text, offset: int = 0) -> dict:
+    """``choices[].logprobs`` of /v1/completions for the tokens of ``entries`` (the replicas'
+    ``logprobs`` items); ``token_text(id)`` is a token's text, ``offset`` where the first token's
+    text starts in the completion (a stream continues from the previous chunk)."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(token_text(e["token"]))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{token_text(i): v for i, v in e["top"]} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict], token_bytes) -> dict:
+    """``choices[].logprobs`` of /v1/chat/completions; ``token_bytes(id)`` is a token's bytes."""
+
+    def one(token: int, logprob: float) -> dict:
+        raw = token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, v) for i, v in e["top"]]}
+                        for e in entries], "refusal": None}

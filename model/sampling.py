@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; the log-probabilities
+of the chosen tokens and their top alternatives (OpenAI's ``logprobs``).
 
 Legend: B sequences, V vocab.
 """
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "sample", "token_logprobs"]
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +21,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -53,4 +59,31 @@ def sample(
             row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = row.softmax(-1)
         out[b] = torch.multinomial(probs, 1, generator=generators[b])[0]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (the raw distribution, before
+    temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    """logits [B, V] and the tokens chosen from them -> row b's ``TokenLogprob`` where
+    ``params[b].logprobs`` asks for one, else None."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    lp = logits[rows].float().log_softmax(-1).cpu()  # [R, V]
+    k = max(params[b].logprobs for b in rows)
+    top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    for r, b in enumerate(rows):
+        n = params[b].logprobs
+        top = tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist(), strict=True))
+        out[b] = TokenLogprob(tokens[b], float(lp[r, tokens[b]]), top)
     return out

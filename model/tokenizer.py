@@ -22,6 +22,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes (what a client sees of it in logprobs; b"" for a special token)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Messages (``role``, ``content``) -> prompt ids ending where the assistant speaks."""
         ...
@@ -41,6 +45,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if 0 <= token < 256 else b""
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         ids = [self.BOS]
@@ -76,6 +83,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        # a token that is part of a character decodes to U+FFFD alone; its UTF-8 is reported then
+        return self.decode([token]).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.chat_template:

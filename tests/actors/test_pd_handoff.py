@@ -44,7 +44,12 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(ray_local, checkpoin
 
     prefill, decode = _server(checkpoint, tmp_path_factory), _server(checkpoint, tmp_path_factory)
     ray.get([prefill.check_health.remote(), decode.check_health.remote()], timeout=300)
-    req = {"prompt_ids": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    req = {"prompt_ids": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}
+
+    async def colocated() -> list[dict]:
+        return [await ref for ref in decode.generate.options(num_returns="streaming").remote(req)]
+
+    whole = asyncio.run(colocated())
 
     async def run() -> list[int]:
         refs = prefill.generate.options(num_returns="streaming").remote({**req, "handoff": True})
@@ -54,12 +59,16 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(ray_local, checkpoin
         ray.kill(prefill, no_restart=True)  # before the decode replica pulled the KV
         await asyncio.sleep(1.0)
         decode_req = {**req, "prefilled": {**last["handoff"], "kv": kv}}
-        out = []
-        async for ref in decode.generate.options(num_returns="streaming").remote(decode_req):
-            out += (await ref)["token_ids"]
-        return out
+        return [await ref for ref in decode.generate.options(num_returns="streaming").remote(decode_req)]
 
-    assert asyncio.run(run()) == generate(load_model(checkpoint), PROMPT, MAX_TOKENS, eos_id=None)
+    split = asyncio.run(run())
+    tokens = [t for item in split for t in item["token_ids"]]
+    assert tokens == generate(load_model(checkpoint), PROMPT, MAX_TOKENS, eos_id=None)
+    # logprobs too, the first token's computed on the prefill replica
+    logprobs = [lp for item in split for lp in item["logprobs"]]
+    want = [lp for item in whole for lp in item["logprobs"]]
+    assert [lp["token"] for lp in logprobs] == tokens and [len(lp["top"]) for lp in logprobs] == [2] * MAX_TOKENS
+    assert [lp["logprob"] for lp in logprobs] == pytest.approx([lp["logprob"] for lp in want], abs=1e-5)
 
 
 def test_a_request_that_ends_on_the_prefill_replica_hands_nothing_off(ray_local, checkpoint, tmp_path_factory):

@@ -112,6 +112,36 @@ def test_without_prefix_sharing_a_repeat_reads_the_prompt_cache(model, tmp_path)
         eng.check_integrity()
 
 
+def _logprobs_alone(model, prompt, tokens) -> list[torch.Tensor]:
+    """The model's log-softmax before each output token, one prefill per step (the reference)."""
+    out = []
+    for i in range(len(tokens)):
+        ids = list(prompt) + tokens[:i]
+        pool = model.new_pool(-(-len(ids) // 16), 16)
+        out.append(model.prefill(torch.tensor(ids), pool, torch.arange(pool.num_pages)).log_softmax(-1))
+    return out
+
+
+def test_logprobs_of_batched_greedy_and_seeded_requests(model):
+    eng = _engine(model, max_num_seqs=4)
+    prompts = {"greedy": _prompt(70, 21), "seeded": _prompt(40, 22), "plain": _prompt(30, 23)}
+    params = {"greedy": SamplingParams(logprobs=2),
+              "seeded": SamplingParams(temperature=1.0, seed=4, logprobs=0), "plain": SamplingParams()}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 5, params[rid]))
+    outs = eng.run_to_completion()
+    assert all(o.new_logprobs is None for o in outs["plain"])
+    for rid in ("greedy", "seeded"):
+        toks = _tokens(outs[rid])
+        lps = [lp for o in outs[rid] for lp in o.new_logprobs]
+        assert [lp.token for lp in lps] == toks
+        for lp, ref in zip(lps, _logprobs_alone(model, prompts[rid], toks), strict=True):
+            assert lp.logprob == pytest.approx(float(ref[lp.token]), abs=1e-4)
+            assert [i for i, _ in lp.top] == ref.topk(params[rid].logprobs).indices.tolist()
+        if rid == "greedy":
+            assert all(lp.top[0][0] == lp.token for lp in lps)
+
+
 def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
     prompt = _prompt(260, 7)
     ref = _ref(model, prompt, 8)

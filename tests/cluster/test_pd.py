@@ -41,7 +41,8 @@ def _run(engine, reqs):
     return out
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(0.9, 0.95, 20, seed=11)])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(0.9, 0.95, 20, seed=11),
+                                      SamplingParams(0.9, 0.95, 20, seed=12, logprobs=3)])
 def test_prefill_then_decode_equals_one_engine(model, sampling):
     prompts = {f"r{i}": _prompt(30 + 37 * i, i) for i in range(4)}
     whole = _run(_engine(model), [GenerationRequest(rid, p, 12, sampling) for rid, p in prompts.items()])
@@ -60,6 +61,12 @@ def test_prefill_then_decode_equals_one_engine(model, sampling):
         assert got == want, rid
         assert out[rid][-1].finish_reason == whole[rid][-1].finish_reason == FinishReason.LENGTH
         assert "".join(o.text for o in out[rid]) == "".join(o.text for o in whole[rid])
+        if sampling.logprobs is not None:  # the first token's, computed on the prefill side, came along
+            got_lp = [lp for o in out[rid] for lp in o.new_logprobs]
+            want_lp = [lp for o in whole[rid] for lp in o.new_logprobs]
+            assert [lp.token for lp in got_lp] == want
+            assert [[i for i, _ in lp.top] for lp in got_lp] == [[i for i, _ in lp.top] for lp in want_lp]
+            assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in want_lp], abs=1e-5)
 
 
 def test_a_request_that_ends_at_its_first_token_is_not_handed_off(model):

@@ -96,6 +96,58 @@ def test_completion_streaming(client):
     assert "".join(pieces) == full.choices[0].text
 
 
+def _greedy_alone(prompt_ids: list[int], n: int) -> tuple[list[int], list]:
+    """The model computed alone: ``n`` greedy tokens and the log-softmax before each (one
+    prefill per step)."""
+    import torch
+
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.generate import generate
+
+    model = load_model(default_checkpoint())
+    ids, refs = generate(model, prompt_ids, n, eos_id=None), []
+    for i in range(n):
+        ctx = prompt_ids + ids[:i]
+        pool = model.new_pool(-(-len(ctx) // 16), 16)
+        refs.append(model.prefill(torch.tensor(ctx), pool, torch.arange(pool.num_pages)).log_softmax(-1))
+    return ids, refs
+
+
+def test_completion_logprobs_are_the_models(client):
+    from model.tokenizer import ByteTokenizer
+
+    kw = {"model": "tiny", "prompt": "the tide", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+          "extra_body": {"ignore_eos": True}}
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # greedy: each token is its step's most likely one, and its logprob is the model's
+    ids, refs = _greedy_alone([ByteTokenizer.BOS, *ByteTokenizer().encode("the tide")], 5)
+    assert lp.tokens == [ByteTokenizer().token_bytes(i).decode("utf-8", errors="replace") for i in ids]
+    assert lp.token_logprobs == pytest.approx([float(r[i]) for r, i in zip(refs, ids, strict=True)], abs=1e-3)
+    assert all(max(top.values()) == pytest.approx(v, abs=1e-6) for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    # streamed: the same tokens, their offsets continue across chunks
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True)]
+    assert sum((c.tokens for c in chunks if c), []) == lp.tokens
+    assert sum((c.text_offset for c in chunks if c), []) == lp.text_offset
+    assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+
+
+def test_chat_logprobs_with_top_alternatives(client):
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}
+    r = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert len(entry.bytes) <= 1  # the byte tokenizer: one byte a token (none for a special token)
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+
+
 def _token_sources(base_url) -> dict[str, float]:
     text = httpx.get(base_url + "/metrics", timeout=30).text
     return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
@@ -170,12 +222,19 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": [1, 99999], "max_tokens": 2}, 400, "99999"),
     ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n=3"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
 ])
 def test_bad_requests_get_openai_errors(base_url, body, status, needle):
     r = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-alpha"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+
+
+def test_top_logprobs_without_logprobs_is_refused(base_url):
+    r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
 
 
 def test_malformed_json_and_missing_key(base_url):

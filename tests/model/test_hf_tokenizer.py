@@ -38,6 +38,7 @@ def test_tokenizer_json_and_chat_template(ckpt):
     chat = tok.apply_chat_template([{"role": "user", "content": "hello world"}])
     assert chat[0] == tok.bos_id and chat[-1] == tok._tok.token_to_id("<|assistant|>")
     assert tok._tok.token_to_id("hello") in chat
+    assert tok.token_bytes(tok._tok.token_to_id("tide")) == b"tide" and tok.token_bytes(tok.eos_id) == b""
 
 
 def test_without_tokenizer_json_the_byte_tokenizer_is_used(tmp_path):

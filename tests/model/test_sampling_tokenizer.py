@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.sampling import SamplingParams, sample
+from model.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from model.tokenizer import ByteTokenizer
 
 
@@ -29,7 +29,7 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert {int(sample(logits, [p], [gen])[0]) for _ in range(300)} == {0, 1}
 
 
-@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}])
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"logprobs": -1}, {"logprobs": 21}])
 def test_bad_sampling_values_are_rejected(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
@@ -42,3 +42,25 @@ def test_byte_tokenizer_round_trip_and_chat_template():
     assert ids[0] == tok.BOS and ids[-1] == tok.ASSISTANT and tok.USER in ids
     with pytest.raises(ValueError, match="robot"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(temperature=0.5, logprobs=0)]
+    tokens = [int(logits[0].argmax()), 5, 7]  # row 2 "sampled" an unlikely token
+    out = token_logprobs(logits, tokens, params)
+    ref = logits.log_softmax(-1)
+    assert out[1] is None
+    assert out[0].token == tokens[0] and out[0].logprob == pytest.approx(float(ref[0, tokens[0]]))
+    assert [i for i, _ in out[0].top] == ref[0].topk(3).indices.tolist()
+    assert [v for _, v in out[0].top] == pytest.approx(ref[0].topk(3).values.tolist())
+    assert out[0].top[0][0] == tokens[0]  # greedy: the chosen token is the most likely
+    # the raw distribution, not the temperature-scaled one; no alternatives asked for
+    assert out[2] == TokenLogprob(7, pytest.approx(float(ref[2, 7])), ())
+    assert token_logprobs(logits, tokens, [SamplingParams()] * 3) == [None] * 3
+
+
+def test_byte_tokenizer_token_bytes():
+    tok = ByteTokenizer()
+    assert [tok.token_bytes(i) for i in tok.encode("é")] == [b"\xc3", b"\xa9"]
+    assert tok.token_bytes(tok.EOS) == b""
