@@ -13,6 +13,7 @@ a class decorated at import time carries its routes there. ``deploy/app.py`` app
 
 # No `from __future__ import annotations` here: FastAPI must see the route annotations as types.
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -83,6 +84,31 @@ def _continuable(e: BaseException) -> bool:
     # node went away); nothing was streamed from it, the request starts over
     gone = (RequestMigrated, RayActorError, ActorDiedError, ActorUnavailableError, ObjectLostError)
     return isinstance(e, gone) or isinstance(getattr(e, "cause", None), gone)
+
+
+async def _streamed(response) -> AsyncIterator[dict]:
+    """The outputs of a streaming replica call; the call is cancelled when its reader stops early
+    (the client went away, another choice failed), so the replica frees the request's KV."""
+    done = False
+    try:
+        async for item in response:
+            yield item
+        done = True
+    finally:
+        if not done:
+            response.cancel()
+
+
+def _own_request_id() -> None:
+    """Give this asyncio task's Serve request context an internal request id of its own. The
+    replica calls made while serving an HTTP request inherit its id, and Ray 2.60's request
+    routers index the calls waiting for a replica by that id: two waiting at once (the choices of
+    ``n`` > 1) collide, and one is never given a replica. (asyncio gives each task a copy of the
+    context, so this changes only the calling task's.)"""
+    from ray.serve import context
+
+    ctx = context._get_serve_request_context()
+    context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex))
 
 
 def _unavailable(e: BaseException) -> bool:
@@ -228,12 +254,14 @@ class OpenAIIngress:
                 "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k()}
 
     @staticmethod
-    def _usage(last: dict) -> dict:
-        hit = last["cached_tokens"]
+    def _usage(lasts: list[dict]) -> dict:
+        """Usage of a request from each choice's last output: the prompt counts once, and as cached
+        only the tokens every choice found in the cache."""
+        prompt, hit = lasts[0]["prompt_tokens"], min(last["cached_tokens"] for last in lasts)
+        completion = sum(last["completion_tokens"] for last in lasts)
         return {
-            "prompt_tokens": last["prompt_tokens"], "completion_tokens": last["completion_tokens"],
-            "total_tokens": last["prompt_tokens"] + last["completion_tokens"],
-            "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": last["prompt_tokens"] - hit,
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": prompt - hit,
             "prompt_tokens_details": {"cached_tokens": hit},
         }
 
@@ -244,11 +272,15 @@ class OpenAIIngress:
         KV, pulls it and streams every token. A request that ends at its first token never
         reaches the decode pool."""
         if self.decode is None:
-            async for item in self.server.options(stream=True).generate.remote(req):
+            async for item in _streamed(self.server.options(stream=True).generate.remote(req)):
                 yield item
             return
         prefill = self.server.options(stream=True).generate.remote({**req, "handoff": True})
-        last, kv = await read_prefill(await prefill._to_object_ref_gen())
+        try:
+            last, kv = await read_prefill(await prefill._to_object_ref_gen())
+        except BaseException:
+            prefill.cancel()
+            raise
         if last is None:
             return
         if kv is None:
@@ -256,7 +288,7 @@ class OpenAIIngress:
             return
         self.metrics.handoffs.inc()
         decode_req = {k: v for k, v in req.items() if k != "prefix"} | {"prefilled": {**last["handoff"], "kv": kv}}
-        async for item in self.decode.options(stream=True).generate.remote(decode_req):
+        async for item in _streamed(self.decode.options(stream=True).generate.remote(decode_req)):
             yield item
 
     async def _continued(self, engine_req: dict) -> AsyncIterator[dict]:
@@ -321,59 +353,98 @@ class OpenAIIngress:
             self.metrics.running.dec()
             self.metrics.requests.labels(status).inc()
 
+    async def _choices(self, engine_req: dict, n: int) -> AsyncIterator[tuple[int, dict]]:
+        """The outputs of ``n`` choices of one request, as ``(index, output)`` in the order they
+        come. Each choice is its own engine request (a seeded request's choice i samples with
+        seed + i); the first failure ends them all."""
+        if n == 1:
+            async for item in self._stream(engine_req):
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int) -> None:
+            _own_request_id()
+            req = engine_req if engine_req.get("seed") is None else {**engine_req, "seed": engine_req["seed"] + i}
+            try:
+                async for item in self._stream(req):
+                    await queue.put((i, item))
+                await queue.put((i, done))
+            except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        try:
+            left = n
+            while left:
+                i, item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def _respond(self, engine_req: dict, body, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
-
+        n = body.n
         want_logprobs = engine_req.get("logprobs") is not None
-        text_offset = 0  # completions' logprobs: where the next token's text starts
+        text_offset = [0] * n  # completions' logprobs: where each choice's next token's text starts
 
-        def choice(text: str, finish: str | None, delta: bool, logprobs: list[dict]) -> dict:
-            nonlocal text_offset
+        def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: list[dict]) -> dict:
             lp = None
             if want_logprobs and kind == "chat":
                 lp = chat_logprobs(logprobs, self.tokenizer.token_bytes)
             elif want_logprobs:
-                lp = completion_logprobs(logprobs, self._token_text, text_offset)
-                text_offset += sum(len(t) for t in lp["tokens"])
+                lp = completion_logprobs(logprobs, self._token_text, text_offset[i])
+                text_offset[i] += sum(len(t) for t in lp["tokens"])
             if kind == "chat":
                 key = "delta" if delta else "message"
                 msg = {"role": "assistant", "content": text} if not delta or text else {}
-                return {"index": 0, key: msg, "finish_reason": finish, "logprobs": lp}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
+                return {"index": i, key: msg, "finish_reason": finish, "logprobs": lp}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
 
         if not body.stream:
-            text, logprobs, last = [], [], None
+            texts: list[list[str]] = [[] for _ in range(n)]
+            logprobs: list[list[dict]] = [[] for _ in range(n)]
+            lasts: list[dict] = [{}] * n
             try:
-                async for item in self._stream(engine_req):
-                    text.append(item["text"])
-                    logprobs += item.get("logprobs") or []
-                    last = item
+                async for i, item in self._choices(engine_req, n):
+                    texts[i].append(item["text"])
+                    logprobs[i] += item.get("logprobs") or []
+                    lasts[i] = item
             except Exception as e:
                 if _unavailable(e):
                     raise _unavailable_error() from None
                 raise
+            choices = [choice(i, "".join(texts[i]), lasts[i]["finish_reason"], False, logprobs[i]) for i in range(n)]
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [choice("".join(text), last["finish_reason"], False, logprobs)],
-                                 "usage": self._usage(last)})
+                                 "choices": choices, "usage": self._usage(lasts)})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         async def sse() -> AsyncIterator[str]:
             # the status line is sent already: a failure mid-stream is an error event
+            lasts: list[dict] = [{}] * n
             try:
-                async for item in self._stream(engine_req):
+                async for i, item in self._choices(engine_req, n):
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [choice(item["text"], item["finish_reason"], True, item.get("logprobs") or [])]}
+                             "choices": [choice(i, item["text"], item["finish_reason"], True, item.get("logprobs") or [])]}
                     if include_usage:
                         chunk["usage"] = None
                     yield f"data: {json.dumps(chunk)}\n\n"
-                    if item["finished"] and include_usage:
-                        usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                                 "choices": [], "usage": self._usage(item)}
-                        yield f"data: {json.dumps(usage)}\n\n"
+                    lasts[i] = item
+                if include_usage:
+                    usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
+                             "choices": [], "usage": self._usage(lasts)}
+                    yield f"data: {json.dumps(usage)}\n\n"
             except Exception as e:
                 err = _unavailable_error() if _unavailable(e) else APIError(500, "the request failed", "server_error")
                 if err.status == 500:

@@ -54,7 +54,7 @@ class Limits(BaseModel):
     max_prompt_tokens: int = 32768
     max_tokens: int = 4096
     max_stop: int = 4
-    max_n: int = 1
+    max_n: int = 8  # choices per request (OpenAI's n)
 
 
 class StreamOptions(BaseModel):

@@ -17,8 +17,8 @@ class _DyingHandle:
     """``options(stream=True).generate.remote(req)`` streams ``tokens`` then loses its replica."""
 
     def __init__(self, tokens: int) -> None:
-        self.tokens, self.calls = tokens, 0
-        self.generate = SimpleNamespace(remote=self._generate)
+        self.tokens, self.calls, self.cancelled = tokens, 0, 0
+        self.generate = SimpleNamespace(remote=lambda req: _Response(self._generate(req), self))
 
     def options(self, **_):
         return self
@@ -30,6 +30,19 @@ class _DyingHandle:
         for t in range(self.tokens):
             yield {"token_ids": [t], "text": "x", "finished": False, "finish_reason": None, "cached_tokens": 0}
         raise ActorDiedError()
+
+
+class _Response:
+    """What a streaming handle call returns: its outputs, and ``cancel()``."""
+
+    def __init__(self, outputs, handle: _DyingHandle) -> None:
+        self.outputs, self.handle = outputs, handle
+
+    def __aiter__(self):
+        return self.outputs
+
+    def cancel(self) -> None:
+        self.handle.cancelled += 1
 
 
 def _ingress(handle):
@@ -49,7 +62,7 @@ def test_a_request_every_replica_drops_is_a_503_with_retry_after():
     from deploy.protocol import APIError
 
     handle = _DyingHandle(tokens=1)
-    body = SimpleNamespace(stream=False, stream_options=None)
+    body = SimpleNamespace(stream=False, stream_options=None, n=1)
     with pytest.raises(APIError) as e:
         asyncio.run(_ingress(handle)._respond(_req(), body, "completion"))
     assert e.value.status == 503 and e.value.retry_after_s == RETRY_AFTER_S
@@ -58,7 +71,7 @@ def test_a_request_every_replica_drops_is_a_503_with_retry_after():
 
 def test_mid_stream_the_503_is_an_error_event():
     handle = _DyingHandle(tokens=1)
-    body = SimpleNamespace(stream=True, stream_options=None)
+    body = SimpleNamespace(stream=True, stream_options=None, n=1)
 
     async def collect():
         resp = await _ingress(handle)._respond(_req(), body, "chat")
@@ -82,3 +95,48 @@ def test_a_lost_handoff_kv_is_continued_and_a_user_error_is_not():
     for cause in (ObjectLostError("ab" * 14, None, ""), OwnerDiedError("ab" * 14, None, "")):
         assert _continuable(cause) and _continuable(RayTaskError("generate", "tb", cause).as_instanceof_cause())
     assert not _continuable(RayTaskError("generate", "tb", ValueError("bad request")).as_instanceof_cause())
+
+
+class _OneChoiceFails:
+    """n = 2: the call with the request's seed fails at once (an error of the request, not
+    retried); the other streams slowly until cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[int] = []
+        self.generate = SimpleNamespace(remote=self._remote)
+
+    def options(self, **_):
+        return self
+
+    def _remote(self, req):
+        handle, seed = self, req["seed"]
+
+        async def outputs():
+            if seed == 0:
+                raise ValueError("bad request")
+            for t in range(10_000):
+                await asyncio.sleep(0.01)
+                yield {"token_ids": [t], "text": "x", "finished": False, "finish_reason": None, "cached_tokens": 0}
+
+        class Response:
+            def __aiter__(self):
+                return outputs()
+
+            def cancel(self):
+                handle.cancelled.append(seed)
+
+        return Response()
+
+
+def test_when_one_choice_fails_the_others_are_cancelled():
+    handle = _OneChoiceFails()
+    body = SimpleNamespace(stream=False, stream_options=None, n=2)
+
+    async def run():
+        with pytest.raises(ValueError, match="bad request"):
+            await _ingress(handle)._respond({**_req(), "seed": 0}, body, "completion")
+        for _ in range(10):  # the cancelled choice's task finishes
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert 1 in handle.cancelled  # the slow choice's replica call was cancelled, not left running

@@ -96,6 +96,30 @@ def test_completion_streaming(client):
     assert "".join(pieces) == full.choices[0].text
 
 
+def test_n_choices_are_the_requests_with_seeds_in_turn(client):
+    """``n`` choices of a seeded request: choice i is the same request alone with seed + i;
+    the prompt counts once in usage, the completions add up."""
+    kw = {"model": "tiny", "prompt": "the tide turns", "max_tokens": 6, "temperature": 1.0,
+          "extra_body": {"ignore_eos": True}}
+    r = client.completions.create(**kw, n=3, seed=40)
+    alone = [client.completions.create(**kw, seed=40 + i) for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone) == 18
+    # streamed chat: the chunks of both choices interleave, each adds up to its whole answer
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "two please"}], "max_tokens": 5,
+            "temperature": 1.0, "seed": 7, "n": 2, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**chat)
+    texts = {0: "", 1: ""}
+    chunks = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [10]
+
+
 def _greedy_alone(prompt_ids: list[int], n: int) -> tuple[list[int], list]:
     """The model computed alone: ``n`` greedy tokens and the log-softmax before each (one
     prefill per step)."""
@@ -221,7 +245,7 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}, 413, "context length"),
     ({"model": "tiny", "prompt": [1, 99999], "max_tokens": 2}, 400, "99999"),
     ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n=3"),
+    ({"model": "tiny", "prompt": "x", "n": 9}, 400, "n=9"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
 ])
 def test_bad_requests_get_openai_errors(base_url, body, status, needle):

@@ -105,3 +105,22 @@ def test_a_request_that_ends_at_its_first_token_never_reaches_the_decode_pool(ba
                                                                  "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
     assert _handoffs(url) == before
+
+
+def test_n_choices_each_go_through_a_handoff(base_url):
+    """``n`` = 3 sampled choices at once: each is handed off on its own (the routers keep the
+    three apart) and equals the request alone with its seed."""
+    url, _ = base_url
+    body = {"model": "tiny", "prompt": "three ways", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    before = _handoffs(url)
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={**body, "n": 3, "seed": 5})
+    assert r.status_code == 200, r.text
+    assert _handoffs(url) == before + 3
+    alone = [_text(url, {**body, "seed": 5 + i}) for i in range(3)]
+    assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == alone
+
+
+def _text(url: str, body: dict) -> str:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
