@@ -229,6 +229,7 @@ class OpenAIIngress:
         if not grant.allows(body.model):
             raise APIError(403, f"this API key has no access to model {body.model!r}", "permission_error",
                            param="model", code="model_not_allowed")
+        body.check_supported()
         if body.n > self.limits.max_n:
             raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", param="n")
         stops = body.stop_list()

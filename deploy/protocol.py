@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -75,6 +75,21 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # OpenAI parameters this server does not implement: accepted at their defaults (clients send
+    # them), refused otherwise (a 400 naming the parameter, never silently ignored)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    UNSUPPORTED: ClassVar[tuple[tuple[str, object], ...]] = (
+        ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", None))
+
+    def check_supported(self) -> None:
+        for name, default in self.UNSUPPORTED:
+            value = getattr(self, name)
+            if value not in (default, {}, []):
+                raise APIError(400, f"{name}={value!r} is not supported by this server", param=name,
+                               code="unsupported_parameter")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -107,6 +122,16 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("tools", None))
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported by this "
+                           "server (only text)", param="response_format", code="unsupported_parameter")
 
     def logprobs_k(self) -> int | None:
         """The engine's ``logprobs`` (None: off)."""
@@ -118,6 +143,17 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # chosen token's + this many alternatives
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("echo", False), ("suffix", None))
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of={self.best_of} is not supported by this server (only best_of = n)",
+                           param="best_of", code="unsupported_parameter")
 
     def logprobs_k(self) -> int | None:
         return self.logprobs

@@ -247,12 +247,29 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "tiny", "prompt": "x", "n": 9}, 400, "n=9"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
+    # accepted at their defaults, refused otherwise rather than silently ignored
+    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo=True is not supported"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 5}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
 ])
 def test_bad_requests_get_openai_errors(base_url, body, status, needle):
     r = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-alpha"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+
+
+def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accepted(base_url, client):
+    msgs = [{"role": "user", "content": "x"}]
+    for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                          ({"response_format": {"type": "json_object"}}, "json_object")):
+        r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
+                       json={"model": "tiny", "messages": msgs, **extra})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, presence_penalty=0,
+                                       frequency_penalty=0, response_format={"type": "text"})
+    assert r.usage.completion_tokens <= 2
 
 
 def test_top_logprobs_without_logprobs_is_refused(base_url):
