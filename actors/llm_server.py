@@ -280,7 +280,8 @@ class LLMServer:
         gen = GenerationRequest(
             rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
             SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
-                           int(req.get("top_k", 0)), req.get("seed"), req.get("logprobs")),
+                           int(req.get("top_k", 0)), req.get("seed"), req.get("logprobs"),
+                           float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0))),
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
             tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)),

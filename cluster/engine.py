@@ -211,7 +211,7 @@ class Engine:
             if not seq.input_persisted:
                 seq.input_persisted = True
                 self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-            tok = int(sample(logits[None], [seq.req.sampling], [seq.generator])[0])
+            tok = int(sample(logits[None], [seq.req.sampling], [seq.generator], [self._history(seq)])[0])
             self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
@@ -333,10 +333,18 @@ class Engine:
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
-        toks = sample(logits, params, [s.generator for s in batch]).tolist()
+        toks = sample(logits, params, [s.generator for s in batch], [self._history(s) for s in batch]).tolist()
         for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
             self._append(seq, tok, outputs, lp)
+
+    @staticmethod
+    def _history(seq: Sequence) -> list[int]:
+        """The tokens the request generated so far (the penalties count them): also those of a
+        replica that gave the request back (they end its prompt)."""
+        if not seq.req.sampling.penalized:
+            return []
+        return [*seq.req.continued_ids, *seq.output_ids]
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""

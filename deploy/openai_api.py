@@ -252,7 +252,8 @@ class OpenAIIngress:
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
         return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": body.temperature,
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
-                "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k()}
+                "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k(),
+                "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty}
 
     @staticmethod
     def _usage(lasts: list[dict]) -> dict:

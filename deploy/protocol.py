@@ -75,14 +75,13 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # OpenAI parameters this server does not implement: accepted at their defaults (clients send
     # them), refused otherwise (a 400 naming the parameter, never silently ignored)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
-    UNSUPPORTED: ClassVar[tuple[tuple[str, object], ...]] = (
-        ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", None))
+    UNSUPPORTED: ClassVar[tuple[tuple[str, object], ...]] = (("logit_bias", None),)
 
     def check_supported(self) -> None:
         for name, default in self.UNSUPPORTED:

@@ -41,7 +41,7 @@ def generate(
     logits = model.prefill(torch.tensor(prompt_ids), pool, table)[None]  # [1, V]
     out: list[int] = []
     while True:
-        tok = int(sample(logits, [params], [gen])[0])
+        tok = int(sample(logits, [params], [gen], [out])[0])
         out.append(tok)
         if tok == eos_id or len(out) == max_new_tokens:
             return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "sample", "token_logprobs"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "penalized", "sample", "token_logprobs"]
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
 
@@ -22,8 +22,15 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely
+    # OpenAI's penalties on the tokens generated so far: each token's logit drops by
+    # presence_penalty once it has appeared and by frequency_penalty per appearance
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -34,15 +41,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    outputs: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (any device) -> token ids [B] on the CPU. ``generators[b]`` (a CPU
-    generator) makes row b reproducible."""
+    generator) makes row b reproducible; ``outputs[b]``: the tokens row b generated so far (the
+    penalties count them)."""
+    if outputs is not None and any(p.penalized for p in params):
+        logits = penalized(logits, params, outputs)
     out = logits.argmax(dim=-1).cpu()  # [B]
     for b, p in enumerate(params):
         if p.greedy:
@@ -60,6 +75,17 @@ def sample(
         probs = row.softmax(-1)
         out[b] = torch.multinomial(probs, 1, generator=generators[b])[0]
     return out
+
+
+def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """``logits`` [B, V] with each row's presence and frequency penalties applied (a copy)."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for b, p in enumerate(params):
+        if p.penalized and outputs[b]:
+            counts = torch.bincount(torch.tensor(outputs[b], device=logits.device), minlength=vocab)[:vocab]
+            logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
 
 
 @dataclass(frozen=True, slots=True)

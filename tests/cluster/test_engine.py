@@ -142,6 +142,23 @@ def test_logprobs_of_batched_greedy_and_seeded_requests(model):
             assert all(lp.top[0][0] == lp.token for lp in lps)
 
 
+def test_penalized_requests_in_a_batch_equal_the_model_alone(model):
+    """Presence and frequency penalties count each request's own output, also across a
+    preemption (a small pool) and in a batch with unpenalized requests."""
+    eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
+    params = {"freq": SamplingParams(frequency_penalty=1.5), "pres": SamplingParams(presence_penalty=2.0),
+              "both": SamplingParams(0.8, seed=3, presence_penalty=-0.5, frequency_penalty=0.7),
+              "plain": SamplingParams()}
+    prompts = {rid: _prompt(40 + 9 * i, 30 + i) for i, rid in enumerate(params)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 24, params[rid]))
+    outs = eng.run_to_completion()
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == generate(model, list(p), 24, params[rid]), rid
+    assert _tokens(outs["freq"]) != _ref(model, prompts["freq"], 24)  # the penalty changed the answer
+    assert eng.stats["preemptions"] >= 1
+
+
 def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
     prompt = _prompt(260, 7)
     ref = _ref(model, prompt, 8)

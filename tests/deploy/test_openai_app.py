@@ -158,6 +158,23 @@ def test_completion_logprobs_are_the_models(client):
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
 
 
+def test_penalties_equal_the_model_alone(client):
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.generate import generate
+    from model.sampling import SamplingParams
+    from model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    model = load_model(default_checkpoint())
+    for kw in ({"frequency_penalty": 1.5}, {"presence_penalty": 2.0}):
+        r = client.completions.create(model="tiny", prompt="penalize me", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True}, **kw)
+        ids = generate(model, [tok.BOS, *tok.encode("penalize me")], 12, SamplingParams(**kw))
+        assert r.choices[0].text == tok.decode(ids), kw
+        assert ids != generate(model, [tok.BOS, *tok.encode("penalize me")], 12), kw  # the penalty mattered
+
+
 def test_chat_logprobs_with_top_alternatives(client):
     kw = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
           "extra_body": {"ignore_eos": True}}
@@ -249,7 +266,7 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
     # accepted at their defaults, refused otherwise rather than silently ignored
     ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo=True is not supported"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 5}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
 ])

@@ -29,7 +29,8 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert {int(sample(logits, [p], [gen])[0]) for _ in range(300)} == {0, 1}
 
 
-@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"logprobs": -1}, {"logprobs": 21}])
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"logprobs": -1}, {"logprobs": 21},
+                                {"presence_penalty": 2.5}, {"frequency_penalty": -3}])
 def test_bad_sampling_values_are_rejected(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
@@ -64,3 +65,16 @@ def test_byte_tokenizer_token_bytes():
     tok = ByteTokenizer()
     assert [tok.token_bytes(i) for i in tok.encode("é")] == [b"\xc3", b"\xa9"]
     assert tok.token_bytes(tok.EOS) == b""
+
+
+def test_presence_and_frequency_penalties_lower_the_tokens_already_generated():
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.0]])
+    assert sample(logits, [SamplingParams(presence_penalty=0.5)], [None], [[0]]).tolist() == [1]
+    assert sample(logits, [SamplingParams(presence_penalty=0.5)], [None], [[]]).tolist() == [0]
+    # frequency counts each appearance: token 0 twice (-1.0) falls below token 1 seen once (-0.5)
+    assert sample(logits, [SamplingParams(frequency_penalty=0.5)], [None], [[0, 0, 1]]).tolist() == [1]
+    assert sample(logits, [SamplingParams(frequency_penalty=0.5)], [None], [[0, 1, 1, 1]]).tolist() == [0]
+    # a negative penalty favours repeats; without penalties the history changes nothing
+    assert sample(logits, [SamplingParams(presence_penalty=-2.0)], [None], [[2]]).tolist() == [0]  # 1.0 + 2 ties 3.0: the first
+    assert sample(logits, [SamplingParams(presence_penalty=-2.0)], [None], [[1]]).tolist() == [1]
+    assert sample(logits, [SamplingParams()], [None], [[0, 0, 0]]).tolist() == [0]
