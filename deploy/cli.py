@@ -77,6 +77,10 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: int = typer.Option(None, "--seed"),
+    presence_penalty: float = typer.Option(
+        0.0, "--presence-penalty", help="lower a token's logit once it was generated ([-2, 2])"),
+    frequency_penalty: float = typer.Option(
+        0.0, "--frequency-penalty", help="lower a token's logit per time it was generated ([-2, 2])"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (the Triton kernels run on CUDA)"),
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
@@ -97,7 +101,8 @@ def generate(
     from model.tokenizer import load_tokenizer
 
     try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     ckpt = checkpoint or default_checkpoint()

@@ -30,6 +30,16 @@ def hf_ckpt(tmp_path_factory):
     return ckpt
 
 
+def test_penalized_generation_matches_the_model(hf_ckpt, tmp_path):
+    from model.sampling import SamplingParams
+
+    r = _tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "12",
+              "--presence-penalty", "2", "--frequency-penalty", "1", "--json", env_home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(presence_penalty=2.0, frequency_penalty=1.0)
+    assert json.loads(r.stdout)["token_ids"] == generate(load_model(hf_ckpt), [5, 6, 7, 8], 12, params)
+
+
 def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
     r = _tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "6",
               "--json", env_home=tmp_path)
@@ -59,6 +69,7 @@ def test_generate_default_model_with_text_prompt(tmp_path):
         (["--prompt", "a", "--dtype", "int3"], "int3"),
         (["--prompt", "a", "--checkpoint", "/nonexistent"], "/nonexistent"),
         (["--prompt", "a", "--device", "tpu"], "tpu"),
+        (["--prompt", "a", "--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2], got 3.0"),
     ],
 )
 def test_bad_arguments_name_the_bad_value(tmp_path, args, message):
