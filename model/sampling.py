@@ -91,7 +91,8 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """A chosen token's log-probability under the model (the raw distribution, before
-    temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most likely first."""
+    penalties, temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most
+    likely first."""
 
     token: int
     logprob: float

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.actors.tidal_streams import three_node_serve, under_a_stream
+from tests.actors.tidal_streams import three_node_app, under_a_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 31  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -20,17 +20,10 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def serving(checkpoint, tmp_path_factory):
-    from ray import serve
-
-    from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
-
-    with three_node_serve() as url:
-        home = tmp_path_factory.mktemp("tidal-pd")
-        args = {"checkpoint": str(checkpoint), "replicas": 2, "decode_replicas": 1, "replica_cpus": 1,
-                "num_pages": 256, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}
-        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-        wait_healthy(url, 300)
+    home = tmp_path_factory.mktemp("tidal-pd")
+    args = {"checkpoint": str(checkpoint), "replicas": 2, "decode_replicas": 1, "replica_cpus": 1,
+            "num_pages": 256, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}
+    with three_node_app(args) as url:
         _wait_reports(3)
         yield url, args
 

@@ -36,6 +36,20 @@ def three_node_serve() -> Iterator[str]:
         c.shutdown()
 
 
+@contextlib.contextmanager
+def three_node_app(args: dict) -> Iterator[str]:
+    """``three_node_serve`` with the app built from ``args`` deployed and healthy; yields its URL."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
+
+    with three_node_serve() as url:
+        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+        wait_healthy(url, 300)
+        yield url
+
+
 def under_a_stream(url: str, checkpoint, prompt: Callable[[int], list[int]], max_tokens: int,
                    action: Callable[[list], None]) -> None:
     """Two clients send greedy requests while ``action(answers)`` runs; then no request may have

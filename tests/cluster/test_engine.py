@@ -19,6 +19,7 @@ from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from tests.cachedir.units import flip_byte
+from tests.model.reference import logprobs_alone
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +113,6 @@ def test_without_prefix_sharing_a_repeat_reads_the_prompt_cache(model, tmp_path)
         eng.check_integrity()
 
 
-def _logprobs_alone(model, prompt, tokens) -> list[torch.Tensor]:
-    """The model's log-softmax before each output token, one prefill per step (the reference)."""
-    out = []
-    for i in range(len(tokens)):
-        ids = list(prompt) + tokens[:i]
-        pool = model.new_pool(-(-len(ids) // 16), 16)
-        out.append(model.prefill(torch.tensor(ids), pool, torch.arange(pool.num_pages)).log_softmax(-1))
-    return out
-
-
 def test_logprobs_of_batched_greedy_and_seeded_requests(model):
     eng = _engine(model, max_num_seqs=4)
     prompts = {"greedy": _prompt(70, 21), "seeded": _prompt(40, 22), "plain": _prompt(30, 23)}
@@ -135,7 +126,7 @@ def test_logprobs_of_batched_greedy_and_seeded_requests(model):
         toks = _tokens(outs[rid])
         lps = [lp for o in outs[rid] for lp in o.new_logprobs]
         assert [lp.token for lp in lps] == toks
-        for lp, ref in zip(lps, _logprobs_alone(model, prompts[rid], toks), strict=True):
+        for lp, ref in zip(lps, logprobs_alone(model, prompts[rid], toks), strict=True):
             assert lp.logprob == pytest.approx(float(ref[lp.token]), abs=1e-4)
             assert [i for i, _ in lp.top] == ref.topk(params[rid].logprobs).indices.tolist()
         if rid == "greedy":

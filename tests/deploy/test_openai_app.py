@@ -121,21 +121,15 @@ def test_n_choices_are_the_requests_with_seeds_in_turn(client):
 
 
 def _greedy_alone(prompt_ids: list[int], n: int) -> tuple[list[int], list]:
-    """The model computed alone: ``n`` greedy tokens and the log-softmax before each (one
-    prefill per step)."""
-    import torch
-
+    """The model computed alone: ``n`` greedy tokens and the log-softmax before each."""
     from model.checkpoint import load_model
     from model.default import default_checkpoint
     from model.generate import generate
+    from tests.model.reference import logprobs_alone
 
     model = load_model(default_checkpoint())
-    ids, refs = generate(model, prompt_ids, n, eos_id=None), []
-    for i in range(n):
-        ctx = prompt_ids + ids[:i]
-        pool = model.new_pool(-(-len(ctx) // 16), 16)
-        refs.append(model.prefill(torch.tensor(ctx), pool, torch.arange(pool.num_pages)).log_softmax(-1))
-    return ids, refs
+    ids = generate(model, prompt_ids, n, eos_id=None)
+    return ids, logprobs_alone(model, prompt_ids, ids)
 
 
 def test_completion_logprobs_are_the_models(client):

@@ -1,0 +1,16 @@
+"""Reference computations the serving tests compare against: the model alone, one sequence."""
+
+from __future__ import annotations
+
+import torch
+
+
+def logprobs_alone(model, prompt, tokens: list[int]) -> list[torch.Tensor]:
+    """The model's log-softmax [V] before each of ``tokens`` after ``prompt``, one fresh prefill
+    per step (no decode path, no shared pool)."""
+    out = []
+    for i in range(len(tokens)):
+        ids = list(prompt) + tokens[:i]
+        pool = model.new_pool(-(-len(ids) // 16), 16)
+        out.append(model.prefill(torch.tensor(ids), pool, torch.arange(pool.num_pages)).log_softmax(-1))
+    return out
