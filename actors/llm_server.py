@@ -271,7 +271,8 @@ class LLMServer:
     # -- the deployment's methods --------------------------------------------------------
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``tenant``.
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ``presence_penalty``,
+        ``frequency_penalty``, ``logit_bias`` ([token id, bias] pairs), ``stop``, ``ignore_eos``, ``tenant``.
         P/D: ``handoff`` (prefill only; the last output carries ``handoff`` and is followed by
         the prompt's KV tensor) or ``prefilled`` (such a ``handoff`` dict with ``kv``, the KV
         item's reference: decode only); see ``actors/pd_handoff.py``."""
@@ -281,7 +282,8 @@ class LLMServer:
             rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
             SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
                            int(req.get("top_k", 0)), req.get("seed"), req.get("logprobs"),
-                           float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0))),
+                           float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0)),
+                           tuple((int(t), float(b)) for t, b in req.get("logit_bias") or ())),
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
             tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)),

@@ -65,6 +65,19 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _parse_bias(values: list[str]) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for v in values:
+        token, sep, bias = v.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise typer.BadParameter(f"--logit-bias must be TOKEN_ID=BIAS, got {v!r}") from None
+        if not sep:
+            raise typer.BadParameter(f"--logit-bias must be TOKEN_ID=BIAS, got {v!r}")
+    return tuple(pairs)
+
+
 @app.command()
 def generate(
     checkpoint: Path = typer.Option(
@@ -81,6 +94,8 @@ def generate(
         0.0, "--presence-penalty", help="lower a token's logit once it was generated ([-2, 2])"),
     frequency_penalty: float = typer.Option(
         0.0, "--frequency-penalty", help="lower a token's logit per time it was generated ([-2, 2])"),
+    logit_bias: list[str] = typer.Option(
+        None, "--logit-bias", help="TOKEN_ID=BIAS: add BIAS ([-100, 100]) to that token's logit; repeatable"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (the Triton kernels run on CUDA)"),
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
@@ -91,6 +106,7 @@ def generate(
     check_dtype(dtype)
     check_device(device)
     check_checkpoint(checkpoint)
+    bias = _parse_bias(logit_bias or [])
 
     from cachedir.hashing import Namespace  # torch and the model: only once the arguments are good
     from cluster.engine import Engine, EngineConfig
@@ -102,7 +118,8 @@ def generate(
 
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=bias)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     ckpt = checkpoint or default_checkpoint()
@@ -119,6 +136,9 @@ def generate(
         bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
         if bad:
             raise typer.BadParameter(f"token id {bad[0]} is outside the vocabulary [0, {model.cfg.vocab_size})")
+    bad = [t for t, _ in bias if t >= model.cfg.vocab_size]
+    if bad:
+        raise typer.BadParameter(f"--logit-bias token id {bad[0]} is outside the vocabulary [0, {model.cfg.vocab_size})")
     pages = -(-(len(ids) + max_tokens + 1) // 16)
     ns = Namespace(model.cfg.fingerprint(), "cli", dtype, "latent", 64)
     engine = Engine(model, EngineConfig(num_pages=pages), ns, tok.decode, model.cfg.eos_token_id)

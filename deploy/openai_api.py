@@ -253,7 +253,8 @@ class OpenAIIngress:
         return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": body.temperature,
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
                 "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k(),
-                "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty}
+                "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+                "logit_bias": body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias)}
 
     @staticmethod
     def _usage(lasts: list[dict]) -> dict:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from model.sampling import MAX_LOGPROBS
+from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
            "completion_logprobs", "error_body"]
@@ -55,6 +55,7 @@ class Limits(BaseModel):
     max_tokens: int = 4096
     max_stop: int = 4
     max_n: int = 8  # choices per request (OpenAI's n)
+    max_logit_bias: int = 1024  # tokens one request may bias
 
 
 class StreamOptions(BaseModel):
@@ -77,11 +78,11 @@ class _Sampling(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+
     # OpenAI parameters this server does not implement: accepted at their defaults (clients send
     # them), refused otherwise (a 400 naming the parameter, never silently ignored)
-    logit_bias: dict[str, float] | None = None
-
-    UNSUPPORTED: ClassVar[tuple[tuple[str, object], ...]] = (("logit_bias", None),)
+    UNSUPPORTED: ClassVar[tuple[tuple[str, object], ...]] = ()
 
     def check_supported(self) -> None:
         for name, default in self.UNSUPPORTED:
@@ -97,6 +98,26 @@ class _Sampling(BaseModel):
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         return stops
+
+    def logit_bias_pairs(self, vocab_size: int, limit: int) -> list[tuple[int, float]]:
+        """``logit_bias`` as (token id, bias) pairs, each id in the vocabulary and each bias in
+        [-100, 100] (a 400 naming the bad entry otherwise)."""
+        if not self.logit_bias:
+            return []
+        if len(self.logit_bias) > limit:
+            raise APIError(400, f"logit_bias has {len(self.logit_bias)} entries; the limit is {limit}",
+                           param="logit_bias")
+        pairs = []
+        for key, bias in self.logit_bias.items():
+            token = int(key) if key.isascii() and key.strip().isdigit() else -1
+            if not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                               param="logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise APIError(400, f"logit_bias of token {key} is {bias}; it must be in [-100, 100]",
+                               param="logit_bias")
+            pairs.append((token, float(bias)))
+        return pairs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "penalized", "sample", "token_logprobs"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "biased", "penalized", "sample", "token_logprobs"]
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +27,16 @@ class SamplingParams:
     # presence_penalty once it has appeared and by frequency_penalty per appearance
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits at every step
+    # (+100 all but forces a token, -100 all but bans it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -55,7 +64,9 @@ def sample(
 ) -> torch.Tensor:
     """logits [B, V] fp32 (any device) -> token ids [B] on the CPU. ``generators[b]`` (a CPU
     generator) makes row b reproducible; ``outputs[b]``: the tokens row b generated so far (the
-    penalties count them)."""
+    penalties count them). Each row's ``logit_bias`` is added first."""
+    if any(p.logit_bias for p in params):
+        logits = biased(logits, params)
     if outputs is not None and any(p.penalized for p in params):
         logits = penalized(logits, params, outputs)
     out = logits.argmax(dim=-1).cpu()  # [B]
@@ -77,6 +88,20 @@ def sample(
     return out
 
 
+def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [B, V] with each row's ``logit_bias`` added (a copy); ids past V are ignored
+    (the ingress refuses them)."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for b, p in enumerate(params):
+        pairs = [(t, v) for t, v in p.logit_bias if t < vocab]
+        if pairs:
+            ids, values = zip(*pairs, strict=True)
+            logits[b].index_add_(0, torch.tensor(ids, device=logits.device),
+                                 torch.tensor(values, dtype=logits.dtype, device=logits.device))
+    return logits
+
+
 def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
     """``logits`` [B, V] with each row's presence and frequency penalties applied (a copy)."""
     logits = logits.clone()
@@ -91,7 +116,7 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """A chosen token's log-probability under the model (the raw distribution, before
-    penalties, temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most
+    logit bias, penalties, temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most
     likely first."""
 
     token: int

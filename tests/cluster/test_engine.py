@@ -150,6 +150,24 @@ def test_penalized_requests_in_a_batch_equal_the_model_alone(model):
     assert eng.stats["preemptions"] >= 1
 
 
+def test_logit_biased_requests_in_a_batch_equal_the_model_alone(model):
+    """Each request's logit_bias applies to its own rows only, at every step, also after a
+    preemption; a banned greedy choice changes the answer."""
+    eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
+    prompts = {rid: _prompt(40 + 9 * i, 50 + i) for i, rid in enumerate(("ban", "force", "sampled", "plain"))}
+    first = _ref(model, prompts["ban"], 1)[0]
+    params = {"ban": SamplingParams(logit_bias=((first, -100.0),)), "force": SamplingParams(logit_bias=((7, 100.0),)),
+              "sampled": SamplingParams(0.9, seed=5, logit_bias=((first, 3.0), (9, -2.0))), "plain": SamplingParams()}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 16, params[rid]))
+    outs = eng.run_to_completion()
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == generate(model, list(p), 16, params[rid]), rid
+    assert first not in _tokens(outs["ban"]) and _tokens(outs["force"]) == [7] * 16
+    assert _tokens(outs["plain"]) == _ref(model, prompts["plain"], 16)
+    assert eng.stats["preemptions"] >= 1
+
+
 def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
     prompt = _prompt(260, 7)
     ref = _ref(model, prompt, 8)

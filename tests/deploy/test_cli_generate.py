@@ -30,14 +30,19 @@ def hf_ckpt(tmp_path_factory):
     return ckpt
 
 
-def test_penalized_generation_matches_the_model(hf_ckpt, tmp_path):
+def test_penalized_and_biased_generation_matches_the_model(hf_ckpt, tmp_path):
     from model.sampling import SamplingParams
 
+    model = load_model(hf_ckpt)
+    penalized = generate(model, [5, 6, 7, 8], 12, SamplingParams(presence_penalty=2.0, frequency_penalty=1.0))
+    banned = penalized[0]  # the bias must change the answer
     r = _tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "12",
-              "--presence-penalty", "2", "--frequency-penalty", "1", "--json", env_home=tmp_path)
+              "--presence-penalty", "2", "--frequency-penalty", "1", "--logit-bias", f"{banned}=-100",
+              "--logit-bias", "3=1.5", "--json", env_home=tmp_path)
     assert r.returncode == 0, r.stderr
-    params = SamplingParams(presence_penalty=2.0, frequency_penalty=1.0)
-    assert json.loads(r.stdout)["token_ids"] == generate(load_model(hf_ckpt), [5, 6, 7, 8], 12, params)
+    params = SamplingParams(presence_penalty=2.0, frequency_penalty=1.0, logit_bias=((banned, -100.0), (3, 1.5)))
+    ids = generate(model, [5, 6, 7, 8], 12, params)
+    assert json.loads(r.stdout)["token_ids"] == ids and banned not in ids
 
 
 def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
@@ -70,6 +75,8 @@ def test_generate_default_model_with_text_prompt(tmp_path):
         (["--prompt", "a", "--checkpoint", "/nonexistent"], "/nonexistent"),
         (["--prompt", "a", "--device", "tpu"], "tpu"),
         (["--prompt", "a", "--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2], got 3.0"),
+        (["--prompt", "a", "--logit-bias", "5"], "--logit-bias must be TOKEN_ID=BIAS, got '5'"),
+        (["--prompt", "a", "--logit-bias", "5=300"], "logit_bias of token 5 must be in [-100, 100], got 300.0"),
     ],
 )
 def test_bad_arguments_name_the_bad_value(tmp_path, args, message):

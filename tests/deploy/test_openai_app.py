@@ -152,7 +152,8 @@ def test_completion_logprobs_are_the_models(client):
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
 
 
-def test_penalties_equal_the_model_alone(client):
+def _alone(text: str, n: int, **params) -> list[int]:
+    """The default model's ``n`` tokens after the completion prompt ``text``, computed alone."""
     from model.checkpoint import load_model
     from model.default import default_checkpoint
     from model.generate import generate
@@ -160,13 +161,30 @@ def test_penalties_equal_the_model_alone(client):
     from model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    model = load_model(default_checkpoint())
+    return generate(load_model(default_checkpoint()), [tok.BOS, *tok.encode(text)], n, SamplingParams(**params))
+
+
+def test_penalties_equal_the_model_alone(client):
+    from model.tokenizer import ByteTokenizer
+
     for kw in ({"frequency_penalty": 1.5}, {"presence_penalty": 2.0}):
         r = client.completions.create(model="tiny", prompt="penalize me", max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True}, **kw)
-        ids = generate(model, [tok.BOS, *tok.encode("penalize me")], 12, SamplingParams(**kw))
-        assert r.choices[0].text == tok.decode(ids), kw
-        assert ids != generate(model, [tok.BOS, *tok.encode("penalize me")], 12), kw  # the penalty mattered
+        ids = _alone("penalize me", 12, **kw)
+        assert r.choices[0].text == ByteTokenizer().decode(ids), kw
+        assert ids != _alone("penalize me", 12), kw  # the penalty mattered
+
+
+def test_logit_bias_equals_the_model_alone(client):
+    from model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    plain = _alone("bias me", 8)
+    for bias in ({str(plain[0]): -100}, {str(tok.encode("z")[0]): 100, str(plain[1]): -5}):
+        r = client.completions.create(model="tiny", prompt="bias me", max_tokens=8, temperature=0,
+                                      logit_bias=bias, extra_body={"ignore_eos": True})
+        ids = _alone("bias me", 8, logit_bias=tuple((int(t), float(b)) for t, b in bias.items()))
+        assert r.choices[0].text == tok.decode(ids) and ids != plain, bias
 
 
 def test_chat_logprobs_with_top_alternatives(client):
@@ -261,7 +279,9 @@ def test_api_keys_never_reach_the_logs(base_url):
     # accepted at their defaults, refused otherwise rather than silently ignored
     ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo=True is not supported"),
     ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 5}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"seven": 5}}, 400, "logit_bias key 'seven'"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias key '99999'"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 101}}, 400, "must be in [-100, 100]"),
     ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
 ])
 def test_bad_requests_get_openai_errors(base_url, body, status, needle):

@@ -78,3 +78,25 @@ def test_presence_and_frequency_penalties_lower_the_tokens_already_generated():
     assert sample(logits, [SamplingParams(presence_penalty=-2.0)], [None], [[2]]).tolist() == [0]  # 1.0 + 2 ties 3.0: the first
     assert sample(logits, [SamplingParams(presence_penalty=-2.0)], [None], [[1]]).tolist() == [1]
     assert sample(logits, [SamplingParams()], [None], [[0, 0, 0]]).tolist() == [0]
+
+
+def test_logit_bias_moves_tokens_up_and_down():
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    up, ban = SamplingParams(logit_bias=((2, 2.5),)), SamplingParams(logit_bias=((3, -100.0),))
+    assert sample(logits, [up, ban], [None, None]).tolist() == [2, 2]
+    assert sample(logits, [SamplingParams(), up], [None, None]).tolist() == [0, 2]  # per row
+    assert logits[0, 2] == 1.0  # the caller's logits are not changed
+    # a banned token is never drawn when sampling either
+    gen = torch.Generator().manual_seed(0)
+    hot = SamplingParams(temperature=2.0, logit_bias=((0, -100.0), (1, -100.0)))
+    assert {int(sample(logits[:1], [hot], [gen])[0]) for _ in range(200)} == {2, 3}
+    # bias and penalties add up: +0.05 on token 1 (2.95) beats token 0 only once 0 was seen (2.5)
+    both = SamplingParams(presence_penalty=0.5, logit_bias=((1, 0.05),))
+    assert sample(logits[:1], [both], [None], [[]]).tolist() == [0]
+    assert sample(logits[:1], [both], [None], [[0]]).tolist() == [1]
+
+
+@pytest.mark.parametrize("bias", [((-1, 1.0),), ((3, 100.5),), ((3, float("nan")),)])
+def test_bad_logit_bias_is_rejected(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
