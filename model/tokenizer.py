@@ -8,10 +8,12 @@ larger simply never produce the unused ids.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "load_tokenizer"]
 
 
 class Tokenizer(Protocol):
@@ -76,7 +78,10 @@ class HFTokenizer:
         self.eos_token = _token_str(tcfg.get("eos_token"))
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.chat_template = tcfg.get("chat_template")
+        self.chat_template = _default_template(tcfg.get("chat_template"))
+        # the template sees every named special token (bos_token, eos_token, pad_token, ...)
+        self._special_tokens = {k: t for k, v in tcfg.items() if k.endswith("_token") and (t := _token_str(v))}
+        self._template = None  # compiled on first use
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -91,15 +96,53 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; use /v1/completions")
-        import jinja2
-
-        env = jinja2.Environment(loader=jinja2.BaseLoader(), autoescape=False)
-        env.globals["raise_exception"] = _raise
-        text = env.from_string(self.chat_template).render(
-            messages=messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-            add_generation_prompt=True,
-        )
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template)
+        text = self._template(messages=messages, add_generation_prompt=True,
+                              **{"bos_token": "", "eos_token": "", **self._special_tokens})
         return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def compile_chat_template(source: str) -> Callable[..., str]:
+    """A checkpoint's chat template as a function of its variables, rendered as Hugging Face
+    ``transformers`` renders it (so a prompt's ids are the ones the model was trained on): block
+    tags eat the newline after them and the whitespace before them (``trim_blocks``,
+    ``lstrip_blocks``), ``break``/``continue`` work, ``tojson`` keeps non-ASCII text, and
+    ``raise_exception``/``strftime_now`` exist. The
+    template is untrusted input (it comes with the weights), so it runs in Jinja's immutable
+    sandbox. A template error is a ``ValueError``."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        template = env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the checkpoint's chat_template does not compile: {e}") from None
+
+    def render(**context) -> str:
+        try:
+            return template.render(**context)
+        except jinja2.TemplateError as e:  # raise_exception, or a template that fails on these messages
+            raise ValueError(str(e)) from None
+
+    return render
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _default_template(value: object) -> str | None:
+    """``chat_template`` is a string, or a list of named templates of which "default" is used."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value if isinstance(value, str) else None
 
 
 def _token_str(tok: object) -> str | None:
@@ -109,7 +152,9 @@ def _token_str(tok: object) -> str | None:
 
 
 def _raise(msg: str) -> None:
-    raise ValueError(msg)
+    import jinja2
+
+    raise jinja2.TemplateError(msg)
 
 
 def load_tokenizer(ckpt_dir: str | Path | None) -> Tokenizer:
