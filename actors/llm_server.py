@@ -139,7 +139,7 @@ class LLMServer:
                          admission=cfg.get("admission", "all"),
                          prefix_sharing=enable_cache and bool(cfg.get("prefix_sharing", True)),
                          micro_batches=int(cfg.get("micro_batches", 1))),
-            namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
+            namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache, token_bytes=self.tokenizer.token_bytes,
         )
         # One usage log per replica process (``tide stats`` reads them all).
         self.usage = JsonlLog(Path(cfg["usage_dir"]) / f"{self.node_id}.jsonl") if cfg.get("usage_dir") else None
@@ -272,7 +272,8 @@ class LLMServer:
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ``presence_penalty``,
-        ``frequency_penalty``, ``logit_bias`` ([token id, bias] pairs), ``stop``, ``ignore_eos``, ``tenant``.
+        ``frequency_penalty``, ``logit_bias`` ([token id, bias] pairs), ``stop``, ``ignore_eos``, ``tenant``,
+        ``response_format`` ("json_object": JSON mode).
         P/D: ``handoff`` (prefill only; the last output carries ``handoff`` and is followed by
         the prompt's KV tensor) or ``prefilled`` (such a ``handoff`` dict with ``kv``, the KV
         item's reference: decode only); see ``actors/pd_handoff.py``."""
@@ -286,7 +287,7 @@ class LLMServer:
                            tuple((int(t), float(b)) for t, b in req.get("logit_bias") or ())),
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
-            tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)),
+            tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)), req.get("response_format"),
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)

@@ -36,6 +36,7 @@ from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestO
 from model.kv_cache import slots_for
 from model.model import DeepseekModel
 from model.sampling import TokenLogprob, sample, token_logprobs
+from model.structured import JSON_START, JsonMasks, json_done
 
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
@@ -83,13 +84,17 @@ class Engine:
         detokenize: Callable[[list[int]], str],
         eos_id: int | None,
         cache: PromptCache | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
+        """``token_bytes(id)``: a token's bytes (the tokenizer's), needed for JSON mode."""
         self.model = model
         self.cfg = cfg
         self.namespace = namespace
         self.detokenize = detokenize
         self.eos_id = eos_id
         self.cache = cache
+        self.token_bytes = token_bytes
+        self._json_masks: JsonMasks | None = None  # built on the first JSON-mode request
         self.admission = make_admission(cfg.admission)
         self.pool = model.new_pool(cfg.num_pages, cfg.page_size)
         self.pages = PageAllocator(cfg.num_pages)
@@ -122,6 +127,8 @@ class Engine:
         seq = Sequence(req, keys, emitted_text_len=req.continued_chars)
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
+        if req.response_format == "json_object":
+            seq.json_state = self._json_start(req)
         if req.prefilled is not None:
             self._check_prefilled(req)
             if seq.generator is not None and req.prefilled.generator_state is not None:
@@ -139,6 +146,26 @@ class Engine:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._by_id[req.request_id] = seq
             self.waiting.append(seq)
+
+    def _json_start(self, req: GenerationRequest) -> object:
+        """JSON mode's state after the tokens another replica already generated."""
+        if self.token_bytes is None:
+            raise ValueError("JSON mode needs the tokenizer's token bytes (Engine(token_bytes=...))")
+        if self._json_masks is None:
+            self._json_masks = JsonMasks(self.token_bytes, self.model.cfg.vocab_size)
+        state = JSON_START
+        for tok in req.continued_ids:
+            state = self._json_masks.advance(state, tok)
+        if state is None or json_done(state):
+            raise ValueError("the continued tokens are not the start of an open JSON object")
+        return state
+
+    def _constrained(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
+        """``logits`` [B, V] with JSON mode's disallowed tokens at -inf in its rows."""
+        rows = [b for b, seq in enumerate(batch) if seq.json_state is not None]
+        if not rows:
+            return logits
+        return self._json_masks.apply(logits, rows, [batch[b].json_state for b in rows], fallback=self.eos_id)
 
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
@@ -211,7 +238,8 @@ class Engine:
             if not seq.input_persisted:
                 seq.input_persisted = True
                 self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-            tok = int(sample(logits[None], [seq.req.sampling], [seq.generator], [self._history(seq)])[0])
+            allowed = self._constrained(logits[None], [seq])
+            tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [self._history(seq)])[0])
             self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
@@ -277,6 +305,8 @@ class Engine:
         seq.num_computed = n
         seq.output_ids.append(pre.first_token)
         seq.output_logprobs.append(pre.first_logprob)
+        if seq.json_state is not None:
+            seq.json_state = self._json_masks.advance(seq.json_state, pre.first_token)
         seq.sources = dataclasses.replace(pre.sources)
         seq.input_persisted = True  # the prefill replica persisted the prompt
         seq.first_token_s = time.monotonic()
@@ -333,7 +363,8 @@ class Engine:
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
-        toks = sample(logits, params, [s.generator for s in batch], [self._history(s) for s in batch]).tolist()
+        allowed = self._constrained(logits, batch)
+        toks = sample(allowed, params, [s.generator for s in batch], [self._history(s) for s in batch]).tolist()
         for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
             self._append(seq, tok, outputs, lp)
@@ -361,14 +392,17 @@ class Engine:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(tok)
         seq.output_logprobs.append(lp)
+        if seq.json_state is not None:
+            seq.json_state = self._json_masks.advance(seq.json_state, tok)
+        eos = tok == self.eos_id and not seq.req.ignore_eos
         reason = None
-        if tok == self.eos_id and not seq.req.ignore_eos:
+        if eos or json_done(seq.json_state):  # JSON mode: the object is complete
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.req.max_tokens:
             reason = FinishReason.LENGTH
         if reason is None and seq.req.handoff:
             reason = FinishReason.HANDOFF
-        visible = seq.output_ids[:-1] if reason == FinishReason.STOP else seq.output_ids
+        visible = seq.output_ids[:-1] if eos else seq.output_ids  # the EOS token has no text
         seq.text = self.detokenize([*seq.req.continued_ids, *visible])
         for stop in seq.req.stop:
             at = seq.text.find(stop)

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 
 from model.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["FinishReason", "GenerationRequest", "Prefilled", "RequestMigrated", "RequestOutput", "Sequence", "TokenSources"]
+__all__ = ["RESPONSE_FORMATS", "FinishReason", "GenerationRequest", "Prefilled", "RequestMigrated", "RequestOutput", "Sequence", "TokenSources"]
+
+
+RESPONSE_FORMATS = (None, "json_object")
 
 
 class RequestMigrated(RuntimeError):
@@ -40,8 +43,13 @@ class GenerationRequest:
     # Detokenization goes on from them, so a character split across the move comes out whole.
     continued_ids: tuple[int, ...] = ()
     continued_chars: int = 0
+    # "json_object": every step keeps the output a prefix of one JSON object, and the request
+    # ends when it closes (``model.structured``)
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.response_format not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format must be one of {RESPONSE_FORMATS}, got {self.response_format!r}")
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
         if self.handoff and self.prefilled is not None:
@@ -112,6 +120,7 @@ class Sequence:
     finished: FinishReason | None = None
     input_persisted: bool = False
     generator: object = None  # torch.Generator for seeded sampling
+    json_state: object = None  # JSON mode: the grammar's state after the output so far
 
     @property
     def all_ids(self) -> list[int]:

@@ -254,7 +254,8 @@ class OpenAIIngress:
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
                 "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k(),
                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-                "logit_bias": body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias)}
+                "logit_bias": body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias),
+                "response_format": body.json_mode()}
 
     @staticmethod
     def _usage(lasts: list[dict]) -> dict:

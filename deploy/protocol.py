@@ -79,6 +79,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object"}
 
     # OpenAI parameters this server does not implement: accepted at their defaults (clients send
     # them), refused otherwise (a 400 naming the parameter, never silently ignored)
@@ -98,6 +99,16 @@ class _Sampling(BaseModel):
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         return stops
+
+    def json_mode(self) -> str | None:
+        """The engine's ``response_format``: "json_object" (JSON mode) or None (text)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return "json_object"
+        raise APIError(400, f"response_format {kind!r} is not supported by this server (text or json_object)",
+                       param="response_format", code="unsupported_parameter")
 
     def logit_bias_pairs(self, vocab_size: int, limit: int) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs, each id in the vocabulary and each bias in
@@ -143,15 +154,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("tools", None))
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported by this "
-                           "server (only text)", param="response_format", code="unsupported_parameter")
 
     def logprobs_k(self) -> int | None:
         """The engine's ``logprobs`` (None: off)."""

@@ -66,6 +66,8 @@ def _wait(cond, timeout_s: float, what: str, every_s: float = 0.25):
             return got
         time.sleep(every_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
 def _running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
     from ray import serve
 
@@ -84,6 +86,8 @@ def _deployments(app_args: dict[str, Any]) -> list[str]:
 def _deployment_of(actor_name: str) -> str:
     """A Serve replica actor's deployment (its name is ``SERVE_REPLICA::app#deployment#id``)."""
     return "LLMDecode" if "#LLMDecode#" in actor_name else "LLMServer"
+
+
 def _unique_units(app_args: dict[str, Any], nodes: list[str]) -> dict[str, int]:
     """Units held by each node and no other (a maintenance read of the directory)."""
     if not app_args.get("directory_url"):
@@ -104,6 +108,8 @@ def _unique_units(app_args: dict[str, Any], nodes: list[str]) -> dict[str, int]:
         others = set().union(*(k for m, k in keys.items() if m != n)) if len(keys) > 1 else set()
         out[n] = len(keys.get(n, set()) - others)
     return out
+
+
 def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int | dict[str, int]) -> None:
     """Redeploy with ``replicas`` (a count of LLMServer, or per deployment)."""
     from ray import serve
@@ -115,6 +121,8 @@ def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int | di
     if "LLMDecode" in counts:
         args["decode_replicas"] = counts["LLMDecode"]
     serve.run(build_app(args), name=app_name, route_prefix=route_prefix, blocking=False)
+
+
 def lend_nodes(
     app_args: dict[str, Any], n: int, app_name: str = "tideserve", route_prefix: str = "/",
     deadline_s: float = 60.0, train: dict[str, Any] | None = None, timeout_s: float = 300.0,

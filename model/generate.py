@@ -10,6 +10,7 @@ import torch
 
 from model.model import DeepseekModel
 from model.sampling import SamplingParams, sample
+from model.structured import JSON_START, JsonMasks, json_done
 
 __all__ = ["generate"]
 
@@ -21,8 +22,11 @@ def generate(
     params: SamplingParams | None = None,
     eos_id: int | None = None,
     page_size: int = 16,
+    json_masks: JsonMasks | None = None,
 ) -> list[int]:
-    """Generated token ids (the EOS id included when it ends the output); greedy by default."""
+    """Generated token ids (the EOS id included when it ends the output); greedy by default.
+    ``json_masks``: JSON mode (each token keeps the output a prefix of one JSON object; the
+    output ends when the object closes)."""
     params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("prompt is empty")
@@ -40,10 +44,15 @@ def generate(
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     logits = model.prefill(torch.tensor(prompt_ids), pool, table)[None]  # [1, V]
     out: list[int] = []
+    state = JSON_START
     while True:
+        if json_masks is not None:
+            logits = json_masks.apply(logits, [0], [state], fallback=eos_id)
         tok = int(sample(logits, [params], [gen], [out])[0])
         out.append(tok)
-        if tok == eos_id or len(out) == max_new_tokens:
+        if json_masks is not None:
+            state = json_masks.advance(state, tok)
+        if tok == eos_id or len(out) == max_new_tokens or json_done(state):
             return out
         pos = len(prompt_ids) + len(out) - 1
         logits = model.decode(torch.tensor([tok]), pool, table[None], torch.tensor([pos]))

@@ -3,6 +3,7 @@ to a single sequence computed alone."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -34,7 +35,8 @@ def _ns(model):
 
 def _engine(model, cache=None, **kw):
     tok = ByteTokenizer()
-    return Engine(model, EngineConfig(**{"num_pages": 256, **kw}), _ns(model), tok.decode, None, cache)
+    return Engine(model, EngineConfig(**{"num_pages": 256, **kw}), _ns(model), tok.decode, None, cache,
+                  token_bytes=tok.token_bytes)
 
 
 def _cache(tmp_path, ram=64 << 20):
@@ -166,6 +168,52 @@ def test_logit_biased_requests_in_a_batch_equal_the_model_alone(model):
     assert first not in _tokens(outs["ban"]) and _tokens(outs["force"]) == [7] * 16
     assert _tokens(outs["plain"]) == _ref(model, prompts["plain"], 16)
     assert eng.stats["preemptions"] >= 1
+
+
+def _closing(bias: float) -> tuple[tuple[int, float], ...]:
+    """Tilts the random model towards closing what it opens, so JSON objects end within 48 tokens."""
+    return tuple((ord(c), bias) for c in '"}],1')
+
+
+def test_json_mode_requests_in_a_batch_are_json_and_equal_the_model_alone(model):
+    """Every JSON-mode output is one JSON object that ends the request (also after a
+    preemption and when sampled), equal to the model alone under the same masks; the request
+    next to them is unconstrained."""
+    from model.structured import JSON_START, JsonMasks, json_advance
+
+    tok = ByteTokenizer()
+    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size)
+    eng = _engine(model, max_num_seqs=3, num_pages=10)  # preempts
+    params = {"greedy": SamplingParams(logit_bias=_closing(4.0)),
+              "sampled": SamplingParams(1.0, seed=3, logit_bias=_closing(5.0)),
+              "plain": SamplingParams(), "long": SamplingParams(logit_bias=((ord('"'), 2.0),))}
+    prompts = {"greedy": _prompt(30, 71), "sampled": _prompt(37, 71), "plain": _prompt(44, 72), "long": _prompt(51, 73)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 48, params[rid], response_format=None if rid == "plain" else "json_object"))
+    outs = eng.run_to_completion()
+    for rid, p in prompts.items():
+        want = generate(model, list(p), 48, params[rid], json_masks=None if rid == "plain" else masks)
+        assert _tokens(outs[rid]) == want, rid
+    for rid in ("greedy", "sampled", "long"):
+        text = "".join(o.text for o in outs[rid])
+        assert text == tok.decode(_tokens(outs[rid])), rid  # the closing token's text too
+        if rid == "long":  # ran out of tokens: an unfinished object
+            assert outs[rid][-1].finish_reason == FinishReason.LENGTH and json_advance(JSON_START, text.encode())
+        else:  # the object closed and ended the request
+            assert outs[rid][-1].finish_reason == FinishReason.STOP and isinstance(json.loads(text), dict), rid
+    assert _tokens(outs["plain"]) == _ref(model, prompts["plain"], 48)
+    assert eng.stats["preemptions"] >= 1
+
+
+def test_json_mode_needs_token_bytes_and_a_valid_continuation(model):
+    eng = Engine(model, EngineConfig(num_pages=64), _ns(model), ByteTokenizer().decode, None)
+    with pytest.raises(ValueError, match="token bytes"):
+        eng.add_request(GenerationRequest("a", (1, 2, 3), 4, response_format="json_object"))
+    with pytest.raises(ValueError, match="response_format"):
+        GenerationRequest("b", (1, 2), 4, response_format="yaml")
+    eng = _engine(model)
+    with pytest.raises(ValueError, match="open JSON object"):
+        eng.add_request(GenerationRequest("c", (1, 2, 3), 4, continued_ids=tuple(b"[1"), response_format="json_object"))
 
 
 def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):

@@ -25,7 +25,8 @@ def model():
 
 def _engine(model, **kw):
     ns = Namespace(model.cfg.fingerprint(), "test", "float32", "latent", 64)
-    return Engine(model, EngineConfig(**{"num_pages": 128, **kw}), ns, ByteTokenizer().decode, None)
+    tok = ByteTokenizer()
+    return Engine(model, EngineConfig(**{"num_pages": 128, **kw}), ns, tok.decode, None, token_bytes=tok.token_bytes)
 
 
 def _prompt(n, seed):
@@ -67,6 +68,24 @@ def test_prefill_then_decode_equals_one_engine(model, sampling):
             assert [lp.token for lp in got_lp] == want
             assert [[i for i, _ in lp.top] for lp in got_lp] == [[i for i, _ in lp.top] for lp in want_lp]
             assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in want_lp], abs=1e-5)
+
+
+def test_json_mode_through_a_handoff_and_a_continuation_equals_one_engine(model):
+    """The decode replica, and a replica that continues a request another gave back, take up
+    JSON mode where it was (the grammar's state follows the tokens already generated)."""
+    sampling = SamplingParams(logit_bias=tuple((ord(c), 4.0) for c in '"}],1'))
+    prompt = _prompt(30, 77)  # this model closes its object after 28 tokens
+    whole = [t for o in _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, response_format="json_object")])["j"]
+             for t in o.new_token_ids]
+    assert 10 < len(whole) < 40  # closed before max_tokens
+    pre = _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, handoff=True, response_format="json_object")])
+    out = _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, prefilled=pre["j"][-1].handoff,
+                                                  response_format="json_object")])
+    assert [t for o in out["j"] for t in o.new_token_ids] == whole and out["j"][-1].finish_reason == FinishReason.STOP
+    k = 9  # another replica gave the request back after k tokens
+    cont = _run(_engine(model), [GenerationRequest("j", prompt + tuple(whole[:k]), 40 - k, sampling,
+                                                   continued_ids=tuple(whole[:k]), response_format="json_object")])
+    assert [t for o in cont["j"] for t in o.new_token_ids] == whole[k:] and cont["j"][-1].finish_reason == FinishReason.STOP
 
 
 def test_a_request_that_ends_at_its_first_token_is_not_handed_off(model):

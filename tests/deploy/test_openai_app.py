@@ -152,16 +152,21 @@ def test_completion_logprobs_are_the_models(client):
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
 
 
-def _alone(text: str, n: int, **params) -> list[int]:
-    """The default model's ``n`` tokens after the completion prompt ``text``, computed alone."""
+def _alone(prompt: str | list[int], n: int, json_mode: bool = False, **params) -> list[int]:
+    """The default model's ``n`` tokens after ``prompt`` (a completion prompt's text, or ids),
+    computed alone; ``json_mode``: under JSON mode's masks."""
     from model.checkpoint import load_model
     from model.default import default_checkpoint
     from model.generate import generate
     from model.sampling import SamplingParams
+    from model.structured import JsonMasks
     from model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    return generate(load_model(default_checkpoint()), [tok.BOS, *tok.encode(text)], n, SamplingParams(**params))
+    model = load_model(default_checkpoint())
+    ids = [tok.BOS, *tok.encode(prompt)] if isinstance(prompt, str) else prompt
+    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size) if json_mode else None
+    return generate(model, ids, n, SamplingParams(**params), json_masks=masks)
 
 
 def test_penalties_equal_the_model_alone(client):
@@ -185,6 +190,33 @@ def test_logit_bias_equals_the_model_alone(client):
                                       logit_bias=bias, extra_body={"ignore_eos": True})
         ids = _alone("bias me", 8, logit_bias=tuple((int(t), float(b)) for t, b in bias.items()))
         assert r.choices[0].text == tok.decode(ids) and ids != plain, bias
+
+
+# fewer spaces and commas, and a nudge to close: this model's JSON objects then end within 64 tokens
+COMPACT = {str(ord(" ")): -10, str(ord("}")): 2.5, str(ord(",")): -3}
+
+
+def test_json_mode_is_one_json_object_equal_to_the_model_alone(client):
+    from model.tokenizer import ByteTokenizer
+
+    r = client.completions.create(model="tiny", prompt="Reply in JSON", max_tokens=64, temperature=0,
+                                  logit_bias=COMPACT, extra_body={"response_format": {"type": "json_object"}})
+    bias = tuple((int(t), b) for t, b in COMPACT.items())
+    assert r.choices[0].finish_reason == "stop", r
+    assert isinstance(json.loads(r.choices[0].text), dict), r
+    ids = _alone("Reply in JSON", 64, json_mode=True, logit_bias=bias)
+    assert r.choices[0].text == ByteTokenizer().decode(ids) and r.usage.completion_tokens == len(ids)
+    assert ids != _alone("Reply in JSON", 64, logit_bias=bias)  # the masks mattered
+
+    # chat, streamed: the deltas make up the object
+    msgs = [{"role": "user", "content": "Reply in JSON"}]
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=64, temperature=0, stream=True,
+                                            logit_bias=COMPACT, response_format={"type": "json_object"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict)
+    chat_ids = ByteTokenizer().apply_chat_template(msgs)
+    assert text == ByteTokenizer().decode(_alone(chat_ids, 64, json_mode=True, logit_bias=bias))
 
 
 def test_chat_logprobs_with_top_alternatives(client):
@@ -294,7 +326,7 @@ def test_bad_requests_get_openai_errors(base_url, body, status, needle):
 def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accepted(base_url, client):
     msgs = [{"role": "user", "content": "x"}]
     for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                          ({"response_format": {"type": "json_object"}}, "json_object")):
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema")):
         r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
                        json={"model": "tiny", "messages": msgs, **extra})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

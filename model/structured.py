@@ -1,0 +1,229 @@
+"""Structured output: JSON mode (OpenAI's ``response_format: {"type": "json_object"}``).
+
+Each decoding step may only pick a token whose bytes keep the output a prefix of one JSON object
+(RFC 8259), and the request ends when the object closes. The object starts the output, and
+whitespace runs are bounded (``MAX_WHITESPACE_RUN``). The grammar is a byte-level pushdown
+automaton: a state is ``(mode, arg, stack)`` where ``stack`` holds the open containers (``o``
+object, ``a`` array) and ``arg`` what the mode needs (a string key flag, hex digits left in a
+``\\uXXXX`` escape, the rest of a literal, the whitespace run between tokens). Strings hold
+whole UTF-8 characters only. States are plain tuples, so they are cheap to keep
+per sequence and to use as cache keys.
+
+``JsonMasks`` computes, per state, which tokens of the vocabulary are allowed, and caches the
+answer: a token's fate depends only on the mode, ``arg`` and as many open containers as the
+token has closing brackets, so states that differ deeper in the stack share one mask. Inside a
+string (where most of a long output is) tokens without a quote, backslash or control byte are
+always allowed and need no walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["JSON_START", "MAX_WHITESPACE_RUN", "JsonMasks", "json_advance", "json_done", "json_step"]
+
+State = tuple[int, object, str]
+
+# modes
+_START, _OBJ_FIRST, _OBJ_KEY, _COLON, _VALUE, _ARR_FIRST, _AFTER, _DONE = range(8)
+_STR, _ESC, _HEX = 8, 9, 10
+_MINUS, _ZERO, _INT, _DOT, _FRAC, _EXP_MARK, _EXP_SIGN, _EXP = range(11, 19)
+_LIT = 19
+
+JSON_START: State = (_START, None, "")
+# The output starts with "{", and whitespace between tokens comes in runs of at most this many
+# bytes: enough to pretty-print, and a model that likes spaces cannot fill max_tokens with them.
+MAX_WHITESPACE_RUN = 16
+
+_WS = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_HEXDIGITS = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_NUM_END = {_ZERO, _INT, _FRAC, _EXP}  # a number may end here (the next byte belongs to what follows)
+_DIGIT_NEXT = {_DOT: _FRAC, _EXP_MARK: _EXP, _EXP_SIGN: _EXP}  # after a digit (else the mode stays)
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+
+
+def _close(stack: str) -> State:
+    stack = stack[:-1]
+    return (_DONE, None, "") if not stack else (_AFTER, None, stack)
+
+
+def _value(b: int, stack: str) -> State | None:
+    """The first byte of a value."""
+    if b == ord("{"):
+        return (_OBJ_FIRST, None, stack + "o")
+    if b == ord("["):
+        return (_ARR_FIRST, None, stack + "a")
+    if b == _QUOTE:
+        return (_STR, (False, 0), stack)
+    if b == ord("-"):
+        return (_MINUS, None, stack)
+    if b == ord("0"):
+        return (_ZERO, None, stack)
+    if b in _DIGITS:
+        return (_INT, None, stack)
+    for lit in (b"true", b"false", b"null"):
+        if b == lit[0]:
+            return (_LIT, lit[1:], stack)
+    return None
+
+
+def json_step(state: State, b: int) -> State | None:
+    """The state after byte ``b``, or None when ``b`` cannot follow."""
+    mode, arg, stack = state
+    if mode == _STR:  # arg: (a key?, UTF-8 continuation bytes still due)
+        key, due = arg
+        if due:
+            return (_STR, (key, due - 1), stack) if 0x80 <= b <= 0xBF else None
+        if b == _QUOTE:
+            return (_COLON, None, stack) if key else (_AFTER, None, stack)
+        if b == _BACKSLASH:
+            return (_ESC, key, stack)
+        if b < 0x80:
+            return None if b < 0x20 else state
+        due = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 else 0
+        return (_STR, (key, due), stack) if due else None
+    if mode == _ESC:
+        if b == ord("u"):
+            return (_HEX, (arg, 4), stack)
+        return (_STR, (arg, 0), stack) if b in _ESCAPES else None
+    if mode == _HEX:
+        key, left = arg
+        if b not in _HEXDIGITS:
+            return None
+        return (_STR, (key, 0), stack) if left == 1 else (_HEX, (key, left - 1), stack)
+    if mode == _LIT:
+        if b != arg[0]:
+            return None
+        return (_LIT, arg[1:], stack) if len(arg) > 1 else (_AFTER, None, stack)
+    if mode >= _MINUS:  # numbers
+        if b in _DIGITS:
+            if mode == _ZERO:
+                return None  # a leading zero takes no digits after it
+            if mode == _MINUS:
+                return (_ZERO if b == ord("0") else _INT, None, stack)
+            return (_DIGIT_NEXT.get(mode, mode), None, stack)
+        if b == ord(".") and mode in (_ZERO, _INT):
+            return (_DOT, None, stack)
+        if b in b"eE" and mode in (_ZERO, _INT, _FRAC):
+            return (_EXP_MARK, None, stack)
+        if b in b"+-" and mode == _EXP_MARK:
+            return (_EXP_SIGN, None, stack)
+        return json_step((_AFTER, None, stack), b) if mode in _NUM_END else None
+    if mode == _DONE:
+        return None
+    if b in _WS:  # arg: the whitespace run so far
+        if mode == _START or (arg or 0) >= MAX_WHITESPACE_RUN:
+            return None
+        return (mode, (arg or 0) + 1, stack)
+    if mode == _START:
+        return (_OBJ_FIRST, None, "o") if b == ord("{") else None
+    if mode in (_OBJ_FIRST, _OBJ_KEY):
+        if b == _QUOTE:
+            return (_STR, (True, 0), stack)
+        return _close(stack) if b == ord("}") and mode == _OBJ_FIRST else None
+    if mode == _COLON:
+        return (_VALUE, None, stack) if b == ord(":") else None
+    if mode == _VALUE:
+        return _value(b, stack)
+    if mode == _ARR_FIRST:
+        return _close(stack) if b == ord("]") else _value(b, stack)
+    # _AFTER: a value ended inside the innermost container
+    top = stack[-1]
+    if b == ord(","):
+        return (_OBJ_KEY, None, stack) if top == "o" else (_VALUE, None, stack)
+    if (b == ord("}") and top == "o") or (b == ord("]") and top == "a"):
+        return _close(stack)
+    return None
+
+
+def json_advance(state: State | None, data: bytes) -> State | None:
+    """The state after ``data`` (None once a byte cannot follow)."""
+    for b in data:
+        if state is None:
+            return None
+        state = json_step(state, b)
+    return state
+
+
+def json_done(state: State | None) -> bool:
+    """The object is complete."""
+    return state is not None and state[0] == _DONE
+
+
+def _plain_text(token: bytes) -> bool:
+    """Whole UTF-8 characters with no quote, backslash or control character: such a token
+    continues any string between two characters."""
+    try:
+        token.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return not any(b in (_QUOTE, _BACKSLASH) or b < 0x20 for b in token)
+
+
+class JsonMasks:
+    """Which tokens may come next in JSON mode. ``token_bytes(i)`` is token i's bytes (b"" for a
+    special token, which is never allowed) for i in ``range(vocab_size)``."""
+
+    MAX_CACHED = 4096  # masks kept (vocab_size bytes each)
+
+    def __init__(self, token_bytes: Callable[[int], bytes], vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.tokens: list[bytes] = [token_bytes(i) for i in range(vocab_size)]
+        self._by_first: dict[int, list[int]] = {}
+        self._plain_in_string = [False] * vocab_size  # tokens that keep a string open whatever came before
+        for i, t in enumerate(self.tokens):
+            if t:
+                self._by_first.setdefault(t[0], []).append(i)
+                self._plain_in_string[i] = _plain_text(t)
+        self._not_plain = [i for i, t in enumerate(self.tokens) if t and not self._plain_in_string[i]]
+        # a token pops at most this many containers, so the stack below that never matters
+        self._depth = 1 + max((t.count(b"}") + t.count(b"]") for t in self.tokens), default=0)
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def advance(self, state: State | None, token: int) -> State | None:
+        return json_advance(state, self.tokens[token]) if 0 <= token < self.vocab_size else None
+
+    def allowed(self, state: State) -> torch.Tensor:
+        """bool [vocab_size]: the tokens that may follow ``state``."""
+        mode, arg, stack = state
+        key = (mode, arg, stack[-self._depth:], len(stack) <= self._depth)
+        mask = self._cache.get(key)
+        if mask is None:
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()  # deep stacks of many shapes: start over rather than grow
+            mask = self._cache[key] = torch.tensor(self._compute(state), dtype=torch.bool)
+        return mask
+
+    def _compute(self, state: State) -> list[bool]:
+        if state[0] == _STR and state[1][1] == 0:  # most tokens stay inside the string: walk only the others
+            ok = list(self._plain_in_string)
+            for i in self._not_plain:
+                ok[i] = json_advance(state, self.tokens[i]) is not None
+            return ok
+        ok = [False] * self.vocab_size
+        for first, ids in self._by_first.items():
+            after = json_step(state, first)
+            if after is not None:
+                for i in ids:
+                    ok[i] = json_advance(after, self.tokens[i][1:]) is not None
+        return ok
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[State],
+              fallback: int | None = None) -> torch.Tensor:
+        """``logits`` [B, V] with the tokens each row of ``rows`` may not take (in its state of
+        ``states``) at -inf (a copy). A state that no token of this vocabulary can continue
+        allows only ``fallback`` (the EOS token: the request ends there), or leaves the row as it is."""
+        logits = logits.clone()
+        for b, state in zip(rows, states, strict=True):
+            mask = self.allowed(state)
+            if not mask.any():
+                if fallback is None:
+                    continue
+                mask = torch.zeros_like(mask)
+                mask[fallback] = True
+            logits[b].masked_fill_(~mask.to(logits.device), float("-inf"))
+        return logits
