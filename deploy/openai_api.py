@@ -47,6 +47,7 @@ from deploy.protocol import (
 from model.checkpoint import weights_digest
 from model.config import load_config
 from model.tokenizer import load_tokenizer
+from model.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 __all__ = ["OpenAIIngress", "api"]
 
@@ -393,7 +394,10 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _respond(self, engine_req: dict, body, kind: str):
+    async def _respond(self, engine_req: dict, body, kind: str, tools: bool = False):
+        """The HTTP response; ``tools``: the chat output may end in tool calls (DeepSeek's format,
+        ``model.tool_calls``), sent as the message's ``tool_calls`` with finish_reason
+        ``tool_calls``."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -401,7 +405,8 @@ class OpenAIIngress:
         want_logprobs = engine_req.get("logprobs") is not None
         text_offset = [0] * n  # completions' logprobs: where each choice's next token's text starts
 
-        def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: list[dict]) -> dict:
+        def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: list[dict],
+                   calls: list[ToolCall] | None = None) -> dict:
             lp = None
             if want_logprobs and kind == "chat":
                 lp = chat_logprobs(logprobs, self.tokenizer.token_bytes)
@@ -411,6 +416,10 @@ class OpenAIIngress:
             if kind == "chat":
                 key = "delta" if delta else "message"
                 msg = {"role": "assistant", "content": text} if not delta or text else {}
+                if calls:
+                    msg = {"role": "assistant", "content": text or None,
+                           "tool_calls": [c.openai(k) for k, c in enumerate(calls)]}
+                    finish = "tool_calls" if finish == "stop" else finish
                 return {"index": i, key: msg, "finish_reason": finish, "logprobs": lp}
             return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
 
@@ -427,7 +436,10 @@ class OpenAIIngress:
                 if _unavailable(e):
                     raise _unavailable_error() from None
                 raise
-            choices = [choice(i, "".join(texts[i]), lasts[i]["finish_reason"], False, logprobs[i]) for i in range(n)]
+            choices = []
+            for i in range(n):
+                text, calls = parse_tool_calls("".join(texts[i])) if tools else ("".join(texts[i]), [])
+                choices.append(choice(i, text, lasts[i]["finish_reason"], False, logprobs[i], calls))
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": choices, "usage": self._usage(lasts)})
 
@@ -437,10 +449,17 @@ class OpenAIIngress:
         async def sse() -> AsyncIterator[str]:
             # the status line is sent already: a failure mid-stream is an error event
             lasts: list[dict] = [{}] * n
+            splits = [ToolCallStream() for _ in range(n)] if tools else None
             try:
                 async for i, item in self._choices(engine_req, n):
+                    text, calls = item["text"], None
+                    if splits is not None:  # content goes out at once, the calls at the end
+                        text = splits[i].feed(text)
+                        if item["finished"]:
+                            rest, calls = splits[i].finish()
+                            text += rest
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [choice(i, item["text"], item["finish_reason"], True, item.get("logprobs") or [])]}
+                             "choices": [choice(i, text, item["finish_reason"], True, item.get("logprobs") or [], calls)]}
                     if include_usage:
                         chunk["usage"] = None
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -463,13 +482,13 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         await self._check_body(request)
         grant = self._grant(request)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
+        tools = body.tool_functions()
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(messages)
+            prompt_ids = self.tokenizer.apply_chat_template(messages, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        return await self._respond(self._engine_request(body, prompt_ids, grant), body, "chat")
+        return await self._respond(self._engine_request(body, prompt_ids, grant), body, "chat", tools is not None)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

@@ -135,8 +135,25 @@ class _Sampling(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (``developer`` is their ``system``)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            for call in self.tool_calls:
+                fn = call.get("function")
+                if call.get("type", "function") != "function" or not isinstance(fn, dict) \
+                        or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+                    raise APIError(400, "each tool call must be {type: function, function: {name, arguments}} with "
+                                   "arguments a JSON string", param="messages")
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -153,9 +170,24 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # functions the model may call
+    tool_choice: str | dict[str, Any] | None = None  # "auto" (with tools) or "none"
 
-    UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("tools", None))
+    def tool_functions(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call (None: it calls none, its output is all content)."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if choice not in ("auto", "none"):
+            shown = choice if isinstance(choice, str) else choice.get("type")
+            raise APIError(400, f"tool_choice {shown!r} is not supported by this server (auto or none)",
+                           param="tool_choice", code="unsupported_parameter")
+        if not self.tools or choice == "none":
+            return None
+        for tool in self.tools:
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, "each tool must be {type: function, function: {name, description, parameters}}",
+                               param="tools")
+        return self.tools
 
     def logprobs_k(self) -> int | None:
         """The engine's ``logprobs`` (None: off)."""

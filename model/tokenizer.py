@@ -13,6 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
+from model.tool_calls import format_tool_calls
+
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "load_tokenizer"]
 
 
@@ -28,14 +30,16 @@ class Tokenizer(Protocol):
         """One token's bytes (what a client sees of it in logprobs; b"" for a special token)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages (``role``, ``content``) -> prompt ids ending where the assistant speaks."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (``role``, ``content``; an assistant's ``tool_calls``, a tool message's
+        ``tool_call_id``) and the functions the model may call -> prompt ids ending where the
+        assistant speaks."""
         ...
 
 
 class ByteTokenizer:
     BOS, EOS, USER, ASSISTANT, SYSTEM = 256, 257, 258, 259, 260
-    ROLE_IDS = {"user": USER, "assistant": ASSISTANT, "system": SYSTEM}
+    ROLE_IDS = {"user": USER, "assistant": ASSISTANT, "system": SYSTEM, "tool": USER}  # a tool's result: "tool: ..."
     vocab_floor = 261  # smallest vocab this tokenizer needs
 
     def __init__(self) -> None:
@@ -51,14 +55,21 @@ class ByteTokenizer:
     def token_bytes(self, token: int) -> bytes:
         return bytes([token]) if 0 <= token < 256 else b""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         ids = [self.BOS]
+        if tools:  # the functions, as a system message of their own
+            ids += [self.SYSTEM, *self.encode("functions: " + json.dumps(tools, ensure_ascii=False))]
         for msg in messages:
             role = msg.get("role")
             if role not in self.ROLE_IDS:
                 raise ValueError(f"unknown chat role {role!r}; known: {sorted(self.ROLE_IDS)}")
             ids.append(self.ROLE_IDS[role])
-            ids.extend(self.encode(msg.get("content") or ""))
+            text = msg.get("content") or ""
+            if role == "tool":
+                text = f"tool {msg.get('tool_call_id') or ''}: {text}"
+            if msg.get("tool_calls"):
+                text += format_tool_calls(msg["tool_calls"])
+            ids.extend(self.encode(text))
             if role == "assistant":
                 ids.append(self.EOS)
         ids.append(self.ASSISTANT)
@@ -93,12 +104,12 @@ class HFTokenizer:
         # a token that is part of a character decodes to U+FFFD alone; its UTF-8 is reported then
         return self.decode([token]).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; use /v1/completions")
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
-        text = self._template(messages=messages, add_generation_prompt=True,
+        text = self._template(messages=messages, tools=tools, add_generation_prompt=True,
                               **{"bos_token": "", "eos_token": "", **self._special_tokens})
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -127,8 +138,8 @@ def compile_chat_template(source: str) -> Callable[..., str]:
     def render(**context) -> str:
         try:
             return template.render(**context)
-        except jinja2.TemplateError as e:  # raise_exception, or a template that fails on these messages
-            raise ValueError(str(e)) from None
+        except (jinja2.TemplateError, TypeError) as e:  # raise_exception, or a template that fails on these messages
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
 
     return render
 

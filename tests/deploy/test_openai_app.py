@@ -325,7 +325,8 @@ def test_bad_requests_get_openai_errors(base_url, body, status, needle):
 
 def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accepted(base_url, client):
     msgs = [{"role": "user", "content": "x"}]
-    for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+                           "tool_choice"),
                           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema")):
         r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
                        json={"model": "tiny", "messages": msgs, **extra})

@@ -100,3 +100,20 @@ def test_logit_bias_moves_tokens_up_and_down():
 def test_bad_logit_bias_is_rejected(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def test_byte_tokenizer_renders_tools_calls_and_results():
+    from model.tool_calls import parse_tool_calls
+
+    tok = ByteTokenizer()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "snow"}]
+    ids = tok.apply_chat_template(msgs, tools)
+    assert ids[:2] == [tok.BOS, tok.SYSTEM] and ids[-1] == tok.ASSISTANT
+    text = tok.decode(ids)
+    assert '"name": "get_weather"' in text and "tool c1: snow" in text
+    said = tok.decode(ids[ids.index(tok.ASSISTANT) + 1 : ids.index(tok.EOS)])
+    assert [(c.name, c.arguments) for c in parse_tool_calls(said)[1]] == [("get_weather", '{"city": "Oslo"}')]
+    assert tok.apply_chat_template(msgs[:1]) == [tok.BOS, tok.USER, *tok.encode("weather?"), tok.ASSISTANT]

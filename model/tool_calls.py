@@ -1,0 +1,104 @@
+"""Tool calls in DeepSeek's output format, parsed into OpenAI's ``tool_calls``.
+
+DeepSeek-V3 (and R1) write the calls after the message's text::
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    ```json
+    ARGUMENTS
+    ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+DeepSeek-V3.1 drops the ``function`` type and the code fence:
+``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>``. Both are read. The markers are
+ordinary (not special) tokens of DeepSeek's tokenizer, so they are in the decoded text.
+
+``ToolCallStream`` splits a streamed text into the content a client may see at once and the
+calls, which are known when the output ends: text that may be the start of the calls marker is
+held back until it is clear.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "ToolCall", "ToolCallStream",
+           "format_tool_calls", "parse_tool_calls"]
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+_CALL = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(SEP) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
+_FENCED = re.compile(r"^(?P<name>[^\n]*)\n```(?:json)?\n(?P<args>.*)\n```$", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+    id: str = ""
+
+    def openai(self, index: int) -> dict:
+        return {"index": index, "id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """``text`` -> (the message content, the calls). Text without the calls marker is all
+    content; a call whose arguments are not JSON is dropped (the content keeps nothing of it)."""
+    at = text.find(CALLS_BEGIN)
+    if at < 0:
+        return text, []
+    calls = []
+    for kind_or_name, rest in _CALL.findall(text[at:]):
+        fenced = _FENCED.match(rest.strip("\r")) if kind_or_name.strip() == "function" else None
+        name, args = (fenced["name"], fenced["args"]) if fenced else (kind_or_name, rest)
+        try:
+            json.loads(args)
+        except ValueError:
+            continue
+        calls.append(ToolCall(name.strip(), args.strip()))
+    return text[:at], calls
+
+
+def format_tool_calls(calls: list[dict]) -> str:
+    """OpenAI ``tool_calls`` of an assistant message in DeepSeek-V3's format (for a chat
+    template that has none of its own)."""
+    parts = [f"{CALL_BEGIN}function{SEP}{c['function']['name']}\n```json\n{c['function']['arguments']}\n```{CALL_END}"
+             for c in calls]
+    return CALLS_BEGIN + "".join(parts) + CALLS_END
+
+
+class ToolCallStream:
+    """Content deltas of a streamed output whose end may hold tool calls."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._sent = 0
+        self._calls_started = False
+
+    def feed(self, delta: str) -> str:
+        """Content that can go to the client now."""
+        self._text += delta
+        if self._calls_started:
+            return ""
+        at = self._text.find(CALLS_BEGIN, self._sent)
+        if at >= 0:
+            self._calls_started = True
+            upto = at
+        else:  # hold back a tail that may still become the marker
+            upto = len(self._text)
+            for k in range(min(len(CALLS_BEGIN) - 1, len(self._text) - self._sent), 0, -1):
+                if self._text.endswith(CALLS_BEGIN[:k]):
+                    upto -= k
+                    break
+        out, self._sent = self._text[self._sent:upto], max(self._sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: the content still held back, and the calls."""
+        content, calls = parse_tool_calls(self._text)
+        rest = content[self._sent:]
+        self._sent = len(self._text)
+        return rest, calls

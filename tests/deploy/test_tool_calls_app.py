@@ -1,0 +1,99 @@
+"""Tool calls through HTTP with the official ``openai`` client: a scripted checkpoint
+(tests/model/scripted.py) answers with a call in DeepSeek-V3's format, and the server returns it
+as OpenAI's ``tool_calls``, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from model.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from tests.model.scripted import make_scripted_checkpoint
+
+pytestmark = pytest.mark.ray
+
+openai = pytest.importorskip("openai")
+
+SCRIPT = ["Checking", CALLS_BEGIN, CALL_BEGIN, "function", SEP, "get_weather", "\n```json\n", '{"city": "Paris"}',
+          "\n```", CALL_END, CALLS_END]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "what is the weather in Paris ?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.redis_proc import wait_healthy
+
+    home = tmp_path_factory.mktemp("tools")
+    ckpt = make_scripted_checkpoint(home / "scripted", ["what", "is", "the", "weather", "in", "Paris", "?"], SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"checkpoint": str(ckpt), "model_name": "scripted", "cache_dir": str(home / "cache"),
+                     "replica_cpus": 0.5, "num_pages": 64})
+    serve.run(app, name="tideserve", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 300)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_the_call_comes_back_as_tool_calls(client):
+    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, max_tokens=20, temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Checking"
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("function", "get_weather", {"city": "Paris"})]
+    assert msg.tool_calls[0].id.startswith("call_")
+    # without tools (or with tool_choice none) the same output is all content
+    plain = client.chat.completions.create(model="scripted", messages=ASK, max_tokens=20, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == "".join(SCRIPT)
+    none = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="none",
+                                          max_tokens=20, temperature=0)
+    assert none.choices[0].message.content == "".join(SCRIPT)
+    # the tools reach the chat template (it writes them into the prompt)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_streamed_content_comes_first_and_the_call_at_the_end(client):
+    chunks = list(client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, max_tokens=20,
+                                                 temperature=0, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "Checking" and CALLS_BEGIN not in content
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_conversation_with_the_tools_answer_goes_on(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model="scripted", messages=msgs, tools=TOOLS, max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"  # the script calls again
+
+
+@pytest.mark.parametrize("extra, status, needle", [
+    ({"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice 'required' is not supported"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 400, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, 400, "each tool must be"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": 3}}]}]}, 400,
+     "each tool call must be"),
+])
+def test_bad_tool_requests_get_openai_errors(client, extra, status, needle):
+    body = {"model": "scripted", "messages": ASK, "max_tokens": 4, **extra}
+    r = httpx.post(f"{client.base_url}chat/completions", json=body, timeout=60)
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
