@@ -14,6 +14,7 @@ a class decorated at import time carries its routes there. ``deploy/app.py`` app
 # No `from __future__ import annotations` here: FastAPI must see the route annotations as types.
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -47,7 +48,7 @@ from deploy.protocol import (
 from model.checkpoint import weights_digest
 from model.config import load_config
 from model.tokenizer import load_tokenizer
-from model.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from model.tool_calls import ForcedCall, ToolCall, ToolCallStream
 
 __all__ = ["OpenAIIngress", "api"]
 
@@ -394,10 +395,11 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _respond(self, engine_req: dict, body, kind: str, tools: bool = False):
-        """The HTTP response; ``tools``: the chat output may end in tool calls (DeepSeek's format,
-        ``model.tool_calls``), sent as the message's ``tool_calls`` with finish_reason
-        ``tool_calls``."""
+    async def _respond(self, engine_req: dict, body, kind: str, calls=None, tool_finish: str = "tool_calls"):
+        """The HTTP response. ``calls``: the chat output may hold tool calls; a factory of the
+        splitter (``model.tool_calls``) that reads one choice's output into content and calls,
+        which go out as the message's ``tool_calls`` with finish_reason ``tool_finish`` (OpenAI
+        says ``stop`` for a function the request named)."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -406,7 +408,7 @@ class OpenAIIngress:
         text_offset = [0] * n  # completions' logprobs: where each choice's next token's text starts
 
         def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: list[dict],
-                   calls: list[ToolCall] | None = None) -> dict:
+                   tool_calls: list[ToolCall] | None = None) -> dict:
             lp = None
             if want_logprobs and kind == "chat":
                 lp = chat_logprobs(logprobs, self.tokenizer.token_bytes)
@@ -416,10 +418,10 @@ class OpenAIIngress:
             if kind == "chat":
                 key = "delta" if delta else "message"
                 msg = {"role": "assistant", "content": text} if not delta or text else {}
-                if calls:
+                if tool_calls:
                     msg = {"role": "assistant", "content": text or None,
-                           "tool_calls": [c.openai(k) for k, c in enumerate(calls)]}
-                    finish = "tool_calls" if finish == "stop" else finish
+                           "tool_calls": [c.openai(k) for k, c in enumerate(tool_calls)]}
+                    finish = tool_finish if finish == "stop" else finish
                 return {"index": i, key: msg, "finish_reason": finish, "logprobs": lp}
             return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
 
@@ -438,8 +440,13 @@ class OpenAIIngress:
                 raise
             choices = []
             for i in range(n):
-                text, calls = parse_tool_calls("".join(texts[i])) if tools else ("".join(texts[i]), [])
-                choices.append(choice(i, text, lasts[i]["finish_reason"], False, logprobs[i], calls))
+                text, found = "".join(texts[i]), []
+                if calls is not None:
+                    split = calls()
+                    text = split.feed(text)
+                    rest, found = split.finish()
+                    text += rest
+                choices.append(choice(i, text, lasts[i]["finish_reason"], False, logprobs[i], found))
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": choices, "usage": self._usage(lasts)})
 
@@ -449,17 +456,17 @@ class OpenAIIngress:
         async def sse() -> AsyncIterator[str]:
             # the status line is sent already: a failure mid-stream is an error event
             lasts: list[dict] = [{}] * n
-            splits = [ToolCallStream() for _ in range(n)] if tools else None
+            splits = [calls() for _ in range(n)] if calls is not None else None
             try:
                 async for i, item in self._choices(engine_req, n):
-                    text, calls = item["text"], None
+                    text, found = item["text"], None
                     if splits is not None:  # content goes out at once, the calls at the end
                         text = splits[i].feed(text)
                         if item["finished"]:
-                            rest, calls = splits[i].finish()
+                            rest, found = splits[i].finish()
                             text += rest
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [choice(i, text, item["finish_reason"], True, item.get("logprobs") or [], calls)]}
+                             "choices": [choice(i, text, item["finish_reason"], True, item.get("logprobs") or [], found)]}
                     if include_usage:
                         chunk["usage"] = None
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -483,12 +490,16 @@ class OpenAIIngress:
         await self._check_body(request)
         grant = self._grant(request)
         messages = [m.template_dict() for m in body.messages]
-        tools = body.tool_functions()
+        tools, forced = body.tool_functions(), body.forced_function()
         try:
             prompt_ids = self.tokenizer.apply_chat_template(messages, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        return await self._respond(self._engine_request(body, prompt_ids, grant), body, "chat", tools is not None)
+        engine_req = self._engine_request(body, prompt_ids, grant)
+        if forced is not None:  # the output is that function's arguments: one JSON object
+            engine_req["response_format"] = "json_object"
+            return await self._respond(engine_req, body, "chat", functools.partial(ForcedCall, forced), "stop")
+        return await self._respond(engine_req, body, "chat", ToolCallStream if tools is not None else None)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

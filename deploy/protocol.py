@@ -171,15 +171,28 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
     tools: list[dict[str, Any]] | None = None  # functions the model may call
-    tool_choice: str | dict[str, Any] | None = None  # "auto" (with tools) or "none"
+    tool_choice: str | dict[str, Any] | None = None  # "auto" (with tools), "none" or a named function
+
+    def forced_function(self) -> str | None:
+        """The function ``tool_choice`` names ({"type": "function", "function": {"name": ...}}),
+        which must be one of ``tools``; None for auto and none."""
+        if not isinstance(self.tool_choice, dict):
+            return None
+        fn = self.tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, "tool_choice must be auto, none or {type: function, function: {name}}",
+                           param="tool_choice")
+        if name not in {t["function"]["name"] for t in self.tool_functions() or []}:
+            raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+        return name
 
     def tool_functions(self) -> list[dict[str, Any]] | None:
         """The tools the model may call (None: it calls none, its output is all content)."""
         choice = self.tool_choice if self.tool_choice is not None else "auto"
-        if choice not in ("auto", "none"):
-            shown = choice if isinstance(choice, str) else choice.get("type")
-            raise APIError(400, f"tool_choice {shown!r} is not supported by this server (auto or none)",
-                           param="tool_choice", code="unsupported_parameter")
+        if isinstance(choice, str) and choice not in ("auto", "none"):
+            raise APIError(400, f"tool_choice {choice!r} is not supported by this server (auto, none or a "
+                           "named function)", param="tool_choice", code="unsupported_parameter")
         if not self.tools or choice == "none":
             return None
         for tool in self.tools:

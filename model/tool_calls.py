@@ -13,7 +13,8 @@ ordinary (not special) tokens of DeepSeek's tokenizer, so they are in the decode
 
 ``ToolCallStream`` splits a streamed text into the content a client may see at once and the
 calls, which are known when the output ends: text that may be the start of the calls marker is
-held back until it is clear.
+held back until it is clear. ``ForcedCall`` is the same interface for a request that names the
+function to call: the whole output (generated in JSON mode) is its arguments.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "ToolCall", "ToolCallStream",
+__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "ForcedCall", "ToolCall", "ToolCallStream",
            "format_tool_calls", "parse_tool_calls"]
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -102,3 +103,19 @@ class ToolCallStream:
         rest = content[self._sent:]
         self._sent = len(self._text)
         return rest, calls
+
+
+class ForcedCall:
+    """The output of a request whose ``tool_choice`` names a function: all of it is that call's
+    arguments (JSON mode keeps them one JSON object); no content."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._text = ""
+
+    def feed(self, delta: str) -> str:
+        self._text += delta
+        return ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return "", [ToolCall(self.name, self._text)]

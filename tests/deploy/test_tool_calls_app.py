@@ -78,6 +78,23 @@ def test_streamed_content_comes_first_and_the_call_at_the_end(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_named_function_is_called_with_json_arguments(client):
+    """tool_choice naming a function: the output, generated in JSON mode, is its arguments (this
+    vocabulary's only token that starts a JSON object is the script's arguments)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=20,
+                                       temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and msg.content is None  # as OpenAI reports a forced call
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    chunks = list(client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice=named,
+                                                 max_tokens=20, temperature=0, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
 def test_a_conversation_with_the_tools_answer_goes_on(client):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     msgs = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -88,7 +105,9 @@ def test_a_conversation_with_the_tools_answer_goes_on(client):
 
 @pytest.mark.parametrize("extra, status, needle", [
     ({"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice 'required' is not supported"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 400, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, 400,
+     "tool_choice names 'get_time', which is not one of the tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, 400, "tool_choice must be"),
     ({"tools": [{"type": "retrieval"}]}, 400, "each tool must be"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": 3}}]}]}, 400,
      "each tool call must be"),
