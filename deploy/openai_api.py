@@ -491,8 +491,12 @@ class OpenAIIngress:
         grant = self._grant(request)
         messages = [m.template_dict() for m in body.messages]
         tools, forced = body.tool_functions(), body.forced_function()
+        prefix = body.answer_prefix()  # chat prefix completion: the answer goes on from that text
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(messages, tools)
+            if prefix is None:
+                prompt_ids = self.tokenizer.apply_chat_template(messages, tools)
+            else:
+                prompt_ids = self.tokenizer.apply_chat_template(messages[:-1], tools) + self.tokenizer.encode(prefix)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         engine_req = self._engine_request(body, prompt_ids, grant)
@@ -505,7 +509,14 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         await self._check_body(request)
         grant = self._grant(request)
-        if isinstance(body.prompt, str):
+        if body.suffix is not None:  # fill in the middle
+            if not isinstance(body.prompt, str):
+                raise APIError(400, "suffix (fill in the middle) needs a text prompt", param="suffix")
+            try:
+                prompt_ids = self.tokenizer.fim_prompt(body.prompt, body.suffix)
+            except ValueError as e:
+                raise APIError(400, str(e), param="suffix") from None
+        elif isinstance(body.prompt, str):
             bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
             prompt_ids = bos + self.tokenizer.encode(body.prompt)
         else:

@@ -139,6 +139,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message answers this call
+    prefix: bool = False  # the last message, an assistant's: the answer continues it (DeepSeek's)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates take it (``developer`` is their ``system``)."""
@@ -168,6 +169,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    def answer_prefix(self) -> str | None:
+        """The text the answer starts with (the last message, an assistant's with ``prefix``)."""
+        if any(m.prefix for m in self.messages[:-1]) or (self.messages[-1].prefix and self.messages[-1].role != "assistant"):
+            raise APIError(400, "only the last message, an assistant's, may be a prefix", param="messages")
+        return self.messages[-1].text() if self.messages[-1].prefix else None
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
     tools: list[dict[str, Any]] | None = None  # functions the model may call
@@ -213,10 +220,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # chosen token's + this many alternatives
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion (DeepSeek's FIM)
     best_of: int | None = None
 
-    UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("echo", False), ("suffix", None))
+    UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("echo", False))
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -15,7 +15,10 @@ from typing import Protocol
 
 from model.tool_calls import format_tool_calls
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "load_tokenizer"]
+__all__ = ["FIM_TOKENS", "ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "load_tokenizer"]
+
+
+FIM_TOKENS = ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")  # DeepSeek's fill-in-the-middle markers
 
 
 class Tokenizer(Protocol):
@@ -28,6 +31,11 @@ class Tokenizer(Protocol):
 
     def token_bytes(self, token: int) -> bytes:
         """One token's bytes (what a client sees of it in logprobs; b"" for a special token)."""
+        ...
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """Fill-in-the-middle prompt ids (DeepSeek's ``<｜fim▁begin｜>PREFIX<｜fim▁hole｜>SUFFIX<｜fim▁end｜>``
+        after BOS); ValueError when the vocabulary lacks those tokens."""
         ...
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -54,6 +62,9 @@ class ByteTokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([token]) if 0 <= token < 256 else b""
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
+        raise ValueError("this model's tokenizer has no fill-in-the-middle tokens")
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         ids = [self.BOS]
@@ -103,6 +114,13 @@ class HFTokenizer:
     def token_bytes(self, token: int) -> bytes:
         # a token that is part of a character decodes to U+FFFD alone; its UTF-8 is reported then
         return self.decode([token]).encode("utf-8")
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
+        begin, hole, end = (self._tok.token_to_id(t) for t in FIM_TOKENS)
+        if begin is None or hole is None or end is None:
+            raise ValueError(f"this model's tokenizer has no fill-in-the-middle tokens ({', '.join(FIM_TOKENS)})")
+        bos = [self.bos_id] if self.bos_id is not None else []
+        return [*bos, begin, *self.encode(prefix), hole, *self.encode(suffix), end]
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.chat_template:

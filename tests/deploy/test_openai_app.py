@@ -315,6 +315,7 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias key '99999'"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 101}}, 400, "must be in [-100, 100]"),
     ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "no fill-in-the-middle tokens"),  # the byte tokenizer
 ])
 def test_bad_requests_get_openai_errors(base_url, body, status, needle):
     r = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-alpha"}, timeout=30)

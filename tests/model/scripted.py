@@ -15,17 +15,19 @@ import torch
 
 from model.checkpoint import random_state_dict, save_checkpoint
 from model.config import named_config
+from model.tokenizer import FIM_TOKENS
 
 TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>{{ tools | tojson }}{% endif %}"
             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SPECIALS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]
+SPECIALS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>", *FIM_TOKENS]
 
 
-def make_scripted_checkpoint(out_dir: Path, words: list[str], script: list[str]) -> Path:
-    """``words``: ordinary vocabulary (prompts are made of them); ``script``: the tokens said
-    after ``<|assistant|>``, in order, each once (then ``</s>``). A script token that is not a
-    word is added as a non-special token, so it stays in the decoded text."""
+def make_scripted_checkpoint(out_dir: Path, words: list[str], scripts: dict[str, list[str]]) -> Path:
+    """``words``: ordinary vocabulary (prompts are made of them); ``scripts``: for a trigger token
+    (``<|assistant|>``, say) the tokens said after it, in order, then ``</s>``; every script token
+    once in all the scripts. A script token that is not a word is added as a non-special token, so
+    it stays in the decoded text; a prompt that ends inside a script goes on from there."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(["<unk>", *words])}
@@ -33,9 +35,10 @@ def make_scripted_checkpoint(out_dir: Path, words: list[str], script: list[str])
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.Fuse()  # tokens join without spaces
     tok.add_special_tokens(SPECIALS)
-    tok.add_tokens([t for t in script if t not in vocab])
-    ids = [tok.token_to_id(t) for t in ["<|assistant|>", *script, "</s>"]]
-    assert len(set(ids)) == len(ids), "each script token once"
+    said = [t for script in scripts.values() for t in script]
+    assert len(set(said)) == len(said) and not set(said) & set(scripts), "each script token once"
+    tok.add_tokens([t for t in said if t not in vocab])
+    chains = [[tok.token_to_id(t) for t in [trigger, *script, "</s>"]] for trigger, script in scripts.items()]
 
     cfg = dataclasses.replace(named_config("tiny"), bos_token_id=tok.token_to_id("<s>"),
                               eos_token_id=tok.token_to_id("</s>"))
@@ -48,8 +51,9 @@ def make_scripted_checkpoint(out_dir: Path, words: list[str], script: list[str])
     emb = torch.randn(cfg.vocab_size, h, generator=gen)
     emb = emb / emb.norm(dim=-1, keepdim=True) * h ** 0.5  # RMS 1: the final norm keeps it
     head = torch.zeros(cfg.vocab_size, h)
-    for cur, nxt in zip(ids, ids[1:], strict=False):
-        head[nxt] = 20.0 * emb[cur] / h  # logit 20 for the next script token, ~N(0, 1.25) for the rest
+    for ids in chains:
+        for cur, nxt in zip(ids, ids[1:], strict=False):
+            head[nxt] += 20.0 * emb[cur] / h  # logit ~20 for the next script token, ~N(0, 1.25) for the rest
     sd["model.embed_tokens.weight"], sd["lm_head.weight"] = emb, head
     out_dir = Path(out_dir)
     save_checkpoint(out_dir, cfg, sd, {"tokenizer_config.json": json.dumps(

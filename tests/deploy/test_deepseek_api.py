@@ -1,6 +1,7 @@
-"""Tool calls through HTTP with the official ``openai`` client: a scripted checkpoint
-(tests/model/scripted.py) answers with a call in DeepSeek-V3's format, and the server returns it
-as OpenAI's ``tool_calls``, whole and streamed."""
+"""DeepSeek's API features through HTTP with the official ``openai`` client, on a scripted
+checkpoint (tests/model/scripted.py) whose answers are known: tool calls (the model answers with a
+call in DeepSeek-V3's format and the server returns OpenAI's ``tool_calls``, whole and streamed),
+fill in the middle (``suffix``) and chat prefix completion."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ SCRIPT = ["Checking", CALLS_BEGIN, CALL_BEGIN, "function", SEP, "get_weather", "
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "what is the weather in Paris ?"}]
+FIM_SCRIPT = ["\n    if a < 2:", "\n        return a\n"]  # said after <｜fim▁end｜>
+WORDS = ["what", "is", "the", "weather", "in", "Paris", "?", "def", "fib", "(", "a", ")", ":", "return"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def client(tmp_path_factory):
     from deploy.redis_proc import wait_healthy
 
     home = tmp_path_factory.mktemp("tools")
-    ckpt = make_scripted_checkpoint(home / "scripted", ["what", "is", "the", "weather", "in", "Paris", "?"], SCRIPT)
+    ckpt = make_scripted_checkpoint(home / "scripted", WORDS, {"<|assistant|>": SCRIPT, "<｜fim▁end｜>": FIM_SCRIPT})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -44,7 +47,9 @@ def client(tmp_path_factory):
     serve.run(app, name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client.ckpt = ckpt
+    yield client
     serve.shutdown()
     ray.shutdown()
 
@@ -103,6 +108,27 @@ def test_a_conversation_with_the_tools_answer_goes_on(client):
     assert r.choices[0].finish_reason == "tool_calls"  # the script calls again
 
 
+def test_fill_in_the_middle(client):
+    from model.tokenizer import load_tokenizer
+
+    r = client.completions.create(model="scripted", prompt="def fib(a):", suffix="    return fib(a-1) + fib(a-2)",
+                                  max_tokens=10, temperature=0)
+    assert r.choices[0].text == "".join(FIM_SCRIPT) and r.choices[0].finish_reason == "stop"
+    tok = load_tokenizer(client.ckpt)
+    assert r.usage.prompt_tokens == 4 + len(tok.encode("def fib(a):")) + len(tok.encode("    return fib(a-1) + fib(a-2)"))
+    # without the suffix it is a plain completion (not the FIM script)
+    plain = client.completions.create(model="scripted", prompt="def fib(a):", max_tokens=10, temperature=0)
+    assert plain.choices[0].text != "".join(FIM_SCRIPT)
+
+
+def test_chat_prefix_completion_goes_on_from_the_prefix(client):
+    msgs = [*ASK, {"role": "assistant", "content": "Checking", "prefix": True}]
+    r = client.chat.completions.create(model="scripted", messages=msgs, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == "".join(SCRIPT[1:])  # the script after "Checking"
+    whole = client.chat.completions.create(model="scripted", messages=ASK, max_tokens=20, temperature=0)
+    assert r.usage.prompt_tokens == whole.usage.prompt_tokens + 1
+
+
 @pytest.mark.parametrize("extra, status, needle", [
     ({"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice 'required' is not supported"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, 400,
@@ -111,8 +137,16 @@ def test_a_conversation_with_the_tools_answer_goes_on(client):
     ({"tools": [{"type": "retrieval"}]}, 400, "each tool must be"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": 3}}]}]}, 400,
      "each tool call must be"),
+    ({"messages": [{"role": "user", "content": "x", "prefix": True}]}, 400, "only the last message, an assistant's"),
+    ({"messages": [{"role": "assistant", "content": "x", "prefix": True}, *ASK]}, 400, "may be a prefix"),
 ])
-def test_bad_tool_requests_get_openai_errors(client, extra, status, needle):
+def test_bad_requests_get_openai_errors(client, extra, status, needle):
     body = {"model": "scripted", "messages": ASK, "max_tokens": 4, **extra}
     r = httpx.post(f"{client.base_url}chat/completions", json=body, timeout=60)
     assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+def test_fill_in_the_middle_needs_a_text_prompt(client):
+    r = httpx.post(f"{client.base_url}completions", timeout=60,
+                   json={"model": "scripted", "prompt": [1, 2], "suffix": "x", "max_tokens": 2})
+    assert r.status_code == 400 and "needs a text prompt" in r.json()["error"]["message"]
