@@ -5,6 +5,7 @@ beyond it. Greedy answers equal the model computed alone."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import socket
 
 import httpx
@@ -124,3 +125,31 @@ def _text(url: str, body: dict) -> str:
     r = httpx.post(f"{url}/v1/completions", timeout=120, json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def test_json_mode_and_logit_bias_go_through_the_handoff(base_url):
+    """The decode replica takes up JSON mode where the prefill replica's first token left it, and
+    applies the request's logit_bias too: the object equals the model alone under the same masks."""
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.generate import generate
+    from model.sampling import SamplingParams
+    from model.structured import JsonMasks
+    from model.tokenizer import load_tokenizer
+
+    url, home = base_url
+    bias = {str(ord(" ")): -10, str(ord("}")): 2.5, str(ord(",")): -3}  # this model then closes its object
+    before = _handoffs(url)
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "Reply in JSON", "max_tokens": 40, "temperature": 0, "logit_bias": bias,
+        "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    assert _handoffs(url) == before + 1
+    ckpt = default_checkpoint(home)
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    params = SamplingParams(logit_bias=tuple((int(t), float(b)) for t, b in bias.items()))
+    ids = generate(model, [tok.bos_id, *tok.encode("Reply in JSON")], 40, params, eos_id=tok.eos_id,
+                   json_masks=JsonMasks(tok.token_bytes, model.cfg.vocab_size))
+    choice = r.json()["choices"][0]
+    assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "stop"
+    assert isinstance(json.loads(choice["text"]), dict)
