@@ -96,6 +96,7 @@ def generate(
         0.0, "--frequency-penalty", help="lower a token's logit per time it was generated ([-2, 2])"),
     logit_bias: list[str] = typer.Option(
         None, "--logit-bias", help="TOKEN_ID=BIAS: add BIAS ([-100, 100]) to that token's logit; repeatable"),
+    json_object: bool = typer.Option(False, "--json-object", help="JSON mode: the output is one JSON object"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (the Triton kernels run on CUDA)"),
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
@@ -141,9 +142,11 @@ def generate(
         raise typer.BadParameter(f"--logit-bias token id {bad[0]} is outside the vocabulary [0, {model.cfg.vocab_size})")
     pages = -(-(len(ids) + max_tokens + 1) // 16)
     ns = Namespace(model.cfg.fingerprint(), "cli", dtype, "latent", 64)
-    engine = Engine(model, EngineConfig(num_pages=pages), ns, tok.decode, model.cfg.eos_token_id)
+    engine = Engine(model, EngineConfig(num_pages=pages), ns, tok.decode, model.cfg.eos_token_id,
+                    token_bytes=tok.token_bytes)
     try:
-        engine.add_request(GenerationRequest("cli", tuple(ids), max_tokens, params))
+        engine.add_request(GenerationRequest("cli", tuple(ids), max_tokens, params,
+                                             response_format="json_object" if json_object else None))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     outputs = engine.run_to_completion()["cli"]

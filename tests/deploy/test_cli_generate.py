@@ -45,6 +45,24 @@ def test_penalized_and_biased_generation_matches_the_model(hf_ckpt, tmp_path):
     assert json.loads(r.stdout)["token_ids"] == ids and banned not in ids
 
 
+def test_json_object_mode_matches_the_model_under_the_masks(tmp_path):
+    from model.default import default_checkpoint
+    from model.sampling import SamplingParams
+    from model.structured import JsonMasks
+    from model.tokenizer import ByteTokenizer
+
+    r = _tide("generate", "--prompt", "Reply in JSON", "--max-tokens", "40", "--json-object", "--logit-bias", "32=-10",
+              "--logit-bias", "125=2.5", "--logit-bias", "44=-3", "--json", env_home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    tok = ByteTokenizer()
+    model = load_model(default_checkpoint(tmp_path))
+    ids = generate(model, [tok.BOS, *tok.encode("Reply in JSON")], 40,
+                   SamplingParams(logit_bias=((32, -10.0), (125, 2.5), (44, -3.0))), eos_id=tok.EOS,
+                   json_masks=JsonMasks(tok.token_bytes, model.cfg.vocab_size))
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == ids and isinstance(json.loads(out["text"]), dict)
+
+
 def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
     r = _tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "6",
               "--json", env_home=tmp_path)
