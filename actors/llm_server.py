@@ -273,7 +273,7 @@ class LLMServer:
         """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ``presence_penalty``,
         ``frequency_penalty``, ``logit_bias`` ([token id, bias] pairs), ``stop``, ``ignore_eos``, ``tenant``,
-        ``response_format`` ("json_object": JSON mode).
+        ``response_format`` ("json_object": JSON mode; "json_schema" with ``json_schema``, the schema's text).
         P/D: ``handoff`` (prefill only; the last output carries ``handoff`` and is followed by
         the prompt's KV tensor) or ``prefilled`` (such a ``handoff`` dict with ``kv``, the KV
         item's reference: decode only); see ``actors/pd_handoff.py``."""
@@ -288,6 +288,7 @@ class LLMServer:
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
             tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)), req.get("response_format"),
+            req.get("json_schema"),
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)

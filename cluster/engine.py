@@ -18,6 +18,7 @@ cache's I/O threads: persistence never blocks decode.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 import warnings
@@ -33,10 +34,11 @@ from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
+from model.json_schema import SchemaGrammar
 from model.kv_cache import slots_for
 from model.model import DeepseekModel
 from model.sampling import TokenLogprob, sample, token_logprobs
-from model.structured import JSON_START, JsonMasks, json_done
+from model.structured import JsonMasks
 
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
@@ -94,7 +96,8 @@ class Engine:
         self.eos_id = eos_id
         self.cache = cache
         self.token_bytes = token_bytes
-        self._json_masks: JsonMasks | None = None  # built on the first JSON-mode request
+        self._json_masks: JsonMasks | None = None  # JSON mode's, built on the first JSON-mode request
+        self._schema_masks: dict[str, JsonMasks] = {}  # by schema text (a few recent ones)
         self.admission = make_admission(cfg.admission)
         self.pool = model.new_pool(cfg.num_pages, cfg.page_size)
         self.pages = PageAllocator(cfg.num_pages)
@@ -127,8 +130,8 @@ class Engine:
         seq = Sequence(req, keys, emitted_text_len=req.continued_chars)
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
-        if req.response_format == "json_object":
-            seq.json_state = self._json_start(req)
+        if req.response_format is not None:
+            seq.json_masks, seq.json_state = self._json_start(req)
         if req.prefilled is not None:
             self._check_prefilled(req)
             if seq.generator is not None and req.prefilled.generator_state is not None:
@@ -147,25 +150,34 @@ class Engine:
             self._by_id[req.request_id] = seq
             self.waiting.append(seq)
 
-    def _json_start(self, req: GenerationRequest) -> object:
-        """JSON mode's state after the tokens another replica already generated."""
+    def _json_start(self, req: GenerationRequest) -> tuple[JsonMasks, object]:
+        """The request's grammar masks, and their state after the tokens another replica
+        already generated."""
         if self.token_bytes is None:
             raise ValueError("JSON mode needs the tokenizer's token bytes (Engine(token_bytes=...))")
         if self._json_masks is None:
             self._json_masks = JsonMasks(self.token_bytes, self.model.cfg.vocab_size)
-        state = JSON_START
+        masks = self._json_masks
+        if req.json_schema is not None:
+            masks = self._schema_masks.get(req.json_schema)
+            if masks is None:
+                if len(self._schema_masks) >= 32:
+                    self._schema_masks.pop(next(iter(self._schema_masks)))
+                grammar = SchemaGrammar(json.loads(req.json_schema))  # SchemaError is a ValueError
+                masks = self._schema_masks[req.json_schema] = self._json_masks.for_grammar(grammar)
+        state = masks.grammar.start
         for tok in req.continued_ids:
-            state = self._json_masks.advance(state, tok)
-        if state is None or json_done(state):
-            raise ValueError("the continued tokens are not the start of an open JSON object")
-        return state
+            state = masks.advance(state, tok)
+        if state is None or masks.done(state):
+            raise ValueError("the continued tokens are not the start of an unfinished JSON output")
+        return masks, state
 
     def _constrained(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
         """``logits`` [B, V] with JSON mode's disallowed tokens at -inf in its rows."""
-        rows = [b for b, seq in enumerate(batch) if seq.json_state is not None]
-        if not rows:
-            return logits
-        return self._json_masks.apply(logits, rows, [batch[b].json_state for b in rows], fallback=self.eos_id)
+        for masks in {id(s.json_masks): s.json_masks for s in batch if s.json_masks is not None}.values():
+            rows = [b for b, seq in enumerate(batch) if seq.json_masks is masks]
+            logits = masks.apply(logits, rows, [batch[b].json_state for b in rows], fallback=self.eos_id)
+        return logits
 
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
@@ -305,8 +317,8 @@ class Engine:
         seq.num_computed = n
         seq.output_ids.append(pre.first_token)
         seq.output_logprobs.append(pre.first_logprob)
-        if seq.json_state is not None:
-            seq.json_state = self._json_masks.advance(seq.json_state, pre.first_token)
+        if seq.json_masks is not None:
+            seq.json_state = seq.json_masks.advance(seq.json_state, pre.first_token)
         seq.sources = dataclasses.replace(pre.sources)
         seq.input_persisted = True  # the prefill replica persisted the prompt
         seq.first_token_s = time.monotonic()
@@ -392,11 +404,11 @@ class Engine:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(tok)
         seq.output_logprobs.append(lp)
-        if seq.json_state is not None:
-            seq.json_state = self._json_masks.advance(seq.json_state, tok)
+        if seq.json_masks is not None:
+            seq.json_state = seq.json_masks.advance(seq.json_state, tok)
         eos = tok == self.eos_id and not seq.req.ignore_eos
         reason = None
-        if eos or json_done(seq.json_state):  # JSON mode: the object is complete
+        if eos or (seq.json_masks is not None and seq.json_masks.done(seq.json_state)):  # JSON mode: complete
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.req.max_tokens:
             reason = FinishReason.LENGTH

@@ -12,7 +12,7 @@ from model.sampling import SamplingParams, TokenLogprob
 __all__ = ["RESPONSE_FORMATS", "FinishReason", "GenerationRequest", "Prefilled", "RequestMigrated", "RequestOutput", "Sequence", "TokenSources"]
 
 
-RESPONSE_FORMATS = (None, "json_object")
+RESPONSE_FORMATS = (None, "json_object", "json_schema")
 
 
 class RequestMigrated(RuntimeError):
@@ -44,12 +44,16 @@ class GenerationRequest:
     continued_ids: tuple[int, ...] = ()
     continued_chars: int = 0
     # "json_object": every step keeps the output a prefix of one JSON object, and the request
-    # ends when it closes (``model.structured``)
+    # ends when it closes (``model.structured``); "json_schema": one JSON value that
+    # ``json_schema`` (the schema as JSON text) accepts (``model.json_schema``)
     response_format: str | None = None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:
             raise ValueError(f"response_format must be one of {RESPONSE_FORMATS}, got {self.response_format!r}")
+        if (self.response_format == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format json_schema goes with a json_schema, and only it")
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
         if self.handoff and self.prefilled is not None:
@@ -120,7 +124,8 @@ class Sequence:
     finished: FinishReason | None = None
     input_persisted: bool = False
     generator: object = None  # torch.Generator for seeded sampling
-    json_state: object = None  # JSON mode: the grammar's state after the output so far
+    json_masks: object = None  # JSON mode: the grammar's token masks (model.structured.JsonMasks)
+    json_state: object = None  # ... and its state after the output so far
 
     @property
     def all_ids(self) -> list[int]:

@@ -257,7 +257,7 @@ class OpenAIIngress:
                 "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k(),
                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
                 "logit_bias": body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias),
-                "response_format": body.json_mode()}
+                **body.json_mode()}
 
     @staticmethod
     def _usage(lasts: list[dict]) -> dict:
@@ -500,8 +500,9 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         engine_req = self._engine_request(body, prompt_ids, grant)
-        if forced is not None:  # the output is that function's arguments: one JSON object
-            engine_req["response_format"] = "json_object"
+        if forced is not None:  # the output is that function's arguments: per its schema, or any JSON object
+            schema = body.forced_parameters(forced)
+            engine_req.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
             return await self._respond(engine_req, body, "chat", functools.partial(ForcedCall, forced), "stop")
         return await self._respond(engine_req, body, "chat", ToolCallStream if tools is not None else None)
 

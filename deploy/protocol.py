@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from model.json_schema import SchemaError, SchemaGrammar
 from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
@@ -43,6 +45,15 @@ class KeyGrant:
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+
+def schema_text(schema: dict, param: str) -> str:
+    """A JSON schema the engine can enforce, as canonical JSON text (a 400 naming what it cannot)."""
+    try:
+        SchemaGrammar(schema)
+    except SchemaError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
+    return json.dumps(schema, sort_keys=True, ensure_ascii=False)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -100,15 +111,20 @@ class _Sampling(BaseModel):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         return stops
 
-    def json_mode(self) -> str | None:
-        """The engine's ``response_format``: "json_object" (JSON mode) or None (text)."""
-        kind = (self.response_format or {}).get("type", "text")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return "json_object"
-        raise APIError(400, f"response_format {kind!r} is not supported by this server (text or json_object)",
-                       param="response_format", code="unsupported_parameter")
+    def json_mode(self) -> dict[str, str | None]:
+        """The engine's ``response_format`` ("json_object", "json_schema" or None for text) and
+        ``json_schema`` (the schema as canonical JSON text; a 400 for one it cannot enforce)."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind in ("text", "json_object"):
+            return {"response_format": None if kind == "text" else kind, "json_schema": None}
+        if kind != "json_schema":
+            raise APIError(400, f"response_format {kind!r} is not supported by this server (text, json_object or "
+                           "json_schema)", param="response_format", code="unsupported_parameter")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "response_format json_schema needs json_schema: {name, schema}", param="response_format")
+        return {"response_format": "json_schema", "json_schema": schema_text(spec.get("schema", {}), "response_format")}
 
     def logit_bias_pairs(self, vocab_size: int, limit: int) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs, each id in the vocabulary and each bias in
@@ -193,6 +209,18 @@ class ChatCompletionRequest(_Sampling):
         if name not in {t["function"]["name"] for t in self.tool_functions() or []}:
             raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
         return name
+
+    def forced_parameters(self, name: str) -> str | None:
+        """The named function's parameters schema as canonical JSON text, when it has one this
+        server can enforce (None: any JSON object)."""
+        fn = next(t["function"] for t in self.tools or [] if t["function"]["name"] == name)
+        params = fn.get("parameters")
+        if not isinstance(params, dict) or not params:
+            return None
+        try:
+            return schema_text(params, "tools")
+        except APIError:
+            return None  # a schema it cannot enforce: the arguments are still one JSON object
 
     def tool_functions(self) -> list[dict[str, Any]] | None:
         """The tools the model may call (None: it calls none, its output is all content)."""

@@ -10,7 +10,7 @@ import torch
 
 from model.model import DeepseekModel
 from model.sampling import SamplingParams, sample
-from model.structured import JSON_START, JsonMasks, json_done
+from model.structured import JsonMasks
 
 __all__ = ["generate"]
 
@@ -25,8 +25,8 @@ def generate(
     json_masks: JsonMasks | None = None,
 ) -> list[int]:
     """Generated token ids (the EOS id included when it ends the output); greedy by default.
-    ``json_masks``: JSON mode (each token keeps the output a prefix of one JSON object; the
-    output ends when the object closes)."""
+    ``json_masks``: JSON mode (each token keeps the output a prefix of what the masks' grammar
+    accepts: one JSON object, or a schema's value; the output ends when it is whole)."""
     params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("prompt is empty")
@@ -44,7 +44,7 @@ def generate(
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     logits = model.prefill(torch.tensor(prompt_ids), pool, table)[None]  # [1, V]
     out: list[int] = []
-    state = JSON_START
+    state = json_masks.grammar.start if json_masks is not None else None
     while True:
         if json_masks is not None:
             logits = json_masks.apply(logits, [0], [state], fallback=eos_id)
@@ -52,7 +52,7 @@ def generate(
         out.append(tok)
         if json_masks is not None:
             state = json_masks.advance(state, tok)
-        if tok == eos_id or len(out) == max_new_tokens or json_done(state):
+        if tok == eos_id or len(out) == max_new_tokens or (json_masks is not None and json_masks.done(state)):
             return out
         pos = len(prompt_ids) + len(out) - 1
         logits = model.decode(torch.tensor([tok]), pool, table[None], torch.tensor([pos]))

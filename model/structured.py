@@ -13,7 +13,8 @@ per sequence and to use as cache keys.
 answer: a token's fate depends only on the mode, ``arg`` and as many open containers as the
 token has closing brackets, so states that differ deeper in the stack share one mask. Inside a
 string (where most of a long output is) tokens without a quote, backslash or control byte are
-always allowed and need no walk.
+always allowed and need no walk. ``JsonMasks`` takes any grammar with this module's interface
+(``JSON_OBJECT``; ``model.json_schema.SchemaGrammar`` for a schema).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["JSON_START", "MAX_WHITESPACE_RUN", "JsonMasks", "json_advance", "json_done", "json_step"]
+__all__ = ["JSON_OBJECT", "JSON_START", "MAX_WHITESPACE_RUN", "STRING_END", "STRING_MODES", "JsonMasks", "json_advance",
+           "json_done", "json_step", "string_step"]
 
 State = tuple[int, object, str]
 
@@ -74,27 +76,11 @@ def _value(b: int, stack: str) -> State | None:
 def json_step(state: State, b: int) -> State | None:
     """The state after byte ``b``, or None when ``b`` cannot follow."""
     mode, arg, stack = state
-    if mode == _STR:  # arg: (a key?, UTF-8 continuation bytes still due)
-        key, due = arg
-        if due:
-            return (_STR, (key, due - 1), stack) if 0x80 <= b <= 0xBF else None
-        if b == _QUOTE:
-            return (_COLON, None, stack) if key else (_AFTER, None, stack)
-        if b == _BACKSLASH:
-            return (_ESC, key, stack)
-        if b < 0x80:
-            return None if b < 0x20 else state
-        due = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 else 0
-        return (_STR, (key, due), stack) if due else None
-    if mode == _ESC:
-        if b == ord("u"):
-            return (_HEX, (arg, 4), stack)
-        return (_STR, (arg, 0), stack) if b in _ESCAPES else None
-    if mode == _HEX:
-        key, left = arg
-        if b not in _HEXDIGITS:
-            return None
-        return (_STR, (key, 0), stack) if left == 1 else (_HEX, (key, left - 1), stack)
+    if mode in STRING_MODES:
+        nxt = string_step(mode, arg, b)
+        if nxt is STRING_END:
+            return (_COLON, None, stack) if arg[0] else (_AFTER, None, stack)
+        return None if nxt is None else (*nxt, stack)
     if mode == _LIT:
         if b != arg[0]:
             return None
@@ -140,6 +126,37 @@ def json_step(state: State, b: int) -> State | None:
     return None
 
 
+STRING_MODES = (_STR, _ESC, _HEX)
+STRING_END = "end"
+
+
+def string_step(mode: int, arg, b: int):
+    """Byte ``b`` inside a string, shared by the grammars here and in ``model.json_schema``:
+    the next ``(mode, arg)``, ``STRING_END`` at the closing quote, or None. In ``_STR``, ``arg``
+    is (a key?, UTF-8 continuation bytes still due); in ``_ESC`` the key flag; in ``_HEX`` (the
+    key flag, hex digits left of a ``\\uXXXX`` escape)."""
+    if mode == _STR:
+        key, due = arg
+        if due:
+            return (_STR, (key, due - 1)) if 0x80 <= b <= 0xBF else None
+        if b == _QUOTE:
+            return STRING_END
+        if b == _BACKSLASH:
+            return (_ESC, key)
+        if b < 0x80:
+            return None if b < 0x20 else (_STR, arg)
+        due = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 else 0
+        return (_STR, (key, due)) if due else None
+    if mode == _ESC:
+        if b == ord("u"):
+            return (_HEX, (arg, 4))
+        return (_STR, (arg, 0)) if b in _ESCAPES else None
+    key, left = arg  # _HEX
+    if b not in _HEXDIGITS:
+        return None
+    return (_STR, (key, 0)) if left == 1 else (_HEX, (key, left - 1))
+
+
 def json_advance(state: State | None, data: bytes) -> State | None:
     """The state after ``data`` (None once a byte cannot follow)."""
     for b in data:
@@ -154,6 +171,28 @@ def json_done(state: State | None) -> bool:
     return state is not None and state[0] == _DONE
 
 
+class _ObjectGrammar:
+    """JSON mode's grammar (one JSON object) in the interface ``JsonMasks`` takes; a schema's
+    grammar (``model.json_schema.SchemaGrammar``) has the same."""
+
+    start = JSON_START
+    step = staticmethod(json_step)
+    done = staticmethod(json_done)
+
+    @staticmethod
+    def cache_key(state: State, depth: int) -> tuple:
+        """A token that pops at most ``depth`` containers never sees the stack below them."""
+        mode, arg, stack = state
+        return (mode, arg, stack[-depth:], len(stack) <= depth)
+
+    @staticmethod
+    def in_free_string(state: State) -> bool:
+        return state[0] == _STR and state[1][1] == 0
+
+
+JSON_OBJECT = _ObjectGrammar()
+
+
 def _plain_text(token: bytes) -> bool:
     """Whole UTF-8 characters with no quote, backslash or control character: such a token
     continues any string between two characters."""
@@ -165,13 +204,21 @@ def _plain_text(token: bytes) -> bool:
 
 
 class JsonMasks:
-    """Which tokens may come next in JSON mode. ``token_bytes(i)`` is token i's bytes (b"" for a
-    special token, which is never allowed) for i in ``range(vocab_size)``."""
+    """Which tokens may come next under ``grammar`` (JSON mode's by default). ``token_bytes(i)``
+    is token i's bytes (b"" for a special token, which is never allowed) for i in
+    ``range(vocab_size)``."""
 
     MAX_CACHED = 4096  # masks kept (vocab_size bytes each)
 
-    def __init__(self, token_bytes: Callable[[int], bytes], vocab_size: int) -> None:
+    def __init__(self, token_bytes: Callable[[int], bytes] | None, vocab_size: int, grammar=JSON_OBJECT,
+                 _tables: JsonMasks | None = None) -> None:
         self.vocab_size = vocab_size
+        self.grammar = grammar
+        self._cache: dict[tuple, torch.Tensor] = {}
+        if _tables is not None:  # another grammar over the same vocabulary: share its tables
+            self.tokens, self._by_first = _tables.tokens, _tables._by_first
+            self._plain_in_string, self._not_plain, self._depth = _tables._plain_in_string, _tables._not_plain, _tables._depth
+            return
         self.tokens: list[bytes] = [token_bytes(i) for i in range(vocab_size)]
         self._by_first: dict[int, list[int]] = {}
         self._plain_in_string = [False] * vocab_size  # tokens that keep a string open whatever came before
@@ -182,15 +229,29 @@ class JsonMasks:
         self._not_plain = [i for i, t in enumerate(self.tokens) if t and not self._plain_in_string[i]]
         # a token pops at most this many containers, so the stack below that never matters
         self._depth = 1 + max((t.count(b"}") + t.count(b"]") for t in self.tokens), default=0)
-        self._cache: dict[tuple, torch.Tensor] = {}
 
-    def advance(self, state: State | None, token: int) -> State | None:
-        return json_advance(state, self.tokens[token]) if 0 <= token < self.vocab_size else None
+    def for_grammar(self, grammar) -> JsonMasks:
+        """Masks for another grammar (a schema's) over the same vocabulary."""
+        return JsonMasks(None, self.vocab_size, grammar, _tables=self)
 
-    def allowed(self, state: State) -> torch.Tensor:
+    def done(self, state) -> bool:
+        """The output is whole (the request ends)."""
+        return self.grammar.done(state)
+
+    def _advance(self, state, data: bytes):
+        step = self.grammar.step
+        for b in data:
+            if state is None:
+                return None
+            state = step(state, b)
+        return state
+
+    def advance(self, state, token: int):
+        return self._advance(state, self.tokens[token]) if 0 <= token < self.vocab_size else None
+
+    def allowed(self, state) -> torch.Tensor:
         """bool [vocab_size]: the tokens that may follow ``state``."""
-        mode, arg, stack = state
-        key = (mode, arg, stack[-self._depth:], len(stack) <= self._depth)
+        key = self.grammar.cache_key(state, self._depth)
         mask = self._cache.get(key)
         if mask is None:
             if len(self._cache) >= self.MAX_CACHED:
@@ -198,18 +259,19 @@ class JsonMasks:
             mask = self._cache[key] = torch.tensor(self._compute(state), dtype=torch.bool)
         return mask
 
-    def _compute(self, state: State) -> list[bool]:
-        if state[0] == _STR and state[1][1] == 0:  # most tokens stay inside the string: walk only the others
+    def _compute(self, state) -> list[bool]:
+        if self.grammar.in_free_string(state):  # most tokens stay inside the string: walk only the others
             ok = list(self._plain_in_string)
             for i in self._not_plain:
-                ok[i] = json_advance(state, self.tokens[i]) is not None
+                ok[i] = self._advance(state, self.tokens[i]) is not None
             return ok
         ok = [False] * self.vocab_size
+        step = self.grammar.step
         for first, ids in self._by_first.items():
-            after = json_step(state, first)
+            after = step(state, first)
             if after is not None:
                 for i in ids:
-                    ok[i] = json_advance(after, self.tokens[i][1:]) is not None
+                    ok[i] = self._advance(after, self.tokens[i][1:]) is not None
         return ok
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[State],

@@ -205,6 +205,33 @@ def test_json_mode_requests_in_a_batch_are_json_and_equal_the_model_alone(model)
     assert eng.stats["preemptions"] >= 1
 
 
+def test_schema_and_json_object_requests_share_a_batch_each_under_its_grammar(model):
+    import json as _json
+
+    from model.json_schema import SchemaGrammar
+    from model.structured import JsonMasks
+
+    tok = ByteTokenizer()
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "array", "items": {"type": "boolean"}}},
+              "required": ["a", "b"], "additionalProperties": False}
+    plain = JsonMasks(tok.token_bytes, model.cfg.vocab_size)
+    masks = {"schema": plain.for_grammar(SchemaGrammar(schema)), "object": plain}
+    eng = _engine(model, max_num_seqs=4)
+    params = SamplingParams(logit_bias=_closing(4.0))
+    prompts = {"schema": _prompt(30, 77), "object": _prompt(30, 77)}
+    eng.add_request(GenerationRequest("schema", prompts["schema"], 40, params, response_format="json_schema",
+                                      json_schema=_json.dumps(schema)))
+    eng.add_request(GenerationRequest("object", prompts["object"], 40, params, response_format="json_object"))
+    outs = eng.run_to_completion()
+    for rid in prompts:
+        assert _tokens(outs[rid]) == generate(model, list(prompts[rid]), 40, params, json_masks=masks[rid]), rid
+    text = tok.decode(_tokens(outs["schema"]))
+    assert outs["schema"][-1].finish_reason == FinishReason.STOP, text
+    value = _json.loads(text)
+    assert set(value) == {"a", "b"} and value["a"] in ("x", "yz") and all(isinstance(v, bool) for v in value["b"])
+    assert _tokens(outs["schema"]) != _tokens(outs["object"])
+
+
 def test_json_mode_needs_token_bytes_and_a_valid_continuation(model):
     eng = Engine(model, EngineConfig(num_pages=64), _ns(model), ByteTokenizer().decode, None)
     with pytest.raises(ValueError, match="token bytes"):
@@ -212,7 +239,7 @@ def test_json_mode_needs_token_bytes_and_a_valid_continuation(model):
     with pytest.raises(ValueError, match="response_format"):
         GenerationRequest("b", (1, 2), 4, response_format="yaml")
     eng = _engine(model)
-    with pytest.raises(ValueError, match="open JSON object"):
+    with pytest.raises(ValueError, match="unfinished JSON output"):
         eng.add_request(GenerationRequest("c", (1, 2, 3), 4, continued_ids=tuple(b"[1"), response_format="json_object"))
 
 

@@ -152,9 +152,9 @@ def test_completion_logprobs_are_the_models(client):
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
 
 
-def _alone(prompt: str | list[int], n: int, json_mode: bool = False, **params) -> list[int]:
+def _alone(prompt: str | list[int], n: int, json_mode: bool | dict = False, **params) -> list[int]:
     """The default model's ``n`` tokens after ``prompt`` (a completion prompt's text, or ids),
-    computed alone; ``json_mode``: under JSON mode's masks."""
+    computed alone; ``json_mode``: under JSON mode's masks (a dict: that schema's)."""
     from model.checkpoint import load_model
     from model.default import default_checkpoint
     from model.generate import generate
@@ -166,7 +166,11 @@ def _alone(prompt: str | list[int], n: int, json_mode: bool = False, **params) -
     model = load_model(default_checkpoint())
     ids = [tok.BOS, *tok.encode(prompt)] if isinstance(prompt, str) else prompt
     masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size) if json_mode else None
-    return generate(model, ids, n, SamplingParams(**params), json_masks=masks)
+    if isinstance(json_mode, dict):
+        from model.json_schema import SchemaGrammar
+
+        masks = masks.for_grammar(SchemaGrammar(json_mode))
+    return generate(model, ids, n, SamplingParams(**params), eos_id=tok.EOS if json_mode else None, json_masks=masks)
 
 
 def test_penalties_equal_the_model_alone(client):
@@ -217,6 +221,33 @@ def test_json_mode_is_one_json_object_equal_to_the_model_alone(client):
     assert chunks[-1].choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict)
     chat_ids = ByteTokenizer().apply_chat_template(msgs)
     assert text == ByteTokenizer().decode(_alone(chat_ids, 64, json_mode=True, logit_bias=bias))
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}, "n": {"type": "integer"},
+                                          "ok": {"type": "boolean"}},
+          "required": ["answer", "n"], "additionalProperties": False}
+
+
+def test_json_schema_output_is_valid_and_equals_the_model_alone(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    from model.tokenizer import ByteTokenizer
+
+    bias = {str(ord(c)): -10 for c in " \n\t\r"} | {str(ord("}")): 2}  # compact, and this model closes its object
+    r = client.completions.create(model="tiny", prompt="Reply in JSON", max_tokens=64, temperature=0, logit_bias=bias,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "answer", "schema": ANSWER}}})
+    text = r.choices[0].text
+    assert r.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), ANSWER)
+    ids = _alone("Reply in JSON", 64, json_mode=ANSWER, logit_bias=tuple((int(t), float(b)) for t, b in bias.items()))
+    assert text == ByteTokenizer().decode(ids)
+
+
+def test_a_schema_it_cannot_enforce_is_a_400_naming_the_keyword(base_url):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a"}}}
+    r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": fmt})
+    assert r.status_code == 400 and "'pattern' is not supported" in r.json()["error"]["message"], r.text
 
 
 def test_chat_logprobs_with_top_alternatives(client):
@@ -328,7 +359,7 @@ def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accept
     msgs = [{"role": "user", "content": "x"}]
     for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
                            "tool_choice"),
-                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema")):
+                          ({"response_format": {"type": "xml"}}, "'xml' is not supported")):
         r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
                        json={"model": "tiny", "messages": msgs, **extra})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

@@ -1,0 +1,129 @@
+"""JSON mode with a schema: the grammar against the schema's own validator (``jsonschema``), and
+its token masks against the grammar."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.json_schema import SchemaError, SchemaGrammar
+from model.structured import JsonMasks
+
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "re"]}},
+        "where": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": ["string", "null"]}},
+                  "required": ["city"], "additionalProperties": False},
+        "ok": {"type": "boolean"},
+        "score": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "any": {},
+        "kind": {"const": "v1"},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+VALID = [
+    {"name": "x", "age": 3},
+    {"age": -12, "name": "é\"q", "tags": ["red", "re", "green"], "ok": True},
+    {"name": "", "age": 0, "where": {"city": "Oslo", "zip": None}, "score": -1.5e3, "kind": "v1"},
+    {"name": "n", "age": 7, "extra": {"a": 1, "b": 22}, "any": [1, {"x": [None, "y"]}], "score": None},
+    {"name": "n", "age": 7, "where": {"zip": "0150", "city": "Oslo"}, "tags": []},
+]
+INVALID = ['{"name": "x"}', '{"age": 1}', '{"name": "x", "age": 1.5}', '{"name": "x", "age": "1"}',
+           '{"name": "x", "age": 1, "name": "y"}', '{"name": "x", "age": 1, "other": 1}', '{"name": 1, "age": 1}',
+           '{"name": "x", "age": 1, "tags": ["blue"]}', '{"name": "x", "age": 1, "where": {}}',
+           '{"name": "x", "age": 1, "kind": "v2"}', '{"name": "x", "age": 1, "extra": {"a": "s"}}',
+           '{"name": "x", "age": 1, "ok": 1}', '{"name": "x", "age": 1} ', ' {"name": "x", "age": 1}', '[]',
+           '{"name": "x", "age": 01}', '{"name": "x", "age": 1, "tags": ["re", ]}']
+
+
+def _accepts(grammar: SchemaGrammar, text: str) -> bool:
+    state = grammar.start
+    for b in text.encode():
+        state = grammar.step(state, b)
+        if state is None:
+            return False
+    return grammar.done(state)
+
+
+@pytest.mark.parametrize("value", VALID)
+@pytest.mark.parametrize("indent", [None, 2])
+def test_valid_values_and_every_prefix_are_accepted(value, indent):
+    jsonschema.validate(value, SCHEMA)
+    grammar = SchemaGrammar(SCHEMA)
+    text = json.dumps(value, ensure_ascii=False, indent=indent)
+    assert _accepts(grammar, text)
+    state = grammar.start
+    for b in text.encode()[:-1]:
+        state = grammar.step(state, b)
+        assert state is not None and not grammar.done(state)
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_values_the_schema_refuses_are_refused(text):
+    assert not _accepts(SchemaGrammar(SCHEMA), text)
+
+
+def _vocab() -> list[bytes]:
+    multi = [b'"name"', b'"age":', b'": "', b'", "', b"true", b"null", b"12", b"-3", b".5", b"e2", b'"red"', b'"re',
+             b"en", b'"],', b"}}", b"]}", b'"where": {"city": "', b'"', b"v1", b'"kind"', b"\xc3\xa9", b""]
+    return [bytes([i]) for i in range(256)] + multi
+
+
+def test_sampled_outputs_under_the_masks_are_valid_and_masks_are_the_grammar():
+    vocab = _vocab()
+    grammar = SchemaGrammar(SCHEMA)
+    masks = JsonMasks(lambda i: vocab[i], len(vocab)).for_grammar(grammar)
+    gen = torch.Generator().manual_seed(0)
+    tilt = torch.zeros(len(vocab))
+    for t in (b"}", b"]", b'"', b",", b"1", b'"age":', b'"name"', b"}}"):
+        tilt[vocab.index(t)] = 5.0  # so outputs end
+    states, done = set(), 0
+    for _ in range(40):
+        state, out = grammar.start, b""
+        for _ in range(300):
+            states.add(state)
+            logits = masks.apply(torch.randn(1, len(vocab), generator=gen) + tilt, [0], [state])
+            tok = int(torch.multinomial(logits.softmax(-1)[0], 1, generator=gen))
+            state, out = masks.advance(state, tok), out + vocab[tok]
+            assert state is not None, out
+            if masks.done(state):
+                break
+        if masks.done(state):
+            done += 1
+            jsonschema.validate(json.loads(out.decode("utf-8")), SCHEMA)
+    assert done >= 30
+    for state in list(states)[:300]:
+        want = []
+        for t in vocab:
+            s = state
+            for b in t:
+                s = grammar.step(s, b) if s is not None else None
+            want.append(s is not None and bool(t))
+        assert masks.allowed(state).tolist() == want
+
+
+@pytest.mark.parametrize("schema, needle", [
+    ({"type": "string", "pattern": "^a"}, "'pattern'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}}, "$.properties.a: 'minLength'"),
+    ({"$ref": "#/$defs/x"}, "'$ref'"),
+    ({"anyOf": [{"type": "integer"}, {"type": "number"}]}, "must start differently"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names ['b']"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
+    ({"type": "date"}, "unknown type 'date'"),
+    ({"enum": [{"a": 1}]}, "enum/const"),
+    ({"type": "integer"}, "a number at the top level never ends"),
+    ({}, "a number at the top level"),
+])
+def test_schemas_it_cannot_enforce_are_refused_by_name(schema, needle):
+    with pytest.raises(SchemaError) as e:
+        SchemaGrammar(schema)
+    assert needle in str(e.value)
