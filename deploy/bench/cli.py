@@ -83,6 +83,21 @@ def bench_ep(
     _emit(run_ep_bench(nodes, batch, context, steps, config))
 
 
+@bench_app.command("structured")
+def bench_structured(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="take the vocabulary from this checkpoint's tokenizer"),
+    vocab: int = typer.Option(129_280, "--vocab", min=256, help="synthetic vocabulary size (without --checkpoint)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """JSON mode's token masks: the vocabulary table's build time, and per grammar (json_object,
+    a json_schema) the cold walk over the states of a typical object (total and worst ms) and the
+    cached cost per step."""
+    from deploy.bench.structured_bench import run_structured_bench
+
+    check_checkpoint(checkpoint)
+    _emit(run_structured_bench(checkpoint, vocab))
+
+
 @bench_app.command("kernels")
 def bench_kernels(
     peak_gbps: float = typer.Option(None, "--peak-gbps", min=1.0, help="device peak memory GB/s (default: from NVML)"),

@@ -187,3 +187,14 @@ def test_bench_model_engines_take_turns_and_the_fastest_run_counts():
     best = _best_interleaved([{"prefill": case("ours")}, {"prefill": case("hf")}], repeats=3)
     assert calls == ["ours", "hf"] * 4  # a warm-up each, then turns
     assert best == [{"prefill": 2.0}, {"prefill": 4.0}]
+
+
+def test_bench_structured_json():
+    r = _tide("structured", "--vocab", "3000", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["vocab"] == "synthetic" and out["vocab_size"] == 3000
+    for grammar in ("json_object", "json_schema"):
+        row = out[grammar]
+        assert row["steps"] > 50 and 0 < row["states_masked"] <= row["steps"]
+        assert row["cold_total_ms"] > 0 and row["cached_us_per_step"] > 0
