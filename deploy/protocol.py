@@ -90,7 +90,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
-    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object"}
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
     # OpenAI parameters this server does not implement: accepted at their defaults (clients send
     # them), refused otherwise (a 400 naming the parameter, never silently ignored)

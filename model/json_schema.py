@@ -23,18 +23,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from model.structured import MAX_WHITESPACE_RUN, STRING_END, STRING_MODES, string_step
+from model.structured import (
+    MAX_WHITESPACE_RUN,
+    NUMBER_END,
+    NUMBER_STARTS,
+    STRING_END,
+    STRING_MODES,
+    WHITESPACE,
+    number_start,
+    number_step,
+    string_step,
+)
 
 __all__ = ["SchemaError", "SchemaGrammar"]
 
-_STR = STRING_MODES[0]  # strings are read as in JSON mode (model.structured.string_step)
+_STR = STRING_MODES[0]  # strings and numbers are read as in JSON mode (model.structured)
 _VALUE, _OBJ_FIRST, _OBJ_KEY, _KEY, _COLON, _AFTER, _ARR_FIRST, _NUM, _ALT, _DONE = range(100, 110)
-# number sub-modes
-_MINUS, _ZERO, _INT, _DOT, _FRAC, _EXP_MARK, _EXP_SIGN, _EXP = range(8)
-_NUM_END = {_ZERO, _INT, _FRAC, _EXP}
-
-_WS = frozenset(b" \t\n\r")
-_DIGITS = frozenset(b"0123456789")
 _QUOTE = ord('"')
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
@@ -52,7 +56,7 @@ class SchemaGrammar:
     def __init__(self, schema: dict[str, Any]) -> None:
         self.nodes: list[dict[str, Any]] = [{"kind": "any"}]  # node 0: any JSON value
         root = self._compile(schema, "$")
-        if set(self._first_bytes(root)) & set(b"-0123456789"):
+        if set(self._first_bytes(root)) & NUMBER_STARTS:
             raise SchemaError("$: a number at the top level never ends (nothing may follow it); give an object, "
                               "an array, a string or an enum of strings")
         self.start = (_VALUE, (root, MAX_WHITESPACE_RUN), ())  # the value starts the output
@@ -165,17 +169,16 @@ class SchemaGrammar:
                     return got
             return None
         if kind == "alt":
-            return self._alt(tuple(t[1:] for t in n["texts"] if t[0] == b), frames) if any(
-                t[0] == b for t in n["texts"]) else None
+            rest = tuple(t[1:] for t in n["texts"] if t[0] == b)
+            return self._alt(rest, frames) if rest else None
         if b == ord("{") and kind in ("object", "any"):
             return (_OBJ_FIRST, 0, (*frames, ("o", node, (), None)))
         if b == ord("[") and kind in ("array", "any"):
             return (_ARR_FIRST, 0, (*frames, ("a", node)))
         if b == _QUOTE and kind in ("string", "any"):
             return (_STR, (False, 0), frames)
-        if kind in ("number", "integer", "any") and (b in _DIGITS or b == ord("-")):
-            sub = _MINUS if b == ord("-") else _ZERO if b == ord("0") else _INT
-            return (_NUM, (sub, kind == "integer"), frames)
+        if kind in ("number", "integer", "any") and b in NUMBER_STARTS:
+            return (_NUM, (number_start(b), kind == "integer"), frames)
         if kind in ("boolean", "any") and b in b"tf":
             return self._alt((b"rue",) if b == ord("t") else (b"alse",), frames)
         if kind in ("null", "any") and b == ord("n"):
@@ -229,11 +232,15 @@ class SchemaGrammar:
                 return self._alt(rest, frames)
             return self.step(self._complete(frames), b) if b"" in arg else None
         if mode == _NUM:
-            return self._number(arg, b, frames)
+            place, integer = arg
+            nxt = number_step(place, b, integer)
+            if nxt is NUMBER_END:
+                return self.step(self._complete(frames), b)
+            return None if nxt is None else (_NUM, (nxt, integer), frames)
         if mode == _DONE:
             return None
         ws = arg[1] if mode == _VALUE else arg
-        if b in _WS:
+        if b in WHITESPACE:
             if ws >= MAX_WHITESPACE_RUN:
                 return None
             return (mode, (arg[0], ws + 1) if mode == _VALUE else ws + 1, frames)
@@ -264,19 +271,3 @@ class SchemaGrammar:
         if b == ord(","):
             return (_VALUE, (self._value_node(top), 0), frames)
         return self._complete(frames[:-1]) if b == ord("]") else None
-
-    def _number(self, arg, b: int, frames: tuple):
-        sub, integer = arg
-        if b in _DIGITS:
-            if sub == _ZERO:
-                return None  # a leading zero takes no digits after it
-            nxt = {_MINUS: _ZERO if b == ord("0") else _INT, _DOT: _FRAC, _EXP_MARK: _EXP, _EXP_SIGN: _EXP}.get(sub, sub)
-            return (_NUM, (nxt, integer), frames)
-        if not integer:
-            if b == ord(".") and sub in (_ZERO, _INT):
-                return (_NUM, (_DOT, integer), frames)
-            if b in b"eE" and sub in (_ZERO, _INT, _FRAC):
-                return (_NUM, (_EXP_MARK, integer), frames)
-            if b in b"+-" and sub == _EXP_MARK:
-                return (_NUM, (_EXP_SIGN, integer), frames)
-        return self.step(self._complete(frames), b) if sub in _NUM_END else None

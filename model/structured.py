@@ -23,28 +23,32 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["JSON_OBJECT", "JSON_START", "MAX_WHITESPACE_RUN", "STRING_END", "STRING_MODES", "JsonMasks", "json_advance",
-           "json_done", "json_step", "string_step"]
+__all__ = ["JSON_OBJECT", "JSON_START", "MAX_WHITESPACE_RUN", "NUMBER_END", "NUMBER_STARTS", "STRING_END", "STRING_MODES",
+           "WHITESPACE", "JsonMasks", "json_advance", "json_done", "json_step", "number_start", "number_step",
+           "string_step"]
 
 State = tuple[int, object, str]
 
 # modes
 _START, _OBJ_FIRST, _OBJ_KEY, _COLON, _VALUE, _ARR_FIRST, _AFTER, _DONE = range(8)
 _STR, _ESC, _HEX = 8, 9, 10
-_MINUS, _ZERO, _INT, _DOT, _FRAC, _EXP_MARK, _EXP_SIGN, _EXP = range(11, 19)
+_NUM = 11  # arg: where in the number (below)
 _LIT = 19
+# inside a number
+_MINUS, _ZERO, _INT, _DOT, _FRAC, _EXP_MARK, _EXP_SIGN, _EXP = range(8)
 
 JSON_START: State = (_START, None, "")
 # The output starts with "{", and whitespace between tokens comes in runs of at most this many
 # bytes: enough to pretty-print, and a model that likes spaces cannot fill max_tokens with them.
 MAX_WHITESPACE_RUN = 16
 
-_WS = frozenset(b" \t\n\r")
+WHITESPACE = frozenset(b" \t\n\r")
+NUMBER_STARTS = frozenset(b"-0123456789")
 _DIGITS = frozenset(b"0123456789")
 _HEXDIGITS = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _NUM_END = {_ZERO, _INT, _FRAC, _EXP}  # a number may end here (the next byte belongs to what follows)
-_DIGIT_NEXT = {_DOT: _FRAC, _EXP_MARK: _EXP, _EXP_SIGN: _EXP}  # after a digit (else the mode stays)
+_DIGIT_NEXT = {_DOT: _FRAC, _EXP_MARK: _EXP, _EXP_SIGN: _EXP}  # after a digit (else the place stays)
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 
 
@@ -61,12 +65,8 @@ def _value(b: int, stack: str) -> State | None:
         return (_ARR_FIRST, None, stack + "a")
     if b == _QUOTE:
         return (_STR, (False, 0), stack)
-    if b == ord("-"):
-        return (_MINUS, None, stack)
-    if b == ord("0"):
-        return (_ZERO, None, stack)
-    if b in _DIGITS:
-        return (_INT, None, stack)
+    if b in NUMBER_STARTS:
+        return (_NUM, number_start(b), stack)
     for lit in (b"true", b"false", b"null"):
         if b == lit[0]:
             return (_LIT, lit[1:], stack)
@@ -85,23 +85,14 @@ def json_step(state: State, b: int) -> State | None:
         if b != arg[0]:
             return None
         return (_LIT, arg[1:], stack) if len(arg) > 1 else (_AFTER, None, stack)
-    if mode >= _MINUS:  # numbers
-        if b in _DIGITS:
-            if mode == _ZERO:
-                return None  # a leading zero takes no digits after it
-            if mode == _MINUS:
-                return (_ZERO if b == ord("0") else _INT, None, stack)
-            return (_DIGIT_NEXT.get(mode, mode), None, stack)
-        if b == ord(".") and mode in (_ZERO, _INT):
-            return (_DOT, None, stack)
-        if b in b"eE" and mode in (_ZERO, _INT, _FRAC):
-            return (_EXP_MARK, None, stack)
-        if b in b"+-" and mode == _EXP_MARK:
-            return (_EXP_SIGN, None, stack)
-        return json_step((_AFTER, None, stack), b) if mode in _NUM_END else None
+    if mode == _NUM:
+        nxt = number_step(arg, b)
+        if nxt is NUMBER_END:
+            return json_step((_AFTER, None, stack), b)
+        return None if nxt is None else (_NUM, nxt, stack)
     if mode == _DONE:
         return None
-    if b in _WS:  # arg: the whitespace run so far
+    if b in WHITESPACE:  # arg: the whitespace run so far
         if mode == _START or (arg or 0) >= MAX_WHITESPACE_RUN:
             return None
         return (mode, (arg or 0) + 1, stack)
@@ -155,6 +146,34 @@ def string_step(mode: int, arg, b: int):
     if b not in _HEXDIGITS:
         return None
     return (_STR, (key, 0)) if left == 1 else (_HEX, (key, left - 1))
+
+
+NUMBER_END = "end of number"
+
+
+def number_start(b: int) -> int:
+    """Where in a number its first byte (one of ``NUMBER_STARTS``) leaves it."""
+    return _MINUS if b == ord("-") else _ZERO if b == ord("0") else _INT
+
+
+def number_step(place: int, b: int, integer: bool = False):
+    """Byte ``b`` in a number, shared with ``model.json_schema``: the next place in it,
+    ``NUMBER_END`` when the number ended before ``b`` (which belongs to what follows), or None.
+    ``integer``: no fraction or exponent."""
+    if b in _DIGITS:
+        if place == _ZERO:
+            return None  # a leading zero takes no digits after it
+        if place == _MINUS:
+            return _ZERO if b == ord("0") else _INT
+        return _DIGIT_NEXT.get(place, place)
+    if not integer:
+        if b == ord(".") and place in (_ZERO, _INT):
+            return _DOT
+        if b in b"eE" and place in (_ZERO, _INT, _FRAC):
+            return _EXP_MARK
+        if b in b"+-" and place == _EXP_MARK:
+            return _EXP_SIGN
+    return NUMBER_END if place in _NUM_END else None
 
 
 def json_advance(state: State | None, data: bytes) -> State | None:
@@ -233,6 +252,11 @@ class JsonMasks:
     def for_grammar(self, grammar) -> JsonMasks:
         """Masks for another grammar (a schema's) over the same vocabulary."""
         return JsonMasks(None, self.vocab_size, grammar, _tables=self)
+
+    @property
+    def cached_states(self) -> int:
+        """States whose mask is cached."""
+        return len(self._cache)
 
     def done(self, state) -> bool:
         """The output is whole (the request ends)."""
