@@ -29,7 +29,7 @@ from cachedir.node_cache import CacheConfig
 from cachedir.replication import ReplicationConfig
 from cachedir.store import StoreConfig
 
-__all__ = ["CacheAgent", "agent_name", "ensure_cache_agents", "NAMESPACE"]
+__all__ = ["CacheAgent", "agent_handles", "agent_name", "agents_stats", "ensure_cache_agents", "NAMESPACE"]
 
 NAMESPACE = "tideserve"
 
@@ -112,3 +112,24 @@ def ensure_cache_agents(cfg: dict, timeout_s: float = 120.0) -> dict[str, ray.ac
         ).remote(cfg)
     ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)
     return handles
+
+
+def agent_handles() -> dict[str, ray.actor.ActorHandle]:
+    """Node id -> the cache agent of every alive node that has one (this process must be
+    connected to the cluster)."""
+    out = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        try:
+            out[node["NodeID"]] = ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE)
+        except ValueError:  # no agent on that node (yet)
+            continue
+    return out
+
+
+def agents_stats(timeout_s: float = 60.0) -> dict[str, dict]:
+    """Node id -> its agent's stats (units, bytes and pins per tier, hits, fetches, replication)."""
+    handles = agent_handles()
+    stats = ray.get([h.stats.remote() for h in handles.values()], timeout=timeout_s)
+    return dict(zip(handles, stats, strict=True))

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP ingress (FastAPI) in front of the ``LLMServer`` replicas.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming or not), ``/v1/models``,
-``/health``, ``/metrics``. The ingress validates, applies the chat template, tokenizes, checks
-limits and API keys (each key maps to a tenant whose salt isolates its cache), then streams from
-an ``LLMServer`` replica. Errors use OpenAI's JSON shape.
+``/tokenize``, ``/detokenize``, ``/version`` (as vLLM and SGLang have them), ``/health`` (503
+while no replica can serve), ``/metrics``. API keys (each maps to a tenant whose salt isolates its
+cache), the content type and the body size are checked before the body is read
+(``deploy.http_edge``); then the ingress validates, applies the chat template, tokenizes, checks
+limits and streams from an ``LLMServer`` replica. Every error, a bad path or method included,
+uses OpenAI's JSON shape; a request that fails validation is a 400 naming the field.
 
 ``serve.ingress`` is applied where the class is defined: a replica re-imports this module, and only
 a class decorated at import time carries its routes there. ``deploy/app.py`` applies
@@ -15,7 +18,6 @@ a class decorated at import time carries its routes there. ``deploy/app.py`` app
 import asyncio
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import time
@@ -27,17 +29,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.pd_handoff import read_prefill
+from actors.serve_bind import bind_replica_grpc_to_node
 from cachedir.directory import open_directory
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys
 from cluster.engine import UNIT_TOKENS, cache_namespace
 from cluster.request import RequestMigrated
+from deploy.http_edge import EdgeConfig, EdgeMiddleware
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     KeyGrant,
     Limits,
@@ -53,8 +60,10 @@ from model.tool_calls import ForcedCall, ToolCall, ToolCallStream
 __all__ = ["OpenAIIngress", "api"]
 
 log = logging.getLogger(__name__)
+bind_replica_grpc_to_node()  # the ingress replica imports this module before Serve opens its gRPC port
 
 api = FastAPI(title="tideserve", description="OpenAI-compatible API of tideserve")
+api.add_middleware(EdgeMiddleware)
 
 
 @api.exception_handler(APIError)
@@ -71,11 +80,39 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     first = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ())[1:])
     msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", "invalid request"))
-    return JSONResponse(error_body(msg, "invalid_request_error", loc or None), 422)
+    return JSONResponse(error_body(msg, "invalid_request_error", loc or None), 400)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths and wrong methods, in OpenAI's shape."""
+    if e.status_code == 404:
+        msg, code = f"no such route: {request.method} {request.url.path}", "not_found"
+    elif e.status_code == 405:
+        msg, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    else:
+        msg, code = str(e.detail), None
+    return JSONResponse(error_body(msg, "invalid_request_error", None, code), e.status_code, headers=e.headers)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (as /v1/completions tokenizes it) or chat ``messages``
+    (rendered with the chat template, as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # a text prompt starts with BOS, as completions do
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
 
 
 MAX_CONTINUATIONS = 2
 RETRY_AFTER_S = 2  # what a 503 tells the client to wait: about one replica restart or handoff
+HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer /health's call within this is not serving
 
 
 def _continuable(e: BaseException) -> bool:
@@ -143,7 +180,10 @@ class _Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.tpot = Histogram("tide_time_per_output_token_seconds", "time per output token after the first",
                               registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        self.tier_bytes = Gauge("tide_cache_bytes", "bytes held per cache tier", ["tier"], registry=self.registry)
+        self.tier_bytes = Gauge("tide_cache_bytes", "prompt-cache bytes a node holds per tier", ["node", "tier"],
+                                registry=self.registry)
+        self.tier_units = Gauge("tide_cache_units", "prompt-cache units a node holds per tier", ["node", "tier"],
+                                registry=self.registry)
         self.gpus = Gauge("tide_gpus", "NVIDIA GPUs a replica's node reports (0: absent)", registry=self.registry)
         self.gpu_memory_used = Gauge("tide_gpu_memory_used_bytes", "GPU memory used", ["gpu"], registry=self.registry)
         self.gpu_memory_total = Gauge("tide_gpu_memory_total_bytes", "GPU memory", ["gpu"], registry=self.registry)
@@ -170,6 +210,7 @@ class OpenAIIngress:
         keys = cfg.get("api_keys") or None
         self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
+        api.state.edge = EdgeConfig(self.api_keys, self.limits.max_body_bytes)  # read by deploy.http_edge
         self.metrics = _Metrics()
         self.directory = self.namespace = None
         if cfg.get("directory_url"):
@@ -201,36 +242,20 @@ class OpenAIIngress:
 
     # -- helpers -------------------------------------------------------------------------
     def _grant(self, request: Request) -> KeyGrant:
-        """The caller's grant (401 without a valid key when keys are configured)."""
-        if self.api_keys is None:
-            return KeyGrant("")
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        found = None
-        for key, grant in self.api_keys.items():  # constant-time compare with each; keys are never logged
-            if hmac.compare_digest(token.encode(), key.encode()):
-                found = grant
-        if found is None:
+        """The caller's grant, which the edge (``deploy.http_edge``) checked before the body was
+        read (a caller without a valid key never gets here when keys are configured)."""
+        grant = request.scope.get("state", {}).get("grant")
+        if grant is None:  # the edge did not run (it always does when served): refuse rather than guess
+            if self.api_keys is None:
+                return KeyGrant("")
             raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
-        return found
-
-    async def _check_body(self, request: Request) -> None:
-        size = request.headers.get("content-length")
-        # a chunked body has no Content-Length: measure it (FastAPI has read it already)
-        size = int(size) if size and size.isdigit() else len(await request.body())
-        if size > self.limits.max_body_bytes:
-            raise APIError(413, f"request body of {size} bytes exceeds the limit of {self.limits.max_body_bytes}")
+        return grant
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
-    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant) -> dict:
-        if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; available: {self.model_name!r}",
-                           param="model", code="model_not_found")
-        if not grant.allows(body.model):
-            raise APIError(403, f"this API key has no access to model {body.model!r}", "permission_error",
-                           param="model", code="model_not_allowed")
+    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant, prompt_param: str = "messages") -> dict:
+        self._check_model(body.model, grant)
         body.check_supported()
         if body.n > self.limits.max_n:
             raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", param="n")
@@ -238,12 +263,12 @@ class OpenAIIngress:
         if len(stops) > self.limits.max_stop:
             raise APIError(400, f"{len(stops)} stop strings exceed the limit of {self.limits.max_stop}", param="stop")
         if len(prompt_ids) > self.limits.max_prompt_tokens:
-            raise APIError(413, f"prompt of {len(prompt_ids)} tokens exceeds the limit of {self.limits.max_prompt_tokens}",
-                           param="messages")
+            raise APIError(400, f"prompt of {len(prompt_ids)} tokens exceeds the limit of {self.limits.max_prompt_tokens}",
+                           param=prompt_param, code="context_length_exceeded")
         room = self.context_len - len(prompt_ids)
         if room < 1:
-            raise APIError(413, f"prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_len}",
-                           code="context_length_exceeded")
+            raise APIError(400, f"prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_len}",
+                           param=prompt_param, code="context_length_exceeded")
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = min(room, self.limits.max_tokens)
@@ -487,7 +512,6 @@ class OpenAIIngress:
     # -- routes --------------------------------------------------------------------------
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        await self._check_body(request)
         grant = self._grant(request)
         messages = [m.template_dict() for m in body.messages]
         tools, forced = body.tool_functions(), body.forced_function()
@@ -508,7 +532,6 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        await self._check_body(request)
         grant = self._grant(request)
         if body.suffix is not None:  # fill in the middle
             if not isinstance(body.prompt, str):
@@ -526,7 +549,7 @@ class OpenAIIngress:
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param="prompt")
-        return await self._respond(self._engine_request(body, prompt_ids, grant), body, "completion")
+        return await self._respond(self._engine_request(body, prompt_ids, grant, "prompt"), body, "completion")
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -535,19 +558,84 @@ class OpenAIIngress:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tideserve"}
                                             for m in models]}
 
+    def _check_model(self, name: str | None, grant: KeyGrant) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; available: {self.model_name!r}", param="model",
+                           code="model_not_found")
+        if not grant.allows(self.model_name):
+            raise APIError(403, f"this API key has no access to model {self.model_name!r}", "permission_error",
+                           param="model", code="model_not_allowed")
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest, request: Request):
+        """Token ids of a prompt or of chat messages, as the completion routes would make them."""
+        self._check_model(body.model, self._grant(request))
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            try:
+                ids = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages], None)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+        else:
+            bos = [self.tokenizer.bos_id] if body.add_special_tokens and self.tokenizer.bos_id is not None else []
+            ids = bos + self.tokenizer.encode(body.prompt)
+        return {"count": len(ids), "max_model_len": self.context_len, "tokens": ids}
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request):
+        self._check_model(body.model, self._grant(request))
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    @api.get("/version")
+    async def version(self):
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("tideserve")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
     @api.get("/health")
     async def health(self):
+        """200 once a replica of every pool answers; 503 while none can serve (starting, every
+        replica gone)."""
+        pools = [("LLMServer", self.server)] + ([("LLMDecode", self.decode)] if self.decode is not None else [])
+        for name, handle in pools:
+            try:
+                ok = await asyncio.wait_for(handle.ready.remote(), timeout=HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - no replica answered in time: not ready
+                ok = False
+            if not ok:
+                return JSONResponse(error_body(f"no {name} replica can serve right now", "server_error", None,
+                                               "service_unavailable"), 503,
+                                    headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok"}
+
+    @staticmethod
+    async def _node_caches(stats: dict) -> dict[str, dict]:
+        """Each node's cache tiers: from every node's cache agent (which owns the node's units),
+        or from the replica's own store when the app runs without agents."""
+        if "ssd_units" in stats["cache"]:  # a per-replica store (cache_agents off)
+            return {stats["node_id"]: stats["cache"]}
+        from actors.cache_agent import agents_stats
+
+        return await asyncio.to_thread(agents_stats, 10.0)
 
     @api.get("/metrics")
     async def metrics(self):
         try:
             stats = await self.server.stats.remote()
-            cache = stats["cache"]
             self.metrics.engine_running.set(stats["running"])
             self.metrics.engine_queued.set(stats["waiting"])
-            self.metrics.tier_bytes.labels("ssd").set(cache.get("ssd_bytes", 0))
-            self.metrics.tier_bytes.labels("ram").set(cache.get("ram_bytes", 0))
+            for node, cache in (await self._node_caches(stats)).items():
+                for tier in ("ssd", "ram"):
+                    self.metrics.tier_bytes.labels(node[:12], tier).set(cache.get(f"{tier}_bytes", 0))
+                    self.metrics.tier_units.labels(node[:12], tier).set(cache.get(f"{tier}_units", 0))
             gpus = stats.get("gpus", {}).get("gpus", [])
             self.metrics.gpus.set(len(gpus))
             for g in gpus:

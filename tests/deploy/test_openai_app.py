@@ -312,6 +312,9 @@ def test_an_oversized_body_is_refused_also_without_content_length(base_url):
 
     r = httpx.post(base_url + "/v1/completions", content=chunked(), headers=headers, timeout=60)
     assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+    # without a key: refused before the body is read (401, not 413 or a validation error)
+    r = httpx.post(base_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 401
 
 
 @pytest.mark.security
@@ -332,16 +335,17 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "nope", "prompt": "x", "max_tokens": 2}, 404, "nope"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "temperature": -1}, 422, "temperature"),
-    ({"model": "tiny", "prompt": "x", "top_p": 0}, 422, "top_p"),
-    ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}, 413, "context length"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2}, 400, "context length"),
     ({"model": "tiny", "prompt": [1, 99999], "max_tokens": 2}, 400, "99999"),
     ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "tiny", "prompt": "x", "n": 9}, 400, "n=9"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "tiny"}, 400, "prompt"),
     # accepted at their defaults, refused otherwise rather than silently ignored
     ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo=True is not supported"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"seven": 5}}, 400, "logit_bias key 'seven'"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias key '99999'"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 101}}, 400, "must be in [-100, 100]"),
@@ -353,6 +357,51 @@ def test_bad_requests_get_openai_errors(base_url, body, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+
+
+def test_an_over_long_prompt_names_the_field_it_came_in(base_url):
+    auth = {"Authorization": "Bearer sk-alpha"}
+    r = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2},
+                   headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(base_url + "/v1/chat/completions", headers=auth, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_unknown_paths_wrong_methods_and_content_types_get_openai_errors(base_url):
+    auth = {"Authorization": "Bearer sk-alpha"}
+    r = httpx.get(base_url + "/v1/engines", headers=auth, timeout=30)
+    assert r.status_code == 404 and "/v1/engines" in r.json()["error"]["message"]
+    r = httpx.get(base_url + "/v1/chat/completions", headers=auth, timeout=30)
+    assert r.status_code == 405 and "GET" in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/completions", content=json.dumps({"model": "tiny", "prompt": "x"}),
+                   headers={**auth, "Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
+
+
+def test_tokenize_detokenize_and_version(base_url, client):
+    auth = {"Authorization": "Bearer sk-alpha"}
+    r = httpx.post(base_url + "/tokenize", json={"model": "tiny", "prompt": "hi"}, headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    assert r.json()["count"] == len(tokens) and r.json()["max_model_len"] > 0
+    # the ids a completion of that prompt counts as its prompt
+    done = client.completions.create(model="tiny", prompt="hi", max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens == len(tokens)
+    back = httpx.post(base_url + "/detokenize", json={"model": "tiny", "tokens": tokens}, headers=auth, timeout=30)
+    assert back.status_code == 200 and back.json()["prompt"].endswith("hi")
+    chat = httpx.post(base_url + "/tokenize", headers=auth, timeout=30,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).json()
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    assert httpx.post(base_url + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 401
+    bad = httpx.post(base_url + "/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=30)
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    from importlib.metadata import version
+
+    assert httpx.get(base_url + "/version", timeout=30).json() == {"version": version("tideserve")}
 
 
 def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accepted(base_url, client):
@@ -385,12 +434,33 @@ def test_malformed_json_and_missing_key(base_url):
         client.models.list()
 
 
-def test_metrics(base_url, client):
+def _gauge_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's series whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics(base_url, client, tide_home):
     client.completions.create(model="tiny", prompt="metrics", max_tokens=2, temperature=0)
-    text = httpx.get(base_url + "/metrics", timeout=30).text
+    client.completions.create(model="tiny", prompt="the cache gauge counts what is on disk. " * 5, max_tokens=2,
+                              temperature=0)  # 200 bytes: 3 units are persisted
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:  # units are written after the request finishes, and counted once the agent indexed them
+        text = httpx.get(base_url + "/metrics", timeout=30).text
+        units = _gauge_sum(text, "tide_cache_units", tier="ssd")
+        on_disk = sum(p.stat().st_size for p in (tide_home / "cache").rglob("*")
+                      if p.is_file() and p.suffix in (".seg", ".unit"))
+        if units >= 3 and _gauge_sum(text, "tide_cache_bytes", tier="ssd") == on_disk or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert units >= 3 and on_disk > 0
+    assert _gauge_sum(text, "tide_cache_bytes", tier="ssd") == on_disk  # the agents' bytes are the files' bytes
     assert 'tide_prompt_tokens_total{source="compute"}' in text
     assert "tide_time_to_first_token_seconds_bucket" in text
-    assert 'tide_cache_bytes{tier="ssd"}' in text
     assert "tide_engine_queued" in text and "tide_time_per_output_token_seconds_bucket" in text
     import torch
 

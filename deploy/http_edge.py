@@ -1,0 +1,108 @@
+"""The ingress's edge: API key, content type and body size, checked before any body is read or
+parsed (a pure ASGI middleware, so an unauthenticated or oversized request costs neither parse
+time nor memory).
+
+Each request under a protected path must carry a configured key (``Authorization: Bearer``;
+constant-time comparison, keys never logged) or get a 401; a ``POST`` body must be JSON or get a
+415, and fit ``max_body_bytes`` (its Content-Length, or counted as it arrives when chunked) or get
+a 413. The caller's ``KeyGrant`` is left in ``scope["state"]["grant"]`` for the route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass, field
+
+from deploy.protocol import KeyGrant, error_body
+
+__all__ = ["EdgeConfig", "EdgeMiddleware", "find_grant"]
+
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/openapi.json", "/redoc"})
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    """``api_keys``: key -> grant (None: no authentication, every caller is tenant "")."""
+
+    api_keys: dict[str, KeyGrant] | None
+    max_body_bytes: int
+    public_paths: frozenset[str] = field(default=PUBLIC_PATHS)
+
+
+def find_grant(api_keys: dict[str, KeyGrant], authorization: str) -> KeyGrant | None:
+    """The grant of the bearer key in ``authorization``, or None. Every key is compared, each
+    in constant time, so the time taken does not tell which key matched or how much of one."""
+    token = authorization[7:] if authorization[:7].lower() == "bearer " else ""
+    found = None
+    for key, grant in api_keys.items():
+        if hmac.compare_digest(token.encode(), key.encode()):
+            found = grant
+    return found
+
+
+async def _reply(send, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+    body = json.dumps(error_body(message, type_, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class EdgeMiddleware:
+    """Wraps the FastAPI app; reads its ``EdgeConfig`` from ``app.state.edge`` (set once the
+    ingress knows its keys and limits; until then every request passes untouched)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        cfg: EdgeConfig | None = getattr(getattr(scope.get("app"), "state", None), "edge", None)
+        if scope["type"] != "http" or cfg is None:
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        grant = KeyGrant("")
+        if cfg.api_keys is not None and scope["path"] not in cfg.public_paths:
+            grant = find_grant(cfg.api_keys, headers.get("authorization", ""))
+            if grant is None:
+                await _reply(send, 401, "missing or invalid API key", "authentication_error", "invalid_api_key")
+                return
+        scope.setdefault("state", {})["grant"] = grant
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            await _reply(send, 415, f"the body must be JSON (Content-Type: application/json), not {ctype or 'untyped'}",
+                         code="unsupported_media_type")
+            return
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+            await _reply(send, 413, f"request body of {length} bytes exceeds the limit of {cfg.max_body_bytes}")
+            return
+        # read the body here, counting (a chunked body has no Content-Length), then hand it on
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                await _reply(send, 413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,101 @@
+"""The ingress's edge (``deploy.http_edge``) in front of a small FastAPI app, in-process: keys,
+content type and size are checked before the body is read, and a good body reaches the route."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from deploy.http_edge import EdgeConfig, EdgeMiddleware, find_grant
+from deploy.protocol import KeyGrant
+
+LIMIT = 1000
+
+
+def _app() -> tuple[FastAPI, list]:
+    app = FastAPI()
+    app.add_middleware(EdgeMiddleware)
+    app.state.edge = EdgeConfig({"sk-a": KeyGrant("alpha"), "sk-b": KeyGrant("beta")}, LIMIT)
+    seen: list = []
+
+    @app.post("/v1/echo")
+    async def echo(request: Request):
+        body = await request.json()
+        seen.append((request.state.grant.tenant, body))
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app, seen
+
+
+class _CountingBody(httpx.AsyncByteStream):
+    """A chunked request body that records how much of it the server read."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks, self.sent = chunks, 0
+
+    async def __aiter__(self):
+        for c in self.chunks:
+            self.sent += 1
+            yield c
+
+
+def _call(app, method: str, path: str, **kw) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_a_good_request_reaches_the_route_with_its_grant_and_body():
+    app, seen = _app()
+    r = _call(app, "POST", "/v1/echo", json={"x": 1}, headers={"Authorization": "Bearer sk-b"})
+    assert r.status_code == 200 and seen == [("beta", {"x": 1})]
+    chunks = [b'{"x": ', b'2}']  # chunked: replayed to the route whole
+    r = _call(app, "POST", "/v1/echo", content=_CountingBody(chunks),
+              headers={"Authorization": "Bearer sk-a", "Content-Type": "application/json"})
+    assert r.status_code == 200 and seen[-1] == ("alpha", {"x": 2})
+
+
+@pytest.mark.security
+def test_a_missing_or_wrong_key_is_refused_before_the_body_is_read():
+    app, seen = _app()
+    body = _CountingBody([b"{" * 10] * 50)
+    for headers in ({}, {"Authorization": "Bearer sk-c"}, {"Authorization": "sk-a"}):
+        r = _call(app, "POST", "/v1/echo", content=body, headers={**headers, "Content-Type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert seen == [] and body.sent <= 1  # nothing past the first chunk was pulled from the client
+    assert _call(app, "GET", "/health").status_code == 200  # public paths need no key
+
+
+@pytest.mark.security
+def test_an_oversized_body_is_a_413_by_its_length_or_as_it_arrives():
+    app, seen = _app()
+    auth = {"Authorization": "Bearer sk-a", "Content-Type": "application/json"}
+    r = _call(app, "POST", "/v1/echo", content=b"1" * (LIMIT + 1), headers=auth)
+    assert r.status_code == 413 and str(LIMIT) in r.json()["error"]["message"]
+    body = _CountingBody([b"1" * 400] * 10)  # no Content-Length: stopped at the chunk that crosses it
+    r = _call(app, "POST", "/v1/echo", content=body, headers=auth)
+    assert r.status_code == 413 and body.sent == 3 and seen == []
+
+
+def test_a_body_that_is_not_json_is_a_415_naming_the_type():
+    app, seen = _app()
+    r = _call(app, "POST", "/v1/echo", content=json.dumps({"x": 1}),
+              headers={"Authorization": "Bearer sk-a", "Content-Type": "text/plain"})
+    assert r.status_code == 415 and "text/plain" in r.json()["error"]["message"] and seen == []
+
+
+def test_find_grant_compares_the_whole_key():
+    keys = {"sk-proj-aaaa": KeyGrant("a"), "sk-proj-bbbb": KeyGrant("b")}
+    assert find_grant(keys, "Bearer sk-proj-bbbb") == KeyGrant("b")
+    assert find_grant(keys, "bearer sk-proj-aaaa") == KeyGrant("a")
+    assert find_grant(keys, "Bearer sk-proj-") is None and find_grant(keys, "") is None
