@@ -17,7 +17,6 @@ rank 0; every replica has a group of its own with the same shards), and hands th
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ import ray
 import torch
 
 from cluster.ep import EPExecutor, EPTransportError
-from cluster.ep_gloo import GlooTransport, form_group
+from cluster.ep_gloo import GlooTransport, form_group, listen_socket
 
 __all__ = ["EPGroup", "expert_shard_actor"]
 
@@ -38,12 +37,6 @@ def expert_shard_actor(**options):
     from actors.expert_shard import ExpertShard
 
     return ray.remote(max_restarts=-1, max_task_retries=-1, **options)(ExpertShard)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _same_shards(a: list, b: list) -> bool:
@@ -103,10 +96,12 @@ class EPGroup:
 
     def _form(self, shards: list) -> GlooTransport:
         world = len(shards) + 1
-        port, group_id = _free_port(), uuid.uuid4().hex[:12]
+        # the group's store listens on this node's cluster address only (loopback under `tide up`)
+        sock, group_id = listen_socket(self.host), uuid.uuid4().hex[:12]
+        port = sock.getsockname()[1]
         for rank, shard in enumerate(shards, start=1):
             shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden)
-        pg = form_group(self.host, port, 0, world, self.timeout_s)
+        pg = form_group(self.host, port, 0, world, self.timeout_s, bind=self.host, listen_fd=sock.detach())
         return GlooTransport(pg, world, self.dtype)
 
     # -- following the control's placement ---------------------------------------------------

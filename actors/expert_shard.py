@@ -137,7 +137,8 @@ class ExpertShard:
 
         def run() -> None:
             try:
-                pg = form_group(host, port, rank, world, timeout_s, op_timeout_s=IDLE_TIMEOUT_S)
+                pg = form_group(host, port, rank, world, timeout_s, op_timeout_s=IDLE_TIMEOUT_S,
+                                bind=ray.util.get_node_ip_address())
             except Exception as e:  # noqa: BLE001 - the replica times out and re-forms
                 self.ended[group_id] = f"join failed: {e}"
                 return

@@ -25,6 +25,8 @@ from actors import pd_handoff
 from actors.cache_agent import ensure_cache_agents, tls_files
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
+from actors.serve_bind import bind_replica_grpc_to_node
+from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.directory import open_directory
@@ -41,13 +43,15 @@ from cluster.request import (
     RequestMigrated,
     RequestOutput,
 )
-from model.checkpoint import load_model, weights_digest
+from kernels.cpu_gemv import cpu_kernels, kernel_state
+from model.checkpoint import LoadProgress, load_model, weights_digest
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
 
 __all__ = ["LLMServer", "output_to_dict"]
 
 log = logging.getLogger(__name__)
+bind_replica_grpc_to_node()  # a replica imports this module before Serve opens its gRPC port
 
 
 def output_to_dict(o: RequestOutput) -> dict:
@@ -81,15 +85,19 @@ def _actor_name() -> str | None:
         return None
 
 
-def _log_progress(ckpt: Path):
-    """A progress callback that logs every 10% of the tensors loaded."""
+def _load_progress(ckpt: Path, startup: StartupReporter):
+    """A progress callback that logs every 10% of the bytes loaded and reports them to
+    ``tide up`` (``actors.startup``)."""
     last = [-1]
 
-    def report(done: int, total: int) -> None:
-        tenth = done * 10 // max(1, total)
+    def report(p: LoadProgress) -> None:
+        startup.update("loading weights", bytes=p.bytes, total_bytes=p.total_bytes, shards=p.shards,
+                       total_shards=p.total_shards)
+        tenth = p.bytes * 10 // max(1, p.total_bytes)
         if tenth != last[0]:
             last[0] = tenth
-            log.info("loading %s: %d/%d tensors", ckpt, done, total)
+            log.info("loading %s: %d/%d shards, %.1f/%.1f MB", ckpt, p.shards, p.total_shards, p.bytes / 1e6,
+                     p.total_bytes / 1e6)
 
     return report
 
@@ -107,15 +115,20 @@ class LLMServer:
         self._stop = False
         ckpt = Path(cfg["checkpoint"])
         control = cfg.get("ep_control")
+        self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
+        startup = StartupReporter(self.replica_id)
         self.model = load_model(
-            ckpt, cfg.get("dtype", "float32"), progress=_log_progress(ckpt), routed_experts=control is None,
+            ckpt, cfg.get("dtype", "float32"), progress=_load_progress(ckpt, startup), routed_experts=control is None,
             device=cfg.get("device", "cpu"),
         )
-        self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
+        if self.model.device.type == "cpu":  # build the decode kernels now, not on the first request
+            startup.update("building CPU kernels", force=True)
+            cpu_kernels()
         self.ep = self._start_ep(control, float(cfg.get("ep_timeout_s", 30.0))) if control is not None else None
         # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
         # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
         if cfg.get("warmup", self.model.device.type == "cuda"):
+            startup.update("warming up", force=True)
             self.model.warmup(int(cfg.get("max_prefill_tokens", 2048)))
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
@@ -159,6 +172,7 @@ class LLMServer:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+        startup.update("ready", force=True)
 
     def _cluster_cache(self, agent_cfg: dict) -> ClusterCache:
         """The engine's view of every node's units, through this node's agent (started on every
@@ -343,13 +357,17 @@ class LLMServer:
     def stats(self, gpus: bool = True) -> dict:
         """Engine counters, queue, cache per tier; the node's GPUs (``gpus``, an NVML read)."""
         out = {"node_id": self.node_id, "replica_id": self.replica_id, "engine": dict(self.engine.stats),
-               "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+               "running": len(self.engine.running), "waiting": len(self.engine.waiting), "cpu_kernels": kernel_state(),
                "cache": self.cache.stats() if self.cache is not None else {}}
         if gpus:
             out["gpus"] = gpu_telemetry()
         if self.publisher is not None:
             out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
         return out
+
+    async def ready(self) -> bool:
+        """The ingress's ``/health`` asks: this replica serves (its engine thread runs)."""
+        return self._thread.is_alive()
 
     def check_health(self) -> None:
         if not self._thread.is_alive():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from cluster.ep import EPTransportError
 
-__all__ = ["GlooTransport", "form_group", "serve_shard"]
+__all__ = ["GlooTransport", "form_group", "listen_socket", "serve_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,31 @@ CMD_LAYER, CMD_STOP = 1, 2
 
 
 def form_group(
-    host: str, port: int, rank: int, world: int, timeout_s: float, op_timeout_s: float | None = None
+    host: str, port: int, rank: int, world: int, timeout_s: float, op_timeout_s: float | None = None,
+    bind: str | None = None, listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the group's TCP store and build the gloo group; blocks until all
     ``world`` ranks have joined or ``timeout_s`` passes. Each collective then times out after
     ``op_timeout_s`` (default ``timeout_s``) on this rank: short on the replica, which must notice
     a hung shard, long on shards, which wait idle between requests (a dead replica closes the
-    connection, which they notice at once)."""
+    connection, which they notice at once). ``bind``: the address this rank's gloo connections
+    listen on (default: what the host name resolves to); ``listen_fd``: rank 0's store serves on
+    this listening socket (bound by the caller to one address) instead of on every interface."""
     store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
-    return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=op_timeout_s or timeout_s))
+                          wait_for_workers=False, **({"master_listen_fd": listen_fd} if listen_fd is not None else {}))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind else
+                     dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def listen_socket(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` and a free port, for rank 0's store (``listen_fd``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
 
 
 def _a2a(pg, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:

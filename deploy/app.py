@@ -24,7 +24,7 @@ from deploy.openai_api import OpenAIIngress
 from deploy.protocol import KeyGrant
 from model.config import check_checkpoint_dir
 
-__all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes"]
+__all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes", "recorded_app_args"]
 
 
 class AppArgs(BaseModel):
@@ -187,10 +187,35 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     return {"ep_control": control}
 
 
+_APP_ARGS_KEY = b"tideserve/app_args"
+
+
+def _record_app_args(a: AppArgs) -> None:
+    """Keep the app's args in the cluster, so admin commands on a cluster ``tide up`` did not
+    start (``--address``) can read them and redeploy it with other replica counts. API keys are
+    secrets and stay out (Ray's KV is readable by every job): only that there are some."""
+    import ray
+
+    if ray.is_initialized():
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        record = {**a.model_dump(exclude={"api_keys"}), "api_keys": None, "has_api_keys": bool(a.api_keys)}
+        _internal_kv_put(_APP_ARGS_KEY, json.dumps(record).encode(), overwrite=True)
+
+
+def recorded_app_args() -> dict[str, Any] | None:
+    """What the last ``build_app`` on this cluster was given (None when nothing was recorded)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(_APP_ARGS_KEY)
+    return json.loads(raw) if raw else None
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None):
     from model.default import cache_root, default_checkpoint
 
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
+    _record_app_args(a)
     checkpoint = a.checkpoint or str(default_checkpoint())
     check_checkpoint_dir(checkpoint)  # a bad one fails here, not in every replica
     server_cfg = {

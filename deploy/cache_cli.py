@@ -7,45 +7,27 @@ import sys
 
 import typer
 
+from deploy.connect import ADDRESS_HELP
+
 cache_app = typer.Typer(help="The prompt cache on every node (through the cache agents).", no_args_is_help=True)
+ADDRESS = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP)
 
 TOTALS = ("ssd_units", "ssd_bytes", "ssd_pinned", "ram_units", "ram_bytes", "ssd_hits", "ssd_misses",
           "ssd_corrupt", "ssd_evictions", "fetch_units", "fetch_remote_units", "push_accepted",
           "push_refused", "replication_pushed")
 
 
-def _connect():
-    from deploy.local import read_state, serve_handle
+def _connect(address: str | None):
+    from deploy.connect import find_target, serve_handle
 
-    state = read_state()
-    if state is None:
-        raise typer.BadParameter("no local cluster is running (start one with `tide up`)")
-    return serve_handle(state)  # connects this process to the cluster
-
-
-def agents() -> dict:
-    """node id -> the cache agent handle of every alive node that has one."""
-    import ray
-
-    from actors.cache_agent import NAMESPACE, agent_name
-
-    out = {}
-    for node in ray.nodes():
-        if not node["Alive"]:
-            continue
-        try:
-            out[node["NodeID"]] = ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE)
-        except ValueError:
-            continue
-    return out
+    return serve_handle(find_target(address))  # connects this process to the cluster
 
 
 def cache_stats() -> dict:
     """Per-node agent stats and their totals (also used by ``tide status``)."""
-    import ray
+    from actors.cache_agent import agents_stats
 
-    handles = agents()
-    nodes = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()], timeout=60), strict=True))
+    nodes = agents_stats()
     totals = {k: sum(int(s.get(k, 0)) for s in nodes.values()) for k in TOTALS}
     return {"nodes": nodes, "totals": totals}
 
@@ -74,24 +56,48 @@ def _keys(server, key: list[str] | None, prompt: str | None, prompt_ids: str | N
     return keys
 
 
-def _print(out: dict, as_json: bool) -> None:
-    sys.stdout.write(json.dumps(out) + "\n" if as_json else "\n".join(f"{k}: {v}" for k, v in out.items()) + "\n")
+def _per_node(title: str, counts: dict[str, int], verb: str) -> None:
+    """A one-line-per-node summary of an evict or pin."""
+    from rich.table import Table
+
+    from deploy.term import stdout_console
+
+    table = Table(title=title, title_justify="left", box=None)
+    table.add_column("node")
+    table.add_column(verb, justify="right")
+    for node, n in sorted(counts.items()):
+        table.add_row(node[:12], f"{n:,}")
+    table.add_row("[bold]all[/bold]", f"{sum(counts.values()):,}")
+    stdout_console().print(table)
 
 
 @cache_app.command("stats")
-def stats(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def stats(as_json: bool = typer.Option(False, "--json", help="print JSON"), address: str = ADDRESS) -> None:
     """Units, bytes and pins per tier on every node, hits, remote fetches, replication."""
-    _connect()
+    _connect(address)
     out = cache_stats()
     if as_json:
-        _print(out, True)
+        sys.stdout.write(json.dumps(out) + "\n")
         return
-    for node, s in out["nodes"].items():
-        sys.stdout.write(f"{node[:12]}  {s.get('address')}  ssd {s.get('ssd_units', 0)} units "
-                         f"{s.get('ssd_bytes', 0) / 1e6:.1f} MB ({s.get('ssd_pinned', 0)} pinned)  "
-                         f"ram {s.get('ram_units', 0)} units  fetched {s.get('fetch_units', 0)} "
-                         f"(remote {s.get('fetch_remote_units', 0)})  replicated {s.get('replication_pushed', 0)}\n")
-    _print({"total": out["totals"]}, False)
+    from rich.table import Table
+
+    from deploy.term import stdout_console
+
+    table = Table(box=None)
+    for col in ("node", "agent", "ssd units", "ssd MB", "pinned", "ram units", "ram MB", "hits", "fetched",
+                "remote", "replicated"):
+        table.add_column(col, justify="left" if col in ("node", "agent") else "right")
+
+    def row(name: str, address: str, s: dict) -> None:
+        table.add_row(name, address, f"{s.get('ssd_units', 0):,}", f"{s.get('ssd_bytes', 0) / 1e6:,.1f}",
+                      f"{s.get('ssd_pinned', 0):,}", f"{s.get('ram_units', 0):,}", f"{s.get('ram_bytes', 0) / 1e6:,.1f}",
+                      f"{s.get('ssd_hits', 0):,}", f"{s.get('fetch_units', 0):,}", f"{s.get('fetch_remote_units', 0):,}",
+                      f"{s.get('replication_pushed', 0):,}")
+
+    for node, s in sorted(out["nodes"].items()):
+        row(node[:12], str(s.get("address", "")), s)
+    row("[bold]all[/bold]", "", out["totals"])
+    stdout_console().print(table)
 
 
 @cache_app.command("evict")
@@ -102,10 +108,13 @@ def evict(
     prompt_ids: str = typer.Option(None, "--prompt-ids", help="the units of these token ids (comma-separated)"),
     tenant: str = typer.Option("", "--tenant", help="the tenant whose units (--prompt, --prompt-ids)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    address: str = ADDRESS,
 ) -> None:
     """Drop units from every node (both tiers); the directory forgets them at the next sync."""
-    server = _connect()  # before `import ray`: it sets the cluster's auth mode
+    server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
     import ray
+
+    from actors.cache_agent import agent_handles
 
     if all_units:
         if key or prompt is not None or prompt_ids is not None:
@@ -113,9 +122,12 @@ def evict(
         keys = None
     else:
         keys = _keys(server, key, prompt, prompt_ids, tenant)
-    handles = agents()
-    removed = ray.get([h.evict.remote(keys) for h in handles.values()], timeout=120)
-    _print({"evicted": dict(zip(handles, removed, strict=True)), "total": sum(removed)}, as_json)
+    handles = agent_handles()
+    removed = dict(zip(handles, ray.get([h.evict.remote(keys) for h in handles.values()], timeout=120), strict=True))
+    if as_json:
+        sys.stdout.write(json.dumps({"evicted": removed, "total": sum(removed.values())}) + "\n")
+    else:
+        _per_node("units evicted", removed, "evicted")
 
 
 @cache_app.command("pin")
@@ -126,13 +138,20 @@ def pin(
     tenant: str = typer.Option("", "--tenant", help="the tenant whose units (--prompt, --prompt-ids)"),
     unpin: bool = typer.Option(False, "--unpin", help="make them evictable again"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    address: str = ADDRESS,
 ) -> None:
     """Keep units on every node that holds them, whatever the eviction policy (also across
     restarts). A prompt's units exist once it has been served."""
-    server = _connect()  # before `import ray`: it sets the cluster's auth mode
+    server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
     import ray
 
+    from actors.cache_agent import agent_handles
+
     keys = _keys(server, key, prompt, prompt_ids, tenant)
-    handles = agents()
-    counts = ray.get([h.pin.remote(keys, unpin) for h in handles.values()], timeout=120)
-    _print({"units": len(keys), "unpinned" if unpin else "pinned": dict(zip(handles, counts, strict=True))}, as_json)
+    handles = agent_handles()
+    verb = "unpinned" if unpin else "pinned"
+    counts = dict(zip(handles, ray.get([h.pin.remote(keys, unpin) for h in handles.values()], timeout=120), strict=True))
+    if as_json:
+        sys.stdout.write(json.dumps({"units": len(keys), verb: counts}) + "\n")
+    else:
+        _per_node(f"{len(keys)} units of the prompt, {verb} on each node that holds them", counts, verb)

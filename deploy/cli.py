@@ -15,6 +15,7 @@ import typer
 from deploy.bench.cli import bench_app
 from deploy.cache_cli import cache_app
 from deploy.eplb_cli import eplb_app
+from deploy.logs_cli import logs
 from deploy.options import check_checkpoint, check_device, check_dtype
 from deploy.scale_cli import scale
 from deploy.schedule_cli import schedule_app
@@ -34,25 +35,18 @@ app.command("stats")(stats)
 app.add_typer(train_app, name="train")
 app.command("scale")(scale)
 app.command("status")(status)
+app.command("logs")(logs)
 app.add_typer(schedule_app, name="schedule")
 
 
 def _load_with_progress(ckpt: Path, dtype: str, load_model, device: str = "cpu"):
-    """Load a checkpoint showing a progress bar on stderr (it disappears when done)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
+    """Load a checkpoint showing its progress (shards, bytes, ETA) on stderr when that is a
+    terminal (the bar disappears when done)."""
+    from deploy.term import progress
 
-    with Progress(TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(str(ckpt), total=None)
-        return load_model(ckpt, dtype, progress=lambda done, total: bar.update(task, completed=done, total=total),
-                          device=device)
+    with progress(f"loading {ckpt}", None) as bar:
+        return load_model(ckpt, dtype, device=device, progress=lambda p: bar.update(
+            p.bytes, p.total_bytes, f"loading {ckpt}: shard {min(p.shards + 1, p.total_shards)}/{p.total_shards}"))
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -176,11 +170,66 @@ def _parse_api_keys(items: list[str] | None) -> dict[str, str] | None:
     return keys
 
 
+UP_ONLY = ("host", "port", "redis_url", "num_cpus")  # `tide up --config` keys that are not AppArgs fields
+
+
+def _read_config(path: Path) -> dict:
+    """A `tide up --config` file: a YAML mapping of ``deploy.app.AppArgs`` fields (and host,
+    port, redis_url, num_cpus); a bad one is a usage error naming the field."""
+    import yaml
+    from pydantic import ValidationError
+
+    from deploy.app import AppArgs
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise typer.BadParameter(f"--config {str(path)!r}: {e}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise typer.BadParameter(f"--config {str(path)!r} must hold a mapping of AppArgs fields")
+    try:
+        AppArgs(**{k: v for k, v in raw.items() if k not in UP_ONLY})
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "?"
+        raise typer.BadParameter(f"--config {str(path)!r}: {field}: {err['msg']}") from None
+    return raw
+
+
+def _startup_view(console):
+    """Render replicas' start-up progress (``actors.startup``) as a live table on stderr."""
+    from rich.live import Live
+    from rich.table import Table
+
+    live = Live(console=console, transient=True, refresh_per_second=4)
+
+    def show(replicas: dict[str, dict]) -> None:
+        if not replicas:
+            return
+        table = Table(box=None, show_header=False, pad_edge=False)
+        for name, r in sorted(replicas.items()):
+            detail = ""
+            if r.get("stage") == "loading weights" and r.get("total_bytes"):
+                detail = (f"shard {min(r['shards'] + 1, r['total_shards'])}/{r['total_shards']}  "
+                          f"{r['bytes'] / 1e6:,.1f}/{r['total_bytes'] / 1e6:,.1f} MB "
+                          f"({100 * r['bytes'] / r['total_bytes']:.0f}%)")
+            table.add_row(f"  {name.split('#')[-1] if '#' in name else name}", r.get("stage", "?"), detail)
+        if not live.is_started:
+            live.start()
+        live.update(table)
+
+    return live, show
+
+
 @app.command()
 def up(
+    ctx: typer.Context,
+    config: Path = typer.Option(None, "--config", help="YAML file of deploy.app.AppArgs fields (and host, port, redis_url, num_cpus); options given here win"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     model_name: str = typer.Option("tiny", "--model-name", help="the model id clients ask for"),
-    host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (loopback by default)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (loopback by default: then every Ray, cache-agent and expert-parallel listener binds to loopback too)"),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     redis_url: str = typer.Option(None, "--redis-url", help="cache directory Redis; default: a local redis-server"),
     replicas: int = typer.Option(1, "--replicas", min=1, help="model replicas (with --decode-replicas: the prefill replicas)"),
@@ -198,39 +247,59 @@ def up(
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
+    from click.core import ParameterSource
     from rich.console import Console
 
     from deploy.local import up as start
 
-    check_checkpoint(checkpoint)
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+    args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
+            "replicas": replicas, "decode_replicas": decode_replicas, "cache_dir": str(cache_dir) if cache_dir else None,
+            "ssd_gb": ssd_gb, "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key),
+            "expert_shards": expert_shards, "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches,
+            "device": device, "dtype": dtype}
+    cli_names = {"api_keys": "api_key"}
+    edge = {"host": host, "port": port, "redis_url": redis_url, "num_cpus": num_cpus}
+    if config is not None:
+        for key, value in _read_config(config).items():
+            target = edge if key in UP_ONLY else args
+            if cli_names.get(key, key) not in given:  # an option on the command line wins over the file
+                target[key] = value
+    host, port, redis_url, num_cpus = edge["host"], edge["port"], edge["redis_url"], edge["num_cpus"]
+    check_checkpoint(Path(args["checkpoint"]) if args["checkpoint"] else None)
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
         raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
-    if admission not in ("all", "second-sight"):
-        raise typer.BadParameter(f"--admission {admission!r} is not one of all, second-sight")
-    if cache_layout not in ("segment", "unit"):
-        raise typer.BadParameter(f"--cache-layout {cache_layout!r} is not one of segment, unit")
-    check_device(device)
-    check_dtype(dtype)
-    args = {"checkpoint": str(checkpoint) if checkpoint else None, "model_name": model_name,
-            "replicas": replicas, "decode_replicas": decode_replicas, "cache_dir": str(cache_dir) if cache_dir else None, "ssd_gb": ssd_gb,
-            "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key), "expert_shards": expert_shards,
-            "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches, "device": device, "dtype": dtype}
+    if args["admission"] not in ("all", "second-sight"):
+        raise typer.BadParameter(f"--admission {args['admission']!r} is not one of all, second-sight")
+    if args["cache_layout"] not in ("segment", "unit"):
+        raise typer.BadParameter(f"--cache-layout {args['cache_layout']!r} is not one of segment, unit")
+    check_device(args["device"])
+    check_dtype(args["dtype"])
     console = Console(stderr=True)
+    live, show = _startup_view(console)
     with console.status("starting tideserve") as status:
         try:
             state = start(args, host, port, redis_url, num_cpus,
-                          step=lambda msg: (status.update(msg), console.log(msg)))
-        except (RuntimeError, ValueError, OSError) as e:
+                          step=lambda msg: (status.update(msg), console.log(msg)), startup=show)
+        except KeyboardInterrupt:
+            typer.echo("interrupted: what had started was stopped", err=True)
+            raise typer.Exit(130) from None
+        except Exception as e:  # noqa: BLE001 - one clear line (or Ray's/Serve's own last lines), no traceback
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
-    typer.echo(f"tideserve is up: {state['url']}  (model {model_name!r}; stop with `tide down`)")
+        finally:
+            if live.is_started:
+                live.stop()
+    name = args["model_name"]
+    typer.echo(f"tideserve is up: {state['url']}  (model {name!r}; stop with `tide down`)")
     typer.echo(f"try: curl {state['url']}/chat/completions -H 'Content-Type: application/json' "
-               f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+               f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
 
 
 @app.command()
 def down() -> None:
-    """Stop the local cluster that `tide up` started."""
+    """Stop the local cluster that `tide up` started (its processes only; other Ray clusters on
+    this machine keep running)."""
     from deploy.local import down as stop
 
     if not stop():
@@ -239,13 +308,32 @@ def down() -> None:
     typer.echo("tideserve is down")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"tideserve {version('tideserve')}")
+        except PackageNotFoundError:
+            typer.echo("tideserve (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
+    """tideserve: serve DeepSeek-style models (MLA + MoE) on Ray with a disk prompt cache."""
+
+
 def main() -> None:
-    """The ``tide`` console entry: the app, with a dead local cluster reported as one line."""
-    from deploy.local import ClusterUnreachable
+    """The ``tide`` console entry: runtime conditions (no cluster, a dead head, nothing to
+    lend) are one line and exit status 1; usage errors exit 2."""
+    from deploy.connect import TideError
 
     try:
         app()
-    except ClusterUnreachable as e:
+    except TideError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(1) from None
 

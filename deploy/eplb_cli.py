@@ -8,6 +8,9 @@ from pathlib import Path
 
 import typer
 
+from deploy.connect import ADDRESS_HELP, TideError
+
+ADDRESS = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP)
 eplb_app = typer.Typer(help="Expert-parallel load balancing (expert placement).", no_args_is_help=True)
 
 
@@ -86,27 +89,24 @@ def eplb_plan(
     sys.stdout.write(json.dumps(out) + "\n")
 
 
-def _control():
-    """The running local cluster's ``EPControl`` (connects to the cluster; call it before
-    importing ray: the connection sets Ray's auth mode first)."""
+def _control(address: str | None):
+    """The running cluster's ``EPControl`` (connects to the cluster; call it before importing
+    ray: the connection sets Ray's auth mode first)."""
+    from deploy.connect import find_target, serve_handle
     from deploy.ep_admin import find_ep_control
-    from deploy.local import read_state, serve_handle
 
-    state = read_state()
-    if state is None:
-        raise typer.BadParameter("no local cluster is running (start one with `tide up --expert-shards N`)")
-    serve_handle(state)  # connects
+    serve_handle(find_target(address))  # connects
     control = find_ep_control()
     if control is None:
-        raise typer.BadParameter("this cluster does not use expert parallelism (tide up --expert-shards N)")
+        raise TideError("this cluster does not use expert parallelism (tide up --expert-shards N)")
     return control
 
 
 @eplb_app.command("show")
-def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON"), address: str = ADDRESS) -> None:
     """The running cluster's expert placement: version, shards, copies per expert, the load
     every replica measured, and the version each replica serves."""
-    control = _control()  # first: it sets Ray's auth mode before ray is imported
+    control = _control(address)  # first: it sets Ray's auth mode before ray is imported
     import ray
     import torch
 
@@ -114,25 +114,37 @@ def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON")) 
 
     info, load = ray.get([control.info.remote(), control.load.remote()], timeout=60)
     if info["version"] is None:
-        raise typer.BadParameter("no replica has joined the expert-parallel group yet; try again shortly")
+        raise TideError("no replica has joined the expert-parallel group yet; try again shortly")
     phy2log = torch.tensor(info["phy2log"])
     placement = Placement.from_phy2log(phy2log, load.shape[1], info["num_shards"])
     out = {"version": info["version"], "shards": info["num_shards"], "slots": phy2log.shape[1],
            "copies_max": int(placement.logcnt.max()), "imbalance": round(imbalance(placement, load), 4)
            if float(load.sum()) > 0 else None, "rebalances": info["rebalances"], "resizes": info["resizes"],
            "replicas": info["replicas"], "phy2log": info["phy2log"]}
-    sys.stdout.write(json.dumps(out) + "\n" if as_json else "\n".join(f"{k}: {v}" for k, v in out.items() if k != "phy2log") + "\n")
+    if as_json:
+        sys.stdout.write(json.dumps(out) + "\n")
+        return
+    imb = "unmeasured (no load yet)" if out["imbalance"] is None else f"{out['imbalance']:.3f} (max/mean shard load)"
+    print(f"placement version {out['version']}: {out['shards']} shards, {out['slots']} slots, "
+          f"up to {out['copies_max']} copies of an expert")
+    print(f"  imbalance: {imb}")
+    print(f"  rebalances: {out['rebalances']}, resizes: {out['resizes']}")
+    for replica, version in sorted(out["replicas"].items()):
+        print(f"  replica {replica.split('#')[-1]} serves version {version}")
 
 
 @eplb_app.command("rebalance")
-def eplb_rebalance(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def eplb_rebalance(as_json: bool = typer.Option(False, "--json", help="print JSON"), address: str = ADDRESS) -> None:
     """Re-plan from the load every replica measured, now; weights move while serving continues
     and every replica switches to the new placement."""
-    control = _control()  # first: it sets Ray's auth mode before ray is imported
+    control = _control(address)  # first: it sets Ray's auth mode before ray is imported
     import ray
 
     try:
         result = ray.get(control.rebalance.remote(), timeout=600)
     except ValueError as e:  # no replica has joined yet (RayTaskError subclasses it)
-        raise typer.BadParameter(str(e).splitlines()[-1]) from None
-    sys.stdout.write(json.dumps(result) + "\n" if as_json else f"{result}\n")
+        raise TideError(str(e).splitlines()[-1]) from None
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        print("\n".join(f"{k.replace('_', ' ')}: {v}" for k, v in result.items()))

@@ -1,50 +1,43 @@
 """``tide up`` / ``tide down``: a local cluster — redis-server, a Ray head, the Serve app.
 
-State (addresses, the Redis pid) lives in ``$TIDE_HOME/run/state.json`` so ``tide down`` and
-``tide status`` find what ``tide up`` started. Every control path needs a credential: the Ray
-head runs with token authentication, the cache agents with a token, and the local redis-server
-with a password (``$TIDE_HOME/run/redis.password``, mode 0600); all bind to loopback.
+State (addresses, pids, the cluster's id) lives in ``$TIDE_HOME/run/state.json`` (0600) so
+``tide down`` and the admin commands find what ``tide up`` started; ``tide down`` stops exactly
+those processes (``deploy.ray_head``), never another Ray cluster on the machine. Every control
+path needs a credential: the Ray head runs with token authentication (``~/.ray/auth_token`` is
+made, 0600, when there is none), the cache agents with a token, and the local redis-server with
+a password (``$TIDE_HOME/run/redis.password``, 0600). With the default ``--host`` every listener
+binds to loopback.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cluster.daily_report import JsonlLog, NodeSample
+from deploy.connect import (
+    REDIS_PASSWORD_ENV,
+    ClusterUnreachable,
+    Target,
+    TideError,
+    connect,
+    read_state,
+    state_path,
+    write_state,
+)
+from deploy.ray_head import ensure_auth_token, is_loopback, start_head, stop_marked, temp_dir_for
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 from model.default import cache_root
 
-__all__ = ["ClusterUnreachable", "down", "read_state", "up", "write_state"]
-
-
-class ClusterUnreachable(RuntimeError):
-    """The local cluster's Ray head does not answer: it stopped or crashed since `tide up`."""
-
-
-def state_path() -> Path:
-    return cache_root() / "run" / "state.json"
-
-
-def read_state() -> dict[str, Any] | None:
-    p = state_path()
-    return json.loads(p.read_text()) if p.is_file() else None
-
-
-def write_state(state: dict[str, Any]) -> None:
-    state_path().parent.mkdir(parents=True, exist_ok=True)
-    state_path().write_text(json.dumps(state, indent=2))
-
-
-REDIS_PASSWORD_ENV = "TIDE_REDIS_PASSWORD"  # how the app's processes get the local Redis password
+__all__ = ["cluster_status", "down", "record_serving_nodes", "up"]
 
 
 def _redis_password_path() -> Path:
@@ -58,7 +51,7 @@ def _start_redis(workdir: Path) -> tuple[int, str]:
     password = secrets.token_urlsafe(24)
     server = RedisServer(workdir, password=password, detach=True, save="60 1000").start()
     path = _redis_password_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(password)
@@ -66,51 +59,36 @@ def _start_redis(workdir: Path) -> tuple[int, str]:
     return server.proc.pid, f"redis://127.0.0.1:{server.port}/0"
 
 
-def _load_redis_password() -> None:
-    """Give this process the local Redis password (a CLI command acting on a `tide up` cluster)."""
-    path = _redis_password_path()
-    if REDIS_PASSWORD_ENV not in os.environ and path.is_file():
-        os.environ[REDIS_PASSWORD_ENV] = path.read_text().strip()
-
-
-def _ray_cli() -> str:
-    exe = Path(sys.executable).with_name("ray")
-    return str(exe) if exe.exists() else "ray"
-
-
 def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, num_cpus: int | None,
-       step=lambda msg: None) -> dict[str, Any]:
-    """Start everything; returns the state written for ``tide down``."""
+       step: Callable[[str], None] = lambda msg: None,
+       startup: Callable[[dict[str, dict]], None] = lambda replicas: None) -> dict[str, Any]:
+    """Start everything; returns the state written for ``tide down``. ``step`` hears each
+    stage, ``startup`` each replica's start-up progress while the app comes up."""
     if read_state() is not None:
-        raise RuntimeError(f"a local cluster is already up (state in {state_path()}); run `tide down` first")
+        raise TideError(f"a local cluster is already up (state in {state_path()}); run `tide down` first")
     _check_port_free(host, port)
-    state: dict[str, Any] = {}
+    loopback = is_loopback(host)
+    state: dict[str, Any] = {"cluster_id": uuid.uuid4().hex, "loopback": loopback}
     try:
+        ensure_auth_token()
         if redis_url is None:
             step("starting redis-server")
             pid, redis_url = _start_redis(cache_root() / "run" / "redis")
             state["redis_pid"] = pid
         state["redis_url"] = redis_url
         step("starting the Ray head")
-        # Token authentication on (Ray keeps the token in ~/.ray/auth_token); a driver that
-        # connects to an existing cluster only sends it when the mode is set explicitly.
-        os.environ["RAY_AUTH_MODE"] = "token"
-        gcs_port, dashboard_port = free_port(), free_port()
+        ports = {"gcs": free_port(), "dashboard": free_port(), "client": free_port(), "agent": free_port()}
+        head = start_head(state["cluster_id"], temp_dir_for(cache_root()), ports, loopback, num_cpus)
         # the dashboard serves the Ray Jobs API (`tide train submit` runs night training through it)
-        cmd = [_ray_cli(), "start", "--head", f"--port={gcs_port}", "--disable-usage-stats",
-               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
-        if num_cpus is not None:
-            cmd.append(f"--num-cpus={num_cpus}")
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        state["ray_address"] = f"127.0.0.1:{gcs_port}"
-        state["dashboard"] = f"http://127.0.0.1:{dashboard_port}"
+        state.update(ray_address=head.gcs_address, dashboard=head.dashboard_url, ray_temp_dir=head.temp_dir)
+        write_state(state)  # from here on `tide down` can stop what was started, even if this process dies
         step("building the model and starting Serve")
-        import ray
+        ray = connect(Target(state["ray_address"], state))
         from ray import serve
 
+        from actors.startup import clear_startup, read_startup
         from deploy.app import AppArgs, build_app, gpus_needed
 
-        ray.init(address=state["ray_address"], log_to_driver=False)
         # A replica or shard asking for a GPU the cluster lacks would wait forever (no autoscaler here)
         need, have = gpus_needed(AppArgs(**app_args)), int(ray.cluster_resources().get("GPU", 0))
         if need > have:
@@ -121,17 +99,33 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         if "redis_pid" in state and not app_args.get("directory_password_env"):
             app_args["directory_password_env"] = REDIS_PASSWORD_ENV
         state["app_args"] = app_args  # `tide scale` redeploys with another replica count
+        clear_startup()
         serve.run(build_app(app_args), name="tideserve", route_prefix="/", blocking=False)
-        url = f"http://{host}:{port}"
-        step("waiting for the app to be healthy")
-        wait_healthy(url)
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        step("waiting for the replicas")
+        wait_healthy(url, timeout_s=1800, on_wait=_watch(serve, lambda: startup(read_startup())))
         state["url"] = url + "/v1"
         write_state(state)
         record_serving_nodes(1)
         return state
     except BaseException:
         _teardown(state)
+        state_path().unlink(missing_ok=True)
         raise
+
+
+def _watch(serve, show: Callable[[], None]) -> Callable[[], None]:
+    """Between health polls: show the replicas' progress, and give up at once with Serve's own
+    reason when the app failed to deploy (a replica's constructor raised, say)."""
+    def check() -> None:
+        show()
+        app = serve.status().applications.get("tideserve")
+        if app is None or str(app.status) not in ("DEPLOY_FAILED", "ApplicationStatus.DEPLOY_FAILED"):
+            return
+        reasons = [d.message for d in app.deployments.values() if d.message] or [app.message]
+        tail = [ln for ln in "\n".join(reasons).splitlines() if ln.strip()][-12:]
+        raise TideError("the app failed to deploy:\n  " + "\n  ".join(tail))
+    return check
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -146,18 +140,20 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _teardown(state: dict[str, Any]) -> None:
+    """Stop what ``state`` says this ``tide up`` started, and nothing else."""
     if "ray_address" in state:
         try:
-            ray = _connect(state)
+            ray = connect(Target(state["ray_address"], state))
             from ray import serve
 
-            serve.shutdown()
+            serve.shutdown()  # replicas finish in order before their processes are stopped
             ray.shutdown()
         except ClusterUnreachable:
             print("warning: the Ray head does not answer; stopping what is left of the cluster", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - tearing down as much as possible
             print(f"warning: serve shutdown: {e}", file=sys.stderr)
-        subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True)
+    if state.get("cluster_id"):
+        stop_marked(state["cluster_id"])
     pid = state.get("redis_pid")
     if pid:
         stop_process(pid)
@@ -198,40 +194,6 @@ def down() -> bool:
     return True
 
 
-def check_reachable(state: dict[str, Any], timeout_s: float = 3.0) -> None:
-    """Raise ``ClusterUnreachable`` unless the Ray head accepts a connection (``ray.init`` would
-    retry a dead head's address for minutes)."""
-    host, port = state["ray_address"].rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ClusterUnreachable(
-            f"the local cluster's Ray head at {state['ray_address']} does not answer ({e.strerror or e}): it "
-            "stopped or crashed since `tide up`; run `tide down` to clean up, then `tide up`"
-        ) from None
-
-
-def _connect(state: dict[str, Any]):
-    """Connect this process to the running cluster (once); returns the ``ray`` module.
-    ``ClusterUnreachable`` when the head is gone."""
-    os.environ["RAY_AUTH_MODE"] = "token"  # set before ray is imported
-    import ray
-
-    if not ray.is_initialized():
-        check_reachable(state)
-        ray.init(address=state["ray_address"], log_to_driver=False)
-    return ray
-
-
-def serve_handle(state: dict[str, Any]):
-    """A handle to the running app's ``LLMServer`` deployment (connects this process to Ray)."""
-    _load_redis_password()  # a redeploy (`tide scale`) and the directory reads need it
-    _connect(state)
-    from ray import serve
-
-    return serve.get_deployment_handle("LLMServer", app_name="tideserve")
-
-
 def _replica_stats(state_actor, handle, pd: bool) -> list[dict]:
     """Every replica's stats from its heartbeat (prefill pool first under P/D, marked ``pool``);
     one replica's, asked through the app, when none has reported yet."""
@@ -249,9 +211,11 @@ def _replica_stats(state_actor, handle, pd: bool) -> list[dict]:
     return out or [handle.stats.remote().result(timeout_s=30)]
 
 
-def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
+def cluster_status(target: Target) -> dict[str, Any]:
     """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
-    handle = serve_handle(state)  # sets RAY_AUTH_MODE before ray is imported
+    from deploy.connect import app_args, serve_handle
+
+    handle = serve_handle(target)
     import ray
 
     from actors.tidal import tidal_state
@@ -259,7 +223,7 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
 
     state_actor = tidal_state()
     roles, reports = ray.get(state_actor.roles.remote()), ray.get(state_actor.reports.remote())
-    replicas = _replica_stats(state_actor, handle, bool((state.get("app_args") or {}).get("decode_replicas")))
+    replicas = _replica_stats(state_actor, handle, bool(app_args(target).get("decode_replicas")))
     control = find_ep_control()
     ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
     serving = {n for n, r in reports.items() if time.time() - r["time"] < 10}
@@ -278,8 +242,21 @@ def cluster_status(state: dict[str, Any]) -> dict[str, Any]:
                  if ep else None)
     from deploy.cache_cli import cache_stats
 
-    return {"url": state["url"], "nodes": nodes, "replicas": replicas, "expert_placement": placement,
+    url = (target.local or {}).get("url") or _serve_url()
+    return {"url": url, "address": target.address, "nodes": nodes, "replicas": replicas, "expert_placement": placement,
             "cache": cache_stats()}
+
+
+def _serve_url() -> str | None:
+    """The HTTP address Serve listens on (a cluster `tide up` did not start)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
+        return f"http://{host}:{http.port}/v1"
+    except Exception:  # noqa: BLE001 - shown as unknown
+        return None
 
 
 def record_serving_nodes(n: int) -> None:

@@ -76,8 +76,9 @@ class RedisServer:
         self.start()
 
 
-def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
-    """Poll ``url``/health until it answers 200; RuntimeError after ``timeout_s``."""
+def wait_healthy(url: str, timeout_s: float = 300.0, on_wait=lambda: None) -> None:
+    """Poll ``url``/health until it answers 200, calling ``on_wait()`` between polls (it may
+    raise to give up early); RuntimeError after ``timeout_s``."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -87,5 +88,6 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
                 return
         except httpx.HTTPError:
             pass
+        on_wait()
         time.sleep(0.5)
     raise RuntimeError(f"{url} did not become healthy within {timeout_s:.0f} s")

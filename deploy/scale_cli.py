@@ -11,6 +11,7 @@ import time
 import typer
 
 from cluster.scaling import LoadSample, ScalingConfig, ScalingPolicy, Schedule
+from deploy.connect import ADDRESS_HELP, TideError
 from deploy.schedule_cli import load_schedule
 
 
@@ -30,6 +31,7 @@ def scale(
     deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds in-flight requests get to finish (then they move) / training gets to checkpoint"),
     reload: str = typer.Option(None, "--reload", help="day: serve this checkpoint (e.g. the night's export)"),
     as_json: bool = typer.Option(False, "--json"),
+    address: str = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP),
 ) -> None:
     """Scale serving for the day (all nodes) or the night (lend nodes to training, never below
     what the current load needs), or to --serve-nodes N."""
@@ -39,7 +41,7 @@ def scale(
         raise typer.BadParameter(f"mode {mode!r} is not day or night")
     if not k8s:
         _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
-                     deadline_s, reload, as_json)
+                     deadline_s, reload, as_json, address)
         return
     try:
         from kubernetes import client, config
@@ -56,7 +58,7 @@ def scale(
     try:
         svc = api.get_namespaced_custom_object("ray.io", "v1", namespace, "rayservices", rayservice)
     except client.ApiException as e:
-        raise typer.BadParameter(f"cannot read RayService {namespace}/{rayservice}: {e.reason}") from None
+        raise TideError(f"cannot read RayService {namespace}/{rayservice}: {e.reason}") from None
     groups = {g["groupName"]: g for g in svc["spec"]["rayClusterConfig"].get("workerGroupSpecs", [])}
     if group not in groups:
         raise typer.BadParameter(f"--group {group!r} is not a worker group of {rayservice}: {sorted(groups)}")
@@ -70,7 +72,7 @@ def scale(
     try:
         result = scale_worker_group(api, namespace, rayservice, group, lendable, dry_run)
     except K8sScaleError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise TideError(str(e)) from None
     if not dry_run:
         from deploy.local import record_serving_nodes
 
@@ -83,7 +85,7 @@ def _target(mode: str | None, serve_nodes: int | None, total: int, current: int,
     """Serving nodes wanted now: ``--serve-nodes``, every node by day, or the night's size (never
     below what the load needs)."""
     if serve_nodes is not None:
-        return serve_nodes, "asked"
+        return serve_nodes, "--serve-nodes"
     saved = load_schedule()
     cfg = ScalingConfig(total_nodes=total, min_nodes=min_nodes, night_nodes=min(total, max(1, night_nodes or saved["night_nodes"])),
                         node_tokens_per_s=node_tokens_per_s, min_dwell_s=0)
@@ -95,14 +97,14 @@ def _target(mode: str | None, serve_nodes: int | None, total: int, current: int,
 
 
 def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
-                 deadline_s, reload, as_json) -> None:
-    """Lend nodes of the local Ray cluster (``tide up`` plus nodes joined with ``ray start``)."""
-    from deploy.local import read_state, record_serving_nodes, serve_handle, write_state
+                 deadline_s, reload, as_json, address) -> None:
+    """Lend nodes of a Ray cluster (``tide up``'s plus nodes joined with ``ray start``, or the
+    one ``--address`` names)."""
+    from deploy.connect import app_args, dashboard_url, find_target, serve_handle, write_state
+    from deploy.local import record_serving_nodes
 
-    state = read_state()
-    if state is None:
-        raise typer.BadParameter("no local cluster is running (start one with `tide up`), and --k8s was not given")
-    serve_handle(state)  # connects to the cluster
+    cluster = find_target(address)
+    serve_handle(cluster)  # connects to the cluster
     import ray
 
     from actors.tidal import tidal_state
@@ -114,31 +116,40 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
     current = len(alive) - len(lent)
     target, reason = _target(mode, serve_nodes, len(alive), current, night_nodes, tokens_per_s, kv_occupancy,
                              node_tokens_per_s)
-    target = max(1, min(len(alive), target))
-    out = {"nodes": len(alive), "serving_before": current, "serve_nodes": target, "reason": reason}
-    if dry_run or target == current:
+    goal = max(1, min(len(alive), target))
+    if target > goal:
+        reason += f" {target}, capped to the {len(alive)} alive node(s)"
+    elif target < goal:
+        reason += f" {target}, raised to 1: one node always serves"
+    out = {"nodes": len(alive), "serving_before": current, "serve_nodes": goal, "reason": reason}
+    if dry_run or goal == current:
         _emit({**out, "changed": False, "dry_run": dry_run}, as_json)
         return
-    args = state.get("app_args") or {}
-    if target < current:
+    args = app_args(cluster, redeploy=True)
+    if goal < current:
         try:
-            result = lend_nodes(args, current - target, deadline_s=deadline_s)
+            result = lend_nodes(args, current - goal, deadline_s=deadline_s)
         except ValueError as e:  # nothing this app can lend: say why, change nothing
-            raise typer.BadParameter(str(e)) from None
+            raise TideError(str(e)) from None
     else:
-        if target < len(alive):
-            raise typer.BadParameter(f"--serve-nodes {target}: taking back only some lent nodes is not supported; "
+        if goal < len(alive):
+            raise typer.BadParameter(f"--serve-nodes {goal}: taking back only some lent nodes is not supported; "
                                      "use `tide scale day`")
-        result = return_nodes(args, deadline_s=deadline_s, reload=reload, dashboard=state.get("dashboard"))
-        if reload:  # later redeploys (the next night) must serve the new checkpoint too
-            write_state({**state, "app_args": {**args, "checkpoint": reload}})
-    record_serving_nodes(target)  # nodes, not replicas: an expert-parallel app serves from every node
+        result = return_nodes(args, deadline_s=deadline_s, reload=reload, dashboard=dashboard_url(cluster))
+        if reload and cluster.local is not None:  # later redeploys (the next night) must serve the new checkpoint too
+            write_state({**cluster.local, "app_args": {**args, "checkpoint": reload}})
+    record_serving_nodes(goal)  # nodes, not replicas: an expert-parallel app serves from every node
     _emit({**out, "changed": True, **result}, as_json)
 
 
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
+        return
+    changed = result.get("changed", not result.get("dry_run", False))
+    head = (f"serving on {result['serve_nodes']} node(s)" + ("" if changed else " (no change)")
+            + (" [dry run]" if result.get("dry_run") else ""))
+    print(head)
+    for k, v in result.items():
+        if k not in ("serve_nodes", "changed", "dry_run"):
+            print(f"  {k.replace('_', ' ')}: {v}")

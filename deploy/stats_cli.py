@@ -63,13 +63,41 @@ def stats(
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from deploy.term import stdout_console
 
     table = Table(title=f"tideserve, {report['window_start']} .. {report['window_end']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, value in report.items():
-        if key not in ("window_start", "window_end", "prices"):
-            table.add_row(key, f"{value:,}" if isinstance(value, int | float) else str(value))
-    Console().print(table)
+    for label, value in _rows(report):
+        table.add_row(label, value)
+    stdout_console().print(table)
+
+
+def _rows(r: dict) -> list[tuple[str, str]]:
+    """The report as labelled, explained rows (``--json`` has the raw numbers)."""
+    def n(v) -> str:
+        return "unknown" if v is None else f"{v:,}"
+
+    rows = [
+        ("requests", n(r["requests"])),
+        ("input tokens", n(r["input_tokens"])),
+        ("  from the prompt cache (hit)", n(r["cache_hit_tokens"])),
+        ("  computed (miss)", n(r["cache_miss_tokens"])),
+        ("cache hit rate", f"{100 * r['cache_hit_rate']:.1f}%"),
+        ("output tokens", n(r["output_tokens"])),
+        ("output tokens/s per request (mean)", n(r["avg_output_tokens_per_s"])),
+        ("KV length per request (mean tokens)", n(r["avg_kv_length"])),
+        ("serving nodes: peak / mean", f"{n(r['serving_nodes_peak'])} / {n(r['serving_nodes_avg'])}"),
+        ("node-hours", n(r["node_hours"])),
+        ("revenue at --price-* (per 1M tokens)", f"{r['revenue']:,.4f}"),
+        ("cost: node-hours x --node-hour-cost", "unknown" if r["cost"] is None else f"{r['cost']:,.4f}"),
+    ]
+    margin = r["margin"]
+    if margin is None:
+        rows.append(("margin: (revenue - cost) / revenue", "unknown (no revenue or no node samples)"))
+    else:
+        note = "" if margin >= 0 else f" (cost is {1 - margin:,.1f}x the revenue)"
+        rows.append(("margin: (revenue - cost) / revenue", f"{100 * margin:,.1f}%{note}"))
+    return rows

@@ -1,4 +1,4 @@
-"""``tide status``: the local cluster's nodes and roles, replicas, expert placement, cache, load, GPUs."""
+"""``tide status``: the cluster's nodes and roles, replicas, expert placement, cache, load, GPUs."""
 
 from __future__ import annotations
 
@@ -7,29 +7,70 @@ import sys
 
 import typer
 
+from deploy.connect import ADDRESS_HELP
 
-def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
-    """Nodes and their roles, replicas, expert placement, cache per tier, current load, GPUs."""
+
+def status(
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    address: str = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP),
+) -> None:
+    """Nodes and their roles, replicas, expert placement, cache per node and tier, load, GPUs."""
     from actors.gpu import gpu_telemetry
-    from deploy.local import cluster_status, read_state
+    from deploy.connect import find_target
+    from deploy.local import cluster_status
 
-    state = read_state()
-    if state is None:
-        raise typer.BadParameter("no local cluster is running (start one with `tide up`)")
-    report = cluster_status(state)
+    report = cluster_status(find_target(address))
     report["gpus"] = gpu_telemetry()
     if as_json:
         sys.stdout.write(json.dumps(report, default=str) + "\n")
         return
-    from rich.console import Console
+    from deploy.term import stdout_console
 
-    console = Console()
-    console.print(f"[bold]tideserve[/bold] at {state['url']}")
-    for node in report["nodes"]:
-        console.print(f"  node {node['node_id'][:12]}  {node['role']:<8} cpus={node['cpus']:.0f}")
+    print_report(stdout_console(), report)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def print_report(console, report: dict) -> None:
+    """The human form of ``tide status``: one table per section."""
+    from rich.table import Table
+
+    console.print(f"[bold]tideserve[/bold] at {report['url'] or 'an unknown URL'}  (Ray at {report['address']})")
+    nodes = Table(title="nodes", title_justify="left", box=None)
+    for col in ("node", "role", "CPUs"):
+        nodes.add_column(col)
+    for n in report["nodes"]:
+        nodes.add_row(n["node_id"][:12], n["role"], f"{n['cpus']:.0f}")
+    console.print(nodes)
+
+    replicas = Table(title="replicas", title_justify="left", box=None)
+    for col in ("replica", "node", "pool", "running", "waiting", "prefill tok", "decode tok"):
+        replicas.add_column(col, justify="right" if col not in ("replica", "node", "pool") else "left")
     for r in report["replicas"]:
-        pool = f" ({r['pool']})" if "pool" in r else ""
-        console.print(f"  replica {r['node_id']}{pool}: running={r['running']} waiting={r['waiting']} "
-                      f"cache={r['cache']}")
+        engine = r.get("engine", {})
+        name = r.get("actor_name") or r.get("replica_id") or "?"
+        replicas.add_row(name.split("#")[-1], str(r.get("node_id", "?"))[:12], r.get("pool", "both"),
+                         str(r.get("running", 0)), str(r.get("waiting", 0)), f"{engine.get('prefill_tokens', 0):,}",
+                         f"{engine.get('decode_tokens', 0):,}")
+    console.print(replicas)
+
+    cache = Table(title="prompt cache", title_justify="left", box=None)
+    for col in ("node", "tier", "units", "bytes", "pinned", "hits"):
+        cache.add_column(col, justify="left" if col in ("node", "tier") else "right")
+    for node, s in sorted(report["cache"]["nodes"].items()):
+        cache.add_row(node[:12], "ssd", f"{s.get('ssd_units', 0):,}", _mb(s.get("ssd_bytes", 0)),
+                      f"{s.get('ssd_pinned', 0):,}", f"{s.get('ssd_hits', 0):,}")
+        cache.add_row("", "ram", f"{s.get('ram_units', 0):,}", _mb(s.get("ram_bytes", 0)), "", f"{s.get('ram_hits', 0):,}")
+    t = report["cache"]["totals"]
+    cache.add_row("[bold]all[/bold]", "ssd", f"{t['ssd_units']:,}", _mb(t["ssd_bytes"]), f"{t['ssd_pinned']:,}",
+                  f"{t['ssd_hits']:,}")
+    console.print(cache)
+
+    ep = report["expert_placement"]
+    if ep:
+        console.print(f"expert placement: version {ep['version']} over {ep['shards']} shards; "
+                      f"replicas serving it: {len(ep['replicas'])}")
     gpus = report["gpus"]
-    console.print(f"  GPUs: {len(gpus['gpus'])}" if gpus["available"] else f"  GPUs: absent ({gpus['reason']})")
+    console.print(f"GPUs: {len(gpus['gpus'])}" if gpus["available"] else f"GPUs: none ({gpus['reason']})")

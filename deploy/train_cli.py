@@ -18,7 +18,10 @@ from pathlib import Path
 
 import typer
 
+from deploy.connect import ADDRESS_HELP, TideError
 from deploy.options import check_dtype
+
+ADDRESS = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP)
 
 train_app = typer.Typer(help="Train the model architecture (resumable, HF-format checkpoints).", no_args_is_help=True)
 
@@ -58,15 +61,21 @@ def train_run(
     signal.signal(signal.SIGINT, on_signal)
     deadline = time.monotonic() + minutes * 60 if minutes is not None else None
 
-    def report(row: dict) -> None:
-        if as_json:
-            sys.stdout.write(json.dumps(row) + "\n")
-            sys.stdout.flush()
-        elif row["step"] % 10 == 0:
-            print(f"step {row['step']}: loss {row['loss']:.3f}  {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    from deploy.term import progress
 
     start_step = trainer.step
-    last = trainer.run(deadline, lambda: stop["now"], report)
+    # on a terminal: a bar with an ETA (to --steps, or to --minutes when that comes first)
+    with progress("training", steps, enabled=not as_json) as bar:
+        def report(row: dict) -> None:
+            if as_json:
+                sys.stdout.write(json.dumps(row) + "\n")
+                sys.stdout.flush()
+                return
+            bar.update(row["step"], description=f"training: loss {row['loss']:.3f}, {row['tokens_per_s']:.0f} tok/s")
+            if row["step"] % 10 == 0 and not sys.stderr.isatty():  # logs: a line every 10 steps
+                print(f"step {row['step']}: loss {row['loss']:.3f}  {row['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+
+        last = trainer.run(deadline, lambda: stop["now"], report)
     summary = {"out": str(out), "started_at_step": start_step, "step": trainer.step, "loss": last.get("loss"),
                "corpus_tokens": int(corpus.numel()), "stopped_by_signal": stop["now"]}
     sys.stdout.write(json.dumps({"done": summary}) + "\n")
@@ -92,18 +101,17 @@ def train_export(
     sys.stdout.write(json.dumps({"dest": str(dest), "bytes": size}) + "\n")
 
 
-def _cluster():
-    from deploy.local import read_state, serve_handle
+def _cluster(address: str | None):
+    """(the cluster's dashboard URL, its day/night state actor, the ray module); connects."""
+    from deploy.connect import dashboard_url, find_target, serve_handle
 
-    state = read_state()
-    if state is None:
-        raise typer.BadParameter("no local cluster is running (start one with `tide up`)")
-    serve_handle(state)  # connects this process to the cluster
+    target = find_target(address)
+    serve_handle(target)  # connects this process to the cluster
     import ray
 
     from actors.tidal import tidal_state
 
-    return state, tidal_state(), ray
+    return dashboard_url(target), tidal_state(), ray
 
 
 @train_app.command("submit")
@@ -111,56 +119,65 @@ def train_submit(
     out: Path = typer.Option(None, "--out", help="checkpoint directory on the lent node (default: $TIDE_HOME/train/night)"),
     entrypoint: str = typer.Option(None, "--entrypoint", help="the job's command (default: `tide train run --out OUT`)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    address: str = ADDRESS,
 ) -> None:
     """Submit a training job through the Ray Jobs API, its driver pinned to the lent nodes
     (lend them with `tide scale night`); `tide scale day` stops it with a checkpoint."""
-    state, tidal, ray = _cluster()
+    dashboard, tidal, ray = _cluster(address)
     from actors.tidal import submit_training
     from model.default import cache_root
 
     lent = [n for n, r in ray.get(tidal.roles.remote()).items() if r == "lent"]
     if not lent:
-        raise typer.BadParameter("no node is lent to training (run `tide scale night` first)")
+        raise TideError("no node is lent to training (run `tide scale night` first)")
     if ray.get(tidal.job.remote()):
-        raise typer.BadParameter(f"job {ray.get(tidal.job.remote())} is already training (tide train stop)")
+        raise TideError(f"job {ray.get(tidal.job.remote())} is already training (tide train stop)")
     out = out or cache_root() / "train" / "night"
     cmd = entrypoint or f"{sys.executable} -m deploy.cli train run --out {out}"
-    job_id = submit_training(lent, {"entrypoint": cmd, "dashboard": state.get("dashboard")})
+    job_id = submit_training(lent, {"entrypoint": cmd, "dashboard": dashboard})
     ray.get(tidal.set_job.remote(job_id))
     out_obj = {"job_id": job_id, "nodes": lent, "entrypoint": cmd}
     sys.stdout.write(json.dumps(out_obj) + "\n" if as_json else f"submitted {job_id} on {', '.join(n[:12] for n in lent)}\n")
 
 
 @train_app.command("status")
-def train_status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def train_status(as_json: bool = typer.Option(False, "--json", help="print JSON"), address: str = ADDRESS) -> None:
     """The night's training job: status, the node its driver runs on, the last log lines."""
-    state, tidal, ray = _cluster()
+    dashboard, tidal, ray = _cluster(address)
     from actors.tidal import jobs_client
 
     job_id = ray.get(tidal.job.remote())
     if job_id is None:
         out = {"job_id": None, "status": None}
     else:
-        client = jobs_client(state.get("dashboard"))
+        client = jobs_client(dashboard)
         info = client.get_job_info(job_id)
         out = {"job_id": job_id, "status": str(info.status.value if hasattr(info.status, "value") else info.status),
                "node": info.driver_node_id, "logs_tail": client.get_job_logs(job_id)[-2000:]}
-    sys.stdout.write(json.dumps(out) + "\n" if as_json else "\n".join(f"{k}: {v}" for k, v in out.items()) + "\n")
+    if as_json:
+        sys.stdout.write(json.dumps(out) + "\n")
+    elif job_id is None:
+        print("no training job (lend nodes with `tide scale night`, then `tide train submit`)")
+    else:
+        print(f"job {job_id}: {out['status']} (driver on node {str(out['node'])[:12]})")
+        if out["logs_tail"]:
+            print("last log lines:\n  " + "\n  ".join(out["logs_tail"].splitlines()[-10:]))
 
 
 @train_app.command("stop")
 def train_stop(
     deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds to checkpoint before it is killed"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    address: str = ADDRESS,
 ) -> None:
     """Signal the training job to checkpoint and stop (SIGTERM), then stop it after the deadline."""
-    state, tidal, ray = _cluster()
+    dashboard, tidal, ray = _cluster(address)
     from actors.tidal import stop_training
 
     job_id = ray.get(tidal.job.remote())
     if job_id is None:
-        raise typer.BadParameter("no training job is running")
-    status = stop_training(job_id, deadline_s, state.get("dashboard"))
+        raise TideError("no training job is running")
+    status = stop_training(job_id, deadline_s, dashboard)
     ray.get(tidal.set_job.remote(None))
     out = {"job_id": job_id, "status": status}
     sys.stdout.write(json.dumps(out) + "\n" if as_json else f"{job_id}: {status}\n")

@@ -5,14 +5,19 @@ I expert intermediate size, H hidden size, A active experts.
 
 BLAS sgemm is tuned for large M; at decode (M <= 16 rows) it reaches a fraction of memory
 bandwidth on many CPUs. ``small_linear`` and ``moe_experts`` stream each weight byte once.
-The extension is compiled with the machine's C++ compiler the first time it is needed and cached
-(``TORCH_EXTENSIONS_DIR``); if that fails, or ``TIDE_CPU_KERNELS=0``, callers use the references.
+The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
+builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
+flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
+other's copy; if that fails, or ``TIDE_CPU_KERNELS=0``, callers use the references.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -20,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "build_dir",
     "cpu_kernels",
+    "kernel_state",
     "moe_experts",
     "moe_routed",
     "ref_moe_experts",
@@ -32,6 +39,34 @@ __all__ = [
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.cpp"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_dir() -> Path:
+    """Where the extension is built: ``$TIDE_KERNEL_BUILD_DIR``, else under this interpreter's
+    prefix (the virtual environment), else the user's cache, in a folder named by a hash of
+    everything the binary depends on."""
+    key = hashlib.sha256(b"\0".join([
+        _SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
+        sys.executable.encode(), (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
+    ])).hexdigest()[:16]
+    if os.environ.get("TIDE_KERNEL_BUILD_DIR"):
+        root = Path(os.environ["TIDE_KERNEL_BUILD_DIR"])
+    elif os.access(sys.prefix, os.W_OK):
+        root = Path(sys.prefix) / "share" / "tideserve" / "kernels"
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tideserve" / "kernels"
+    return root / f"cpu_gemv-{key}"
+
+
+def kernel_state() -> str:
+    """``loaded`` (built and in this process), ``unavailable`` (the build failed or is off), or
+    ``not loaded`` (nothing asked for it yet)."""
+    if "mod" not in _state:
+        return "not loaded"
+    return "loaded" if _state["mod"] is not None else "unavailable"
 
 
 def cpu_kernels():
@@ -46,12 +81,14 @@ def cpu_kernels():
             try:
                 from torch.utils.cpp_extension import load
 
-                src = Path(__file__).with_name("csrc") / "cpu_gemv.cpp"
+                out = build_dir()
+                out.mkdir(parents=True, exist_ok=True)
                 mod = load(
                     name="tide_cpu_gemv",
-                    sources=[str(src)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
-                    extra_ldflags=["-fopenmp"],
+                    sources=[str(_SOURCE)],
+                    extra_cflags=list(_CFLAGS),
+                    extra_ldflags=list(_LDFLAGS),
+                    build_directory=str(out),
                     verbose=False,
                 )
             except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
@@ -120,3 +157,11 @@ def moe_routed(
     if mod is None:
         return ref_moe_routed(x, ids, weights, gate_up, down)
     return mod.moe_routed(x, ids, weights, gate_up, down)
+
+
+if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at install time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if cpu_kernels() is None:
+        print("CPU decode kernels could not be built; the torch references will be used", file=sys.stderr)
+    else:
+        print(f"CPU decode kernels built in {build_dir()}")

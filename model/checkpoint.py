@@ -9,9 +9,11 @@ decoder layer); anything else is a ``CheckpointError`` naming the tensor.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -26,6 +28,7 @@ from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
 
 __all__ = [
     "CheckpointError",
+    "LoadProgress",
     "expected_shapes",
     "load_model",
     "load_state_dict",
@@ -35,7 +38,22 @@ __all__ = [
 ]
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-Progress = Callable[[int, int], None]  # (tensors done, tensors total)
+
+
+class LoadProgress(NamedTuple):
+    """How far ``load_state_dict`` is: tensors, bytes (as stored) and shard files."""
+
+    tensors: int
+    total_tensors: int
+    bytes: int
+    total_bytes: int
+    shards: int
+    total_shards: int
+
+
+Progress = Callable[[LoadProgress], None]
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class CheckpointError(ValueError):
@@ -142,8 +160,9 @@ def load_state_dict(
     for name in want:
         by_file.setdefault(where[name], []).append(name)
     out: dict[str, torch.Tensor] = {}
-    done = 0
-    for path, names in by_file.items():
+    total_bytes = _stored_bytes(by_file) if progress is not None else 0
+    done = done_bytes = 0
+    for shard, (path, names) in enumerate(by_file.items(), start=1):
         with safe_open(path, "pt") as f:
             for name in names:
                 t = f.get_tensor(name)
@@ -156,9 +175,22 @@ def load_state_dict(
                 keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
                 out[name] = t.to(torch.float32 if keep_fp32 else dtype)
                 done += 1
+                done_bytes += t.numel() * t.element_size()
                 if progress is not None:
-                    progress(done, len(want))
+                    shards_read = shard - (name != names[-1])
+                    progress(LoadProgress(done, len(want), done_bytes, total_bytes, shards_read, len(by_file)))
     return out
+
+
+def _stored_bytes(by_file: dict[Path, list[str]]) -> int:
+    """Bytes of the named tensors as stored (from the files' headers; nothing is read)."""
+    total = 0
+    for path, names in by_file.items():
+        with safe_open(path, "pt") as f:
+            for name in names:
+                sl = f.get_slice(name)
+                total += math.prod(sl.get_shape()) * _ITEMSIZE.get(sl.get_dtype(), 4)
+    return total
 
 
 def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto") -> DeepseekModel:

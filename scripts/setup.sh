@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up tideserve on a fresh machine: a virtual environment in .venv with torch (the CPU build
-# on machines without CUDA), the package and its test dependencies, and redis-server.
-# Usage: scripts/setup.sh            (idempotent; re-run after pulling)
+# on machines without CUDA), the package and its test dependencies, the CPU decode kernels, and
+# redis-server.
+# Usage: scripts/setup.sh            (idempotent and quick when nothing changed; re-run after pulling)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,14 @@ if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+# What the install depends on: when none of it changed since the last setup, there is nothing to do.
+stamp="$VENV/.tide-setup"
+want=$(cat pyproject.toml scripts/setup.sh kernels/csrc/*.cpp | sha256sum | cut -d' ' -f1)
+if [ -x "$VENV/bin/tide" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  echo "== $VENV is up to date (scripts/setup.sh: nothing changed since the last setup)"
+  exit 0
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -37,4 +46,8 @@ fi
 
 echo "== installing tideserve and its test dependencies"
 "$PIP" install -q -e ".[test]"
+# Built here, once per install (not inside the first replica while `tide up` already answers).
+echo "== building the CPU decode kernels"
+"$VENV/bin/python" -m kernels.cpu_gemv
+echo "$want" >"$stamp"
 echo "== done: $VENV/bin/tide --help"

@@ -236,9 +236,12 @@ def bench_cluster(
         raise typer.BadParameter(f"--trace: {e}") from None
     import contextlib
 
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+    from deploy.term import progress
+
+    with contextlib.redirect_stdout(sys.stderr), progress("replaying", None) as bar:  # Ray's shutdown
+        # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
-                                   max_tokens, checkpoint, chosen)
+                                   max_tokens, checkpoint, chosen, progress=bar)
     _emit(result)
 
 
@@ -278,6 +281,8 @@ def bench_soak(
     check_checkpoint(checkpoint)
     import contextlib
 
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
-        result = run_soak(minutes, concurrency, nodes, fault_every_s, grace_s, max_tokens, checkpoint)
+    from deploy.term import progress
+
+    with contextlib.redirect_stdout(sys.stderr), progress("soak (seconds)", minutes * 60) as bar:
+        result = run_soak(minutes, concurrency, nodes, fault_every_s, grace_s, max_tokens, checkpoint, progress=bar)
     _emit(result)

@@ -62,8 +62,11 @@ def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt
     return out
 
 
-async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
+async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int,
+                  done=lambda n: None) -> list[dict]:
+    """Every request of ``work``, ``concurrency`` at a time; ``done(n)`` after each finishes."""
     queue: asyncio.Queue = asyncio.Queue()
+    finished = 0
     for i, item in enumerate(work):
         queue.put_nowait((i, item))
     results: list[dict] = [{}] * len(work)
@@ -75,6 +78,9 @@ async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int)
                     results[i] = await stream_completion(client, url, "tiny", prompt, max_tokens, ignore_eos=True)
                 except httpx.HTTPError as e:
                     results[i] = {"error": repr(e)}
+                nonlocal finished
+                finished += 1
+                done(finished)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
@@ -110,8 +116,9 @@ def _summary(results: list[dict], sources: dict[str, float], wall_s: float) -> d
 def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-    modes: tuple[str, ...] = tuple(MODES),
+    modes: tuple[str, ...] = tuple(MODES), progress=None,
 ) -> dict[str, Any]:
+    """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``)."""
     import ray
     from ray import serve
 
@@ -139,7 +146,8 @@ def run_cluster_bench(
             wait_healthy(url)
             before = _source_tokens(url)
             t0 = time.perf_counter()
-            results = asyncio.run(_replay(url, work, concurrency))
+            results = asyncio.run(_replay(url, work, concurrency, done=lambda n, m=mode: progress and progress.update(
+                modes.index(m) * len(work) + n, len(work) * len(modes), f"{m}: request {n}/{len(work)}")))
             wall = time.perf_counter() - t0
             after = _source_tokens(url)
             out[mode] = _summary(results, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wall)

@@ -118,7 +118,8 @@ def _inject(kind: str, redis: RedisServer, rng: random.Random, timeout_s: float 
 
 
 async def _soak(url: str, work: _Workload, seconds: float, concurrency: int, max_tokens: int,
-                fault_every_s: float, grace_s: float, redis: RedisServer, rss: dict) -> tuple[_Results, list[_Window]]:
+                fault_every_s: float, grace_s: float, redis: RedisServer, rss: dict,
+                progress=None) -> tuple[_Results, list[_Window]]:
     res, windows = _Results(), []
     start = time.monotonic()
     stop = start + seconds
@@ -137,6 +138,9 @@ async def _soak(url: str, work: _Workload, seconds: float, concurrency: int, max
                 res.failures.append((at, r["status"], f"{r['error']} (Retry-After: {r.get('retry_after')})"))
                 continue
             res.answers.append((prompt, r["text"]))
+            if progress is not None:
+                progress.update(min(seconds, time.monotonic() - start),
+                                description=f"soak: {len(res.answers)} answers, {len(res.failures)} failures")
             if r["ttft"] is not None:
                 res.ttfts.append(r["ttft"])
             if r["usage"]:
@@ -193,7 +197,10 @@ def _check(answers: list[tuple[tuple[int, ...], str]], checkpoint: Path, max_tok
 
 
 def run_soak(minutes: float, concurrency: int = 4, nodes: int = 2, fault_every_s: float = 60.0,
-             grace_s: float = 5.0, max_tokens: int = 8, checkpoint: Path | None = None) -> dict[str, Any]:
+             grace_s: float = 5.0, max_tokens: int = 8, checkpoint: Path | None = None,
+             progress=None) -> dict[str, Any]:
+    """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``),
+    told the seconds of load run so far."""
     from ray import serve
 
     from deploy.app import build_app
@@ -211,7 +218,7 @@ def run_soak(minutes: float, concurrency: int = 4, nodes: int = 2, fault_every_s
         wait_healthy(url)
         t0 = time.perf_counter()
         res, windows = asyncio.run(_soak(url, _Workload(seed=0), minutes * 60, concurrency, max_tokens,
-                                         fault_every_s, grace_s, redis, rss))
+                                         fault_every_s, grace_s, redis, rss, progress))
         wall = time.perf_counter() - t0
     checked, wrong, first_wrong = _check(res.answers, checkpoint, max_tokens)
     expected = [f for f in res.failures if f[1] == 503 and "Retry-After: None" not in f[2] and _in_window(f[0], windows)]

@@ -21,6 +21,7 @@ from cluster.request import GenerationRequest
 from model.checkpoint import build_model, random_state_dict
 from model.config import named_config
 from model.tokenizer import ByteTokenizer
+from tests.conftest import require
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 T0 = 1_796_000_000.0
@@ -46,8 +47,7 @@ def _sharing_requests(n: int):
 def replayed(tmp_path_factory):
     """Replay the first requests of the trace through a real engine with a disk cache and log
     every finished request as the serving app does."""
-    if not TRACE.is_file():
-        pytest.skip(f"no trace at {TRACE}")
+    require(TRACE.is_file(), f"no trace at {TRACE}")  # a failure under CI=true: the trace ships beside the project
     home = tmp_path_factory.mktemp("home")
     cfg = named_config("tiny")
     model = build_model(cfg, random_state_dict(cfg, seed=1))
@@ -94,8 +94,11 @@ def test_stats_json_adds_up(replayed):
 
 def test_stats_table_and_bad_arguments(replayed):
     env = {"TIDE_HOME": str(replayed)}
-    r = _tide("stats", "--now", str(T0 + 3600), env=env)
-    assert r.returncode == 0 and "cache_hit_rate" in r.stdout
+    r = _tide("stats", "--now", str(T0 + 3600), "--node-hour-cost", "1000", env=env)
+    assert r.returncode == 0 and "cache hit rate" in r.stdout
+    out = json.loads(_tide("stats", "--now", str(T0 + 3600), "--node-hour-cost", "1000", "--json", env=env).stdout)
+    assert out["margin"] < 0 and f"{100 * out['margin']:,.1f}%" in r.stdout  # a margin reads as a percentage...
+    assert f"cost is {1 - out['margin']:,.1f}x the revenue" in r.stdout  # ... with what a negative one means
     r = _tide("stats", "--window", "yesterday", env=env)
     assert r.returncode == 2 and "'yesterday'" in r.stderr
     r = _tide("stats", "--usage-dir", "/nonexistent", env=env)

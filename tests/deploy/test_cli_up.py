@@ -1,4 +1,7 @@
-"""`tide up` / `tide down` as a newcomer runs them: a real local cluster, then a clean stop."""
+"""`tide up` / `tide down` as a newcomer runs them, on a fresh HOME (no Ray token, no earlier
+cluster) with another Ray cluster on the machine: a real local cluster, then a clean stop of
+exactly what it started. And the app on a cluster `tide up` did not start (`serve run`), which
+the admin commands reach with --address / RAY_ADDRESS."""
 
 from __future__ import annotations
 
@@ -6,31 +9,87 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
 from deploy.local import process_alive
+from deploy.ray_head import marked_processes, stop_marked
 from deploy.redis_proc import free_port
+from tests.listeners import is_loopback, listening
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def _tide(*args, home, timeout=600):
-    env = {**os.environ, "TIDE_HOME": str(home)}
+
+@pytest.fixture(scope="module")
+def fresh_home(tmp_path_factory) -> Path:
+    """A HOME no Ray ever ran in: no token, no caches (each test's TIDE_HOME is its own)."""
+    return tmp_path_factory.mktemp("home")
+
+
+def _env(home: Path | None, fresh_home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TIDE_"))}
+    env.update(HOME=str(fresh_home), **extra)
+    if home is not None:
+        env["TIDE_HOME"] = str(home)
+    return env
+
+
+def _tide(*args, home, fresh_home=None, timeout=600, env=None):
+    env = env or _env(home, fresh_home or home / "home")
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
-def test_up_serves_then_down_stops_everything(tmp_path):
+def _ray_head(tmp: Path, env: dict[str, str]) -> tuple[str, str]:
+    """Another Ray cluster (its own temp dir, marked so the test can stop exactly it): its
+    address and marker."""
+    marker, port = uuid.uuid4().hex, free_port()
+    r = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
+                        "--disable-usage-stats", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+                        f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=1",
+                        f"--temp-dir={tmp / 'ray'}"],
+                       env={**env, "TIDE_CLUSTER_ID": marker}, capture_output=True, text=True, timeout=180,
+                       start_new_session=True)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+    return f"127.0.0.1:{port}", marker
+
+
+@pytest.fixture(scope="module")
+def other_cluster(tmp_path_factory, fresh_home):
+    """A Ray cluster someone else runs on this machine (no authentication, as `ray start` makes
+    one on a HOME without a token); `tide down` must leave it running."""
+    tmp = Path(f"/tmp/tide-other-{uuid.uuid4().hex[:8]}")  # short: Ray's socket paths
+    address, marker = _ray_head(tmp, _env(None, fresh_home, RAY_AUTH_MODE="disabled"))
+    yield address, marker
+    stop_marked(marker)
+
+
+def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluster):
     port = free_port()
+    token = fresh_home / ".ray" / "auth_token"
+    assert not token.exists()  # a first run: Ray's token is made by `tide up`
     # P/D (a prefill and a decode replica) over two expert shards that both use
     r = _tide("up", "--port", str(port), "--num-cpus", "2", "--expert-shards", "2", "--decode-replicas", "1",
-              home=tmp_path)
+              home=tmp_path, fresh_home=fresh_home)
     try:
         assert r.returncode == 0, r.stderr[-2000:]
         assert f"http://127.0.0.1:{port}/v1" in r.stdout
+        assert token.stat().st_mode & 0o777 == 0o600 and token.parent.stat().st_mode & 0o077 == 0
         state = json.loads((tmp_path / "run" / "state.json").read_text())
+        assert (tmp_path / "run" / "state.json").stat().st_mode & 0o777 == 0o600
+        # every listener of the cluster (Ray, Serve, replicas, cache agent, expert-parallel
+        # store and gloo, Redis) is on loopback
+        ours = marked_processes(state["cluster_id"]) + [state["redis_pid"]]
+        sockets = listening(ours)
+        assert len(sockets) >= 10 and any(p == port for _, _, p in sockets)
+        assert [s for s in sockets if not is_loopback(s[1])] == []
+        assert all(pid not in ours for pid in marked_processes(other_cluster[1]))
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
@@ -45,32 +104,36 @@ def test_up_serves_then_down_stops_everything(tmp_path):
             redis.Redis.from_url(state["redis_url"]).ping()
         assert redis.Redis.from_url(state["redis_url"], password=password).ping()
         assert httpx.get(state["dashboard"] + "/api/jobs/", timeout=30).status_code in (401, 403)
-        again = _tide("up", "--port", str(port), home=tmp_path)
+        again = _tide("up", "--port", str(port), home=tmp_path, fresh_home=fresh_home)
         assert again.returncode == 1 and "already up" in again.stderr
-        st = _tide("status", "--json", home=tmp_path)
+        st = _tide("status", "--json", home=tmp_path, fresh_home=fresh_home)
         assert st.returncode == 0, st.stderr[-2000:]
         report = json.loads(st.stdout)
         assert report["url"] == state["url"] and report["nodes"][0]["role"] == "serving"
         assert [r.get("pool") for r in report["replicas"]] == ["prefill", "decode"]
+        assert {r["cpu_kernels"] for r in report["replicas"]} == {"loaded"}  # built before the replica was ready
         assert report["replicas"][0]["engine"]["prefill_tokens"] >= 1
         assert report["replicas"][1]["engine"]["decode_tokens"] >= 1  # the decode replica generated
         assert report["gpus"]["available"] in (True, False) and "gpus" in report["gpus"]
         assert report["expert_placement"]["shards"] == 2
-        show = _tide("eplb", "show", "--json", home=tmp_path)
+        show = _tide("eplb", "show", "--json", home=tmp_path, fresh_home=fresh_home)
         assert show.returncode == 0, show.stderr[-2000:]
         placement = json.loads(show.stdout)
         assert placement["shards"] == 2 and list(placement["replicas"].values()) == [placement["version"]] * 2
         assert placement["imbalance"] is not None  # the replica's measured load reached the control
-        rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path)
+        rebalance = _tide("eplb", "rebalance", "--json", home=tmp_path, fresh_home=fresh_home)
         assert rebalance.returncode == 0, rebalance.stderr[-2000:]
         assert "moved_slots" in json.loads(rebalance.stdout)
         # day/night on a one-node cluster: nothing to lend, no training
-        night = _tide("scale", "night", "--json", home=tmp_path)
+        night = _tide("scale", "night", "--json", home=tmp_path, fresh_home=fresh_home)
         assert night.returncode == 0, night.stderr[-2000:]
         assert json.loads(night.stdout)["changed"] is False and json.loads(night.stdout)["serve_nodes"] == 1
-        assert json.loads(_tide("train", "status", "--json", home=tmp_path).stdout)["job_id"] is None
-        sub = _tide("train", "submit", home=tmp_path)
-        assert sub.returncode == 2 and "no node is lent" in sub.stderr.replace("\n", " ").replace("│", "")
+        assert json.loads(_tide("train", "status", "--json", home=tmp_path, fresh_home=fresh_home).stdout)["job_id"] is None
+        assert "no training job" in _tide("train", "status", home=tmp_path, fresh_home=fresh_home).stdout
+        sub = _tide("train", "submit", home=tmp_path, fresh_home=fresh_home)
+        assert sub.returncode == 1 and sub.stderr.strip() == "error: no node is lent to training (run `tide scale night` first)"
+        capped = _tide("scale", "--serve-nodes", "2", "--dry-run", home=tmp_path, fresh_home=fresh_home)
+        assert capped.returncode == 0 and "capped to the 1 alive node" in capped.stdout, capped.stdout
         # the cache through the node's agent: stats, pin a served prompt's units, evict the rest
         text = "the tide comes in and the tide goes out, " * 6  # 246 bytes: 3 whole units
         for _ in range(2):
@@ -79,27 +142,32 @@ def test_up_serves_then_down_stops_everything(tmp_path):
             assert r.status_code == 200
         assert r.json()["usage"]["prompt_cache_hit_tokens"] == 3 * 64
         assert report["cache"]["totals"]["ssd_units"] >= 0 and len(report["cache"]["nodes"]) == 1
-        stats = json.loads(_tide("cache", "stats", "--json", home=tmp_path).stdout)
+        stats = json.loads(_tide("cache", "stats", "--json", home=tmp_path, fresh_home=fresh_home).stdout)
         assert stats["totals"]["ssd_units"] >= 3
-        pinned = _tide("cache", "pin", "--prompt", text, "--json", home=tmp_path)
+        human = _tide("status", home=tmp_path, fresh_home=fresh_home)
+        assert human.returncode == 0 and "prompt cache" in human.stdout and "{" not in human.stdout  # tables, no dicts
+        assert "INFO" not in human.stderr and "worker.py" not in human.stderr  # no Ray connect chatter
+        pinned = _tide("cache", "pin", "--prompt", text, "--json", home=tmp_path, fresh_home=fresh_home)
         assert pinned.returncode == 0, pinned.stderr[-2000:]
         assert json.loads(pinned.stdout)["units"] == 3 and sum(json.loads(pinned.stdout)["pinned"].values()) == 3
-        assert json.loads(_tide("cache", "stats", "--json", home=tmp_path).stdout)["totals"]["ssd_pinned"] == 3
-        bad = _tide("cache", "evict", "--key", "xyz", home=tmp_path)
+        assert json.loads(_tide("cache", "stats", "--json", home=tmp_path, fresh_home=fresh_home).stdout)["totals"]["ssd_pinned"] == 3
+        bad = _tide("cache", "evict", "--key", "xyz", home=tmp_path, fresh_home=fresh_home)
         assert bad.returncode == 2 and "xyz" in bad.stderr
-        ev = _tide("cache", "evict", "--all", "--json", home=tmp_path)
-        assert ev.returncode == 0 and json.loads(ev.stdout)["total"] >= 3
-        assert json.loads(_tide("cache", "stats", "--json", home=tmp_path).stdout)["totals"]["ssd_units"] == 0
+        ev = _tide("cache", "evict", "--all", home=tmp_path, fresh_home=fresh_home)
+        assert ev.returncode == 0 and "units evicted" in ev.stdout and "Started" not in ev.stdout + ev.stderr, ev.stdout
+        assert json.loads(_tide("cache", "stats", "--json", home=tmp_path, fresh_home=fresh_home).stdout)["totals"]["ssd_units"] == 0
     finally:
-        d = _tide("down", home=tmp_path)
+        d = _tide("down", home=tmp_path, fresh_home=fresh_home)
     assert d.returncode == 0, d.stderr[-2000:]
     assert not (tmp_path / "run" / "redis.password").exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
     assert not process_alive(state["redis_pid"])
-    assert _tide("down", home=tmp_path).returncode == 1  # nothing left to stop
-    gone = _tide("status", home=tmp_path)
-    assert gone.returncode == 2 and "no local cluster is running" in gone.stderr.replace("\n", " ").replace("│", "")
+    assert marked_processes(state["cluster_id"]) == []  # every process it started is gone...
+    assert marked_processes(other_cluster[1])  # ... and the other cluster on this machine still runs
+    assert _tide("down", home=tmp_path, fresh_home=fresh_home).returncode == 1  # nothing left to stop
+    gone = _tide("status", home=tmp_path, fresh_home=fresh_home)
+    assert gone.returncode == 1 and gone.stderr.startswith("error: no cluster is running"), gone.stderr
 
 
 @pytest.mark.parametrize("args, message", [(["--device", "tpu"], "tpu"), (["--dtype", "int3"], "int3"),
@@ -124,7 +192,7 @@ def test_cuda_without_enough_gpus_is_a_clear_error_and_starts_nothing(tmp_path):
               home=tmp_path, timeout=180)
     assert r.returncode == 1 and "needs 3 GPU(s)" in r.stderr and "has 0" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
-    assert _tide("status", home=tmp_path).returncode == 2  # nothing is up
+    assert _tide("status", home=tmp_path).returncode == 1  # nothing is up
 
 
 def test_a_dead_ray_head_is_a_clear_error_and_down_still_cleans_up(tmp_path):
@@ -160,3 +228,72 @@ def test_a_taken_port_is_a_clear_error_and_starts_nothing(tmp_path):
         r = _tide("up", "--port", str(port), home=tmp_path, timeout=120)
     assert r.returncode == 1 and f"--port {port}" in r.stderr and "not free" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
+
+
+def test_serve_run_on_a_token_cluster_and_the_admin_commands_reach_it(tmp_path, fresh_home):
+    """README's `serve run` invocation on a Ray cluster `tide up` did not start (token
+    authentication on), then `tide status` and `tide cache stats` through --address and
+    RAY_ADDRESS."""
+    import yaml
+
+    from deploy.redis_proc import wait_healthy
+
+    token = fresh_home / ".ray" / "auth_token"
+    if not token.exists():
+        token.parent.mkdir(mode=0o700, exist_ok=True)
+        token.write_text(uuid.uuid4().hex * 2)
+        token.chmod(0o600)
+    env = _env(tmp_path, fresh_home, RAY_AUTH_MODE="token")
+    address, marker = _ray_head(Path(f"/tmp/tide-serve-{uuid.uuid4().hex[:8]}"), env)
+    try:
+        cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+        port = free_port()
+        cfg["http_options"]["port"] = port
+        cfg["applications"][0]["args"].update(cache_dir=str(tmp_path / "cache"), usage_dir=str(tmp_path / "usage"),
+                                              replica_cpus=0.5)
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        serve = str(Path(sys.executable).with_name("serve"))
+        r = subprocess.run([serve, "run", "--address", address, "--non-blocking", str(path)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+        wait_healthy(f"http://127.0.0.1:{port}", 300)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        st = _tide("status", "--json", "--address", address, home=tmp_path, env=env)
+        assert st.returncode == 0, st.stderr[-2000:]
+        report = json.loads(st.stdout)
+        assert report["url"] == f"http://127.0.0.1:{port}/v1" and report["address"] == address
+        assert len(report["replicas"]) == 1 and report["replicas"][0]["engine"]["decode_tokens"] >= 1
+        cache = _tide("cache", "stats", "--json", home=tmp_path, env={**env, "RAY_ADDRESS": address})
+        assert cache.returncode == 0 and len(json.loads(cache.stdout)["nodes"]) == 1, cache.stderr[-2000:]
+        logs = _tide("logs", "--lines", "200", "--address", address, home=tmp_path, env=env)
+        assert logs.returncode == 0 and "/v1/chat/completions" in logs.stdout, logs.stdout[-2000:] + logs.stderr[-2000:]
+        none = _tide("status", home=tmp_path, env=env)  # no --address, no RAY_ADDRESS, no `tide up`
+        assert none.returncode == 1 and "no cluster is running" in none.stderr
+    finally:
+        stop_marked(marker)
+
+
+def test_up_config_file_fields_are_checked_and_used(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas: 0\n")
+    r = _tide("up", "--config", str(bad), home=tmp_path, timeout=120)
+    assert r.returncode == 2 and "replicas" in r.stderr, r.stderr
+    bad.write_text("replica: 2\n")  # a misspelled field is an error, not a default
+    r = _tide("up", "--config", str(bad), home=tmp_path, timeout=120)
+    assert r.returncode == 2 and "replica" in r.stderr.replace("\n", " ").replace("│", "")
+    import socket
+
+    with socket.socket() as taken:  # the file's port is the one `tide up` checks (and would serve on)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        good = tmp_path / "good.yaml"
+        good.write_text(f"port: {port}\nreplicas: 1\nmodel_name: tiny\n")
+        r = _tide("up", "--config", str(good), home=tmp_path, timeout=120)
+        assert r.returncode == 1 and f"--port {port}" in r.stderr, r.stderr
+        r = _tide("up", "--config", str(good), "--port", str(free_port()), "--replicas", "0", home=tmp_path)
+        assert r.returncode == 2 and "--replicas" in r.stderr  # the command line wins and is checked
+    assert not (tmp_path / "run" / "state.json").exists()

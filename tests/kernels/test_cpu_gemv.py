@@ -76,3 +76,19 @@ def test_moe_routed_matches_reference(t, k, e, hidden, inter):
                                ref_moe_routed(x, ids, weights, gate_up, down), atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="expert id"):
         cpu_kernels().moe_routed(x, ids + e, weights, gate_up, down)
+
+
+def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path):
+    """Two installs (interpreters) on one machine build into different folders, so neither
+    rebuilds the other's copy; the same install finds its own again."""
+    import sys
+
+    from kernels import cpu_gemv
+
+    monkeypatch.delenv("TIDE_KERNEL_BUILD_DIR", raising=False)
+    mine = cpu_gemv.build_dir()
+    assert mine == cpu_gemv.build_dir() and (mine / "tide_cpu_gemv.so").is_file()  # built by setup or above
+    monkeypatch.setattr(sys, "executable", "/another/venv/bin/python")
+    assert cpu_gemv.build_dir().name != mine.name
+    monkeypatch.setenv("TIDE_KERNEL_BUILD_DIR", str(tmp_path))
+    assert cpu_gemv.build_dir().parent == tmp_path

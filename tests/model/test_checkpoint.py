@@ -36,9 +36,13 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path, tiny_sd):
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     seen = []
     a = load_model(single)
-    b = load_model(sharded, progress=lambda done, total: seen.append((done, total)))
+    b = load_model(sharded, progress=seen.append)
     torch.testing.assert_close(_logits(a), _logits(b), atol=1e-5, rtol=0)
-    assert seen[-1] == (len(names), len(names))
+    stored = sum(t.numel() * t.element_size() for t in tiny_sd.values())
+    assert seen[-1] == (len(names), len(names), stored, stored, 2, 2)
+    shards = [p.shards for p in seen]
+    assert shards == sorted(shards) and shards[0] == 0 and 1 in shards  # a shard counts once read whole
+    assert all(a.bytes < b.bytes for a, b in zip(seen, seen[1:], strict=False))
 
 
 @pytest.mark.parametrize(

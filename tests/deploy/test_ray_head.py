@@ -1,0 +1,83 @@
+"""`tide up`'s Ray head: its token, its failure message, and stopping exactly its processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.ray_head import (
+    CLUSTER_ID_ENV,
+    ChildFailed,
+    auth_token_source,
+    ensure_auth_token,
+    marked_processes,
+    start_head,
+    stop_marked,
+    temp_dir_for,
+)
+from deploy.redis_proc import free_port
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def test_a_missing_token_is_made_private_and_an_existing_one_is_kept(home, monkeypatch):
+    assert auth_token_source() is None
+    path = Path(ensure_auth_token())
+    assert path == home / ".ray" / "auth_token" and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o077 == 0 and len(path.read_text()) == 64
+    first = path.read_text()
+    assert ensure_auth_token() == str(path) and path.read_text() == first  # never replaced
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(home / "missing"))
+    with pytest.raises(RuntimeError, match="names no file"):  # a named file that is not there is not invented
+        ensure_auth_token()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "abc")
+    assert ensure_auth_token() == "RAY_AUTH_TOKEN"
+
+
+def test_the_temp_dir_is_short_and_one_per_home(tmp_path):
+    a, b = temp_dir_for(tmp_path / "x" / ("deep" * 20)), temp_dir_for(tmp_path / "y")
+    assert a != b and a == temp_dir_for(tmp_path / "x" / ("deep" * 20))
+    assert len(str(a)) + len("/session_2026-12-01_20-59-50_494504_4862/sockets/plasma_store") < 107
+
+
+def _sleeper(marker: str | None) -> subprocess.Popen:
+    env = {**os.environ, CLUSTER_ID_ENV: marker} if marker else {k: v for k, v in os.environ.items()
+                                                                  if k != CLUSTER_ID_ENV}
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+
+
+def test_stop_signals_exactly_the_marked_processes():
+    ours, child_of_ours, other, unmarked = _sleeper("c1"), _sleeper("c1"), _sleeper("c2"), _sleeper(None)
+    try:
+        assert sorted(marked_processes("c1")) == sorted([ours.pid, child_of_ours.pid])
+        assert stop_marked("c1", timeout_s=10) == 2
+        assert ours.wait(10) is not None and child_of_ours.wait(10) is not None
+        assert other.poll() is None and unmarked.poll() is None  # another cluster's, and nobody's
+        assert marked_processes("c1") == [] and marked_processes("c2") == [other.pid]
+    finally:
+        for p in (ours, child_of_ours, other, unmarked):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.ray
+def test_a_failing_ray_start_is_one_error_with_rays_own_last_lines(home, tmp_path):
+    ensure_auth_token()
+    # a client-server port inside Ray's worker port range: Ray refuses it, naming the port
+    ports = {"gcs": free_port(), "dashboard": free_port(), "client": 10500, "agent": free_port()}
+    with pytest.raises(ChildFailed) as e:
+        start_head("t-fail", Path(f"/tmp/tide-t-{os.getpid()}"), ports, True, 1, timeout_s=120)
+    msg = str(e.value)
+    assert msg.startswith("ray start exited with status 1") and "10500" in msg, msg
+    assert "\x1b[" not in msg and len(msg.splitlines()) <= 13  # Ray's last lines, without colour codes
+    assert marked_processes("t-fail") == []  # nothing left running
