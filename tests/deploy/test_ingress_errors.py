@@ -140,3 +140,34 @@ def test_when_one_choice_fails_the_others_are_cancelled():
 
     asyncio.run(run())
     assert 1 in handle.cancelled  # the slow choice's replica call was cancelled, not left running
+
+
+class _Pool:
+    """A pool whose ``ready.remote()`` answers ``answer`` after ``delay_s`` (or never)."""
+
+    def __init__(self, answer: bool = True, delay_s: float = 0.0) -> None:
+        async def ready():
+            await asyncio.sleep(delay_s)
+            return answer
+
+        self.ready = SimpleNamespace(remote=ready)
+
+
+@pytest.mark.parametrize("server, decode, status", [
+    (_Pool(), None, 200),
+    (_Pool(delay_s=3600), None, 503),  # no replica answers (starting, or all gone)
+    (_Pool(answer=False), None, 503),  # a replica whose engine thread died
+    (_Pool(), _Pool(delay_s=3600), 503),  # P/D: the decode pool cannot serve
+    (_Pool(), _Pool(), 200),
+])
+def test_health_is_503_while_no_replica_of_a_pool_can_serve(monkeypatch, server, decode, status):
+    from deploy import openai_api
+
+    monkeypatch.setattr(openai_api, "HEALTH_TIMEOUT_S", 0.2)
+    ing = _ingress(server)
+    ing.decode = decode
+    r = asyncio.run(ing.health())
+    got = getattr(r, "status_code", 200)
+    assert got == status
+    if status == 503:
+        assert r.headers["Retry-After"] and json.loads(r.body)["error"]["code"] == "service_unavailable"
