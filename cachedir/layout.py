@@ -68,7 +68,8 @@ def nbytes(parts: Sequence[bytes]) -> int:
 
 
 def _write_synced(tmp: Path, chunks: Sequence[bytes], fsync: bool) -> None:
-    with open(tmp, "wb") as f:
+    # 0600: unit records hold tenants' token ids
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         for c in chunks:
             f.write(c)
         if fsync:
@@ -222,7 +223,8 @@ class UnitFiles:
             for key, parts in items:
                 path = self.path(key)
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-                path.parent.mkdir(parents=True, exist_ok=True)
+                for d in (path.parent.parent, path.parent):  # root/ab/cd/: both levels private
+                    d.mkdir(mode=0o700, exist_ok=True)
                 staged.temps.append(tmp)
                 _write_synced(tmp, parts, self.fsync)
                 staged.locs.append(Loc(path, 0, nbytes(parts)))
@@ -299,7 +301,7 @@ class SegmentFiles:
         self.batch_bytes, self.compact_below = segment_bytes, compact_below
         self.merge_below, self.merge_min = merge_below, merge_min
         self._small: set[Path] = set()  # segments under merge_below of a batch
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._segments: dict[Path, _Segment] = {}
         self._seq = itertools.count()

@@ -100,7 +100,7 @@ class UnitStore:
     def __init__(self, cfg: StoreConfig, now_s: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.root = Path(cfg.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # unit records hold tenants' token ids
         self.layout = self._make_layout(cfg.layout)
         self._now = now_s
         self._lock = threading.RLock()
@@ -245,7 +245,8 @@ class UnitStore:
 
     def _save_pins(self) -> None:
         tmp = self._pins_path.with_suffix(".tmp")
-        tmp.write_text("".join(k.hex() + "\n" for k in sorted(self._index.pinned)))
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write("".join(k.hex() + "\n" for k in sorted(self._index.pinned)))
         os.replace(tmp, self._pins_path)
 
     def _load_pins(self) -> set[bytes]:

@@ -21,7 +21,7 @@ from ray.serve.config import RequestRouterConfig
 from actors.llm_server import LLMServer
 from deploy.ep_admin import ep_control_name
 from deploy.openai_api import OpenAIIngress
-from deploy.protocol import KeyGrant
+from deploy.protocol import KeyGrant, Limits
 from model.config import check_checkpoint_dir
 
 __all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes", "recorded_app_args"]
@@ -82,6 +82,13 @@ class AppArgs(BaseModel):
     ingress_on_head: bool = False
 
 
+    @field_validator("limits")
+    @classmethod
+    def _limits(cls, limits: dict[str, int] | None) -> dict[str, int] | None:
+        if limits:
+            Limits(**limits)  # ValueError naming a misspelled or out-of-range limit
+        return limits
+
     @field_validator("api_keys")
     @classmethod
     def _grants(cls, keys: dict[str, str] | None) -> dict[str, str] | None:
@@ -90,6 +97,12 @@ class AppArgs(BaseModel):
                 raise ValueError("api_keys has an empty key")
             KeyGrant.parse(grant)  # ValueError naming the bad grant
         return keys
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key configured without one: a hash of the whole key (keys that share a
+    prefix, as ``sk-proj-...`` keys do, must not share a cache)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _api_keys_from_env() -> dict[str, str] | None:
@@ -101,7 +114,7 @@ def _api_keys_from_env() -> dict[str, str] | None:
         key, _, grant = item.partition(":")
         if not key:
             raise ValueError("TIDE_API_KEYS entries are KEY:TENANT[:MODEL+...], comma-separated")
-        keys[key] = grant or key[:8]
+        keys[key] = grant or key_tenant(key)
         KeyGrant.parse(keys[key])
     return keys
 

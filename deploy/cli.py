@@ -7,6 +7,7 @@ print exactly one JSON object on stdout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -245,6 +246,7 @@ def up(
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica, and each expert shard, takes one GPU and runs the Triton kernels)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow a --host other than loopback without API keys (anyone who reaches it may use the model)"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
     from click.core import ParameterSource
@@ -275,6 +277,11 @@ def up(
         raise typer.BadParameter(f"--cache-layout {args['cache_layout']!r} is not one of segment, unit")
     check_device(args["device"])
     check_dtype(args["dtype"])
+    from deploy.ray_head import is_loopback
+
+    if not is_loopback(host) and not (args["api_keys"] or os.environ.get("TIDE_API_KEYS")) and not insecure:
+        raise typer.BadParameter(f"--host {host} serves the API beyond this machine without API keys; give "
+                                 "--api-key KEY:TENANT (or TIDE_API_KEYS), or --insecure to serve it open")
     console = Console(stderr=True)
     live, show = _startup_view(console)
     with console.status("starting tideserve") as status:

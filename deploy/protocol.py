@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.json_schema import SchemaError, SchemaGrammar
 from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
@@ -61,12 +61,17 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 class Limits(BaseModel):
-    max_body_bytes: int = 4 << 20
-    max_prompt_tokens: int = 32768
-    max_tokens: int = 4096
-    max_stop: int = 4
-    max_n: int = 8  # choices per request (OpenAI's n)
-    max_logit_bias: int = 1024  # tokens one request may bias
+    """The ingress's input limits (``limits:`` in the app's args); a misspelled or negative one
+    is an error, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(default=4 << 20, ge=1)
+    max_prompt_tokens: int = Field(default=32768, ge=1)
+    max_tokens: int = Field(default=4096, ge=1)
+    max_stop: int = Field(default=4, ge=0)
+    max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
+    max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
 
 
 class StreamOptions(BaseModel):
@@ -80,7 +85,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a 64-bit seed, as torch takes
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -36,20 +37,24 @@ class RedisServer:
         return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
-        args = [binary, "--bind", "127.0.0.1", "--save", self.save, "--appendonly", "no",
-                "--dir", str(self.workdir)]
+        args = [binary]
+        if self.password:  # in a 0600 file, not on the command line (readable in /proc by anyone)
+            conf = self.workdir / "redis.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"requirepass {self.password}\n")
+            args.append(str(conf))
+        args += ["--bind", "127.0.0.1", "--save", self.save, "--appendonly", "no", "--dir", str(self.workdir)]
         if self.tls:
             ca, cert, key = self.tls
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-ca-cert-file", str(ca),
                      "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-auth-clients", "no"]
         else:
             args += ["--port", str(self.port)]
-        if self.password:
-            args += ["--requirepass", self.password]
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=self.detach)
         log.close()

@@ -51,7 +51,10 @@ def train_run(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     corpus = encode_corpus(stdlib_documents(limit=docs_limit), seed)
-    trainer = Trainer(cfg, train, out, corpus)
+    try:
+        trainer = Trainer(cfg, train, out, corpus)
+    except ValueError as e:  # a run directory that cannot be resumed
+        raise TideError(f"--out {str(out)!r}: {e}") from None
     stop = {"now": False}
 
     def on_signal(signum, frame) -> None:

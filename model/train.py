@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import math
+import pickle
 import random
 import sysconfig
 import time
@@ -116,7 +117,11 @@ class Trainer:
         if state_file.is_file():  # resume
             self.cfg = load_config(self.out)
             self.params = load_state_dict(self.out, self.cfg)
-            state = torch.load(state_file, weights_only=False)
+            try:  # tensors and plain values only: a planted pickle must not run code on resume
+                state = torch.load(state_file, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"{state_file} holds more than tensors and plain values; refusing to load it "
+                                 f"({str(e).splitlines()[0]})") from None
             self.step = state["step"]
         else:
             self.params = random_state_dict(cfg, seed=train.seed)

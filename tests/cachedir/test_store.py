@@ -45,6 +45,21 @@ def _rewrite(store: UnitStore, key: bytes, change) -> None:
     loc.path.write_bytes(data[: loc.offset] + change(data[loc.offset : loc.offset + loc.length]))
 
 
+@pytest.mark.security
+def test_unit_files_and_pins_are_private(tmp_path, layout):
+    """Unit records carry tenants' prompt token ids: files 0600, directories 0700."""
+    store = _store(tmp_path, layout)
+    units = make_units(list(range(256)))
+    for u in units:
+        store.put(u)
+    store.pin([units[0].key])
+    store.close()
+    paths = [p for p in (tmp_path / "ssd").rglob("*")]
+    assert any(p.is_file() for p in paths)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [tmp_path / "ssd", *paths]), \
+        [(str(p), oct(p.stat().st_mode)) for p in paths if p.stat().st_mode & 0o077]
+
+
 def test_put_get_and_events(tmp_path, layout):
     store = _store(tmp_path, layout)
     units = make_units(list(range(256)))

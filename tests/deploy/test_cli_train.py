@@ -68,3 +68,22 @@ def test_sigterm_checkpoints_and_stops(tmp_path):
 def test_bad_arguments_name_the_value(args, message):
     r = _tide(*args)
     assert r.returncode == 2 and message in r.stderr.replace("\n", "").replace("│", "")
+
+
+@pytest.mark.security
+def test_a_planted_trainer_state_is_refused_not_run(tmp_path):
+    """Resuming reads the trainer state with torch's weights-only loader: a pickle that would run
+    code is an error naming the file, and the code never runs."""
+    out = tmp_path / "run"
+    r = _tide("run", "--out", str(out), "--steps", "1", "--json", *SMALL)
+    assert r.returncode == 0, r.stderr
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"step": 1, "evil": Planted()}, out / "trainer_state.pt")
+    r = _tide("run", "--out", str(out), "--steps", "2", *SMALL)
+    assert r.returncode == 1 and "trainer_state.pt" in r.stderr and "refusing" in r.stderr, r.stderr
+    assert not marker.exists()

@@ -343,6 +343,7 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "n": 9}, 400, "n=9"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed"),  # was a 500
     # accepted at their defaults, refused otherwise rather than silently ignored
     ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo=True is not supported"),
     ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),

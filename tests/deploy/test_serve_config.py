@@ -117,3 +117,42 @@ def test_prefix_sharing_reaches_the_replicas(tmp_path, monkeypatch):
     for value in (True, False):
         server = build_app({"prefix_sharing": value})._bound_deployment.init_args[0]
         assert server._bound_deployment.init_args[0]["prefix_sharing"] is value
+
+
+@pytest.mark.security
+def test_keys_from_the_environment_without_a_tenant_get_one_each(monkeypatch):
+    """TIDE_API_KEYS entries without a tenant are isolated by the whole key: two keys with a
+    common prefix (sk-proj-...) never share a cache or see each other's cached_tokens."""
+    from deploy.app import _api_keys_from_env
+
+    monkeypatch.setenv("TIDE_API_KEYS", "sk-proj-aaaaaaaaaa,sk-proj-aaaaaaaaab,sk-x:team")
+    keys = _api_keys_from_env()
+    assert keys["sk-x"] == "team"
+    a, b = keys["sk-proj-aaaaaaaaaa"], keys["sk-proj-aaaaaaaaab"]
+    assert a != b and "sk-proj" not in a + b  # neither the prefix nor the key is the tenant name
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("limits, field", [({"max_token": 10}, "max_token"), ({"max_tokens": -1}, "max_tokens"),
+                                           ({"max_body_bytes": 0}, "max_body_bytes")])
+def test_a_misspelled_or_negative_limit_is_refused(limits, field):
+    from pydantic import ValidationError
+
+    from deploy.app import AppArgs
+
+    with pytest.raises(ValidationError, match=field):
+        AppArgs(limits=limits)
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("seed, ok", [(2**63 - 1, True), (-(2**63), True), (2**64, False), (2**63, False)])
+def test_seeds_outside_64_bits_are_a_validation_error(seed, ok):
+    from pydantic import ValidationError
+
+    from deploy.protocol import CompletionRequest
+
+    if ok:
+        assert CompletionRequest(model="m", prompt="x", seed=seed).seed == seed
+    else:
+        with pytest.raises(ValidationError, match="seed"):
+            CompletionRequest(model="m", prompt="x", seed=seed)
