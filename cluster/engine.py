@@ -32,6 +32,7 @@ from cachedir.admission import make_admission
 from cachedir.hashing import Namespace, chain_keys
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
+from cluster.output import TextStream
 from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
 from model.json_schema import SchemaGrammar
@@ -108,6 +109,12 @@ class Engine:
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
+        self._aborted = False  # an abort arrived since the last step
+        # Block tables of the running sequences, one row each, kept up to date as pages are added
+        # (a step gathers its rows instead of rebuilding tables from Python lists).
+        max_pages = min(cfg.num_pages, -(-(model.cfg.max_position_embeddings + 1) // cfg.page_size))
+        self._tables = torch.zeros(cfg.max_num_seqs, max_pages, dtype=torch.long)  # [S, P]
+        self._free_rows = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -127,7 +134,10 @@ class Engine:
             raise ValueError(f"request needs {need} KV pages, the pool has {self.cfg.num_pages}")
         ns = self.namespace_for(req.tenant)
         keys = chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
-        seq = Sequence(req, keys, emitted_text_len=req.continued_chars)
+        seq = Sequence(req, keys, text=TextStream(self.detokenize, req.stop, req.continued_ids, req.continued_chars))
+        if req.sampling.penalized:  # counted as tokens come: the penalties' cost does not grow with the output
+            seq.token_counts = torch.bincount(torch.tensor(req.continued_ids, dtype=torch.long),
+                                              minlength=self.model.cfg.vocab_size)[: self.model.cfg.vocab_size]
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.response_format is not None:
@@ -191,13 +201,14 @@ class Engine:
             seq = self._by_id.get(request_id)
             if seq is not None and seq.finished is None:
                 seq.finished = FinishReason.ABORT
+                self._aborted = True
 
     def queue_state(self, limit: int = 256) -> list[tuple[int, int]]:
         """(new, cached) prompt tokens of the waiting requests, oldest first (prefill LB input)."""
         out = []
         for seq in list(self.waiting)[:limit]:
             cached = max(seq.num_computed, seq.expected_cached)
-            out.append((max(0, len(seq.all_ids) - cached), cached))
+            out.append((max(0, seq.length - cached), cached))
         return out
 
     def has_work(self) -> bool:
@@ -213,12 +224,26 @@ class Engine:
         return outputs
 
     def _reap_aborted(self, outputs: list[RequestOutput]) -> None:
+        if not self._aborted:
+            return
+        self._aborted = False
         for seq in [s for s in list(self.waiting) + self.running if s.finished == FinishReason.ABORT]:
-            if seq in self.running:
-                self.running.remove(seq)
+            if seq.row is not None:
+                self._leave_running(seq)
             else:
                 self.waiting.remove(seq)
             self._finish(seq, FinishReason.ABORT, outputs)
+
+    def _join_running(self, seq: Sequence) -> None:
+        """``seq`` joins the decode batch: it gets a row of the block tables."""
+        seq.row = self._free_rows.pop()
+        self._tables[seq.row, : len(seq.pages)] = torch.tensor(seq.pages)
+        self.running.append(seq)
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_rows.append(seq.row)
+        seq.row = None
 
     def _prefill(self, outputs: list[RequestOutput]) -> None:
         budget = self.cfg.max_prefill_tokens
@@ -228,35 +253,33 @@ class Engine:
                 if not self._admit_prefilled(seq):
                     return
                 self.waiting.popleft()
-                self.running.append(seq)
+                self._join_running(seq)
                 continue
             if not seq.pages and not self._admit(seq):
                 return  # not enough pages yet: wait for running sequences to finish
-            ids = seq.all_ids
-            end = min(len(ids), seq.num_computed + budget)
+            end = min(seq.length, seq.num_computed + budget)
             table = torch.tensor(seq.pages)
             t0 = time.perf_counter()
-            logits = self.model.prefill(torch.tensor(ids[seq.num_computed : end]), self.pool, table,
+            logits = self.model.prefill(torch.tensor(seq.ids(seq.num_computed, end)), self.pool, table,
                                         start=seq.num_computed)
             n_new = end - seq.num_computed
             self.prefill_samples.append((n_new, seq.num_computed, time.perf_counter() - t0))
             budget -= n_new
             self.stats["prefill_tokens"] += n_new
             seq.num_computed = end
-            if end < len(ids):
+            if end < seq.length:
                 return  # the rest of this prompt in the next step (chunked prefill)
             self.waiting.popleft()
-            self.running.append(seq)
+            self._join_running(seq)
             if not seq.input_persisted:
                 seq.input_persisted = True
                 self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
             allowed = self._constrained(logits[None], [seq])
-            tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [self._history(seq)])[0])
+            tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts])[0])
             self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
-        ids = seq.all_ids
         # Shared pages are immutable, so they never include the prompt's last token, which is
         # always computed (its logits start the output). A loaded unit may: that token's KV is
         # then recomputed into the sequence's own page.
@@ -276,7 +299,7 @@ class Engine:
                 loaded.append(r)
             seq.load = None
         n_cached_units = len(shared) + len(loaded)
-        total_pages = -(-(len(ids) + 1) // self.cfg.page_size)
+        total_pages = -(-(seq.length + 1) // self.cfg.page_size)
         fresh_needed = total_pages - len(shared) * self.unit_pages
         for pages in shared:
             self.pages.incref(pages)
@@ -290,7 +313,7 @@ class Engine:
             unit_idx = len(shared) + i
             pages = seq.pages[unit_idx * self.unit_pages : (unit_idx + 1) * self.unit_pages]
             self.pool.write_pages(pages, self._unit_tensor(r.unit))
-        seq.num_computed = min(n_cached_units * UNIT_TOKENS, len(ids) - 1)
+        seq.num_computed = min(n_cached_units * UNIT_TOKENS, seq.length - 1)
         if not seq.input_persisted:  # first admission (not a recompute after preemption)
             src = seq.sources
             src.ram = (len(shared) + sum(r.tier == "ram" for r in loaded)) * UNIT_TOKENS
@@ -317,6 +340,9 @@ class Engine:
         seq.num_computed = n
         seq.output_ids.append(pre.first_token)
         seq.output_logprobs.append(pre.first_logprob)
+        if seq.token_counts is not None:
+            seq.token_counts[pre.first_token] += 1
+        seq.text.feed(pre.first_token)  # this replica streams it (the prefill replica's output was not sent)
         if seq.json_masks is not None:
             seq.json_state = seq.json_masks.advance(seq.json_state, pre.first_token)
         seq.sources = dataclasses.replace(pre.sources)
@@ -349,12 +375,14 @@ class Engine:
         return pages
 
     def _decode(self, outputs: list[RequestOutput]) -> None:
+        """One token for every running sequence. The host work is O(batch): each sequence's
+        next page goes into its table row when it needs one, and the step gathers the rows."""
         batch = []
+        z = self.cfg.page_size
         for seq in list(self.running):
-            if seq not in self.running:
+            if seq.row is None:
                 continue  # preempted while making room for another
-            pos = seq.length - 1
-            while pos // self.cfg.page_size >= len(seq.pages):
+            while (seq.length - 1) // z >= len(seq.pages):
                 page = self._allocate(1)
                 if page is None:
                     victim = self.running[-1]
@@ -362,36 +390,29 @@ class Engine:
                     if victim is seq:
                         break
                     continue
+                self._tables[seq.row, len(seq.pages)] = page[0]
                 seq.pages.extend(page)
-            if seq in self.running:
+            if seq.row is not None:
                 batch.append(seq)
         if not batch:
             return
         width = max(len(s.pages) for s in batch)
-        tables = torch.tensor([s.pages + [s.pages[0]] * (width - len(s.pages)) for s in batch])
-        tokens = torch.tensor([s.all_ids[-1] for s in batch])
+        tables = self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))  # [B, W]
+        tokens = torch.tensor([s.last_token for s in batch])
         positions = torch.tensor([s.length - 1 for s in batch])
         logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
         allowed = self._constrained(logits, batch)
-        toks = sample(allowed, params, [s.generator for s in batch], [self._history(s) for s in batch]).tolist()
+        toks = sample(allowed, params, [s.generator for s in batch], [s.token_counts for s in batch]).tolist()
         for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
             self._append(seq, tok, outputs, lp)
 
-    @staticmethod
-    def _history(seq: Sequence) -> list[int]:
-        """The tokens the request generated so far (the penalties count them): also those of a
-        replica that gave the request back (they end its prompt)."""
-        if not seq.req.sampling.penalized:
-            return []
-        return [*seq.req.continued_ids, *seq.output_ids]
-
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
-        self.running.remove(seq)
+        self._leave_running(seq)
         self.pages.release(seq.pages)
         seq.pages = []
         seq.num_computed = 0
@@ -404,6 +425,8 @@ class Engine:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(tok)
         seq.output_logprobs.append(lp)
+        if seq.token_counts is not None:
+            seq.token_counts[tok] += 1
         if seq.json_masks is not None:
             seq.json_state = seq.json_masks.advance(seq.json_state, tok)
         eos = tok == self.eos_id and not seq.req.ignore_eos
@@ -414,29 +437,18 @@ class Engine:
             reason = FinishReason.LENGTH
         if reason is None and seq.req.handoff:
             reason = FinishReason.HANDOFF
-        visible = seq.output_ids[:-1] if eos else seq.output_ids  # the EOS token has no text
-        seq.text = self.detokenize([*seq.req.continued_ids, *visible])
-        for stop in seq.req.stop:
-            at = seq.text.find(stop)
-            if at >= 0:
-                seq.text = seq.text[:at]
-                reason = FinishReason.STOP
+        if not eos and seq.text.feed(tok):  # the EOS token has no text
+            reason = FinishReason.STOP  # a stop string: the text ends before it
         if reason is not None:
-            self.running.remove(seq)
+            self._leave_running(seq)
             self._finish(seq, reason, outputs)
         else:
-            outputs.append(self._output(seq, hold_back=max((len(s) for s in seq.req.stop), default=1) - 1))
+            outputs.append(self._output(seq))
 
-    def _output(self, seq: Sequence, hold_back: int = 0, handoff: Prefilled | None = None) -> RequestOutput:
-        """New tokens and text since the last output. Text that may start a stop string waits,
-        and so does a trailing U+FFFD until the sequence finishes: it may be the first bytes of a
-        character whose next token completes it (byte-level tokens)."""
-        upto = len(seq.text) - hold_back
-        if seq.finished is None:
-            upto = min(upto, len(seq.text.rstrip("\ufffd")))
-        upto = max(seq.emitted_text_len, upto)
-        text = seq.text[seq.emitted_text_len : upto]
-        seq.emitted_text_len = upto
+    def _output(self, seq: Sequence, handoff: Prefilled | None = None) -> RequestOutput:
+        """New tokens and text since the last output (``cluster.output.TextStream`` holds back
+        text that may start a stop string or end inside a character until it finishes)."""
+        text = seq.text.take(seq.finished is not None)
         new = seq.output_ids[seq.emitted_tokens :]
         logprobs = seq.output_logprobs[seq.emitted_tokens :] if seq.req.sampling.logprobs is not None else None
         seq.emitted_tokens = len(seq.output_ids)
@@ -457,7 +469,7 @@ class Engine:
         if seq.pages:
             ns = self.namespace_for(seq.req.tenant)
             complete = seq.num_computed // UNIT_TOKENS
-            all_keys = chain_keys(ns.seed, seq.all_ids[: complete * UNIT_TOKENS], UNIT_TOKENS)
+            all_keys = chain_keys(ns.seed, seq.ids(0, complete * UNIT_TOKENS), UNIT_TOKENS)
             for i, key in enumerate(all_keys if self.cfg.prefix_sharing else []):
                 self.prefix.insert(key, seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages])
             if reason != FinishReason.ABORT:
@@ -473,7 +485,6 @@ class Engine:
         if self.cache is None or not unit_idx:
             return
         ns = self.namespace_for(seq.req.tenant)
-        ids = seq.all_ids
         units = []
         for i in unit_idx:
             if (i + 1) * UNIT_TOKENS > seq.num_computed or self.cache.holds(keys[i]):
@@ -482,7 +493,7 @@ class Engine:
             data = self.pool.read_pages(pages).cpu().contiguous()  # [L, 64, D], a copy in host memory
             payload = data.view(torch.uint8).numpy().tobytes()
             parent = keys[i - 1] if i else ns.seed
-            units.append(Unit(ns.seed, keys[i], parent, tuple(ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS]),
+            units.append(Unit(ns.seed, keys[i], parent, tuple(seq.ids(i * UNIT_TOKENS, (i + 1) * UNIT_TOKENS)),
                               payload, data.shape[0], data.shape[2], str(data.dtype).removeprefix("torch.")))
         self.cache.persist(units)
 
@@ -505,3 +516,8 @@ class Engine:
             assert self.pages.refcount(page) == holders[page], (page, self.pages.refcount(page), holders[page])
         live = {s.req.request_id for s in list(self.waiting) + self.running}
         assert live == set(self._by_id), (live, set(self._by_id))
+        rows = [s.row for s in self.running]
+        assert None not in rows and sorted(rows + self._free_rows) == list(range(self.cfg.max_num_seqs)), rows
+        for s in self.running:
+            assert self._tables[s.row, : len(s.pages)].tolist() == s.pages, (s.req.request_id, s.pages)
+        assert all(s.row is None for s in self.waiting)

@@ -114,8 +114,7 @@ class Sequence:
     num_computed: int = 0  # prompt (+ recomputed output) tokens whose KV is in the pool
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per output token
-    text: str = ""
-    emitted_text_len: int = 0
+    text: object = None  # cluster.output.TextStream: the output's text, decoded as tokens come
     emitted_tokens: int = 0
     load: Future | None = None  # cache units being loaded while the request queues
     expected_cached: int = 0  # prompt tokens the cache lookup found (the queue estimate)
@@ -126,10 +125,24 @@ class Sequence:
     generator: object = None  # torch.Generator for seeded sampling
     json_masks: object = None  # JSON mode: the grammar's token masks (model.structured.JsonMasks)
     json_state: object = None  # ... and its state after the output so far
+    token_counts: object = None  # penalized requests: torch.Tensor [V], times each token was generated
+    row: int | None = None  # its row of the engine's block tables while it runs (None: not running)
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output ids (a copy: O(length); the step uses ``last_token`` and ``ids``)."""
         return list(self.req.prompt_ids) + self.output_ids
+
+    def ids(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without copying the rest."""
+        n = len(self.req.prompt_ids)
+        if end <= n:
+            return list(self.req.prompt_ids[start:end])
+        return list(self.req.prompt_ids[start:n]) + self.output_ids[max(0, start - n) : end - n]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.req.prompt_ids[-1]
 
     @property
     def length(self) -> int:

@@ -60,11 +60,12 @@ class SamplingParams:
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    outputs: list[list[int]] | None = None,
+    outputs: list[list[int] | torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (any device) -> token ids [B] on the CPU. ``generators[b]`` (a CPU
-    generator) makes row b reproducible; ``outputs[b]``: the tokens row b generated so far (the
-    penalties count them). Each row's ``logit_bias`` is added first."""
+    generator) makes row b reproducible; ``outputs[b]``: the tokens row b generated so far, as
+    ids or as counts per token [V] (the penalties count them). Each row's ``logit_bias`` is added
+    first."""
     if any(p.logit_bias for p in params):
         logits = biased(logits, params)
     if outputs is not None and any(p.penalized for p in params):
@@ -102,14 +103,24 @@ def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
-def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
-    """``logits`` [B, V] with each row's presence and frequency penalties applied (a copy)."""
+def penalized(logits: torch.Tensor, params: list[SamplingParams],
+              outputs: list[list[int] | torch.Tensor | None]) -> torch.Tensor:
+    """``logits`` [B, V] with each row's presence and frequency penalties applied (a copy).
+    ``outputs[b]``: row b's generated token ids, or its counts per token [V] (the engine keeps
+    those, so the cost does not grow with the output)."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     for b, p in enumerate(params):
-        if p.penalized and outputs[b]:
-            counts = torch.bincount(torch.tensor(outputs[b], device=logits.device), minlength=vocab)[:vocab]
-            logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        out = outputs[b]
+        if not p.penalized or out is None:
+            continue
+        if isinstance(out, torch.Tensor):
+            counts = out[:vocab].to(logits.device, logits.dtype)  # [V]
+        elif out:
+            counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab]
+        else:
+            continue
+        logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
 
 

@@ -33,6 +33,30 @@ def bench_model(
     _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf))
 
 
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option} {text!r} must be comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{option} {text!r} must list positive integers")
+    return values
+
+
+@bench_app.command("engine")
+def bench_engine(
+    batches: str = typer.Option("1,16,64,256", "--batches", help="running sequences, comma-separated"),
+    contexts: str = typer.Option("1024,8192,32768", "--contexts", help="tokens each sequence holds, comma-separated"),
+    steps: int = typer.Option(30, "--steps", min=5, help="timed decode steps per case (after 5 untimed)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """The engine's host work per decode step (host_ms_per_step: median and p90) with a model
+    that costs nothing, by batch and context, and how it grows with context."""
+    from deploy.bench.engine_bench import run_engine_bench
+
+    _emit(run_engine_bench(_ints(batches, "--batches"), _ints(contexts, "--contexts"), steps))
+
+
 @bench_app.command("eplb")
 def bench_eplb(
     layers: int = typer.Option(58, "--layers", min=1, help="MoE layers"),

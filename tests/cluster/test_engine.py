@@ -362,3 +362,35 @@ def test_streamed_text_equals_the_decoded_tokens_also_across_a_continuation(mode
         rest = other.run_to_completion()["c"]
         assert done_ids + _tokens(rest) == _tokens(o)
         assert sent + "".join(x.text for x in rest) == texts[rid], rid
+
+
+def test_the_text_of_each_step_decodes_a_few_tokens_not_the_whole_output():
+    """Incremental detokenization: however long the output grows, a step decodes a bounded
+    window per sequence (the engine decoded every output token again at every step), and the
+    streamed text equals the whole output decoded at once."""
+    from cachedir.hashing import Namespace
+    from deploy.bench.engine_bench import NullModel
+
+    decoded = []
+    tok = ByteTokenizer()
+
+    def detok(ids):
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    model = NullModel(4096, token=ord("a"))
+    engine = Engine(model, EngineConfig(num_pages=512, max_num_seqs=4), Namespace(model.cfg.fingerprint(), "t", "float32",
+                    "latent", 64), detok, eos_id=None)
+    for i in range(4):
+        engine.add_request(GenerationRequest(f"r{i}", tuple(range(1, 200)), 1500, stop=("zz",)))
+    outputs = {}
+    per_step = []
+    while engine.has_work():
+        decoded.clear()
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+        per_step.append(sum(decoded))
+    assert max(per_step[-100:]) <= max(per_step[1:100]) <= 4 * 2 * 4  # late steps decode no more than early ones
+    for outs in outputs.values():
+        assert "".join(o.text for o in outs) == "a" * 1500
+    engine.check_integrity()

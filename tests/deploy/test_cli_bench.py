@@ -198,3 +198,15 @@ def test_bench_structured_json():
         row = out[grammar]
         assert row["steps"] > 50 and 0 < row["states_masked"] <= row["steps"]
         assert row["cold_total_ms"] > 0 and row["cached_us_per_step"] > 0
+
+
+def test_bench_engine_json():
+    r = _tide("engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    grid = out["host_ms_per_step"]
+    assert set(grid) == {"batch_1", "batch_4"} and all(set(row) == {"ctx_64", "ctx_256"} for row in grid.values())
+    assert all(c["steps"] == 5 and c["p90_ms"] >= c["median_ms"] for row in grid.values() for c in row.values())
+    assert set(out["context_growth"]) == {"batch_1", "batch_4"} and "targets" not in out  # no batch 64 asked
+    bad = _tide("engine", "--batches", "0")
+    assert bad.returncode == 2 and "--batches" in bad.stderr

@@ -1,0 +1,110 @@
+"""``tide bench engine``: the engine's host work per decode step, apart from the model.
+
+The engine drives a model that costs nothing (``NullModel``: its forward returns ready logits,
+its KV pool holds nothing), so a step's time is the engine's own work: scheduling, block tables,
+sampling bookkeeping, detokenization, stop strings, outputs. Measured at batch 1/16/64/256 and
+contexts 1K/8K/32K (every sequence holds that many tokens), as the median and p90 of timed
+decode steps after a warm-up. The engine-core targets: at most 1 ms at batch 64, and at most
+1.2x from 1K to 32K context at every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from cachedir.hashing import Namespace
+from cluster.engine import Engine, EngineConfig
+from cluster.request import GenerationRequest
+from model.config import named_config
+from model.sampling import SamplingParams
+
+BATCHES = (1, 16, 64, 256)
+CONTEXTS = (1024, 8192, 32768)
+VOCAB = 512  # small, so the argmax over the logits (device work on a GPU) does not hide the host's
+
+
+class _NullPool:
+    """A KV pool that holds nothing (the engine only passes it to the model here)."""
+
+    def __init__(self, num_layers: int, latent_dim: int) -> None:
+        self.num_layers, self.latent_dim, self.dtype = num_layers, latent_dim, torch.float32
+
+
+class NullModel:
+    """The model interface the engine uses, at no cost: prefill and decode return fixed logits
+    [V] / [B, V] (greedy picks token ``token``), nothing is computed or stored."""
+
+    def __init__(self, max_context: int, vocab: int = VOCAB, token: int = 7) -> None:
+        self.cfg = dataclasses.replace(named_config("tiny"), vocab_size=vocab,
+                                       max_position_embeddings=max_context)
+        self._logits = torch.zeros(max(BATCHES), vocab)
+        self._logits[:, token] = 1.0
+
+    def new_pool(self, num_pages: int, page_size: int = 16) -> _NullPool:
+        return _NullPool(self.cfg.num_hidden_layers, self.cfg.latent_dim)
+
+    def prefill(self, token_ids, pool, block_table, start: int = 0, **_) -> torch.Tensor:
+        return self._logits[0]
+
+    def decode(self, tokens, pool, tables, positions, **_) -> torch.Tensor:
+        return self._logits[: tokens.shape[0]]
+
+
+def host_ms_per_step(batch: int, context: int, steps: int = 30, warmup: int = 5,
+                     stop: tuple[str, ...] = ("\n\n",)) -> dict[str, float]:
+    """The median and p90 milliseconds of ``steps`` decode steps of ``batch`` sequences that
+    each hold ``context`` tokens (each request has a stop string, as chat clients send)."""
+    page = 16
+    total = context + warmup + steps + 2
+    model = NullModel(total + 1)
+    cfg = EngineConfig(num_pages=batch * -(-(total + 1) // page), page_size=page, max_num_seqs=batch,
+                       max_prefill_tokens=context * batch)
+    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "bench", "float32", "latent", 64),
+                    lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"), eos_id=None)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        prompt = tuple(torch.randint(0, VOCAB, (context,), generator=gen).tolist())
+        engine.add_request(GenerationRequest(f"r{i}", prompt, warmup + steps + 2, SamplingParams(), stop=stop))
+    while engine.waiting:  # every prompt admitted (the null model's prefill costs nothing)
+        engine.step()
+    assert len(engine.running) == batch, (len(engine.running), batch)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        engine.step()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"median_ms": round(statistics.median(times), 4), "p90_ms": round(times[int(0.9 * (len(times) - 1))], 4),
+            "steps": steps}
+
+
+def run_engine_bench(batches: tuple[int, ...] = BATCHES, contexts: tuple[int, ...] = CONTEXTS,
+                     steps: int = 30) -> dict[str, Any]:
+    grid: dict[str, dict[str, dict[str, float]]] = {}
+    for b in batches:
+        grid[f"batch_{b}"] = {f"ctx_{c}": host_ms_per_step(b, c, steps) for c in contexts}
+    growth = {}
+    for b in batches:
+        row = grid[f"batch_{b}"]
+        first, last = row[f"ctx_{contexts[0]}"]["median_ms"], row[f"ctx_{contexts[-1]}"]["median_ms"]
+        growth[f"batch_{b}"] = round(last / first, 3) if first > 0 else None
+    out: dict[str, Any] = {
+        "host_ms_per_step": grid,
+        "context_growth": growth,  # median at the longest context / at the shortest
+        "vocab": VOCAB, "machine": platform.machine(), "python": platform.python_version(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }
+    if 64 in batches:
+        b64 = grid["batch_64"]
+        out["targets"] = {
+            "batch_64_at_most_1ms": all(v["median_ms"] <= 1.0 for v in b64.values()),
+            "growth_at_most_1.2x": all(g is not None and g <= 1.2 for g in growth.values()),
+        }
+    return out
