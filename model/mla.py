@@ -25,11 +25,24 @@ from model.config import ModelConfig
 from model.layers import linear, rms_norm
 from model.rope import apply_rope
 
-__all__ = ["MLA", "MLAWeights"]
+__all__ = ["MLA", "MLAWeights", "absorbed_pays"]
 
 # Up to this many queries per sequence (decode, short suffixes) the absorbed path is two plain
 # bmm's over the shared latent; longer query runs use the fused SDPA kernel (no [Q*H, S] scores).
 MQA_MAX_QUERIES = 16
+
+
+def absorbed_pays(cfg: ModelConfig, new_tokens: int, total_tokens: int) -> bool:
+    """Whether attending ``new_tokens`` queries over ``total_tokens`` (cached + new) costs fewer
+    FLOPs absorbed than naive. Per head: naive expands every latent to a key and a value
+    (S R (N+V)) and then attends (T S (N+P+V)); absorbed folds ``W_UK`` into the queries and
+    ``W_UV`` into the outputs (T R (N+V)) but attends over the latent (T S (2R+P)). With
+    S >> T, absorbed wins only below T = R (N+V) / (2R - N - V) queries (DeepSeek-V3: ~170)."""
+    n, p, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    t, s = new_tokens, total_tokens
+    naive = s * r * (n + v) + t * s * (n + p + v)
+    absorbed = t * r * (n + v) + t * s * (2 * r + p)
+    return absorbed < naive
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from kernels import Impl
 from model.config import ModelConfig
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
-from model.mla import MLA
+from model.mla import MLA, absorbed_pays
 from model.moe import MoE
 from model.rope import RotaryEmbedding
 
@@ -113,12 +113,12 @@ class DeepseekModel:
         (computed earlier or loaded from the unit cache); the new tokens' latents are written
         there too. Returns fp32 logits, [V] for the last token or [T, V] with ``all_logits``.
 
-        ``attn="auto"`` expands the latents (naive) when most of the sequence is new, and attends
-        over them directly (absorbed) when a short suffix follows a long cached prefix, where
-        expanding every cached token would dominate the cost.
+        ``attn="auto"`` takes the path with fewer FLOPs (``model.mla.absorbed_pays``): absorbed for
+        a short suffix after a long cached prefix, where expanding every cached token would
+        dominate; naive otherwise, also for a long chunk of a chunked prefill.
         """
         if attn == "auto":
-            attn = "absorbed" if start >= token_ids.shape[0] else "naive"
+            attn = "absorbed" if absorbed_pays(self.cfg, token_ids.shape[0], start + token_ids.shape[0]) else "naive"
         t = token_ids.shape[0]
         if t == 0:
             raise ValueError("prefill needs at least one token")

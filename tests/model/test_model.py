@@ -117,3 +117,32 @@ def test_config_validation_names_the_bad_value():
 
 def _fields(cfg):
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+def test_auto_attention_takes_the_path_with_fewer_flops():
+    """A short suffix after a long cached prefix attends absorbed; a long chunk of a chunked
+    prefill attends naive even after earlier chunks (absorbed costs ~3x more per query-key pair
+    at DeepSeek-V3's dims: 2R+P = 1,088 against N+P+V = 320)."""
+    import dataclasses
+
+    from model.config import named_config
+    from model.mla import absorbed_pays
+
+    v3 = dataclasses.replace(named_config("bench"), qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             kv_lora_rank=512)
+    assert absorbed_pays(v3, 1, 32768) and absorbed_pays(v3, 128, 32768)
+    assert not absorbed_pays(v3, 2048, 4096) and not absorbed_pays(v3, 2048, 32768)  # chunk 2 and chunk 16
+    assert not absorbed_pays(v3, 512, 512)  # a fresh prompt
+
+
+def test_a_chunked_prefill_equals_one_prefill(model):
+    """Chunks after the first (which now attend naive when long) give the same logits as the
+    whole prompt at once."""
+    ids = torch.randint(0, model.cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    pool = model.new_pool(32, 16)
+    table = torch.arange(16)
+    whole = model.prefill(ids, pool, table)
+    pool2 = model.new_pool(32, 16)
+    for lo in range(0, 200, 80):
+        last = model.prefill(ids[lo : lo + 80], pool2, table, start=lo)
+    torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
