@@ -149,6 +149,7 @@ class LLMServer:
             self.model,
             EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
                          max_prefill_tokens=int(cfg.get("max_prefill_tokens", 2048)),
+                         itl_factor=float(cfg.get("itl_factor", 0.0)),
                          admission=cfg.get("admission", "all"),
                          prefix_sharing=enable_cache and bool(cfg.get("prefix_sharing", True)),
                          micro_batches=int(cfg.get("micro_batches", 1))),

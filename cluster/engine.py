@@ -44,6 +44,11 @@ from model.structured import JsonMasks
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
 UNIT_TOKENS = 64
+MIN_CHUNK = 32  # the shortest prefill chunk itl_factor makes (shorter ones waste the step)
+
+
+def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
+    return x if avg is None else (1 - weight) * avg + weight * x
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,10 @@ class EngineConfig:
     admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
     prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
     micro_batches: int = 1  # 2: decode in two pipelined halves (hides expert-parallel rounds)
+    # While sequences decode, a prefill chunk is sized from measured speeds so that a step takes
+    # at most this many decode steps' time (their inter-token latency stays bounded); 0: every
+    # chunk is max_prefill_tokens long
+    itl_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -69,6 +78,8 @@ class EngineConfig:
         for name in ("num_pages", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.itl_factor != 0 and self.itl_factor <= 1:
+            raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
 
 
 def cache_namespace(mcfg, weights_digest: str, dtype: torch.dtype) -> Namespace:
@@ -88,8 +99,10 @@ class Engine:
         eos_id: int | None,
         cache: PromptCache | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``token_bytes(id)``: a token's bytes (the tokenizer's), needed for JSON mode."""
+        """``token_bytes(id)``: a token's bytes (the tokenizer's), needed for JSON mode;
+        ``clock``: seconds, for the speeds that size prefill chunks (``itl_factor``)."""
         self.model = model
         self.cfg = cfg
         self.namespace = namespace
@@ -115,6 +128,9 @@ class Engine:
         max_pages = min(cfg.num_pages, -(-(model.cfg.max_position_embeddings + 1) // cfg.page_size))
         self._tables = torch.zeros(cfg.max_num_seqs, max_pages, dtype=torch.long)  # [S, P]
         self._free_rows = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self._clock = clock
+        self._decode_s: float | None = None  # moving averages: a decode step's seconds, and
+        self._prefill_token_s: float | None = None  # a prefill token's (chunks of >= 16 tokens)
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -245,8 +261,17 @@ class Engine:
         self._free_rows.append(seq.row)
         seq.row = None
 
+    def prefill_budget(self) -> int:
+        """Prompt tokens this step may prefill: ``max_prefill_tokens``, or while sequences
+        decode (and ``itl_factor`` is on) as many as take (itl_factor - 1) decode steps' time
+        at the measured speeds (at least ``MIN_CHUNK``)."""
+        cap = self.cfg.max_prefill_tokens
+        if not self.running or not self.cfg.itl_factor or self._decode_s is None or not self._prefill_token_s:
+            return cap
+        return max(MIN_CHUNK, min(cap, int((self.cfg.itl_factor - 1) * self._decode_s / self._prefill_token_s)))
+
     def _prefill(self, outputs: list[RequestOutput]) -> None:
-        budget = self.cfg.max_prefill_tokens
+        budget = self.prefill_budget()
         while budget > 0 and self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq.req.prefilled is not None and not seq.output_ids:
@@ -259,11 +284,14 @@ class Engine:
                 return  # not enough pages yet: wait for running sequences to finish
             end = min(seq.length, seq.num_computed + budget)
             table = torch.tensor(seq.pages)
-            t0 = time.perf_counter()
+            t0 = self._clock()
             logits = self.model.prefill(torch.tensor(seq.ids(seq.num_computed, end)), self.pool, table,
                                         start=seq.num_computed)
             n_new = end - seq.num_computed
-            self.prefill_samples.append((n_new, seq.num_computed, time.perf_counter() - t0))
+            took = self._clock() - t0
+            self.prefill_samples.append((n_new, seq.num_computed, took))
+            if n_new >= 16:  # the latest chunks weigh most: a prompt's cost per token grows with its context
+                self._prefill_token_s = _moving(self._prefill_token_s, took / n_new, weight=0.5)
             budget -= n_new
             self.stats["prefill_tokens"] += n_new
             seq.num_computed = end
@@ -400,7 +428,9 @@ class Engine:
         tables = self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))  # [B, W]
         tokens = torch.tensor([s.last_token for s in batch])
         positions = torch.tensor([s.length - 1 for s in batch])
+        t0 = self._clock()
         logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
+        self._decode_s = _moving(self._decode_s, self._clock() - t0)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]

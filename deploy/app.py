@@ -57,6 +57,9 @@ class AppArgs(BaseModel):
     num_pages: int = Field(default=4096, ge=16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
+    # while requests decode, prefill chunks are sized so a step takes at most this many decode
+    # steps' time (bounded inter-token latency under long prompts); 0: max_prefill_tokens always
+    itl_factor: float = Field(default=2.0, ge=0)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
@@ -81,6 +84,13 @@ class AppArgs(BaseModel):
     # never loses a request's ingress — only its replica, and the request continues elsewhere
     ingress_on_head: bool = False
 
+
+    @field_validator("itl_factor")
+    @classmethod
+    def _itl(cls, v: float) -> float:
+        if v != 0 and v <= 1:
+            raise ValueError(f"itl_factor must be 0 (off) or > 1, got {v}")
+        return v
 
     @field_validator("limits")
     @classmethod
@@ -237,7 +247,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "ssd_bytes": int(a.ssd_gb * 1e9), "store_layout": a.cache_layout, "ram_bytes": a.ram_mb << 20,
         "admission": a.admission,
         "enable_cache": a.enable_cache, "prefix_sharing": a.prefix_sharing, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
-        "max_prefill_tokens": a.max_prefill_tokens, "directory_url": a.directory_url,
+        "max_prefill_tokens": a.max_prefill_tokens, "itl_factor": a.itl_factor, "directory_url": a.directory_url,
         "directory_namespace": a.directory_namespace,
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
     }

@@ -48,13 +48,19 @@ def bench_engine(
     batches: str = typer.Option("1,16,64,256", "--batches", help="running sequences, comma-separated"),
     contexts: str = typer.Option("1024,8192,32768", "--contexts", help="tokens each sequence holds, comma-separated"),
     steps: int = typer.Option(30, "--steps", min=5, help="timed decode steps per case (after 5 untimed)"),
+    itl: bool = typer.Option(True, "--itl/--no-itl", help="also the inter-token latency of 16 decoding requests while a long prompt is prefilled (bench config, about a minute)"),
+    itl_prompt_tokens: int = typer.Option(8000, "--itl-prompt-tokens", min=64, max=8000),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """The engine's host work per decode step (host_ms_per_step: median and p90) with a model
-    that costs nothing, by batch and context, and how it grows with context."""
-    from deploy.bench.engine_bench import run_engine_bench
+    that costs nothing, by batch and context, and how it grows with context; the inter-token
+    latency of running requests while a long prompt is prefilled (itl)."""
+    from deploy.bench.engine_bench import run_engine_bench, run_itl_bench
 
-    _emit(run_engine_bench(_ints(batches, "--batches"), _ints(contexts, "--contexts"), steps))
+    out = run_engine_bench(_ints(batches, "--batches"), _ints(contexts, "--contexts"), steps)
+    if itl:
+        out["itl"] = run_itl_bench(prompt_tokens=itl_prompt_tokens)
+    _emit(out)
 
 
 @bench_app.command("eplb")

@@ -1,4 +1,5 @@
-"""``tide bench engine``: the engine's host work per decode step, apart from the model.
+"""``tide bench engine``: the engine's host work per decode step, apart from the model; and the
+inter-token latency of running requests while a long prompt is prefilled.
 
 The engine drives a model that costs nothing (``NullModel``: its forward returns ready logits,
 its KV pool holds nothing), so a step's time is the engine's own work: scheduling, block tables,
@@ -6,6 +7,10 @@ sampling bookkeeping, detokenization, stop strings, outputs. Measured at batch 1
 contexts 1K/8K/32K (every sequence holds that many tokens), as the median and p90 of timed
 decode steps after a warm-up. The engine-core targets: at most 1 ms at batch 64, and at most
 1.2x from 1K to 32K context at every batch.
+
+``itl``: 16 requests decode on the bench config (random weights) while an 8K-token prompt is
+prefilled; their inter-token latency (p50, p99) against their median without it, with prefill
+chunks sized by ``itl_factor`` and with fixed 2,048-token chunks. Target: p99 at most 3x.
 """
 
 from __future__ import annotations
@@ -108,3 +113,55 @@ def run_engine_bench(batches: tuple[int, ...] = BATCHES, contexts: tuple[int, ..
             "growth_at_most_1.2x": all(g is not None and g <= 1.2 for g in growth.values()),
         }
     return out
+
+
+def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps: int) -> dict[str, Any]:
+    """Inter-token latencies (ms) of ``running`` decoding requests before and while a
+    ``prompt_tokens`` prompt is prefilled."""
+    cfg = EngineConfig(num_pages=(running + 1) * -(-(prompt_tokens + 4096) // 16), max_num_seqs=running + 1,
+                       itl_factor=itl_factor)
+    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "bench", "float32", "latent", 64),
+                    lambda ids: "", eos_id=None)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(running):
+        engine.add_request(GenerationRequest(f"d{i}", tuple(torch.randint(0, model.cfg.vocab_size, (64,), generator=gen).tolist()),
+                                             4000, SamplingParams()))
+    while engine.waiting:
+        engine.step()
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+
+    def step() -> None:
+        engine.step()
+        now = time.perf_counter()
+        for rid in (f"d{i}" for i in range(running)):
+            if rid in last:
+                gaps.append((now - last[rid]) * 1e3)
+            last[rid] = now
+
+    for _ in range(warm_steps):
+        step()
+    alone = sorted(gaps[running:])  # the first step's gaps include the admission
+    gaps.clear()
+    engine.add_request(GenerationRequest("long", tuple(torch.randint(0, model.cfg.vocab_size, (prompt_tokens,),
+                                                                      generator=gen).tolist()), 1, SamplingParams()))
+    t0 = time.perf_counter()
+    while "long" in engine._by_id:
+        step()
+    prefill_s = time.perf_counter() - t0
+    under = sorted(gaps)
+    return {"itl_factor": itl_factor, "alone_p50_ms": round(statistics.median(alone), 2),
+            "under_prefill_p50_ms": round(statistics.median(under), 2),
+            "under_prefill_p99_ms": round(under[min(len(under) - 1, int(0.99 * len(under)))], 2),
+            "p99_over_alone_p50": round(under[min(len(under) - 1, int(0.99 * len(under)))] / statistics.median(alone), 2),
+            "prefill_s": round(prefill_s, 2), "steps": len(under) // running}
+
+
+def run_itl_bench(running: int = 16, prompt_tokens: int = 8000, warm_steps: int = 20) -> dict[str, Any]:
+    from model.checkpoint import build_model, random_state_dict
+
+    cfg = named_config("bench")
+    model = build_model(cfg, random_state_dict(cfg, seed=0))
+    return {"running": running, "prompt_tokens": prompt_tokens, "config": "bench",
+            "sized_chunks": _itl(model, 2.0, running, prompt_tokens, warm_steps),
+            "fixed_2048_chunks": _itl(model, 0.0, running, prompt_tokens, warm_steps)}

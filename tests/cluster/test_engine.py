@@ -394,3 +394,53 @@ def test_the_text_of_each_step_decodes_a_few_tokens_not_the_whole_output():
     for outs in outputs.values():
         assert "".join(o.text for o in outs) == "a" * 1500
     engine.check_integrity()
+
+
+class _TimedNull:
+    """The null model on a fake clock: a decode step takes 50 ms, a prefill token 1 ms."""
+
+    def __init__(self) -> None:
+        from deploy.bench.engine_bench import NullModel
+
+        self.now = 0.0
+        self.inner = NullModel(8192, token=ord("a"))
+        self.cfg = self.inner.cfg
+
+    def new_pool(self, *a, **k):
+        return self.inner.new_pool(*a, **k)
+
+    def prefill(self, token_ids, *a, **k):
+        self.now += 0.001 * token_ids.shape[0]
+        return self.inner.prefill(token_ids, *a, **k)
+
+    def decode(self, tokens, *a, **k):
+        self.now += 0.05
+        return self.inner.decode(tokens, *a, **k)
+
+
+def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bound_their_latency():
+    """itl_factor 2: with a decode step at 50 ms and a prefill token at 1 ms, a step prefills
+    (2 - 1) x 50 / 1 = 50 prompt tokens while others decode, so each of them still gets a token
+    every step taking at most ~2 decode steps; alone, a prompt goes in max_prefill_tokens chunks."""
+    from cachedir.hashing import Namespace
+
+    model = _TimedNull()
+    cfg = EngineConfig(num_pages=512, max_num_seqs=4, max_prefill_tokens=512, itl_factor=2.0)
+    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
+                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
+    engine.add_request(GenerationRequest("first", tuple(range(1, 1025)), 200))
+    engine.step()
+    assert [n for n, _, _ in engine.prefill_samples] == [512]  # nothing decodes yet: a whole chunk
+    while engine.waiting:
+        engine.step()
+    engine.add_request(GenerationRequest("long", tuple(range(1, 2001)), 4))
+    t0, tokens = model.now, 0
+    while engine.waiting:
+        out = engine.step()
+        tokens += sum(len(o.new_token_ids) for o in out if o.request_id == "first")
+    chunks = [n for n, start, _ in engine.prefill_samples if start >= 0][2:]
+    assert chunks and set(chunks[:-1]) <= {49, 50}, chunks  # (50 less rounding); the last is what was left
+    steps = tokens
+    assert steps == len(chunks) and (model.now - t0) / steps <= 2 * 0.05 + 1e-9  # a token a step, <= 2 decode steps each
+    engine.run_to_completion()
+    engine.check_integrity()

@@ -201,7 +201,7 @@ def test_bench_structured_json():
 
 
 def test_bench_engine_json():
-    r = _tide("engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5")
+    r = _tide("engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     grid = out["host_ms_per_step"]
@@ -210,3 +210,13 @@ def test_bench_engine_json():
     assert set(out["context_growth"]) == {"batch_1", "batch_4"} and "targets" not in out  # no batch 64 asked
     bad = _tide("engine", "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
+
+
+def test_itl_bench_measures_both_chunkings_on_the_same_work():
+    from deploy.bench.engine_bench import run_itl_bench
+
+    out = run_itl_bench(running=2, prompt_tokens=300, warm_steps=4)
+    sized, fixed = out["sized_chunks"], out["fixed_2048_chunks"]
+    assert sized["itl_factor"] == 2.0 and fixed["itl_factor"] == 0.0
+    assert fixed["steps"] == 1  # the whole 300-token prompt in one chunk
+    assert sized["steps"] >= 1 and all(v > 0 for v in (sized["alone_p50_ms"], fixed["under_prefill_p99_ms"]))
