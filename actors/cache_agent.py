@@ -17,11 +17,13 @@ off), ``replication_min_hits``, ``replication_bytes_per_s``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import ServerConfig
 from cachedir.directory import open_directory
@@ -29,7 +31,8 @@ from cachedir.node_cache import CacheConfig
 from cachedir.replication import ReplicationConfig
 from cachedir.store import StoreConfig
 
-__all__ = ["CacheAgent", "agent_handles", "agent_name", "agents_stats", "ensure_cache_agents", "NAMESPACE"]
+__all__ = ["CacheAgent", "NodeAgentClient", "agent_handles", "agent_name", "agents_stats", "ensure_cache_agents",
+           "NAMESPACE"]
 
 NAMESPACE = "tideserve"
 
@@ -133,3 +136,37 @@ def agents_stats(timeout_s: float = 60.0) -> dict[str, dict]:
     handles = agent_handles()
     stats = ray.get([h.stats.remote() for h in handles.values()], timeout=timeout_s)
     return dict(zip(handles, stats, strict=True))
+
+
+class NodeAgentClient:
+    """A client of this node's agent that follows it across restarts: Ray restarts a dead agent,
+    which then listens on a new port; a call that fails asks the agent actor for its address and,
+    when it changed, is made once more there. (Other nodes' agents are found through the
+    directory, where a restarted agent publishes its new address.)"""
+
+    def __init__(self, node_id: str, make: Callable[[str], AgentClient], timeout_s: float = 5.0) -> None:
+        self._node_id, self._make, self._timeout_s = node_id, make, timeout_s
+        self._client = make(self._resolve())
+
+    def _resolve(self) -> str:
+        agent = ray.get_actor(agent_name(self._node_id), namespace=NAMESPACE)
+        return ray.get(agent.info.remote(), timeout=self._timeout_s)["address"]
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            try:
+                return getattr(self._client, name)(*args, **kwargs)
+            except AgentError as e:
+                try:
+                    address = self._resolve()
+                except Exception:  # noqa: BLE001 - the agent is still restarting: this call is a miss
+                    raise e from None
+                if address == self._client.address:
+                    raise
+                self._client = self._make(address)
+                return getattr(self._client, name)(*args, **kwargs)
+        return call

@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 
 from actors import pd_handoff
-from actors.cache_agent import ensure_cache_agents, tls_files
+from actors.cache_agent import NodeAgentClient, ensure_cache_agents, tls_files
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
 from actors.serve_bind import bind_replica_grpc_to_node
@@ -179,8 +179,7 @@ class LLMServer:
         """The engine's view of every node's units, through this node's agent (started on every
         node that lacks one; ``_loop`` repeats that now and then for nodes added later)."""
         self.node_id = ray.get_runtime_context().get_node_id()
-        agents = ensure_cache_agents(agent_cfg)
-        address = ray.get(agents[self.node_id].info.remote())["address"]
+        ensure_cache_agents(agent_cfg)
         token = agent_cfg.get("agent_token")
         ca = tls_files(agent_cfg)["ca"]
         directory = None
@@ -195,7 +194,7 @@ class LLMServer:
                 clients[addr] = AgentClient(addr, token, ca, timeout_s=float(agent_cfg.get("fetch_timeout_s", 5.0)))
             return clients[addr]
 
-        return ClusterCache(self.node_id, client_for(address), directory, client_for)
+        return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), directory, client_for)
 
     def _start_ep(self, control, timeout_s: float) -> EPGroup:
         group = EPGroup(control, self.replica_id, self.model.cfg.hidden_size, self.model.dtype, timeout_s=timeout_s)

@@ -239,7 +239,9 @@ def test_a_cache_agent_crash_under_a_stream(app, directory, unit_keys, reference
     # the restarted agent found its units on disk and published them again
     _wait(lambda: (h := _holders(directory, keys)) and len(h) == 3 and all(holder in x for x in h), 30,
           "the restarted agent's units in the directory again")
-    assert _warm(url, warm, reference)["prompt_cache_hit_tokens"] == 3 * 64
+    # every replica hits again, the one beside the restarted agent too (it listens on a new port,
+    # which that replica's client finds again: actors.cache_agent.NodeAgentClient)
+    assert [_warm(url, warm, reference)["prompt_cache_hit_tokens"] for _ in range(3)] == [3 * 64] * 3
 
 
 def _agent_stats(node_id: str) -> dict:
