@@ -56,8 +56,11 @@ def num_units(num_tokens: int, unit_size: int) -> int:
     return num_tokens // unit_size
 
 
-def chain_keys(seed: bytes, token_ids, unit_size: int, max_units: int | None = None) -> list[UnitKey]:
-    """Keys of the whole units of ``token_ids`` (a sequence of ints or an int array)."""
+def chain_keys(seed: bytes, token_ids, unit_size: int, max_units: int | None = None,
+               parent: bytes | None = None) -> list[UnitKey]:
+    """Keys of the whole units of ``token_ids`` (a sequence of ints or an int array).
+    ``parent``: the key of the unit just before ``token_ids`` (the chain goes on from it);
+    None: ``token_ids`` start at token 0 and the chain from ``seed``."""
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in u32")
@@ -66,7 +69,8 @@ def chain_keys(seed: bytes, token_ids, unit_size: int, max_units: int | None = N
         n = min(n, max_units)
     raw = ids[: n * unit_size].astype("<u4").tobytes()
     step = unit_size * 4
-    keys, parent = [], seed
+    keys = []
+    parent = seed if parent is None else parent
     for i in range(n):
         parent = xxhash.xxh3_128_digest(parent + raw[i * step : (i + 1) * step])
         keys.append(parent)

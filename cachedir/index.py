@@ -42,7 +42,9 @@ class CapacityIndex:
         return self._sizes[key]
 
     def touch(self, key: bytes, now_s: float) -> None:
-        if key not in self._pinned:
+        """A use of ``key``; a key not held is ignored (the policy must only ever order held
+        keys: an eviction loop would otherwise pick a victim it cannot remove)."""
+        if key in self._sizes and key not in self._pinned:
             self.policy.touch(key, now_s)
 
     @property

@@ -44,7 +44,11 @@ class PromptCache(Protocol):
     store) and ``cachedir.agent.ClusterCache`` (the node's agent owns it; other nodes' units
     are reachable) both provide it."""
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]: ...
+    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None) -> list[str]:
+        """The tier of each leading unit of ``keys`` that can be loaded, stopping at the first
+        that cannot. ``holders``: the nodes the directory already listed for each (a prefix
+        plan): no directory round trip then."""
+        ...
 
     def load_async(
         self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int]]
@@ -65,8 +69,9 @@ class NodeCache:
         self._lock = threading.Lock()
         self.persist_failures = 0
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        """Tier of each leading unit this node holds (stops at the first it lacks)."""
+    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None) -> list[str]:
+        """Tier of each leading unit this node holds (stops at the first it lacks); ``holders``
+        does not matter here (the units this process can load are its own)."""
         tiers = []
         for k in keys:
             if self.ram is not None and k in self.ram:

@@ -149,7 +149,8 @@ class Engine:
         if need > self.cfg.num_pages:
             raise ValueError(f"request needs {need} KV pages, the pool has {self.cfg.num_pages}")
         ns = self.namespace_for(req.tenant)
-        keys = chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
+        plan = req.plan  # the ingress hashed the prompt once: its keys are the prompt's keys
+        keys = list(plan.unit_keys) if plan is not None else chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
         seq = Sequence(req, keys, text=TextStream(self.detokenize, req.stop, req.continued_ids, req.continued_chars))
         if req.sampling.penalized:  # counted as tokens come: the penalties' cost does not grow with the output
             seq.token_counts = torch.bincount(torch.tensor(req.continued_ids, dtype=torch.long),
@@ -163,8 +164,10 @@ class Engine:
             if seq.generator is not None and req.prefilled.generator_state is not None:
                 seq.generator.set_state(req.prefilled.generator_state)
         usable = len(req.prompt_ids) // UNIT_TOKENS if req.prefilled is None else 0
+        if plan is not None:  # load what the plan says (the router may have declined a slow load)
+            usable = min(usable, plan.loadable)
         if self.cache is not None and usable:
-            tiers = self.cache.lookup(keys[:usable])
+            tiers = self.cache.lookup(keys[:usable], plan.holders[:usable] if plan is not None else None)
             if tiers:
                 n = len(tiers)
                 toks = [req.prompt_ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS] for i in range(n)]
@@ -499,7 +502,10 @@ class Engine:
         if seq.pages:
             ns = self.namespace_for(seq.req.tenant)
             complete = seq.num_computed // UNIT_TOKENS
-            all_keys = chain_keys(ns.seed, seq.ids(0, complete * UNIT_TOKENS), UNIT_TOKENS)
+            known = min(complete, len(seq.unit_keys))  # the prompt's, hashed once; the chain goes on
+            all_keys = seq.unit_keys[:known] + chain_keys(
+                ns.seed, seq.ids(known * UNIT_TOKENS, complete * UNIT_TOKENS), UNIT_TOKENS,
+                parent=seq.unit_keys[known - 1] if known else None)
             for i, key in enumerate(all_keys if self.cfg.prefix_sharing else []):
                 self.prefix.insert(key, seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages])
             if reason != FinishReason.ABORT:

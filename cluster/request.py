@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from model.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["RESPONSE_FORMATS", "FinishReason", "GenerationRequest", "Prefilled", "RequestMigrated", "RequestOutput", "Sequence", "TokenSources"]
+__all__ = ["RESPONSE_FORMATS", "FinishReason", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestMigrated",
+           "RequestOutput", "Sequence", "TokenSources"]
 
 
 RESPONSE_FORMATS = (None, "json_object", "json_schema")
@@ -25,6 +26,32 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
     HANDOFF = "handoff"  # prefill done; decoding continues on a decode replica (P/D split)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPlan:
+    """The prompt cache's plan for one request, made once where it enters (the ingress): the
+    chain keys of every whole 64-token unit of the prompt (from token 0, in its tenant's
+    namespace), the live nodes the directory lists for each leading unit it found, and how many
+    leading units the chosen replica loads (``load_units``, set by the cache-aware router, which
+    declines a load slower than computing; None: load what the holders have). The replica hashes
+    nothing and asks the directory nothing: it loads exactly that, and a unit that turns out to
+    be gone is computed (a miss, never wrong KV)."""
+
+    unit_keys: tuple[bytes, ...]
+    holders: tuple[tuple[str, ...], ...] = ()  # node ids per leading unit found, in order
+    load_units: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.holders) > len(self.unit_keys):
+            raise ValueError(f"{len(self.holders)} holder lists for {len(self.unit_keys)} units")
+        if self.load_units is not None and not 0 <= self.load_units <= len(self.holders):
+            raise ValueError(f"load_units {self.load_units} is not in [0, {len(self.holders)}]")
+
+    @property
+    def loadable(self) -> int:
+        """Leading units to load: those the directory found, up to ``load_units``."""
+        return len(self.holders) if self.load_units is None else self.load_units
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +75,7 @@ class GenerationRequest:
     # ``json_schema`` (the schema as JSON text) accepts (``model.json_schema``)
     response_format: str | None = None
     json_schema: str | None = None
+    plan: PrefixPlan | None = None  # the ingress's prefix plan (None: the engine hashes and looks up)
 
     def __post_init__(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:
@@ -60,6 +88,9 @@ class GenerationRequest:
             raise ValueError("a request is either handed off (prefill) or prefilled (decode), not both")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.plan is not None and len(self.plan.unit_keys) != len(self.prompt_ids) // 64:
+            raise ValueError(f"the prefix plan has {len(self.plan.unit_keys)} unit keys; the prompt has "
+                             f"{len(self.prompt_ids) // 64} whole units")
 
 
 @dataclass(slots=True)

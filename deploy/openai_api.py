@@ -39,7 +39,7 @@ from cachedir.directory import open_directory
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys
 from cluster.engine import UNIT_TOKENS, cache_namespace
-from cluster.request import RequestMigrated
+from cluster.request import PrefixPlan, RequestMigrated
 from deploy.http_edge import EdgeConfig, EdgeMiddleware
 from deploy.protocol import (
     APIError,
@@ -198,7 +198,8 @@ class OpenAIIngress:
         pool (P/D disaggregation: ``server`` then only prefills). ``cfg`` keys: checkpoint,
         model_name, api_keys ({key: "TENANT[:MODEL+...]"} or None), limits (dict); with ``directory_url`` (and
         ``directory_namespace``, ``directory_password``, ``dtype``) each request carries its
-        cached ``prefix`` (one directory round trip) for the cache-aware router."""
+        prefix ``plan`` (``cluster.request.PrefixPlan``: the prompt hashed once, one directory
+        round trip) for the cache-aware router, which fills in what to load, and the replica."""
         self.server = server
         self.decode = decode
         ckpt = Path(cfg["checkpoint"])
@@ -221,24 +222,25 @@ class OpenAIIngress:
                                             ssl_ca_certs=cfg.get("directory_ca_file"))
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")))
 
-    async def _prefix(self, req: dict) -> dict | None:
-        """How many leading units of the prompt some live node holds, and per node how many of
-        them it holds from the start (the cache-aware router's input); None on any failure."""
-        usable = (len(req["prompt_ids"]) - 1) // UNIT_TOKENS
-        if self.directory is None or usable == 0:
+    async def _plan(self, req: dict) -> PrefixPlan | None:
+        """The prompt's prefix plan: the keys of its whole units (hashed here, once) and the
+        live holders of the leading ones the directory finds (the prompt's last token is always
+        computed, so only units before it); None without a directory or a whole unit. A
+        directory that fails gives a plan with no holders (every unit computed)."""
+        whole = len(req["prompt_ids"]) // UNIT_TOKENS
+        if self.directory is None or whole == 0:
             return None
         ns = self.namespace.for_tenant(req["tenant"]) if req["tenant"] else self.namespace
-        keys = chain_keys(ns.seed, req["prompt_ids"], UNIT_TOKENS, max_units=usable)
-        try:
-            match = await asyncio.to_thread(self.directory.longest_prefix, keys)
-        except DirectoryUnavailable:
-            return None
-        local_run: dict[str, int] = {}
-        for i, holders in enumerate(match.holders):
-            for h in holders:
-                if local_run.get(h.node_id, 0) == i:
-                    local_run[h.node_id] = i + 1
-        return {"units": match.num_units, "local_run": local_run}
+        keys = tuple(chain_keys(ns.seed, req["prompt_ids"], UNIT_TOKENS))
+        usable = (len(req["prompt_ids"]) - 1) // UNIT_TOKENS
+        holders: tuple[tuple[str, ...], ...] = ()
+        if usable:
+            try:
+                match = await asyncio.to_thread(self.directory.longest_prefix, keys[:usable])
+                holders = tuple(tuple(h.node_id for h in hs) for hs in match.holders)
+            except DirectoryUnavailable:
+                pass
+        return PrefixPlan(keys, holders)
 
     # -- helpers -------------------------------------------------------------------------
     def _grant(self, request: Request) -> KeyGrant:
@@ -318,7 +320,7 @@ class OpenAIIngress:
             yield last
             return
         self.metrics.handoffs.inc()
-        decode_req = {k: v for k, v in req.items() if k != "prefix"} | {"prefilled": {**last["handoff"], "kv": kv}}
+        decode_req = {k: v for k, v in req.items() if k != "plan"} | {"prefilled": {**last["handoff"], "kv": kv}}
         async for item in _streamed(self.decode.options(stream=True).generate.remote(decode_req)):
             yield item
 
@@ -350,7 +352,7 @@ class OpenAIIngress:
                     raise
                 log.warning("continuing a request elsewhere after %d tokens: %s", len(emitted), type(e).__name__)
                 self.metrics.continued.inc()
-                req = {k: v for k, v in engine_req.items() if k != "prefix"}
+                req = {k: v for k, v in engine_req.items() if k != "plan"}  # a longer prompt: planned there
                 req.update(prompt_ids=engine_req["prompt_ids"] + emitted, max_tokens=remaining,
                            continued_ids=emitted, continued_chars=chars)
 
@@ -361,9 +363,9 @@ class OpenAIIngress:
         self.metrics.running.inc()
         status = "error"
         try:
-            prefix = await self._prefix(engine_req)
-            if prefix is not None:
-                engine_req = {**engine_req, "prefix": prefix}
+            plan = await self._plan(engine_req)
+            if plan is not None:
+                engine_req = {**engine_req, "plan": plan}
             async for item in self._continued(engine_req):
                 now = time.monotonic()
                 if item["token_ids"]:

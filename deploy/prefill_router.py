@@ -1,8 +1,10 @@
 """Ray Serve request routers for ``LLMServer`` replicas (``AppArgs.router`` picks one).
 
 ``CacheAwareRouter`` applies the prefill load balancer (``cluster/prefill_lb.py``): the ingress
-has looked the prompt's units up in the directory (one round trip) and put ``prefix`` =
-``{"units": n, "local_run": {node id: leading units held}}`` into the request; every replica
+has hashed the prompt and looked its units up in the directory (one round trip) and put the
+``plan`` (``cluster.request.PrefixPlan``) into the request; the router fills in how many units the
+chosen replica loads (``load_units``: fewer when loading is slower than computing), which the
+replica then does without hashing or asking the directory again. Every replica
 reports its node, queue and measured cost model through ``record_routing_stats`` (polled every
 ``request_routing_stats_period_s``). Requests this router sent since the last report and that
 have not finished are added to the queue it scores, so a burst between two polls does not all
@@ -22,6 +24,7 @@ limits, retries and back-pressure; a router keeps all of that and only supplies 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -29,11 +32,25 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate
+from cluster.request import PrefixPlan
 
-__all__ = ["CacheAwareRouter", "RoundRobinRouter"]
+__all__ = ["CacheAwareRouter", "RoundRobinRouter", "plan_prefix"]
 
 MIN_SAMPLES = 8  # prefill chunks a replica must have timed before its fit counts
 RECENT_S = 0.5  # the replicas' report period: a request sent since is not in the reported queue
+
+
+def plan_prefix(prompt_tokens: int, plan: PrefixPlan | None) -> PrefixInfo:
+    """What the balancer needs of a plan: the leading units some node holds, and per node how
+    many of them it holds from the start."""
+    if plan is None:
+        return PrefixInfo(prompt_tokens)
+    local_run: dict[str, int] = {}
+    for i, holders in enumerate(plan.holders):
+        for node in holders:
+            if local_run.get(node, 0) == i:
+                local_run[node] = i + 1
+    return PrefixInfo(prompt_tokens, len(plan.holders), local_run)
 
 
 def _request(pending: PendingRequest | None) -> dict | None:
@@ -86,10 +103,12 @@ class CacheAwareRouter(RequestRouter):
         candidate_replicas = serving or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         states = [self._state(r, now) for r in candidate_replicas]
-        p = req.get("prefix") or {}
-        prefix = PrefixInfo(len(req["prompt_ids"]), int(p.get("units", 0)), p.get("local_run") or {})
+        plan: PrefixPlan | None = req.get("plan")
+        prefix = plan_prefix(len(req["prompt_ids"]), plan)
         cost = self._pooled_cost(candidate_replicas)
         best = choose(states, prefix, cost)
+        if plan is not None:  # the replica loads what was chosen here (the request is sent after this)
+            req["plan"] = dataclasses.replace(plan, load_units=min(best.load_units, len(plan.holders)))
         cached = best.load_units * 64
         self._planned[pending_request.metadata.internal_request_id] = (prefix.prompt_tokens - cached, cached)
         rest = sorted((s for s in states if s.replica != best.replica), key=lambda s: estimate(s, prefix, cost).ttft_s)

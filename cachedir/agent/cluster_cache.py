@@ -111,8 +111,33 @@ class ClusterCache:
             return key in self._held
 
     # -- lookups and loads ---------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None) -> list[str]:
+        """Tiers of the leading units that can be loaded ("ram"/"ssd" here, "remote" on another
+        node). ``holders`` (a prefix plan: the directory's answer the ingress got) replaces both
+        the agent's and the directory's lookup: this node's units are "local" then."""
         self._count("lookups")
+        if holders is not None:
+            local, remote = self._from_plan(holders)
+        else:
+            local, remote = self._ask(keys)
+        tiers = []
+        with self._lock:
+            for i, k in enumerate(keys):
+                if i < len(local) and local[i]:
+                    tiers.append(local[i])
+                    self._holders.pop(k, None)  # loaded from this node's agent
+                elif i < len(remote) and remote[i]:
+                    tiers.append("remote")
+                    self._remember(self._holders, k, remote[i])
+                else:
+                    break
+                self._remember(self._held, k, None)
+        if tiers and self.directory is not None:  # hotness counts every request that finds a unit
+            self._submit(self._record_hits, list(keys[: len(tiers)]))
+        return tiers
+
+    def _ask(self, keys: Sequence[bytes]) -> tuple[list[str], list[list[str]]]:
+        """This node's tier of each unit (its agent) and the other live holders (the directory)."""
         try:
             local = self.local.has(keys)
         except AgentError as e:
@@ -127,20 +152,17 @@ class ClusterCache:
                           for hs in match.holders]
             except DirectoryUnavailable:
                 self._count("directory_errors")
-        tiers = []
-        with self._lock:
-            for i, k in enumerate(keys):
-                if local[i]:
-                    tiers.append(local[i])
-                elif i < len(remote) and remote[i]:
-                    tiers.append("remote")
-                    self._remember(self._holders, k, remote[i])
-                else:
-                    break
-                self._remember(self._held, k, None)
-        if tiers and self.directory is not None:  # hotness counts every request that finds a unit
-            self._submit(self._record_hits, list(keys[: len(tiers)]))
-        return tiers
+        return local, remote
+
+    def _from_plan(self, holders: Sequence[Sequence[str]]) -> tuple[list[str], list[list[str]]]:
+        """The same from a plan's holders: "local" where this node is one, else the live others."""
+        try:
+            live = self._live_nodes() if self.directory is not None else {}
+        except DirectoryUnavailable:
+            self._count("directory_errors")
+            live = {}
+        local = ["local" if self.node_id in hs else "" for hs in holders]
+        return local, [self._trusted([n for n in hs if n != self.node_id and n in live]) for hs in holders]
 
     def _record_hits(self, keys: list[bytes]) -> None:
         try:

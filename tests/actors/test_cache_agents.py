@@ -5,6 +5,7 @@ units leave lookups within the heartbeat TTL while requests keep succeeding."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -179,6 +180,45 @@ def test_killed_agent_units_leave_lookups_and_requests_still_succeed(cluster, se
     _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units after the agent restarted")
 
 
+class _PrefixLookups:
+    """Counts the directory's prefix lookups (its Lua script) Redis runs, by watching MONITOR."""
+
+    def __init__(self, redis_url: str) -> None:
+        import hashlib
+
+        import redis
+
+        from cachedir.directory.redis_backend import _LONGEST_PREFIX
+
+        self._sha = hashlib.sha1(_LONGEST_PREFIX.encode()).hexdigest()
+        self._redis = redis.Redis.from_url(redis_url)
+        self.count = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with self._redis.monitor() as m:
+            self._ready.set()
+            for cmd in m.listen():
+                if self._stop.is_set():
+                    return
+                if self._sha in cmd["command"]:
+                    self.count += 1
+
+    def __enter__(self):
+        self._thread.start()
+        self._ready.wait(10)
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)  # let MONITOR deliver what came before
+        self._stop.set()
+        self._redis.ping()  # wakes the watcher
+        self._thread.join(10)
+
+
 @pytest.mark.parametrize("router", ["cache-aware", "round-robin"])
 def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
     cluster, servers, checkpoint, redis_server, directory, router, monkeypatch
@@ -214,9 +254,13 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
             prompt = _prompt(seed + i)
             usage = []
             for _ in range(2):
-                r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                with _PrefixLookups(redis_server.url) as lookups:
+                    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
+                # one directory lookup per request: the ingress's plan (cache-aware; the replica
+                # loads it without asking again), or the replica's own (round-robin: no plan)
+                assert lookups.count == 1, lookups.count
                 usage.append(r.json()["usage"])
                 _wait(lambda p=prompt: len(_holders(directory, servers[0], p)) == 3, 10, "the units in the directory")
             assert usage[0]["prompt_cache_hit_tokens"] == 0 and usage[1]["prompt_cache_hit_tokens"] == 3 * 64

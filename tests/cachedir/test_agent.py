@@ -157,6 +157,43 @@ def test_cluster_cache_loads_remote_units_verified(pair):
     cache.close()
 
 
+class _CountingDirectory:
+    """A directory that counts its prefix lookups (a prefix plan must make none)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.lookups = inner, 0
+
+    def longest_prefix(self, keys):
+        self.lookups += 1
+        return self.inner.longest_prefix(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_prefix_plan_loads_from_its_holders_without_a_lookup(pair):
+    """With the holders the ingress got from the directory, a replica asks neither its agent nor
+    the directory which nodes hold the units; a holder that no longer has one is a miss there."""
+    d, a, b = pair
+    units = make_units(TOKENS)
+    _store(a, units[:3])
+    _store(b, units[:1])
+    counting = _CountingDirectory(d)
+    cache = _cluster_cache(b, counting)
+    keys = [u.key for u in units]
+    holders = [[h.node_id for h in hs] for hs in d.longest_prefix(keys).holders]
+    assert cache.lookup(keys[:3], holders) == ["local", "remote", "remote"] and counting.lookups == 0
+    toks = [u.token_ids for u in units[:3]]
+    loaded = cache.load_async(keys[:3], NS.seed, toks).result(timeout=10)
+    assert [x.tier for x in loaded] == ["ssd", "remote", "remote"] and counting.lookups == 0
+    stale = [["node-b"], ["node-b"]]  # the plan says this node holds unit 1: it does not any more
+    assert cache.lookup(keys[:2], stale) == ["local", "local"]
+    got = cache.load_async(keys[:2], NS.seed, toks[:2]).result(timeout=10)
+    assert got[0] is not None and got[1] is None  # a miss, computed by the engine
+    assert cache.lookup(keys[:3], [["node-c"], ["node-a"]]) == []  # a holder that is not live
+    cache.close()
+
+
 def test_cluster_cache_spreads_a_run_over_holders_and_retries_another(tmp_path):
     d = MemoryDirectory("spread")
     agents = [_agent(tmp_path, f"n{i}", d) for i in range(3)]

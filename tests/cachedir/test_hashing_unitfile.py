@@ -72,3 +72,10 @@ def test_unit_file_round_trip_and_every_corruption_is_detected():
         decode(data, NS.for_tenant("x").seed, unit.key)
     with pytest.raises(UnitCorrupt, match="key mismatch"):
         decode(data, unit.namespace, b"\0" * 16)
+
+
+def test_a_chain_goes_on_from_a_parent_key_as_if_hashed_from_token_0():
+    ids = list(range(64 * 5 + 3))
+    whole = chain_keys(b"seed", ids, 64)
+    head = chain_keys(b"seed", ids[: 64 * 2], 64)
+    assert head + chain_keys(b"seed", ids[64 * 2 :], 64, parent=head[-1]) == whole

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from cachedir.directory import open_directory
@@ -34,10 +32,8 @@ def test_events_survive_an_outage_and_a_restart_empty_re_registers(tmp_path):
             store.put(u)
         store.remove(units[0].key)
         pub.record(store.drain_events())
-        t0 = time.monotonic()
         assert not pub.sync()
-        assert time.monotonic() - t0 < 3
-        assert pub.pending == 4
+        assert pub.failures == 1 and pub.pending == 4  # one failed try, nothing lost (no retry loop inside sync)
 
         server.start()  # back, but empty: the epoch changed, so everything is re-registered
         assert pub.sync() and pub.resyncs == 1 and pub.pending == 0

@@ -444,3 +444,34 @@ def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bou
     assert steps == len(chunks) and (model.now - t0) / steps <= 2 * 0.05 + 1e-9  # a token a step, <= 2 decode steps each
     engine.run_to_completion()
     engine.check_integrity()
+
+
+def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(model, tmp_path, monkeypatch):
+    """The ingress hashed the prompt and the router decided what to load: the engine hashes the
+    prompt no more, loads the planned units, and computes the ones whose load was declined,
+    with the same tokens either way."""
+    import cluster.engine as engine_module
+    from cachedir.hashing import chain_keys
+    from cluster.request import PrefixPlan
+
+    prompt = _prompt(64 * 3 + 10, 11)
+    warm = _engine(model, _cache(tmp_path, ram=0))
+    warm.add_request(GenerationRequest("w", prompt, max_tokens=4))
+    warm.run_to_completion()
+    warm.cache.flush()  # the prompt's 3 units are on disk
+    keys = tuple(chain_keys(_ns(model).seed, prompt, 64))
+    hashed = []
+    real = engine_module.chain_keys
+    monkeypatch.setattr(engine_module, "chain_keys",
+                        lambda seed, ids, *a, **k: hashed.append(len(ids)) or real(seed, ids, *a, **k))
+    want = _ref(model, prompt, 6)
+    for load_units, cached in ((None, 3 * 64), (3, 3 * 64), (1, 64), (0, 0)):
+        eng = _engine(model, _cache(tmp_path, ram=0))
+        plan = PrefixPlan(keys, holders=(("node",),) * 3, load_units=load_units)
+        hashed.clear()
+        eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=plan))
+        outs = eng.run_to_completion()["r"]
+        assert _tokens(outs) == want, load_units
+        assert outs[-1].cached_tokens == cached and outs[-1].sources.compute == len(prompt) - cached
+        assert hashed == [0]  # only the output's units (none whole here), never the prompt again
+        eng.check_integrity()
