@@ -48,8 +48,12 @@ _FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789
           "boolean": b"tf", "null": b"n"}
 
 
+MAX_DEPTH = 32  # nesting of schemas (properties, items, anyOf) a request may give
+MAX_NODES = 4096  # compiled parts of one schema
+
+
 class SchemaError(ValueError):
-    """A schema this grammar cannot enforce."""
+    """A schema this grammar cannot enforce, or one past the complexity budget."""
 
 
 class SchemaGrammar:
@@ -63,10 +67,14 @@ class SchemaGrammar:
 
     # -- compiling ---------------------------------------------------------------------------
     def _add(self, node: dict[str, Any]) -> int:
+        if len(self.nodes) >= MAX_NODES:
+            raise SchemaError(f"the schema has more than {MAX_NODES} parts; this server's limit")
         self.nodes.append(node)
         return len(self.nodes) - 1
 
-    def _compile(self, schema: Any, where: str) -> int:
+    def _compile(self, schema: Any, where: str, depth: int = 0) -> int:
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"{where}: schemas nested more than {MAX_DEPTH} deep exceed this server's limit")
         if schema is True or schema == {}:
             return 0
         if not isinstance(schema, dict):
@@ -82,26 +90,27 @@ class SchemaGrammar:
         if "anyOf" in schema:
             if not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
                 raise SchemaError(f"{where}.anyOf: must be a non-empty list")
-            return self._union([self._compile(s, f"{where}.anyOf[{i}]") for i, s in enumerate(schema["anyOf"])], where)
+            return self._union([self._compile(s, f"{where}.anyOf[{i}]", depth + 1) for i, s in enumerate(schema["anyOf"])],
+                               where)
         kind = schema.get("type")
         if kind is None:
             kind = "object" if "properties" in schema else "array" if "items" in schema else None
         if kind is None:
             return 0
         if isinstance(kind, list):
-            return self._union([self._compile({**schema, "type": k}, where) for k in kind], where)
+            return self._union([self._compile({**schema, "type": k}, where, depth) for k in kind], where)
         if kind == "object":
-            return self._object(schema, where)
+            return self._object(schema, where, depth)
         if kind == "array":
-            return self._add({"kind": "array", "items": self._compile(schema.get("items", {}), f"{where}.items")})
+            return self._add({"kind": "array", "items": self._compile(schema.get("items", {}), f"{where}.items", depth + 1)})
         if kind not in _FIRST:
             raise SchemaError(f"{where}: unknown type {kind!r}")
         return self._add({"kind": kind})
 
-    def _object(self, schema: dict[str, Any], where: str) -> int:
+    def _object(self, schema: dict[str, Any], where: str, depth: int) -> int:
         extra = schema.get("additionalProperties", "properties" not in schema)
         if "properties" not in schema:  # any keys; their values per additionalProperties
-            values = 0 if extra is True else self._compile(extra, f"{where}.additionalProperties") if extra else None
+            values = 0 if extra is True else self._compile(extra, f"{where}.additionalProperties", depth + 1) if extra else None
             if values is None:
                 raise SchemaError(f"{where}: an object with no properties and additionalProperties false is always {{}}")
             return self._add({"kind": "object", "props": None, "values": values, "required": frozenset()})
@@ -111,7 +120,7 @@ class SchemaGrammar:
         for name, sub in schema["properties"].items():
             if any(c in name for c in '"\\') or any(ord(c) < 0x20 for c in name):
                 raise SchemaError(f"{where}: property name {name!r} needs escaping, which is not supported")
-            props[name] = self._compile(sub, f"{where}.properties.{name}")
+            props[name] = self._compile(sub, f"{where}.properties.{name}", depth + 1)
         required = frozenset(schema.get("required", ()))
         if not required <= set(props):
             raise SchemaError(f"{where}: required names {sorted(required - set(props))} that are not properties")

@@ -127,3 +127,22 @@ def test_schemas_it_cannot_enforce_are_refused_by_name(schema, needle):
     with pytest.raises(SchemaError) as e:
         SchemaGrammar(schema)
     assert needle in str(e.value)
+
+
+@pytest.mark.security
+def test_a_schema_past_the_complexity_budget_is_a_schema_error_not_a_crash():
+    """A 5 KB anyOf nested 400 deep was a RecursionError (a 500); now a SchemaError (a 400)."""
+    from model.json_schema import MAX_DEPTH, MAX_NODES, SchemaError, SchemaGrammar
+
+    deep: dict = {"type": "string"}
+    for _ in range(400):
+        deep = {"anyOf": [deep]}
+    with pytest.raises(SchemaError, match="nested more than"):
+        SchemaGrammar({"type": "object", "properties": {"a": deep}})
+    ok: dict = {"type": "string"}
+    for _ in range(MAX_DEPTH - 1):
+        ok = {"type": "array", "items": ok}
+    SchemaGrammar(ok)  # at the limit: fine
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_NODES + 1)}}
+    with pytest.raises(SchemaError, match="parts"):
+        SchemaGrammar(wide)
