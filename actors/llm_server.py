@@ -302,7 +302,7 @@ class LLMServer:
             tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
             bool(req.get("handoff", False)), prefilled,
             tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)), req.get("response_format"),
-            req.get("json_schema"), req.get("plan"),
+            req.get("json_schema"), req.get("plan"), req.get("constrain_after"),
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), queue)

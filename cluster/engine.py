@@ -158,7 +158,7 @@ class Engine:
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.response_format is not None:
-            seq.json_masks, seq.json_state = self._json_start(req)
+            seq.json_masks, seq.json_state, seq.json_active = self._json_start(req)
         if req.prefilled is not None:
             self._check_prefilled(req)
             if seq.generator is not None and req.prefilled.generator_state is not None:
@@ -179,9 +179,9 @@ class Engine:
             self._by_id[req.request_id] = seq
             self.waiting.append(seq)
 
-    def _json_start(self, req: GenerationRequest) -> tuple[JsonMasks, object]:
-        """The request's grammar masks, and their state after the tokens another replica
-        already generated."""
+    def _json_start(self, req: GenerationRequest) -> tuple[JsonMasks, object, bool]:
+        """The request's grammar masks, their state after the tokens another replica already
+        generated, and whether they apply yet (not while an R1 thought goes on)."""
         if self.token_bytes is None:
             raise ValueError("JSON mode needs the tokenizer's token bytes (Engine(token_bytes=...))")
         if self._json_masks is None:
@@ -194,17 +194,21 @@ class Engine:
                     self._schema_masks.pop(next(iter(self._schema_masks)))
                 grammar = SchemaGrammar(json.loads(req.json_schema))  # SchemaError is a ValueError
                 masks = self._schema_masks[req.json_schema] = self._json_masks.for_grammar(grammar)
-        state = masks.grammar.start
+        state, active = masks.grammar.start, req.constrain_after is None
         for tok in req.continued_ids:
-            state = masks.advance(state, tok)
+            if active:
+                state = masks.advance(state, tok)
+            active = active or tok == req.constrain_after
         if state is None or masks.done(state):
             raise ValueError("the continued tokens are not the start of an unfinished JSON output")
-        return masks, state
+        return masks, state, active
 
     def _constrained(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
         """``logits`` [B, V] with JSON mode's disallowed tokens at -inf in its rows."""
         for masks in {id(s.json_masks): s.json_masks for s in batch if s.json_masks is not None}.values():
-            rows = [b for b, seq in enumerate(batch) if seq.json_masks is masks]
+            rows = [b for b, seq in enumerate(batch) if seq.json_masks is masks and seq.json_active]
+            if not rows:
+                continue
             logits = masks.apply(logits, rows, [batch[b].json_state for b in rows], fallback=self.eos_id)
         return logits
 
@@ -374,8 +378,7 @@ class Engine:
         if seq.token_counts is not None:
             seq.token_counts[pre.first_token] += 1
         seq.text.feed(pre.first_token)  # this replica streams it (the prefill replica's output was not sent)
-        if seq.json_masks is not None:
-            seq.json_state = seq.json_masks.advance(seq.json_state, pre.first_token)
+        self._json_feed(seq, pre.first_token)
         seq.sources = dataclasses.replace(pre.sources)
         seq.input_persisted = True  # the prefill replica persisted the prompt
         seq.first_token_s = time.monotonic()
@@ -460,11 +463,10 @@ class Engine:
         seq.output_logprobs.append(lp)
         if seq.token_counts is not None:
             seq.token_counts[tok] += 1
-        if seq.json_masks is not None:
-            seq.json_state = seq.json_masks.advance(seq.json_state, tok)
+        self._json_feed(seq, tok)
         eos = tok == self.eos_id and not seq.req.ignore_eos
         reason = None
-        if eos or (seq.json_masks is not None and seq.json_masks.done(seq.json_state)):  # JSON mode: complete
+        if eos or (seq.json_masks is not None and seq.json_active and seq.json_masks.done(seq.json_state)):
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.req.max_tokens:
             reason = FinishReason.LENGTH
@@ -477,6 +479,17 @@ class Engine:
             self._finish(seq, reason, outputs)
         else:
             outputs.append(self._output(seq))
+
+    @staticmethod
+    def _json_feed(seq: Sequence, tok: int) -> None:
+        """JSON mode follows the output: the grammar reads ``tok``, or the masks start to apply
+        after it when it ends the R1 thought."""
+        if seq.json_masks is None:
+            return
+        if seq.json_active:
+            seq.json_state = seq.json_masks.advance(seq.json_state, tok)
+        elif tok == seq.req.constrain_after:
+            seq.json_active = True
 
     def _output(self, seq: Sequence, handoff: Prefilled | None = None) -> RequestOutput:
         """New tokens and text since the last output (``cluster.output.TextStream`` holds back

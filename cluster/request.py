@@ -76,6 +76,8 @@ class GenerationRequest:
     response_format: str | None = None
     json_schema: str | None = None
     plan: PrefixPlan | None = None  # the ingress's prefix plan (None: the engine hashes and looks up)
+    # R1: the output is a thought until this token (``</think>``); JSON mode constrains the rest
+    constrain_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:
@@ -156,6 +158,7 @@ class Sequence:
     generator: object = None  # torch.Generator for seeded sampling
     json_masks: object = None  # JSON mode: the grammar's token masks (model.structured.JsonMasks)
     json_state: object = None  # ... and its state after the output so far
+    json_active: bool = True  # the masks apply (False while an R1 thought goes on: ``constrain_after``)
     token_counts: object = None  # penalized requests: torch.Tensor [V], times each token was generated
     row: int | None = None  # its row of the engine's block tables while it runs (None: not running)
 

@@ -54,6 +54,7 @@ from deploy.protocol import (
 )
 from model.checkpoint import weights_digest
 from model.config import load_config
+from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
 from model.tokenizer import load_tokenizer
 from model.tool_calls import ForcedCall, ToolCall, ToolCallStream
 
@@ -287,16 +288,20 @@ class OpenAIIngress:
                 **body.json_mode()}
 
     @staticmethod
-    def _usage(lasts: list[dict]) -> dict:
+    def _usage(lasts: list[dict], reasoning: list[ReasoningTokens] | None = None) -> dict:
         """Usage of a request from each choice's last output: the prompt counts once, and as cached
-        only the tokens every choice found in the cache."""
+        only the tokens every choice found in the cache; ``reasoning``: each choice's count of its
+        thought's tokens (a model that reasons)."""
         prompt, hit = lasts[0]["prompt_tokens"], min(last["cached_tokens"] for last in lasts)
         completion = sum(last["completion_tokens"] for last in lasts)
-        return {
+        out = {
             "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": prompt - hit,
             "prompt_tokens_details": {"cached_tokens": hit},
         }
+        if reasoning is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(r.count for r in reasoning)}
+        return out
 
     async def _generate(self, req: dict) -> AsyncIterator[dict]:
         """One attempt at the request. Co-located, one replica streams every output. With a
@@ -422,20 +427,25 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _respond(self, engine_req: dict, body, kind: str, calls=None, tool_finish: str = "tool_calls"):
+    async def _respond(self, engine_req: dict, body, kind: str, calls=None, tool_finish: str = "tool_calls",
+                       thought: bool | None = None):
         """The HTTP response. ``calls``: the chat output may hold tool calls; a factory of the
         splitter (``model.tool_calls``) that reads one choice's output into content and calls,
         which go out as the message's ``tool_calls`` with finish_reason ``tool_finish`` (OpenAI
-        says ``stop`` for a function the request named)."""
+        says ``stop`` for a function the request named). ``thought`` (a model that reasons, R1):
+        whether the prompt opened the thought; the output's thought goes out as
+        ``reasoning_content`` (DeepSeek's field), the rest as content (and calls)."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         n = body.n
         want_logprobs = engine_req.get("logprobs") is not None
         text_offset = [0] * n  # completions' logprobs: where each choice's next token's text starts
+        think = self.tokenizer.think_ids() if thought is not None else None
+        counts = [ReasoningTokens(thought, *think) for _ in range(n)] if think else None
 
         def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: list[dict],
-                   tool_calls: list[ToolCall] | None = None) -> dict:
+                   tool_calls: list[ToolCall] | None = None, reasoning: str | None = None) -> dict:
             lp = None
             if want_logprobs and kind == "chat":
                 lp = chat_logprobs(logprobs, self.tokenizer.token_bytes)
@@ -449,6 +459,8 @@ class OpenAIIngress:
                     msg = {"role": "assistant", "content": text or None,
                            "tool_calls": [c.openai(k) for k, c in enumerate(tool_calls)]}
                     finish = tool_finish if finish == "stop" else finish
+                if think is not None and (reasoning or not delta):
+                    msg = {"role": "assistant", **msg, "reasoning_content": reasoning if reasoning or delta else None}
                 return {"index": i, key: msg, "finish_reason": finish, "logprobs": lp}
             return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
 
@@ -461,21 +473,28 @@ class OpenAIIngress:
                     texts[i].append(item["text"])
                     logprobs[i] += item.get("logprobs") or []
                     lasts[i] = item
+                    if counts is not None:
+                        counts[i].feed(item["token_ids"])
             except Exception as e:
                 if _unavailable(e):
                     raise _unavailable_error() from None
                 raise
             choices = []
             for i in range(n):
-                text, found = "".join(texts[i]), []
+                text, found, reasoning = "".join(texts[i]), [], None
+                if think is not None:
+                    split_r = ReasoningStream(thought)
+                    reasoning, text = split_r.feed(text)
+                    rest_r, rest_c = split_r.finish()
+                    reasoning, text = reasoning + rest_r, text + rest_c
                 if calls is not None:
                     split = calls()
                     text = split.feed(text)
                     rest, found = split.finish()
                     text += rest
-                choices.append(choice(i, text, lasts[i]["finish_reason"], False, logprobs[i], found))
+                choices.append(choice(i, text, lasts[i]["finish_reason"], False, logprobs[i], found, reasoning))
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": choices, "usage": self._usage(lasts)})
+                                 "choices": choices, "usage": self._usage(lasts, counts)})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -484,23 +503,31 @@ class OpenAIIngress:
             # the status line is sent already: a failure mid-stream is an error event
             lasts: list[dict] = [{}] * n
             splits = [calls() for _ in range(n)] if calls is not None else None
+            thoughts = [ReasoningStream(thought) for _ in range(n)] if think is not None else None
             try:
                 async for i, item in self._choices(engine_req, n):
-                    text, found = item["text"], None
+                    text, found, reasoning = item["text"], None, None
+                    if thoughts is not None:  # the thought as reasoning deltas, the rest as content
+                        reasoning, text = thoughts[i].feed(text)
+                        counts[i].feed(item["token_ids"])
+                        if item["finished"]:
+                            rest_r, rest_c = thoughts[i].finish()
+                            reasoning, text = reasoning + rest_r, text + rest_c
                     if splits is not None:  # content goes out at once, the calls at the end
                         text = splits[i].feed(text)
                         if item["finished"]:
                             rest, found = splits[i].finish()
                             text += rest
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [choice(i, text, item["finish_reason"], True, item.get("logprobs") or [], found)]}
+                             "choices": [choice(i, text, item["finish_reason"], True, item.get("logprobs") or [], found,
+                                                reasoning)]}
                     if include_usage:
                         chunk["usage"] = None
                     yield f"data: {json.dumps(chunk)}\n\n"
                     lasts[i] = item
                 if include_usage:
                     usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [], "usage": self._usage(lasts)}
+                             "choices": [], "usage": self._usage(lasts, counts)}
                     yield f"data: {json.dumps(usage)}\n\n"
             except Exception as e:
                 err = _unavailable_error() if _unavailable(e) else APIError(500, "the request failed", "server_error")
@@ -518,19 +545,28 @@ class OpenAIIngress:
         messages = [m.template_dict() for m in body.messages]
         tools, forced = body.tool_functions(), body.forced_function()
         prefix = body.answer_prefix()  # chat prefix completion: the answer goes on from that text
+        extra = body.chat_template_kwargs or {}
         try:
             if prefix is None:
-                prompt_ids = self.tokenizer.apply_chat_template(messages, tools)
+                prompt_ids = self.tokenizer.apply_chat_template(messages, tools, **extra)
             else:
-                prompt_ids = self.tokenizer.apply_chat_template(messages[:-1], tools) + self.tokenizer.encode(prefix)
+                prompt_ids = self.tokenizer.apply_chat_template(messages[:-1], tools, **extra) + self.tokenizer.encode(prefix)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages") from None
+        except TypeError as e:  # the template called with variables it cannot take
+            raise APIError(400, f"the chat template failed: {e}", param="messages") from None
         engine_req = self._engine_request(body, prompt_ids, grant)
+        think = self.tokenizer.think_ids()
+        thought = thought_open(prompt_ids, *think) if think is not None else None
+        if thought:  # R1: JSON mode, a schema or a named function constrain only the answer, after the thought
+            engine_req["constrain_after"] = think[1]
         if forced is not None:  # the output is that function's arguments: per its schema, or any JSON object
             schema = body.forced_parameters(forced)
             engine_req.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
-            return await self._respond(engine_req, body, "chat", functools.partial(ForcedCall, forced), "stop")
-        return await self._respond(engine_req, body, "chat", ToolCallStream if tools is not None else None)
+            return await self._respond(engine_req, body, "chat", functools.partial(ForcedCall, forced), "stop",
+                                       thought=thought)
+        return await self._respond(engine_req, body, "chat", ToolCallStream if tools is not None else None,
+                                   thought=thought)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

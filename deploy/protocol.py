@@ -79,6 +79,11 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
+    # An unknown field is a 400 naming it (a typo must not silently fall back to a default);
+    # these, which OpenAI clients may send, are accepted and have no effect here:
+    # parallel_tool_calls, store, metadata, service_tier, reasoning_effort.
+    model_config = ConfigDict(extra="forbid")
+
     model: str
     max_tokens: int | None = Field(default=None)
     max_completion_tokens: int | None = None
@@ -96,6 +101,11 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
 
     # OpenAI parameters this server does not implement: accepted at their defaults (clients send
     # them), refused otherwise (a 400 naming the parameter, never silently ignored)
@@ -156,7 +166,10 @@ class _Sampling(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. an earlier answer's reasoning_content: DeepSeek's API refuses it too
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
+    name: str | None = None  # a participant's name (OpenAI's; templates may ignore it)
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message answers this call
@@ -165,6 +178,8 @@ class ChatMessage(BaseModel):
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates take it (``developer`` is their ``system``)."""
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
         if self.tool_calls:
             for call in self.tool_calls:
                 fn = call.get("function")
@@ -190,6 +205,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (V3.1: thinking)
 
     def answer_prefix(self) -> str | None:
         """The text the answer starts with (the last message, an assistant's with ``prefix``)."""

@@ -23,10 +23,12 @@ def generate(
     eos_id: int | None = None,
     page_size: int = 16,
     json_masks: JsonMasks | None = None,
+    constrain_after: int | None = None,
 ) -> list[int]:
     """Generated token ids (the EOS id included when it ends the output); greedy by default.
     ``json_masks``: JSON mode (each token keeps the output a prefix of what the masks' grammar
-    accepts: one JSON object, or a schema's value; the output ends when it is whole)."""
+    accepts: one JSON object, or a schema's value; the output ends when it is whole), from the
+    first token or, with ``constrain_after`` (R1's ``</think>`` id), from the token after it."""
     params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("prompt is empty")
@@ -45,14 +47,18 @@ def generate(
     logits = model.prefill(torch.tensor(prompt_ids), pool, table)[None]  # [1, V]
     out: list[int] = []
     state = json_masks.grammar.start if json_masks is not None else None
+    active = constrain_after is None
     while True:
-        if json_masks is not None:
+        if json_masks is not None and active:
             logits = json_masks.apply(logits, [0], [state], fallback=eos_id)
         tok = int(sample(logits, [params], [gen], [out])[0])
         out.append(tok)
-        if json_masks is not None:
+        if json_masks is not None and active:
             state = json_masks.advance(state, tok)
-        if tok == eos_id or len(out) == max_new_tokens or (json_masks is not None and json_masks.done(state)):
+        elif tok == constrain_after:
+            active = True
+        done = json_masks is not None and active and json_masks.done(state)
+        if tok == eos_id or len(out) == max_new_tokens or done:
             return out
         pos = len(prompt_ids) + len(out) - 1
         logits = model.decode(torch.tensor([tok]), pool, table[None], torch.tensor([pos]))

@@ -43,13 +43,15 @@ _QUOTE = ord('"')
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
                          "deprecated", "readOnly", "writeOnly"})
-KNOWN = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf"})
+KNOWN = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+                   "$ref", "$defs", "definitions"})
 _FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
           "boolean": b"tf", "null": b"n"}
 
 
 MAX_DEPTH = 32  # nesting of schemas (properties, items, anyOf) a request may give
 MAX_NODES = 4096  # compiled parts of one schema
+MAX_REF_DEPTH = 4  # a recursive $ref is expanded this many times deep; deeper, any value goes
 
 
 class SchemaError(ValueError):
@@ -58,7 +60,11 @@ class SchemaError(ValueError):
 
 class SchemaGrammar:
     def __init__(self, schema: dict[str, Any]) -> None:
+        """``schema`` may use ``$ref`` to ``#`` or to its ``$defs``/``definitions`` (as Pydantic
+        models' schemas do); a recursive one is expanded ``MAX_REF_DEPTH`` times."""
         self.nodes: list[dict[str, Any]] = [{"kind": "any"}]  # node 0: any JSON value
+        self._root = schema
+        self._expanding: dict[str, int] = {}  # $ref -> how many times it is being expanded now
         root = self._compile(schema, "$")
         if set(self._first_bytes(root)) & NUMBER_STARTS:
             raise SchemaError("$: a number at the top level never ends (nothing may follow it); give an object, "
@@ -82,6 +88,8 @@ class SchemaGrammar:
         unknown = sorted(set(schema) - KNOWN - ANNOTATIONS)
         if unknown:
             raise SchemaError(f"{where}: {unknown[0]!r} is not supported by this server's structured output")
+        if "$ref" in schema:
+            return self._ref(schema, where, depth)
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list) or not values or any(isinstance(v, dict | list) for v in values):
@@ -106,6 +114,27 @@ class SchemaGrammar:
         if kind not in _FIRST:
             raise SchemaError(f"{where}: unknown type {kind!r}")
         return self._add({"kind": kind})
+
+    def _ref(self, schema: dict[str, Any], where: str, depth: int) -> int:
+        ref = schema["$ref"]
+        others = sorted(set(schema) - {"$ref", "$defs", "definitions"} - ANNOTATIONS)
+        if others:
+            raise SchemaError(f"{where}: {others[0]!r} beside $ref is not supported")
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith(("#/$defs/", "#/definitions/"))):
+            raise SchemaError(f"{where}: $ref {ref!r} is not supported (only '#' and '#/$defs/NAME')")
+        target: Any = self._root
+        if ref != "#":
+            section, name = ref[2:].split("/", 1)
+            target = (self._root.get(section) or {}).get(name)
+            if target is None:
+                raise SchemaError(f"{where}: $ref {ref!r} names no definition")
+        if self._expanding.get(ref, 0) >= MAX_REF_DEPTH:
+            return 0  # a recursive schema this deep: any value
+        self._expanding[ref] = self._expanding.get(ref, 0) + 1
+        try:
+            return self._compile(target, f"{where}->{ref}", depth + 1)
+        finally:
+            self._expanding[ref] -= 1
 
     def _object(self, schema: dict[str, Any], where: str, depth: int) -> int:
         extra = schema.get("additionalProperties", "properties" not in schema)

@@ -38,10 +38,16 @@ class Tokenizer(Protocol):
         after BOS); ValueError when the vocabulary lacks those tokens."""
         ...
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            **template_kwargs) -> list[int]:
         """Messages (``role``, ``content``; an assistant's ``tool_calls``, a tool message's
         ``tool_call_id``) and the functions the model may call -> prompt ids ending where the
-        assistant speaks."""
+        assistant speaks. ``template_kwargs``: more variables for the template (the API's
+        ``chat_template_kwargs``, e.g. DeepSeek-V3.1's ``thinking``)."""
+        ...
+
+    def think_ids(self) -> tuple[int, int] | None:
+        """The ids of R1's ``<think>`` and ``</think>`` tokens, None when the vocabulary lacks them."""
         ...
 
 
@@ -66,7 +72,11 @@ class ByteTokenizer:
     def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
         raise ValueError("this model's tokenizer has no fill-in-the-middle tokens")
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def think_ids(self) -> tuple[int, int] | None:
+        return None
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            **template_kwargs) -> list[int]:
         ids = [self.BOS]
         if tools:  # the functions, as a system message of their own
             ids += [self.SYSTEM, *self.encode("functions: " + json.dumps(tools, ensure_ascii=False))]
@@ -122,13 +132,23 @@ class HFTokenizer:
         bos = [self.bos_id] if self.bos_id is not None else []
         return [*bos, begin, *self.encode(prefix), hole, *self.encode(suffix), end]
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def think_ids(self) -> tuple[int, int] | None:
+        from model.reasoning import THINK_CLOSE, THINK_OPEN
+
+        ids = self._tok.token_to_id(THINK_OPEN), self._tok.token_to_id(THINK_CLOSE)
+        return None if None in ids else ids
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            **template_kwargs) -> list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; use /v1/completions")
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
-        text = self._template(messages=messages, tools=tools, add_generation_prompt=True,
-                              **{"bos_token": "", "eos_token": "", **self._special_tokens})
+        taken = sorted(set(template_kwargs) & {"messages", "tools", "add_generation_prompt"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}")
+        text = self._template(**{"bos_token": "", "eos_token": "", **self._special_tokens, **template_kwargs},
+                              messages=messages, tools=tools, add_generation_prompt=True)
         return self._tok.encode(text, add_special_tokens=False).ids
 
 

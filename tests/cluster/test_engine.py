@@ -475,3 +475,28 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
         assert outs[-1].cached_tokens == cached and outs[-1].sources.compute == len(prompt) - cached
         assert hashed == [0]  # only the output's units (none whole here), never the prompt again
         eng.check_integrity()
+
+
+def test_json_mode_after_a_thought_constrains_only_the_answer(model):
+    """R1: the output is a thought until ``constrain_after`` (</think>); the JSON masks apply
+    from the token after it, equal to the model alone under the same rule, also when the
+    request is continued on another replica after the thought ended."""
+    from model.structured import JsonMasks
+
+    tok = ByteTokenizer()
+    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size)
+    prompt = _prompt(40, 91)
+    params = SamplingParams(logit_bias=_closing(4.0))
+    free = generate(model, list(prompt), 12, params)
+    close = free[3]  # the "thought" ends at the 4th token the model says unconstrained
+    want = generate(model, list(prompt), 40, params, json_masks=masks, constrain_after=close)
+    assert want[: want.index(close) + 1] == generate(model, list(prompt), want.index(close) + 1, params)
+    after = bytes(t for t in want[want.index(close) + 1 :] if t < 256).decode()
+    assert after.startswith("{") and isinstance(json.loads(after), dict)  # the answer is the JSON object
+    eng = _engine(model)
+    eng.add_request(GenerationRequest("r", prompt, 40, params, response_format="json_object", constrain_after=close))
+    assert _tokens(eng.run_to_completion()["r"]) == want
+    k = want.index(close) + 2  # continued after the thought ended and the object began
+    eng.add_request(GenerationRequest("c", prompt + tuple(want[:k]), 40 - k, params, response_format="json_object",
+                                      constrain_after=close, continued_ids=tuple(want[:k])))
+    assert _tokens(eng.run_to_completion()["c"]) == want[k:]

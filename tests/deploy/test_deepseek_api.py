@@ -1,7 +1,8 @@
 """DeepSeek's API features through HTTP with the official ``openai`` client, on a scripted
 checkpoint (tests/model/scripted.py) whose answers are known: tool calls (the model answers with a
 call in DeepSeek-V3's format and the server returns OpenAI's ``tool_calls``, whole and streamed),
-fill in the middle (``suffix``) and chat prefix completion."""
+fill in the middle (``suffix``), chat prefix completion, and R1's reasoning (the template opens the
+thought when ``chat_template_kwargs`` asks for thinking, as DeepSeek-V3.1's does)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from model.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
-from tests.model.scripted import make_scripted_checkpoint
+from tests.model.scripted import TEMPLATE, make_scripted_checkpoint
 
 pytestmark = pytest.mark.ray
 
@@ -24,6 +25,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "what is the weather in Paris ?"}]
 FIM_SCRIPT = ["\n    if a < 2:", "\n        return a\n"]  # said after <｜fim▁end｜>
+THINK_SCRIPT = ["pondering", "</think>", '{"ok":', " true}"]  # said after <think>
+R1_TEMPLATE = TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|>{% if thinking %}<think>{% endif %}{% endif %}")
 WORDS = ["what", "is", "the", "weather", "in", "Paris", "?", "def", "fib", "(", "a", ")", ":", "return"]
 
 
@@ -36,7 +39,9 @@ def client(tmp_path_factory):
     from deploy.redis_proc import wait_healthy
 
     home = tmp_path_factory.mktemp("tools")
-    ckpt = make_scripted_checkpoint(home / "scripted", WORDS, {"<|assistant|>": SCRIPT, "<｜fim▁end｜>": FIM_SCRIPT})
+    ckpt = make_scripted_checkpoint(home / "scripted", WORDS, {"<|assistant|>": SCRIPT, "<｜fim▁end｜>": FIM_SCRIPT,
+                                                               "<think>": THINK_SCRIPT},
+                                    template=R1_TEMPLATE, added=("<think>",))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -150,3 +155,55 @@ def test_fill_in_the_middle_needs_a_text_prompt(client):
     r = httpx.post(f"{client.base_url}completions", timeout=60,
                    json={"model": "scripted", "prompt": [1, 2], "suffix": "x", "max_tokens": 2})
     assert r.status_code == 400 and "needs a text prompt" in r.json()["error"]["message"]
+
+
+THINK = {"chat_template_kwargs": {"thinking": True}}
+
+
+def test_the_thought_comes_back_as_reasoning_content(client):
+    r = client.chat.completions.create(model="scripted", messages=ASK, max_tokens=20, temperature=0, extra_body=THINK)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "pondering" and msg.content == '{"ok": true}'
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2  # "pondering" and </think>
+    plain = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, max_tokens=20, temperature=0)
+    assert plain.choices[0].message.reasoning_content is None  # no thought: the template did not open one
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_streamed_reasoning_and_content_deltas(client):
+    stream = client.chat.completions.create(model="scripted", messages=ASK, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=THINK)
+    reasoning, content, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            reasoning.append(getattr(c.delta, "reasoning_content", None) or "")
+            content.append(c.delta.content or "")
+    assert "".join(reasoning) == "pondering" and "".join(content) == '{"ok": true}'
+    assert usage.completion_tokens_details.reasoning_tokens == 2
+
+
+def test_json_mode_constrains_the_answer_after_the_thought(client):
+    """With the thought open, JSON mode lets the model think first (the masks would refuse
+    "pondering" as the start of an object) and holds the answer to one object."""
+    r = client.chat.completions.create(model="scripted", messages=ASK, max_tokens=20, temperature=0,
+                                       response_format={"type": "json_object"}, extra_body=THINK)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "pondering" and json.loads(msg.content) == {"ok": True}
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_unknown_request_fields_are_refused_and_client_fields_accepted(client):
+    url = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    body = {"model": "scripted", "messages": ASK, "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_token": 5}, timeout=60)
+    assert r.status_code == 400 and "max_token" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={**body, "messages": [{**ASK[0], "reasoning_content": "x"}]})
+    assert r.status_code == 400 and "reasoning_content" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "parallel_tool_calls": True, "store": False,
+                                                        "metadata": {"a": "b"}}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"messages": []}}, timeout=60)
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]

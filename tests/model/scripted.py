@@ -23,11 +23,13 @@ TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>{{ tools | tojson }}{% endif
 SPECIALS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>", *FIM_TOKENS]
 
 
-def make_scripted_checkpoint(out_dir: Path, words: list[str], scripts: dict[str, list[str]]) -> Path:
+def make_scripted_checkpoint(out_dir: Path, words: list[str], scripts: dict[str, list[str]],
+                             template: str = TEMPLATE, added: tuple[str, ...] = ()) -> Path:
     """``words``: ordinary vocabulary (prompts are made of them); ``scripts``: for a trigger token
     (``<|assistant|>``, say) the tokens said after it, in order, then ``</s>``; every script token
     once in all the scripts. A script token that is not a word is added as a non-special token, so
-    it stays in the decoded text; a prompt that ends inside a script goes on from there."""
+    it stays in the decoded text; a prompt that ends inside a script goes on from there.
+    ``added``: more non-special tokens (a trigger the template writes, e.g. R1's ``<think>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(["<unk>", *words])}
@@ -37,7 +39,7 @@ def make_scripted_checkpoint(out_dir: Path, words: list[str], scripts: dict[str,
     tok.add_special_tokens(SPECIALS)
     said = [t for script in scripts.values() for t in script]
     assert len(set(said)) == len(said) and not set(said) & set(scripts), "each script token once"
-    tok.add_tokens([t for t in said if t not in vocab])
+    tok.add_tokens([t for t in (*added, *said) if t not in vocab])
     chains = [[tok.token_to_id(t) for t in [trigger, *script, "</s>"]] for trigger, script in scripts.items()]
 
     cfg = dataclasses.replace(named_config("tiny"), bos_token_id=tok.token_to_id("<s>"),
@@ -57,6 +59,6 @@ def make_scripted_checkpoint(out_dir: Path, words: list[str], scripts: dict[str,
     sd["model.embed_tokens.weight"], sd["lm_head.weight"] = emb, head
     out_dir = Path(out_dir)
     save_checkpoint(out_dir, cfg, sd, {"tokenizer_config.json": json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})})
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})})
     tok.save(str(out_dir / "tokenizer.json"))
     return out_dir

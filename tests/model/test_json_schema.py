@@ -114,7 +114,8 @@ def test_sampled_outputs_under_the_masks_are_valid_and_masks_are_the_grammar():
 @pytest.mark.parametrize("schema, needle", [
     ({"type": "string", "pattern": "^a"}, "'pattern'"),
     ({"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}}, "$.properties.a: 'minLength'"),
-    ({"$ref": "#/$defs/x"}, "'$ref'"),
+    ({"$ref": "#/$defs/x"}, "names no definition"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only '#' and '#/$defs/NAME'"),
     ({"anyOf": [{"type": "integer"}, {"type": "number"}]}, "must start differently"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names ['b']"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
@@ -146,3 +147,37 @@ def test_a_schema_past_the_complexity_budget_is_a_schema_error_not_a_crash():
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_NODES + 1)}}
     with pytest.raises(SchemaError, match="parts"):
         SchemaGrammar(wide)
+
+
+
+def test_pydantic_schemas_with_defs_and_recursive_refs():
+    """What Pydantic models give (``$defs`` and ``$ref``; a model that contains itself is
+    expanded a few levels deep): valid values are accepted, invalid ones refused."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        sunny: bool
+
+    class Forecast(BaseModel):
+        city: City
+        next: list[City]
+
+    schema = Forecast.model_json_schema()
+    assert "$defs" in schema
+    grammar = SchemaGrammar(schema)
+    good = {"city": {"name": "Paris", "sunny": True}, "next": [{"name": "Lyon", "sunny": False}]}
+    jsonschema.validate(good, schema)
+    assert _accepts(grammar, json.dumps(good))
+    assert not _accepts(grammar, json.dumps({"city": {"name": "Paris"}, "next": []}))  # sunny is required
+
+    class Node(BaseModel):
+        label: str
+        children: list[Node]
+
+    tree = Node.model_json_schema()
+    grammar = SchemaGrammar(tree)
+    value = {"label": "a", "children": [{"label": "b", "children": [{"label": "c", "children": []}]}]}
+    jsonschema.validate(value, tree)
+    assert _accepts(grammar, json.dumps(value))
+    assert not _accepts(grammar, json.dumps({"label": "a", "children": [{"label": 1, "children": []}]}))
