@@ -130,3 +130,27 @@ def test_kustomization_renders():
     rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
     assert len(rendered) == len(DOCS)
     assert all(d["metadata"].get("namespace") == "tideserve" for d in rendered if d["kind"] != "Namespace")
+
+
+@pytest.mark.security
+def test_the_shipped_cluster_runs_ray_with_token_auth_and_the_api_with_keys():
+    """Ray's dashboard (the Jobs API runs code) and GCS listen beyond the pod: token
+    authentication is on (KubeRay's authOptions) with the Ray version pyproject.toml pins; Serve
+    listens on 0.0.0.0, so every serving container gets its API keys from a Secret."""
+    import tomllib
+
+    svc = next(d for _, d in DOCS if d["kind"] == "RayService")
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"]["mode"] == "token"
+    pin = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+               if d.startswith("ray["))
+    low, high = re.search(r">=([\d.]+),<([\d.]+)", pin).groups()
+    version = tuple(int(x) for x in cluster["rayVersion"].split("."))
+    assert tuple(int(x) for x in low.split(".")) <= version < tuple(int(x) for x in high.split(".")), pin
+    serve = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    assert serve["http_options"]["host"] == "0.0.0.0"
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in container.get("env", [])}
+            assert env["TIDE_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "tideserve-api-keys", container["name"]
