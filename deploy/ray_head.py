@@ -173,9 +173,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def stop_marked(cluster_id: str, timeout_s: float = 15.0) -> int:
-    """SIGTERM every process of the cluster, SIGKILL what is left after ``timeout_s``; returns
-    how many there were. Processes of other clusters are never signalled."""
+def stop_marked(cluster_id: str, timeout_s: float = 3.0) -> int:
+    """SIGTERM every process of the cluster, SIGKILL what is left after ``timeout_s`` (Ray's
+    gcs_server and autoscaler monitor do not exit on SIGTERM; Serve was shut down in order
+    before); returns how many there were. Processes of other clusters are never signalled."""
     pids = marked_processes(cluster_id)
     for pid in pids:
         _signal(pid, signal.SIGTERM)

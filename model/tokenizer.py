@@ -38,7 +38,7 @@ class Tokenizer(Protocol):
         after BOS); ValueError when the vocabulary lacks those tokens."""
         ...
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /,
                             **template_kwargs) -> list[int]:
         """Messages (``role``, ``content``; an assistant's ``tool_calls``, a tool message's
         ``tool_call_id``) and the functions the model may call -> prompt ids ending where the
@@ -75,7 +75,7 @@ class ByteTokenizer:
     def think_ids(self) -> tuple[int, int] | None:
         return None
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /,
                             **template_kwargs) -> list[int]:
         ids = [self.BOS]
         if tools:  # the functions, as a system message of their own
@@ -138,7 +138,7 @@ class HFTokenizer:
         ids = self._tok.token_to_id(THINK_OPEN), self._tok.token_to_id(THINK_CLOSE)
         return None if None in ids else ids
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /,
                             **template_kwargs) -> list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; use /v1/completions")

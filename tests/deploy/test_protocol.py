@@ -35,7 +35,7 @@ def test_response_formats():
     got = mode({"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}})
     assert got["response_format"] == "json_schema" and json.loads(got["json_schema"]) == CITY
     for bad, needle in (({"type": "json_schema"}, "needs json_schema"), ({"type": "yaml"}, "'yaml' is not supported"),
-                        ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, "'$ref'")):
+                        ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, "$ref '#/x' is not supported")):
         with pytest.raises(APIError) as e:
             mode(bad)
         assert e.value.status == 400 and needle in e.value.message
