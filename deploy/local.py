@@ -67,6 +67,7 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
     if read_state() is not None:
         raise TideError(f"a local cluster is already up (state in {state_path()}); run `tide down` first")
     _check_port_free(host, port)
+    _check_gpus(app_args)
     loopback = is_loopback(host)
     state: dict[str, Any] = {"cluster_id": uuid.uuid4().hex, "loopback": loopback}
     try:
@@ -126,6 +127,20 @@ def _watch(serve, show: Callable[[], None]) -> Callable[[], None]:
         tail = [ln for ln in "\n".join(reasons).splitlines() if ln.strip()][-12:]
         raise TideError("the app failed to deploy:\n  " + "\n  ".join(tail))
     return check
+
+
+def _check_gpus(app_args: dict[str, Any]) -> None:
+    """Fail before starting anything when this machine has fewer GPUs than the app takes (a
+    replica or shard asking for a GPU the cluster lacks would wait forever: no autoscaler here)."""
+    from actors.gpu import gpu_telemetry
+    from deploy.app import AppArgs, gpus_needed
+
+    need = gpus_needed(AppArgs(**app_args))
+    if need:
+        have = len(gpu_telemetry()["gpus"])
+        if need > have:
+            raise ValueError(f"--device cuda needs {need} GPU(s) (one per replica, one per expert shard); "
+                             f"this machine has {have}")
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -192,6 +192,7 @@ def test_cuda_without_enough_gpus_is_a_clear_error_and_starts_nothing(tmp_path):
     r = _tide("up", "--port", str(free_port()), "--num-cpus", "1", "--device", "cuda", "--expert-shards", "2",
               home=tmp_path, timeout=180)
     assert r.returncode == 1 and "needs 3 GPU(s)" in r.stderr and "has 0" in r.stderr, r.stderr[-2000:]
+    assert "starting" not in r.stderr  # found before Redis or Ray were started
     assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
     assert _tide("status", home=tmp_path).returncode == 1  # nothing is up
 
