@@ -32,24 +32,30 @@ def cache_stats() -> dict:
     return {"nodes": nodes, "totals": totals}
 
 
-def _keys(server, key: list[str] | None, prompt: str | None, prompt_ids: str | None, tenant: str) -> list[str]:
+def _which(key: list[str] | None, prompt: str | None, prompt_ids: str | None) -> list[int] | None:
+    """Check the unit options before connecting (a usage error needs no cluster): exactly one,
+    keys of 32 hex digits, ids as integers; returns the parsed ids."""
     given = sum(x is not None and x != [] for x in (key, prompt, prompt_ids))
     if given != 1:
         raise typer.BadParameter("give exactly one of --key, --prompt, --prompt-ids")
-    if key:
-        for k in key:
-            try:
-                if len(bytes.fromhex(k)) != 16:
-                    raise ValueError
-            except ValueError:
-                raise typer.BadParameter(f"--key {k!r} is not a unit key (32 hex digits)") from None
-        return list(key)
-    ids = None
-    if prompt_ids is not None:
+    for k in key or ():
         try:
-            ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+            if len(bytes.fromhex(k)) != 16:
+                raise ValueError
         except ValueError:
-            raise typer.BadParameter(f"--prompt-ids {prompt_ids!r} must be comma-separated integers") from None
+            raise typer.BadParameter(f"--key {k!r} is not a unit key (32 hex digits)") from None
+    if prompt_ids is None:
+        return None
+    try:
+        return [int(x) for x in prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--prompt-ids {prompt_ids!r} must be comma-separated integers") from None
+
+
+def _keys(server, key: list[str] | None, prompt: str | None, ids: list[int] | None, tenant: str) -> list[str]:
+    """The unit keys the options name (a prompt's, as the replicas hash it)."""
+    if key:
+        return list(key)
     keys = server.unit_keys.remote(ids, tenant=tenant, text=prompt).result(timeout_s=60)
     if not keys:
         raise typer.BadParameter("the prompt is shorter than one 64-token cache unit")
@@ -111,17 +117,15 @@ def evict(
     address: str = ADDRESS,
 ) -> None:
     """Drop units from every node (both tiers); the directory forgets them at the next sync."""
+    if all_units and (key or prompt is not None or prompt_ids is not None):
+        raise typer.BadParameter("--all takes no --key, --prompt or --prompt-ids")
+    ids = None if all_units else _which(key, prompt, prompt_ids)
     server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
     import ray
 
     from actors.cache_agent import agent_handles
 
-    if all_units:
-        if key or prompt is not None or prompt_ids is not None:
-            raise typer.BadParameter("--all takes no --key, --prompt or --prompt-ids")
-        keys = None
-    else:
-        keys = _keys(server, key, prompt, prompt_ids, tenant)
+    keys = None if all_units else _keys(server, key, prompt, ids, tenant)
     handles = agent_handles()
     removed = dict(zip(handles, ray.get([h.evict.remote(keys) for h in handles.values()], timeout=120), strict=True))
     if as_json:
@@ -142,12 +146,13 @@ def pin(
 ) -> None:
     """Keep units on every node that holds them, whatever the eviction policy (also across
     restarts). A prompt's units exist once it has been served."""
+    ids = _which(key, prompt, prompt_ids)
     server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
     import ray
 
     from actors.cache_agent import agent_handles
 
-    keys = _keys(server, key, prompt, prompt_ids, tenant)
+    keys = _keys(server, key, prompt, ids, tenant)
     handles = agent_handles()
     verb = "unpinned" if unpin else "pinned"
     counts = dict(zip(handles, ray.get([h.pin.remote(keys, unpin) for h in handles.values()], timeout=120), strict=True))

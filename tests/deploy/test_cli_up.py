@@ -299,3 +299,10 @@ def test_up_config_file_fields_are_checked_and_used(tmp_path):
         r = _tide("up", "--config", str(good), "--port", str(free_port()), "--replicas", "0", home=tmp_path)
         assert r.returncode == 2 and "--replicas" in r.stderr  # the command line wins and is checked
     assert not (tmp_path / "run" / "state.json").exists()
+
+
+@pytest.mark.parametrize("args", [["cache", "evict", "--key", "xyz"], ["cache", "pin"], ["cache", "evict", "--all", "--key", "00"]])
+def test_usage_errors_need_no_cluster(tmp_path, args):
+    """A bad option is a usage error (exit 2) before anything connects; no cluster is exit 1."""
+    r = _tide(*args, home=tmp_path, timeout=60)
+    assert r.returncode == 2 and "no cluster" not in r.stderr, r.stderr
