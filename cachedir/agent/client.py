@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
-from cachedir.agent.service import CHUNK_BYTES
+from cachedir.agent.service import CHUNK_BYTES, MAX_UNIT_BYTES
 
 __all__ = ["AgentClient", "AgentError"]
 
@@ -64,18 +64,25 @@ class AgentClient:
 
     @staticmethod
     def _assemble(stream: Iterator, n: int) -> Iterator[tuple[int, str, bytes]]:
+        """Units from a Fetch stream. What a peer may make this client hold is bounded: a unit
+        declares its size (at most ``MAX_UNIT_BYTES``) in its first chunk and may not send more."""
         parts: list[bytes] = []
         current = tier = None
-        size = 0
+        size = got = 0
         for chunk in stream:
             if chunk.index >= n:
                 raise AgentError(f"chunk for unit {chunk.index} of a {n}-unit fetch")
             if current is None:
                 if chunk.missing:
                     continue
-                current, tier, size, parts = chunk.index, chunk.tier, chunk.size, []
+                if not 0 < chunk.size <= MAX_UNIT_BYTES:
+                    raise AgentError(f"unit {chunk.index} declares {chunk.size} bytes (1..{MAX_UNIT_BYTES})")
+                current, tier, size, parts, got = chunk.index, chunk.tier, chunk.size, [], 0
             elif chunk.index != current:
                 raise AgentError(f"unit {current} ended without its last chunk")
+            got += len(chunk.data)
+            if got > size:
+                raise AgentError(f"unit {current} sent more than its {size} bytes")
             parts.append(chunk.data)
             if chunk.last:
                 data = b"".join(parts)

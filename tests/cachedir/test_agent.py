@@ -14,7 +14,7 @@ from cachedir.agent import agent_pb2, agent_pb2_grpc
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
-from cachedir.agent.service import ServerConfig
+from cachedir.agent.service import MAX_UNIT_BYTES, ServerConfig
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.directory.memory import MemoryDirectory
 from cachedir.node_cache import CacheConfig
@@ -455,3 +455,39 @@ def test_garbage_or_hanging_peers_cost_a_bounded_wait_and_never_a_wrong_unit(tmp
         me.close()
         honest.close()
         close()
+
+
+class _FloodingServicer(agent_pb2_grpc.CacheAgentServicer):
+    """A peer that declares an oversized unit (``huge``) or a small one and then streams chunks
+    without end, never sending the last (``endless``)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.sent = mode, 0
+
+    def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
+        if self.mode == "huge":
+            yield agent_pb2.UnitChunk(index=0, key=request.keys[0], data=b"x", size=MAX_UNIT_BYTES + 1, tier="ssd")
+            return
+        while context.is_active() and self.sent < 4096:
+            self.sent += 1
+            yield agent_pb2.UnitChunk(index=0, key=request.keys[0], data=b"x" * 65536, size=100_000, tier="ssd")
+
+
+@pytest.mark.parametrize("mode", ["huge", "endless"])
+def test_a_peer_cannot_make_the_client_buffer_more_than_a_declared_unit(mode):
+    from concurrent import futures
+
+    servicer = _FloodingServicer(mode)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    agent_pb2_grpc.add_CacheAgentServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = AgentClient(f"127.0.0.1:{port}", timeout_s=30.0)
+    try:
+        with pytest.raises(AgentError, match="declares" if mode == "huge" else "more than its 100000 bytes"):
+            client.fetch([b"k" * 32])
+        # the client stopped reading at the second 64 KiB chunk, not at the 4096th (256 MiB)
+        assert servicer.sent < 64
+    finally:
+        client.close()
+        server.stop(grace=0)
