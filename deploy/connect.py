@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deploy.ray_head import auth_token_source, loopback_env
+from deploy.ray_head import auth_token_source, configure_driver
 from model.default import cache_root
 
 __all__ = [
@@ -123,9 +123,7 @@ def _quiet_ray_logs() -> None:
 
 def connect(target: Target):
     """Connect this process to the cluster (once) and return the ``ray`` module."""
-    if target.local is not None or auth_token_source() is not None:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")  # read when ray is imported
-    os.environ.update(loopback_env(target.loopback))
+    configure_driver(target.loopback, target.local is not None or auth_token_source() is not None)
     _load_redis_password(target)
     import ray
 

@@ -28,6 +28,7 @@ __all__ = [
     "auth_token_source",
     "ensure_auth_token",
     "loopback_env",
+    "configure_driver",
     "marked_processes",
     "start_head",
     "stop_marked",
@@ -57,6 +58,26 @@ def is_loopback(host: str) -> bool:
 def loopback_env(loopback: bool) -> dict[str, str]:
     """The environment a process needs to start or join a loopback-only Ray cluster."""
     return dict(LOOPBACK_ENV) if loopback else {}
+
+
+def configure_driver(loopback: bool, token_auth: bool) -> None:
+    """Set this process's Ray switches before it connects: token authentication, and reaching a
+    loopback-only cluster at 127.0.0.1 (Ray otherwise rewrites 127.0.0.1 to the machine's
+    address, where nothing listens). Ray reads both once, when it is first imported; when it is
+    already loaded the module constant and Ray's config are refreshed too."""
+    changed = False
+    if token_auth and os.environ.get("RAY_AUTH_MODE") != "token":
+        os.environ["RAY_AUTH_MODE"] = "token"
+        changed = True
+    if loopback:
+        os.environ.update(LOOPBACK_ENV)
+        constants = sys.modules.get("ray._private.ray_constants")
+        if constants is not None:
+            constants.ENABLE_RAY_CLUSTER = False
+    raylet = sys.modules.get("ray._raylet")
+    if changed and raylet is not None:
+        raylet.Config.initialize("")  # re-reads RAY_AUTH_MODE
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 # -- Ray's token ------------------------------------------------------------------------------

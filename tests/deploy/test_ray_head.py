@@ -81,3 +81,22 @@ def test_a_failing_ray_start_is_one_error_with_rays_own_last_lines(home, tmp_pat
     assert msg.startswith("ray start exited with status 1") and "10500" in msg, msg
     assert "\x1b[" not in msg and len(msg.splitlines()) <= 13  # Ray's last lines, without colour codes
     assert marked_processes("t-fail") == []  # nothing left running
+
+
+def test_the_driver_settings_reach_ray_even_when_it_was_imported_first():
+    """`tide up` imports Ray (checking GPUs) before it connects: token authentication and the
+    loopback switch must still take effect (127.0.0.1 rewritten to the machine's address, where
+    no GCS listens, hung `tide up` for 10 minutes; without the token mode the GCS refuses it)."""
+    code = (
+        "import ray, ray._private.services as s\n"
+        "from ray._private.authentication.authentication_utils import is_token_auth_enabled\n"
+        "from deploy.ray_head import configure_driver\n"
+        "assert not is_token_auth_enabled()\n"
+        "configure_driver(loopback=True, token_auth=True)\n"
+        "print(s.resolve_ip_for_localhost('127.0.0.1'), is_token_auth_enabled())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "127.0.0.1 True"
