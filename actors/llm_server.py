@@ -30,10 +30,10 @@ from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.directory import open_directory
-from cachedir.hashing import chain_keys
+from cachedir.hashing import chain_keys, read_secret
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
-from cachedir.store import StoreConfig
+from cachedir.store import StoreConfig, StoreLocked
 from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine, EngineConfig, cache_namespace
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
@@ -102,6 +102,22 @@ def _load_progress(ckpt: Path, startup: StartupReporter):
     return report
 
 
+def _own_store(cfg: dict, base: Path) -> NodeCache:
+    """This replica's own unit store (no cache agent): ``base``, or ``base.1``, ``base.2``, ...
+    when other replicas on the node hold those (each directory has one store at a time; the
+    same directories are found again after a restart)."""
+    for slot in range(256):
+        root = base if slot == 0 else base.with_name(f"{base.name}.{slot}")
+        try:
+            return NodeCache(CacheConfig(
+                StoreConfig(root, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30)), layout=cfg.get("store_layout", "segment")),
+                ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
+            ))
+        except StoreLocked:
+            continue
+    raise StoreLocked(f"every unit store under {base.parent} is in use (256 replicas on one node?)")
+
+
 class LLMServer:
     def __init__(self, cfg: dict) -> None:
         """``cfg`` keys: checkpoint, dtype, device (cpu | cuda), warmup (default: on cuda), cache_dir, ssd_bytes,
@@ -132,7 +148,8 @@ class LLMServer:
             self.model.warmup(int(cfg.get("max_prefill_tokens", 2048)))
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
-        namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype)
+        self._secret = read_secret(cfg.get("cache_secret_file"))
+        namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype, self._secret)
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         enable_cache = bool(cfg.get("enable_cache", True))
         self.cache = None
@@ -140,11 +157,7 @@ class LLMServer:
         if self._agent_cfg:
             self.cache = self._cluster_cache(self._agent_cfg)
         elif enable_cache:
-            self.cache = NodeCache(CacheConfig(
-                StoreConfig(Path(cfg["cache_dir"]) / namespace.id, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30)),
-                            layout=cfg.get("store_layout", "segment")),
-                ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
-            ))
+            self.cache = _own_store(cfg, Path(cfg["cache_dir"]) / namespace.id)
         self.engine = Engine(
             self.model,
             EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
@@ -194,7 +207,8 @@ class LLMServer:
                 clients[addr] = AgentClient(addr, token, ca, timeout_s=float(agent_cfg.get("fetch_timeout_s", 5.0)))
             return clients[addr]
 
-        return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), directory, client_for)
+        return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), directory, client_for,
+                            secret=self._secret)
 
     def _start_ep(self, control, timeout_s: float) -> EPGroup:
         group = EPGroup(control, self.replica_id, self.model.cfg.hidden_size, self.model.dtype, timeout_s=timeout_s)

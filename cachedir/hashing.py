@@ -1,21 +1,28 @@
-"""Unit keys: a chained content hash over 64-token cache units, seeded by a namespace.
+"""Unit keys: a chained, keyed content hash over 64-token cache units, seeded by a namespace.
 
 A prompt is cut into units of ``unit_size`` tokens from token 0; a partial tail is not a unit.
-``key_i = xxh3_128(key_{i-1} || token_ids_i as little-endian u32)`` and ``key_{-1}`` is the
-namespace seed, itself a hash of the model fingerprint (architecture, weights revision, KV dtype
-and layout, unit size) and the tenant salt. Equal keys therefore mean: same model, same tenant,
-same tokens from position 0 up to the end of the unit. Keys are 16 raw bytes; ``hex`` round-trips.
+``key_i = BLAKE2b-128[key=seed](key_{i-1} || token_ids_i as little-endian u32)`` and
+``key_{-1}`` is the namespace seed, itself a hash of the model fingerprint (architecture,
+weights revision, KV dtype and layout, unit size) and the tenant salt, keyed by the cluster's
+cache secret when it has one. Equal keys therefore mean: same model, same tenant, same tokens
+from position 0 up to the end of the unit. The hash is collision resistant (a crafted collision
+would serve one prompt's KV for another): 2^64 work without the secret, out of reach with it,
+since a client then cannot compute keys at all. Keys are 16 raw bytes; ``hex`` round-trips.
+
+The secret also gives each namespace its unit MAC key (``Namespace.mac_key``, see
+``cachedir.unitfile``), held by the serving replicas and never by cache agents.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
-import xxhash
 
-__all__ = ["Namespace", "UnitKey", "chain_keys", "num_units"]
+__all__ = ["Namespace", "UnitKey", "chain_hash", "chain_keys", "num_units", "read_secret", "unit_mac_key"]
 
 UnitKey = bytes  # 16 bytes
 KEY_BYTES = 16
@@ -31,6 +38,7 @@ class Namespace:
     kv_layout: str  # e.g. "mla-latent:512+64"
     unit_size: int = 64
     tenant_salt: str = ""
+    secret: bytes = field(default=b"", repr=False)  # the cluster's cache secret (empty: none)
     seed: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,7 +48,13 @@ class Namespace:
             [self.model_fingerprint, self.weights_revision, self.kv_dtype, self.kv_layout,
              self.unit_size, self.tenant_salt],
         ).encode()
-        object.__setattr__(self, "seed", xxhash.xxh3_128_digest(b"tideserve-ns-v1\0" + blob))
+        seed = hashlib.blake2b(b"tideserve-ns-v2\0" + blob, digest_size=KEY_BYTES, key=self.secret).digest()
+        object.__setattr__(self, "seed", seed)
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The key this namespace's units are authenticated under; None without a secret."""
+        return unit_mac_key(self.secret, self.seed)
 
     @property
     def id(self) -> str:
@@ -49,7 +63,38 @@ class Namespace:
 
     def for_tenant(self, salt: str) -> Namespace:
         return Namespace(self.model_fingerprint, self.weights_revision, self.kv_dtype,
-                         self.kv_layout, self.unit_size, salt)
+                         self.kv_layout, self.unit_size, salt, self.secret)
+
+
+def read_secret(path: str | None) -> bytes:
+    """The cache secret in the file ``path`` (b"" for None); ``ValueError`` naming the file when
+    it is missing, short, or open to every user (group read is allowed: Kubernetes adds it to
+    Secret volumes under an fsGroup)."""
+    if not path:
+        return b""
+    p = Path(path)
+    try:
+        st = p.stat()
+        value = p.read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"cache secret file {path}: {e.strerror or e}") from None
+    if st.st_mode & 0o007:
+        raise ValueError(f"cache secret file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+    if len(value) < 16:
+        raise ValueError(f"cache secret file {path} holds {len(value)} bytes; give it at least 16")
+    return value
+
+
+def unit_mac_key(secret: bytes, seed: bytes) -> bytes | None:
+    """The MAC key of the namespace ``seed`` under the cluster's cache ``secret`` (None without one)."""
+    if not secret:
+        return None
+    return hashlib.blake2b(seed, digest_size=32, key=secret, person=b"tide-unit-mac").digest()
+
+
+def chain_hash(seed: bytes, parent: bytes, tokens_raw: bytes) -> UnitKey:
+    """The key of the unit with ``tokens_raw`` (little-endian u32) after the unit ``parent``."""
+    return hashlib.blake2b(parent + tokens_raw, digest_size=KEY_BYTES, key=seed).digest()
 
 
 def num_units(num_tokens: int, unit_size: int) -> int:
@@ -72,6 +117,6 @@ def chain_keys(seed: bytes, token_ids, unit_size: int, max_units: int | None = N
     keys = []
     parent = seed if parent is None else parent
     for i in range(n):
-        parent = xxhash.xxh3_128_digest(parent + raw[i * step : (i + 1) * step])
+        parent = hashlib.blake2b(parent + raw[i * step : (i + 1) * step], digest_size=KEY_BYTES, key=seed).digest()
         keys.append(parent)
     return keys

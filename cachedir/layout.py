@@ -77,6 +77,15 @@ def _write_synced(tmp: Path, chunks: Sequence[bytes], fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
+def sync_dir(path: Path) -> None:
+    """fsync a directory: a rename, create or unlink in it survives a power loss only then."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fresh(nbytes: int) -> memoryview:
     return memoryview(bytearray(nbytes))
 
@@ -234,11 +243,16 @@ class UnitFiles:
         return staged
 
     def commit(self, staged: Staged, keep: Sequence[bool]) -> None:
+        dirs = set()
         for tmp, loc, k in zip(staged.temps, staged.locs, keep, strict=True):
             if k:
                 os.replace(tmp, loc.path)
+                dirs.add(loc.path.parent)
             else:
                 tmp.unlink(missing_ok=True)
+        if self.fsync:
+            for d in dirs:
+                sync_dir(d)
 
     def discard(self, staged: Staged) -> None:
         for tmp in staged.temps:
@@ -246,6 +260,8 @@ class UnitFiles:
 
     def delete(self, loc: Loc) -> Path | None:
         loc.path.unlink(missing_ok=True)
+        if self.fsync:  # an evicted unit must not come back after a power loss
+            sync_dir(loc.path.parent)
         return None
 
     def sparse(self) -> list[Path]:
@@ -383,6 +399,8 @@ class SegmentFiles:
                                       {loc.offset: loc.length for loc, _ in kept},
                                       {loc.offset: key for loc, key in kept}))
         os.replace(tmp, path)
+        if self.fsync:
+            sync_dir(self.root)
 
     def _register(self, path: Path, seg: _Segment) -> None:
         with self._lock:
@@ -401,6 +419,8 @@ class SegmentFiles:
             return
         try:
             os.pwrite(fd, TOMBSTONE, offset)
+            if self.fsync:  # a deleted record must stay deleted after a power loss
+                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -410,6 +430,8 @@ class SegmentFiles:
             self._small.discard(path)
         path.unlink(missing_ok=True)
         self._files.forget(path)  # after the unlink: no read opens it again
+        if self.fsync:
+            sync_dir(self.root)
 
     def delete(self, loc: Loc) -> Path | None:
         """Tombstone the record; returns its segment when that is now worth compacting."""

@@ -152,7 +152,7 @@ class NodeCache:
             _, payload = decode(encoded, h.namespace, h.key)
         except UnitCorrupt:
             return None
-        unit = Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+        unit = Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac)
         self.persist([unit])
         return unit
 

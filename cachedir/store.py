@@ -18,6 +18,7 @@ reusable staging buffers (``cachedir.staging``); the units returned are views of
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 import time
@@ -29,14 +30,35 @@ from pathlib import Path
 
 from cachedir.eviction import make_policy
 from cachedir.index import CapacityIndex
-from cachedir.layout import LAYOUTS, Loc, SegmentFiles, advise, make_layout, nbytes
+from cachedir.layout import LAYOUTS, Loc, SegmentFiles, advise, make_layout, nbytes, sync_dir
 from cachedir.staging import StagingBuffers
 from cachedir.unit import Unit, UnitRemoved, UnitStored
 from cachedir.unitfile import UnitCorrupt, decode
 
-__all__ = ["StoreConfig", "StoreStats", "UnitStore"]
+__all__ = ["StoreConfig", "StoreLocked", "StoreStats", "UnitStore"]
 
 PINS_FILE = "pinned.keys"  # hex keys of pinned units, one per line
+LOCK_FILE = ".lock"  # held (flock) by the one store that has the directory open
+
+
+class StoreLocked(RuntimeError):
+    """Another store (in this or another process) has the directory open."""
+
+
+def _lock_dir(root: Path) -> int:
+    """An exclusive lock on ``root``, held while the returned descriptor is open: two stores on
+    one directory would delete each other's segments and temporaries."""
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreLocked(f"the unit store {root} is in use by another store (pid {holder}); "
+                          "give each node agent or replica its own cache_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # a write skipped, not a bug
 
 
@@ -101,6 +123,7 @@ class UnitStore:
         self.cfg = cfg
         self.root = Path(cfg.root)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # unit records hold tenants' token ids
+        self._lock_fd = _lock_dir(self.root)
         self.layout = self._make_layout(cfg.layout)
         self._now = now_s
         self._lock = threading.RLock()
@@ -175,7 +198,7 @@ class UnitStore:
                     other.delete(loc)
                     continue
                 batch.append((Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers,
-                                   h.dim, h.dtype), loc))
+                                   h.dim, h.dtype, h.mac), loc))
                 size += loc.length
                 if size >= self.cfg.segment_bytes:
                     if not self._migrate_batch(other, batch, pins):
@@ -247,7 +270,12 @@ class UnitStore:
         tmp = self._pins_path.with_suffix(".tmp")
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write("".join(k.hex() + "\n" for k in sorted(self._index.pinned)))
+            if self.cfg.fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, self._pins_path)
+        if self.cfg.fsync:
+            sync_dir(self.root)
 
     def _load_pins(self) -> set[bytes]:
         """Pin the held units the pins file names; returns every key it names."""
@@ -532,7 +560,7 @@ class UnitStore:
                 continue
             # the payload stays a zero-copy view of the read buffer (a staging buffer: it is
             # reused once nothing refers to the units read into it)
-            out[i] = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+            out[i] = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac)
         hits = nbytes = 0
         with self._lock:
             for i, key in enumerate(keys):
@@ -603,6 +631,9 @@ class UnitStore:
         self._closing = True  # a takeover of the other layout's units stops (goes on next start)
         self._pool.shutdown(wait=True)
         self.layout.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the directory lock
+            self._lock_fd = None
 
     def check_integrity(self) -> None:
         """Index, byte count, locations and the units on disk agree (tests call this after

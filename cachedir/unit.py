@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachedir.unitfile import encode, encode_parts
+from cachedir.unitfile import NO_MAC, encode, encode_parts
 
 __all__ = ["Unit", "UnitRemoved", "UnitStored"]
 
@@ -14,7 +14,8 @@ class Unit:
     """One cache unit: the latent KV of ``len(token_ids)`` tokens for every layer.
 
     ``payload`` holds a [num_layers, len(token_ids), dim] array of ``dtype`` as raw bytes (``bytes``
-    or a read-only ``memoryview`` of a file buffer).
+    or a read-only ``memoryview`` of a file buffer). ``mac``: the MAC it arrived with, kept by
+    stores that re-encode it (they hold no MAC key).
     """
 
     namespace: bytes
@@ -25,15 +26,18 @@ class Unit:
     num_layers: int
     dim: int
     dtype: str
+    mac: bytes = NO_MAC
 
-    def encode(self) -> bytes:
+    def encode(self, mac_key: bytes | None = None) -> bytes:
+        """The unit file's bytes; ``mac_key`` authenticates them (``cachedir.unitfile``), else
+        they carry ``mac``."""
         return encode(self.namespace, self.key, self.parent, self.token_ids, self.payload,
-                      self.num_layers, self.dim, self.dtype)
+                      self.num_layers, self.dim, self.dtype, mac_key, self.mac)
 
-    def encode_parts(self) -> tuple[bytes, bytes]:
+    def encode_parts(self, mac_key: bytes | None = None) -> tuple[bytes, bytes]:
         """Header and payload of ``encode``, unjoined (the store writes them one after the other)."""
         return encode_parts(self.namespace, self.key, self.parent, self.token_ids, self.payload,
-                            self.num_layers, self.dim, self.dtype)
+                            self.num_layers, self.dim, self.dtype, mac_key, self.mac)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
-"""The unit file format: one self-describing, checksummed file per cache unit.
+"""The unit file format: one self-describing, checksummed, authenticated file per cache unit.
 
 Layout (little-endian)::
 
     magic      8s   b"TIDEUNIT"
-    version    u16  1
+    version    u16  2
     dtype      u8   code (see DTYPES)
     reserved   u8
     header_len u32  bytes from the start to the payload
@@ -15,26 +15,37 @@ Layout (little-endian)::
     dim        u32  values per token per layer
     payload_len u64
     checksum   u64  xxh3_64 of the payload
+    mac        32s  HMAC-SHA256 of everything else (this field zeroed) under the writer's MAC key;
+                    all zeros when written without one
     tokens     num_tokens x u32
     payload    [num_layers, num_tokens, dim] values of ``dtype``
 
 ``decode`` verifies every field against what the reader expects; any mismatch raises
-``UnitCorrupt`` and the caller treats it as a miss. Wrong KV is never returned.
+``UnitCorrupt`` and the caller treats it as a miss. Wrong KV is never returned. The checksum
+catches a damaged file and needs no secret (stores and agents check it); the MAC proves that a
+holder of the MAC key wrote the unit, so a reader that has the key (the serving replicas) also
+rejects a self-consistent unit forged by whoever can push to or serve from a cache agent.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-__all__ = ["DTYPES", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "read_header"]
+from cachedir.hashing import chain_hash
+
+__all__ = ["DTYPES", "NO_MAC", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "mac_of", "read_header"]
 
 MAGIC = b"TIDEUNIT"
-VERSION = 1
-_FIXED = struct.Struct("<8sHBBI16s16s16sIIIQQ")
+VERSION = 2
+_FIXED = struct.Struct("<8sHBBI16s16s16sIIIQQ32s")
+_MAC_AT = _FIXED.size - 32  # offset of the mac field
+NO_MAC = bytes(32)
 DTYPES = {1: "float32", 2: "bfloat16", 3: "float16"}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -56,27 +67,39 @@ class UnitHeader:
     payload_len: int
     checksum: int
     header_len: int
+    mac: bytes = NO_MAC
 
     @property
     def file_len(self) -> int:
         return self.header_len + self.payload_len
 
 
+def mac_of(mac_key: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    """HMAC-SHA256 of a unit: its header with the mac field zeroed, then its payload."""
+    m = hmac.new(mac_key, digestmod=hashlib.sha256)
+    m.update(header[:_MAC_AT])
+    m.update(NO_MAC)
+    m.update(header[_FIXED.size :])
+    m.update(payload)
+    return m.digest()
+
+
 def encode(
     namespace: bytes, key: bytes, parent: bytes, token_ids, payload: bytes, num_layers: int,
-    dim: int, dtype: str,
+    dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC,
 ) -> bytes:
     """Header + payload as one bytes object. ``payload`` is the raw [L, T, D] array bytes."""
-    header, payload = encode_parts(namespace, key, parent, token_ids, payload, num_layers, dim, dtype)
+    header, payload = encode_parts(namespace, key, parent, token_ids, payload, num_layers, dim, dtype, mac_key, mac)
     return header + payload
 
 
 def encode_parts(
     namespace: bytes, key: bytes, parent: bytes, token_ids, payload: bytes, num_layers: int,
-    dim: int, dtype: str,
+    dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC,
 ) -> tuple[bytes, bytes]:
     """The header (fixed fields and token ids) and the payload, to be written one after the other
-    (no copy of the payload)."""
+    (no copy of the payload). ``mac_key``: authenticate the unit (see the module docstring);
+    without one the header carries ``mac`` (a store re-encoding a unit keeps its MAC)."""
     tokens = np.asarray(token_ids, dtype="<u4")
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported unit dtype {dtype!r}; supported: {sorted(DTYPE_CODES)}")
@@ -86,9 +109,12 @@ def encode_parts(
     header_len = _FIXED.size + tokens.nbytes
     fixed = _FIXED.pack(
         MAGIC, VERSION, DTYPE_CODES[dtype], 0, header_len, namespace, key, parent, len(tokens),
-        num_layers, dim, len(payload), xxhash.xxh3_64_intdigest(payload),
+        num_layers, dim, len(payload), xxhash.xxh3_64_intdigest(payload), NO_MAC if mac_key else mac,
     )
-    return fixed + tokens.tobytes(), payload
+    header = fixed + tokens.tobytes()
+    if mac_key is not None:
+        header = header[:_MAC_AT] + mac_of(mac_key, header, payload) + header[_FIXED.size :]
+    return header, payload
 
 
 def read_header(buf: bytes | memoryview) -> UnitHeader:
@@ -96,7 +122,7 @@ def read_header(buf: bytes | memoryview) -> UnitHeader:
     if len(buf) < _FIXED.size:
         raise UnitCorrupt(f"truncated header ({len(buf)} bytes)")
     (magic, version, dtype_code, _, header_len, ns, key, parent, n_tok, n_layers, dim,
-     payload_len, checksum) = _FIXED.unpack_from(buf, 0)
+     payload_len, checksum, mac) = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise UnitCorrupt("bad magic")
     if version != VERSION:
@@ -111,14 +137,14 @@ def read_header(buf: bytes | memoryview) -> UnitHeader:
     if len(buf) < header_len:
         raise UnitCorrupt("truncated token ids")
     tokens = tuple(np.frombuffer(buf, dtype="<u4", count=n_tok, offset=_FIXED.size).tolist())
-    return UnitHeader(ns, key, parent, tokens, n_layers, dim, dtype, payload_len, checksum, header_len)
+    return UnitHeader(ns, key, parent, tokens, n_layers, dim, dtype, payload_len, checksum, header_len, mac)
 
 
 def decode(
-    buf: bytes | memoryview, namespace: bytes, key: bytes, token_ids=None
+    buf: bytes | memoryview, namespace: bytes, key: bytes, token_ids=None, mac_key: bytes | None = None,
 ) -> tuple[UnitHeader, memoryview]:
-    """Verify ``buf`` as the unit ``key`` of ``namespace`` (and, when given, ``token_ids``);
-    returns the header and a view of the payload."""
+    """Verify ``buf`` as the unit ``key`` of ``namespace`` (and, when given, ``token_ids``, and
+    that a holder of ``mac_key`` wrote it); returns the header and a view of the payload."""
     h = read_header(buf)
     if h.namespace != namespace:
         raise UnitCorrupt("namespace mismatch")
@@ -127,11 +153,13 @@ def decode(
     if token_ids is not None and tuple(int(t) for t in token_ids) != h.token_ids:
         raise UnitCorrupt("token ids mismatch")
     tokens_raw = bytes(memoryview(buf)[_FIXED.size : h.header_len])
-    if xxhash.xxh3_128_digest(h.parent + tokens_raw) != key:
+    if chain_hash(namespace, h.parent, tokens_raw) != key:
         raise UnitCorrupt("key is not the chain hash of parent and tokens")
     if len(buf) != h.file_len:
         raise UnitCorrupt(f"file is {len(buf)} bytes, header says {h.file_len}")
     payload = memoryview(buf)[h.header_len :]
     if xxhash.xxh3_64_intdigest(payload) != h.checksum:
         raise UnitCorrupt("payload checksum mismatch")
+    if mac_key is not None and not hmac.compare_digest(mac_of(mac_key, memoryview(buf)[: h.header_len], payload), h.mac):
+        raise UnitCorrupt("MAC mismatch: the unit was not written by a holder of this cluster's MAC key")
     return h, payload

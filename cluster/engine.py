@@ -82,11 +82,12 @@ class EngineConfig:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
 
 
-def cache_namespace(mcfg, weights_digest: str, dtype: torch.dtype) -> Namespace:
+def cache_namespace(mcfg, weights_digest: str, dtype: torch.dtype, secret: bytes = b"") -> Namespace:
     """The cache namespace of a model: units never cross architectures, checkpoints, dtypes or
-    KV layouts (the ingress computes it too, to look a prompt's units up before routing)."""
+    KV layouts (the ingress computes it too, to look a prompt's units up before routing).
+    ``secret``: the cluster's cache secret (keys the unit hash and authenticates units)."""
     return Namespace(mcfg.fingerprint(), weights_digest, str(dtype).removeprefix("torch."),
-                     f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS)
+                     f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS, secret=secret)
 
 
 class Engine:

@@ -19,7 +19,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.llm_server import LLMServer
+from cachedir.hashing import read_secret
 from deploy.ep_admin import ep_control_name
+from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
 from deploy.openai_api import OpenAIIngress
 from deploy.protocol import KeyGrant, Limits
 from model.config import check_checkpoint_dir
@@ -67,6 +69,11 @@ class AppArgs(BaseModel):
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
     cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
     agent_token_env: str | None = None  # env var holding the cache agents' token (default: a random one per deploy)
+    # a file (mode 0600, on every node) holding the cluster's cache secret: unit keys are hashed
+    # and units authenticated under it, so a unit forged by anyone holding the agent token is a
+    # miss; replicas and the ingress read it, cache agents never do. Default: $TIDE_CACHE_SECRET_FILE
+    # (`tide up` makes one in $TIDE_HOME/run); unset: units are checked for damage only
+    cache_secret_file: str | None = None
     agent_tls_cert_file: str | None = None  # PEM files on every node: agents serve gRPC over TLS
     agent_tls_key_file: str | None = None  # (the certificate must name the node's IP)
     agent_tls_ca_file: str | None = None
@@ -81,6 +88,9 @@ class AppArgs(BaseModel):
     # key -> "TENANT" or "TENANT:MODEL[+MODEL...]" (the models it may use; default all);
     # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
     api_keys: dict[str, str] | None = None
+    # with keys, only /health and /version answer without one; list any of /metrics, /docs,
+    # /redoc, /openapi.json here to serve them without a key too (e.g. a Prometheus without one)
+    public_paths: list[str] = Field(default_factory=list)
     limits: dict[str, int] | None = None
     # True: the HTTP ingress runs on the head node (beside its proxy), so losing a worker node
     # never loses a request's ingress — only its replica, and the request continues elsewhere
@@ -100,6 +110,14 @@ class AppArgs(BaseModel):
         if limits:
             Limits(**limits)  # ValueError naming a misspelled or out-of-range limit
         return limits
+
+    @field_validator("public_paths")
+    @classmethod
+    def _public(cls, paths: list[str]) -> list[str]:
+        bad = sorted(set(paths) - OPTIONAL_PUBLIC_PATHS)
+        if bad:
+            raise ValueError(f"public_paths may name {', '.join(sorted(OPTIONAL_PUBLIC_PATHS))}; not {', '.join(bad)}")
+        return paths
 
     @field_validator("api_keys")
     @classmethod
@@ -243,6 +261,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     _record_app_args(a)
     checkpoint = a.checkpoint or str(default_checkpoint())
     check_checkpoint_dir(checkpoint)  # a bad one fails here, not in every replica
+    secret_file = a.cache_secret_file or os.environ.get("TIDE_CACHE_SECRET_FILE") or None
+    read_secret(secret_file)  # a missing or world-readable file fails here, not in every replica
     server_cfg = {
         "checkpoint": checkpoint, "dtype": a.dtype, "device": a.device,
         "cache_dir": a.cache_dir or str(cache_root() / "cache"),
@@ -252,6 +272,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "max_prefill_tokens": a.max_prefill_tokens, "itl_factor": a.itl_factor, "directory_url": a.directory_url,
         "directory_namespace": a.directory_namespace,
         "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
+        "cache_secret_file": secret_file,
     }
     if a.expert_shards:
         server_cfg.update(_expert_shards(checkpoint, a))
@@ -302,6 +323,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "directory_url": a.directory_url if a.router == "cache-aware" else None,
         "directory_namespace": a.directory_namespace, "directory_password": password,
         "directory_ca_file": a.directory_tls_ca_file, "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
+        "cache_secret_file": secret_file, "public_paths": a.public_paths,
     }
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
                                max_ongoing_requests=256)

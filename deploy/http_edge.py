@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 from deploy.protocol import KeyGrant, error_body
 
-__all__ = ["EdgeConfig", "EdgeMiddleware", "find_grant"]
+__all__ = ["OPTIONAL_PUBLIC_PATHS", "PUBLIC_PATHS", "EdgeConfig", "EdgeMiddleware", "find_grant"]
 
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/openapi.json", "/redoc"})
+# served without a key when keys are configured; /metrics and the API docs (/docs, /redoc,
+# /openapi.json) are protected unless an operator adds them (AppArgs.public_paths)
+PUBLIC_PATHS = frozenset({"/health", "/version"})
+OPTIONAL_PUBLIC_PATHS = frozenset({"/metrics", "/docs", "/openapi.json", "/redoc"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,18 @@ def _redis_password_path() -> Path:
     return cache_root() / "run" / "redis.password"
 
 
+def _cache_secret_file() -> str:
+    """This cluster's cache secret (``AppArgs.cache_secret_file``): made once, in a file only this
+    user can read, kept across `tide up`s so the units on disk stay valid."""
+    path = cache_root() / "run" / "cache.secret"
+    if not path.is_file():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    return str(path)
+
+
 def _start_redis(workdir: Path) -> tuple[int, str]:
     """A redis-server on loopback that requires a fresh password. The password is kept in a
     file only this user can read (never in the URL, the state file or the Serve config) and put
@@ -96,7 +108,8 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
             raise ValueError(f"--device cuda needs {need} GPU(s) (one per replica, one per expert shard); "
                              f"this machine's Ray cluster has {have}")
         serve.start(http_options={"host": host, "port": port})
-        app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url}
+        app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url,
+                    "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
         if "redis_pid" in state and not app_args.get("directory_password_env"):
             app_args["directory_password_env"] = REDIS_PASSWORD_ENV
         state["app_args"] = app_args  # `tide scale` redeploys with another replica count

@@ -37,10 +37,10 @@ from actors.pd_handoff import read_prefill
 from actors.serve_bind import bind_replica_grpc_to_node
 from cachedir.directory import open_directory
 from cachedir.directory.base import DirectoryUnavailable
-from cachedir.hashing import chain_keys
+from cachedir.hashing import chain_keys, read_secret
 from cluster.engine import UNIT_TOKENS, cache_namespace
 from cluster.request import PrefixPlan, RequestMigrated
-from deploy.http_edge import EdgeConfig, EdgeMiddleware
+from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -212,7 +212,8 @@ class OpenAIIngress:
         keys = cfg.get("api_keys") or None
         self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
-        api.state.edge = EdgeConfig(self.api_keys, self.limits.max_body_bytes)  # read by deploy.http_edge
+        api.state.edge = EdgeConfig(self.api_keys, self.limits.max_body_bytes,  # read by deploy.http_edge
+                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()))
         self.metrics = _Metrics()
         self.directory = self.namespace = None
         if cfg.get("directory_url"):
@@ -221,7 +222,8 @@ class OpenAIIngress:
             self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve",
                                             password=cfg.get("directory_password"),
                                             ssl_ca_certs=cfg.get("directory_ca_file"))
-            self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")))
+            self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")),
+                                             read_secret(cfg.get("cache_secret_file")))
 
     async def _plan(self, req: dict) -> PrefixPlan | None:
         """The prompt's prefix plan: the keys of its whole units (hashed here, once) and the

@@ -102,8 +102,9 @@ class AgentClient:
             raise self._error(e, "has") from None
         return list(reply.tiers)
 
-    def push(self, encoded_units: Iterable[bytes]) -> tuple[int, int]:
-        """Send units (encoded files); returns (accepted, rejected)."""
+    def push(self, encoded_units: Iterable[bytes], replace: frozenset[int] = frozenset()) -> tuple[int, int]:
+        """Send units (encoded files); returns (accepted, rejected). The units at the positions in
+        ``replace`` replace the agent's copy under their key (which failed its reader's checks)."""
 
         def chunks() -> Iterator[agent_pb2.UnitChunk]:
             for i, data in enumerate(encoded_units):
@@ -111,7 +112,8 @@ class AgentClient:
                 n = max(1, -(-len(view) // CHUNK_BYTES))
                 for c in range(n):
                     yield agent_pb2.UnitChunk(index=i, data=bytes(view[c * CHUNK_BYTES : (c + 1) * CHUNK_BYTES]),
-                                              size=len(view) if c == 0 else 0, last=c == n - 1)
+                                              size=len(view) if c == 0 else 0, last=c == n - 1,
+                                              replace=c == 0 and i in replace)
 
         try:
             reply = self._stub.Push(chunks(), timeout=self.timeout_s, metadata=self._metadata)

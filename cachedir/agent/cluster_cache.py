@@ -11,6 +11,11 @@ avoided for ``suspect_s``: a hanging or lying peer costs one bounded wait, not o
 A directory that is down or slow means local units only; an agent that is down means no hit.
 ``persist`` pushes new units to the node's agent in the background.
 
+With the cluster's cache ``secret`` every unit is written with its namespace's MAC and every
+unit read must carry it: a unit forged by anyone who can push to or serve from an agent (they
+hold the agent token, not the secret) is a miss, and the recomputed unit replaces this node's
+forged copy when it is persisted.
+
 It keeps the bytes and seconds of every load by source (``transfer``) so the prefill load
 balancer can use measured bandwidths.
 """
@@ -26,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.directory.base import Directory, DirectoryUnavailable
+from cachedir.hashing import unit_mac_key
 from cachedir.node_cache import LoadedUnit
 from cachedir.unit import Unit
 from cachedir.unitfile import UnitCorrupt, decode
@@ -47,9 +53,12 @@ class ClusterCache:
         io_threads: int = 8,
         live_ttl_s: float = 1.0,
         suspect_s: float = 30.0,
+        secret: bytes = b"",
     ) -> None:
-        """``local`` is this node's agent; ``client_for(address)`` gives a client for another."""
+        """``local`` is this node's agent; ``client_for(address)`` gives a client for another;
+        ``secret``: the cluster's cache secret (units are authenticated under it)."""
         self.node_id = node_id
+        self._secret = secret
         self.local = local
         self.directory = directory
         self._client_for = client_for
@@ -60,6 +69,7 @@ class ClusterCache:
         self._lock = threading.Lock()
         self._holders: OrderedDict[bytes, list[str]] = OrderedDict()  # remote key -> live holders
         self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be cached somewhere
+        self._bad_local: OrderedDict[bytes, None] = OrderedDict()  # this node's copy failed verification
         self._live: tuple[float, dict[str, str]] = (-1e18, {})
         self._live_ttl_s = live_ttl_s
         self._suspect_s = suspect_s
@@ -237,18 +247,23 @@ class ClusterCache:
             return node, got
         nbytes = 0
         lied = False
+        mac_key = unit_mac_key(self._secret, namespace)
         for i, item in zip(idx, found, strict=True):
             if item is None:
                 continue
             tier, data = item
             try:
-                h, payload = decode(data, namespace, keys[i], tokens[i])
+                h, payload = decode(data, namespace, keys[i], tokens[i], mac_key=mac_key)
             except UnitCorrupt:
                 self._count("verify_failures")
                 lied = True
+                if node is None:  # persisting the recomputed unit replaces this copy
+                    with self._lock:
+                        self._held.pop(keys[i], None)
+                        self._remember(self._bad_local, keys[i], None)
                 continue
             nbytes += len(data)
-            unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype)
+            unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac)
             got[i] = LoadedUnit(unit, tier if node is None else "remote")
         if lied and node is not None:
             self._suspect(node)
@@ -268,9 +283,15 @@ class ClusterCache:
             for u in units:
                 self._remember(self._held, u.key, None)
 
+        with self._lock:
+            replace = frozenset(i for i, u in enumerate(units) if u.key in self._bad_local)
+            for i in replace:
+                del self._bad_local[units[i].key]
+
         def push() -> bool:
             try:
-                accepted, _ = self.local.push(u.encode() for u in units)
+                accepted, _ = self.local.push((u.encode(unit_mac_key(self._secret, u.namespace)) for u in units),
+                                              replace=replace)
             except AgentError as e:
                 self._agent_error(e)
                 return False

@@ -86,8 +86,10 @@ class NodeAgent:
     def has(self, keys: Sequence[bytes]) -> list[str]:
         return self.cache.has(keys)
 
-    def accept(self, encoded: bytes) -> bool:
-        """Store a pushed unit, unless it fails verification or this node evicted it lately."""
+    def accept(self, encoded: bytes, replace: bool = False) -> bool:
+        """Store a pushed unit, unless it fails verification or this node evicted it lately.
+        ``replace``: the pusher (a replica, which checks units' MACs) found the copy held under
+        this key forged or damaged; it is dropped and this one kept."""
         try:
             key = read_header(encoded).key
         except UnitCorrupt:
@@ -95,7 +97,9 @@ class NodeAgent:
         cooldown = self.cfg.replication.cooldown_s if self.cfg.replication is not None else 0.0
         with self._lock:
             gone = self._removed.get(key) if key is not None else None
-        refused = key is None or (gone is not None and time.monotonic() - gone < cooldown)
+        refused = key is None or (not replace and gone is not None and time.monotonic() - gone < cooldown)
+        if not refused and replace:
+            self.cache.remove([key])
         ok = not refused and self.cache.accept(encoded) is not None
         with self._lock:
             self.counters["push_accepted" if ok else "push_refused"] += 1

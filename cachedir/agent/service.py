@@ -88,18 +88,19 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
         accepted = rejected = 0
         parts: list[bytes] | None = None
         size = got = 0
+        replace = False
         for chunk in request_iterator:
             if parts is None:
                 if not chunk.size or chunk.size > MAX_UNIT_BYTES:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"a unit's first chunk must give its size (1..{MAX_UNIT_BYTES}), got {chunk.size}")
-                parts, size, got = [], chunk.size, 0
+                parts, size, got, replace = [], chunk.size, 0, chunk.replace
             parts.append(chunk.data)
             got += len(chunk.data)  # a running count: summing every part per chunk was quadratic
             if got > size:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unit {chunk.index} is longer than its size {size}")
             if chunk.last:
-                ok = got == size and self.b.accept(b"".join(parts))
+                ok = got == size and self.b.accept(b"".join(parts), replace=replace)
                 accepted += ok
                 rejected += not ok
                 parts = None

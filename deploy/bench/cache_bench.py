@@ -117,6 +117,39 @@ class _StoreRuns:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _integrity_costs(ns: Namespace, units: list[Unit], repeats: int) -> dict[str, Any]:
+    """What authenticating units costs the host, per unit (median of ``repeats``): the keyed
+    chain hash (BLAKE2b-128) against the unkeyed xxh3-128 it replaced, and the payload MAC
+    (HMAC-SHA256) against the xxh3-64 checksum every unit also carries."""
+    import xxhash
+
+    from cachedir.hashing import unit_mac_key
+    from cachedir.unitfile import mac_of
+
+    raw = [np.asarray(u.token_ids, dtype="<u4").tobytes() for u in units]
+    headers = [u.encode_parts()[0] for u in units]
+    key = unit_mac_key(b"bench-secret-0123456789", ns.seed)
+
+    def per_unit(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) / len(units))
+        return statistics.median(times)
+
+    blake = per_unit(lambda: chain_keys(ns.seed, np.concatenate([np.frombuffer(r, "<u4") for r in raw]), UNIT_TOKENS))
+    xxh = per_unit(lambda: [xxhash.xxh3_128_digest(ns.seed + r) for r in raw])
+    mac = per_unit(lambda: [mac_of(key, h, u.payload) for h, u in zip(headers, units, strict=True)])
+    checksum = per_unit(lambda: [xxhash.xxh3_64_intdigest(u.payload) for u in units])
+    unit_bytes = len(units[0].payload)
+    return {
+        "key_hash_us_per_unit": {"blake2b_128_keyed": round(blake * 1e6, 2), "xxh3_128": round(xxh * 1e6, 2)},
+        "mac_us_per_unit": round(mac * 1e6, 1), "mac_gb_per_s": round(unit_bytes / mac / 1e9, 3),
+        "checksum_us_per_unit": round(checksum * 1e6, 1), "checksum_gb_per_s": round(unit_bytes / checksum / 1e9, 3),
+    }
+
+
 def run_unit_io(
     root: Path | None = None, total_mb: int = 256, layouts: tuple[str, ...] = LAYOUTS,
     run_units: int = READ_RUN_UNITS, repeats: int = 3,
@@ -160,6 +193,7 @@ def run_unit_io(
                     "write_fraction_of_raw": round(w / raw_w, 3),
                     "read_fraction_of_raw": round(r / raw_r, 3),
                 }
+            result["integrity"] = _integrity_costs(ns, units, repeats)
             out[shape] = result
     return out
 

@@ -155,7 +155,8 @@ def bench_unit_io(
     written in runs (a request's units, all runs queued at once) and read back cold (page cache
     dropped) run after run. Each repeat writes raw and every layout first, then reads them all;
     reads (raw too) are timed on a second pass, once the store's staging buffers are in use, as
-    in a running server."""
+    in a running server. ``integrity``: the host cost per unit of the keyed unit hash and the
+    unit MAC (beside the unkeyed hash and the checksum)."""
     from cachedir.layout import LAYOUTS
     from deploy.bench.cache_bench import run_unit_io
 

@@ -41,7 +41,19 @@ def cluster(redis_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(cluster, checkpoint):
+def secret_file(tmp_path_factory) -> str:
+    """The cluster's cache secret: units are authenticated under it, so every hit below passed
+    its MAC (and every server and app here hashes keys under it)."""
+    import os
+
+    path = tmp_path_factory.mktemp("secret") / "cache.secret"
+    path.write_text("agents-test-cache-secret-0123456789")
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def servers(cluster, checkpoint, secret_file):
     import ray
 
     from actors.llm_server import LLMServer
@@ -50,6 +62,7 @@ def servers(cluster, checkpoint):
     out = [
         ray.remote(num_cpus=0, resources={f"node{i}": 0.01})(LLMServer).remote({
             "checkpoint": str(checkpoint), "num_pages": 256, "max_num_seqs": 8, "cache_agents": agent_cfg,
+            "cache_secret_file": secret_file,
         })
         for i in range(2)
     ]
@@ -128,6 +141,9 @@ def test_prefix_from_node_a_is_served_on_node_b(servers, checkpoint, directory):
     on_b = _run(b, prompt)
     assert on_b["tokens"] == want  # token-identical, from A's units
     assert on_b["sources"]["remote"] == 3 * 64 and on_b["cached_tokens"] == 3 * 64
+    import ray
+
+    assert ray.get(b.stats.remote())["cache"]["verify_failures"] == 0  # A's MACs checked out on B
 
 
 def test_a_hot_unit_gets_a_second_replica(servers, directory):
@@ -221,7 +237,7 @@ class _PrefixLookups:
 
 @pytest.mark.parametrize("router", ["cache-aware", "round-robin"])
 def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
-    cluster, servers, checkpoint, redis_server, directory, router, monkeypatch
+    cluster, servers, checkpoint, redis_server, directory, router, monkeypatch, secret_file
 ):
     """Two Serve replicas on two nodes: after one request computed a prompt, the cache-aware
     router sends the next request with that prefix to the same node (its units load locally);
@@ -244,6 +260,7 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
         "checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 0.5, "max_replicas_per_node": 1,
         "num_pages": 256, "cache_dir": agent_cfg["cache_dir"], "directory_url": redis_server.url,
         "directory_namespace": "agents-test", "router": router, "agent_token_env": "TIDE_TEST_AGENT_TOKEN",
+        "cache_secret_file": secret_file,
     })
     serve.run(app, name=f"route-{router}", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"

@@ -491,3 +491,40 @@ def test_a_peer_cannot_make_the_client_buffer_more_than_a_declared_unit(mode):
     finally:
         client.close()
         server.stop(grace=0)
+
+
+def test_a_unit_forged_by_a_token_holder_is_a_miss_and_the_real_one_replaces_it(tmp_path):
+    """Anyone with the agent token can push a self-consistent unit (right namespace, key and
+    tokens; zero KV). A cache with the cluster's secret rejects it, and the unit the replica
+    recomputes and persists replaces the forged copy (first writer does not win)."""
+    from tests.cachedir.test_hashing_unitfile import SECRET_NS, _forge
+
+    d = MemoryDirectory("forge")
+    me = _agent(tmp_path, "me", d, token="agent-token")
+    units = make_units(TOKENS, SECRET_NS)
+    keys, tokens = [u.key for u in units], [u.token_ids for u in units]
+    insider = AgentClient(me.address, "agent-token")
+    assert insider.push([_forge(u, bytes(len(u.payload))) for u in units]) == (4, 0)
+    client = lambda a: AgentClient(a, "agent-token")  # noqa: E731
+    unkeyed = ClusterCache(me.node_id, AgentClient(me.address, "agent-token"), d, client)
+    cache = ClusterCache(me.node_id, AgentClient(me.address, "agent-token"), d, client, secret=SECRET_NS.secret)
+    try:
+        # without the secret the forgery passes every check: that is what the MAC is for
+        assert [bytes(x.unit.payload) for x in unkeyed.load_async(keys, SECRET_NS.seed, tokens).result(30)] == [
+            bytes(len(u.payload)) for u in units]
+        assert cache.lookup(keys) == ["ssd"] * 4
+        assert cache.load_async(keys, SECRET_NS.seed, tokens).result(30) == [None] * 4
+        assert cache.stats()["verify_failures"] == 4 and not cache.holds(keys[0])
+        # the engine recomputes and persists: its units replace the forged ones
+        assert all(f.result(30) for f in cache.persist(units))
+        loaded = cache.load_async(keys, SECRET_NS.seed, tokens).result(30)
+        assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+        # a second forged push does not displace them (no replace flag), and a replaced key is
+        # pushed with the flag only once
+        insider.push([_forge(units[0], bytes(len(units[0].payload)))])
+        assert cache.load_async(keys[:1], SECRET_NS.seed, tokens[:1]).result(30)[0] is not None
+    finally:
+        cache.close()
+        unkeyed.close()
+        insider.close()
+        me.close()

@@ -79,3 +79,61 @@ def test_a_chain_goes_on_from_a_parent_key_as_if_hashed_from_token_0():
     whole = chain_keys(b"seed", ids, 64)
     head = chain_keys(b"seed", ids[: 64 * 2], 64)
     assert head + chain_keys(b"seed", ids[64 * 2 :], 64, parent=head[-1]) == whole
+
+
+SECRET_NS = Namespace(NS.model_fingerprint, NS.weights_revision, NS.kv_dtype, NS.kv_layout, 64, secret=b"s" * 32)
+
+
+def test_the_cache_secret_keys_the_hash_and_never_shows():
+    toks = list(range(128))
+    other = Namespace(NS.model_fingerprint, NS.weights_revision, NS.kv_dtype, NS.kv_layout, 64, secret=b"t" * 32)
+    assert len({chain_keys(ns.seed, toks, 64)[0] for ns in (NS, SECRET_NS, other)}) == 3
+    assert SECRET_NS.for_tenant("acme").secret == SECRET_NS.secret
+    assert SECRET_NS.for_tenant("acme").mac_key not in (None, SECRET_NS.mac_key)  # one MAC key per tenant
+    assert NS.mac_key is None and "sss" not in repr(SECRET_NS)
+
+
+def _forge(unit, payload: bytes) -> bytes:
+    """A self-consistent unit with another payload: right namespace, key, parent, tokens and
+    checksum, as anyone who can read the unit files (or holds the agent token) can make."""
+    from cachedir.unitfile import encode
+
+    return encode(unit.namespace, unit.key, unit.parent, unit.token_ids, payload, unit.num_layers, unit.dim, unit.dtype)
+
+
+def test_a_mac_proves_who_wrote_the_unit():
+    unit = make_units(list(range(64)), SECRET_NS)[0]
+    good = unit.encode(SECRET_NS.mac_key)
+    h, payload = decode(good, unit.namespace, unit.key, unit.token_ids, mac_key=SECRET_NS.mac_key)
+    assert bytes(payload) == bytes(unit.payload) and h.mac != bytes(32)
+    decode(good, unit.namespace, unit.key, unit.token_ids)  # a store without the key checks damage only
+    forged = _forge(unit, bytes(len(unit.payload)))  # zero KV
+    decode(forged, unit.namespace, unit.key, unit.token_ids)  # self-consistent: passes every other check
+    for bad in (forged, unit.encode(), unit.encode(SECRET_NS.for_tenant("x").mac_key)):
+        with pytest.raises(UnitCorrupt, match="MAC mismatch"):
+            decode(bad, unit.namespace, unit.key, unit.token_ids, mac_key=SECRET_NS.mac_key)
+    # the MAC covers the header too: the same payload under a changed field fails
+    tampered = bytearray(good)
+    tampered[11] ^= 1  # the reserved byte: no other check reads it
+    decode(bytes(tampered), unit.namespace, unit.key, unit.token_ids)
+    with pytest.raises(UnitCorrupt, match="MAC mismatch"):
+        decode(bytes(tampered), unit.namespace, unit.key, unit.token_ids, mac_key=SECRET_NS.mac_key)
+
+
+def test_the_secret_file_must_be_private_and_long_enough(tmp_path):
+    import os
+
+    from cachedir.hashing import read_secret
+
+    path = tmp_path / "cache.secret"
+    with pytest.raises(ValueError, match="No such file"):
+        read_secret(str(path))
+    path.write_text("x" * 40)
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        read_secret(str(path))
+    os.chmod(path, 0o600)
+    assert read_secret(str(path)) == b"x" * 40 and read_secret(None) == b""
+    path.write_text("short\n")
+    with pytest.raises(ValueError, match="at least 16"):
+        read_secret(str(path))

@@ -571,3 +571,57 @@ def test_a_merge_that_meets_a_damaged_unit_removes_and_counts_it(tmp_path):
     assert len(_segment_files(tmp_path)) == 1
     assert _read(store, kept) == kept
     store.check_integrity()
+
+
+def _record_fsyncs(monkeypatch) -> list[str]:
+    """Every path fsynced from here on, in order (a directory's too)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_what_is_acknowledged_or_removed_is_synced_to_its_directory(tmp_path, layout, monkeypatch):
+    """A rename, an unlink or a tombstone survives a power loss only once the file and its
+    directory are fsynced: a stored unit's directory entry, a removed unit's (evicted units came
+    back after a power loss), a tombstone, and the pins file."""
+    store = _store(tmp_path, layout)
+    units = make_units(list(range(64 * 6)))
+    synced = _record_fsyncs(monkeypatch)
+    store.put(units[0])
+    path = store.location(units[0].key).path
+    data = [i for i, f in enumerate(synced) if f.startswith(str(path.parent / f".{path.name}."))]  # its temporary
+    assert data and str(path.parent) in synced[data[0] + 1 :]  # the data, then (renamed) its name
+    for u in units[1:]:
+        store.put(u)
+    synced.clear()
+    where = store.location(units[1].key).path
+    shared = any(store.location(u.key).path == where for u in units[2:])
+    store.remove(units[1].key)
+    store.flush()
+    # a unit file's unlink, a segment's last record's (the segment goes), or a record's tombstone
+    assert str(where if layout == "segment" and shared else where.parent) in synced
+    synced.clear()
+    store.pin([units[3].key])
+    assert synced[-2:] == [str(tmp_path / "ssd" / "pinned.tmp"), str(tmp_path / "ssd")]
+    store.close()
+
+
+def test_one_store_per_directory(tmp_path, layout):
+    from cachedir.store import StoreLocked
+
+    store = _store(tmp_path, layout)
+    with pytest.raises(StoreLocked, match=f"in use by another store \\(pid {os.getpid()}\\)"):
+        _store(tmp_path, layout)
+    code = ("import sys; from cachedir.store import StoreConfig, StoreLocked, UnitStore\n"
+            f"try: UnitStore(StoreConfig({str(tmp_path / 'ssd')!r}, 1 << 20))\n"
+            "except StoreLocked as e: print(e); sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and f"pid {os.getpid()}" in r.stdout  # another process too
+    store.close()
+    _store(tmp_path, layout).close()  # free again once closed

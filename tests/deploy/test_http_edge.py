@@ -32,6 +32,10 @@ def _app() -> tuple[FastAPI, list]:
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics():
+        return {"tide_requests_total": 0}
+
     return app, seen
 
 
@@ -74,6 +78,21 @@ def test_a_missing_or_wrong_key_is_refused_before_the_body_is_read():
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert seen == [] and body.sent <= 1  # nothing past the first chunk was pulled from the client
     assert _call(app, "GET", "/health").status_code == 200  # public paths need no key
+
+
+@pytest.mark.security
+def test_metrics_and_docs_need_a_key_unless_made_public():
+    from deploy.app import AppArgs
+    from deploy.http_edge import PUBLIC_PATHS
+
+    app, _ = _app()
+    for path in ("/metrics", "/docs", "/openapi.json"):
+        assert _call(app, "GET", path).status_code == 401, path
+    assert _call(app, "GET", "/metrics", headers={"Authorization": "Bearer sk-a"}).status_code == 200
+    app.state.edge = EdgeConfig(app.state.edge.api_keys, LIMIT, PUBLIC_PATHS | {"/metrics"})
+    assert _call(app, "GET", "/metrics").status_code == 200 and _call(app, "GET", "/docs").status_code == 401
+    with pytest.raises(ValueError, match="not /v1/chat/completions"):
+        AppArgs(public_paths=["/metrics", "/v1/chat/completions"])
 
 
 @pytest.mark.security

@@ -19,17 +19,20 @@ class FakeCustomObjects:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.patches: list[tuple[str, str, dict]] = []
+        self.calls: set[tuple[str, str, str]] = set()  # (plural, verb, name)
 
     def put(self, plural: str, namespace: str, obj: dict) -> None:
         self.objects[(plural, namespace, obj["metadata"]["name"])] = copy.deepcopy(obj)
 
     def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        self.calls.add((plural, "get", name))
         try:
             return copy.deepcopy(self.objects[(plural, namespace, name)])
         except KeyError:
             raise RuntimeError(f"(404) {plural} {namespace}/{name} not found") from None
 
     def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body):
+        self.calls.add((plural, "patch", name))
         obj = self.objects[(plural, namespace, name)]
         _merge(obj, body)
         self.patches.append((plural, name, body))
@@ -72,6 +75,22 @@ def test_night_then_day_patches_the_service_and_the_live_cluster(api):
     live = api.get_namespaced_custom_object("ray.io", "v1", "tideserve", "rayclusters", "tideserve-abc12")
     assert _replicas(live["spec"], "lendable") == 2
     assert [p[0] for p in api.patches] == ["rayservices", "rayclusters"] * 2
+
+
+@pytest.mark.security
+def test_the_scaler_role_grants_exactly_what_a_night_and_day_use(api):
+    scale_worker_group(api, "tideserve", "tideserve", "lendable", 0)
+    scale_worker_group(api, "tideserve", "tideserve", "lendable", 2)
+    docs = list(yaml.safe_load_all((RAYSERVICE.parent / "rbac.yaml").read_text()))
+    role = next(d for d in docs if d["kind"] == "Role")
+    granted = {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
+    used = {(plural, verb) for plural, verb, _ in api.calls}
+    assert granted == used  # nothing the code does not use (rayjobs create/delete were granted)
+    for rule in role["rules"]:
+        names = {name for plural, _, name in api.calls if plural in rule["resources"]}
+        # the RayService by name; the live RayCluster's name is KubeRay's (tideserve-<random>)
+        assert rule.get("resourceNames") == (["tideserve"] if rule["resources"] == ["rayservices"] else None)
+        assert not rule.get("resourceNames") or names <= set(rule["resourceNames"])
 
 
 def test_dry_run_changes_nothing(api):

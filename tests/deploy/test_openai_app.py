@@ -265,7 +265,8 @@ def test_chat_logprobs_with_top_alternatives(client):
 
 
 def _token_sources(base_url) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", timeout=30).text
+    assert httpx.get(base_url + "/metrics", timeout=30).status_code == 401  # keys configured: /metrics needs one
+    text = httpx.get(base_url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}, timeout=30).text
     return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("tide_prompt_tokens_total{source=")}
 
@@ -451,7 +452,7 @@ def test_metrics(base_url, client, tide_home):
 
     deadline = time.monotonic() + 60
     while True:  # units are written after the request finishes, and counted once the agent indexed them
-        text = httpx.get(base_url + "/metrics", timeout=30).text
+        text = httpx.get(base_url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}, timeout=30).text
         units = _gauge_sum(text, "tide_cache_units", tier="ssd")
         on_disk = sum(p.stat().st_size for p in (tide_home / "cache").rglob("*")
                       if p.is_file() and p.suffix in (".seg", ".unit"))
