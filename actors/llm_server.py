@@ -27,7 +27,7 @@ from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
 from actors.serve_bind import bind_replica_grpc_to_node
 from actors.startup import StartupReporter
-from cachedir.agent.client import AgentClient
+from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.directory import open_directory
 from cachedir.hashing import chain_keys, read_secret
@@ -200,12 +200,8 @@ class LLMServer:
             directory = open_directory(agent_cfg["directory_url"], agent_cfg.get("directory_namespace") or "tideserve",
                                        password=agent_cfg.get("directory_password"),
                                        ssl_ca_certs=agent_cfg.get("directory_ca_file"))
-        clients: dict[str, AgentClient] = {}
-
-        def client_for(addr: str) -> AgentClient:
-            if addr not in clients:
-                clients[addr] = AgentClient(addr, token, ca, timeout_s=float(agent_cfg.get("fetch_timeout_s", 5.0)))
-            return clients[addr]
+        timeout_s = float(agent_cfg.get("fetch_timeout_s", 5.0))
+        client_for = ClientPool(lambda addr: AgentClient(addr, token, ca, timeout_s=timeout_s))
 
         return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), directory, client_for,
                             secret=self._secret)

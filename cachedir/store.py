@@ -80,6 +80,7 @@ class StoreConfig:
     merge_below: float = 1 / 16
     merge_min: int = 16
     staging_bytes: int = 256 << 20  # reusable read buffers (``cachedir.staging``)
+    queue_bytes: int = 1 << 30  # the most unit bytes waiting to be written; more are dropped
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -90,6 +91,8 @@ class StoreConfig:
             raise ValueError(f"max_age_s must be > 0, got {self.max_age_s}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.queue_bytes <= 0:
+            raise ValueError(f"queue_bytes must be > 0, got {self.queue_bytes}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown store layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
         if self.segment_bytes <= 0:
@@ -113,6 +116,7 @@ class StoreStats:
     bytes_written: int = 0
     writes: int = 0
     write_errors: int = 0
+    queue_full: int = 0  # units not queued: queue_bytes were already waiting (a slow disk)
     evictions: int = 0
     units: int = 0
     bytes: int = 0
@@ -137,6 +141,7 @@ class UnitStore:
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="unit-io")
         self.staging = StagingBuffers(cfg.staging_bytes)
         self._queue: deque[tuple[Unit, Future[bool]]] = deque()
+        self._queued_bytes = 0
         self._pending_writes: set[Future] = set()
         self._closing = False
         self._compacting: set[Path] = set()  # segments a compaction or merge is rewriting
@@ -407,15 +412,22 @@ class UnitStore:
 
     def put_many_async(self, units: Sequence[Unit]) -> list[Future[bool]]:
         """Queue ``units`` (together: a run lands in one segment); an I/O thread writes what the
-        queue holds as one batch. One future per unit, as ``put``."""
+        queue holds as one batch. One future per unit, as ``put``; False at once for a unit that
+        finds ``queue_bytes`` already waiting (a cache unit may be dropped; memory may not grow)."""
         futures: list[Future[bool]] = [Future() for _ in units]
+        queued = 0
         with self._lock:
             for u, fut in zip(units, futures, strict=True):
+                if self._queued_bytes + len(u.payload) > self.cfg.queue_bytes:
+                    self.stats.queue_full += 1
+                    fut.set_result(False)
+                    continue
+                self._queued_bytes += len(u.payload)
                 self._queue.append((u, fut))
                 self._pending_writes.add(fut)
-        for fut in futures:
-            fut.add_done_callback(self._write_done)
-        for _ in range(min(len(futures), self.cfg.io_threads)):
+                fut.add_done_callback(self._write_done)
+                queued += 1
+        for _ in range(min(queued, self.cfg.io_threads)):
             self._pool.submit(self._write_queued)
         return futures
 
@@ -428,6 +440,7 @@ class UnitStore:
                 while self._queue and (not batch or size + len(self._queue[0][0].payload) <= limit):
                     batch.append(self._queue.popleft())
                     size += len(batch[-1][0].payload)
+                self._queued_bytes -= size
             if not batch:
                 return
             try:

@@ -24,7 +24,7 @@ from zoneinfo import ZoneInfo
 
 from cluster.scaling import Schedule
 
-__all__ = ["NodeSample", "Prices", "JsonlLog", "UsageRecord", "daily_report", "read_jsonl"]
+__all__ = ["NodeSample", "Prices", "JsonlLog", "UsageRecord", "daily_report", "log_files", "read_jsonl"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +68,43 @@ class Prices:
 
 
 class JsonlLog:
-    """Append-only JSONL of records (``UsageRecord`` per finished request, ``NodeSample`` per change)."""
+    """Append-only JSONL of records (``UsageRecord`` per finished request, ``NodeSample`` per
+    change), bounded: past ``max_bytes`` the file becomes ``<name>.1`` (``.1`` becomes ``.2``, ...)
+    and the oldest beyond ``keep`` rotated files is deleted. ``log_files`` lists them all."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_bytes: int = 64 << 20, keep: int = 8) -> None:
+        if max_bytes <= 0 or keep < 1:
+            raise ValueError(f"max_bytes must be > 0 and keep >= 1, got {max_bytes}, {keep}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.keep = max_bytes, keep
 
     def append(self, record: UsageRecord) -> None:
+        line = json.dumps(asdict(record)) + "\n"
+        try:
+            if self.path.stat().st_size + len(line) > self.max_bytes:
+                self._rotate()
+        except FileNotFoundError:
+            pass
         with open(self.path, "a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
+            f.write(line)
+
+    def _rotate(self) -> None:
+        rotated = lambda i: self.path.with_name(f"{self.path.name}.{i}")  # noqa: E731
+        rotated(self.keep).unlink(missing_ok=True)
+        for i in range(self.keep - 1, 0, -1):
+            if rotated(i).exists():
+                rotated(i).replace(rotated(i + 1))
+        self.path.replace(rotated(1))
+
+
+def log_files(directory: Path, pattern: str = "*.jsonl") -> list[Path]:
+    """The logs matching ``pattern`` in ``directory`` and their rotated files, oldest first."""
+    out = []
+    for current in sorted(directory.glob(pattern)):
+        olds = [p for p in directory.glob(current.name + ".*") if p.suffix[1:].isdigit()]
+        out += sorted(olds, key=lambda p: -int(p.suffix[1:])) + [current]
+    return out
 
 
 def read_jsonl(paths: Iterable[str | Path], kind: type) -> list:

@@ -3,25 +3,68 @@ parsed (a pure ASGI middleware, so an unauthenticated or oversized request costs
 time nor memory).
 
 Each request under a protected path must carry a configured key (``Authorization: Bearer``;
-constant-time comparison, keys never logged) or get a 401; a ``POST`` body must be JSON or get a
-415, and fit ``max_body_bytes`` (its Content-Length, or counted as it arrives when chunked) or get
-a 413. The caller's ``KeyGrant`` is left in ``scope["state"]["grant"]`` for the route.
+constant-time comparison, keys never logged) or get a 401; a tenant over its quota (requests per
+second with a burst, requests at once; ``TenantQuotas``) gets a 429 with ``Retry-After``; a
+``POST`` body must be JSON or get a 415, and fit ``max_body_bytes`` (its Content-Length, or
+counted as it arrives when chunked) or get a 413. The caller's ``KeyGrant`` is left in
+``scope["state"]["grant"]`` for the route.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deploy.protocol import KeyGrant, error_body
 
-__all__ = ["OPTIONAL_PUBLIC_PATHS", "PUBLIC_PATHS", "EdgeConfig", "EdgeMiddleware", "find_grant"]
+__all__ = ["OPTIONAL_PUBLIC_PATHS", "PUBLIC_PATHS", "EdgeConfig", "EdgeMiddleware", "TenantQuotas", "find_grant"]
 
 # served without a key when keys are configured; /metrics and the API docs (/docs, /redoc,
 # /openapi.json) are protected unless an operator adds them (AppArgs.public_paths)
 PUBLIC_PATHS = frozenset({"/health", "/version"})
 OPTIONAL_PUBLIC_PATHS = frozenset({"/metrics", "/docs", "/openapi.json", "/redoc"})
+
+
+class TenantQuotas:
+    """Per tenant: a token bucket of ``rate_per_s`` requests a second holding up to ``burst``, and
+    at most ``concurrency`` requests at once (0: that quota is off). Per ingress replica."""
+
+    def __init__(self, rate_per_s: float = 0.0, burst: int = 0, concurrency: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate_per_s, self.burst, self.concurrency = rate_per_s, max(burst, 1), concurrency
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self._running: dict[str, int] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.rate_per_s > 0 or self.concurrency > 0
+
+    def admit(self, tenant: str) -> float | None:
+        """None: admitted (``release`` it when done); else the seconds until one would be."""
+        with self._lock:
+            if self.concurrency and self._running.get(tenant, 0) >= self.concurrency:
+                return 1.0
+            if self.rate_per_s > 0:
+                now = self._clock()
+                tokens, at = self._buckets.get(tenant, (float(self.burst), now))
+                tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
+                if tokens < 1.0:
+                    self._buckets[tenant] = (tokens, now)
+                    return (1.0 - tokens) / self.rate_per_s
+                self._buckets[tenant] = (tokens - 1.0, now)
+            self._running[tenant] = self._running.get(tenant, 0) + 1
+            return None
+
+    def release(self, tenant: str) -> None:
+        with self._lock:
+            self._running[tenant] -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +74,7 @@ class EdgeConfig:
     api_keys: dict[str, KeyGrant] | None
     max_body_bytes: int
     public_paths: frozenset[str] = field(default=PUBLIC_PATHS)
+    quotas: TenantQuotas | None = None
 
 
 def find_grant(api_keys: dict[str, KeyGrant], authorization: str) -> KeyGrant | None:
@@ -45,11 +89,11 @@ def find_grant(api_keys: dict[str, KeyGrant], authorization: str) -> KeyGrant | 
 
 
 async def _reply(send, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     body = json.dumps(error_body(message, type_, None, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *extra_headers]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -73,6 +117,23 @@ class EdgeMiddleware:
                 await _reply(send, 401, "missing or invalid API key", "authentication_error", "invalid_api_key")
                 return
         scope.setdefault("state", {})["grant"] = grant
+        quotas = cfg.quotas if cfg.quotas is not None and cfg.quotas.active and scope["path"].startswith("/v1/") else None
+        if quotas is not None:
+            wait_s = quotas.admit(grant.tenant)
+            if wait_s is not None:
+                await _reply(send, 429, "rate limit reached for this API key's tenant; retry after the Retry-After seconds",
+                             "rate_limit_error", "rate_limit_exceeded",
+                             ((b"retry-after", str(max(1, math.ceil(wait_s))).encode()),))
+                return
+            try:
+                await self._checked(scope, receive, send, cfg, headers)
+            finally:
+                quotas.release(grant.tenant)
+            return
+        await self._checked(scope, receive, send, cfg, headers)
+
+    async def _checked(self, scope, receive, send, cfg: EdgeConfig, headers: dict[str, str]) -> None:
+        """The content type and size checks, then the app."""
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return

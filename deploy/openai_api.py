@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,7 +41,7 @@ from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys, read_secret
 from cluster.engine import UNIT_TOKENS, cache_namespace
 from cluster.request import PrefixPlan, RequestMigrated
-from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware
+from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -212,8 +213,11 @@ class OpenAIIngress:
         keys = cfg.get("api_keys") or None
         self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
-        api.state.edge = EdgeConfig(self.api_keys, self.limits.max_body_bytes,  # read by deploy.http_edge
-                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()))
+        lim = self.limits
+        quotas = TenantQuotas(lim.tenant_requests_per_minute / 60,
+                              lim.tenant_burst or math.ceil(lim.tenant_requests_per_minute / 60), lim.tenant_concurrency)
+        api.state.edge = EdgeConfig(self.api_keys, lim.max_body_bytes,  # read by deploy.http_edge
+                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas)
         self.metrics = _Metrics()
         self.directory = self.namespace = None
         if cfg.get("directory_url"):

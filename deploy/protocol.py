@@ -72,6 +72,10 @@ class Limits(BaseModel):
     max_stop: int = Field(default=4, ge=0)
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
+    # per tenant and ingress replica, 0: off; over either a request is a 429 with Retry-After
+    tenant_requests_per_minute: int = Field(default=0, ge=0)
+    tenant_burst: int = Field(default=0, ge=0)  # requests a tenant may send at once (0: a second's worth)
+    tenant_concurrency: int = Field(default=0, ge=0)  # a tenant's requests under way at once
 
 
 class StreamOptions(BaseModel):

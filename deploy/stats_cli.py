@@ -1,7 +1,7 @@
 """``tide stats``: DeepSeek's daily report for this cluster (``cluster.daily_report``).
 
-Reads the usage logs every replica appends to (``$TIDE_HOME/usage/*.jsonl``, one line per finished
-request) and the serving-node log (``$TIDE_HOME/nodes.jsonl``: ``tide up`` and ``tide scale``
+Reads the usage logs every replica appends to (``$TIDE_HOME/usage/*.jsonl`` and their rotated
+files, one line per finished request) and the serving-node log (``$TIDE_HOME/nodes.jsonl``: ``tide up`` and ``tide scale``
 append a sample whenever the number of serving nodes changes).
 """
 
@@ -15,7 +15,14 @@ from pathlib import Path
 
 import typer
 
-from cluster.daily_report import NodeSample, Prices, UsageRecord, daily_report, read_jsonl
+from cluster.daily_report import (
+    NodeSample,
+    Prices,
+    UsageRecord,
+    daily_report,
+    log_files,
+    read_jsonl,
+)
 from cluster.scaling import Schedule
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -57,8 +64,8 @@ def stats(
     except ValueError as e:
         raise typer.BadParameter(f"--night/--tz: {e}") from None
     prices = Prices(price_hit, price_miss, price_output, node_hour_cost, night_discount, schedule)
-    usage = read_jsonl(sorted(usage_dir.glob("*.jsonl")), UsageRecord)
-    nodes = read_jsonl([nodes_log], NodeSample) if nodes_log.is_file() else []
+    usage = read_jsonl(log_files(usage_dir), UsageRecord)
+    nodes = read_jsonl(log_files(nodes_log.parent, nodes_log.name), NodeSample)
     report = daily_report(usage, nodes, window_s, now if now is not None else time.time(), prices)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")

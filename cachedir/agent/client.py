@@ -4,14 +4,16 @@ status code), so callers on a request path can treat any of them as a cache miss
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
 from cachedir.agent.service import CHUNK_BYTES, MAX_UNIT_BYTES
 
-__all__ = ["AgentClient", "AgentError"]
+__all__ = ["AgentClient", "AgentError", "ClientPool"]
 
 
 class AgentError(RuntimeError):
@@ -136,3 +138,34 @@ class AgentClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ClientPool:
+    """Clients by address, at most ``limit`` open: the least recently used is closed when another
+    address comes (agents that restart listen on new ports, so addresses keep coming)."""
+
+    def __init__(self, make: Callable[[str], AgentClient], limit: int = 64) -> None:
+        self._make, self._limit = make, limit
+        self._clients: OrderedDict[str, AgentClient] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, address: str) -> AgentClient:
+        with self._lock:
+            client = self._clients.get(address)
+            if client is not None:
+                self._clients.move_to_end(address)
+                return client
+            client = self._clients[address] = self._make(address)
+            while len(self._clients) > self._limit:
+                _, old = self._clients.popitem(last=False)
+                old.close()  # a call still under way on it fails: a miss, as a dead peer's
+            return client
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()

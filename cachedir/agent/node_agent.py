@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cachedir.agent.client import AgentClient
+from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.service import AgentBackend, ServerConfig, start_server
 from cachedir.directory.base import Directory
 from cachedir.node_cache import CacheConfig, NodeCache
@@ -63,7 +63,8 @@ class NodeAgent:
             if cfg.replication is not None:
                 self.replicator = Replicator(cfg.replication, self.node_id, directory,
                                              self._read_one, self._push_to)
-        self._clients: dict[str, AgentClient] = {}
+        self.client = ClientPool(lambda address: AgentClient(
+            address, self.cfg.server.token, self.cfg.tls_root_certificates, tls_server_name=self.cfg.tls_server_name))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cache-agent-sync", daemon=True)
         self._thread.start()
@@ -121,14 +122,6 @@ class NodeAgent:
         found = self.cache.read_encoded([key])[0]
         return found[1] if found is not None else None
 
-    def client(self, address: str) -> AgentClient:
-        c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = AgentClient(
-                address, self.cfg.server.token, self.cfg.tls_root_certificates,
-                tls_server_name=self.cfg.tls_server_name)
-        return c
-
     def _push_to(self, address: str, encoded: bytes) -> bool:
         accepted, _ = self.client(address).push([encoded])
         return accepted == 1
@@ -168,7 +161,6 @@ class NodeAgent:
         if self.replicator is not None:
             self.replicator.close()
         self.server.stop(grace=1.0)
-        for c in self._clients.values():
-            c.close()
+        self.client.close()
         self.cache.flush(timeout_s=30)
         self.cache.close()

@@ -63,14 +63,20 @@ def add_log2(a: float, b: float) -> float:
     return hi + math.log2(1.0 + 2.0 ** (lo - hi))
 
 
+MAX_HOT = 1 << 18  # hot units tracked per namespace (the coldest beyond it are forgotten)
+
+
 class Directory(ABC):
-    def __init__(self, namespace: str, half_life_s: float = 600.0) -> None:
+    def __init__(self, namespace: str, half_life_s: float = 600.0, max_hot: int = MAX_HOT) -> None:
         if not namespace or ":" in namespace:
             raise ValueError(f"namespace must be a non-empty string without ':', got {namespace!r}")
         if half_life_s <= 0:
             raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        if max_hot < 1:
+            raise ValueError(f"max_hot must be >= 1, got {max_hot}")
         self.namespace = namespace
         self.half_life_s = half_life_s
+        self.max_hot = max_hot
 
     @abstractmethod
     def register(self, node_id: str, keys: Sequence[bytes], tier: str = "ssd") -> None: ...
@@ -97,7 +103,8 @@ class Directory(ABC):
         """Drop every registration of nodes whose heartbeat expired; returns those nodes."""
 
     @abstractmethod
-    def record_hits(self, keys: Sequence[bytes], now_s: float) -> None: ...
+    def record_hits(self, keys: Sequence[bytes], now_s: float) -> None:
+        """Count a hit on each unit; at most ``max_hot`` units are tracked (the coldest go)."""
 
     @abstractmethod
     def hot_units(self, limit: int, max_replicas: int, now_s: float) -> list[HotUnit]: ...

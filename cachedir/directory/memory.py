@@ -3,22 +3,24 @@ single-node runs."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from cachedir.directory.base import Directory, Holder, HotUnit, PrefixMatch, add_log2
+from cachedir.directory.base import MAX_HOT, Directory, Holder, HotUnit, PrefixMatch, add_log2
 
 __all__ = ["MemoryDirectory"]
 
 
 class MemoryDirectory(Directory):
     def __init__(
-        self, namespace: str, half_life_s: float = 600.0, now_s: Callable[[], float] = time.time
+        self, namespace: str, half_life_s: float = 600.0, now_s: Callable[[], float] = time.time,
+        max_hot: int = MAX_HOT,
     ) -> None:
-        super().__init__(namespace, half_life_s)
+        super().__init__(namespace, half_life_s, max_hot)
         self._now = now_s
         self._lock = threading.Lock()
         self._holders: dict[bytes, dict[str, str]] = {}
@@ -90,6 +92,9 @@ class MemoryDirectory(Directory):
         with self._lock:
             for k in keys:
                 self._hot[k] = add_log2(self._hot.get(k, -math.inf), mass)
+            if len(self._hot) > self.max_hot:  # down to 7/8 of it: one trim per many calls
+                keep = heapq.nlargest(max(1, self.max_hot * 7 // 8), self._hot.items(), key=lambda kv: kv[1])
+                self._hot = dict(keep)
 
     def hot_units(self, limit: int, max_replicas: int, now_s: float) -> list[HotUnit]:
         with self._lock:

@@ -10,7 +10,8 @@ key                         type    content
 ``n:{node id}``             set     unit hex keys registered by the node (cleanup, re-registration)
 ``alive:{node id}``         string  the node's address, expiring after the heartbeat TTL
 ``nodes``                   set     node ids that ever registered (small; for ``collect_dead``)
-``hot``                     zset    unit hex -> log2 of the time-scaled hit mass (see below)
+``hot``                     zset    unit hex -> log2 of the time-scaled hit mass (see below);
+                                    the hottest ``max_hot`` units
 ==========================  ======  ==========================================================
 
 Hotness: a hit at time t adds ``2^(t/h)`` (h = half-life) to a unit's mass; storing ``log2`` of
@@ -28,7 +29,14 @@ from collections.abc import Sequence
 
 import redis
 
-from cachedir.directory.base import Directory, DirectoryUnavailable, Holder, HotUnit, PrefixMatch
+from cachedir.directory.base import (
+    MAX_HOT,
+    Directory,
+    DirectoryUnavailable,
+    Holder,
+    HotUnit,
+    PrefixMatch,
+)
 
 __all__ = ["RedisDirectory"]
 
@@ -69,7 +77,7 @@ _RECORD_HITS = """
 local p = ARGV[1]
 local mass = tonumber(ARGV[2])
 local ln2 = math.log(2)
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local old = redis.call('ZSCORE', p .. 'hot', ARGV[i])
   local new = mass
   if old then
@@ -80,7 +88,11 @@ for i = 3, #ARGV do
   end
   redis.call('ZADD', p .. 'hot', new, ARGV[i])
 end
-return #ARGV - 2
+local max_hot = tonumber(ARGV[3])
+if redis.call('ZCARD', p .. 'hot') > max_hot then
+  redis.call('ZREMRANGEBYRANK', p .. 'hot', 0, -max_hot - 1)
+end
+return #ARGV - 3
 """
 
 _HOT_UNITS = """
@@ -133,8 +145,9 @@ class RedisDirectory(Directory):
         password: str | None = None,
         ssl_ca_certs: str | None = None,
         batch: int = 1000,
+        max_hot: int = MAX_HOT,
     ) -> None:
-        super().__init__(namespace, half_life_s)
+        super().__init__(namespace, half_life_s, max_hot)
         kwargs: dict = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
         if password is not None:
             kwargs["password"] = password
@@ -237,7 +250,8 @@ class RedisDirectory(Directory):
 
     def record_hits(self, keys: Sequence[bytes], now_s: float) -> None:
         if keys:
-            self._call(self._hits, args=[self._p, repr(now_s / self.half_life_s), *(k.hex() for k in keys)])
+            self._call(self._hits, args=[self._p, repr(now_s / self.half_life_s), self.max_hot,
+                                         *(k.hex() for k in keys)])
 
     def hot_units(self, limit: int, max_replicas: int, now_s: float) -> list[HotUnit]:
         rows = self._call(self._hot, args=[self._p, limit, max_replicas, max(limit * 20, 100)])

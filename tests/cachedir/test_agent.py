@@ -528,3 +528,27 @@ def test_a_unit_forged_by_a_token_holder_is_a_miss_and_the_real_one_replaces_it(
         unkeyed.close()
         insider.close()
         me.close()
+
+
+def test_the_client_pool_keeps_at_most_its_limit_open():
+    from cachedir.agent.client import ClientPool
+
+    made, closed = [], []
+
+    class _Client:
+        def __init__(self, address):
+            self.address = address
+            made.append(address)
+
+        def close(self):
+            closed.append(self.address)
+
+    pool = ClientPool(_Client, limit=2)
+    a = pool("a:1")
+    assert pool("a:1") is a and made == ["a:1"]
+    pool("b:1")
+    pool("a:1")  # a is now the most recent: b goes first
+    pool("c:1")
+    assert closed == ["b:1"] and len(pool) == 2
+    pool.close()
+    assert sorted(closed) == ["a:1", "b:1", "c:1"] and len(pool) == 0

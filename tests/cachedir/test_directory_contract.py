@@ -18,13 +18,13 @@ _ns = itertools.count()
 def make_dir(request):
     """Factory: a fresh namespace (or two sharing one store) of the backend under test."""
     if request.param == "mem":
-        def make(namespace=None):
-            return MemoryDirectory(namespace or f"ns{next(_ns)}")
+        def make(namespace=None, **options):
+            return MemoryDirectory(namespace or f"ns{next(_ns)}", **options)
     else:
         server = request.getfixturevalue("redis_server")
 
-        def make(namespace=None):
-            return open_directory(server.url, namespace or f"ns{next(_ns)}", timeout_s=2.0)
+        def make(namespace=None, **options):
+            return open_directory(server.url, namespace or f"ns{next(_ns)}", timeout_s=2.0, **options)
     return make
 
 
@@ -82,6 +82,19 @@ def test_namespaces_share_a_store_without_seeing_each_other(make_dir):
     a.register("n", [K(1)])
     assert a.longest_prefix([K(1)]).num_units == 1
     assert b.longest_prefix([K(1)]).num_units == 0
+
+
+def test_the_hot_set_is_bounded_and_keeps_the_hottest(make_dir):
+    d = make_dir(max_hot=16)
+    d.heartbeat("a", "x", ttl_s=30)
+    d.register("a", [K(i) for i in range(200)])
+    for i in range(200):  # K(i) is hit i % 7 + 1 times: the 7-hit units are the hottest
+        d.record_hits([K(i)] * (i % 7 + 1), now_s=1000.0)
+    hot = d.hot_units(limit=1000, max_replicas=2, now_s=1000.0)
+    assert 0 < len(hot) <= 16  # 28 units have 7 hits: only some of them are left
+    assert all(h.hits == pytest.approx(7.0) for h in hot)
+    with pytest.raises(ValueError, match="max_hot"):
+        make_dir(max_hot=0)
 
 
 def test_hot_units_rank_by_decayed_hits_and_skip_fully_replicated(make_dir):

@@ -625,3 +625,29 @@ def test_one_store_per_directory(tmp_path, layout):
     assert r.returncode == 3 and f"pid {os.getpid()}" in r.stdout  # another process too
     store.close()
     _store(tmp_path, layout).close()  # free again once closed
+
+
+def test_the_write_queue_is_bounded_by_bytes(tmp_path, monkeypatch):
+    """A disk slower than the units arriving drops units (each a later miss) instead of
+    growing the queue without bound."""
+    units = make_units(list(range(64 * 6)))
+    size = len(units[0].payload)
+    store = _store(tmp_path, "segment", io_threads=1, queue_bytes=2 * size)
+    entered, release = threading.Event(), threading.Event()
+    real = store.put_many
+
+    def slow(batch):
+        entered.set()
+        release.wait(30)
+        return real(batch)
+
+    monkeypatch.setattr(store, "put_many", slow)
+    first = store.put_many_async(units[:1])
+    assert entered.wait(30)  # the I/O thread holds unit 0; the queue is empty again
+    rest = store.put_many_async(units[1:])
+    assert [f.done() and not f.result() for f in rest] == [False, False, True, True, True]
+    assert store.stats.queue_full == 3
+    release.set()
+    assert first[0].result(30) and all(f.result(30) for f in rest[:2])
+    assert len(store) == 3
+    store.close()

@@ -62,3 +62,17 @@ def test_bad_records_and_prices_are_refused():
         Prices(night_discount=1.5)
     with pytest.raises(ValueError, match="output"):
         Prices(output=-1)
+
+
+def test_the_usage_log_rotates_within_its_bound_and_reads_back_in_order(tmp_path):
+    from cluster.daily_report import log_files
+
+    log = JsonlLog(tmp_path / "replica.jsonl", max_bytes=2000, keep=3)
+    records = [UsageRecord(float(i), 10, 5, 2, 0.5, "tenant-a") for i in range(200)]
+    for r in records:
+        log.append(r)
+    files = log_files(tmp_path)
+    assert [f.name for f in files] == ["replica.jsonl.3", "replica.jsonl.2", "replica.jsonl.1", "replica.jsonl"]
+    assert all(f.stat().st_size <= 2000 for f in files)
+    back = read_jsonl(files, UsageRecord)
+    assert back == records[-len(back):] and len(back) > 3 * 2000 // 200  # the newest, in order, none lost between files

@@ -118,3 +118,34 @@ def test_find_grant_compares_the_whole_key():
     assert find_grant(keys, "Bearer sk-proj-bbbb") == KeyGrant("b")
     assert find_grant(keys, "bearer sk-proj-aaaa") == KeyGrant("a")
     assert find_grant(keys, "Bearer sk-proj-") is None and find_grant(keys, "") is None
+
+
+@pytest.mark.security
+def test_a_tenant_over_its_rate_or_concurrency_gets_a_429_and_others_do_not():
+    from deploy.http_edge import PUBLIC_PATHS, TenantQuotas
+
+    now = [0.0]
+    app, seen = _app()
+    quotas = TenantQuotas(rate_per_s=1.0, burst=2, clock=lambda: now[0])
+    app.state.edge = EdgeConfig(app.state.edge.api_keys, LIMIT, PUBLIC_PATHS, quotas)
+    post = lambda key: _call(app, "POST", "/v1/echo", json={"x": 1}, headers={"Authorization": f"Bearer {key}"})  # noqa: E731
+    assert [post("sk-a").status_code for _ in range(3)] == [200, 200, 429]  # a burst of 2
+    refused = post("sk-a")
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.headers["retry-after"] == "1"
+    assert post("sk-b").status_code == 200  # another tenant has its own bucket
+    now[0] += 1.0  # one token a second
+    assert [post("sk-a").status_code for _ in range(2)] == [200, 429]
+    assert len(seen) == 4  # a refused request never reached the route
+    # at most one request at once: a second one while the first runs is refused, then admitted
+    one = TenantQuotas(concurrency=1)
+    assert one.admit("alpha") is None and one.admit("alpha") == 1.0 and one.admit("beta") is None
+    one.release("alpha")
+    assert one.admit("alpha") is None
+
+
+def test_limits_take_tenant_quotas_and_refuse_bad_ones():
+    from deploy.protocol import Limits
+
+    assert Limits(tenant_requests_per_minute=600, tenant_concurrency=4).tenant_concurrency == 4
+    with pytest.raises(ValueError, match="tenant_concurrency"):
+        Limits(tenant_concurrency=-1)
