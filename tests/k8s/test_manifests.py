@@ -34,7 +34,7 @@ DOCS = documents()
 
 def test_the_expected_kinds_are_there():
     kinds = sorted(d["kind"] for _, d in DOCS)
-    for kind in ("RayService", "RayJob", "StatefulSet", "Service", "Secret", "CronJob", "ServiceAccount",
+    for kind in ("RayService", "RayJob", "StatefulSet", "Service", "CronJob", "ServiceAccount",
                  "Role", "RoleBinding"):
         assert kind in kinds, kind
 
@@ -159,3 +159,14 @@ def test_the_shipped_cluster_runs_ray_with_token_auth_and_the_api_with_keys():
             mount = next(m for m in container["volumeMounts"] if secret_file.startswith(m["mountPath"] + "/"))
             volume = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == mount["name"])
             assert volume["secret"]["secretName"] == "tideserve-cache-secret" and volume["secret"]["defaultMode"] & 0o077 == 0
+
+
+@pytest.mark.security
+def test_no_secret_ships_with_a_value_and_the_redis_password_stays_off_command_lines():
+    assert not [d["metadata"]["name"] for _, d in DOCS if d["kind"] == "Secret"]  # each made by its owner
+    redis = next(d for _, d in DOCS if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "tideserve-redis")
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    start = " ".join(container.get("command", []) + container.get("args", []))
+    assert "requirepass" in start and "redis.conf" in start and "--requirepass" not in start
+    probe = " ".join(container["readinessProbe"]["exec"]["command"])
+    assert "REDISCLI_AUTH" in probe and " -a " not in probe
