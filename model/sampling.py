@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "biased", "penalized", "sample", "token_logprobs"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "sample", "token_logprobs"]
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
@@ -58,35 +58,83 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+NUCLEUS_CANDIDATES = 1024  # top-p looks here first: sorting a 129k vocabulary costs ~5 ms a row
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     outputs: list[list[int] | torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] fp32 (any device) -> token ids [B] on the CPU. ``generators[b]`` (a CPU
-    generator) makes row b reproducible; ``outputs[b]``: the tokens row b generated so far, as
-    ids or as counts per token [V] (the penalties count them). Each row's ``logit_bias`` is added
-    first."""
+    """logits [B, V] fp32 (any device) -> token ids [B] on the CPU (one copy to the host).
+    ``generators[b]`` (a CPU generator) makes row b reproducible, whatever rows share its batch;
+    ``outputs[b]``: the tokens row b generated so far, as ids or as counts per token [V] (the
+    penalties count them). Each row's ``logit_bias`` is added first.
+
+    The sampled rows are processed together on the logits' device: temperature, top-k and top-p
+    as batched tensor ops (top-p sorts only the ``NUCLEUS_CANDIDATES`` most likely tokens when
+    they hold the nucleus, else the whole vocabulary), then one inverse-CDF draw per row."""
     if any(p.logit_bias for p in params):
         logits = biased(logits, params)
     if outputs is not None and any(p.penalized for p in params):
         logits = penalized(logits, params, outputs)
-    out = logits.argmax(dim=-1).cpu()  # [B]
-    for b, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[b].cpu() / p.temperature  # [V]
-        if p.top_k:
-            kth = row.topk(min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = row.sort(descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = row.softmax(-1)
-        out[b] = torch.multinomial(probs, 1, generator=generators[b])[0]
+    out = logits.argmax(dim=-1)  # [B]
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if rows:
+        out[rows] = _sample_rows(logits[rows], [params[b] for b in rows], [generators[b] for b in rows])
+    return out.cpu()
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [R, V] of rows that sample -> their tokens [R] (on the logits' device)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    scaled = logits.float() / temp[:, None]  # [R, V]
+    out = torch.empty(len(params), dtype=torch.long, device=dev)
+    plain = [r for r, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    if plain:  # temperature alone: no candidates to choose, no sort
+        out[plain] = _draw(scaled[plain].softmax(-1), [generators[r] for r in plain])
+    cut = [r for r in range(len(params)) if r not in set(plain)]
+    if cut:
+        out[cut] = _truncated(scaled[cut], [params[r] for r in cut], [generators[r] for r in cut])
     return out
+
+
+def _truncated(scaled: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Rows with top-k and/or top-p < 1. Each row's candidates are its most likely tokens, in
+    order: its top-k, else the ``NUCLEUS_CANDIDATES`` most likely when they hold its nucleus
+    (top_p of the mass), else the whole vocabulary sorted."""
+    dev, vocab = scaled.device, scaled.shape[-1]
+    window = min(vocab, NUCLEUS_CANDIDATES)
+    width = max(p.top_k if 0 < p.top_k < vocab else window for p in params)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    lse = scaled.logsumexp(-1)  # [R]
+    vals, idx = scaled.topk(width, dim=-1) if width < vocab else scaled.sort(dim=-1, descending=True)  # [R, N]
+    if width < vocab:  # does the window hold each top-p-only row's nucleus? (one host sync)
+        mass = (vals - lse[:, None]).exp().sum(-1)
+        if bool(((top_k == vocab) & (mass < top_p)).any()):
+            width = vocab
+            vals, idx = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(width, device=dev)
+    vals = vals.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    # probabilities over the row's top-k, or over the whole vocabulary (not just the window)
+    probs = (vals - torch.where(top_k < vocab, vals.logsumexp(-1), lse)[:, None]).exp()
+    # top-p: keep the smallest prefix whose mass reaches top_p (always at least one token)
+    probs = probs.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], 0.0)
+    return idx.gather(-1, _draw(probs, generators)[:, None])[:, 0]
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of ``probs`` [R, N] (rows need not be normalised) by inverting its
+    cumulative sum (in float64: 129k float32 terms would bias the rare tokens) at one uniform
+    in (0, 1]. A seeded row takes its uniform from its own generator, so its draw does not
+    depend on its batch; the others share one draw on the device."""
+    u = 1.0 - torch.rand(probs.shape[0], 1, device=probs.device, dtype=torch.float64)
+    for r, g in enumerate(generators):
+        if g is not None:
+            u[r, 0] = 1.0 - float(torch.rand(1, generator=g, dtype=torch.float64))
+    cdf = probs.double().cumsum(-1)  # [R, N]
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -53,8 +53,9 @@ def bench_engine(
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """The engine's host work per decode step (host_ms_per_step: median and p90) with a model
-    that costs nothing, by batch and context, and how it grows with context; the inter-token
-    latency of running requests while a long prompt is prefilled (itl)."""
+    that costs nothing, by batch and context, and how it grows with context; the sampler alone
+    at DeepSeek-V3's vocabulary (sampling_ms: temperature, top-k, top-p, batches up to 64); the
+    inter-token latency of running requests while a long prompt is prefilled (itl)."""
     from deploy.bench.engine_bench import run_engine_bench, run_itl_bench
 
     out = run_engine_bench(_ints(batches, "--batches"), _ints(contexts, "--contexts"), steps)

@@ -8,6 +8,10 @@ contexts 1K/8K/32K (every sequence holds that many tokens), as the median and p9
 decode steps after a warm-up. The engine-core targets: at most 1 ms at batch 64, and at most
 1.2x from 1K to 32K context at every batch.
 
+``sampling``: the sampler alone (``model.sampling.sample``) on DeepSeek-V3's 129,280-token
+vocabulary, by batch and mode (temperature alone, top-k 50, top-p 0.9), median of timed calls on
+logits shaped like a language model's (a few likely tokens, a long tail).
+
 ``itl``: 16 requests decode on the bench config (random weights) while an 8K-token prompt is
 prefilled; their inter-token latency (p50, p99) against their median without it, with prefill
 chunks sized by ``itl_factor`` and with fixed 2,048-token chunks. Target: p99 at most 3x.
@@ -90,6 +94,32 @@ def host_ms_per_step(batch: int, context: int, steps: int = 30, warmup: int = 5,
             "steps": steps}
 
 
+SAMPLING_VOCAB = 129_280  # DeepSeek-V3's
+SAMPLING_MODES = {"temperature": SamplingParams(temperature=0.7), "top_k_50": SamplingParams(temperature=0.7, top_k=50),
+                  "top_p_0.9": SamplingParams(temperature=0.7, top_p=0.9)}
+
+
+def sampling_ms(batch: int, repeats: int = 7) -> dict[str, float]:
+    """Median ms of one ``sample`` call for ``batch`` rows in each mode."""
+    from model.sampling import sample
+
+    gen = torch.Generator().manual_seed(0)
+    # a language model's logits: a Zipf-like fall over the ranks, in a random order
+    ranks = torch.arange(1, SAMPLING_VOCAB + 1, dtype=torch.float32)
+    logits = torch.stack([(-1.1 * ranks.log())[torch.randperm(SAMPLING_VOCAB, generator=gen)] * 3
+                          for _ in range(batch)])
+    out = {}
+    for mode, params in SAMPLING_MODES.items():
+        sample(logits, [params] * batch, [None] * batch)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sample(logits, [params] * batch, [None] * batch)
+            times.append((time.perf_counter() - t0) * 1000)
+        out[mode] = round(statistics.median(times), 3)
+    return out
+
+
 def run_engine_bench(batches: tuple[int, ...] = BATCHES, contexts: tuple[int, ...] = CONTEXTS,
                      steps: int = 30) -> dict[str, Any]:
     grid: dict[str, dict[str, dict[str, float]]] = {}
@@ -103,6 +133,8 @@ def run_engine_bench(batches: tuple[int, ...] = BATCHES, contexts: tuple[int, ..
     out: dict[str, Any] = {
         "host_ms_per_step": grid,
         "context_growth": growth,  # median at the longest context / at the shortest
+        "sampling_ms": {f"batch_{b}": sampling_ms(b) for b in batches if b <= 64},
+        "sampling_vocab": SAMPLING_VOCAB,
         "vocab": VOCAB, "machine": platform.machine(), "python": platform.python_version(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }

@@ -89,7 +89,8 @@ def test_prefix_from_ssd_and_ram_is_token_identical(model, tmp_path):
     second.add_request(GenerationRequest("b", prompt, 10))
     out = second.run_to_completion()["b"]
     assert _tokens(out) == ref and out[-1].sources.ram == 256 and out[-1].sources.compute == 44
-    # no RAM tier: from SSD
+    # no RAM tier: from SSD (the same directory, after the first store let go of it)
+    cache.close()
     ssd_only = NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=0))
     third = _engine(model, ssd_only)
     third.add_request(GenerationRequest("c", prompt, 10))
@@ -253,6 +254,7 @@ def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
     cache.flush()
     for key in cache.ssd.keys():
         flip_byte(cache.ssd, key, from_end=50)
+    cache.close()  # one store per directory: the fresh one takes it over
     fresh = _engine(model, NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=0)))
     fresh.add_request(GenerationRequest("b", prompt, 8))
     out = fresh.run_to_completion()["b"]
@@ -459,6 +461,7 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
     warm.add_request(GenerationRequest("w", prompt, max_tokens=4))
     warm.run_to_completion()
     warm.cache.flush()  # the prompt's 3 units are on disk
+    warm.cache.close()
     keys = tuple(chain_keys(_ns(model).seed, prompt, 64))
     hashed = []
     real = engine_module.chain_keys
@@ -475,6 +478,7 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
         assert outs[-1].cached_tokens == cached and outs[-1].sources.compute == len(prompt) - cached
         assert hashed == [0]  # only the output's units (none whole here), never the prompt again
         eng.check_integrity()
+        eng.cache.close()
 
 
 def test_json_mode_after_a_thought_constrains_only_the_answer(model):

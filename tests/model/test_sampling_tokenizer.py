@@ -117,3 +117,56 @@ def test_byte_tokenizer_renders_tools_calls_and_results():
     said = tok.decode(ids[ids.index(tok.ASSISTANT) + 1 : ids.index(tok.EOS)])
     assert [(c.name, c.arguments) for c in parse_tool_calls(said)[1]] == [("get_weather", '{"city": "Oslo"}')]
     assert tok.apply_chat_template(msgs[:1]) == [tok.BOS, tok.USER, *tok.encode("weather?"), tok.ASSISTANT]
+
+
+def _nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> dict[int, float]:
+    """Reference: the renormalised probabilities of the top-p nucleus (one row)."""
+    probs = (logits / temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    keep, mass = [], 0.0
+    for t in order:
+        keep.append(t)
+        mass += float(probs[t])
+        if mass >= top_p:
+            break
+    total = sum(float(probs[t]) for t in keep)
+    return {t: float(probs[t]) / total for t in keep}
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])  # nucleus inside the candidate window / not
+def test_batched_sampling_draws_from_the_nucleus_with_its_probabilities(shape):
+    from model.sampling import NUCLEUS_CANDIDATES
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 2 * NUCLEUS_CANDIDATES
+    logits = torch.randn(vocab, generator=gen) * (4.0 if shape == "peaked" else 0.05)
+    p = SamplingParams(temperature=0.8, top_p=0.9)
+    want = _nucleus(logits, 0.8, 0.9)
+    assert (len(want) < NUCLEUS_CANDIDATES) == (shape == "peaked")
+    draws = sample(logits.repeat(4000, 1), [p] * 4000, [None] * 4000).tolist()
+    assert set(draws) <= set(want)
+    if shape == "peaked":  # total variation from the nucleus distribution
+        freq = {t: draws.count(t) / len(draws) for t in want}
+        assert sum(abs(freq[t] - want[t]) for t in want) / 2 < 0.05
+    else:  # the fallback sorted the whole vocabulary: tokens ranked past the window come out
+        rank = {t: i for i, t in enumerate(logits.argsort(descending=True).tolist())}
+        assert max(rank[t] for t in draws) >= NUCLEUS_CANDIDATES
+
+
+def test_temperature_alone_samples_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    draws = sample(logits.repeat(8000, 1), [SamplingParams(temperature=0.5)] * 8000, [None] * 8000).tolist()
+    want = (logits / 0.5).softmax(-1).tolist()
+    assert sum(abs(draws.count(t) / 8000 - want[t]) for t in range(4)) / 2 < 0.03
+
+
+def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3000, generator=gen) * 2
+    mine = SamplingParams(temperature=1.0, top_p=0.8, seed=11)
+    others = [SamplingParams(temperature=0.7, top_k=50), SamplingParams(temperature=1.3), SamplingParams(),
+              SamplingParams(temperature=1.0, top_p=0.999), SamplingParams(temperature=0.9, top_k=2999)]
+    for seed in range(20):
+        alone = int(sample(logits[:1], [mine], [torch.Generator().manual_seed(seed)])[0])
+        batch = sample(logits, [mine, *others], [torch.Generator().manual_seed(seed)] + [None] * 5)
+        assert int(batch[0]) == alone
