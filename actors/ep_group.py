@@ -17,6 +17,7 @@ rank 0; every replica has a group of its own with the same shards), and hands th
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -99,9 +100,11 @@ class EPGroup:
         # the group's store listens on this node's cluster address only (loopback under `tide up`)
         sock, group_id = listen_socket(self.host), uuid.uuid4().hex[:12]
         port = sock.getsockname()[1]
+        key = secrets.token_bytes(32)  # the group's members prove they hold it (through Ray only)
         for rank, shard in enumerate(shards, start=1):
-            shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden)
-        pg = form_group(self.host, port, 0, world, self.timeout_s, bind=self.host, listen_fd=sock.detach())
+            shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden, key)
+        pg = form_group(self.host, port, 0, world, self.timeout_s, bind=self.host, listen_fd=sock.detach(),
+                        key=key, group_id=group_id)
         return GlooTransport(pg, world, self.dtype)
 
     # -- following the control's placement ---------------------------------------------------

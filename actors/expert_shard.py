@@ -130,15 +130,16 @@ class ExpertShard:
 
     def join(
         self, group_id: str, host: str, port: int, rank: int, world: int, timeout_s: float, hidden: int,
+        key: bytes | None = None,
     ) -> None:
         """Serve group ``group_id`` as ``rank`` for rows of ``hidden`` features (returns at once;
-        the serve thread forms the group)."""
+        the serve thread forms the group); ``key``: the group's membership key."""
         torch_dtype = DTYPES[self.dtype]
 
         def run() -> None:
             try:
                 pg = form_group(host, port, rank, world, timeout_s, op_timeout_s=IDLE_TIMEOUT_S,
-                                bind=ray.util.get_node_ip_address())
+                                bind=ray.util.get_node_ip_address(), key=key, group_id=group_id)
             except Exception as e:  # noqa: BLE001 - the replica times out and re-forms
                 self.ended[group_id] = f"join failed: {e}"
                 return

@@ -1,0 +1,41 @@
+"""The expert-parallel group's formation over gloo, in-process (two ranks in two threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cluster.ep import EPTransportError
+from cluster.ep_gloo import form_group, listen_socket
+
+
+def _form(keys: list[bytes | None]) -> list:
+    """Form a group of ``len(keys)`` ranks on loopback, rank r holding ``keys[r]``; each rank's
+    group or the exception it raised."""
+    sock = listen_socket("127.0.0.1")
+    port, fd = sock.getsockname()[1], sock.detach()
+    out: list = [None] * len(keys)
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = form_group("127.0.0.1", port, r, len(keys), 20.0, bind="127.0.0.1",
+                                listen_fd=fd if r == 0 else None, key=keys[r], group_id="g1")
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            out[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(keys))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.security
+def test_a_rank_without_the_groups_key_fails_the_membership_check_on_every_rank():
+    ok = _form([b"k" * 32, b"k" * 32])
+    assert not any(isinstance(g, Exception) for g in ok), ok
+    bad = _form([b"k" * 32, b"x" * 32])  # rank 1 reached the store but holds another key
+    assert all(isinstance(g, EPTransportError) for g in bad), bad  # neither uses the group
+    assert "rank 1 failed the membership check" in str(bad[0])  # the replica names the impostor
