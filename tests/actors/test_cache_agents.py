@@ -184,9 +184,7 @@ def test_killed_agent_units_leave_lookups_and_requests_still_succeed(cluster, se
     _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
     a_node = ray.get(a.stats.remote())["node_id"]
     ray.kill(ray.get_actor(agent_name(a_node), namespace="tideserve"), no_restart=True)
-    t0 = time.monotonic()
     _wait(lambda: not _holders(directory, a, prompt), TTL_S + 3, "A's units to leave lookups")
-    assert time.monotonic() - t0 <= TTL_S + 3
     on_b = _run(b, prompt)  # nothing to fetch: computed, same tokens
     assert on_b["tokens"] == want and on_b["sources"]["remote"] == 0
     on_a = _run(a, prompt)  # A's own agent is gone: A still serves (its pool may share pages)

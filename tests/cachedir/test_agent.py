@@ -437,11 +437,14 @@ def test_garbage_or_hanging_peers_cost_a_bounded_wait_and_never_a_wrong_unit(tmp
     try:
         # the bad peer is the only holder: every unit is a miss, within the client timeout
         assert cache.lookup(keys) == ["remote"] * 4
-        t0 = time.monotonic()
         loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=30)
-        assert loaded == [None] * 4 and time.monotonic() - t0 < 3.0
+        assert loaded == [None] * 4
         counters = cache.stats()
-        assert counters["verify_failures"] >= 2 if peer == "lying" else counters["agent_errors"] >= 1
+        # one call to the bad peer (bounded by the client's timeout), no second try of it
+        if peer == "lying":
+            assert counters["verify_failures"] == 2 and counters["agent_errors"] == 0
+        else:
+            assert counters["agent_errors"] == 1 and counters["retried_units"] == 0
         # the failed peer is avoided for a while: the next lookup does not offer its units at all
         assert counters["suspected_holders"] == 1 and cache.lookup(keys) == []
         # with an honest second holder every unit arrives, verified, from it
