@@ -4,6 +4,10 @@ Reads ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensor
 Every tensor the architecture needs must be present with the right shape and nothing else may be
 left over (except the multi-token-prediction layers that real V3 checkpoints append after the last
 decoder layer); anything else is a ``CheckpointError`` naming the tensor.
+
+FP8 checkpoints as DeepSeek publishes V3 and R1 (``quantization_config`` with ``quant_method:
+fp8`` and ``weight_block_size``; e4m3 weights, each with a ``weight_scale_inv`` per block) are
+dequantized once at load (``w = q * scale_inv`` block by block) to the requested dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
 __all__ = [
     "CheckpointError",
     "LoadProgress",
+    "dequantize_fp8",
+    "fp8_block_size",
     "expected_shapes",
     "load_model",
     "load_state_dict",
@@ -58,6 +64,37 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config."""
+
+
+SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the per-block scales of an fp8 "<name>.weight"
+
+
+def fp8_block_size(ckpt_dir: str | Path) -> tuple[int, int] | None:
+    """The (rows, cols) block of an fp8 checkpoint's weight scales; None when it is not fp8."""
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text()).get("quantization_config")
+    if not raw:
+        return None
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"quantization_config.quant_method {method!r} is not supported (fp8 is)")
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"quantization_config.fmt {raw.get('fmt')!r} is not supported (e4m3 is)")
+    block = raw.get("weight_block_size", [128, 128])
+    if len(block) != 2 or min(block) < 1:
+        raise CheckpointError(f"quantization_config.weight_block_size {block!r} is not two positive sizes")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An fp8 weight [N, K] times its per-block scales [ceil(N/bn), ceil(K/bk)], in float32."""
+    n, k = q.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise CheckpointError(f"weight scales of shape {tuple(scale_inv.shape)} for a [{n}, {k}] weight; "
+                              f"{bn}x{bk} blocks need {want}")
+    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.float() * s
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -138,6 +175,7 @@ def load_state_dict(
     ckpt = Path(ckpt_dir)
     want = expected_shapes(cfg)
     where = _shard_files(ckpt)
+    block = fp8_block_size(ckpt)
     extra = []
     for name in where:
         if name in want:
@@ -145,11 +183,12 @@ def load_state_dict(
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
             continue  # multi-token-prediction layers: not used for serving
+        if block is not None and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in want:
+            continue  # an fp8 weight's scales
         extra.append(name)
     if extra:
-        hint = " (fp8 checkpoints must be converted to bf16 first)" if any(
-            n.endswith("weight_scale_inv") for n in extra
-        ) else ""
+        hint = (" (an fp8 checkpoint's scales: its config.json needs quantization_config with quant_method fp8)"
+                if any(n.endswith(SCALE_SUFFIX) for n in extra) else "")
         raise CheckpointError(f"unexpected tensor {extra[0]!r} ({len(extra)} in all){hint}")
     missing = [n for n in want if n not in where]
     if missing:
@@ -172,6 +211,8 @@ def load_state_dict(
                     )
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {name!r} has non-float dtype {t.dtype}")
+                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    t = _dequantized(name, t, where, block)
                 keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
                 out[name] = t.to(torch.float32 if keep_fp32 else dtype)
                 done += 1
@@ -180,6 +221,15 @@ def load_state_dict(
                     shards_read = shard - (name != names[-1])
                     progress(LoadProgress(done, len(want), done_bytes, total_bytes, shards_read, len(by_file)))
     return out
+
+
+def _dequantized(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None) -> torch.Tensor:
+    scales = where.get(name + SCALE_SUFFIX)
+    if block is None or scales is None or q.dim() != 2:
+        raise CheckpointError(f"tensor {name!r} is {q.dtype} without {name + SCALE_SUFFIX!r} and an fp8 "
+                              "quantization_config: it cannot be dequantized")
+    with safe_open(scales, "pt") as f:
+        return dequantize_fp8(q, f.get_tensor(name + SCALE_SUFFIX), block)
 
 
 def _stored_bytes(by_file: dict[Path, list[str]]) -> int:

@@ -1,0 +1,110 @@
+"""FP8 checkpoints as DeepSeek publishes V3/R1 (e4m3 weights with a ``weight_scale_inv`` per
+block, ``quantization_config``, a sharded index): loaded by dequantizing once, they give
+transformers' logits on the dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.checkpoint import CheckpointError, dequantize_fp8, load_model
+from model.generate import generate
+from tests.model.hf_checkpoints import make_hf_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+QUANTIZED = re.compile(r"proj\.weight$")  # what DeepSeek keeps in fp8: every projection, routed experts too
+E4M3_MAX = 448.0
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block quantization: per block, scale = amax / 448 and q = w / scale in e4m3."""
+    n, k = w.shape
+    bn, bk = block
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].float()
+            s = max(float(tile.abs().max()), 1e-12) / E4M3_MAX
+            scales[i, j] = s
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (tile / s).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def make_fp8_checkpoint(src, out, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """``src``'s weights quantized into ``out`` as two shards with an index; returns the
+    dequantized state dict (what the fp8 checkpoint stands for)."""
+    with safe_open(src / "model.safetensors", "pt") as f:
+        sd = {name: f.get_tensor(name) for name in f.keys()}
+    shards: list[dict[str, torch.Tensor]] = [{}, {}]
+    dequantized = {}
+    for i, (name, t) in enumerate(sorted(sd.items())):
+        if QUANTIZED.search(name) and t.dim() == 2:
+            q, s = quantize_fp8(t, block)
+            shards[i % 2][name] = q
+            shards[(i + 1) % 2][name + "_scale_inv"] = s  # the scales in the other shard
+            dequantized[name] = dequantize_fp8(q, s, block)
+        else:
+            shards[i % 2][name] = t
+            dequantized[name] = t
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for n, shard in enumerate(shards):
+        fname = f"model-{n + 1:05d}-of-00002.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+@pytest.fixture(scope="module", params=[(128, 128), (16, 32)], ids=["blocks_128x128", "blocks_16x32"])
+def fp8(request, tmp_path_factory):
+    src, out, ref = (tmp_path_factory.mktemp(n) for n in ("fp32", "fp8", "dequantized"))
+    make_hf_checkpoint("v3_grouped_yarn", src)
+    dequantized = make_fp8_checkpoint(src, out, request.param)
+    # transformers runs the weights the fp8 checkpoint stands for, read as it reads any checkpoint
+    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    (ref / "config.json").write_text((src / "config.json").read_text())
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(ref, torch_dtype=torch.float32).eval()
+    return hf, out
+
+
+def test_an_fp8_checkpoint_gives_transformers_logits_on_its_dequantized_weights(fp8):
+    hf, ckpt = fp8
+    ours = load_model(ckpt)
+    ids = torch.randint(0, ours.cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    got = ours.prefill(ids, ours.new_pool(8, 16), torch.arange(8), all_logits=True)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        want = hf.generate(ids[None, :20], max_new_tokens=16, do_sample=False)[0, 20:].tolist()
+    assert generate(ours, ids[:20].tolist(), 16, eos_id=None) == want
+
+
+def test_fp8_weights_without_an_fp8_config_or_their_scales_are_refused(tmp_path):
+    src = tmp_path / "fp32"
+    make_hf_checkpoint("v3_ungrouped", src)
+    out = tmp_path / "fp8"
+    make_fp8_checkpoint(src, out, (128, 128))
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    with pytest.raises(CheckpointError, match="quantization_config"):
+        load_model(out)
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(CheckpointError, match="'awq' is not supported"):
+        load_model(out)
+    with pytest.raises(CheckpointError, match="2x2 blocks need|blocks need"):
+        dequantize_fp8(torch.zeros(200, 100, dtype=torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
