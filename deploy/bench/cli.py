@@ -176,7 +176,9 @@ def bench_directory(
     lookups: int = typer.Option(300, "--lookups", min=1),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """Directory lookups (round trips per lookup, lookups/s, p99) and registrations/s on Redis."""
+    """Directory lookups (round trips per lookup, lookups/s, p99) and registrations/s on Redis,
+    and Redis's own cost: redis_us_per_lookup (its CPU per lookup, from INFO commandstats) and
+    redis_bytes_per_unit (its memory per unit one node holds)."""
     from deploy.bench.cache_bench import run_directory
 
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):

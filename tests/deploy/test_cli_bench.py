@@ -45,6 +45,9 @@ def test_bench_directory_json():
     out = json.loads(r.stdout)
     assert out["round_trips_per_lookup"] == 1.0
     assert out["lookups_per_s"] > 0 and out["p99_lookup_ms"] > 0 and out["registrations_per_s"] > 0
+    # Redis's own cost: a lookup's script time, and its memory per unit (a hash, a set member:
+    # well over a key's 16 bytes, well under a kilobyte)
+    assert out["redis_us_per_lookup"] > 0 and 32 < out["redis_bytes_per_unit"] < 1024
 
 
 def test_bench_unit_io_json(tmp_path):
