@@ -124,3 +124,25 @@ def test_sampling_under_the_masks_ends_in_valid_json():
             done += 1
             assert isinstance(json.loads(out.decode("utf-8")), dict), out  # whole characters, too
     assert done >= 15
+
+
+@pytest.mark.security
+def test_masks_of_every_grammar_share_one_byte_budget_and_never_mix():
+    from model.json_schema import SchemaGrammar
+
+    vocab = _vocab()
+    masks = JsonMasks(lambda i: vocab[i], len(vocab), budget_bytes=40 * len(vocab))  # room for 40 masks
+    grammars = [masks] + [masks.for_grammar(SchemaGrammar({"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                                                            "required": [f"k{i}"]})) for i in range(8)]
+    rng = random.Random(2)
+    for _ in range(200):  # random walks of every grammar, each mask checked against its own grammar
+        m = rng.choice(grammars)
+        state = m.grammar.start
+        for _ in range(rng.randint(1, 12)):
+            if m.done(state):
+                break
+            allowed = m.allowed(state)
+            want = [m._advance(state, t) is not None if t else False for t in vocab]
+            assert allowed.tolist() == want
+            state = m.advance(state, rng.choice(allowed.nonzero().flatten().tolist()))
+        assert masks.cache.bytes <= 40 * len(vocab) and masks.cached_states <= 40
