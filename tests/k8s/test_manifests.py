@@ -170,3 +170,49 @@ def test_no_secret_ships_with_a_value_and_the_redis_password_stays_off_command_l
     assert "requirepass" in start and "redis.conf" in start and "--requirepass" not in start
     probe = " ".join(container["readinessProbe"]["exec"]["command"])
     assert "REDISCLI_AUTH" in probe and " -a " not in probe
+
+
+def _parse_tide(argv: list[str]) -> dict:
+    """``argv`` parsed by the real `tide` CLI (click), without running it: its options, or
+    click's UsageError naming the bad one."""
+    from typer.main import get_command
+
+    from deploy.cli import app
+
+    cmd = get_command(app)
+    ctx = cmd.make_context("tide", [], resilient_parsing=True)
+    while hasattr(cmd, "get_command"):
+        sub = cmd.get_command(ctx, argv[0])
+        assert sub is not None, f"no `tide` command {argv[0]!r}"
+        leaf = not hasattr(sub, "get_command")
+        ctx = sub.make_context(argv[0], argv[1:] if leaf else [], parent=ctx, resilient_parsing=not leaf)
+        cmd, argv = sub, argv[1:]
+    return ctx.params
+
+
+def test_every_tide_command_in_the_manifests_parses_with_the_real_cli():
+    import shlex
+
+    commands = []
+    for _, doc in DOCS:
+        if doc["kind"] == "RayJob":
+            commands.append(shlex.split(doc["spec"]["entrypoint"]))
+        if doc["kind"] == "CronJob":
+            for c in doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]:
+                commands.append(c["command"])
+    assert len(commands) == 3
+    for argv in commands:
+        assert argv[0] == "tide"
+        _parse_tide(argv[1:])  # a UsageError (an unknown option) fails the test
+    job = next(d for _, d in DOCS if d["kind"] == "RayJob")
+    minutes = _parse_tide(shlex.split(job["spec"]["entrypoint"])[1:])["minutes"]
+    assert minutes * 60 < job["spec"]["activeDeadlineSeconds"]  # it checkpoints before it is killed
+
+
+def test_the_rayservice_uses_no_removed_fields_and_says_who_scales_and_upgrades():
+    svc = next(d for _, d in DOCS if d["kind"] == "RayService")
+    spec = svc["spec"]
+    # KubeRay deprecated these (1657) and removed what they did (1665)
+    assert not {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} & set(spec)
+    assert spec["upgradeStrategy"]["type"] in ("None", "NewCluster", "NewClusterWithIncrementalUpgrade")
+    assert spec["rayClusterConfig"]["enableInTreeAutoscaling"] is False  # `tide scale` owns worker counts
