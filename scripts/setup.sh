@@ -31,8 +31,10 @@ fi
 PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
 
+# TORCH_BUILD=cuda|cpu chooses the torch build (an image is built where no GPU is); default: by nvidia-smi
+TORCH_BUILD=${TORCH_BUILD:-$(command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)}
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
+  if [ "$TORCH_BUILD" = cuda ]; then
     echo "== installing torch (CUDA build)"
     "$PIP" install -q "torch>=2.6,<3"
   else
@@ -44,8 +46,10 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
-echo "== installing tideserve and its test dependencies"
-"$PIP" install -q -e ".[test]"
+# TIDE_EXTRAS: the optional dependencies (default: test; the image takes none)
+EXTRAS=${TIDE_EXTRAS-test}
+echo "== installing tideserve${EXTRAS:+ and its $EXTRAS dependencies}"
+"$PIP" install -q -e ".${EXTRAS:+[$EXTRAS]}"
 # Built here, once per install (not inside the first replica while `tide up` already answers).
 echo "== building the CPU decode kernels"
 "$VENV/bin/python" -m kernels.cpu_gemv
