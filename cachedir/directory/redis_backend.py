@@ -269,6 +269,18 @@ class RedisDirectory(Directory):
 
         return self._call(run)
 
+    def server_stats(self) -> dict[str, int]:
+        """Redis's own counters (benchmarks): ``used_memory``, and the calls and microseconds of
+        the Lua scripts it has run (``INFO commandstats``: EVALSHA and EVAL)."""
+        def run() -> dict[str, int]:
+            memory = self._r.info("memory")["used_memory"]
+            stats = self._r.info("commandstats")
+            rows = [stats.get(f"cmdstat_{c}", {}) for c in ("evalsha", "eval")]
+            return {"used_memory": memory, "script_calls": sum(r.get("calls", 0) for r in rows),
+                    "script_usec": sum(r.get("usec", 0) for r in rows)}
+
+        return self._call(run)
+
     def round_trips(self) -> int:
         """Requests this client has sent to Redis (a pipeline or a script counts once)."""
         return self._sent[0]

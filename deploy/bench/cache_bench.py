@@ -198,13 +198,6 @@ def run_unit_io(
     return out
 
 
-def _script_stats(admin) -> tuple[int, int]:
-    """(calls, usec) of the Lua scripts Redis ran so far (EVALSHA and EVAL)."""
-    stats = admin.info("commandstats")
-    rows = [stats.get(f"cmdstat_{c}", {}) for c in ("evalsha", "eval")]
-    return sum(r.get("calls", 0) for r in rows), sum(r.get("usec", 0) for r in rows)
-
-
 def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300) -> dict[str, Any]:
     from deploy.redis_proc import RedisServer
 
@@ -214,22 +207,20 @@ def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300) 
             server = RedisServer(Path(tmp)).start()
             redis_url = server.url
         try:
-            import redis
-
             d = open_directory(redis_url, f"bench{os.getpid()}", timeout_s=5.0)
-            admin = redis.Redis.from_url(redis_url, socket_timeout=5.0)  # INFO: server-side costs
             d.heartbeat("node-a", "127.0.0.1:1", ttl_s=600)
             d.heartbeat("node-b", "127.0.0.1:2", ttl_s=600)
             keys = chain_keys(b"\0" * 16, np.arange(units * UNIT_TOKENS) % 30_000, UNIT_TOKENS)
-            memory0 = admin.info("memory")["used_memory"]
+            memory0 = d.server_stats()["used_memory"]
             t0 = time.perf_counter()
             for i in range(0, units, 500):
                 d.register("node-a", keys[i : i + 500])
             reg_s = time.perf_counter() - t0
-            memory1 = admin.info("memory")["used_memory"]
+            memory1 = d.server_stats()["used_memory"]
             d.register("node-b", keys[: units // 2], "ram")
             d.longest_prefix(keys[:1])  # script load
-            before, stats0 = d.round_trips(), _script_stats(admin)
+            stats0 = d.server_stats()
+            before = d.round_trips()
             times = []
             for _ in range(lookups):
                 t0 = time.perf_counter()
@@ -237,7 +228,7 @@ def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300) 
                 times.append(time.perf_counter() - t0)
                 assert m.num_units == units
             trips = (d.round_trips() - before) / lookups
-            stats1 = _script_stats(admin)
+            stats1 = d.server_stats()
             # unpipelined single-key calls, for scale
             return {
                 "redis_url": redis_url.split("@")[-1],
@@ -249,7 +240,8 @@ def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300) 
                 "registrations_per_s": round(units / reg_s, 1),
                 # Redis's own time per lookup (INFO commandstats: the lookup script's usec), the
                 # CPU its single thread gives each lookup, and its memory per unit held by one node
-                "redis_us_per_lookup": round((stats1[1] - stats0[1]) / max(1, stats1[0] - stats0[0]), 1),
+                "redis_us_per_lookup": round((stats1["script_usec"] - stats0["script_usec"])
+                                             / max(1, stats1["script_calls"] - stats0["script_calls"]), 1),
                 "redis_bytes_per_unit": round((memory1 - memory0) / units, 1),
             }
         finally:
