@@ -117,6 +117,6 @@ def chain_keys(seed: bytes, token_ids, unit_size: int, max_units: int | None = N
     keys = []
     parent = seed if parent is None else parent
     for i in range(n):
-        parent = hashlib.blake2b(parent + raw[i * step : (i + 1) * step], digest_size=KEY_BYTES, key=seed).digest()
+        parent = chain_hash(seed, parent, raw[i * step : (i + 1) * step])
         keys.append(parent)
     return keys

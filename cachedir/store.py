@@ -40,6 +40,8 @@ __all__ = ["StoreConfig", "StoreLocked", "StoreStats", "UnitStore"]
 PINS_FILE = "pinned.keys"  # hex keys of pinned units, one per line
 LOCK_FILE = ".lock"  # held (flock) by the one store that has the directory open
 
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # a write skipped, not a bug
+
 
 class StoreLocked(RuntimeError):
     """Another store (in this or another process) has the directory open."""
@@ -59,7 +61,6 @@ def _lock_dir(root: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
-_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # a write skipped, not a bug
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,12 +31,14 @@ OPTIONAL_PUBLIC_PATHS = frozenset({"/metrics", "/docs", "/openapi.json", "/redoc
 
 
 class TenantQuotas:
-    """Per tenant: a token bucket of ``rate_per_s`` requests a second holding up to ``burst``, and
-    at most ``concurrency`` requests at once (0: that quota is off). Per ingress replica."""
+    """Per tenant: a token bucket of ``rate_per_s`` requests a second holding up to ``burst``
+    (0: a second's worth), and at most ``concurrency`` requests at once (0: that quota is off).
+    Per ingress replica."""
 
     def __init__(self, rate_per_s: float = 0.0, burst: int = 0, concurrency: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate_per_s, self.burst, self.concurrency = rate_per_s, max(burst, 1), concurrency
+        self.rate_per_s, self.concurrency = rate_per_s, concurrency
+        self.burst = max(burst or math.ceil(rate_per_s), 1)
         self._clock = clock
         self._lock = threading.Lock()
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)

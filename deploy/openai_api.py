@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -214,8 +213,7 @@ class OpenAIIngress:
         self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
         lim = self.limits
-        quotas = TenantQuotas(lim.tenant_requests_per_minute / 60,
-                              lim.tenant_burst or math.ceil(lim.tenant_requests_per_minute / 60), lim.tenant_concurrency)
+        quotas = TenantQuotas(lim.tenant_requests_per_minute / 60, lim.tenant_burst, lim.tenant_concurrency)
         api.state.edge = EdgeConfig(self.api_keys, lim.max_body_bytes,  # read by deploy.http_edge
                                     PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas)
         self.metrics = _Metrics()

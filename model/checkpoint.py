@@ -212,7 +212,7 @@ def load_state_dict(
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {name!r} has non-float dtype {t.dtype}")
                 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    t = _dequantized(name, t, where, block)
+                    t = _dequantized(name, t, where, block, path, f)
                 keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
                 out[name] = t.to(torch.float32 if keep_fp32 else dtype)
                 done += 1
@@ -223,11 +223,15 @@ def load_state_dict(
     return out
 
 
-def _dequantized(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None) -> torch.Tensor:
+def _dequantized(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None,
+                 path: Path, shard) -> torch.Tensor:
+    """``q`` (from ``shard``, the open file ``path``) times its scales, wherever the index puts them."""
     scales = where.get(name + SCALE_SUFFIX)
     if block is None or scales is None or q.dim() != 2:
         raise CheckpointError(f"tensor {name!r} is {q.dtype} without {name + SCALE_SUFFIX!r} and an fp8 "
                               "quantization_config: it cannot be dequantized")
+    if scales == path:
+        return dequantize_fp8(q, shard.get_tensor(name + SCALE_SUFFIX), block)
     with safe_open(scales, "pt") as f:
         return dequantize_fp8(q, f.get_tensor(name + SCALE_SUFFIX), block)
 

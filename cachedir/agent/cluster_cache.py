@@ -289,9 +289,9 @@ class ClusterCache:
                 del self._bad_local[units[i].key]
 
         def push() -> bool:
+            mac_keys = {ns: unit_mac_key(self._secret, ns) for ns in {u.namespace for u in units}}
             try:
-                accepted, _ = self.local.push((u.encode(unit_mac_key(self._secret, u.namespace)) for u in units),
-                                              replace=replace)
+                accepted, _ = self.local.push((u.encode(mac_keys[u.namespace]) for u in units), replace=replace)
             except AgentError as e:
                 self._agent_error(e)
                 return False

@@ -127,6 +127,7 @@ def _integrity_costs(ns: Namespace, units: list[Unit], repeats: int) -> dict[str
     from cachedir.unitfile import mac_of
 
     raw = [np.asarray(u.token_ids, dtype="<u4").tobytes() for u in units]
+    tokens = np.concatenate([np.asarray(u.token_ids, dtype=np.int64) for u in units])
     headers = [u.encode_parts()[0] for u in units]
     key = unit_mac_key(b"bench-secret-0123456789", ns.seed)
 
@@ -138,7 +139,7 @@ def _integrity_costs(ns: Namespace, units: list[Unit], repeats: int) -> dict[str
             times.append((time.perf_counter() - t0) / len(units))
         return statistics.median(times)
 
-    blake = per_unit(lambda: chain_keys(ns.seed, np.concatenate([np.frombuffer(r, "<u4") for r in raw]), UNIT_TOKENS))
+    blake = per_unit(lambda: chain_keys(ns.seed, tokens, UNIT_TOKENS))
     xxh = per_unit(lambda: [xxhash.xxh3_128_digest(ns.seed + r) for r in raw])
     mac = per_unit(lambda: [mac_of(key, h, u.payload) for h, u in zip(headers, units, strict=True)])
     checksum = per_unit(lambda: [xxhash.xxh3_64_intdigest(u.payload) for u in units])

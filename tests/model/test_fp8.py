@@ -48,7 +48,7 @@ def make_fp8_checkpoint(src, out, block: tuple[int, int]) -> dict[str, torch.Ten
         if QUANTIZED.search(name) and t.dim() == 2:
             q, s = quantize_fp8(t, block)
             shards[i % 2][name] = q
-            shards[(i + 1) % 2][name + "_scale_inv"] = s  # the scales in the other shard
+            shards[(i + i // 2) % 2][name + "_scale_inv"] = s  # the scales in the same shard or the other
             dequantized[name] = dequantize_fp8(q, s, block)
         else:
             shards[i % 2][name] = t
