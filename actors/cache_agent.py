@@ -9,9 +9,10 @@ while its node is lent to training, so its units stay fetchable.
 ``cfg`` keys: ``cache_dir`` (``{node}`` is replaced by the node id's first 12 characters — needed
 when several simulated nodes share one disk), ``ssd_bytes``, ``store_layout`` (``unit`` | ``segment``),
 ``ram_bytes``, ``eviction``,
-``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password``, ``directory_ca_file``,
-``agent_token``, ``tls_cert_file``/``tls_key_file`` (PEM: the agent serves TLS) and
-``tls_ca_file`` (PEM: clients verify agents with it), ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
+``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password_env``, ``directory_ca_file``,
+``agent_token_file`` / ``agent_token_env`` (``actors.credentials``: read on the node), ``tls_cert_file``/``tls_key_file``
+(PEM: the agent serves TLS) and ``tls_ca_file`` (PEM: clients verify agents with it), ``tls_mutual``
+(agents and replicas present the node's certificate and agents require one signed by the CA), ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
 off), ``replication_min_hits``, ``replication_bytes_per_s``.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.credentials import agent_token, directory_password
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import ServerConfig
@@ -54,13 +56,22 @@ def tls_files(cfg: dict) -> dict[str, bytes | None]:
     return out
 
 
+def client_certificate(cfg: dict, tls: dict[str, bytes | None]) -> tuple[bytes, bytes] | None:
+    """(key, chain) that this node's clients present under ``tls_mutual``."""
+    if not cfg.get("tls_mutual"):
+        return None
+    if tls["cert"] is None or tls["ca"] is None:
+        raise ValueError("tls_mutual needs tls_cert_file, tls_key_file and tls_ca_file")
+    return tls["key"], tls["cert"]
+
+
 class CacheAgent:
     def __init__(self, cfg: dict) -> None:
         node_id = ray.get_runtime_context().get_node_id()
         directory = None
         if cfg.get("directory_url"):
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or NAMESPACE,
-                                       password=cfg.get("directory_password"), ssl_ca_certs=cfg.get("directory_ca_file"))
+                                       password=directory_password(cfg), ssl_ca_certs=cfg.get("directory_ca_file"))
         replicas = int(cfg.get("replicas", 2))
         replication = None
         if replicas > 1:
@@ -73,8 +84,9 @@ class CacheAgent:
                             layout=cfg.get("store_layout", "segment"))
         self.agent = NodeAgent(AgentConfig(
             node_id, CacheConfig(store, ram_bytes=int(cfg.get("ram_bytes", 512 << 20))),
-            ServerConfig(host=host, token=cfg.get("agent_token"), tls_cert_chain=tls["cert"], tls_private_key=tls["key"]),
-            advertise_host=host, tls_root_certificates=tls["ca"],
+            ServerConfig(host=host, token=agent_token(cfg), tls_cert_chain=tls["cert"], tls_private_key=tls["key"],
+                         tls_client_ca=tls["ca"] if cfg.get("tls_mutual") else None),
+            advertise_host=host, tls_root_certificates=tls["ca"], tls_client_certificate=client_certificate(cfg, tls),
             heartbeat_ttl_s=float(cfg.get("heartbeat_ttl_s", 10.0)),
             sync_every_s=float(cfg.get("sync_every_s", 0.25)), replication=replication,
         ), directory)

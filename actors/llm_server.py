@@ -22,7 +22,8 @@ from pathlib import Path
 import ray
 
 from actors import pd_handoff
-from actors.cache_agent import NodeAgentClient, ensure_cache_agents, tls_files
+from actors.cache_agent import NodeAgentClient, client_certificate, ensure_cache_agents, tls_files
+from actors.credentials import agent_token, directory_password
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
 from actors.serve_bind import bind_replica_grpc_to_node
@@ -173,7 +174,7 @@ class LLMServer:
         self.publisher = None
         if cfg.get("directory_url") and isinstance(self.cache, NodeCache):
             directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id,
-                                       password=cfg.get("directory_password"), ssl_ca_certs=cfg.get("directory_ca_file"))
+                                       password=directory_password(cfg), ssl_ca_certs=cfg.get("directory_ca_file"))
             self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
         unit_bytes = mcfg.num_hidden_layers * 64 * (mcfg.kv_lora_rank + mcfg.qk_rope_head_dim) * self.model.dtype.itemsize
         self._cost = CostModel(unit_bytes=unit_bytes)
@@ -193,15 +194,17 @@ class LLMServer:
         node that lacks one; ``_loop`` repeats that now and then for nodes added later)."""
         self.node_id = ray.get_runtime_context().get_node_id()
         ensure_cache_agents(agent_cfg)
-        token = agent_cfg.get("agent_token")
-        ca = tls_files(agent_cfg)["ca"]
+        token, tls = agent_token(agent_cfg), tls_files(agent_cfg)
+        mine = client_certificate(agent_cfg, tls)
         directory = None
         if agent_cfg.get("directory_url"):
             directory = open_directory(agent_cfg["directory_url"], agent_cfg.get("directory_namespace") or "tideserve",
-                                       password=agent_cfg.get("directory_password"),
+                                       password=directory_password(agent_cfg),
                                        ssl_ca_certs=agent_cfg.get("directory_ca_file"))
         timeout_s = float(agent_cfg.get("fetch_timeout_s", 5.0))
-        client_for = ClientPool(lambda addr: AgentClient(addr, token, ca, timeout_s=timeout_s))
+        name = f"replica-{self.node_id[:12]}"
+        client_for = ClientPool(lambda addr: AgentClient(addr, token, tls["ca"], timeout_s=timeout_s, name=name,
+                                                         client_certificate=mine))
 
         return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), directory, client_for,
                             secret=self._secret)

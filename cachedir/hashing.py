@@ -66,10 +66,10 @@ class Namespace:
                          self.kv_layout, self.unit_size, salt, self.secret)
 
 
-def read_secret(path: str | None) -> bytes:
-    """The cache secret in the file ``path`` (b"" for None); ``ValueError`` naming the file when
-    it is missing, short, or open to every user (group read is allowed: Kubernetes adds it to
-    Secret volumes under an fsGroup)."""
+def read_secret(path: str | None, what: str = "cache secret") -> bytes:
+    """The secret in the file ``path`` (b"" for None); ``ValueError`` naming the file when it is
+    missing, short, or open to every user (group read is allowed: Kubernetes adds it to Secret
+    volumes under an fsGroup). ``what`` names the secret in errors."""
     if not path:
         return b""
     p = Path(path)
@@ -77,11 +77,11 @@ def read_secret(path: str | None) -> bytes:
         st = p.stat()
         value = p.read_bytes().strip()
     except OSError as e:
-        raise ValueError(f"cache secret file {path}: {e.strerror or e}") from None
+        raise ValueError(f"{what} file {path}: {e.strerror or e}") from None
     if st.st_mode & 0o007:
-        raise ValueError(f"cache secret file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        raise ValueError(f"{what} file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
     if len(value) < 16:
-        raise ValueError(f"cache secret file {path} holds {len(value)} bytes; give it at least 16")
+        raise ValueError(f"{what} file {path} holds {len(value)} bytes; give it at least 16")
     return value
 
 

@@ -68,7 +68,11 @@ class AppArgs(BaseModel):
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
     cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
-    agent_token_env: str | None = None  # env var holding the cache agents' token (default: a random one per deploy)
+    # the cache agents' token, read on each node from a 0600 file (default: $TIDE_AGENT_TOKEN_FILE;
+    # `tide up` makes one in $TIDE_HOME/run) or an env var; with neither, one made by the app and kept
+    # in Ray's internal KV (readable by every Ray job). Calls are signed with it, it is never sent
+    agent_token_file: str | None = None
+    agent_token_env: str | None = None
     # a file (mode 0600, on every node) holding the cluster's cache secret: unit keys are hashed
     # and units authenticated under it, so a unit forged by anyone holding the agent token is a
     # miss; replicas and the ingress read it, cache agents never do. Default: $TIDE_CACHE_SECRET_FILE
@@ -77,6 +81,7 @@ class AppArgs(BaseModel):
     agent_tls_cert_file: str | None = None  # PEM files on every node: agents serve gRPC over TLS
     agent_tls_key_file: str | None = None  # (the certificate must name the node's IP)
     agent_tls_ca_file: str | None = None
+    agent_tls_mutual: bool = False  # agents require a node certificate signed by agent_tls_ca_file (and present theirs)
     router: Literal["cache-aware", "round-robin", "power-of-two"] = "cache-aware"
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     directory_tls_ca_file: str | None = None  # PEM CA of the Redis server's certificate (rediss:// URLs)
@@ -181,6 +186,20 @@ def _cluster_agent_token() -> str:
     return _internal_kv_get(key).decode()
 
 
+def _agent_token_source(a: AppArgs) -> dict[str, str]:
+    """Where agents and replicas find the agent token: the configured file or env var (checked
+    here, so a bad one fails the deploy, not every replica), else the cluster's KV-kept one:
+    agents never serve unauthenticated."""
+    token_file = a.agent_token_file or os.environ.get("TIDE_AGENT_TOKEN_FILE") or None
+    if a.agent_token_env:
+        _secret(a.agent_token_env, "agent_token_env")
+        return {"agent_token_env": a.agent_token_env}
+    if token_file:
+        read_secret(token_file, "agent token")
+        return {"agent_token_file": token_file}
+    return {"agent_token": _cluster_agent_token()}
+
+
 def _gpus_per_actor(device: str) -> int:
     """Each replica and each expert shard takes one GPU of its own under ``device="cuda"``."""
     return 1 if device == "cuda" else 0
@@ -276,9 +295,11 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     }
     if a.expert_shards:
         server_cfg.update(_expert_shards(checkpoint, a))
-    password = _secret(a.directory_password_env, "directory_password_env")
-    if password:
-        server_cfg["directory_password"] = password
+    # secrets travel by name (an env var, a file) and are read on each node: Serve configs and
+    # actor arguments sit in Ray's GCS, which every Ray job can read
+    _secret(a.directory_password_env, "directory_password_env")  # unset fails here, not in every replica
+    password_env = a.directory_password_env or None
+    server_cfg["directory_password_env"] = password_env
     if a.directory_tls_ca_file:
         server_cfg["directory_ca_file"] = a.directory_tls_ca_file
     if a.cache_agents and a.enable_cache:
@@ -286,13 +307,12 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
             "cache_dir": server_cfg["cache_dir"], "ssd_bytes": server_cfg["ssd_bytes"],
             "store_layout": server_cfg["store_layout"],
             "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
-            "directory_namespace": a.directory_namespace, "directory_password": password,
+            "directory_namespace": a.directory_namespace, "directory_password_env": password_env,
             "directory_ca_file": a.directory_tls_ca_file,
-            # without a configured token the app makes one: agents never serve unauthenticated
-            "agent_token": _secret(a.agent_token_env, "agent_token_env") or _cluster_agent_token(),
+            **_agent_token_source(a),
             "replicas": a.cache_replicas,
             "tls_cert_file": a.agent_tls_cert_file, "tls_key_file": a.agent_tls_key_file,
-            "tls_ca_file": a.agent_tls_ca_file,
+            "tls_ca_file": a.agent_tls_ca_file, "tls_mutual": a.agent_tls_mutual,
         }
     router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
               "round-robin": "deploy.prefill_router:RoundRobinRouter"}.get(a.router)
@@ -321,7 +341,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     ingress_cfg = {
         "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype,
         "directory_url": a.directory_url if a.router == "cache-aware" else None,
-        "directory_namespace": a.directory_namespace, "directory_password": password,
+        "directory_namespace": a.directory_namespace, "directory_password_env": password_env,
         "directory_ca_file": a.directory_tls_ca_file, "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
         "cache_secret_file": secret_file, "public_paths": a.public_paths,
     }

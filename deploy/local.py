@@ -4,8 +4,9 @@ State (addresses, pids, the cluster's id) lives in ``$TIDE_HOME/run/state.json``
 ``tide down`` and the admin commands find what ``tide up`` started; ``tide down`` stops exactly
 those processes (``deploy.ray_head``), never another Ray cluster on the machine. Every control
 path needs a credential: the Ray head runs with token authentication (``~/.ray/auth_token`` is
-made, 0600, when there is none), the cache agents with a token, and the local redis-server with
-a password (``$TIDE_HOME/run/redis.password``, 0600). With the default ``--host`` every listener
+made, 0600, when there is none), the cache agents with a token (``$TIDE_HOME/run/agent.token``,
+0600, which signs their calls), and the local redis-server with a password
+(``$TIDE_HOME/run/redis.password``, 0600). With the default ``--host`` every listener
 binds to loopback.
 """
 
@@ -47,7 +48,17 @@ def _redis_password_path() -> Path:
 def _cache_secret_file() -> str:
     """This cluster's cache secret (``AppArgs.cache_secret_file``): made once, in a file only this
     user can read, kept across `tide up`s so the units on disk stay valid."""
-    path = cache_root() / "run" / "cache.secret"
+    return _run_secret("cache.secret")
+
+
+def _agent_token_file() -> str:
+    """The cache agents' token (``AppArgs.agent_token_file``), kept like the cache secret, so
+    agents still running from an earlier `tide up` on this cluster's nodes agree."""
+    return _run_secret("agent.token")
+
+
+def _run_secret(name: str) -> str:
+    path = cache_root() / "run" / name
     if not path.is_file():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -110,6 +121,8 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         serve.start(http_options={"host": host, "port": port})
         app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url,
                     "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
+        if not (app_args.get("agent_token_file") or app_args.get("agent_token_env")):
+            app_args["agent_token_file"] = _agent_token_file()
         if "redis_pid" in state and not app_args.get("directory_password_env"):
             app_args["directory_password_env"] = REDIS_PASSWORD_ENV
         state["app_args"] = app_args  # `tide scale` redeploys with another replica count

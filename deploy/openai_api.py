@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.credentials import directory_password
 from actors.pd_handoff import read_prefill
 from actors.serve_bind import bind_replica_grpc_to_node
 from cachedir.directory import open_directory
@@ -198,7 +199,7 @@ class OpenAIIngress:
         """``server``: a handle to the ``LLMServer`` deployment; ``decode``: one to the decode
         pool (P/D disaggregation: ``server`` then only prefills). ``cfg`` keys: checkpoint,
         model_name, api_keys ({key: "TENANT[:MODEL+...]"} or None), limits (dict); with ``directory_url`` (and
-        ``directory_namespace``, ``directory_password``, ``dtype``) each request carries its
+        ``directory_namespace``, ``directory_password_env``, ``dtype``) each request carries its
         prefix ``plan`` (``cluster.request.PrefixPlan``: the prompt hashed once, one directory
         round trip) for the cache-aware router, which fills in what to load, and the replica."""
         self.server = server
@@ -222,7 +223,7 @@ class OpenAIIngress:
             import torch
 
             self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve",
-                                            password=cfg.get("directory_password"),
+                                            password=directory_password(cfg),
                                             ssl_ca_certs=cfg.get("directory_ca_file"))
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")),
                                              read_secret(cfg.get("cache_secret_file")))

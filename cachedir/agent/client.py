@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
+from cachedir.agent.auth import Signer
 from cachedir.agent.service import CHUNK_BYTES, MAX_UNIT_BYTES
 
 __all__ = ["AgentClient", "AgentError", "ClientPool"]
@@ -24,25 +25,51 @@ class AgentError(RuntimeError):
         self.code = code
 
 
+_SERVICE = "/" + agent_pb2.DESCRIPTOR.services_by_name["CacheAgent"].full_name + "/"
+
+
 class AgentClient:
     def __init__(
         self, address: str, token: str | None = None, root_certificates: bytes | None = None,
-        timeout_s: float = 5.0, tls_server_name: str | None = None,
+        timeout_s: float = 5.0, tls_server_name: str | None = None, name: str = "client",
+        client_certificate: tuple[bytes, bytes] | None = None,
     ) -> None:
-        """``address`` is ``host:port``; ``root_certificates`` (PEM) switches to TLS."""
+        """``address`` is ``host:port``; ``root_certificates`` (PEM) switches to TLS, and
+        ``client_certificate`` (PEM key, PEM chain) presents this node's certificate (mutual TLS).
+        With ``token``, calls are signed as ``name`` and the agent must prove it holds the token
+        before a reply is used or a unit is sent (``cachedir.agent.auth``)."""
         self.address = address
         self.timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._signer = Signer(token, name) if token else None
         options = [("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
                    ("grpc.max_send_message_length", 2 * CHUNK_BYTES)]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if client_certificate is not None and root_certificates is None:
+            raise ValueError("a client certificate needs root_certificates (TLS)")
         if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            key, chain = client_certificate or (None, None)
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key=key, certificate_chain=chain)
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = agent_pb2_grpc.CacheAgentStub(self._channel)
+
+    def _sign(self, method: str) -> tuple[tuple, str | None]:
+        if self._signer is None:
+            return (), None
+        return self._signer.sign(_SERVICE + method, self.address)
+
+    def _check_proof(self, call, method: str, nonce: str | None) -> None:
+        """Raise unless the agent proved it holds the token (its first metadata)."""
+        if nonce is None or self._signer.proven(call.initial_metadata(), _SERVICE + method, nonce) is not None:
+            return
+        if call.done() and call.code() not in (None, grpc.StatusCode.OK):  # it refused the call
+            raise AgentError(f"cache agent {self.address}: {method} failed: {call.code().name} {call.details()}",
+                             call.code())
+        call.cancel()
+        raise AgentError(f"cache agent {self.address}: {method} answered without proof that it holds "
+                         "the cluster's agent token (not an agent of this cluster)", grpc.StatusCode.UNAUTHENTICATED)
 
     def _error(self, e: grpc.RpcError, what: str) -> AgentError:
         code = e.code() if hasattr(e, "code") else None
@@ -55,9 +82,11 @@ class AgentClient:
         out: list[tuple[str, bytes] | None] = [None] * len(keys)
         if not keys:
             return out
+        metadata, nonce = self._sign("Fetch")
         try:
             stream = self._stub.Fetch(agent_pb2.FetchRequest(keys=list(keys), requester=requester),
-                                      timeout=self.timeout_s, metadata=self._metadata)
+                                      timeout=self.timeout_s, metadata=metadata)
+            self._check_proof(stream, "Fetch", nonce)
             for index, tier, data in self._assemble(stream, len(keys)):
                 out[index] = (tier, data)
         except grpc.RpcError as e:
@@ -97,18 +126,28 @@ class AgentClient:
     def has(self, keys: Sequence[bytes]) -> list[str]:
         if not keys:
             return []
+        metadata, nonce = self._sign("Has")
         try:
-            reply = self._stub.Has(agent_pb2.HasRequest(keys=list(keys)), timeout=self.timeout_s,
-                                   metadata=self._metadata)
+            reply, call = self._stub.Has.with_call(agent_pb2.HasRequest(keys=list(keys)), timeout=self.timeout_s,
+                                                   metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e, "has") from None
+        self._check_proof(call, "Has", nonce)
         return list(reply.tiers)
 
     def push(self, encoded_units: Iterable[bytes], replace: frozenset[int] = frozenset()) -> tuple[int, int]:
         """Send units (encoded files); returns (accepted, rejected). The units at the positions in
         ``replace`` replace the agent's copy under their key (which failed its reader's checks)."""
 
+        metadata, nonce = self._sign("Push")
+        gate, allowed = threading.Event(), [nonce is None]  # no unit leaves before the agent proved itself
+        if nonce is None:
+            gate.set()
+
         def chunks() -> Iterator[agent_pb2.UnitChunk]:
+            gate.wait(self.timeout_s)
+            if not allowed[0]:
+                return
             for i, data in enumerate(encoded_units):
                 view = memoryview(data)
                 n = max(1, -(-len(view) // CHUNK_BYTES))
@@ -118,16 +157,25 @@ class AgentClient:
                                               replace=c == 0 and i in replace)
 
         try:
-            reply = self._stub.Push(chunks(), timeout=self.timeout_s, metadata=self._metadata)
+            call = self._stub.Push.future(chunks(), timeout=self.timeout_s, metadata=metadata)
+            try:
+                self._check_proof(call, "Push", nonce)
+                allowed[0] = True
+            finally:
+                gate.set()
+            reply = call.result()
         except grpc.RpcError as e:
             raise self._error(e, "push") from None
         return reply.accepted, reply.rejected
 
     def stats(self) -> dict:
+        metadata, nonce = self._sign("Stats")
         try:
-            reply = self._stub.Stats(agent_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
+            reply, call = self._stub.Stats.with_call(agent_pb2.StatsRequest(), timeout=self.timeout_s,
+                                                     metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e, "stats") from None
+        self._check_proof(call, "Stats", nonce)
         return json.loads(reply.json)
 
     def close(self) -> None:

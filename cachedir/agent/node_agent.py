@@ -9,6 +9,7 @@ once) and runs a replication tick.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ class AgentConfig:
     replication: ReplicationConfig | None = field(default_factory=ReplicationConfig)  # None: off
     tls_root_certificates: bytes | None = None  # for pushing to other agents over TLS
     tls_server_name: str | None = None
+    tls_client_certificate: tuple[bytes, bytes] | None = None  # (PEM key, PEM chain) for mutual TLS
 
 
 class NodeAgent:
@@ -54,7 +56,8 @@ class NodeAgent:
         self.counters = {"fetch_units": 0, "fetch_remote_units": 0, "fetch_missing": 0,
                          "push_accepted": 0, "push_refused": 0}
         self.server, self.port = start_server(
-            AgentBackend(self.read, self.has, self.accept, self.stats), cfg.server)
+            AgentBackend(self.read, self.has, self.accept, self.stats),
+            dataclasses.replace(cfg.server, name=cfg.node_id, advertise_hosts=(cfg.advertise_host,)))
         self.address = f"{cfg.advertise_host}:{self.port}"
         self.publisher = self.replicator = None
         if directory is not None:
@@ -64,7 +67,8 @@ class NodeAgent:
                 self.replicator = Replicator(cfg.replication, self.node_id, directory,
                                              self._read_one, self._push_to)
         self.client = ClientPool(lambda address: AgentClient(
-            address, self.cfg.server.token, self.cfg.tls_root_certificates, tls_server_name=self.cfg.tls_server_name))
+            address, self.cfg.server.token, self.cfg.tls_root_certificates, tls_server_name=self.cfg.tls_server_name,
+            name=self.node_id, client_certificate=self.cfg.tls_client_certificate))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cache-agent-sync", daemon=True)
         self._thread.start()

@@ -4,13 +4,13 @@ Fetch streams each requested unit's encoded file in chunks of at most ``CHUNK_BY
 node lacks is one ``missing`` chunk, so the stream stays in request order); the caller verifies
 every unit against its own key, tokens and namespace before using it. Push accepts units (engine
 persistence and replication) through ``accept``, which re-verifies each one. Requests that are
-malformed get ``INVALID_ARGUMENT`` with a message; with a token configured, a call without
-``authorization: Bearer <token>`` metadata gets ``UNAUTHENTICATED``.
+malformed get ``INVALID_ARGUMENT`` with a message; with a token configured, a call that is not
+signed with it (``cachedir.agent.auth``: the token itself is never sent) gets ``UNAUTHENTICATED``,
+and every other call is answered first with the agent's proof that it holds the token.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
+from cachedir.agent.auth import Verifier
 from cachedir.hashing import KEY_BYTES
 
 __all__ = ["CHUNK_BYTES", "MAX_KEYS", "AgentBackend", "ServerConfig", "start_server"]
@@ -32,9 +33,12 @@ MAX_UNIT_BYTES = 64 << 20  # a DeepSeek-V3 unit is ~4.3 MiB; anything far larger
 class ServerConfig:
     host: str = "127.0.0.1"  # the node's own address when other nodes must reach it; never 0.0.0.0 by default
     port: int = 0  # 0: any free port (the bound one is returned)
-    token: str | None = None
+    token: str | None = None  # the cluster's agent token: calls must be signed with it (never sent)
+    name: str = "agent"  # the name this agent proves itself under (its node id)
+    advertise_hosts: tuple[str, ...] = ()  # hosts callers dial besides ``host`` (signatures name the address)
     tls_cert_chain: bytes | None = None  # PEM; with tls_private_key enables TLS
     tls_private_key: bytes | None = None
+    tls_client_ca: bytes | None = None  # PEM; callers must present a certificate it signed (mutual TLS)
     threads: int = 8
 
 
@@ -112,36 +116,46 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
         return agent_pb2.StatsReply(json=json.dumps(self.b.stats()))
 
 
-class _TokenAuth(grpc.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` (constant-time comparison)."""
+class _SignedCalls(grpc.ServerInterceptor):
+    """Lets through only calls signed by a holder of the agent token (``cachedir.agent.auth``),
+    and answers each with this agent's proof before anything else."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
 
     def intercept_service(self, continuation, details):
-        given = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self._expected):
-            return continuation(details)
         handler = continuation(details)
         if handler is None:
             return None
+        try:
+            _, nonce = self.verifier.verify(details.invocation_metadata, details.method)
+        except PermissionError as e:
+            reason = str(e)
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cache agent token")
+            def behaviour(request, context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"cache agent: {reason}")
+        else:
+            proof, inner = self.verifier.proof(details.method, nonce), _behaviour(handler)
 
-        # the refusal must have the method's own streaming shape
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer)
+            def behaviour(request, context):
+                context.send_initial_metadata(proof)
+                return inner(request, context)
+        # the answer must have the method's own streaming shape
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[handler.request_streaming, handler.response_streaming]
+        return make(behaviour, handler.request_deserializer, handler.response_serializer)
+
+
+def _behaviour(handler):
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
 
 def start_server(backend: AgentBackend, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, int]:
     """Start serving; returns the server and its bound port."""
-    interceptors = [_TokenAuth(cfg.token)] if cfg.token else []
+    verifier = Verifier(cfg.token, cfg.name) if cfg.token else None
+    interceptors = [_SignedCalls(verifier)] if verifier else []
     server = grpc.server(
         ThreadPoolExecutor(cfg.threads, thread_name_prefix="cache-agent-rpc"), interceptors=interceptors,
         options=[("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
@@ -151,12 +165,17 @@ def start_server(backend: AgentBackend, cfg: ServerConfig = ServerConfig()) -> t
     addr = f"{cfg.host}:{cfg.port}"
     if (cfg.tls_cert_chain is None) != (cfg.tls_private_key is None):
         raise ValueError("TLS needs both tls_cert_chain and tls_private_key")
+    if cfg.tls_client_ca is not None and cfg.tls_cert_chain is None:
+        raise ValueError("mutual TLS (tls_client_ca) needs the agent's own tls_cert_chain and tls_private_key")
     if cfg.tls_cert_chain is not None:
-        creds = grpc.ssl_server_credentials([(cfg.tls_private_key, cfg.tls_cert_chain)])
+        creds = grpc.ssl_server_credentials([(cfg.tls_private_key, cfg.tls_cert_chain)], cfg.tls_client_ca,
+                                            require_client_auth=cfg.tls_client_ca is not None)
         port = server.add_secure_port(addr, creds)
     else:
         port = server.add_insecure_port(addr)
     if port == 0:
         raise OSError(f"cache agent could not bind {addr}")
+    if verifier is not None:
+        verifier.addresses = {f"{h}:{port}" for h in (cfg.host, *cfg.advertise_hosts)} - {f"0.0.0.0:{port}"}
     server.start()
     return server, port

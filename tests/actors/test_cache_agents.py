@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ def cluster(redis_server, tmp_path_factory):
     agent_cfg = {
         "cache_dir": str(tmp_path_factory.mktemp("cache") / "{node}"), "ssd_bytes": 1 << 30,
         "ram_bytes": 0, "directory_url": redis_server.url, "directory_namespace": "agents-test",
-        "agent_token": "test-token", "heartbeat_ttl_s": TTL_S, "sync_every_s": 0.25, "replicas": 2,
+        "agent_token": "test-token-0123456789", "heartbeat_ttl_s": TTL_S, "sync_every_s": 0.25, "replicas": 2,
         "agent_check_s": 3600,  # the test decides when a killed agent comes back
     }
     yield c, agent_cfg
@@ -249,7 +250,10 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
     from deploy.redis_proc import wait_healthy
 
     _, agent_cfg = cluster
-    monkeypatch.setenv("TIDE_TEST_AGENT_TOKEN", agent_cfg["agent_token"])
+    token_file = Path(agent_cfg["cache_dir"].replace("{node}", "token")).with_suffix(".token")
+    token_file.parent.mkdir(parents=True, exist_ok=True)
+    token_file.write_text(agent_cfg["agent_token"])
+    token_file.chmod(0o600)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -257,7 +261,7 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
     app = build_app({
         "checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 0.5, "max_replicas_per_node": 1,
         "num_pages": 256, "cache_dir": agent_cfg["cache_dir"], "directory_url": redis_server.url,
-        "directory_namespace": "agents-test", "router": router, "agent_token_env": "TIDE_TEST_AGENT_TOKEN",
+        "directory_namespace": "agents-test", "router": router, "agent_token_file": str(token_file),
         "cache_secret_file": secret_file,
     })
     serve.run(app, name=f"route-{router}", route_prefix="/", blocking=False)

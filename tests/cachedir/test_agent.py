@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
+from cachedir.agent.auth import Signer
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
@@ -105,12 +106,15 @@ def test_bad_token_and_malformed_requests_get_clear_statuses(tmp_path):
         # a raw stream without the unit's size, and one that ends inside a unit
         channel = grpc.insecure_channel(a.address)
         stub = agent_pb2_grpc.CacheAgentStub(channel)
-        md = (("authorization", "Bearer s3cret"),)
+        signer = Signer("s3cret", "test")
+        push = "/tideserve.cache.CacheAgent/Push"
         with pytest.raises(grpc.RpcError) as e:
-            stub.Push(iter([agent_pb2.UnitChunk(index=0, data=b"x", last=True)]), metadata=md, timeout=5)
+            stub.Push(iter([agent_pb2.UnitChunk(index=0, data=b"x", last=True)]),
+                      metadata=signer.sign(push, a.address)[0], timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "size" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            stub.Push(iter([agent_pb2.UnitChunk(index=0, data=b"x", size=10)]), metadata=md, timeout=5)
+            stub.Push(iter([agent_pb2.UnitChunk(index=0, data=b"x", size=10)]),
+                      metadata=signer.sign(push, a.address)[0], timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "last chunk" in e.value.details()
         channel.close()
         assert json.loads(json.dumps(a.stats()))["push_accepted"] == 0
@@ -128,6 +132,28 @@ def test_tls(tmp_path):
             assert c.has([b"\0" * 16]) == [""]
         with AgentClient(a.address, timeout_s=2) as plain, pytest.raises(AgentError):
             plain.has([b"\0" * 16])
+    finally:
+        a.close()
+
+
+def test_mutual_tls_admits_only_nodes_with_a_certificate_of_the_cluster_ca(tmp_path):
+    from tests.certs import make_certs
+
+    (tmp_path / "other").mkdir()
+    ca, cert, key = make_certs(tmp_path)
+    _, other_cert, other_key = make_certs(tmp_path / "other")  # a certificate of another CA
+    a = _agent(tmp_path, "mtls", tls_cert_chain=cert.read_bytes(), tls_private_key=key.read_bytes(),
+               tls_client_ca=ca.read_bytes())
+    try:
+        node_cert = (key.read_bytes(), cert.read_bytes())
+        with AgentClient(a.address, root_certificates=ca.read_bytes(), client_certificate=node_cert) as c:
+            assert c.has([b"\0" * 16]) == [""]
+        for client_cert in (None, (other_key.read_bytes(), other_cert.read_bytes())):
+            with AgentClient(a.address, root_certificates=ca.read_bytes(), client_certificate=client_cert,
+                             timeout_s=2) as c, pytest.raises(AgentError):
+                c.has([b"\0" * 16])
+        with pytest.raises(ValueError, match="mutual TLS"):
+            _agent(tmp_path, "half", tls_client_ca=ca.read_bytes())
     finally:
         a.close()
 

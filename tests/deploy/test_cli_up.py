@@ -148,6 +148,20 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
         assert report["cache"]["totals"]["ssd_units"] >= 0 and len(report["cache"]["nodes"]) == 1
         stats = json.loads(_tide("cache", "stats", "--json", home=tmp_path, fresh_home=fresh_home).stdout)
         assert stats["totals"]["ssd_units"] >= 3
+        # the node's cache agent answers only calls signed with the agent token, a 0600 file like
+        # the cache secret; neither is in the state file
+        from cachedir.agent.client import AgentClient, AgentError
+
+        run = tmp_path / "run"
+        assert {f: (run / f).stat().st_mode & 0o777 for f in ("agent.token", "cache.secret")} == {
+            "agent.token": 0o600, "cache.secret": 0o600}
+        agent_token = (run / "agent.token").read_text().strip()
+        assert agent_token not in (run / "state.json").read_text()
+        (agent,) = [n["address"] for n in stats["nodes"].values()]
+        with AgentClient(agent, timeout_s=10) as c, pytest.raises(AgentError, match="UNAUTHENTICATED"):
+            c.has([bytes(16)])
+        with AgentClient(agent, agent_token, timeout_s=10) as c:
+            assert c.has([bytes(16)]) == [""]
         human = _tide("status", home=tmp_path, fresh_home=fresh_home)
         assert human.returncode == 0 and "prompt cache" in human.stdout and "{" not in human.stdout  # tables, no dicts
         assert "INFO" not in human.stderr and "worker.py" not in human.stderr  # no Ray connect chatter

@@ -156,3 +156,34 @@ def test_seeds_outside_64_bits_are_a_validation_error(seed, ok):
     else:
         with pytest.raises(ValidationError, match="seed"):
             CompletionRequest(model="m", prompt="x", seed=seed)
+
+
+@pytest.mark.security
+def test_no_credential_travels_in_the_apps_init_args(tmp_path, monkeypatch):
+    """Serve keeps every deployment's init args in Ray's GCS, which any Ray job (the night's
+    training too) can read: the Redis password and the agent token go by name (an env var, a
+    file) and each replica or agent reads them on its own node."""
+    from deploy.app import build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    password, token = "redis-pw-4f1c9e0d2b7a", "agent-token-a81e6f3c09d2"
+    monkeypatch.setenv("TIDE_TEST_REDIS_PW", password)
+    token_file = tmp_path / "agent.token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    app = build_app({"directory_url": "redis://127.0.0.1:1/0", "directory_password_env": "TIDE_TEST_REDIS_PW",
+                     "agent_token_file": str(token_file), "decode_replicas": 1})
+    ingress = app._bound_deployment
+    server, decode = ingress.init_args[0]._bound_deployment, ingress.init_args[2]._bound_deployment
+    for cfg in (ingress.init_args[1], server.init_args[0], decode.init_args[0]):
+        text = repr(cfg)
+        assert password not in text and token not in text
+    agents = server.init_args[0]["cache_agents"]
+    assert agents["agent_token_file"] == str(token_file) and "agent_token" not in agents
+    assert server.init_args[0]["directory_password_env"] == agents["directory_password_env"] == "TIDE_TEST_REDIS_PW"
+    # a file others can read, or a name that is not set, fails the deploy, not every replica
+    token_file.chmod(0o644)
+    with pytest.raises(ValueError, match="agent token file .* readable by others"):
+        build_app({"agent_token_file": str(token_file)})
+    with pytest.raises(ValueError, match="TIDE_TEST_UNSET"):
+        build_app({"directory_password_env": "TIDE_TEST_UNSET"})

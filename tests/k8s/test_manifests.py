@@ -154,11 +154,13 @@ def test_the_shipped_cluster_runs_ray_with_token_auth_and_the_api_with_keys():
         for container in group["template"]["spec"]["containers"]:
             env = {e["name"]: e for e in container.get("env", [])}
             assert env["TIDE_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "tideserve-api-keys", container["name"]
-            # the cache secret is a file from Secret tideserve-cache-secret that only its user reads
-            secret_file = env["TIDE_CACHE_SECRET_FILE"]["value"]
-            mount = next(m for m in container["volumeMounts"] if secret_file.startswith(m["mountPath"] + "/"))
-            volume = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == mount["name"])
-            assert volume["secret"]["secretName"] == "tideserve-cache-secret" and volume["secret"]["defaultMode"] & 0o077 == 0
+            # the cache secret and the agent token are files from their Secrets that only their user reads
+            for var, secret in (("TIDE_CACHE_SECRET_FILE", "tideserve-cache-secret"),
+                                ("TIDE_AGENT_TOKEN_FILE", "tideserve-agent-token")):
+                path = env[var]["value"]
+                mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+                volume = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+                assert volume["secret"]["secretName"] == secret and volume["secret"]["defaultMode"] & 0o077 == 0, var
 
 
 @pytest.mark.security
