@@ -8,6 +8,7 @@ background. Verification failures are misses; nothing here raises on a damaged f
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ from typing import Protocol
 from cachedir.ram import RamTier
 from cachedir.store import StoreConfig, UnitStore
 from cachedir.unit import Unit, UnitRemoved, UnitStored
-from cachedir.unitfile import UnitCorrupt, decode, read_header
+from cachedir.unitfile import UnitCorrupt, decode, holds, read_header
 
 __all__ = ["CacheConfig", "LoadedUnit", "NodeCache", "PromptCache"]
 
@@ -90,7 +91,9 @@ class NodeCache:
         from_ssd = []
         for i, k in enumerate(keys):
             unit = self.ram.get(k, namespace) if self.ram is not None else None
-            if unit is not None and tuple(unit.token_ids) == tuple(token_ids[i]):
+            if unit is not None and holds(unit, namespace, keys[i], token_ids[i]):
+                if unit.sealed:  # its ids are withheld: the reader's are the unit's
+                    unit = dataclasses.replace(unit, token_ids=tuple(int(t) for t in token_ids[i]))
                 out[i] = LoadedUnit(unit, "ram")
             else:
                 from_ssd.append(i)
@@ -152,7 +155,7 @@ class NodeCache:
             _, payload = decode(encoded, h.namespace, h.key)
         except UnitCorrupt:
             return None
-        unit = Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac)
+        unit = Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac, h.sealed)
         self.persist([unit])
         return unit
 

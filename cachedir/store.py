@@ -204,7 +204,7 @@ class UnitStore:
                     other.delete(loc)
                     continue
                 batch.append((Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers,
-                                   h.dim, h.dtype, h.mac), loc))
+                                   h.dim, h.dtype, h.mac, h.sealed), loc))
                 size += loc.length
                 if size >= self.cfg.segment_bytes:
                     if not self._migrate_batch(other, batch, pins):
@@ -574,7 +574,7 @@ class UnitStore:
                 continue
             # the payload stays a zero-copy view of the read buffer (a staging buffer: it is
             # reused once nothing refers to the units read into it)
-            out[i] = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac)
+            out[i] = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac, h.sealed)
         hits = nbytes = 0
         with self._lock:
             for i, key in enumerate(keys):

@@ -5,7 +5,7 @@ Layout (little-endian)::
     magic      8s   b"TIDEUNIT"
     version    u16  2
     dtype      u8   code (see DTYPES)
-    reserved   u8
+    flags      u8   bit 0 SEALED: the token ids are withheld (zeros)
     header_len u32  bytes from the start to the payload
     namespace  16s  Namespace.seed
     key        16s  this unit's chain key
@@ -17,7 +17,7 @@ Layout (little-endian)::
     checksum   u64  xxh3_64 of the payload
     mac        32s  HMAC-SHA256 of everything else (this field zeroed) under the writer's MAC key;
                     all zeros when written without one
-    tokens     num_tokens x u32
+    tokens     num_tokens x u32 (zeros when SEALED)
     payload    [num_layers, num_tokens, dim] values of ``dtype``
 
 ``decode`` verifies every field against what the reader expects; any mismatch raises
@@ -25,10 +25,16 @@ Layout (little-endian)::
 catches a damaged file and needs no secret (stores and agents check it); the MAC proves that a
 holder of the MAC key wrote the unit, so a reader that has the key (the serving replicas) also
 rejects a self-consistent unit forged by whoever can push to or serve from a cache agent.
+
+A unit written with a MAC key is SEALED: its header carries no token ids, so the files and the
+agents that store and relay them never hold a tenant's prompt. The reader, which knows the tokens
+it asks for, checks that the key is their chain hash (as it does for every unit); without the
+tokens (a store, an agent) the checksum is all there is to check.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import struct
@@ -39,13 +45,15 @@ import xxhash
 
 from cachedir.hashing import chain_hash
 
-__all__ = ["DTYPES", "NO_MAC", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "mac_of", "read_header"]
+__all__ = ["DTYPES", "NO_MAC", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "holds", "mac_of",
+           "read_header"]
 
 MAGIC = b"TIDEUNIT"
 VERSION = 2
 _FIXED = struct.Struct("<8sHBBI16s16s16sIIIQQ32s")
 _MAC_AT = _FIXED.size - 32  # offset of the mac field
 NO_MAC = bytes(32)
+SEALED = 1
 DTYPES = {1: "float32", 2: "bfloat16", 3: "float16"}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -68,6 +76,7 @@ class UnitHeader:
     checksum: int
     header_len: int
     mac: bytes = NO_MAC
+    sealed: bool = False  # token_ids are zeros (withheld), see the module docstring
 
     @property
     def file_len(self) -> int:
@@ -86,21 +95,26 @@ def mac_of(mac_key: bytes, header: bytes | memoryview, payload: bytes | memoryvi
 
 def encode(
     namespace: bytes, key: bytes, parent: bytes, token_ids, payload: bytes, num_layers: int,
-    dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC,
+    dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC, sealed: bool = False,
 ) -> bytes:
     """Header + payload as one bytes object. ``payload`` is the raw [L, T, D] array bytes."""
-    header, payload = encode_parts(namespace, key, parent, token_ids, payload, num_layers, dim, dtype, mac_key, mac)
+    header, payload = encode_parts(namespace, key, parent, token_ids, payload, num_layers, dim, dtype, mac_key, mac,
+                                   sealed)
     return header + payload
 
 
 def encode_parts(
     namespace: bytes, key: bytes, parent: bytes, token_ids, payload: bytes, num_layers: int,
-    dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC,
+    dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC, sealed: bool = False,
 ) -> tuple[bytes, bytes]:
     """The header (fixed fields and token ids) and the payload, to be written one after the other
-    (no copy of the payload). ``mac_key``: authenticate the unit (see the module docstring);
-    without one the header carries ``mac`` (a store re-encoding a unit keeps its MAC)."""
+    (no copy of the payload). ``mac_key``: authenticate and seal the unit (see the module
+    docstring); without one the header carries ``mac`` and ``sealed`` (a store re-encoding a unit
+    keeps both)."""
+    sealed = sealed or mac_key is not None
     tokens = np.asarray(token_ids, dtype="<u4")
+    if sealed:
+        tokens = np.zeros(len(tokens), dtype="<u4")
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported unit dtype {dtype!r}; supported: {sorted(DTYPE_CODES)}")
     expected = num_layers * len(tokens) * dim * ITEMSIZE[dtype]
@@ -108,7 +122,7 @@ def encode_parts(
         raise ValueError(f"payload of {len(payload)} bytes, expected {expected} for [{num_layers}, {len(tokens)}, {dim}] {dtype}")
     header_len = _FIXED.size + tokens.nbytes
     fixed = _FIXED.pack(
-        MAGIC, VERSION, DTYPE_CODES[dtype], 0, header_len, namespace, key, parent, len(tokens),
+        MAGIC, VERSION, DTYPE_CODES[dtype], SEALED if sealed else 0, header_len, namespace, key, parent, len(tokens),
         num_layers, dim, len(payload), xxhash.xxh3_64_intdigest(payload), NO_MAC if mac_key else mac,
     )
     header = fixed + tokens.tobytes()
@@ -121,7 +135,7 @@ def read_header(buf: bytes | memoryview) -> UnitHeader:
     """Parse and sanity-check the header at the start of ``buf``."""
     if len(buf) < _FIXED.size:
         raise UnitCorrupt(f"truncated header ({len(buf)} bytes)")
-    (magic, version, dtype_code, _, header_len, ns, key, parent, n_tok, n_layers, dim,
+    (magic, version, dtype_code, flags, header_len, ns, key, parent, n_tok, n_layers, dim,
      payload_len, checksum, mac) = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise UnitCorrupt("bad magic")
@@ -137,7 +151,25 @@ def read_header(buf: bytes | memoryview) -> UnitHeader:
     if len(buf) < header_len:
         raise UnitCorrupt("truncated token ids")
     tokens = tuple(np.frombuffer(buf, dtype="<u4", count=n_tok, offset=_FIXED.size).tolist())
-    return UnitHeader(ns, key, parent, tokens, n_layers, dim, dtype, payload_len, checksum, header_len, mac)
+    if flags & ~SEALED:
+        raise UnitCorrupt(f"unknown header flags {flags:#x}")
+    return UnitHeader(ns, key, parent, tokens, n_layers, dim, dtype, payload_len, checksum, header_len, mac,
+                      bool(flags & SEALED))
+
+
+def _raw(token_ids) -> bytes:
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def holds(h: UnitHeader, namespace: bytes, key: bytes, token_ids) -> bool:
+    """Whether the unit of header ``h`` is ``key`` of ``namespace`` over ``token_ids``: the
+    stored ids are compared when there are some, and the key must be their chain hash."""
+    tokens = tuple(int(t) for t in token_ids)
+    if h.namespace != namespace or h.key != key or len(tokens) != len(h.token_ids):
+        return False
+    if not h.sealed and tokens != h.token_ids:
+        return False
+    return chain_hash(namespace, h.parent, _raw(tokens)) == key
 
 
 def decode(
@@ -150,10 +182,16 @@ def decode(
         raise UnitCorrupt("namespace mismatch")
     if h.key != key:
         raise UnitCorrupt("key mismatch")
-    if token_ids is not None and tuple(int(t) for t in token_ids) != h.token_ids:
-        raise UnitCorrupt("token ids mismatch")
-    tokens_raw = bytes(memoryview(buf)[_FIXED.size : h.header_len])
-    if chain_hash(namespace, h.parent, tokens_raw) != key:
+    if token_ids is not None:
+        tokens = tuple(int(t) for t in token_ids)
+        if len(tokens) != len(h.token_ids) or (not h.sealed and tokens != h.token_ids):
+            raise UnitCorrupt("token ids mismatch")
+        if chain_hash(namespace, h.parent, _raw(tokens)) != key:
+            raise UnitCorrupt("key is not the chain hash of parent and tokens")
+        h = dataclasses.replace(h, token_ids=tokens)  # a sealed unit's reader knows its tokens
+    elif h.sealed:
+        pass  # no ids to check without the reader's tokens: the checksum (and MAC) below
+    elif chain_hash(namespace, h.parent, bytes(memoryview(buf)[_FIXED.size : h.header_len])) != key:
         raise UnitCorrupt("key is not the chain hash of parent and tokens")
     if len(buf) != h.file_len:
         raise UnitCorrupt(f"file is {len(buf)} bytes, header says {h.file_len}")

@@ -263,7 +263,7 @@ class ClusterCache:
                         self._remember(self._bad_local, keys[i], None)
                 continue
             nbytes += len(data)
-            unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac)
+            unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac, h.sealed)
             got[i] = LoadedUnit(unit, tier if node is None else "remote")
         if lied and node is not None:
             self._suspect(node)

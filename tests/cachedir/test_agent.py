@@ -8,6 +8,7 @@ import json
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
@@ -548,6 +549,12 @@ def test_a_unit_forged_by_a_token_holder_is_a_miss_and_the_real_one_replaces_it(
         assert all(f.result(30) for f in cache.persist(units))
         loaded = cache.load_async(keys, SECRET_NS.seed, tokens).result(30)
         assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+        assert [x.unit.token_ids for x in loaded] == tokens
+        # the agent's files hold no token ids: units it was given with a MAC are sealed
+        me.cache.flush()
+        on_disk = b"".join(p.read_bytes() for p in (tmp_path / "me").rglob("*") if p.is_file())
+        assert all(bytes(u.encode())[-len(u.payload):] in on_disk for u in units)  # the KV is there...
+        assert not any(np.asarray(t, dtype="<u4").tobytes() in on_disk for t in tokens)  # ...its prompt is not
         # a second forged push does not displace them (no replace flag), and a replaced key is
         # pushed with the flag only once
         insider.push([_forge(units[0], bytes(len(units[0].payload)))])

@@ -113,11 +113,51 @@ def test_a_mac_proves_who_wrote_the_unit():
         with pytest.raises(UnitCorrupt, match="MAC mismatch"):
             decode(bad, unit.namespace, unit.key, unit.token_ids, mac_key=SECRET_NS.mac_key)
     # the MAC covers the header too: the same payload under a changed field fails
+    from cachedir.unitfile import _FIXED
+
     tampered = bytearray(good)
-    tampered[11] ^= 1  # the reserved byte: no other check reads it
+    tampered[_FIXED.size] ^= 1  # a withheld token id of a sealed unit: no other check reads it
     decode(bytes(tampered), unit.namespace, unit.key, unit.token_ids)
     with pytest.raises(UnitCorrupt, match="MAC mismatch"):
         decode(bytes(tampered), unit.namespace, unit.key, unit.token_ids, mac_key=SECRET_NS.mac_key)
+
+
+def test_a_sealed_unit_keeps_no_token_ids_and_its_reader_checks_its_own(tmp_path):
+    """Units written with a MAC key withhold their token ids (a tenant's prompt): the file and
+    whoever stores or relays it see zeros; the reader, which knows the tokens it asks for, checks
+    that the key is their chain hash, so wrong tokens are still a miss."""
+    import numpy as np
+
+    from cachedir.unit import Unit
+    from cachedir.unitfile import read_header
+
+    tokens = list(range(7000, 7064))
+    unit = make_units(tokens, SECRET_NS)[0]
+    sealed = unit.encode(SECRET_NS.mac_key)
+    assert np.asarray(tokens, dtype="<u4").tobytes() not in sealed
+    h = read_header(sealed)
+    assert h.sealed and h.token_ids == (0,) * 64
+    got, payload = decode(sealed, unit.namespace, unit.key, tokens, mac_key=SECRET_NS.mac_key)
+    assert got.token_ids == tuple(tokens) and bytes(payload) == bytes(unit.payload)
+    wrong = tokens[:-1] + [1]
+    for ids in (wrong, tokens[:-1]):
+        with pytest.raises(UnitCorrupt, match="token ids|chain hash"):
+            decode(sealed, unit.namespace, unit.key, ids, mac_key=SECRET_NS.mac_key)
+    # a store or agent (no tokens, no key) checks damage only, and re-encodes it as it came
+    decode(sealed, unit.namespace, unit.key)
+    stored = Unit(h.namespace, h.key, h.parent, h.token_ids, sealed[h.header_len:], h.num_layers, h.dim, h.dtype,
+                  h.mac, h.sealed)
+    assert stored.encode() == sealed
+    damaged = bytearray(sealed)
+    damaged[-1] ^= 1
+    with pytest.raises(UnitCorrupt, match="checksum"):
+        decode(bytes(damaged), unit.namespace, unit.key)
+    unknown = bytearray(sealed)
+    unknown[11] |= 0x80
+    with pytest.raises(UnitCorrupt, match="flags"):
+        decode(bytes(unknown), unit.namespace, unit.key)
+    # written without a key, a unit keeps its ids (nothing could authenticate it anyway)
+    assert not read_header(unit.encode()).sealed and read_header(unit.encode()).token_ids == tuple(tokens)
 
 
 def test_the_secret_file_must_be_private_and_long_enough(tmp_path):
