@@ -5,13 +5,15 @@ time nor memory).
 Each request under a protected path must carry a configured key (``Authorization: Bearer``;
 constant-time comparison, keys never logged) or get a 401; a tenant over its quota (requests per
 second with a burst, requests at once; ``TenantQuotas``) gets a 429 with ``Retry-After``; a
-``POST`` body must be JSON or get a 415, and fit ``max_body_bytes`` (its Content-Length, or
-counted as it arrives when chunked) or get a 413. The caller's ``KeyGrant`` is left in
+``POST`` body must be JSON or get a 415, fit ``max_body_bytes`` (its Content-Length, or
+counted as it arrives when chunked) or get a 413, and arrive whole within ``body_timeout_s`` or
+get a 408 (a slow body holds a connection and its tenant's concurrency, not a replica). The caller's ``KeyGrant`` is left in
 ``scope["state"]["grant"]`` for the route.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -77,6 +79,7 @@ class EdgeConfig:
     max_body_bytes: int
     public_paths: frozenset[str] = field(default=PUBLIC_PATHS)
     quotas: TenantQuotas | None = None
+    body_timeout_s: float = 30.0
 
 
 def find_grant(api_keys: dict[str, KeyGrant], authorization: str) -> KeyGrant | None:
@@ -150,8 +153,14 @@ class EdgeMiddleware:
             return
         # read the body here, counting (a chunked body has no Content-Length), then hand it on
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + cfg.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                await _reply(send, 408, f"the request body did not arrive within {cfg.body_timeout_s:g} s",
+                             code="request_timeout")
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")

@@ -216,7 +216,8 @@ class OpenAIIngress:
         lim = self.limits
         quotas = TenantQuotas(lim.tenant_requests_per_minute / 60, lim.tenant_burst, lim.tenant_concurrency)
         api.state.edge = EdgeConfig(self.api_keys, lim.max_body_bytes,  # read by deploy.http_edge
-                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas)
+                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas,
+                                    lim.body_timeout_s)
         self.metrics = _Metrics()
         self.directory = self.namespace = None
         if cfg.get("directory_url"):

@@ -67,6 +67,7 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(default=4 << 20, ge=1)
+    body_timeout_s: float = Field(default=30.0, gt=0)  # a body must arrive whole within this (408)
     max_prompt_tokens: int = Field(default=32768, ge=1)
     max_tokens: int = Field(default=4096, ge=1)
     max_stop: int = Field(default=4, ge=0)

@@ -149,3 +149,45 @@ def test_limits_take_tenant_quotas_and_refuse_bad_ones():
     assert Limits(tenant_requests_per_minute=600, tenant_concurrency=4).tenant_concurrency == 4
     with pytest.raises(ValueError, match="tenant_concurrency"):
         Limits(tenant_concurrency=-1)
+
+
+class _StallingBody(httpx.AsyncByteStream):
+    """A body whose sender stops after its first bytes (slowloris, with a valid key)."""
+
+    async def __aiter__(self):
+        yield b'{"a": '
+        await asyncio.sleep(3600)
+        yield b"1}"
+
+
+@pytest.mark.security
+def test_a_body_that_does_not_arrive_in_time_is_a_408():
+    import dataclasses
+
+    app, seen = _app()
+    app.state.edge = dataclasses.replace(app.state.edge, body_timeout_s=0.2)
+    auth = {"Authorization": "Bearer sk-a", "Content-Type": "application/json"}
+    r = _call(app, "POST", "/v1/echo", content=_StallingBody(), headers=auth)
+    assert r.status_code == 408 and "0.2 s" in r.json()["error"]["message"] and seen == []
+    assert _call(app, "POST", "/v1/echo", json={"a": 1}, headers=auth).status_code == 200  # a whole body still passes
+
+
+@pytest.mark.security
+def test_refused_bodies_cost_the_server_no_memory():
+    """A 34 MB chunked body without a key, or over the limit with one, is refused while the
+    server holds at most a chunk of it (measured: tracemalloc's peak during the request)."""
+    import tracemalloc
+
+    app, seen = _app()
+    chunk = b"1" * (1 << 20)
+    for headers, status in (({"Content-Type": "application/json"}, 401),
+                            ({"Authorization": "Bearer sk-a", "Content-Type": "application/json"}, 413)):
+        body = _CountingBody([chunk] * 34)
+        tracemalloc.start()
+        try:
+            r = _call(app, "POST", "/v1/echo", content=body, headers=headers)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert r.status_code == status and body.sent <= 1 and peak < 4 << 20, (status, body.sent, peak)
+    assert seen == []
