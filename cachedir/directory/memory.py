@@ -10,7 +10,15 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from cachedir.directory.base import MAX_HOT, Directory, Holder, HotUnit, PrefixMatch, add_log2
+from cachedir.directory.base import (
+    MAX_HOT,
+    Directory,
+    Holder,
+    HotUnit,
+    PrefixMatch,
+    add_log2,
+    bisect_runs,
+)
 
 __all__ = ["MemoryDirectory"]
 
@@ -53,13 +61,16 @@ class MemoryDirectory(Directory):
                 mine.discard(k)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
-        out: list[list[Holder]] = []
+        def probe(indices: list[int]) -> list[str]:
+            return [",".join(sorted(f"{n}={t}" for n, t in self._holders.get(keys[i], {}).items() if self._is_live(n)))
+                    for i in indices]
+
         with self._lock:
-            for k in keys:
-                live = [Holder(n, t) for n, t in self._holders.get(k, {}).items() if self._is_live(n)]
-                if not live:
-                    break
-                out.append(sorted(live, key=lambda h: h.node_id))
+            runs = bisect_runs(len(keys), probe)
+        out: list[list[Holder]] = []
+        for count, holders in runs:
+            same = [Holder(*item.split("=", 1)) for item in holders.split(",")]
+            out.extend([same] * count)
         return PrefixMatch(out)
 
     def heartbeat(self, node_id: str, address: str, ttl_s: float) -> None:

@@ -9,6 +9,7 @@ key                         type    content
 ``u:{unit hex}``            hash    node id -> tier (``ram``/``ssd``) of every holder
 ``n:{node id}``             set     unit hex keys registered by the node (cleanup, re-registration)
 ``alive:{node id}``         string  the node's address, expiring after the heartbeat TTL
+``expiry``                  hash    node id -> when its heartbeat ends (ms, Redis's clock)
 ``nodes``                   set     node ids that ever registered (small; for ``collect_dead``)
 ``hot``                     zset    unit hex -> log2 of the time-scaled hit mass (see below);
                                     the hottest ``max_hot`` units
@@ -18,14 +19,17 @@ Hotness: a hit at time t adds ``2^(t/h)`` (h = half-life) to a unit's mass; stor
 the mass keeps it finite and the ordering of the ZSET equals the ordering by decayed count at any
 time. The decayed count now is ``2^(score - now/h)``.
 
-Every request-path call is one round trip (a Lua script or a pipeline); no SCAN anywhere. Any
-connection failure or timeout raises ``DirectoryUnavailable``.
+A lookup reads O(log n) of a chain's units in O(log n) rounds (``bisect_runs``), each round one
+pipeline of plain ``HGETALL``s (the first also reads ``expiry`` and ``TIME``): a Lua script would
+take each unit key as an argument, which alone costs Redis more CPU than the reads. Every other
+request-path call is one round trip; no SCAN anywhere. Any connection failure or timeout raises
+``DirectoryUnavailable``.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import redis
 
@@ -36,41 +40,20 @@ from cachedir.directory.base import (
     Holder,
     HotUnit,
     PrefixMatch,
+    bisect_runs,
 )
 
 __all__ = ["RedisDirectory"]
 
-# Returns run-length encoded holder sets: {n1, "a=ssd,b=ram", n2, "a=ssd", ...}; consecutive
-# units of a prompt are usually held by the same nodes, so 2,000 units come back as a few strings.
-_LONGEST_PREFIX = """
-local p = ARGV[1]
-local alive = {}
-local out = {}
-local prev = nil
-local run = 0
-for i = 2, #ARGV do
-  local h = redis.call('HGETALL', p .. 'u:' .. ARGV[i])
-  local live = {}
-  for j = 1, #h, 2 do
-    local node = h[j]
-    if alive[node] == nil then
-      alive[node] = redis.call('EXISTS', p .. 'alive:' .. node)
-    end
-    if alive[node] == 1 then live[#live + 1] = node .. '=' .. h[j + 1] end
-  end
-  if #live == 0 then break end
-  table.sort(live)
-  local s = table.concat(live, ',')
-  if s == prev then
-    run = run + 1
-  else
-    if prev then out[#out + 1] = run; out[#out + 1] = prev end
-    prev = s
-    run = 1
-  end
-end
-if prev then out[#out + 1] = run; out[#out + 1] = prev end
-return out
+# A heartbeat: the node's address (expiring) and its expiry in Redis's own clock (lookups read
+# every node's expiry with one HGETALL and compare it with TIME: no clock of another machine).
+_HEARTBEAT = """
+local p, node, address, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local t = redis.call('TIME')
+redis.call('HSET', p .. 'expiry', node, t[1] * 1000 + math.floor(t[2] / 1000) + ttl)
+redis.call('SET', p .. 'alive:' .. node, address, 'PX', ttl)
+redis.call('SADD', p .. 'nodes', node)
+return 1
 """
 
 _RECORD_HITS = """
@@ -128,11 +111,17 @@ for _, node in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
     end
     redis.call('DEL', p .. 'n:' .. node)
     redis.call('SREM', p .. 'nodes', node)
+    redis.call('HDEL', p .. 'expiry', node)
     dead[#dead + 1] = node
   end
 end
 return dead
 """
+
+
+def _pairs(reply) -> Iterable[tuple[bytes, bytes]]:
+    """A raw HGETALL reply's (field, value) pairs: a map under RESP3, a flat list under RESP2."""
+    return reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
 
 
 class RedisDirectory(Directory):
@@ -166,7 +155,7 @@ class RedisDirectory(Directory):
         self._r = redis.Redis.from_url(url, **kwargs)
         self._p = f"tide:{namespace}:"
         self._batch = batch
-        self._longest = self._r.register_script(_LONGEST_PREFIX)
+        self._beat = self._r.register_script(_HEARTBEAT)
         self._hits = self._r.register_script(_RECORD_HITS)
         self._hot = self._r.register_script(_HOT_UNITS)
         self._dead = self._r.register_script(_COLLECT_DEAD)
@@ -209,27 +198,51 @@ class RedisDirectory(Directory):
             self._call(run)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
-        if not keys:
-            return PrefixMatch([])
-        flat = self._call(self._longest, args=[self._p, *(k.hex() for k in keys)])
+        live: set[bytes] | None = None
+
+        def probe(indices: list[int]) -> list[str]:
+            nonlocal live
+            commands = [("HGETALL", self._p + "u:" + keys[i].hex()) for i in indices]
+            if live is None:  # the first round also reads whose heartbeat lasts, by Redis's clock
+                commands += [("HGETALL", self._p + "expiry"), ("TIME",)]
+            replies = self._raw(commands)
+            if live is None:
+                expiry, (sec, usec) = replies[-2], replies[-1]
+                now_ms = int(sec) * 1000 + int(usec) // 1000
+                live = {node for node, until in _pairs(expiry) if int(until) > now_ms}
+            return [",".join(sorted(n.decode() + "=" + t.decode() for n, t in _pairs(h) if n in live))
+                    for h in replies[: len(indices)]]
+
+        runs = self._call(bisect_runs, len(keys), probe)
         holders: list[list[Holder]] = []
-        for j in range(0, len(flat), 2):
-            pairs = (item.split("=", 1) for item in flat[j + 1].decode().split(","))
-            same = [Holder(node, tier) for node, tier in pairs]
-            holders.extend([same] * int(flat[j]))  # the runs share one (read-only) list
+        for count, held in runs:
+            same = [Holder(*item.split("=", 1)) for item in held.split(",")]
+            holders.extend([same] * count)  # the runs share one (read-only) list
         return PrefixMatch(holders)
+
+    def _raw(self, commands: list[tuple]) -> list:
+        """Send ``commands`` as one pipeline and return their raw replies (no per-command
+        response callbacks: a lookup's few dozen replies cost the client a fraction of a
+        ``Pipeline``'s time)."""
+        conn = self._r.connection_pool.get_connection("PIPELINE")
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [conn.read_response() for _ in commands]
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._r.connection_pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
 
     def heartbeat(self, node_id: str, address: str, ttl_s: float) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
 
-        def run() -> None:
-            pipe = self._r.pipeline(transaction=False)
-            pipe.set(self._p + "alive:" + node_id, address, px=max(1, int(ttl_s * 1000)))
-            pipe.sadd(self._p + "nodes", node_id)
-            pipe.execute()
-
-        self._call(run)
+        self._call(self._beat, args=[self._p, node_id, address, max(1, int(ttl_s * 1000))])
 
     def live_nodes(self) -> dict[str, str]:
         def run() -> dict[str, str]:
@@ -270,16 +283,23 @@ class RedisDirectory(Directory):
         return self._call(run)
 
     def server_stats(self) -> dict[str, int]:
-        """Redis's own counters (benchmarks): ``used_memory``, and the calls and microseconds of
-        the Lua scripts it has run (``INFO commandstats``: EVALSHA and EVAL)."""
+        """Redis's own counters (benchmarks): ``used_memory``; the microseconds its commands
+        took, INFO's own excepted (``INFO commandstats``); and its main thread's CPU time, which
+        also counts reading requests and writing replies (``INFO cpu``)."""
         def run() -> dict[str, int]:
             memory = self._r.info("memory")["used_memory"]
             stats = self._r.info("commandstats")
-            rows = [stats.get(f"cmdstat_{c}", {}) for c in ("evalsha", "eval")]
-            return {"used_memory": memory, "script_calls": sum(r.get("calls", 0) for r in rows),
-                    "script_usec": sum(r.get("usec", 0) for r in rows)}
+            usec = sum(row.get("usec", 0) for name, row in stats.items() if name != "cmdstat_info")
+            cpu = self._r.info("cpu")
+            main = cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"]) + cpu.get(
+                "used_cpu_sys_main_thread", cpu["used_cpu_sys"])
+            return {"used_memory": memory, "command_usec": usec, "cpu_usec": int(main * 1e6)}
 
         return self._call(run)
+
+    def ping(self) -> None:
+        """One empty round trip (benchmarks: what Redis spends on a request that does nothing)."""
+        self._call(self._r.ping)
 
     def round_trips(self) -> int:
         """Requests this client has sent to Redis (a pipeline or a script counts once)."""

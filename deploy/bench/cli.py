@@ -177,8 +177,10 @@ def bench_directory(
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Directory lookups (round trips per lookup, lookups/s, p99) and registrations/s on Redis,
-    and Redis's own cost: redis_us_per_lookup (its CPU per lookup, from INFO commandstats) and
-    redis_bytes_per_unit (its memory per unit one node holds)."""
+    and Redis's own cost: redis_us_per_lookup (the time of the commands a lookup runs, from INFO
+    commandstats), redis_cpu_us_per_lookup (its main thread's CPU, which also counts reading
+    requests and writing replies; redis_cpu_us_per_ping is that floor for an empty round trip)
+    and redis_bytes_per_unit (its memory per unit one node holds)."""
     from deploy.bench.cache_bench import run_directory
 
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):

@@ -130,21 +130,129 @@ def test_2000_unit_lookup(make_dir):
     assert d.longest_prefix(keys).num_units == 2000
 
 
+def _linear(holders: list[str]) -> list[str]:
+    """The exact answer: every unit up to the first one nobody holds."""
+    out = []
+    for h in holders:
+        if not h:
+            break
+        out.append(h)
+    return out
+
+
+def _expand(runs: list[tuple[int, str]]) -> list[str]:
+    return [h for count, h in runs for _ in range(count)]
+
+
+def test_bisect_runs_is_exact_on_prefix_closed_chains_in_log_rounds():
+    """Each node holding a prefix of the chain (how units persist): the runs equal a walk over
+    every unit, in about log16(n) + 1 rounds of at most 16 (k + 1) reads for k changes of the
+    holder set."""
+    import math
+    import random
+
+    from cachedir.directory.base import FANOUT, bisect_runs
+
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.choice([1, 2, 3, 17, 64, 2000])
+        ends = {node: rng.randint(0, n) for node in rng.sample("abcdef", rng.randint(0, 4))}
+        holders = [",".join(f"{node}=ssd" for node in sorted(ends) if i < ends[node]) for i in range(n)]
+        rounds: list[list[int]] = []
+
+        def probe(idx, rounds=rounds, holders=holders):
+            rounds.append(idx)
+            return [holders[i] for i in idx]
+
+        runs = bisect_runs(n, probe)
+        assert _expand(runs) == _linear(holders)
+        reads = [i for r in rounds for i in r]
+        assert len(set(reads)) == len(reads)  # each unit read once at most
+        changes = len({e for e in ends.values() if 0 < e < n})
+        assert len(rounds) <= math.ceil(math.log(max(n, 2), FANOUT)) + 2, (n, ends, len(rounds))
+        assert max(len(r) for r in rounds) <= FANOUT * (changes + 1) + 1, (n, ends)
+
+
+def test_bisect_runs_never_stops_before_a_hole_and_never_claims_a_unit_it_saw_empty():
+    import random
+
+    from cachedir.directory.base import bisect_runs
+
+    rng = random.Random(11)
+    for _ in range(500):
+        n = rng.choice([2, 5, 40, 300])
+        holders = [rng.choice(["a=ssd", "a=ssd,b=ram", "b=ram", ""] if rng.random() < 0.2 else ["a=ssd"])
+                   for _ in range(n)]
+        probed: dict[int, str] = {}
+
+        def probe(idx, probed=probed, holders=holders):
+            return [probed.setdefault(i, holders[i]) for i in idx]
+
+        got, exact = _expand(bisect_runs(n, probe, fanout=4)), _linear(holders)
+        assert len(got) >= len(exact)
+        assert all(got[i] == holders[i] for i in probed if i < len(got))  # what it read, it reports
+
+
+def test_a_hole_past_the_leading_run_is_a_shorter_hit_never_a_longer_miss(make_dir):
+    """Node a holds units 0..1999 but 500 was evicted; b holds 0..999; c only unit 1500: the
+    match reaches at least unit 500, and where it reports holders it probed, they are right."""
+    d = make_dir()
+    for n in "abc":
+        d.heartbeat(n, n, ttl_s=30)
+    keys = [K(i) for i in range(2000)]
+    d.register("a", keys[:500] + keys[501:])
+    d.register("b", keys[:1000])
+    d.register("c", [keys[1500]])
+    m = d.longest_prefix(keys)
+    assert m.num_units >= 1000  # b covers the hole at 500
+    assert m.holders[0] == [Holder("a", "ssd"), Holder("b", "ssd")]
+    assert m.holders[500] in ([Holder("b", "ssd")], [Holder("a", "ssd"), Holder("b", "ssd")])
+
+
+def test_nested_holders_come_back_exactly(make_dir):
+    d = make_dir()
+    for n in "abc":
+        d.heartbeat(n, n, ttl_s=30)
+    keys = [K(i) for i in range(2000)]
+    d.register("a", keys)
+    d.register("b", keys[:1234], "ram")
+    d.register("c", keys[:7])
+    m = d.longest_prefix(keys + [K(99_999)])
+    assert m.num_units == 2000
+    assert m.holders[:7] == [[Holder("a", "ssd"), Holder("b", "ram"), Holder("c", "ssd")]] * 7
+    assert m.holders[7:1234] == [[Holder("a", "ssd"), Holder("b", "ram")]] * 1227
+    assert m.holders[1234:] == [[Holder("a", "ssd")]] * 766
+
+
 def test_unknown_scheme_lists_the_supported_ones():
     with pytest.raises(ValueError, match="supported schemes: mem, redis, rediss"):
         open_directory("etcd://x", "ns")
 
 
 @pytest.mark.redis
-def test_redis_lookup_is_one_round_trip(redis_server):
+def test_a_redis_lookup_reads_log_n_units_in_log_n_round_trips(redis_server):
+    """A 2,000-unit chain held by one node, then with a second holder for its first half: a few
+    round trips, and Redis reads a few dozen unit hashes, not 2,000 (INFO commandstats)."""
+    import redis
+
     d = open_directory(redis_server.url, "rt", timeout_s=2.0)
     d.heartbeat("a", "x", ttl_s=30)
+    d.heartbeat("b", "y", ttl_s=30)
     keys = [K(i) for i in range(2000)]
     d.register("a", keys)
-    d.longest_prefix(keys[:1])  # loads the script
-    before = d.round_trips()
-    assert d.longest_prefix(keys).num_units == 2000
-    assert d.round_trips() - before == 1
+    r = redis.Redis.from_url(redis_server.url)
+
+    def hgetalls() -> int:
+        return r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+
+    for second, most in ((0, 48), (1000, 96)):
+        if second:
+            d.register("b", keys[:second], "ram")
+        before, reads = d.round_trips(), hgetalls()
+        m = d.longest_prefix(keys)
+        assert m.num_units == 2000 and {len(h) for h in m.holders[:second]} <= {2}
+        assert d.round_trips() - before <= 4 and hgetalls() - reads <= most, (d.round_trips() - before,
+                                                                              hgetalls() - reads)
 
 
 @pytest.mark.redis

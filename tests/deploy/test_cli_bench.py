@@ -43,9 +43,9 @@ def test_bench_directory_json():
     r = _tide("directory", "--units", "300", "--lookups", "5", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["round_trips_per_lookup"] == 1.0
+    assert 1 <= out["round_trips_per_lookup"] <= 4  # log16 of 300 units, and the first
     assert out["lookups_per_s"] > 0 and out["p99_lookup_ms"] > 0 and out["registrations_per_s"] > 0
-    # Redis's own cost: a lookup's script time, and its memory per unit (a hash, a set member:
+    # Redis's own cost: a lookup's command time, and its memory per unit (a hash, a set member:
     # well over a key's 16 bytes, well under a kilobyte)
     assert out["redis_us_per_lookup"] > 0 and 32 < out["redis_bytes_per_unit"] < 1024
 
