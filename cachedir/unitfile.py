@@ -189,9 +189,8 @@ def decode(
         if chain_hash(namespace, h.parent, _raw(tokens)) != key:
             raise UnitCorrupt("key is not the chain hash of parent and tokens")
         h = dataclasses.replace(h, token_ids=tokens)  # a sealed unit's reader knows its tokens
-    elif h.sealed:
-        pass  # no ids to check without the reader's tokens: the checksum (and MAC) below
-    elif chain_hash(namespace, h.parent, bytes(memoryview(buf)[_FIXED.size : h.header_len])) != key:
+    # without the reader's tokens a sealed unit has no ids to check: the checksum (and MAC) below
+    elif not h.sealed and chain_hash(namespace, h.parent, bytes(memoryview(buf)[_FIXED.size : h.header_len])) != key:
         raise UnitCorrupt("key is not the chain hash of parent and tokens")
     if len(buf) != h.file_len:
         raise UnitCorrupt(f"file is {len(buf)} bytes, header says {h.file_len}")

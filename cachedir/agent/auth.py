@@ -48,14 +48,18 @@ def _check_name(name: str) -> str:
     return name
 
 
-class Signer:
-    """The caller's side: signs calls as ``name`` and checks the agent's proof."""
+class _Party:
+    """One end of a call: the cluster token, its own name and key, a clock."""
 
     def __init__(self, token: str, name: str, clock: Callable[[], float] = time.time) -> None:
         self._token = token
         self.name = _check_name(name)
         self._key = node_key(token, name)
         self._clock = clock
+
+
+class Signer(_Party):
+    """The caller's side: signs calls as ``name`` and checks the agent's proof."""
 
     def sign(self, method: str, target: str) -> tuple[tuple[tuple[str, str], ...], str]:
         """The metadata of one call of ``method`` to the agent at ``target``, and its nonce."""
@@ -73,29 +77,25 @@ class Signer:
         return name if hmac.compare_digest(sig.encode(), expected.encode()) else None
 
 
-class Verifier:
+class Verifier(_Party):
     """The agent's side: checks a call's signature and makes the proof it answers with."""
 
     def __init__(self, token: str, name: str, clock: Callable[[], float] = time.time) -> None:
-        self._token = token
-        self.name = _check_name(name)
-        self._key = node_key(token, name)
-        self._clock = clock
+        super().__init__(token, name, clock)
         self.addresses: set[str] = set()  # the agent's own host:port forms (set once bound)
         self._nonces: OrderedDict[str, float] = OrderedDict()  # nonce -> when it may be forgotten
         self._lock = threading.Lock()
 
-    def verify(self, metadata: Iterable[tuple[str, str]], method: str, target: str | None = None) -> tuple[str, str]:
-        """(caller, nonce) of a well-signed, fresh, first-seen call; ``PermissionError`` saying why not.
-        ``target``: the address the call was made to (default: any of ``addresses``)."""
+    def verify(self, metadata: Iterable[tuple[str, str]], method: str) -> tuple[str, str]:
+        """(caller, nonce) of a call signed for one of ``addresses``, fresh and first seen;
+        ``PermissionError`` saying why not."""
         parts = dict(metadata).get(AUTH_HEADER, "").rsplit(":", 3)
         if len(parts) != 4 or not parts[0]:
             raise PermissionError("the call is not signed (x-tide-auth) with the cluster's agent token")
         caller, ms, nonce, sig = parts
         key = node_key(self._token, caller)
-        targets = [target] if target is not None else sorted(self.addresses)
         if not any(hmac.compare_digest(sig.encode(), _mac(key, "call", method, t, ms, nonce).encode())
-                   for t in targets):
+                   for t in self.addresses):
             raise PermissionError("the call is not signed with this cluster's agent token, or not for this address")
         now = self._clock()
         try:
