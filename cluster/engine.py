@@ -1,13 +1,19 @@
 """The serving engine: continuous batching over a paged latent KV pool, with the prompt cache.
 
-One engine drives one model replica. Each ``step``:
+One engine drives one model replica. Each ``step`` does both of:
 
-1. **Prefill** (chunked, at most ``max_prefill_tokens`` per step): the oldest waiting sequence is
-   admitted when pages allow. Its prompt's leading units come, in order of preference, from
-   pages this replica already holds (prefix sharing), then from the prompt cache (this node's RAM
-   or SSD, or with a cluster cache another node's agent), whose load started when the request arrived so it overlapped the queue wait. Only the rest is
-   computed. A load that fails or times out is simply computed; it never yields wrong tokens.
-2. **Decode** one token for every running sequence in one batch.
+1. **Decode**: one token for every running sequence.
+2. **Prefill** (chunked, at most ``max_prefill_tokens`` per step, or with ``itl_factor`` a chunk
+   sized so the step stays within that many decode steps' time): the oldest waiting sequences
+   are admitted when pages allow. A prompt's leading units come, in order of preference, from
+   pages this replica already holds (prefix sharing), then from the prompt cache (this node's
+   RAM or SSD, or with a cluster cache another node's agent), whose load started when the
+   request arrived so it overlapped the queue wait. Only the rest is computed. A load that fails
+   or times out is simply computed; it never yields wrong tokens.
+
+The decode tokens ride in the first prefill chunk's forward pass (``model.mixed``), so running
+sequences do not wait for a pass of their own behind a prompt's; with ``micro_batches=2`` the
+decode keeps its own pipelined pass (it hides expert-parallel rounds).
 
 When the pool is full, cached prefix entries are dropped first, then the newest running sequence
 is preempted (its pages freed; it is recomputed later from its tokens, which stay the same).
@@ -44,7 +50,7 @@ from model.structured import JsonMasks
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
 UNIT_TOKENS = 64
-MIN_CHUNK = 32  # the shortest prefill chunk itl_factor makes (shorter ones waste the step)
+MIN_CHUNK = 8  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 
 
 def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
@@ -132,7 +138,7 @@ class Engine:
         self._clock = clock
         self._decode_s: float | None = None  # moving averages: a decode step's seconds, and
         self._prefill_token_s: float | None = None  # a prefill token's (chunks of >= 16 tokens)
-        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
 
     # -- requests ------------------------------------------------------------------------
     def namespace_for(self, tenant: str) -> Namespace:
@@ -240,11 +246,21 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One forward pass (two with ``micro_batches=2`` while a prompt is prefilled): a token for
+        every running sequence, and the next chunks of the waiting prompts."""
         outputs: list[RequestOutput] = []
         with self._lock:
             self._reap_aborted(outputs)
-        self._prefill(outputs)
-        self._decode(outputs)
+        batch = self._decode_batch()
+        chunks = self._schedule_prefill(batch)
+        decode_logits = None
+        for k, (seq, end) in enumerate(chunks):
+            rides = k == 0 and self.cfg.micro_batches == 1  # the decode tokens ride in the first chunk's pass
+            logits, rode = self._run_chunk(seq, end, batch if rides else None)
+            decode_logits = rode if rode is not None else decode_logits
+            self._chunk_done(seq, end, logits, outputs)
+        if batch:
+            self._decode(batch, decode_logits, outputs)
         return outputs
 
     def _reap_aborted(self, outputs: list[RequestOutput]) -> None:
@@ -272,47 +288,82 @@ class Engine:
     def prefill_budget(self) -> int:
         """Prompt tokens this step may prefill: ``max_prefill_tokens``, or while sequences
         decode (and ``itl_factor`` is on) as many as take (itl_factor - 1) decode steps' time
-        at the measured speeds (at least ``MIN_CHUNK``)."""
+        at the measured speeds (at least ``MIN_CHUNK``). Until a decode step was timed, none
+        (this step decodes alone, and is timed); until a prefill chunk was, ``MIN_CHUNK``."""
         cap = self.cfg.max_prefill_tokens
-        if not self.running or not self.cfg.itl_factor or self._decode_s is None or not self._prefill_token_s:
+        if not self.running or not self.cfg.itl_factor:
             return cap
+        if self._decode_s is None:
+            return 0
+        if not self._prefill_token_s:
+            return min(cap, MIN_CHUNK)
         return max(MIN_CHUNK, min(cap, int((self.cfg.itl_factor - 1) * self._decode_s / self._prefill_token_s)))
 
-    def _prefill(self, outputs: list[RequestOutput]) -> None:
+    def _schedule_prefill(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """The prompt chunks this step computes, oldest first: (sequence, end), each from the
+        sequence's ``num_computed``, within ``prefill_budget()`` tokens; a chunk that does not
+        finish its prompt is the last. Admits what it schedules (pages, cached units); a
+        sequence prefilled elsewhere joins ``batch`` at once."""
         budget = self.prefill_budget()
-        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        chunks: list[tuple[Sequence, int]] = []
+        seats = self.cfg.max_num_seqs - len(self.running)
+        i = 0
+        while budget > 0 and i < len(self.waiting) and seats > 0:
+            seq = self.waiting[i]
             if seq.req.prefilled is not None and not seq.output_ids:
                 if not self._admit_prefilled(seq):
-                    return
-                self.waiting.popleft()
+                    break
+                del self.waiting[i]
                 self._join_running(seq)
+                batch.append(seq)
+                seats -= 1
                 continue
             if not seq.pages and not self._admit(seq):
-                return  # not enough pages yet: wait for running sequences to finish
+                break  # not enough pages yet: wait for running sequences to finish
             end = min(seq.length, seq.num_computed + budget)
-            table = torch.tensor(seq.pages)
-            t0 = self._clock()
-            logits = self.model.prefill(torch.tensor(seq.ids(seq.num_computed, end)), self.pool, table,
-                                        start=seq.num_computed)
-            n_new = end - seq.num_computed
-            took = self._clock() - t0
-            self.prefill_samples.append((n_new, seq.num_computed, took))
-            if n_new >= 16:  # the latest chunks weigh most: a prompt's cost per token grows with its context
-                self._prefill_token_s = _moving(self._prefill_token_s, took / n_new, weight=0.5)
-            budget -= n_new
-            self.stats["prefill_tokens"] += n_new
-            seq.num_computed = end
+            chunks.append((seq, end))
+            budget -= end - seq.num_computed
             if end < seq.length:
-                return  # the rest of this prompt in the next step (chunked prefill)
-            self.waiting.popleft()
-            self._join_running(seq)
-            if not seq.input_persisted:
-                seq.input_persisted = True
-                self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-            allowed = self._constrained(logits[None], [seq])
-            tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts])[0])
-            self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
+                break  # the rest of this prompt in the next step (chunked prefill)
+            seats -= 1
+            i += 1
+        return chunks
+
+    def _run_chunk(self, seq: Sequence, end: int, batch: list[Sequence] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode tokens in the same
+        forward pass when given: (the chunk's last logits [V], the batch's [B, V] or None)."""
+        start, n_new = seq.num_computed, end - seq.num_computed
+        ids, table = torch.tensor(seq.ids(start, end)), torch.tensor(seq.pages)
+        t0 = self._clock()
+        decode_logits = None
+        if batch:
+            tables, tokens, positions = self._decode_inputs(batch)
+            logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.pool)
+            self.stats["mixed_steps"] += 1
+        else:
+            logits = self.model.prefill(ids, self.pool, table, start=start)
+        took = self._clock() - t0
+        self.prefill_samples.append((n_new, start, took))
+        if batch and self._decode_s is not None:
+            took = max(took - self._decode_s, took / 2)  # the chunk's own share of a mixed pass
+        if n_new >= MIN_CHUNK:  # the latest chunks weigh most: a prompt's cost per token grows with its context
+            self._prefill_token_s = _moving(self._prefill_token_s, took / n_new, weight=0.5)
+        self.stats["prefill_tokens"] += n_new
+        seq.num_computed = end
+        return logits, decode_logits
+
+    def _chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        """After a chunk: a finished prompt joins the running sequences with its first token."""
+        if end < seq.length:
+            return
+        self.waiting.remove(seq)
+        self._join_running(seq)
+        if not seq.input_persisted:
+            seq.input_persisted = True
+            self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
+        allowed = self._constrained(logits[None], [seq])
+        tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts])[0])
+        self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
@@ -409,9 +460,10 @@ class Engine:
             pages = self.pages.allocate(n)
         return pages
 
-    def _decode(self, outputs: list[RequestOutput]) -> None:
-        """One token for every running sequence. The host work is O(batch): each sequence's
-        next page goes into its table row when it needs one, and the step gathers the rows."""
+    def _decode_batch(self) -> list[Sequence]:
+        """The running sequences that decode this step, each with a page for its next token
+        (the newest are preempted when the pool runs out). O(batch): a new page goes into the
+        sequence's table row."""
         batch = []
         z = self.cfg.page_size
         for seq in list(self.running):
@@ -429,15 +481,22 @@ class Engine:
                 seq.pages.extend(page)
             if seq.row is not None:
                 batch.append(seq)
-        if not batch:
-            return
+        return batch
+
+    def _decode_inputs(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block tables [B, W] (gathered rows), tokens [B] and positions [B] of a decode batch."""
         width = max(len(s.pages) for s in batch)
-        tables = self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))  # [B, W]
-        tokens = torch.tensor([s.last_token for s in batch])
-        positions = torch.tensor([s.length - 1 for s in batch])
-        t0 = self._clock()
-        logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
-        self._decode_s = _moving(self._decode_s, self._clock() - t0)
+        tables = self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))
+        return tables, torch.tensor([s.last_token for s in batch]), torch.tensor([s.length - 1 for s in batch])
+
+    def _decode(self, batch: list[Sequence], logits: torch.Tensor | None, outputs: list[RequestOutput]) -> None:
+        """One token for every sequence of ``batch``, from ``logits`` when its decode rode in a
+        prefill chunk's pass, else from a decode pass of its own."""
+        if logits is None:
+            tables, tokens, positions = self._decode_inputs(batch)
+            t0 = self._clock()
+            logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
+            self._decode_s = _moving(self._decode_s, self._clock() - t0)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]

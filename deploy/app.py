@@ -59,11 +59,11 @@ class AppArgs(BaseModel):
     num_pages: int = Field(default=4096, ge=16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
-    # >1: while requests decode, prefill chunks are sized so a step takes at most this many
-    # decode steps' time (bounded inter-token latency under long prompts, at the cost of the long
-    # prompt's time to first token: decode tokens do not ride in the prefill's forward pass yet);
-    # 0 (default): every chunk is max_prefill_tokens
-    itl_factor: float = Field(default=0.0, ge=0)
+    # >1: while requests decode, prefill chunks are sized so a step (the decode tokens ride in
+    # the chunk's forward pass) takes at most this many decode steps' time: bounded inter-token
+    # latency under long prompts, at some cost to the long prompt's time to first token;
+    # 0: every chunk is max_prefill_tokens
+    itl_factor: float = Field(default=3.0, ge=0)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store

@@ -117,38 +117,8 @@ class DeepseekModel:
         a short suffix after a long cached prefix, where expanding every cached token would
         dominate; naive otherwise, also for a long chunk of a chunked prefill.
         """
-        if attn == "auto":
-            attn = "absorbed" if absorbed_pays(self.cfg, token_ids.shape[0], start + token_ids.shape[0]) else "naive"
-        t = token_ids.shape[0]
-        if t == 0:
-            raise ValueError("prefill needs at least one token")
-        z = pool.page_size
-        if block_table.shape[0] * z < start + t:
-            raise ValueError(
-                f"block table of {block_table.shape[0]} pages holds {block_table.shape[0] * z} "
-                f"tokens, sequence needs {start + t}"
-            )
-        dev = self.device
-        token_ids, block_table = token_ids.to(dev), block_table.to(dev)
-        span = torch.arange(start + t, device=dev)  # [S] every position of the sequence so far
-        positions = span[start:]
-        all_slots = slots_for(block_table, span, z)  # [S]
-        new_slots = all_slots[start:]
-        cos, sin = self.rope.cos_sin(positions, self.dtype, top=start + t)
-        h = self.embed[token_ids]  # [T, M]
-        mask = None
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
-            pool.write(i, new_slots, latent)
-            latents = latent if start == 0 else pool.read(i, all_slots)  # [S, D]
-            if attn == "naive":
-                o = layer.attn.attend_naive(q_nope, q_rope, latents, start)
-            else:
-                if mask is None:
-                    mask = (span[None, :] <= positions[:, None])[None]  # [1,T,S]
-                o = layer.attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], mask)[0]
-            h = self._ffn(layer, h + layer.attn.output(o))
+        chunk = _Chunk.build(self, token_ids, block_table, start, pool.page_size, attn)
+        h = self._forward(pool, chunk, None)
         return self._logits(h if all_logits else h[-1])
 
     @torch.inference_mode()
@@ -171,30 +141,63 @@ class DeepseekModel:
         round is with the expert executor (remote shards under expert parallelism), the other
         half computes attention. Results are the same as one batch.
         """
-        b = token_ids.shape[0]
-        z = pool.page_size
-        dev = self.device
-        max_len = int(positions.max()) + 1  # before the move: positions usually come from the host
-        token_ids, block_tables, positions = token_ids.to(dev), block_tables.to(dev), positions.to(dev)
-        if block_tables.shape[1] * z < max_len:
-            raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
+        b = token_ids.shape[0]
         if micro_batches == 2 and b >= 2:
             half = (b + 1) // 2
-            parts = [
-                _DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], z, attn, max_len)
-                for sl in (slice(0, half), slice(half, b))
-            ]
-            return torch.cat([self._logits(h) for h in self._decode_pipelined(parts, pool, attn)])
-        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, z, attn, max_len)
-        h = batch.h
-        for i, layer in enumerate(self.layers):
-            h = h + self._decode_attention(i, layer, h, batch, pool, attn)
-            h = self._ffn(layer, h)
-        return self._logits(h)
+            parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn)
+                     for sl in (slice(0, half), slice(half, b))]
+            return torch.cat([self._logits(h) for h in self._decode_pipelined(parts, pool)])
+        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, attn)
+        return self._logits(self._forward(pool, None, batch))
 
-    def _decode_pipelined(self, parts: list[_DecodeBatch], pool: LatentKVPool, attn: AttnPath) -> list[torch.Tensor]:
+    @torch.inference_mode()
+    def mixed(
+        self,
+        chunk_ids: torch.Tensor,
+        chunk_table: torch.Tensor,
+        chunk_start: int,
+        token_ids: torch.Tensor,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        pool: LatentKVPool,
+        decode_attn: AttnPath = "absorbed",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk of one sequence and a decode step of B others in one forward pass:
+        every projection and expert GEMM runs once over the T + B rows (the weights are read
+        once), attention runs per part. Arguments as ``prefill(chunk_ids, pool, chunk_table,
+        chunk_start)`` and ``decode(token_ids, pool, block_tables, positions)``; returns their
+        logits, ([V] of the chunk's last token, [B, V]), the same as the two calls would."""
+        chunk = _Chunk.build(self, chunk_ids, chunk_table, chunk_start, pool.page_size, "auto")
+        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, decode_attn)
+        h = self._forward(pool, chunk, batch)
+        logits = self._logits(torch.cat((h[chunk.t - 1 : chunk.t], h[chunk.t :])))
+        return logits[0], logits[1:]
+
+    def _forward(self, pool: LatentKVPool, chunk: _Chunk | None, batch: _DecodeBatch | None) -> torch.Tensor:
+        """Hidden states [T + B, M] after the last layer: the chunk's T rows, then the batch's B.
+        Projections and FFNs run over all rows at once; each part attends over its own KV."""
+        parts = [p for p in (chunk, batch) if p is not None]
+        if len(parts) == 1:
+            h, cos, sin, new_slots = parts[0].h, parts[0].cos, parts[0].sin, parts[0].new_slots
+        else:
+            h, cos, sin, new_slots = (torch.cat([getattr(p, f) for p in parts]) for f in ("h", "cos", "sin", "new_slots"))
+        t = chunk.t if chunk is not None else 0
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
+            pool.write(i, new_slots, latent)
+            outs = []
+            if chunk is not None:
+                outs.append(chunk.attend(i, layer.attn, q_nope[:t], q_rope[:t], latent[:t], pool))
+            if batch is not None:
+                outs.append(batch.attend(i, layer.attn, q_nope[t:], q_rope[t:], pool))
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            h = self._ffn(layer, h + layer.attn.output(o))
+        return h
+
+    def _decode_pipelined(self, parts: list[_DecodeBatch], pool: LatentKVPool) -> list[torch.Tensor]:
         """Two micro-batches, one layer apart: finishing micro-batch m's MoE of layer i-1 and its
         attention of layer i run while the other's MoE round is in flight."""
         h = [p.h for p in parts]
@@ -204,7 +207,7 @@ class DeepseekModel:
                 if pending[m] is not None:
                     residual, finish = pending[m]
                     h[m], pending[m] = residual + finish(), None
-                h[m] = h[m] + self._decode_attention(i, layer, h[m], part, pool, attn)
+                h[m] = h[m] + self._decode_attention(i, layer, h[m], part, pool)
                 x = rms_norm(h[m], layer.post_attn_norm, self.cfg.rms_norm_eps)
                 if isinstance(layer.mlp, MoE):
                     pending[m] = (h[m], layer.mlp.submit(x))
@@ -216,33 +219,63 @@ class DeepseekModel:
                 h[m] = residual + finish()
         return h
 
-    def _decode_attention(
-        self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: _DecodeBatch, pool: LatentKVPool, attn: AttnPath
-    ) -> torch.Tensor:
+    def _decode_attention(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: _DecodeBatch,
+                          pool: LatentKVPool) -> torch.Tensor:
         """Attention output [B, M] of layer ``i`` for one decode batch (writes its new latents)."""
         x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
         q_nope, q_rope, latent = layer.attn.project(x, batch.cos, batch.sin)
         pool.write(i, batch.new_slots, latent)
-        if batch.paged:
-            o = layer.attn.attend_paged(
-                q_nope, q_rope, pool.data[i], batch.block_tables, batch.positions + 1, pool.page_size
+        return layer.attn.output(batch.attend(i, layer.attn, q_nope, q_rope, pool))
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """What every layer of a forward pass needs for a prefill chunk of one sequence."""
+
+    h: torch.Tensor  # [T, M] embeddings
+    t: int
+    start: int
+    positions: torch.Tensor  # [T]
+    span: torch.Tensor  # [S] every position of the sequence so far, S = start + T
+    all_slots: torch.Tensor  # [S]
+    new_slots: torch.Tensor  # [T]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: str  # "naive" | "absorbed"
+    mask: torch.Tensor | None = None  # [1, T, S] (absorbed path, built on first use)
+
+    @classmethod
+    def build(cls, model: DeepseekModel, token_ids, block_table, start: int, page_size: int, attn: AttnPath) -> _Chunk:
+        t = token_ids.shape[0]
+        if t == 0:
+            raise ValueError("prefill needs at least one token")
+        if block_table.shape[0] * page_size < start + t:
+            raise ValueError(
+                f"block table of {block_table.shape[0]} pages holds {block_table.shape[0] * page_size} "
+                f"tokens, sequence needs {start + t}"
             )
-            return layer.attn.output(o)
-        latents = pool.read(i, batch.read_slots)  # [B, S, D]
-        if attn == "absorbed":
-            o = layer.attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, batch.mask)[:, 0]
-        else:
-            pos = batch.positions.tolist()
-            o = torch.cat([
-                layer.attn.attend_naive(q_nope[j : j + 1], q_rope[j : j + 1], latents[j, : pos[j] + 1], pos[j])
-                for j in range(len(pos))
-            ])
-        return layer.attn.output(o)
+        if attn == "auto":
+            attn = "absorbed" if absorbed_pays(model.cfg, t, start + t) else "naive"
+        dev = model.device
+        token_ids, block_table = token_ids.to(dev), block_table.to(dev)
+        span = torch.arange(start + t, device=dev)
+        all_slots = slots_for(block_table, span, page_size)
+        cos, sin = model.rope.cos_sin(span[start:], model.dtype, top=start + t)
+        return cls(model.embed[token_ids], t, start, span[start:], span, all_slots, all_slots[start:], cos, sin, attn)
+
+    def attend(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool) -> torch.Tensor:
+        """[T, H, V]: the chunk's queries over its sequence's latents in layer ``i`` (written)."""
+        latents = latent if self.start == 0 else pool.read(i, self.all_slots)  # [S, D]
+        if self.attn == "naive":
+            return attn.attend_naive(q_nope, q_rope, latents, self.start)
+        if self.mask is None:
+            self.mask = (self.span[None, :] <= self.positions[:, None])[None]
+        return attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], self.mask)[0]
 
 
 @dataclass(slots=True)
 class _DecodeBatch:
-    """What every layer of one decode step needs for one (micro-)batch."""
+    """What every layer of a forward pass needs for one decode (micro-)batch."""
 
     h: torch.Tensor  # [B, M] embeddings
     positions: torch.Tensor  # [B]
@@ -250,22 +283,40 @@ class _DecodeBatch:
     new_slots: torch.Tensor  # [B]
     cos: torch.Tensor
     sin: torch.Tensor
+    attn: str  # "absorbed" | "naive"
     paged: bool  # the Triton kernel reads the pool directly
     read_slots: torch.Tensor | None = None  # [B, S] (torch path)
     mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
 
     @classmethod
-    def build(
-        cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: str, top: int
-    ) -> _DecodeBatch:
-        """``top``: more than every position (known on the host, so no read-back from a GPU)."""
+    def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: AttnPath) -> _DecodeBatch:
+        b = token_ids.shape[0]
+        max_len = int(positions.max()) + 1  # before the move: positions usually come from the host
+        dev = model.device
+        token_ids, block_tables, positions = token_ids.to(dev), block_tables.to(dev), positions.to(dev)
+        if block_tables.shape[1] * page_size < max_len:
+            raise ValueError(f"block tables hold {block_tables.shape[1] * page_size} tokens, need {max_len}")
+        attn = "absorbed" if attn == "auto" else attn
         new_slots = slots_for(block_tables, positions[:, None], page_size)[:, 0]
-        cos, sin = model.rope.cos_sin(positions, model.dtype, top=top)
-        batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin,
+        cos, sin = model.rope.cos_sin(positions, model.dtype, top=max_len)
+        batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin, attn,
                     model.impl == "triton" and attn == "absorbed")
         if not batch.paged:
-            b, max_len = token_ids.shape[0], int(positions.max()) + 1
-            span = torch.arange(max_len, device=positions.device)  # [S]
+            span = torch.arange(max_len, device=dev)  # [S]
             batch.read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), page_size)
             batch.mask = (span[None, :] <= positions[:, None])[:, None, :]
         return batch
+
+    def attend(self, i: int, attn: MLA, q_nope, q_rope, pool: LatentKVPool) -> torch.Tensor:
+        """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written)."""
+        if self.paged:
+            return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.positions + 1,
+                                     pool.page_size)
+        latents = pool.read(i, self.read_slots)  # [B, S, D]
+        if self.attn == "absorbed":
+            return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, self.mask)[:, 0]
+        pos = self.positions.tolist()
+        return torch.cat([
+            attn.attend_naive(q_nope[j : j + 1], q_rope[j : j + 1], latents[j, : pos[j] + 1], pos[j])
+            for j in range(len(pos))
+        ])

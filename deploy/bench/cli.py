@@ -21,12 +21,13 @@ def _emit(result: dict) -> None:
 def bench_model(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the bench config, random weights"),
     steps: int = typer.Option(16, "--steps", min=1, help="decode steps per measurement"),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="timed repeats, tideserve and transformers taking turns (the fastest counts)"),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="timed repeats, tideserve and transformers taking turns (the median counts; range beside it)"),
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers comparison"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Prefill (2,048-token prompt) and decode (batch 1/8/32, 256-token context) tokens/s,
-    beside transformers on the same checkpoint and threads when it is installed."""
+    decode both of model.decode alone and through the engine's step, beside transformers on
+    the same checkpoint and threads when it is installed; medians with their range."""
     from deploy.bench.model_bench import run_model_bench
 
     check_checkpoint(checkpoint)
@@ -48,7 +49,7 @@ def bench_engine(
     batches: str = typer.Option("1,16,64,256", "--batches", help="running sequences, comma-separated"),
     contexts: str = typer.Option("1024,8192,32768", "--contexts", help="tokens each sequence holds, comma-separated"),
     steps: int = typer.Option(30, "--steps", min=5, help="timed decode steps per case (after 5 untimed)"),
-    itl: bool = typer.Option(True, "--itl/--no-itl", help="also the inter-token latency of 16 decoding requests while a long prompt is prefilled (bench config, about a minute)"),
+    itl: bool = typer.Option(True, "--itl/--no-itl", help="also the inter-token latency of 16 decoding requests while a long prompt is prefilled, with sized and fixed chunks (bench config, a few minutes)"),
     itl_prompt_tokens: int = typer.Option(8000, "--itl-prompt-tokens", min=64, max=8000),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:

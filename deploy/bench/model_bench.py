@@ -1,7 +1,15 @@
-"""``tide bench model``: prefill and decode throughput of tideserve's model vs transformers."""
+"""``tide bench model``: prefill and decode throughput of tideserve's model vs transformers.
+
+Decode is measured twice for tideserve: ``model.decode`` alone (``decode_tokens_per_s``) and
+through ``Engine.step`` (``engine_decode_tokens_per_s``: scheduling, block tables, sampling,
+detokenizing and outputs included), the way a replica serves. Every figure is the median of
+``repeats`` timed runs (after one warm-up), the engines taking turns case by case, with the
+range of the runs beside it."""
 
 from __future__ import annotations
 
+import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -10,6 +18,10 @@ from typing import Any
 
 import torch
 
+from cachedir.hashing import Namespace
+from cluster.engine import Engine, EngineConfig
+from cluster.request import GenerationRequest
+from deploy.bench.engine_bench import byte_text
 from model.checkpoint import load_model, random_state_dict, save_checkpoint
 from model.config import load_config, named_config
 from model.model import DeepseekModel
@@ -52,7 +64,34 @@ def _our_cases(model: DeepseekModel, steps: int) -> dict[str, Case]:
                 model.decode(tok, pool_b, tables, torch.full((b,), DECODE_CONTEXT + s))
 
         cases[f"decode_{b}"] = _timed(run)
+        cases[f"engine_decode_{b}"] = _engine_decode(model, b, steps)
     return cases
+
+
+def _engine_decode(model: DeepseekModel, batch: int, steps: int) -> Case:
+    """``steps`` engine steps of ``batch`` running requests (greedy, DECODE_CONTEXT-token
+    prompts, prefilled untimed on a fresh engine each run)."""
+    pages_per_seq = -(-(DECODE_CONTEXT + steps + 3) // 16)
+    ns = Namespace(model.cfg.fingerprint(), "bench", str(model.dtype), "latent", 64)
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, DECODE_CONTEXT), generator=torch.Generator().manual_seed(1))
+
+    def run() -> float:
+        engine = Engine(model, EngineConfig(num_pages=batch * pages_per_seq, max_num_seqs=batch, prefix_sharing=False,
+                                            max_prefill_tokens=batch * DECODE_CONTEXT),
+                        ns, byte_text, eos_id=None)
+        for j in range(batch):
+            engine.add_request(GenerationRequest(f"r{j}", tuple(prompts[j].tolist()), steps + 2))
+        while engine.waiting:
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        took = time.perf_counter() - t0
+        if engine.stats["decode_tokens"] != batch * steps:
+            raise RuntimeError(f"the timed steps decoded {engine.stats['decode_tokens']} tokens, not {batch} x {steps}")
+        return took
+
+    return run
 
 
 def _hf_cases(ckpt: Path, steps: int) -> dict[str, Case] | None:
@@ -86,26 +125,49 @@ def _hf_cases(ckpt: Path, steps: int) -> dict[str, Case] | None:
     return cases
 
 
-def _best_interleaved(engines: list[dict[str, Case]], repeats: int) -> list[dict[str, float]]:
-    """Fastest of ``repeats`` runs of every case (after one warm-up run), the engines taking
-    turns on each case, so that a noisy machine's drift hits them alike."""
-    best: list[dict[str, float]] = [{} for _ in engines]
+def _interleaved(engines: list[dict[str, Case]], repeats: int) -> list[dict[str, list[float]]]:
+    """Seconds of ``repeats`` runs of every case (after one warm-up run each), the engines
+    taking turns on each case, so that a noisy machine's drift hits them alike."""
+    runs: list[dict[str, list[float]]] = [{} for _ in engines]
     for name in engines[0]:
-        for cases in engines:
+        having = [(i, cases) for i, cases in enumerate(engines) if name in cases]
+        for _, cases in having:
             cases[name]()
         for _ in range(repeats):
-            for i, cases in enumerate(engines):
-                best[i][name] = min(best[i].get(name, float("inf")), cases[name]())
-    return best
+            for i, cases in having:
+                runs[i].setdefault(name, []).append(cases[name]())
+    return runs
 
 
-def _rates(best: dict[str, float], steps: int) -> tuple[float, dict[str, float]]:
-    decode = {str(b): round(b * steps / best[f"decode_{b}"], 1) for b in DECODE_BATCHES}
-    return round(PREFILL_TOKENS / best["prefill"], 1), decode
+def _rates(runs: dict[str, list[float]], steps: int) -> dict[str, Any]:
+    """Tokens/s of each case at the median run, and the range (slowest run, fastest run)."""
+
+    def rate(tokens: int, name: str) -> tuple[float, list[float]]:
+        times = runs[name]
+        return round(tokens / statistics.median(times), 1), [round(tokens / max(times), 1), round(tokens / min(times), 1)]
+
+    out: dict[str, Any] = {"prefill": rate(PREFILL_TOKENS, "prefill")}
+    for kind in ("decode", "engine_decode"):
+        if f"{kind}_{DECODE_BATCHES[0]}" in runs:
+            out[kind] = {str(b): rate(b * steps, f"{kind}_{b}") for b in DECODE_BATCHES}
+    return out
+
+
+def _split(rates: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """({figure: median tokens/s}, {figure: its range}) under the result's key names."""
+    medians, ranges = {}, {}
+    for kind, v in rates.items():
+        key = f"{prefix}{kind}_tokens_per_s"
+        if kind == "prefill":
+            medians[key], ranges[key] = v
+        else:
+            medians[key] = {b: m for b, (m, _) in v.items()}
+            ranges[key] = {b: r for b, (_, r) in v.items()}
+    return medians, ranges
 
 
 def run_model_bench(
-    checkpoint: Path | None, steps: int = 16, repeats: int = 2, with_hf: bool = True
+    checkpoint: Path | None, steps: int = 16, repeats: int = 5, with_hf: bool = True
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
@@ -116,23 +178,27 @@ def run_model_bench(
         hf = _hf_cases(checkpoint, steps) if with_hf else None
         if hf is not None:
             engines.append(hf)
-        best = _best_interleaved(engines, repeats)
-        prefill, decode = _rates(best[0], steps)
+        runs = _interleaved(engines, repeats)
+        ours, spread = _split(_rates(runs[0], steps))
         result: dict[str, Any] = {
             "checkpoint": str(checkpoint),
             "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "torch": torch.__version__,
             "prefill_prompt_tokens": PREFILL_TOKENS,
             "decode_context_tokens": DECODE_CONTEXT,
             "decode_steps": steps,
             "repeats": repeats,
-            "prefill_tokens_per_s": prefill,
-            "decode_tokens_per_s": decode,
+            "statistic": "median",
+            **ours,
         }
         if hf is not None:
-            hf_prefill, hf_decode = _rates(best[1], steps)
-            result["hf_prefill_tokens_per_s"] = hf_prefill
-            result["hf_decode_tokens_per_s"] = hf_decode
-            result["prefill_speedup_vs_hf"] = round(prefill / hf_prefill, 2)
-            result["decode_speedup_vs_hf"] = {b: round(decode[b] / hf_decode[b], 2) for b in decode}
+            theirs, hf_spread = _split(_rates(runs[1], steps), "hf_")
+            result.update(theirs)
+            spread.update(hf_spread)
+            result["prefill_speedup_vs_hf"] = round(ours["prefill_tokens_per_s"] / theirs["hf_prefill_tokens_per_s"], 2)
+            for kind in ("decode", "engine_decode"):
+                result[f"{kind}_speedup_vs_hf"] = {
+                    b: round(v / theirs["hf_decode_tokens_per_s"][b], 2) for b, v in ours[f"{kind}_tokens_per_s"].items()}
+        result["range"] = spread  # tokens/s of the slowest and the fastest run
         result["model_type"] = cfg.model_type
     return result

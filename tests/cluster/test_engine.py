@@ -73,6 +73,40 @@ def test_concurrent_requests_with_shared_and_unique_prefixes_match_the_reference
         assert outs[rid][-1].finish_reason == FinishReason.LENGTH
     # the odd requests shared the 150-token system prompt: 2 whole units reused in-pool
     assert any(outs[f"r{i}"][-1].cached_tokens == 128 for i in (3, 5))
+    assert eng.stats["mixed_steps"] > 0  # decode tokens rode in prefill chunks' passes
+
+
+def test_decode_rides_in_the_prefill_pass_unless_micro_batches_pipeline_it(model):
+    """With one micro-batch a step that prefills a chunk while others decode is one forward
+    pass; with two, the decode keeps its own pipelined pass. The tokens are the same."""
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(model, name)
+            if name in ("prefill", "decode", "mixed"):
+                return lambda *a, **k: calls.append(name) or attr(*a, **k)
+            return attr
+
+    prompts = {"a": _prompt(70, 1), "b": _prompt(300, 2)}
+    for micro_batches, passes in ((1, {"mixed"}), (2, {"prefill", "decode"})):
+        eng = _engine(Counting(), max_prefill_tokens=64, micro_batches=micro_batches)
+        eng.add_request(GenerationRequest("a", prompts["a"], max_tokens=12))
+        outs = {"a": eng.step() + eng.step()}  # a is prefilled: it decodes from now on
+        eng.add_request(GenerationRequest("b", prompts["b"], max_tokens=4))
+        chunk_steps = 0
+        while eng.has_work():
+            calls.clear()
+            step = eng.step()
+            if "b" in eng._by_id and eng.waiting:  # b's prompt is still being prefilled while a decodes
+                assert set(calls) == passes, (micro_batches, calls)
+                chunk_steps += 1
+            for o in step:
+                outs.setdefault(o.request_id, []).append(o)
+        assert chunk_steps == 4  # 300 tokens in 64-token chunks: 4 steps before the last
+        for rid, p in prompts.items():
+            assert _tokens(outs[rid]) == _ref(model, p, 12 if rid == "a" else 4), (micro_batches, rid)
+        eng.check_integrity()
 
 
 def test_prefix_from_ssd_and_ram_is_token_identical(model, tmp_path):
@@ -399,7 +433,8 @@ def test_the_text_of_each_step_decodes_a_few_tokens_not_the_whole_output():
 
 
 class _TimedNull:
-    """The null model on a fake clock: a decode step takes 50 ms, a prefill token 1 ms."""
+    """The null model on a fake clock: a decode step takes 50 ms, a prefill token 1 ms (a mixed
+    pass the sum)."""
 
     def __init__(self) -> None:
         from deploy.bench.engine_bench import NullModel
@@ -419,11 +454,17 @@ class _TimedNull:
         self.now += 0.05
         return self.inner.decode(tokens, *a, **k)
 
+    def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):  # the two passes' cost
+        self.now += 0.05 + 0.001 * chunk_ids.shape[0]
+        return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
+
 
 def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bound_their_latency():
     """itl_factor 2: with a decode step at 50 ms and a prefill token at 1 ms, a step prefills
-    (2 - 1) x 50 / 1 = 50 prompt tokens while others decode, so each of them still gets a token
-    every step taking at most ~2 decode steps; alone, a prompt goes in max_prefill_tokens chunks."""
+    (2 - 1) x 50 / 1 = 50 prompt tokens while others decode (their tokens in the same pass), so
+    each of them still gets a token every step taking at most ~2 decode steps; alone, a prompt
+    goes in max_prefill_tokens chunks. The first step after the first prompt is a decode alone,
+    which times the decode."""
     from cachedir.hashing import Namespace
 
     model = _TimedNull()
@@ -443,7 +484,7 @@ def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bou
     chunks = [n for n, start, _ in engine.prefill_samples if start >= 0][2:]
     assert chunks and set(chunks[:-1]) <= {49, 50}, chunks  # (50 less rounding); the last is what was left
     steps = tokens
-    assert steps == len(chunks) and (model.now - t0) / steps <= 2 * 0.05 + 1e-9  # a token a step, <= 2 decode steps each
+    assert steps == len(chunks) + 1 and (model.now - t0) / steps <= 2 * 0.05 + 1e-9  # a token a step, <= 2 decode steps each
     engine.run_to_completion()
     engine.check_integrity()
 

@@ -169,17 +169,23 @@ def test_bench_model_json_on_a_checkpoint(tmp_path):
 
     cfg = named_config("tiny")
     ckpt = save_checkpoint(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=0))
-    r = _tide("model", "--checkpoint", str(ckpt), "--steps", "1", "--repeats", "1", "--json")
+    r = _tide("model", "--checkpoint", str(ckpt), "--steps", "2", "--repeats", "3", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert out["statistic"] == "median" and out["repeats"] == 3
     assert out["prefill_tokens_per_s"] > 0 and out["hf_prefill_tokens_per_s"] > 0
-    for key in ("decode_tokens_per_s", "hf_decode_tokens_per_s", "decode_speedup_vs_hf"):
+    for key in ("decode_tokens_per_s", "engine_decode_tokens_per_s", "hf_decode_tokens_per_s",
+                "decode_speedup_vs_hf", "engine_decode_speedup_vs_hf"):
         assert set(out[key]) == {"1", "8", "32"} and all(v > 0 for v in out[key].values())
     assert out["prefill_speedup_vs_hf"] == round(out["prefill_tokens_per_s"] / out["hf_prefill_tokens_per_s"], 2)
+    for key in ("decode_tokens_per_s", "engine_decode_tokens_per_s"):  # each median lies in its range
+        for b, median in out[key].items():
+            slow, fast = out["range"][key][b]
+            assert slow <= median <= fast
 
 
-def test_bench_model_engines_take_turns_and_the_fastest_run_counts():
-    from deploy.bench.model_bench import _best_interleaved
+def test_bench_model_engines_take_turns_and_the_median_counts():
+    from deploy.bench.model_bench import _interleaved, _rates
 
     calls = []
     times = {"ours": iter([9.0, 3.0, 2.0, 7.0]), "hf": iter([9.0, 5.0, 6.0, 4.0])}
@@ -187,9 +193,24 @@ def test_bench_model_engines_take_turns_and_the_fastest_run_counts():
     def case(engine):
         return lambda: calls.append(engine) or next(times[engine])
 
-    best = _best_interleaved([{"prefill": case("ours")}, {"prefill": case("hf")}], repeats=3)
-    assert calls == ["ours", "hf"] * 4  # a warm-up each, then turns
-    assert best == [{"prefill": 2.0}, {"prefill": 4.0}]
+    runs = _interleaved([{"prefill": case("ours"), "engine_decode_1": lambda: 1.0}, {"prefill": case("hf")}], repeats=3)
+    assert calls == ["ours", "hf"] * 4  # a warm-up each, then turns; a case one engine lacks runs alone
+    assert runs[0]["prefill"] == [3.0, 2.0, 7.0] and runs[1] == {"prefill": [5.0, 6.0, 4.0]}
+    from deploy.bench.model_bench import PREFILL_TOKENS
+
+    rate, spread = _rates(runs[1], steps=1)["prefill"]
+    assert rate == round(PREFILL_TOKENS / 5.0, 1) and spread == [round(PREFILL_TOKENS / 6.0, 1), round(PREFILL_TOKENS / 4.0, 1)]
+
+
+def test_engine_decode_case_times_whole_batch_steps():
+    """The engine case times steps in which every request decodes (none prefills, none ends)."""
+    from deploy.bench.model_bench import _engine_decode
+    from model.checkpoint import build_model, random_state_dict
+    from model.config import named_config
+
+    cfg = named_config("tiny")
+    run = _engine_decode(build_model(cfg, random_state_dict(cfg, seed=0)), batch=3, steps=4)
+    assert run() > 0  # it raises if a timed step decoded fewer than the 3 requests
 
 
 def test_bench_structured_json():
@@ -218,8 +239,8 @@ def test_bench_engine_json():
 def test_itl_bench_measures_both_chunkings_on_the_same_work():
     from deploy.bench.engine_bench import run_itl_bench
 
-    out = run_itl_bench(running=2, prompt_tokens=300, warm_steps=4)
-    sized, fixed = out["sized_chunks"], out["fixed_2048_chunks"]
+    out = run_itl_bench(running=2, prompt_tokens=300, warm_steps=4, factors=(2.0,))
+    sized, fixed = out["sized_chunks_2"], out["fixed_2048_chunks"]
     assert sized["itl_factor"] == 2.0 and fixed["itl_factor"] == 0.0
     assert fixed["steps"] == 1  # the whole 300-token prompt in one chunk
     assert sized["steps"] >= 1 and all(v > 0 for v in (sized["alone_p50_ms"], fixed["under_prefill_p99_ms"]))
