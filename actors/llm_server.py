@@ -1,14 +1,14 @@
 """``LLMServer``: one model replica as a Ray Serve deployment (a plain class; ``deploy/app.py``
 applies ``serve.deployment``).
 
-It owns the engine and the node's prompt cache and runs the engine loop on a thread; each
-``generate`` call streams the request's ``RequestOutput``s back as dicts. When a directory URL is
-configured it publishes the node's units (batched, retried) and heartbeats.
+It owns the engine and the node's prompt cache; the engine runs in a ``cluster.engine_loop``
+thread, and each ``generate`` call streams the request's ``RequestOutput``s back as dicts. When
+a directory URL is configured it publishes the node's units (batched, retried) and heartbeats.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,6 +37,7 @@ from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig, StoreLocked
 from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine, EngineConfig, cache_namespace
+from cluster.engine_loop import EngineLoop, PromptKV
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import (
     FinishReason,
@@ -70,13 +71,6 @@ def output_to_dict(o: RequestOutput) -> dict:
                           "generator_state": h.generator_state,
                           "first_logprob": pd_handoff.logprob_to_dict(h.first_logprob)}
     return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _KV:
-    """The prompt's KV on its way to the request's queue after the handoff output."""
-
-    kv: object
 
 
 def _actor_name() -> str | None:
@@ -180,13 +174,11 @@ class LLMServer:
         self._cost = CostModel(unit_bytes=unit_bytes)
         self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}
         self._transfer_seen = {"local": (0, 0.0), "remote": (0, 0.0)}
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.role = "serving"  # day/night: "draining" / "migrate" when its node is being lent
         if cfg.get("tidal", True) and ray.is_initialized():
             threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+        self._last_sync = self._last_agents = time.monotonic()
+        self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep).start()
         startup.update("ready", force=True)
 
     def _cluster_cache(self, agent_cfg: dict) -> ClusterCache:
@@ -245,7 +237,7 @@ class LLMServer:
                 time.sleep(1.0)
                 continue
             if role == "migrate" and self.role != "migrate":
-                self._fail_all(RequestMigrated("this replica's node is being lent to training; continue elsewhere"))
+                self.loop.fail_all(RequestMigrated("this replica's node is being lent to training; continue elsewhere"))
             self.role = role
             time.sleep(0.5)
 
@@ -255,45 +247,21 @@ class LLMServer:
         except Exception:  # noqa: BLE001 - retried at the next check
             log.exception("could not ensure a cache agent on every node")
 
-    def _loop(self) -> None:
-        last_sync = last_agents = time.monotonic()
-        while not self._stop:
-            if not self.engine.has_work():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-            if self.engine.has_work():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - fail the requests, keep the replica
-                    log.exception("engine step failed")
-                    self._fail_all(e)
-                    continue
-                for o in outputs:
-                    self._deliver(o.request_id, output_to_dict(o))
-                    if o.handoff is not None:
-                        self._deliver(o.request_id, _KV(o.handoff.kv))
-                    if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:
-                        self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens,
-                                                      o.completion_tokens, o.decode_s))
-            now = time.monotonic()
-            if self._agent_cfg and now - last_agents > float(self._agent_cfg.get("agent_check_s", 30.0)):
-                last_agents = now
-                threading.Thread(target=self._ensure_agents, daemon=True).start()
-            if self.publisher is not None and now - last_sync > 1.0:
-                last_sync = now
-                self.publisher.record(self.cache.drain_events())
-                self.publisher.sync()  # failures are counted and retried; never raises
+    def _record_usage(self, o: RequestOutput) -> None:
+        if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:
+            self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens, o.completion_tokens, o.decode_s))
 
-    def _deliver(self, request_id: str, item: dict | BaseException) -> None:
-        entry = self._queues.get(request_id)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for rid in list(self._queues):
-            self.engine.abort(rid)
-            self._deliver(rid, error)
+    def _upkeep(self) -> None:
+        """On the engine loop's thread, between steps: now and then a cache agent on every node,
+        and the node's new units to the directory."""
+        now = time.monotonic()
+        if self._agent_cfg and now - self._last_agents > float(self._agent_cfg.get("agent_check_s", 30.0)):
+            self._last_agents = now
+            threading.Thread(target=self._ensure_agents, daemon=True).start()
+        if self.publisher is not None and now - self._last_sync > 1.0:
+            self._last_sync = now
+            self.publisher.record(self.cache.drain_events())
+            self.publisher.sync()  # failures are counted and retried; never raises
 
     # -- the deployment's methods --------------------------------------------------------
     async def generate(self, req: dict) -> AsyncIterator[dict]:
@@ -317,24 +285,10 @@ class LLMServer:
             tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)), req.get("response_format"),
             req.get("json_schema"), req.get("plan"), req.get("constrain_after"),
         )
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = (asyncio.get_running_loop(), queue)
-        try:
-            self.engine.add_request(gen)
-            self._wake.set()
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, _KV):  # after the handoff output: the stream's last item
-                    yield item.kv
-                    return
-                yield item
-                if item["finished"] and "handoff" not in item:
-                    return
-        finally:
-            self._queues.pop(rid, None)
-            self.engine.abort(rid)  # no-op when finished; frees pages if the client went away
+        async with contextlib.aclosing(self.loop.stream(gen)) as stream:  # a client gone aborts now
+            async for item in stream:
+                # after a handoff output, the prompt's KV is the stream's last item (actors/pd_handoff.py)
+                yield item.kv if isinstance(item, PromptKV) else output_to_dict(item)
 
     def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
         """The prompt's cache unit keys (hex), as the directory knows them; ``text`` is tokenized
@@ -380,16 +334,18 @@ class LLMServer:
 
     async def ready(self) -> bool:
         """The ingress's ``/health`` asks: this replica serves (its engine thread runs)."""
-        return self._thread.is_alive()
+        return self.loop.alive
 
     def check_health(self) -> None:
-        if not self._thread.is_alive():
+        if not self.loop.alive:
             raise RuntimeError("engine thread died")
 
     def __del__(self) -> None:
         """Serve calls it when it stops the replica: leave the expert-parallel group's control
         and the day/night state, which would otherwise wait for this replica until it times out."""
         self._stop = True
+        if getattr(self, "loop", None) is not None:
+            self.loop.stop()
         if getattr(self, "ep", None) is not None:
             self.ep.stop()
         name = _actor_name()

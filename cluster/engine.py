@@ -24,11 +24,9 @@ cache's I/O threads: persistence never blocks decode.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
-import warnings
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,14 +36,12 @@ from cachedir.admission import make_admission
 from cachedir.hashing import Namespace, chain_keys
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
+from cluster.constraints import Constraints
+from cluster.kv_manager import KVManager
 from cluster.output import TextStream
-from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
-from model.json_schema import SchemaGrammar
-from model.kv_cache import slots_for
 from model.model import DeepseekModel
 from model.sampling import TokenLogprob, sample, token_logprobs
-from model.structured import JsonMasks
 
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
@@ -116,28 +112,18 @@ class Engine:
         self.detokenize = detokenize
         self.eos_id = eos_id
         self.cache = cache
-        self.token_bytes = token_bytes
-        self._json_masks: JsonMasks | None = None  # JSON mode's, built on the first JSON-mode request
-        self._schema_masks: dict[str, JsonMasks] = {}  # by schema text (a few recent ones)
+        self.constraints = Constraints(token_bytes, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
-        self.pool = model.new_pool(cfg.num_pages, cfg.page_size)
-        self.pages = PageAllocator(cfg.num_pages)
-        self.prefix = PrefixTable(self.pages)
-        self.unit_pages = UNIT_TOKENS // cfg.page_size
+        self.kv = KVManager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS)
         self.waiting: deque[Sequence] = deque()
         self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step
-        # Block tables of the running sequences, one row each, kept up to date as pages are added
-        # (a step gathers its rows instead of rebuilding tables from Python lists).
-        max_pages = min(cfg.num_pages, -(-(model.cfg.max_position_embeddings + 1) // cfg.page_size))
-        self._tables = torch.zeros(cfg.max_num_seqs, max_pages, dtype=torch.long)  # [S, P]
-        self._free_rows = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._clock = clock
         self._decode_s: float | None = None  # moving averages: a decode step's seconds, and
-        self._prefill_token_s: float | None = None  # a prefill token's (chunks of >= 16 tokens)
+        self._prefill_token_s: float | None = None  # a prefill chunk's, per token
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -152,7 +138,7 @@ class Engine:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"context length {max_ctx}"
             )
-        need = -(-(len(req.prompt_ids) + req.max_tokens) // self.cfg.page_size)
+        need = self.kv.pages_for(len(req.prompt_ids) + req.max_tokens)
         if need > self.cfg.num_pages:
             raise ValueError(f"request needs {need} KV pages, the pool has {self.cfg.num_pages}")
         ns = self.namespace_for(req.tenant)
@@ -165,7 +151,7 @@ class Engine:
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.response_format is not None:
-            seq.json_masks, seq.json_state, seq.json_active = self._json_start(req)
+            self.constraints.start(seq)
         if req.prefilled is not None:
             self._check_prefilled(req)
             if seq.generator is not None and req.prefilled.generator_state is not None:
@@ -186,42 +172,9 @@ class Engine:
             self._by_id[req.request_id] = seq
             self.waiting.append(seq)
 
-    def _json_start(self, req: GenerationRequest) -> tuple[JsonMasks, object, bool]:
-        """The request's grammar masks, their state after the tokens another replica already
-        generated, and whether they apply yet (not while an R1 thought goes on)."""
-        if self.token_bytes is None:
-            raise ValueError("JSON mode needs the tokenizer's token bytes (Engine(token_bytes=...))")
-        if self._json_masks is None:
-            self._json_masks = JsonMasks(self.token_bytes, self.model.cfg.vocab_size)
-        masks = self._json_masks
-        if req.json_schema is not None:
-            masks = self._schema_masks.get(req.json_schema)
-            if masks is None:
-                if len(self._schema_masks) >= 32:
-                    self._schema_masks.pop(next(iter(self._schema_masks)))
-                grammar = SchemaGrammar(json.loads(req.json_schema))  # SchemaError is a ValueError
-                masks = self._schema_masks[req.json_schema] = self._json_masks.for_grammar(grammar)
-        state, active = masks.grammar.start, req.constrain_after is None
-        for tok in req.continued_ids:
-            if active:
-                state = masks.advance(state, tok)
-            active = active or tok == req.constrain_after
-        if state is None or masks.done(state):
-            raise ValueError("the continued tokens are not the start of an unfinished JSON output")
-        return masks, state, active
-
-    def _constrained(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
-        """``logits`` [B, V] with JSON mode's disallowed tokens at -inf in its rows."""
-        for masks in {id(s.json_masks): s.json_masks for s in batch if s.json_masks is not None}.values():
-            rows = [b for b, seq in enumerate(batch) if seq.json_masks is masks and seq.json_active]
-            if not rows:
-                continue
-            logits = masks.apply(logits, rows, [batch[b].json_state for b in rows], fallback=self.eos_id)
-        return logits
-
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
-        want = (self.pool.num_layers, len(req.prompt_ids), self.pool.latent_dim)
+        want = (self.kv.pool.num_layers, len(req.prompt_ids), self.kv.pool.latent_dim)
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
             got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise ValueError(f"prefilled KV has shape {got}, this model needs {want}")
@@ -276,14 +229,12 @@ class Engine:
 
     def _join_running(self, seq: Sequence) -> None:
         """``seq`` joins the decode batch: it gets a row of the block tables."""
-        seq.row = self._free_rows.pop()
-        self._tables[seq.row, : len(seq.pages)] = torch.tensor(seq.pages)
+        self.kv.claim_row(seq)
         self.running.append(seq)
 
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._free_rows.append(seq.row)
-        seq.row = None
+        self.kv.free_row(seq)
 
     def prefill_budget(self) -> int:
         """Prompt tokens this step may prefill: ``max_prefill_tokens``, or while sequences
@@ -338,10 +289,10 @@ class Engine:
         decode_logits = None
         if batch:
             tables, tokens, positions = self._decode_inputs(batch)
-            logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.pool)
+            logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool)
             self.stats["mixed_steps"] += 1
         else:
-            logits = self.model.prefill(ids, self.pool, table, start=start)
+            logits = self.model.prefill(ids, self.kv.pool, table, start=start)
         took = self._clock() - t0
         self.prefill_samples.append((n_new, start, took))
         if batch and self._decode_s is not None:
@@ -361,7 +312,7 @@ class Engine:
         if not seq.input_persisted:
             seq.input_persisted = True
             self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-        allowed = self._constrained(logits[None], [seq])
+        allowed = self.constraints.apply(logits[None], [seq])
         tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts])[0])
         self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
@@ -372,7 +323,7 @@ class Engine:
         # then recomputed into the sequence's own page.
         usable = len(seq.req.prompt_ids) // UNIT_TOKENS
         shareable = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS if self.cfg.prefix_sharing else 0
-        shared = self.prefix.match(seq.unit_keys[:shareable])
+        shared = self.kv.prefix.match(seq.unit_keys[:shareable])
         loaded: list = []
         if seq.load is not None and len(shared) < usable:
             try:
@@ -381,25 +332,15 @@ class Engine:
                 self.stats["load_failures"] += 1
                 results = []
             for r in results[len(shared) :]:
-                if r is None or not self._fits(r.unit):
+                if r is None or not self.kv.fits(r.unit):
                     break
                 loaded.append(r)
             seq.load = None
         n_cached_units = len(shared) + len(loaded)
-        total_pages = -(-(seq.length + 1) // self.cfg.page_size)
-        fresh_needed = total_pages - len(shared) * self.unit_pages
-        for pages in shared:
-            self.pages.incref(pages)
-        fresh = self._allocate(fresh_needed)
-        if fresh is None:
-            for pages in shared:
-                self.pages.release(pages)
+        if not self.kv.admit(seq, shared, seq.length + 1):
             return False
-        seq.pages = [p for pages in shared for p in pages] + fresh
         for i, r in enumerate(loaded):
-            unit_idx = len(shared) + i
-            pages = seq.pages[unit_idx * self.unit_pages : (unit_idx + 1) * self.unit_pages]
-            self.pool.write_pages(pages, self._unit_tensor(r.unit))
+            self.kv.write_unit(seq, len(shared) + i, r.unit)
         seq.num_computed = min(n_cached_units * UNIT_TOKENS, seq.length - 1)
         if not seq.input_persisted:  # first admission (not a recompute after preemption)
             src = seq.sources
@@ -417,77 +358,41 @@ class Engine:
         first token (sampled there) becomes the input of the next decode step."""
         pre = seq.req.prefilled
         n = len(seq.req.prompt_ids)
-        pages = self._allocate(-(-(n + 1) // self.cfg.page_size))
-        if pages is None:
+        if not self.kv.admit(seq, [], n + 1):
             return False
-        seq.pages = pages
-        slots = slots_for(torch.tensor(pages), torch.arange(n), self.cfg.page_size)
-        for layer in range(self.pool.num_layers):
-            self.pool.write(layer, slots, pre.kv[layer])
+        self.kv.import_prompt(seq, pre.kv)
         seq.num_computed = n
         seq.output_ids.append(pre.first_token)
         seq.output_logprobs.append(pre.first_logprob)
         if seq.token_counts is not None:
             seq.token_counts[pre.first_token] += 1
         seq.text.feed(pre.first_token)  # this replica streams it (the prefill replica's output was not sent)
-        self._json_feed(seq, pre.first_token)
+        self.constraints.feed(seq, pre.first_token)
         seq.sources = dataclasses.replace(pre.sources)
         seq.input_persisted = True  # the prefill replica persisted the prompt
         seq.first_token_s = time.monotonic()
         return True
-
-    def _export_prompt_kv(self, seq: Sequence) -> torch.Tensor:
-        n = len(seq.req.prompt_ids)
-        slots = slots_for(torch.tensor(seq.pages), torch.arange(n), self.cfg.page_size)
-        kv = torch.stack([self.pool.read(layer, slots) for layer in range(self.pool.num_layers)])  # [L, P, D]
-        return kv.cpu()  # handed to another replica through host memory
-
-    def _fits(self, unit: Unit) -> bool:
-        return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.latent_dim
-                and unit.dtype == str(self.pool.dtype).removeprefix("torch.")
-                and len(unit.token_ids) == UNIT_TOKENS)
-
-    def _unit_tensor(self, unit: Unit) -> torch.Tensor:
-        with warnings.catch_warnings():  # the buffer is read-only; write_pages copies it
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(unit.payload, dtype=self.pool.dtype)
-        return flat.view(unit.num_layers, UNIT_TOKENS, unit.dim)
-
-    def _allocate(self, n: int) -> list[int] | None:
-        pages = self.pages.allocate(n)
-        if pages is None:
-            self.prefix.evict(n)
-            pages = self.pages.allocate(n)
-        return pages
 
     def _decode_batch(self) -> list[Sequence]:
         """The running sequences that decode this step, each with a page for its next token
         (the newest are preempted when the pool runs out). O(batch): a new page goes into the
         sequence's table row."""
         batch = []
-        z = self.cfg.page_size
         for seq in list(self.running):
             if seq.row is None:
                 continue  # preempted while making room for another
-            while (seq.length - 1) // z >= len(seq.pages):
-                page = self._allocate(1)
-                if page is None:
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    if victim is seq:
-                        break
-                    continue
-                self._tables[seq.row, len(seq.pages)] = page[0]
-                seq.pages.extend(page)
+            while not self.kv.grow(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
             if seq.row is not None:
                 batch.append(seq)
         return batch
 
     def _decode_inputs(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block tables [B, W] (gathered rows), tokens [B] and positions [B] of a decode batch."""
-        width = max(len(s.pages) for s in batch)
-        tables = self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))
-        return tables, torch.tensor([s.last_token for s in batch]), torch.tensor([s.length - 1 for s in batch])
+        return self.kv.tables(batch), torch.tensor([s.last_token for s in batch]), torch.tensor([s.length - 1 for s in batch])
 
     def _decode(self, batch: list[Sequence], logits: torch.Tensor | None, outputs: list[RequestOutput]) -> None:
         """One token for every sequence of ``batch``, from ``logits`` when its decode rode in a
@@ -495,12 +400,12 @@ class Engine:
         if logits is None:
             tables, tokens, positions = self._decode_inputs(batch)
             t0 = self._clock()
-            logits = self.model.decode(tokens, self.pool, tables, positions, micro_batches=self.cfg.micro_batches)
+            logits = self.model.decode(tokens, self.kv.pool, tables, positions, micro_batches=self.cfg.micro_batches)
             self._decode_s = _moving(self._decode_s, self._clock() - t0)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
-        allowed = self._constrained(logits, batch)
+        allowed = self.constraints.apply(logits, batch)
         toks = sample(allowed, params, [s.generator for s in batch], [s.token_counts for s in batch]).tolist()
         for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
@@ -509,8 +414,7 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
         self._leave_running(seq)
-        self.pages.release(seq.pages)
-        seq.pages = []
+        self.kv.release(seq)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
@@ -523,10 +427,10 @@ class Engine:
         seq.output_logprobs.append(lp)
         if seq.token_counts is not None:
             seq.token_counts[tok] += 1
-        self._json_feed(seq, tok)
+        self.constraints.feed(seq, tok)
         eos = tok == self.eos_id and not seq.req.ignore_eos
         reason = None
-        if eos or (seq.json_masks is not None and seq.json_active and seq.json_masks.done(seq.json_state)):
+        if eos or self.constraints.done(seq):
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.req.max_tokens:
             reason = FinishReason.LENGTH
@@ -539,17 +443,6 @@ class Engine:
             self._finish(seq, reason, outputs)
         else:
             outputs.append(self._output(seq))
-
-    @staticmethod
-    def _json_feed(seq: Sequence, tok: int) -> None:
-        """JSON mode follows the output: the grammar reads ``tok``, or the masks start to apply
-        after it when it ends the R1 thought."""
-        if seq.json_masks is None:
-            return
-        if seq.json_active:
-            seq.json_state = seq.json_masks.advance(seq.json_state, tok)
-        elif tok == seq.req.constrain_after:
-            seq.json_active = True
 
     def _output(self, seq: Sequence, handoff: Prefilled | None = None) -> RequestOutput:
         """New tokens and text since the last output (``cluster.output.TextStream`` holds back
@@ -570,7 +463,7 @@ class Engine:
         handoff = None
         if reason == FinishReason.HANDOFF:
             state = seq.generator.get_state() if seq.generator is not None else None
-            handoff = Prefilled(self._export_prompt_kv(seq), seq.output_ids[0], dataclasses.replace(seq.sources), state,
+            handoff = Prefilled(self.kv.export_prompt(seq), seq.output_ids[0], dataclasses.replace(seq.sources), state,
                                 seq.output_logprobs[0])
         if seq.pages:
             ns = self.namespace_for(seq.req.tenant)
@@ -579,13 +472,12 @@ class Engine:
             all_keys = seq.unit_keys[:known] + chain_keys(
                 ns.seed, seq.ids(known * UNIT_TOKENS, complete * UNIT_TOKENS), UNIT_TOKENS,
                 parent=seq.unit_keys[known - 1] if known else None)
-            for i, key in enumerate(all_keys if self.cfg.prefix_sharing else []):
-                self.prefix.insert(key, seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages])
+            if self.cfg.prefix_sharing:
+                self.kv.share(all_keys, seq)
             if reason != FinishReason.ABORT:
                 admit = self.admission.on_output_end(all_keys, len(seq.unit_keys))
                 self._persist(seq, admit.units, all_keys)
-            self.pages.release(seq.pages)
-            seq.pages = []
+            self.kv.release(seq)
         with self._lock:
             self._by_id.pop(seq.req.request_id, None)
         outputs.append(self._output(seq, handoff=handoff))
@@ -598,8 +490,7 @@ class Engine:
         for i in unit_idx:
             if (i + 1) * UNIT_TOKENS > seq.num_computed or self.cache.holds(keys[i]):
                 continue
-            pages = seq.pages[i * self.unit_pages : (i + 1) * self.unit_pages]
-            data = self.pool.read_pages(pages).cpu().contiguous()  # [L, 64, D], a copy in host memory
+            data = self.kv.read_unit(seq, i)  # [L, 64, D]
             payload = data.view(torch.uint8).numpy().tobytes()
             parent = keys[i - 1] if i else ns.seed
             units.append(Unit(ns.seed, keys[i], parent, tuple(seq.ids(i * UNIT_TOKENS, (i + 1) * UNIT_TOKENS)),
@@ -618,15 +509,6 @@ class Engine:
     def check_integrity(self) -> None:
         """Every page's refcount equals its holders (sequences, prefix entries): no leak, no
         double free; every request is running, waiting or reported finished."""
-        self.pages.check_integrity()
-        holders = Counter(p for s in list(self.waiting) + self.running for p in s.pages)
-        holders.update(p for pages in self.prefix.entries() for p in pages)
-        for page in range(self.cfg.num_pages):
-            assert self.pages.refcount(page) == holders[page], (page, self.pages.refcount(page), holders[page])
+        self.kv.check_integrity(list(self.waiting) + self.running, self.running)
         live = {s.req.request_id for s in list(self.waiting) + self.running}
         assert live == set(self._by_id), (live, set(self._by_id))
-        rows = [s.row for s in self.running]
-        assert None not in rows and sorted(rows + self._free_rows) == list(range(self.cfg.max_num_seqs)), rows
-        for s in self.running:
-            assert self._tables[s.row, : len(s.pages)].tolist() == s.pages, (s.req.request_id, s.pages)
-        assert all(s.row is None for s in self.waiting)

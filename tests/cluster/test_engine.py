@@ -14,19 +14,11 @@ from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.store import StoreConfig
 from cluster.engine import Engine, EngineConfig
 from cluster.request import FinishReason, GenerationRequest
-from model.checkpoint import build_model, random_state_dict
-from model.config import named_config
 from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from tests.cachedir.units import flip_byte
 from tests.model.reference import logprobs_alone
-
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = named_config("tiny")
-    return build_model(cfg, random_state_dict(cfg, seed=5, std=0.1))
 
 
 def _ns(model):

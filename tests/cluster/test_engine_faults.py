@@ -17,7 +17,7 @@ from cachedir.layout import SegmentFiles, UnitFiles
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.store import StoreConfig
 from cluster.request import GenerationRequest
-from tests.cluster.test_engine import _engine, _ns, _prompt, _ref, _tokens, model  # noqa: F401 - fixture
+from tests.cluster.test_engine import _engine, _ns, _prompt, _ref, _tokens
 
 pytestmark = pytest.mark.fault
 

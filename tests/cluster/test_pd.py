@@ -11,16 +11,8 @@ import torch
 from cachedir.hashing import Namespace
 from cluster.engine import Engine, EngineConfig
 from cluster.request import FinishReason, GenerationRequest, Prefilled, TokenSources
-from model.checkpoint import build_model, random_state_dict
-from model.config import named_config
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
-
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = named_config("tiny")
-    return build_model(cfg, random_state_dict(cfg, seed=5, std=0.1))
 
 
 def _engine(model, **kw):

@@ -1,0 +1,148 @@
+"""The replica's latent KV: the paged pool, its pages (shared prefixes counted by reference), the
+running sequences' block-table rows, and moving cache units and handed-off prompts in and out.
+
+A sequence's ``pages`` list its pages in order; while it runs it also holds a row of one block-
+table tensor that mirrors them, so a decode step gathers rows instead of building tables from
+Python lists. Whole-unit pages of finished prompts stay in the prefix table (one reference each)
+for later requests; ``allocate`` drops its least recently used entries when pages run short.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from cachedir.unit import Unit
+from cluster.pages import PageAllocator, PrefixTable
+from cluster.request import Sequence
+from model.kv_cache import slots_for
+from model.model import DeepseekModel
+
+__all__ = ["KVManager"]
+
+
+class KVManager:
+    def __init__(self, model: DeepseekModel, num_pages: int, page_size: int, max_rows: int, unit_tokens: int) -> None:
+        if unit_tokens % page_size:
+            raise ValueError(f"page_size {page_size} must divide the {unit_tokens}-token unit")
+        self.pool = model.new_pool(num_pages, page_size)
+        self.pages = PageAllocator(num_pages)
+        self.prefix = PrefixTable(self.pages)
+        self.num_pages, self.page_size, self.unit_tokens = num_pages, page_size, unit_tokens
+        self.unit_pages = unit_tokens // page_size
+        max_pages = min(num_pages, -(-(model.cfg.max_position_embeddings + 1) // page_size))
+        self._tables = torch.zeros(max_rows, max_pages, dtype=torch.long)  # [rows, pages]
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    # -- pages ---------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh pages, dropping prefix entries if that frees enough; None otherwise."""
+        pages = self.pages.allocate(n)
+        if pages is None:
+            self.prefix.evict(n)
+            pages = self.pages.allocate(n)
+        return pages
+
+    def admit(self, seq: Sequence, shared: list[list[int]], tokens: int) -> bool:
+        """Pages for ``tokens`` tokens of ``seq``: the ``shared`` prefix pages (a reference each)
+        and fresh ones for the rest; False (nothing held) when too few are free."""
+        for pages in shared:
+            self.pages.incref(pages)
+        fresh = self.allocate(self.pages_for(tokens) - len(shared) * self.unit_pages)
+        if fresh is None:
+            for pages in shared:
+                self.pages.release(pages)
+            return False
+        seq.pages = [p for pages in shared for p in pages] + fresh
+        return True
+
+    def grow(self, seq: Sequence) -> bool:
+        """A page for ``seq``'s next token when its pages are full (its table row too, while it
+        runs); False when none is free."""
+        if (seq.length - 1) // self.page_size < len(seq.pages):
+            return True
+        page = self.allocate(1)
+        if page is None:
+            return False
+        if seq.row is not None:
+            self._tables[seq.row, len(seq.pages)] = page[0]
+        seq.pages.extend(page)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.pages.release(seq.pages)
+        seq.pages = []
+
+    def share(self, keys: list[bytes], seq: Sequence) -> None:
+        """Keep ``seq``'s pages of its whole units ``keys`` for later prompts (prefix sharing)."""
+        for i, key in enumerate(keys):
+            self.prefix.insert(key, self.unit_page_list(seq, i))
+
+    def unit_page_list(self, seq: Sequence, unit: int) -> list[int]:
+        return seq.pages[unit * self.unit_pages : (unit + 1) * self.unit_pages]
+
+    # -- block-table rows ----------------------------------------------------------------
+    def claim_row(self, seq: Sequence) -> None:
+        """``seq`` starts running: a row of the block tables, filled with its pages."""
+        seq.row = self._free_rows.pop()
+        self._tables[seq.row, : len(seq.pages)] = torch.tensor(seq.pages)
+
+    def free_row(self, seq: Sequence) -> None:
+        self._free_rows.append(seq.row)
+        seq.row = None
+
+    def tables(self, batch: list[Sequence]) -> torch.Tensor:
+        """Block tables [B, W] of running sequences (W: the longest's pages)."""
+        width = max(len(s.pages) for s in batch)
+        return self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))
+
+    # -- units and prompts in and out ----------------------------------------------------
+    def fits(self, unit: Unit) -> bool:
+        """Whether ``unit`` holds KV of this pool's shape and dtype."""
+        return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.latent_dim
+                and unit.dtype == str(self.pool.dtype).removeprefix("torch.")
+                and len(unit.token_ids) == self.unit_tokens)
+
+    def write_unit(self, seq: Sequence, index: int, unit: Unit) -> None:
+        """``unit``'s KV into the pages of ``seq``'s unit ``index``."""
+        with warnings.catch_warnings():  # the buffer is read-only; write_pages copies it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(unit.payload, dtype=self.pool.dtype)
+        self.pool.write_pages(self.unit_page_list(seq, index), flat.view(unit.num_layers, self.unit_tokens, unit.dim))
+
+    def read_unit(self, seq: Sequence, index: int) -> torch.Tensor:
+        """The KV of ``seq``'s unit ``index``: [L, unit_tokens, D], a copy in host memory."""
+        return self.pool.read_pages(self.unit_page_list(seq, index)).cpu().contiguous()
+
+    def import_prompt(self, seq: Sequence, kv: torch.Tensor) -> None:
+        """A prompt's KV [L, P, D] computed elsewhere into ``seq``'s first P slots."""
+        slots = slots_for(torch.tensor(seq.pages), torch.arange(kv.shape[1]), self.page_size)
+        for layer in range(self.pool.num_layers):
+            self.pool.write(layer, slots, kv[layer])
+
+    def export_prompt(self, seq: Sequence) -> torch.Tensor:
+        """``seq``'s prompt KV [L, P, D] in host memory (handed to another replica)."""
+        slots = slots_for(torch.tensor(seq.pages), torch.arange(len(seq.req.prompt_ids)), self.page_size)
+        return torch.stack([self.pool.read(layer, slots) for layer in range(self.pool.num_layers)]).cpu()
+
+    # -- checks --------------------------------------------------------------------------
+    def check_integrity(self, seqs: Iterable[Sequence], running: list[Sequence]) -> None:
+        """Every page's refcount equals its holders (``seqs``, prefix entries): no leak, no
+        double free; the running sequences' rows mirror their pages; no other row is taken."""
+        seqs, running_ids = list(seqs), {id(s) for s in running}
+        self.pages.check_integrity()
+        holders = Counter(p for s in seqs for p in s.pages)
+        holders.update(p for pages in self.prefix.entries() for p in pages)
+        for page in range(self.num_pages):
+            assert self.pages.refcount(page) == holders[page], (page, self.pages.refcount(page), holders[page])
+        rows = [s.row for s in running]
+        assert None not in rows and sorted(rows + self._free_rows) == list(range(self._tables.shape[0])), rows
+        for s in running:
+            assert self._tables[s.row, : len(s.pages)].tolist() == s.pages, (s.req.request_id, s.pages)
+        assert all(s.row is None for s in seqs if id(s) not in running_ids)

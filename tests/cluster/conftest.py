@@ -1,0 +1,14 @@
+"""The engine tests' model: the tiny config with random weights (seed 5), one per module."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.checkpoint import build_model, random_state_dict
+from model.config import named_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = named_config("tiny")
+    return build_model(cfg, random_state_dict(cfg, seed=5, std=0.1))

@@ -1,0 +1,142 @@
+"""The engine loop without Ray: concurrent streams from an event loop, a caller that leaves, a
+step that fails, a handoff's KV, duplicate ids, the upkeep callbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cluster.engine_loop import EngineLoop, PromptKV
+from cluster.request import FinishReason, GenerationRequest
+from tests.cluster.test_engine import _engine, _prompt, _ref, _tokens
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+async def _collect(loop: EngineLoop, req: GenerationRequest) -> list:
+    return [item async for item in loop.stream(req)]
+
+
+def test_concurrent_streams_equal_the_model_alone(model):
+    seen = []
+    loop = EngineLoop(_engine(model, max_num_seqs=4), on_output=seen.append).start()
+    prompts = {f"r{i}": _prompt(30 + 17 * i, i) for i in range(4)}
+
+    async def main():
+        return await asyncio.gather(*(_collect(loop, GenerationRequest(rid, p, 8)) for rid, p in prompts.items()))
+
+    for (rid, p), outs in zip(prompts.items(), _run(main()), strict=True):
+        assert _tokens(outs) == _ref(model, p, 8), rid
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
+        assert all(not o.finished for o in outs[:-1])
+    assert {o.request_id for o in seen if o.finished} == set(prompts)  # on_output saw every one
+    assert loop.in_flight() == 0
+    loop.stop()
+
+
+def test_a_caller_that_leaves_aborts_its_request(model):
+    engine = _engine(model)
+    loop = EngineLoop(engine).start()
+
+    async def main():
+        stream = loop.stream(GenerationRequest("long", _prompt(40, 1), 2000, ignore_eos=True))
+        await anext(stream)
+        await stream.aclose()  # the client went away after one output
+        for _ in range(200):
+            if not engine.has_work():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert _run(main())
+    engine.check_integrity()  # its pages are back
+    assert engine.kv.pages.num_free + sum(len(p) for p in engine.kv.prefix.entries()) == engine.cfg.num_pages
+    loop.stop()
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(model):
+    engine = _engine(model)
+    real = engine.step
+    fail = threading.Event()
+
+    def step():
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("device lost")
+        return real()
+
+    engine.step = step
+    loop = EngineLoop(engine).start()
+
+    async def main():
+        fail.set()
+        with pytest.raises(RuntimeError, match="device lost"):
+            await _collect(loop, GenerationRequest("a", _prompt(20, 2), 4))
+        return await _collect(loop, GenerationRequest("b", _prompt(20, 3), 4))
+
+    assert _tokens(_run(main())) == _ref(model, _prompt(20, 3), 4)
+    assert loop.alive
+    loop.stop()
+
+
+def test_fail_all_raises_in_every_stream(model):
+    loop = EngineLoop(_engine(model)).start()
+
+    async def main():
+        streams = [loop.stream(GenerationRequest(f"r{i}", _prompt(20, i), 3000, ignore_eos=True)) for i in range(2)]
+        for s in streams:
+            await anext(s)
+        loop.fail_all(ConnectionAbortedError("node lent to training"))
+        for s in streams:
+            with pytest.raises(ConnectionAbortedError):
+                while True:
+                    await anext(s)
+
+    _run(main())
+    loop.stop()
+
+
+def test_a_handoff_stream_ends_with_the_prompt_kv(model):
+    loop = EngineLoop(_engine(model)).start()
+    prompt = _prompt(50, 4)
+    items = _run(_collect(loop, GenerationRequest("h", prompt, 8, handoff=True)))
+    *outs, kv = items
+    assert isinstance(kv, PromptKV) and tuple(kv.kv.shape)[1] == len(prompt)
+    assert outs[-1].finish_reason == FinishReason.HANDOFF and outs[-1].handoff is not None
+    loop.stop()
+
+
+def test_a_duplicate_id_is_refused_and_the_first_request_goes_on(model):
+    loop = EngineLoop(_engine(model)).start()
+    prompt = _prompt(25, 5)
+
+    async def main():
+        first = loop.stream(GenerationRequest("same", prompt, 6))
+        head = [await anext(first)]
+        with pytest.raises(ValueError, match="duplicate request id 'same'"):
+            await _collect(loop, GenerationRequest("same", prompt, 6))
+        return head + [o async for o in first]
+
+    assert _tokens(_run(main())) == _ref(model, prompt, 6)
+    loop.stop()
+
+
+def test_tick_runs_while_idle_and_failing_callbacks_do_not_stop_the_loop(model):
+    ticks = threading.Semaphore(0)
+
+    def tick():
+        ticks.release()
+        raise OSError("directory down")
+
+    def on_output(o):
+        raise OSError("usage disk full")
+
+    loop = EngineLoop(_engine(model), on_output=on_output, tick=tick, idle_wait_s=0.01).start()
+    assert all(ticks.acquire(timeout=10) for _ in range(3))  # idle, it still ticks
+    outs = _run(_collect(loop, GenerationRequest("x", _prompt(20, 6), 4)))
+    assert _tokens(outs) == _ref(model, _prompt(20, 6), 4) and loop.alive
+    loop.stop()
