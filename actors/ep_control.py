@@ -9,7 +9,9 @@ serves it, so a replica never routes to weights that are gone.
 
 The replicas' side is ``actors.ep_group.EPGroup``: it joins, polls now and then (reporting the
 version it serves and its measured load, learning the version to serve), re-forms its gloo group
-when the shard set changes, and asks for its version to be reloaded when a shard restarted.
+when the shard set changes, and asks for its version to be reloaded when a shard restarted. Who
+serves which version, and which versions must stay, is ``cluster.ep_versions``' pure state; this
+actor adds the shards and the locking.
 
 * Rebalance: plan from the summed loads (or take a given ``phy2log``), load, switch, drop.
 * Resize (night: lend a node that hosts only a shard; day: take it back): the same onto a new list
@@ -32,6 +34,7 @@ import time
 import ray
 import torch
 
+from cluster.ep_versions import PlacementVersions, Poll
 from cluster.eplb import EplbConfig, Placement, moved_slots, plan
 from model.config import load_config
 
@@ -54,19 +57,6 @@ def slot_map(placement: Placement, moe_layers: list[int], shard_idx: int) -> dic
 
 def _ids(shards: list) -> list:
     return [s._actor_id for s in shards]
-
-
-@dataclasses.dataclass
-class _Version:
-    placement: Placement
-    shards: list
-
-
-@dataclasses.dataclass
-class _Replica:
-    version: int
-    seen: float
-    load: torch.Tensor | None = None
 
 
 class EPControl:
@@ -92,9 +82,7 @@ class EPControl:
         self.eplb = EplbConfig(num_slots, cfg.n_group, num_nodes, len(shards), policy)
         self.shards = list(shards)
         self.replica_timeout_s = replica_timeout_s
-        self.version: int | None = None
-        self._versions: dict[int, _Version] = {}
-        self._replicas: dict[str, _Replica] = {}
+        self.versions = PlacementVersions(replica_timeout_s)
         self._lock = threading.Lock()  # the state above
         self._change = threading.Lock()  # one placement change at a time
         self.stats = {"rebalances": 0, "resizes": 0, "moved_slots": 0, "experts_from_peers": 0,
@@ -102,6 +90,11 @@ class EPControl:
         if rebalance_s > 0:
             threading.Thread(target=self._rebalance_loop, args=(rebalance_s,), name="eplb", daemon=True).start()
         threading.Thread(target=self._janitor, name="ep-janitor", daemon=True).start()
+
+    @property
+    def version(self) -> int | None:
+        """The placement version the replicas serve (or switch to); None before the first."""
+        return self.versions.current
 
     # -- the replicas' side --------------------------------------------------------------------
     def join(self, replica_id: str, serving: tuple[int, Placement, list] | None = None) -> dict:
@@ -119,7 +112,7 @@ class EPControl:
             with self._lock:
                 if self.version is None:  # the janitor forgot the placement meanwhile
                     continue
-                self._replicas[replica_id] = _Replica(serving[0] if serving else self.version, time.monotonic())
+                self.versions.join(replica_id, serving[0] if serving else None)
                 return self._target()
 
     def poll(self, replica_id: str, version: int, load: torch.Tensor | None = None) -> dict | None:
@@ -127,17 +120,14 @@ class EPControl:
         placement to switch to when it should, ``{"rejoin": True}`` when this control does not
         know it (it restarted), else None."""
         with self._lock:
-            r = self._replicas.get(replica_id)
-            if r is None or self.version is None:
+            answer = self.versions.poll(replica_id, version, load)
+            if answer == Poll.REJOIN:
                 return {"rejoin": True}
-            r.version, r.seen = version, time.monotonic()
-            if load is not None:
-                r.load = load
-            return self._target() if version != self.version else None
+            return self._target() if answer == Poll.SWITCH else None
 
     def leave(self, replica_id: str) -> None:
         with self._lock:
-            self._replicas.pop(replica_id, None)
+            self.versions.leave(replica_id)
 
     def ensure_loaded(self, version: int, timeout_s: float = 30.0) -> None:
         """Reload ``version`` where a shard lost it (Ray restarted the shard): called by a
@@ -145,10 +135,10 @@ class EPControl:
         with self._lock:
             if self.version is None:  # restarted: the replicas' polls bring the placement back
                 raise RuntimeError("the expert-parallel control has no placement yet")
-            v = self._versions.get(version)
+            v = self.versions.get(version)
         if v is None:
             raise ValueError(f"placement version {version} is no longer held; serve version {self.version}")
-        self._load(v.placement, version, v.shards, timeout_s)
+        self._load(v.placement, version, list(v.shards), timeout_s)
         self.stats["reloads"] += 1
 
     # -- placement changes ---------------------------------------------------------------------
@@ -157,7 +147,7 @@ class EPControl:
         move between shards while the replicas serve. Returns what moved."""
         with self._change:
             self._require_placement()
-            old, version = self._versions[self.version].placement, self.version
+            old, version = self.versions.target.placement, self.version
             if phy2log is not None:
                 placement = Placement.from_phy2log(torch.tensor(phy2log), self.num_experts, len(self.shards))
             else:
@@ -197,21 +187,16 @@ class EPControl:
 
     def load(self) -> torch.Tensor:
         """Tokens per expert [L, E] summed over the live replicas (each decays its own)."""
-        total = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.float64)
         with self._lock:
-            for r in self._live().values():
-                if r.load is not None:
-                    total += r.load
-        return total
+            return self.versions.load(len(self.moe_layers), self.num_experts)
 
     def info(self) -> dict:
         with self._lock:
-            placement = self._versions[self.version].placement if self.version is not None else None
+            placement = self.versions.target.placement if self.version is not None else None
             return {
                 **self.stats, "name": self.name, "version": self.version, "num_shards": len(self.shards),
                 "phy2log": placement.phy2log.tolist() if placement is not None else None,
-                "replicas": {rid: r.version for rid, r in self._live().items()},
-                "held_versions": sorted(self._versions),
+                "replicas": self.versions.live(), "held_versions": self.versions.held(),
             }
 
     # -- internals -----------------------------------------------------------------------------
@@ -221,8 +206,7 @@ class EPControl:
         version = time.time_ns() // 1_000_000 << 16  # unique across controls and their restarts
         self._load(placement, version, self.shards, None)
         with self._lock:
-            self._versions[version] = _Version(placement, list(self.shards))
-            self.version = version
+            self.versions.add(version, placement, self.shards)
 
     def _adopt(self, version: int, placement: Placement, shards: list) -> None:
         """Serve what a re-joining replica serves (this control restarted and lost its state)."""
@@ -231,21 +215,17 @@ class EPControl:
         with self._lock:
             self.eplb = dataclasses.replace(self.eplb, num_slots=placement.phy2log.shape[1], num_shards=n,
                                             num_nodes=nodes)
-            self._versions[version] = _Version(placement, list(shards))
-            self.version, self.shards = version, list(shards)
+            self.versions.add(version, placement, shards)
+            self.shards = list(shards)
 
     def _require_placement(self) -> None:
         if self.version is None:
             raise ValueError("no replica has joined yet: there is no placement to change")
 
     def _target(self) -> dict:
-        v = self._versions[self.version]
-        return {"version": self.version, "placement": v.placement, "shards": v.shards,
+        v = self.versions.target
+        return {"version": self.version, "placement": v.placement, "shards": list(v.shards),
                 "moe_layers": self.moe_layers}
-
-    def _live(self) -> dict[str, _Replica]:
-        now = time.monotonic()
-        return {rid: r for rid, r in self._replicas.items() if now - r.seen < self.replica_timeout_s}
 
     def _switch(self, placement: Placement, shards: list, timeout_s: float) -> dict:
         """Load ``placement`` on ``shards`` as the next version, make it the target, wait until
@@ -253,12 +233,12 @@ class EPControl:
         version = self.version + 1
         counts = self._load(placement, version, shards, timeout_s, from_peers=True)
         with self._lock:
-            self._versions[version] = _Version(placement, shards)
-            self.version, self.shards = version, shards
+            self.versions.add(version, placement, shards)
+            self.shards = shards
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                pending = sorted(rid for rid, r in self._live().items() if r.version != version)
+                pending = self.versions.pending(version)
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -284,7 +264,7 @@ class EPControl:
         """For each layer, ``export`` calls on the current version's shards that hold the experts
         ``dst`` lacks (object refs; ``dst`` fetches them). Each call is submitted before ``dst``'s
         own load, so no two loads wait on each other."""
-        cur = self._versions[self.version]
+        cur = self.versions.target
         per = cur.placement.slots_per_shard
         ids = _ids(cur.shards)
         dst_idx = ids.index(dst._actor_id) if dst._actor_id in ids else None
@@ -302,13 +282,9 @@ class EPControl:
     def _drop(self) -> None:
         """Forget the versions no live replica serves, on every shard that holds them."""
         with self._lock:
-            keep = {self.version} | {r.version for r in self._live().values()}
-            gone = [v for v in self._versions if v not in keep]
-            shards = {s._actor_id: s for v in self._versions.values() for s in v.shards}
-            for v in gone:
-                del self._versions[v]
-            unknown = [v for v in keep if v not in self._versions]  # served, placed before a restart
-            held = {sid: [v for v, ver in self._versions.items() if sid in _ids(ver.shards)] + unknown
+            shards = {s._actor_id: s for v in self.versions.held() for s in self.versions.get(v).shards}
+            _, unknown = self.versions.droppable()  # unknown: served, placed before a restart
+            held = {sid: [v for v in self.versions.held() if sid in _ids(self.versions.get(v).shards)] + unknown
                     for sid in shards}
         for sid, shard in shards.items():
             try:
@@ -329,28 +305,18 @@ class EPControl:
         """Free the shards of a control nobody follows any more (the app rolled over to another
         checkpoint, or was deleted): after ``2 * replica_timeout_s`` without a live replica, drop
         this control's weights everywhere and forget the placement (a later join starts afresh)."""
-        idle_since: float | None = None
         while True:
             time.sleep(self.replica_timeout_s / 2)
             with self._lock:
-                followed = self.version is None or bool(self._live())
-            if followed:
-                idle_since = None
-                continue
-            idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since < self.replica_timeout_s:
-                continue
-            with self._change, self._lock:
-                if self._live():
+                if self.versions.unfollowed_for() < self.replica_timeout_s:
                     continue
-                shards = {s._actor_id: s for v in self._versions.values() for s in v.shards}
-                self._versions.clear()
-                self._replicas.clear()
-                self.version = None
+            with self._change, self._lock:
+                if self.versions.live():
+                    continue
+                shards = {s._actor_id: s for v in self.versions.forget_all() for s in v.shards}
             log.info("no replica follows %s any more: dropping its expert weights", self.name)
             for shard in shards.values():
                 try:
                     ray.get(shard.drop_except.remote([], self.name), timeout=30)
                 except ray.exceptions.RayError as e:
                     log.warning("could not drop expert weights on a shard: %s", e)
-            idle_since = None
