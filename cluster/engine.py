@@ -199,8 +199,9 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass (two with ``micro_batches=2`` while a prompt is prefilled): a token for
-        every running sequence, and the next chunks of the waiting prompts."""
+        """A token for every running sequence and the next chunks of the waiting prompts: a
+        forward pass per chunk, the decode riding in the first (a pass of its own when nothing is
+        prefilled, or with ``micro_batches=2``)."""
         outputs: list[RequestOutput] = []
         with self._lock:
             self._reap_aborted(outputs)
