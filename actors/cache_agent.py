@@ -6,14 +6,8 @@ its process dies. ``ensure_cache_agents`` creates the missing ones and is idempo
 it on start and periodically, so a node added later gets its agent too. The agent keeps running
 while its node is lent to training, so its units stay fetchable.
 
-``cfg`` keys: ``cache_dir`` (``{node}`` is replaced by the node id's first 12 characters — needed
-when several simulated nodes share one disk), ``ssd_bytes``, ``store_layout`` (``unit`` | ``segment``),
-``ram_bytes``, ``eviction``,
-``max_age_s``, ``directory_url``, ``directory_namespace``, ``directory_password_env``, ``directory_ca_file``,
-``agent_token_file`` / ``agent_token_env`` (``actors.credentials``: read on the node), ``tls_cert_file``/``tls_key_file``
-(PEM: the agent serves TLS) and ``tls_ca_file`` (PEM: clients verify agents with it), ``tls_mutual``
-(agents and replicas present the node's certificate and agents require one signed by the CA), ``heartbeat_ttl_s``, ``sync_every_s``, ``replicas`` (R; 1 turns replication
-off), ``replication_min_hits``, ``replication_bytes_per_s``.
+Its config is an ``actors.replica_config.AgentSection`` (store, directory, token, TLS,
+replication and timings).
 """
 
 from __future__ import annotations
@@ -24,11 +18,11 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.credentials import agent_token, directory_password
+from actors.credentials import agent_token
+from actors.replica_config import AgentSection
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import ServerConfig
-from cachedir.directory import open_directory
 from cachedir.node_cache import CacheConfig
 from cachedir.replication import ReplicationConfig
 from cachedir.store import StoreConfig
@@ -47,18 +41,15 @@ def node_cache_dir(cache_dir: str, node_id: str) -> Path:
     return Path(cache_dir.replace("{node}", node_id[:12]))
 
 
-def tls_files(cfg: dict) -> dict[str, bytes | None]:
-    """The agent TLS material named in ``cfg`` (read on the node that uses it)."""
-    out = {}
-    for name in ("cert", "key", "ca"):
-        path = cfg.get(f"tls_{name}_file")
-        out[name] = Path(path).read_bytes() if path else None
-    return out
+def tls_files(cfg: AgentSection) -> dict[str, bytes | None]:
+    """The agent TLS material ``cfg`` names (read on the node that uses it)."""
+    paths = {"cert": cfg.tls_cert_file, "key": cfg.tls_key_file, "ca": cfg.tls_ca_file}
+    return {name: Path(path).read_bytes() if path else None for name, path in paths.items()}
 
 
-def client_certificate(cfg: dict, tls: dict[str, bytes | None]) -> tuple[bytes, bytes] | None:
+def client_certificate(cfg: AgentSection, tls: dict[str, bytes | None]) -> tuple[bytes, bytes] | None:
     """(key, chain) that this node's clients present under ``tls_mutual``."""
-    if not cfg.get("tls_mutual"):
+    if not cfg.tls_mutual:
         return None
     if tls["cert"] is None or tls["ca"] is None:
         raise ValueError("tls_mutual needs tls_cert_file, tls_key_file and tls_ca_file")
@@ -66,30 +57,24 @@ def client_certificate(cfg: dict, tls: dict[str, bytes | None]) -> tuple[bytes, 
 
 
 class CacheAgent:
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: AgentSection) -> None:
         node_id = ray.get_runtime_context().get_node_id()
-        directory = None
-        if cfg.get("directory_url"):
-            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or NAMESPACE,
-                                       password=directory_password(cfg), ssl_ca_certs=cfg.get("directory_ca_file"))
-        replicas = int(cfg.get("replicas", 2))
         replication = None
-        if replicas > 1:
-            replication = ReplicationConfig(replicas=replicas, min_hits=float(cfg.get("replication_min_hits", 2.0)),
-                                            bytes_per_s=float(cfg.get("replication_bytes_per_s", 100e6)))
+        if cfg.replicas > 1:
+            replication = ReplicationConfig(replicas=cfg.replicas, min_hits=cfg.replication_min_hits,
+                                            bytes_per_s=cfg.replication_bytes_per_s)
         tls = tls_files(cfg)
         host = ray.util.get_node_ip_address()  # bound to the node's cluster address only
-        store = StoreConfig(node_cache_dir(cfg["cache_dir"], node_id), int(cfg.get("ssd_bytes", 8 << 30)),
-                            eviction=cfg.get("eviction", "lru"), max_age_s=cfg.get("max_age_s"),
-                            layout=cfg.get("store_layout", "segment"))
+        st = cfg.store
+        store = StoreConfig(node_cache_dir(st.cache_dir, node_id), st.ssd_bytes, eviction=st.eviction,
+                            max_age_s=st.max_age_s, layout=st.layout)
         self.agent = NodeAgent(AgentConfig(
-            node_id, CacheConfig(store, ram_bytes=int(cfg.get("ram_bytes", 512 << 20))),
+            node_id, CacheConfig(store, ram_bytes=st.ram_bytes),
             ServerConfig(host=host, token=agent_token(cfg), tls_cert_chain=tls["cert"], tls_private_key=tls["key"],
-                         tls_client_ca=tls["ca"] if cfg.get("tls_mutual") else None),
+                         tls_client_ca=tls["ca"] if cfg.tls_mutual else None),
             advertise_host=host, tls_root_certificates=tls["ca"], tls_client_certificate=client_certificate(cfg, tls),
-            heartbeat_ttl_s=float(cfg.get("heartbeat_ttl_s", 10.0)),
-            sync_every_s=float(cfg.get("sync_every_s", 0.25)), replication=replication,
-        ), directory)
+            heartbeat_ttl_s=cfg.heartbeat_ttl_s, sync_every_s=cfg.sync_every_s, replication=replication,
+        ), cfg.directory.open())
         self.agent.sync_once()  # registered and heartbeating before anyone asks
 
     def info(self) -> dict:
@@ -113,7 +98,7 @@ class CacheAgent:
         self.agent.sync_once()
 
 
-def ensure_cache_agents(cfg: dict, timeout_s: float = 120.0) -> dict[str, ray.actor.ActorHandle]:
+def ensure_cache_agents(cfg: AgentSection, timeout_s: float = 120.0) -> dict[str, ray.actor.ActorHandle]:
     """The agent of every alive node (created where missing), by node id, each ready."""
     handles = {}
     for node in ray.nodes():

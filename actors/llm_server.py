@@ -2,7 +2,8 @@
 applies ``serve.deployment``).
 
 It owns the engine and the node's prompt cache; the engine runs in a ``cluster.engine_loop``
-thread, and each ``generate`` call streams the request's ``RequestOutput``s back as dicts. When
+thread, and each ``generate`` call takes a ``GenerationRequest`` and streams its ``RequestOutput``s
+back (``cluster.request``: the same frozen types on both sides of the Ray call). When
 a directory URL is configured it publishes the node's units (batched, retried) and heartbeats.
 """
 
@@ -23,20 +24,20 @@ import ray
 
 from actors import pd_handoff
 from actors.cache_agent import NodeAgentClient, client_certificate, ensure_cache_agents, tls_files
-from actors.credentials import agent_token, directory_password
+from actors.credentials import agent_token
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
+from actors.replica_config import AgentSection, ReplicaConfig, StoreSection
 from actors.serve_bind import bind_replica_grpc_to_node
 from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.cluster_cache import ClusterCache
-from cachedir.directory import open_directory
 from cachedir.hashing import chain_keys, read_secret
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig, StoreLocked
 from cluster.daily_report import JsonlLog, UsageRecord
-from cluster.engine import Engine, EngineConfig, cache_namespace
+from cluster.engine import Engine, cache_namespace
 from cluster.engine_loop import EngineLoop, PromptKV
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import (
@@ -47,30 +48,18 @@ from cluster.request import (
 )
 from kernels.cpu_gemv import cpu_kernels, kernel_state
 from model.checkpoint import LoadProgress, load_model, weights_digest
-from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
 
-__all__ = ["LLMServer", "output_to_dict"]
+__all__ = ["LLMServer"]
 
 log = logging.getLogger(__name__)
 bind_replica_grpc_to_node()  # a replica imports this module before Serve opens its gRPC port
 
 
-def output_to_dict(o: RequestOutput) -> dict:
-    out = {
-        "request_id": o.request_id, "token_ids": o.new_token_ids, "text": o.text,
-        "finished": o.finished, "finish_reason": o.finish_reason.value if o.finish_reason else None,
-        "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-        "cached_tokens": o.cached_tokens, "sources": dataclasses.asdict(o.sources),
-    }
-    if o.new_logprobs is not None:
-        out["logprobs"] = [pd_handoff.logprob_to_dict(lp) for lp in o.new_logprobs]
-    if o.handoff is not None:  # P/D: the prompt's KV is the stream's next item (actors/pd_handoff.py)
-        h = o.handoff
-        out["handoff"] = {"first_token": h.first_token, "sources": dataclasses.asdict(h.sources),
-                          "generator_state": h.generator_state,
-                          "first_logprob": pd_handoff.logprob_to_dict(h.first_logprob)}
-    return out
+def _wire(o: RequestOutput) -> RequestOutput:
+    """An output as it crosses to the caller: a handoff's KV tensor stays here (it is the
+    stream's next item, ``actors/pd_handoff.py``)."""
+    return o if o.handoff is None else dataclasses.replace(o, handoff=dataclasses.replace(o.handoff, kv=None))
 
 
 def _actor_name() -> str | None:
@@ -97,7 +86,7 @@ def _load_progress(ckpt: Path, startup: StartupReporter):
     return report
 
 
-def _own_store(cfg: dict, base: Path) -> NodeCache:
+def _own_store(store: StoreSection, base: Path) -> NodeCache:
     """This replica's own unit store (no cache agent): ``base``, or ``base.1``, ``base.2``, ...
     when other replicas on the node hold those (each directory has one store at a time; the
     same directories are found again after a restart)."""
@@ -105,8 +94,9 @@ def _own_store(cfg: dict, base: Path) -> NodeCache:
         root = base if slot == 0 else base.with_name(f"{base.name}.{slot}")
         try:
             return NodeCache(CacheConfig(
-                StoreConfig(root, capacity_bytes=int(cfg.get("ssd_bytes", 8 << 30)), layout=cfg.get("store_layout", "segment")),
-                ram_bytes=int(cfg.get("ram_bytes", 512 << 20)), admission=cfg.get("admission", "all"),
+                StoreConfig(root, capacity_bytes=store.ssd_bytes, eviction=store.eviction, max_age_s=store.max_age_s,
+                            layout=store.layout),
+                ram_bytes=store.ram_bytes, admission=store.admission,
             ))
         except StoreLocked:
             continue
@@ -114,92 +104,73 @@ def _own_store(cfg: dict, base: Path) -> NodeCache:
 
 
 class LLMServer:
-    def __init__(self, cfg: dict) -> None:
-        """``cfg`` keys: checkpoint, dtype, device (cpu | cuda), warmup (default: on cuda), cache_dir, ssd_bytes,
-        ram_bytes, admission, num_pages, max_num_seqs, max_prefill_tokens, directory_url, directory_namespace; for
-        expert parallelism ``ep_control`` (the app's ``EPControl`` actor, which owns the expert
-        shards and the placement) and ``ep_timeout_s`` (a round slower than this counts as a failed shard),
-        ``micro_batches`` (2 overlaps one half's expert round with the other's attention);
-        ``prefix_sharing`` (default on: reuse finished prompts' pages in this replica);
-        ``cache_agents`` (the agents' cfg, see ``actors/cache_agent.py``): the node's cache agent
-        owns the unit store and the engine reaches every node's units through it."""
+    def __init__(self, cfg: ReplicaConfig) -> None:
+        """A replica as ``cfg`` (``actors.replica_config``) says: with ``cfg.agents`` the node's
+        cache agent owns the unit store and the engine reaches every node's units through it;
+        without, the replica keeps its own store under ``cfg.store.cache_dir``. With ``cfg.ep``
+        the routed experts run on the expert shards of ``cfg.ep.control``."""
+        if not isinstance(cfg, ReplicaConfig):
+            raise TypeError(f"LLMServer takes an actors.replica_config.ReplicaConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
         self._stop = False
-        ckpt = Path(cfg["checkpoint"])
-        control = cfg.get("ep_control")
+        ckpt = Path(cfg.checkpoint)
         self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
         startup = StartupReporter(self.replica_id)
         self.model = load_model(
-            ckpt, cfg.get("dtype", "float32"), progress=_load_progress(ckpt, startup), routed_experts=control is None,
-            device=cfg.get("device", "cpu"),
+            ckpt, cfg.dtype, progress=_load_progress(ckpt, startup), routed_experts=cfg.ep is None, device=cfg.device,
         )
         if self.model.device.type == "cpu":  # build the decode kernels now, not on the first request
             startup.update("building CPU kernels", force=True)
             cpu_kernels()
-        self.ep = self._start_ep(control, float(cfg.get("ep_timeout_s", 30.0))) if control is not None else None
+        self.ep = self._start_ep(cfg.ep.control, cfg.ep.timeout_s) if cfg.ep is not None else None
         # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
         # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
-        if cfg.get("warmup", self.model.device.type == "cuda"):
+        if self.model.device.type == "cuda" if cfg.warmup is None else cfg.warmup:
             startup.update("warming up", force=True)
-            self.model.warmup(int(cfg.get("max_prefill_tokens", 2048)))
+            self.model.warmup(cfg.engine.max_prefill_tokens)
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
-        self._secret = read_secret(cfg.get("cache_secret_file"))
+        self._secret = read_secret(cfg.cache_secret_file)
         namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype, self._secret)
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
-        enable_cache = bool(cfg.get("enable_cache", True))
         self.cache = None
-        self._agent_cfg = cfg.get("cache_agents") if enable_cache else None
-        if self._agent_cfg:
-            self.cache = self._cluster_cache(self._agent_cfg)
-        elif enable_cache:
-            self.cache = _own_store(cfg, Path(cfg["cache_dir"]) / namespace.id)
-        self.engine = Engine(
-            self.model,
-            EngineConfig(num_pages=int(cfg.get("num_pages", 4096)), max_num_seqs=int(cfg.get("max_num_seqs", 16)),
-                         max_prefill_tokens=int(cfg.get("max_prefill_tokens", 2048)),
-                         itl_factor=float(cfg.get("itl_factor", 0.0)),
-                         admission=cfg.get("admission", "all"),
-                         prefix_sharing=enable_cache and bool(cfg.get("prefix_sharing", True)),
-                         micro_batches=int(cfg.get("micro_batches", 1))),
-            namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache, token_bytes=self.tokenizer.token_bytes,
-        )
+        self._agents = cfg.agents if cfg.enable_cache else None
+        if self._agents is not None:
+            self.cache = self._cluster_cache(self._agents)
+        elif cfg.enable_cache:
+            self.cache = _own_store(cfg.store, Path(cfg.store.cache_dir) / namespace.id)
+        engine_cfg = cfg.engine if cfg.enable_cache else dataclasses.replace(cfg.engine, prefix_sharing=False)
+        self.engine = Engine(self.model, engine_cfg, namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
+                             token_bytes=self.tokenizer.token_bytes)
         # One usage log per replica process (``tide stats`` reads them all).
-        self.usage = JsonlLog(Path(cfg["usage_dir"]) / f"{self.node_id}.jsonl") if cfg.get("usage_dir") else None
+        self.usage = JsonlLog(Path(cfg.usage_dir) / f"{self.node_id}.jsonl") if cfg.usage_dir else None
         self.publisher = None
-        if cfg.get("directory_url") and isinstance(self.cache, NodeCache):
-            directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or namespace.id,
-                                       password=directory_password(cfg), ssl_ca_certs=cfg.get("directory_ca_file"))
-            self.publisher = DirectoryPublisher(directory, self.node_id, "", self.cache.holdings)
+        if cfg.directory.url and isinstance(self.cache, NodeCache):
+            self.publisher = DirectoryPublisher(cfg.directory.open(), self.node_id, "", self.cache.holdings)
         unit_bytes = mcfg.num_hidden_layers * 64 * (mcfg.kv_lora_rank + mcfg.qk_rope_head_dim) * self.model.dtype.itemsize
         self._cost = CostModel(unit_bytes=unit_bytes)
         self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}
         self._transfer_seen = {"local": (0, 0.0), "remote": (0, 0.0)}
         self.role = "serving"  # day/night: "draining" / "migrate" when its node is being lent
-        if cfg.get("tidal", True) and ray.is_initialized():
+        if cfg.tidal and ray.is_initialized():
             threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
         self._last_sync = self._last_agents = time.monotonic()
         self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep).start()
         startup.update("ready", force=True)
 
-    def _cluster_cache(self, agent_cfg: dict) -> ClusterCache:
+    def _cluster_cache(self, agents: AgentSection) -> ClusterCache:
         """The engine's view of every node's units, through this node's agent (started on every
-        node that lacks one; ``_loop`` repeats that now and then for nodes added later)."""
+        node that lacks one; ``_upkeep`` repeats that now and then for nodes added later)."""
         self.node_id = ray.get_runtime_context().get_node_id()
-        ensure_cache_agents(agent_cfg)
-        token, tls = agent_token(agent_cfg), tls_files(agent_cfg)
-        mine = client_certificate(agent_cfg, tls)
-        directory = None
-        if agent_cfg.get("directory_url"):
-            directory = open_directory(agent_cfg["directory_url"], agent_cfg.get("directory_namespace") or "tideserve",
-                                       password=directory_password(agent_cfg),
-                                       ssl_ca_certs=agent_cfg.get("directory_ca_file"))
-        timeout_s = float(agent_cfg.get("fetch_timeout_s", 5.0))
+        ensure_cache_agents(agents)
+        token, tls = agent_token(agents), tls_files(agents)
+        mine = client_certificate(agents, tls)
         name = f"replica-{self.node_id[:12]}"
-        client_for = ClientPool(lambda addr: AgentClient(addr, token, tls["ca"], timeout_s=timeout_s, name=name,
-                                                         client_certificate=mine))
+        client_for = ClientPool(lambda addr: AgentClient(addr, token, tls["ca"], timeout_s=agents.fetch_timeout_s,
+                                                         name=name, client_certificate=mine))
 
-        return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), directory, client_for,
-                            secret=self._secret)
+        return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), agents.directory.open(),
+                            client_for, secret=self._secret)
 
     def _start_ep(self, control, timeout_s: float) -> EPGroup:
         group = EPGroup(control, self.replica_id, self.model.cfg.hidden_size, self.model.dtype, timeout_s=timeout_s)
@@ -243,7 +214,7 @@ class LLMServer:
 
     def _ensure_agents(self) -> None:
         try:
-            ensure_cache_agents(self._agent_cfg)
+            ensure_cache_agents(self._agents)
         except Exception:  # noqa: BLE001 - retried at the next check
             log.exception("could not ensure a cache agent on every node")
 
@@ -255,7 +226,7 @@ class LLMServer:
         """On the engine loop's thread, between steps: now and then a cache agent on every node,
         and the node's new units to the directory."""
         now = time.monotonic()
-        if self._agent_cfg and now - self._last_agents > float(self._agent_cfg.get("agent_check_s", 30.0)):
+        if self._agents is not None and now - self._last_agents > self._agents.check_s:
             self._last_agents = now
             threading.Thread(target=self._ensure_agents, daemon=True).start()
         if self.publisher is not None and now - self._last_sync > 1.0:
@@ -264,31 +235,18 @@ class LLMServer:
             self.publisher.sync()  # failures are counted and retried; never raises
 
     # -- the deployment's methods --------------------------------------------------------
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
-        """Stream outputs for one request: ``prompt_ids``, ``max_tokens`` and optional
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ``presence_penalty``,
-        ``frequency_penalty``, ``logit_bias`` ([token id, bias] pairs), ``stop``, ``ignore_eos``, ``tenant``,
-        ``response_format`` ("json_object": JSON mode; "json_schema" with ``json_schema``, the schema's text).
-        P/D: ``handoff`` (prefill only; the last output carries ``handoff`` and is followed by
-        the prompt's KV tensor) or ``prefilled`` (such a ``handoff`` dict with ``kv``, the KV
-        item's reference: decode only); see ``actors/pd_handoff.py``."""
-        rid = req.get("request_id") or uuid.uuid4().hex
-        prefilled = await pd_handoff.prefilled(req["prefilled"]) if req.get("prefilled") else None
-        gen = GenerationRequest(
-            rid, tuple(req["prompt_ids"]), int(req["max_tokens"]),
-            SamplingParams(float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0)),
-                           int(req.get("top_k", 0)), req.get("seed"), req.get("logprobs"),
-                           float(req.get("presence_penalty", 0.0)), float(req.get("frequency_penalty", 0.0)),
-                           tuple((int(t), float(b)) for t, b in req.get("logit_bias") or ())),
-            tuple(req.get("stop") or ()), bool(req.get("ignore_eos", False)), req.get("tenant", ""),
-            bool(req.get("handoff", False)), prefilled,
-            tuple(req.get("continued_ids") or ()), int(req.get("continued_chars", 0)), req.get("response_format"),
-            req.get("json_schema"), req.get("plan"), req.get("constrain_after"),
-        )
-        async with contextlib.aclosing(self.loop.stream(gen)) as stream:  # a client gone aborts now
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput | object]:
+        """Stream the outputs of ``req`` (one without a ``request_id`` is given one). P/D: a
+        ``handoff`` request's last output carries ``handoff`` and is followed by the prompt's KV
+        tensor; a ``prefilled`` one holds that item's reference (``actors/pd_handoff.py``)."""
+        if not isinstance(req, GenerationRequest):
+            raise TypeError(f"generate takes a cluster.request.GenerationRequest, got {type(req).__name__}")
+        if not req.request_id:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        req = await pd_handoff.resolve(req)
+        async with contextlib.aclosing(self.loop.stream(req)) as stream:  # a client gone aborts now
             async for item in stream:
-                # after a handoff output, the prompt's KV is the stream's last item (actors/pd_handoff.py)
-                yield item.kv if isinstance(item, PromptKV) else output_to_dict(item)
+                yield item.kv if isinstance(item, PromptKV) else _wire(item)
 
     def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
         """The prompt's cache unit keys (hex), as the directory knows them; ``text`` is tokenized

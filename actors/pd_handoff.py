@@ -5,7 +5,7 @@ output that finishes the prefill, carrying ``handoff`` (the first token, where t
 came from, the sampler's state), then the prompt's KV tensor itself as its own stream item. The
 caller (the ingress, or ``PDRouter``) fetches the first and only takes the *reference* of the
 second (``read_prefill``); the decode replica gets that reference inside its ``prefilled``
-request and pulls the tensor straight from the prefill replica's node (``prefilled``).
+request and pulls the tensor straight from the prefill replica's node (``resolve``).
 
 Why the KV is a stream item and not an ``ObjectRef`` put by the prefill replica inside the
 output: a stream's items are owned by the caller, so the KV lives as long as the caller holds it,
@@ -14,45 +14,47 @@ and nested in a yielded item is owned by the replica, and Ray 2.60's streaming g
 lose the caller's borrow of such nested references (ray-project/ray#58080): the decode replica
 then failed with ``ReferenceCountingAssertionError`` now and then.
 
-Also here: a token's logprobs as replicas send them in their outputs and in ``handoff`` (the
-first token's, computed on the prefill side).
+What crosses is typed: a prefill replica's handoff output is a ``RequestOutput`` whose
+``handoff`` is a ``Prefilled`` without its tensor (``kv`` None), and the decode request is the
+client's ``GenerationRequest`` with ``prefilled`` set to that ``Prefilled`` holding the KV item's
+reference (``decode_request``); the decode replica swaps the reference for the tensor
+(``resolve``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
-from cluster.request import Prefilled, TokenSources
-from model.sampling import TokenLogprob
+from cluster.request import GenerationRequest, RequestOutput
 
-__all__ = ["logprob_from_dict", "logprob_to_dict", "prefilled", "read_prefill"]
+__all__ = ["decode_request", "read_prefill", "resolve"]
 
 
-async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[dict | None, ray.ObjectRef | None]:
+async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[RequestOutput | None, ray.ObjectRef | None]:
     """Read a prefill stream: its last output, and when that output hands the request off, the
     reference of the KV item that follows it (``None`` when the request ended on the prefill
     replica, e.g. at its first token). Errors of the stream are raised."""
     last = None
     async for ref in refs:
         last = await ref
-        if "handoff" in last:
+        if last.handoff is not None:
             return last, await refs.__anext__()  # the KV: its reference only, the tensor stays put
     return last, None
 
 
-async def prefilled(handoff: dict) -> Prefilled:
-    """A decode replica's view of a ``handoff`` dict with its ``kv`` reference: the tensor is
-    fetched from the prefill replica's node."""
-    kv = await handoff["kv"]
-    first_lp = handoff.get("first_logprob")
-    return Prefilled(kv, int(handoff["first_token"]), TokenSources(**handoff["sources"]),
-                     handoff.get("generator_state"), logprob_from_dict(first_lp) if first_lp else None)
+def decode_request(req: GenerationRequest, handed_off: RequestOutput, kv: ray.ObjectRef) -> GenerationRequest:
+    """The decode pool's request: ``req`` continued from the prefill's handoff, whose KV is the
+    item ``kv`` refers to. The prefix plan stays behind (the prompt's KV comes whole)."""
+    return dataclasses.replace(req, handoff=False, plan=None,
+                               prefilled=dataclasses.replace(handed_off.handoff, kv=kv))
 
 
-def logprob_to_dict(lp: TokenLogprob | None) -> dict | None:
-    """A token's logprobs as replicas send them: ``{"token", "logprob", "top": [[id, logprob], ...]}``."""
-    return None if lp is None else {"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-
-
-def logprob_from_dict(d: dict) -> TokenLogprob:
-    return TokenLogprob(int(d["token"]), float(d["logprob"]), tuple((int(i), float(v)) for i, v in d["top"]))
+async def resolve(req: GenerationRequest) -> GenerationRequest:
+    """A decode replica's view of a ``decode_request``: the KV tensor fetched from the prefill
+    replica's node in place of its reference."""
+    p = req.prefilled
+    if p is None or not isinstance(p.kv, ray.ObjectRef):
+        return req
+    return dataclasses.replace(req, prefilled=dataclasses.replace(p, kv=await p.kv))

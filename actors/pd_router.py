@@ -13,12 +13,14 @@ Replicas are Ray actor handles of ``LLMServer`` (e.g. ``ray.remote(LLMServer)``)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import ray
 
-from actors.pd_handoff import read_prefill
+from actors.pd_handoff import decode_request, read_prefill
 from cluster.decode_lb import DecodeBalancer
+from cluster.request import GenerationRequest, RequestOutput
 
 __all__ = ["PDRouter"]
 
@@ -38,14 +40,14 @@ class PDRouter:
         self._room = asyncio.Condition()
         self.stats = {"handoffs": 0, "queued": 0, "prefill_only": 0}
 
-    async def generate(self, req: dict) -> AsyncIterator[dict]:
-        need = len(req["prompt_ids"]) + int(req["max_tokens"])
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        need = len(req.prompt_ids) + req.max_tokens
         if not self.balancer.fits_anywhere(need):
             raise ValueError(f"request needs {need} KV tokens; the largest decode replica holds fewer")
         i = min(range(len(self.prefill)), key=lambda j: self._in_flight[j])
         self._in_flight[i] += 1
         try:
-            refs = self.prefill[i].generate.options(num_returns="streaming").remote({**req, "handoff": True})
+            refs = self.prefill[i].generate.options(num_returns="streaming").remote(dataclasses.replace(req, handoff=True))
             last, kv = await read_prefill(refs)
         finally:
             self._in_flight[i] -= 1
@@ -57,7 +59,7 @@ class PDRouter:
         replica = await self._place(need)
         self.stats["handoffs"] += 1
         try:
-            decode_req = {k: v for k, v in req.items() if k != "handoff"} | {"prefilled": {**last["handoff"], "kv": kv}}
+            decode_req = decode_request(req, last, kv)
             async for ref in self.decode[replica].generate.options(num_returns="streaming").remote(decode_req):
                 yield await ref
         finally:

@@ -56,6 +56,9 @@ class PrefixPlan:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
+    """One request as the engine takes it, and as it crosses to a replica (``LLMServer.generate``);
+    an empty ``request_id`` is filled in by the replica."""
+
     request_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int

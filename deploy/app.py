@@ -8,6 +8,7 @@ are applied here, not on the classes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -19,7 +20,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from actors.llm_server import LLMServer
+from actors.replica_config import (
+    AgentSection,
+    DirectorySection,
+    EPSection,
+    ReplicaConfig,
+    StoreSection,
+)
 from cachedir.hashing import read_secret
+from cluster.engine import EngineConfig
 from deploy.ep_admin import ep_control_name
 from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
 from deploy.openai_api import OpenAIIngress
@@ -186,18 +195,18 @@ def _cluster_agent_token() -> str:
     return _internal_kv_get(key).decode()
 
 
-def _agent_token_source(a: AppArgs) -> dict[str, str]:
+def _agent_token_source(a: AppArgs) -> dict[str, str]:  # AgentSection's token fields
     """Where agents and replicas find the agent token: the configured file or env var (checked
     here, so a bad one fails the deploy, not every replica), else the cluster's KV-kept one:
     agents never serve unauthenticated."""
     token_file = a.agent_token_file or os.environ.get("TIDE_AGENT_TOKEN_FILE") or None
     if a.agent_token_env:
         _secret(a.agent_token_env, "agent_token_env")
-        return {"agent_token_env": a.agent_token_env}
+        return {"token_env": a.agent_token_env}
     if token_file:
         read_secret(token_file, "agent token")
-        return {"agent_token_file": token_file}
-    return {"agent_token": _cluster_agent_token()}
+        return {"token_file": token_file}
+    return {"token": _cluster_agent_token()}
 
 
 def _gpus_per_actor(device: str) -> int:
@@ -217,7 +226,7 @@ def gpus_needed(a: AppArgs) -> int:
     return (a.replicas + a.decode_replicas + a.expert_shards) * _gpus_per_actor(a.device)
 
 
-def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
+def _expert_shards(checkpoint: str, a: AppArgs) -> EPSection:
     """Detached expert-shard actors dealt round-robin over the alive nodes (named, so a redeploy
     reuses them; Ray restarts one that dies on its node) and the ``EPControl`` whose placement
     every replica follows. EPLB plans for equal shards per node, so placement is explicit and hard:
@@ -246,7 +255,7 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> dict[str, Any]:
     control = ep_control_actor(name=name, namespace="tideserve", lifetime="detached", get_if_exists=True,
                                num_cpus=0).remote(checkpoint, shards, slots, nodes, rebalance_s=a.expert_rebalance_s,
                                                   name=name)
-    return {"ep_control": control}
+    return EPSection(control)
 
 
 _APP_ARGS_KEY = b"tideserve/app_args"
@@ -282,38 +291,26 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     check_checkpoint_dir(checkpoint)  # a bad one fails here, not in every replica
     secret_file = a.cache_secret_file or os.environ.get("TIDE_CACHE_SECRET_FILE") or None
     read_secret(secret_file)  # a missing or world-readable file fails here, not in every replica
-    server_cfg = {
-        "checkpoint": checkpoint, "dtype": a.dtype, "device": a.device,
-        "cache_dir": a.cache_dir or str(cache_root() / "cache"),
-        "ssd_bytes": int(a.ssd_gb * 1e9), "store_layout": a.cache_layout, "ram_bytes": a.ram_mb << 20,
-        "admission": a.admission,
-        "enable_cache": a.enable_cache, "prefix_sharing": a.prefix_sharing, "num_pages": a.num_pages, "max_num_seqs": a.max_num_seqs,
-        "max_prefill_tokens": a.max_prefill_tokens, "itl_factor": a.itl_factor, "directory_url": a.directory_url,
-        "directory_namespace": a.directory_namespace,
-        "usage_dir": a.usage_dir or str(cache_root() / "usage"), "micro_batches": a.micro_batches,
-        "cache_secret_file": secret_file,
-    }
-    if a.expert_shards:
-        server_cfg.update(_expert_shards(checkpoint, a))
     # secrets travel by name (an env var, a file) and are read on each node: Serve configs and
     # actor arguments sit in Ray's GCS, which every Ray job can read
     _secret(a.directory_password_env, "directory_password_env")  # unset fails here, not in every replica
-    password_env = a.directory_password_env or None
-    server_cfg["directory_password_env"] = password_env
-    if a.directory_tls_ca_file:
-        server_cfg["directory_ca_file"] = a.directory_tls_ca_file
+    directory = DirectorySection(a.directory_url, a.directory_namespace, a.directory_password_env or None,
+                                 ca_file=a.directory_tls_ca_file)
+    store = StoreSection(a.cache_dir or str(cache_root() / "cache"), int(a.ssd_gb * 1e9), a.cache_layout,
+                         a.ram_mb << 20, a.admission)
+    agents = None
     if a.cache_agents and a.enable_cache:
-        server_cfg["cache_agents"] = {
-            "cache_dir": server_cfg["cache_dir"], "ssd_bytes": server_cfg["ssd_bytes"],
-            "store_layout": server_cfg["store_layout"],
-            "ram_bytes": server_cfg["ram_bytes"], "directory_url": a.directory_url,
-            "directory_namespace": a.directory_namespace, "directory_password_env": password_env,
-            "directory_ca_file": a.directory_tls_ca_file,
-            **_agent_token_source(a),
-            "replicas": a.cache_replicas,
-            "tls_cert_file": a.agent_tls_cert_file, "tls_key_file": a.agent_tls_key_file,
-            "tls_ca_file": a.agent_tls_ca_file, "tls_mutual": a.agent_tls_mutual,
-        }
+        agents = AgentSection(store, directory, **_agent_token_source(a), tls_cert_file=a.agent_tls_cert_file,
+                              tls_key_file=a.agent_tls_key_file, tls_ca_file=a.agent_tls_ca_file,
+                              tls_mutual=a.agent_tls_mutual, replicas=a.cache_replicas)
+    engine = EngineConfig(num_pages=a.num_pages, max_num_seqs=a.max_num_seqs, max_prefill_tokens=a.max_prefill_tokens,
+                          admission=a.admission, prefix_sharing=a.enable_cache and a.prefix_sharing,
+                          micro_batches=a.micro_batches, itl_factor=a.itl_factor)
+    server_cfg = ReplicaConfig(
+        checkpoint, store, a.dtype, a.device, engine=engine, enable_cache=a.enable_cache, directory=directory,
+        agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None,
+        usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
+    )
     router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
               "round-robin": "deploy.prefill_router:RoundRobinRouter"}.get(a.router)
     options: dict[str, Any] = {}
@@ -340,10 +337,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         ingress_options["resources"] = {"node:__internal_head__": 0.001}
     ingress_cfg = {
         "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype,
-        "directory_url": a.directory_url if a.router == "cache-aware" else None,
-        "directory_namespace": a.directory_namespace, "directory_password_env": password_env,
-        "directory_ca_file": a.directory_tls_ca_file, "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits,
-        "cache_secret_file": secret_file, "public_paths": a.public_paths,
+        # the ingress plans each request's prefix for the cache-aware router only
+        "directory": directory if a.router == "cache-aware" else DirectorySection(),
+        "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,
+        "public_paths": a.public_paths,
     }
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
                                max_ongoing_requests=256)
@@ -355,7 +352,9 @@ def deployment_version(*parts: Any) -> str:
     one, every ``serve.run`` gets a random version and Serve replaces every replica: a day/night
     redeploy that only changes replica counts would restart the whole app, the ingress too, and
     fail the requests in flight there. Actor handles count by actor id."""
-    def default(o: Any) -> str:
+    def default(o: Any) -> Any:
+        if dataclasses.is_dataclass(o):  # a config section: its fields, by name
+            return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
         actor_id = getattr(o, "_actor_id", None)
         return actor_id.hex() if actor_id is not None else repr(o)
 

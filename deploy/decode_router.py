@@ -20,6 +20,7 @@ from __future__ import annotations
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cluster.decode_lb import DecodeBalancer
+from cluster.request import GenerationRequest
 
 __all__ = ["DecodeRouter"]
 
@@ -54,9 +55,9 @@ class DecodeRouter(RequestRouter):
         serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
         candidate_replicas = serving or candidate_replicas
         balancer = self._sync(candidate_replicas)
-        if not isinstance(req, dict) or "prompt_ids" not in req or balancer is None or not balancer.replicas:
+        if not isinstance(req, GenerationRequest) or balancer is None or not balancer.replicas:
             return [candidate_replicas]  # not a generate call, or no capacity reported yet
-        need = len(req["prompt_ids"]) + int(req.get("max_tokens", 0))
+        need = len(req.prompt_ids) + req.max_tokens
         request_id = pending_request.metadata.internal_request_id
         self._unplan(request_id)  # asked again (the replicas it was offered were busy)
         ranked = balancer.rank(need)

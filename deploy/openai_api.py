@@ -33,14 +33,19 @@ from pydantic import BaseModel, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.credentials import directory_password
-from actors.pd_handoff import read_prefill
+from actors.pd_handoff import decode_request, read_prefill
+from actors.replica_config import DirectorySection
 from actors.serve_bind import bind_replica_grpc_to_node
-from cachedir.directory import open_directory
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys, read_secret
 from cluster.engine import UNIT_TOKENS, cache_namespace
-from cluster.request import PrefixPlan, RequestMigrated
+from cluster.request import (
+    FinishReason,
+    GenerationRequest,
+    PrefixPlan,
+    RequestMigrated,
+    RequestOutput,
+)
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
 from deploy.protocol import (
     APIError,
@@ -56,6 +61,7 @@ from deploy.protocol import (
 from model.checkpoint import weights_digest
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
+from model.sampling import SamplingParams, TokenLogprob
 from model.tokenizer import load_tokenizer
 from model.tool_calls import ForcedCall, ToolCall, ToolCallStream
 
@@ -127,7 +133,7 @@ def _continuable(e: BaseException) -> bool:
     return isinstance(e, gone) or isinstance(getattr(e, "cause", None), gone)
 
 
-async def _streamed(response) -> AsyncIterator[dict]:
+async def _streamed(response) -> AsyncIterator[RequestOutput]:
     """The outputs of a streaming replica call; the call is cancelled when its reader stops early
     (the client went away, another choice failed), so the replica frees the request's KV."""
     done = False
@@ -198,8 +204,8 @@ class OpenAIIngress:
     def __init__(self, server, cfg: dict, decode=None) -> None:
         """``server``: a handle to the ``LLMServer`` deployment; ``decode``: one to the decode
         pool (P/D disaggregation: ``server`` then only prefills). ``cfg`` keys: checkpoint,
-        model_name, api_keys ({key: "TENANT[:MODEL+...]"} or None), limits (dict); with ``directory_url`` (and
-        ``directory_namespace``, ``directory_password_env``, ``dtype``) each request carries its
+        model_name, api_keys ({key: "TENANT[:MODEL+...]"} or None), limits (dict); with a ``directory``
+        (``actors.replica_config.DirectorySection`` with a URL; and ``dtype``) each request carries its
         prefix ``plan`` (``cluster.request.PrefixPlan``: the prompt hashed once, one directory
         round trip) for the cache-aware router, which fills in what to load, and the replica."""
         self.server = server
@@ -220,26 +226,25 @@ class OpenAIIngress:
                                     lim.body_timeout_s)
         self.metrics = _Metrics()
         self.directory = self.namespace = None
-        if cfg.get("directory_url"):
+        directory: DirectorySection = cfg.get("directory") or DirectorySection()
+        if directory.url:
             import torch
 
-            self.directory = open_directory(cfg["directory_url"], cfg.get("directory_namespace") or "tideserve",
-                                            password=directory_password(cfg),
-                                            ssl_ca_certs=cfg.get("directory_ca_file"))
+            self.directory = directory.open()
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")),
                                              read_secret(cfg.get("cache_secret_file")))
 
-    async def _plan(self, req: dict) -> PrefixPlan | None:
+    async def _plan(self, req: GenerationRequest) -> PrefixPlan | None:
         """The prompt's prefix plan: the keys of its whole units (hashed here, once) and the
         live holders of the leading ones the directory finds (the prompt's last token is always
         computed, so only units before it); None without a directory or a whole unit. A
         directory that fails gives a plan with no holders (every unit computed)."""
-        whole = len(req["prompt_ids"]) // UNIT_TOKENS
+        whole = len(req.prompt_ids) // UNIT_TOKENS
         if self.directory is None or whole == 0:
             return None
-        ns = self.namespace.for_tenant(req["tenant"]) if req["tenant"] else self.namespace
-        keys = tuple(chain_keys(ns.seed, req["prompt_ids"], UNIT_TOKENS))
-        usable = (len(req["prompt_ids"]) - 1) // UNIT_TOKENS
+        ns = self.namespace.for_tenant(req.tenant) if req.tenant else self.namespace
+        keys = tuple(chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS))
+        usable = (len(req.prompt_ids) - 1) // UNIT_TOKENS
         holders: tuple[tuple[str, ...], ...] = ()
         if usable:
             try:
@@ -263,7 +268,10 @@ class OpenAIIngress:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
-    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant, prompt_param: str = "messages") -> dict:
+    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant, prompt_param: str = "messages",
+                        **extra) -> GenerationRequest:
+        """The engine's request for a validated body (``extra``: more ``GenerationRequest``
+        fields); the replica gives it its id."""
         self._check_model(body.model, grant)
         body.check_supported()
         if body.n > self.limits.max_n:
@@ -286,20 +294,22 @@ class OpenAIIngress:
         if max_tokens > room:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
-        return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": body.temperature,
-                "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stops,
-                "ignore_eos": body.ignore_eos, "tenant": grant.tenant, "logprobs": body.logprobs_k(),
-                "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-                "logit_bias": body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias),
-                **body.json_mode()}
+        bias = tuple(body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias))
+        try:
+            sampling = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.logprobs_k(),
+                                      body.presence_penalty, body.frequency_penalty, bias)
+            return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
+                                     grant.tenant, **(body.json_mode() | extra))
+        except ValueError as e:  # a combination the field checks above let through
+            raise APIError(400, str(e)) from None
 
     @staticmethod
-    def _usage(lasts: list[dict], reasoning: list[ReasoningTokens] | None = None) -> dict:
+    def _usage(lasts: list[RequestOutput], reasoning: list[ReasoningTokens] | None = None) -> dict:
         """Usage of a request from each choice's last output: the prompt counts once, and as cached
         only the tokens every choice found in the cache; ``reasoning``: each choice's count of its
         thought's tokens (a model that reasons)."""
-        prompt, hit = lasts[0]["prompt_tokens"], min(last["cached_tokens"] for last in lasts)
-        completion = sum(last["completion_tokens"] for last in lasts)
+        prompt, hit = lasts[0].prompt_tokens, min(last.cached_tokens for last in lasts)
+        completion = sum(last.completion_tokens for last in lasts)
         out = {
             "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": prompt - hit,
@@ -309,7 +319,7 @@ class OpenAIIngress:
             out["completion_tokens_details"] = {"reasoning_tokens": sum(r.count for r in reasoning)}
         return out
 
-    async def _generate(self, req: dict) -> AsyncIterator[dict]:
+    async def _generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """One attempt at the request. Co-located, one replica streams every output. With a
         decode pool (P/D), a prefill replica computes the prompt and the first token and hands the
         prompt's KV off (a Ray object); a decode replica, chosen by the decode router for its free
@@ -319,7 +329,7 @@ class OpenAIIngress:
             async for item in _streamed(self.server.options(stream=True).generate.remote(req)):
                 yield item
             return
-        prefill = self.server.options(stream=True).generate.remote({**req, "handoff": True})
+        prefill = self.server.options(stream=True).generate.remote(dataclasses.replace(req, handoff=True))
         try:
             last, kv = await read_prefill(await prefill._to_object_ref_gen())
         except BaseException:
@@ -331,16 +341,15 @@ class OpenAIIngress:
             yield last
             return
         self.metrics.handoffs.inc()
-        decode_req = {k: v for k, v in req.items() if k != "plan"} | {"prefilled": {**last["handoff"], "kv": kv}}
-        async for item in _streamed(self.decode.options(stream=True).generate.remote(decode_req)):
+        async for item in _streamed(self.decode.options(stream=True).generate.remote(decode_request(req, last, kv))):
             yield item
 
-    async def _continued(self, engine_req: dict) -> AsyncIterator[dict]:
+    async def _continued(self, engine_req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """The replica's outputs. When a replica hands the request back (its node is being lent to
         training) or dies mid-stream, the request continues on another replica from its prompt
         plus the tokens already streamed (greedy output is unchanged); usage still describes the
         client's request."""
-        prompt_len = len(engine_req["prompt_ids"])
+        prompt_len = len(engine_req.prompt_ids)
         emitted: list[int] = []
         chars = 0  # characters of text streamed
         cached: int | None = None
@@ -349,25 +358,25 @@ class OpenAIIngress:
             try:
                 async for item in self._generate(req):
                     if cached is None:
-                        cached = item["cached_tokens"]
-                    emitted += item["token_ids"]
-                    chars += len(item["text"])
-                    if item["finished"] and attempt:
-                        item = {**item, "prompt_tokens": prompt_len, "completion_tokens": len(emitted),
-                                "cached_tokens": min(cached, prompt_len)}
+                        cached = item.cached_tokens
+                    emitted += item.new_token_ids
+                    chars += len(item.text)
+                    if item.finished and attempt:
+                        item = dataclasses.replace(item, prompt_tokens=prompt_len, completion_tokens=len(emitted),
+                                                   cached_tokens=min(cached, prompt_len))
                     yield item
                 return
             except Exception as e:
-                remaining = engine_req["max_tokens"] - len(emitted)
+                remaining = engine_req.max_tokens - len(emitted)
                 if not _continuable(e) or attempt == MAX_CONTINUATIONS or remaining <= 0:
                     raise
                 log.warning("continuing a request elsewhere after %d tokens: %s", len(emitted), type(e).__name__)
                 self.metrics.continued.inc()
-                req = {k: v for k, v in engine_req.items() if k != "plan"}  # a longer prompt: planned there
-                req.update(prompt_ids=engine_req["prompt_ids"] + emitted, max_tokens=remaining,
-                           continued_ids=emitted, continued_chars=chars)
+                req = dataclasses.replace(  # a longer prompt: planned there
+                    engine_req, plan=None, prompt_ids=engine_req.prompt_ids + tuple(emitted), max_tokens=remaining,
+                    continued_ids=tuple(emitted), continued_chars=chars)
 
-    async def _stream(self, engine_req: dict) -> AsyncIterator[dict]:
+    async def _stream(self, engine_req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         start = time.monotonic()
         first = last_t = None
         n_tokens = 0
@@ -376,28 +385,28 @@ class OpenAIIngress:
         try:
             plan = await self._plan(engine_req)
             if plan is not None:
-                engine_req = {**engine_req, "plan": plan}
+                engine_req = dataclasses.replace(engine_req, plan=plan)
             async for item in self._continued(engine_req):
                 now = time.monotonic()
-                if item["token_ids"]:
+                if item.new_token_ids:
                     if first is None:
                         first = now
                         self.metrics.ttft.observe(now - start)
                     elif last_t is not None:
-                        self.metrics.tpot.observe((now - last_t) / len(item["token_ids"]))
+                        self.metrics.tpot.observe((now - last_t) / len(item.new_token_ids))
                     last_t = now
-                    n_tokens += len(item["token_ids"])
-                if item["finished"]:
-                    for source, n in item["sources"].items():
+                    n_tokens += len(item.new_token_ids)
+                if item.finished:
+                    for source, n in dataclasses.asdict(item.sources).items():
                         self.metrics.prompt_tokens.labels(source).inc(n)
-                    self.metrics.completion_tokens.inc(item["completion_tokens"])
+                    self.metrics.completion_tokens.inc(item.completion_tokens)
                     status = "ok"
                 yield item
         finally:
             self.metrics.running.dec()
             self.metrics.requests.labels(status).inc()
 
-    async def _choices(self, engine_req: dict, n: int) -> AsyncIterator[tuple[int, dict]]:
+    async def _choices(self, engine_req: GenerationRequest, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of ``n`` choices of one request, as ``(index, output)`` in the order they
         come. Each choice is its own engine request (a seeded request's choice i samples with
         seed + i); the first failure ends them all."""
@@ -410,7 +419,9 @@ class OpenAIIngress:
 
         async def pump(i: int) -> None:
             _own_request_id()
-            req = engine_req if engine_req.get("seed") is None else {**engine_req, "seed": engine_req["seed"] + i}
+            seed = engine_req.sampling.seed
+            req = engine_req if seed is None else dataclasses.replace(
+                engine_req, sampling=dataclasses.replace(engine_req.sampling, seed=seed + i))
             try:
                 async for item in self._stream(req):
                     await queue.put((i, item))
@@ -433,7 +444,7 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _respond(self, engine_req: dict, body, kind: str, calls=None, tool_finish: str = "tool_calls",
+    async def _respond(self, engine_req: GenerationRequest, body, kind: str, calls=None, tool_finish: str = "tool_calls",
                        thought: bool | None = None):
         """The HTTP response. ``calls``: the chat output may hold tool calls; a factory of the
         splitter (``model.tool_calls``) that reads one choice's output into content and calls,
@@ -445,12 +456,12 @@ class OpenAIIngress:
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         n = body.n
-        want_logprobs = engine_req.get("logprobs") is not None
+        want_logprobs = engine_req.sampling.logprobs is not None
         text_offset = [0] * n  # completions' logprobs: where each choice's next token's text starts
         think = self.tokenizer.think_ids() if thought is not None else None
         counts = [ReasoningTokens(thought, *think) for _ in range(n)] if think else None
 
-        def choice(i: int, text: str, finish: str | None, delta: bool, logprobs: list[dict],
+        def choice(i: int, text: str, finish: FinishReason | None, delta: bool, logprobs: list[TokenLogprob],
                    tool_calls: list[ToolCall] | None = None, reasoning: str | None = None) -> dict:
             lp = None
             if want_logprobs and kind == "chat":
@@ -467,20 +478,20 @@ class OpenAIIngress:
                     finish = tool_finish if finish == "stop" else finish
                 if think is not None and (reasoning or not delta):
                     msg = {"role": "assistant", **msg, "reasoning_content": reasoning if reasoning or delta else None}
-                return {"index": i, key: msg, "finish_reason": finish, "logprobs": lp}
-            return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
+                return {"index": i, key: msg, "finish_reason": finish and str(finish), "logprobs": lp}
+            return {"index": i, "text": text, "finish_reason": finish and str(finish), "logprobs": lp}
 
         if not body.stream:
             texts: list[list[str]] = [[] for _ in range(n)]
-            logprobs: list[list[dict]] = [[] for _ in range(n)]
-            lasts: list[dict] = [{}] * n
+            logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+            lasts: list[RequestOutput | None] = [None] * n
             try:
                 async for i, item in self._choices(engine_req, n):
-                    texts[i].append(item["text"])
-                    logprobs[i] += item.get("logprobs") or []
+                    texts[i].append(item.text)
+                    logprobs[i] += item.new_logprobs or []
                     lasts[i] = item
                     if counts is not None:
-                        counts[i].feed(item["token_ids"])
+                        counts[i].feed(item.new_token_ids)
             except Exception as e:
                 if _unavailable(e):
                     raise _unavailable_error() from None
@@ -498,7 +509,7 @@ class OpenAIIngress:
                     text = split.feed(text)
                     rest, found = split.finish()
                     text += rest
-                choices.append(choice(i, text, lasts[i]["finish_reason"], False, logprobs[i], found, reasoning))
+                choices.append(choice(i, text, lasts[i].finish_reason, False, logprobs[i], found, reasoning))
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": choices, "usage": self._usage(lasts, counts)})
 
@@ -507,25 +518,25 @@ class OpenAIIngress:
 
         async def sse() -> AsyncIterator[str]:
             # the status line is sent already: a failure mid-stream is an error event
-            lasts: list[dict] = [{}] * n
+            lasts: list[RequestOutput | None] = [None] * n
             splits = [calls() for _ in range(n)] if calls is not None else None
             thoughts = [ReasoningStream(thought) for _ in range(n)] if think is not None else None
             try:
                 async for i, item in self._choices(engine_req, n):
-                    text, found, reasoning = item["text"], None, None
+                    text, found, reasoning = item.text, None, None
                     if thoughts is not None:  # the thought as reasoning deltas, the rest as content
                         reasoning, text = thoughts[i].feed(text)
-                        counts[i].feed(item["token_ids"])
-                        if item["finished"]:
+                        counts[i].feed(item.new_token_ids)
+                        if item.finished:
                             rest_r, rest_c = thoughts[i].finish()
                             reasoning, text = reasoning + rest_r, text + rest_c
                     if splits is not None:  # content goes out at once, the calls at the end
                         text = splits[i].feed(text)
-                        if item["finished"]:
+                        if item.finished:
                             rest, found = splits[i].finish()
                             text += rest
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [choice(i, text, item["finish_reason"], True, item.get("logprobs") or [], found,
+                             "choices": [choice(i, text, item.finish_reason, True, item.new_logprobs or [], found,
                                                 reasoning)]}
                     if include_usage:
                         chunk["usage"] = None
@@ -561,14 +572,16 @@ class OpenAIIngress:
             raise APIError(400, str(e), param="chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages") from None
         except TypeError as e:  # the template called with variables it cannot take
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
-        engine_req = self._engine_request(body, prompt_ids, grant)
         think = self.tokenizer.think_ids()
         thought = thought_open(prompt_ids, *think) if think is not None else None
+        fields = {}
         if thought:  # R1: JSON mode, a schema or a named function constrain only the answer, after the thought
-            engine_req["constrain_after"] = think[1]
+            fields["constrain_after"] = think[1]
         if forced is not None:  # the output is that function's arguments: per its schema, or any JSON object
             schema = body.forced_parameters(forced)
-            engine_req.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
+            fields.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
+        engine_req = self._engine_request(body, prompt_ids, grant, **fields)
+        if forced is not None:
             return await self._respond(engine_req, body, "chat", functools.partial(ForcedCall, forced), "stop",
                                        thought=thought)
         return await self._respond(engine_req, body, "chat", ToolCallStream if tools is not None else None,

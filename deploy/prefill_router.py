@@ -32,7 +32,7 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate
-from cluster.request import PrefixPlan
+from cluster.request import GenerationRequest, PrefixPlan
 
 __all__ = ["CacheAwareRouter", "RoundRobinRouter", "plan_prefix"]
 
@@ -53,11 +53,12 @@ def plan_prefix(prompt_tokens: int, plan: PrefixPlan | None) -> PrefixInfo:
     return PrefixInfo(prompt_tokens, len(plan.holders), local_run)
 
 
-def _request(pending: PendingRequest | None) -> dict | None:
+def _request(pending: PendingRequest | None) -> GenerationRequest | None:
+    """The ``generate`` call's request (None for the replicas' other methods)."""
     if pending is None or not pending.args:
         return None
     req = pending.args[0]
-    return req if isinstance(req, dict) and "prompt_ids" in req else None
+    return req if isinstance(req, GenerationRequest) else None
 
 
 class CacheAwareRouter(RequestRouter):
@@ -103,12 +104,13 @@ class CacheAwareRouter(RequestRouter):
         candidate_replicas = serving or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         states = [self._state(r, now) for r in candidate_replicas]
-        plan: PrefixPlan | None = req.get("plan")
-        prefix = plan_prefix(len(req["prompt_ids"]), plan)
+        plan = req.plan
+        prefix = plan_prefix(len(req.prompt_ids), plan)
         cost = self._pooled_cost(candidate_replicas)
         best = choose(states, prefix, cost)
         if plan is not None:  # the replica loads what was chosen here (the request is sent after this)
-            req["plan"] = dataclasses.replace(plan, load_units=min(best.load_units, len(plan.holders)))
+            pending_request.args[0] = dataclasses.replace(
+                req, plan=dataclasses.replace(plan, load_units=min(best.load_units, len(plan.holders))))
         cached = best.load_units * 64
         self._planned[pending_request.metadata.internal_request_id] = (prefix.prompt_tokens - cached, cached)
         rest = sorted((s for s in states if s.replica != best.replica), key=lambda s: estimate(s, prefix, cost).ttft_s)
@@ -116,8 +118,8 @@ class CacheAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id
-        req = _request(pending_request) or {}
-        new, cached = self._planned.pop(rid, (len(req.get("prompt_ids", ())), 0))
+        req = _request(pending_request)
+        new, cached = self._planned.pop(rid, (len(req.prompt_ids) if req is not None else 0, 0))
         self._inflight[rid] = (replica_id.unique_id, time.monotonic(), new, cached)
         if len(self._inflight) > 4096:  # completions that never came (a dead replica): forget old ones
             now = time.monotonic()

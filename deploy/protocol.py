@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.json_schema import SchemaError, SchemaGrammar
-from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprob
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
            "completion_logprobs", "error_body"]
@@ -296,25 +296,25 @@ class CompletionRequest(_Sampling):
         return v
 
 
-def completion_logprobs(entries: list[dict], token_text, offset: int = 0) -> dict:
-    """``choices[].logprobs`` of /v1/completions for the tokens of ``entries`` (the replicas'
-    ``logprobs`` items); ``token_text(id)`` is a token's text, ``offset`` where the first token's
+def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0) -> dict:
+    """``choices[].logprobs`` of /v1/completions for the tokens of ``entries`` (the outputs'
+    ``new_logprobs``); ``token_text(id)`` is a token's text, ``offset`` where the first token's
     text starts in the completion (a stream continues from the previous chunk)."""
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
-        tokens.append(token_text(e["token"]))
+        tokens.append(token_text(e.token))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{token_text(i): v for i, v in e["top"]} for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[dict], token_bytes) -> dict:
+def chat_logprobs(entries: list[TokenLogprob], token_bytes) -> dict:
     """``choices[].logprobs`` of /v1/chat/completions; ``token_bytes(id)`` is a token's bytes."""
 
     def one(token: int, logprob: float) -> dict:
         raw = token_bytes(token)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, v) for i, v in e["top"]]}
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
                         for e in entries], "refusal": None}

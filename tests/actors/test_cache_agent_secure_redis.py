@@ -14,6 +14,7 @@ def test_agent_publishes_through_tls_redis_with_a_password(tmp_path):
     import ray
 
     from actors.cache_agent import NAMESPACE, agent_name, ensure_cache_agents
+    from actors.replica_config import AgentSection, DirectorySection, StoreSection
     from cachedir.directory import DirectoryUnavailable, open_directory
     from deploy.redis_proc import RedisServer
     from tests.certs import make_certs
@@ -23,11 +24,9 @@ def test_agent_publishes_through_tls_redis_with_a_password(tmp_path):
     url = server.url.replace(":s3cret-pw@", "")  # the password travels separately, never in the URL
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        agents = ensure_cache_agents({
-            "cache_dir": str(tmp_path / "cache" / "{node}"), "ssd_bytes": 1 << 28, "ram_bytes": 0,
-            "directory_url": url, "directory_namespace": "secure", "directory_password": "s3cret-pw",
-            "directory_ca_file": str(ca), "agent_token": "t", "heartbeat_ttl_s": 5.0,
-        })
+        agents = ensure_cache_agents(AgentSection(
+            StoreSection(str(tmp_path / "cache" / "{node}"), ssd_bytes=1 << 28, ram_bytes=0),
+            DirectorySection(url, "secure", password="s3cret-pw", ca_file=str(ca)), token="t", heartbeat_ttl_s=5.0))
         (node,) = agents
         d = open_directory(url, "secure", password="s3cret-pw", ssl_ca_certs=str(ca), timeout_s=2.0)
         deadline = time.monotonic() + 30

@@ -5,6 +5,7 @@ units leave lookups within the heartbeat TTL while requests keep succeeding."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -30,12 +31,14 @@ def cluster(redis_server, tmp_path_factory):
     c.add_node(num_cpus=1, resources={"node1": 1})
     c.add_node(num_cpus=1, resources={"node2": 1})
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    agent_cfg = {
-        "cache_dir": str(tmp_path_factory.mktemp("cache") / "{node}"), "ssd_bytes": 1 << 30,
-        "ram_bytes": 0, "directory_url": redis_server.url, "directory_namespace": "agents-test",
-        "agent_token": "test-token-0123456789", "heartbeat_ttl_s": TTL_S, "sync_every_s": 0.25, "replicas": 2,
-        "agent_check_s": 3600,  # the test decides when a killed agent comes back
-    }
+    from actors.replica_config import AgentSection, DirectorySection, StoreSection
+
+    agent_cfg = AgentSection(
+        StoreSection(str(tmp_path_factory.mktemp("cache") / "{node}"), ssd_bytes=1 << 30, ram_bytes=0),
+        DirectorySection(redis_server.url, "agents-test"), token="test-token-0123456789", heartbeat_ttl_s=TTL_S,
+        sync_every_s=0.25, replicas=2,
+        check_s=3600,  # the test decides when a killed agent comes back
+    )
     yield c, agent_cfg
     ray.shutdown()
     c.shutdown()
@@ -58,13 +61,14 @@ def servers(cluster, checkpoint, secret_file):
     import ray
 
     from actors.llm_server import LLMServer
+    from actors.replica_config import ReplicaConfig
+    from cluster.engine import EngineConfig
 
     _, agent_cfg = cluster
     out = [
-        ray.remote(num_cpus=0, resources={f"node{i}": 0.01})(LLMServer).remote({
-            "checkpoint": str(checkpoint), "num_pages": 256, "max_num_seqs": 8, "cache_agents": agent_cfg,
-            "cache_secret_file": secret_file,
-        })
+        ray.remote(num_cpus=0, resources={f"node{i}": 0.01})(LLMServer).remote(ReplicaConfig(
+            str(checkpoint), agent_cfg.store, engine=EngineConfig(num_pages=256, max_num_seqs=8), agents=agent_cfg,
+            cache_secret_file=secret_file))
         for i in range(2)
     ]
     ray.get([s.check_health.remote() for s in out], timeout=300)
@@ -82,13 +86,14 @@ def _run(server, prompt) -> dict:
     """Greedy tokens and the last output (with the usage and token sources)."""
     import ray
 
+    from cluster.request import GenerationRequest
+
     tokens, last = [], None
-    for ref in server.generate.options(num_returns="streaming").remote(
-        {"prompt_ids": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    ):
+    req = GenerationRequest("", tuple(prompt), MAX_TOKENS, ignore_eos=True)
+    for ref in server.generate.options(num_returns="streaming").remote(req):
         last = ray.get(ref, timeout=300)
-        tokens += last["token_ids"]
-    return {"tokens": tokens, **last}
+        tokens += last.new_token_ids
+    return {"tokens": tokens, "cached_tokens": last.cached_tokens, "sources": dataclasses.asdict(last.sources)}
 
 
 def _holders(directory, server, prompt) -> list[set[str]]:
@@ -246,9 +251,9 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
     from deploy.redis_proc import wait_healthy
 
     _, agent_cfg = cluster
-    token_file = Path(agent_cfg["cache_dir"].replace("{node}", "token")).with_suffix(".token")
+    token_file = Path(agent_cfg.store.cache_dir.replace("{node}", "token")).with_suffix(".token")
     token_file.parent.mkdir(parents=True, exist_ok=True)
-    token_file.write_text(agent_cfg["agent_token"])
+    token_file.write_text(agent_cfg.token)
     token_file.chmod(0o600)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -256,7 +261,7 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
         "checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 0.5, "max_replicas_per_node": 1,
-        "num_pages": 256, "cache_dir": agent_cfg["cache_dir"], "directory_url": redis_server.url,
+        "num_pages": 256, "cache_dir": agent_cfg.store.cache_dir, "directory_url": redis_server.url,
         "directory_namespace": "agents-test", "router": router, "agent_token_file": str(token_file),
         "cache_secret_file": secret_file,
     })

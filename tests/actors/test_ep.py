@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from cluster.request import GenerationRequest
 from model.checkpoint import load_model
 from model.generate import generate
 
@@ -49,15 +50,18 @@ def _shards_and_control(checkpoint, nodes: int, slots: int, **control_args):
     return shards, control
 
 
-def _replica(checkpoint, tmp_path_factory, control, node: int = 0, **cfg):
+def _replica(checkpoint, tmp_path_factory, control, node: int = 0, num_pages: int = 256, micro_batches: int = 1,
+             ep_timeout_s: float = 30.0, warmup: bool | None = None):
     import ray
 
     from actors.llm_server import LLMServer
+    from actors.replica_config import EPSection, ReplicaConfig, StoreSection
+    from cluster.engine import EngineConfig
 
-    return ray.remote(num_cpus=0, resources={f"node{node}": 0.01})(LLMServer).remote({
-        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
-        "enable_cache": False, "num_pages": 256, "max_num_seqs": 8, "ep_control": control, **cfg,
-    })
+    engine = EngineConfig(num_pages=num_pages, max_num_seqs=8, micro_batches=micro_batches)
+    return ray.remote(num_cpus=0, resources={f"node{node}": 0.01})(LLMServer).remote(ReplicaConfig(
+        str(checkpoint), StoreSection(str(tmp_path_factory.mktemp("cache"))), warmup=warmup, engine=engine,
+        enable_cache=False, ep=EPSection(control, ep_timeout_s)))
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +82,14 @@ def _generate_all(server) -> list[list[int]]:
 
     streams = [
         server.generate.options(num_returns="streaming").remote(
-            {"prompt_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-        )
+            GenerationRequest("", tuple(p), MAX_TOKENS, ignore_eos=True))
         for p in PROMPTS
     ]
     out = []
     for stream in streams:
         tokens: list[int] = []
         for ref in stream:
-            tokens += ray.get(ref, timeout=300)["token_ids"]
+            tokens += ray.get(ref, timeout=300).new_token_ids
         out.append(tokens)
     return out
 
@@ -218,8 +221,8 @@ def test_prefill_decode_split_with_ep_equals_single_process(ep_server, checkpoin
 
     async def run_all():
         async def one(prompt):
-            req = {"prompt_ids": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-            return [t async for item in router.generate(req) for t in item["token_ids"]]
+            req = GenerationRequest("", tuple(prompt), MAX_TOKENS, ignore_eos=True)
+            return [t async for item in router.generate(req) for t in item.new_token_ids]
 
         return await asyncio.gather(*(one(p) for p in PROMPTS))
 

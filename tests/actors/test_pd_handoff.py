@@ -5,6 +5,7 @@ prefill replica is gone by then (lent to training, killed); the answer equals th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -28,59 +29,64 @@ def _server(checkpoint, tmp_path_factory):
     import ray
 
     from actors.llm_server import LLMServer
+    from actors.replica_config import ReplicaConfig, StoreSection
+    from cluster.engine import EngineConfig
 
-    return ray.remote(num_cpus=0)(LLMServer).remote({
-        "checkpoint": str(checkpoint), "cache_dir": str(tmp_path_factory.mktemp("cache")),
-        "enable_cache": False, "num_pages": 64, "tidal": False})
+    return ray.remote(num_cpus=0)(LLMServer).remote(ReplicaConfig(
+        str(checkpoint), StoreSection(str(tmp_path_factory.mktemp("cache"))), enable_cache=False,
+        engine=EngineConfig(num_pages=64), tidal=False))
 
 
 def test_decode_pulls_the_kv_after_the_prefill_replica_died(ray_local, checkpoint, tmp_path_factory):
     import ray
     import torch
 
-    from actors.pd_handoff import read_prefill
+    from actors.pd_handoff import decode_request, read_prefill
+    from cluster.request import GenerationRequest
     from model.checkpoint import load_model
     from model.generate import generate
+    from model.sampling import SamplingParams
 
     prefill, decode = _server(checkpoint, tmp_path_factory), _server(checkpoint, tmp_path_factory)
     ray.get([prefill.check_health.remote(), decode.check_health.remote()], timeout=300)
-    req = {"prompt_ids": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}
+    req = GenerationRequest("", tuple(PROMPT), MAX_TOKENS, SamplingParams(logprobs=2), ignore_eos=True)
 
-    async def colocated() -> list[dict]:
+    async def colocated() -> list:
         return [await ref for ref in decode.generate.options(num_returns="streaming").remote(req)]
 
     whole = asyncio.run(colocated())
 
     async def run() -> list[int]:
-        refs = prefill.generate.options(num_returns="streaming").remote({**req, "handoff": True})
+        refs = prefill.generate.options(num_returns="streaming").remote(dataclasses.replace(req, handoff=True))
         last, kv = await read_prefill(refs)
-        assert last["finished"] and kv is not None, last
+        assert last.finished and last.handoff.kv is None and kv is not None, last  # the tensor came apart
         assert isinstance(ray.get(kv), torch.Tensor)
         ray.kill(prefill, no_restart=True)  # before the decode replica pulled the KV
         await asyncio.sleep(1.0)
-        decode_req = {**req, "prefilled": {**last["handoff"], "kv": kv}}
+        decode_req = decode_request(req, last, kv)
         return [await ref for ref in decode.generate.options(num_returns="streaming").remote(decode_req)]
 
     split = asyncio.run(run())
-    tokens = [t for item in split for t in item["token_ids"]]
+    tokens = [t for item in split for t in item.new_token_ids]
     assert tokens == generate(load_model(checkpoint), PROMPT, MAX_TOKENS, eos_id=None)
     # logprobs too, the first token's computed on the prefill replica
-    logprobs = [lp for item in split for lp in item["logprobs"]]
-    want = [lp for item in whole for lp in item["logprobs"]]
-    assert [lp["token"] for lp in logprobs] == tokens and [len(lp["top"]) for lp in logprobs] == [2] * MAX_TOKENS
-    assert [lp["logprob"] for lp in logprobs] == pytest.approx([lp["logprob"] for lp in want], abs=1e-5)
+    logprobs = [lp for item in split for lp in item.new_logprobs]
+    want = [lp for item in whole for lp in item.new_logprobs]
+    assert [lp.token for lp in logprobs] == tokens and [len(lp.top) for lp in logprobs] == [2] * MAX_TOKENS
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
 
 
 def test_a_request_that_ends_on_the_prefill_replica_hands_nothing_off(ray_local, checkpoint, tmp_path_factory):
     import ray
 
     from actors.pd_handoff import read_prefill
+    from cluster.request import GenerationRequest
     from model.checkpoint import load_model
     from model.generate import generate
 
     prefill = _server(checkpoint, tmp_path_factory)
     ray.get(prefill.check_health.remote(), timeout=300)
-    req = {"prompt_ids": PROMPT, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True, "handoff": True}
+    req = GenerationRequest("", tuple(PROMPT), 1, ignore_eos=True, handoff=True)
     last, kv = asyncio.run(read_prefill(prefill.generate.options(num_returns="streaming").remote(req)))
-    assert kv is None and last["finished"]
-    assert last["token_ids"] == generate(load_model(checkpoint), PROMPT, 1, eos_id=None)
+    assert kv is None and last.finished
+    assert last.new_token_ids == generate(load_model(checkpoint), PROMPT, 1, eos_id=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from cluster.request import GenerationRequest
 from deploy.decode_router import DecodeRouter
 
 
@@ -17,7 +18,7 @@ def _replica(rid: str, tokens: int) -> SimpleNamespace:
 
 
 def _request(rid: str, prompt: int, max_tokens: int) -> SimpleNamespace:
-    return SimpleNamespace(args=[{"prompt_ids": [1] * prompt, "max_tokens": max_tokens}],
+    return SimpleNamespace(args=[GenerationRequest(rid, (1,) * prompt, max_tokens)],
                            metadata=SimpleNamespace(internal_request_id=rid),
                            routing_context=SimpleNamespace(should_backoff=False))
 

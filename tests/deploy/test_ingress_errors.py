@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.fault]
+pytestmark = [pytest.mark.fault]  # no cluster: the replica handles are fakes
 
 
 class _DyingHandle:
@@ -28,7 +28,7 @@ class _DyingHandle:
 
         self.calls += 1
         for t in range(self.tokens):
-            yield {"token_ids": [t], "text": "x", "finished": False, "finish_reason": None, "cached_tokens": 0}
+            yield _output(t)
         raise ActorDiedError()
 
 
@@ -53,8 +53,17 @@ def _ingress(handle):
     return ing
 
 
-def _req():
-    return {"prompt_ids": [1, 2, 3], "max_tokens": 8, "tenant": ""}
+def _req(seed: int | None = None):
+    from cluster.request import GenerationRequest
+    from model.sampling import SamplingParams
+
+    return GenerationRequest("", (1, 2, 3), 8, SamplingParams(seed=seed))
+
+
+def _output(token: int):
+    from cluster.request import RequestOutput, TokenSources
+
+    return RequestOutput("r", [token], "x", False, None, 3, 1, 0, TokenSources(compute=3))
 
 
 def test_a_request_every_replica_drops_is_a_503_with_retry_after():
@@ -109,14 +118,14 @@ class _OneChoiceFails:
         return self
 
     def _remote(self, req):
-        handle, seed = self, req["seed"]
+        handle, seed = self, req.sampling.seed
 
         async def outputs():
             if seed == 0:
                 raise ValueError("bad request")
             for t in range(10_000):
                 await asyncio.sleep(0.01)
-                yield {"token_ids": [t], "text": "x", "finished": False, "finish_reason": None, "cached_tokens": 0}
+                yield _output(t)
 
         class Response:
             def __aiter__(self):
@@ -134,7 +143,7 @@ def test_when_one_choice_fails_the_others_are_cancelled():
 
     async def run():
         with pytest.raises(ValueError, match="bad request"):
-            await _ingress(handle)._respond({**_req(), "seed": 0}, body, "completion")
+            await _ingress(handle)._respond(_req(seed=0), body, "completion")
         for _ in range(10):  # the cancelled choice's task finishes
             await asyncio.sleep(0.01)
 

@@ -65,7 +65,7 @@ def test_device_cuda_gives_each_replica_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
     server = build_app({"device": "cuda", "dtype": "bfloat16"})._bound_deployment.init_args[0]
     assert server._bound_deployment.ray_actor_options["num_gpus"] == 1
-    assert server._bound_deployment.init_args[0]["device"] == "cuda"
+    assert server._bound_deployment.init_args[0].device == "cuda"
     cpu = build_app({})._bound_deployment.init_args[0]
     assert cpu._bound_deployment.ray_actor_options["num_gpus"] == 0
     with pytest.raises(ValidationError, match="device"):
@@ -75,15 +75,16 @@ def test_device_cuda_gives_each_replica_a_gpu(tmp_path, monkeypatch):
 
 def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeypatch):
     import deploy.app
+    from actors.replica_config import EPSection
     from deploy.app import build_app, shard_actor_options
 
     assert shard_actor_options("cuda") == {"num_cpus": 0, "num_gpus": 1}
     assert shard_actor_options("cpu") == {"num_cpus": 0, "num_gpus": 0}
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
     asked = []  # the shard actors themselves need a Ray cluster (tests/actors/test_ep.py)
-    monkeypatch.setattr(deploy.app, "_expert_shards", lambda ckpt, a: asked.append(a.device) or {"ep_control": None})
+    monkeypatch.setattr(deploy.app, "_expert_shards", lambda ckpt, a: asked.append(a.device) or EPSection(None))
     server = build_app({"device": "cuda", "expert_shards": 2, "replicas": 3})._bound_deployment.init_args[0]
-    assert asked == ["cuda"] and server._bound_deployment.init_args[0]["device"] == "cuda"
+    assert asked == ["cuda"] and server._bound_deployment.init_args[0].device == "cuda"
     # data-parallel attention replicas over the shared shards: a GPU for each replica and each shard
     assert server._bound_deployment.num_replicas == 3
     assert deploy.app.gpus_needed(deploy.app.AppArgs(device="cuda", expert_shards=2, replicas=3)) == 5
@@ -116,7 +117,34 @@ def test_prefix_sharing_reaches_the_replicas(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
     for value in (True, False):
         server = build_app({"prefix_sharing": value})._bound_deployment.init_args[0]
-        assert server._bound_deployment.init_args[0]["prefix_sharing"] is value
+        assert server._bound_deployment.init_args[0].engine.prefix_sharing is value
+
+
+def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypatch):
+    """``build_app`` makes the replicas' ``ReplicaConfig`` once: every serving knob of the app
+    reaches its section (the replica falls back on no default of its own)."""
+    from actors.replica_config import ReplicaConfig
+    from deploy.app import build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    args = {"num_pages": 96, "max_num_seqs": 3, "max_prefill_tokens": 128, "itl_factor": 2.5, "micro_batches": 2,
+            "admission": "second-sight", "ssd_gb": 2.0, "ram_mb": 7, "cache_layout": "unit", "cache_replicas": 3,
+            "directory_url": "redis://127.0.0.1:1/0", "directory_namespace": "ns-7", "decode_replicas": 1}
+    ingress = build_app(args)._bound_deployment
+    server, decode = ingress.init_args[0]._bound_deployment.init_args[0], ingress.init_args[2]._bound_deployment.init_args[0]
+    assert isinstance(server, ReplicaConfig) and decode == server
+    e = server.engine
+    assert (e.num_pages, e.max_num_seqs, e.max_prefill_tokens, e.itl_factor, e.micro_batches, e.admission) == (
+        96, 3, 128, 2.5, 2, "second-sight")
+    st = server.store
+    assert (st.ssd_bytes, st.ram_bytes, st.layout, st.admission) == (2_000_000_000, 7 << 20, "unit", "second-sight")
+    assert server.agents.store == st and server.agents.replicas == 3 and server.agents.directory == server.directory
+    assert (server.directory.url, server.directory.namespace) == ("redis://127.0.0.1:1/0", "ns-7")
+    assert ingress.init_args[1]["directory"] == server.directory  # the ingress plans in the same namespace
+    with pytest.raises(TypeError, match="ReplicaConfig"):
+        from actors.llm_server import LLMServer
+
+        LLMServer({"checkpoint": "x"})
 
 
 @pytest.mark.security
@@ -178,9 +206,10 @@ def test_no_credential_travels_in_the_apps_init_args(tmp_path, monkeypatch):
     for cfg in (ingress.init_args[1], server.init_args[0], decode.init_args[0]):
         text = repr(cfg)
         assert password not in text and token not in text
-    agents = server.init_args[0]["cache_agents"]
-    assert agents["agent_token_file"] == str(token_file) and "agent_token" not in agents
-    assert server.init_args[0]["directory_password_env"] == agents["directory_password_env"] == "TIDE_TEST_REDIS_PW"
+    agents = server.init_args[0].agents
+    assert agents.token_file == str(token_file) and agents.token is None
+    assert server.init_args[0].directory.password_env == agents.directory.password_env == "TIDE_TEST_REDIS_PW"
+    assert ingress.init_args[1]["directory"].password_env == "TIDE_TEST_REDIS_PW"
     # a file others can read, or a name that is not set, fails the deploy, not every replica
     token_file.chmod(0o644)
     with pytest.raises(ValueError, match="agent token file .* readable by others"):

@@ -1,0 +1,125 @@
+"""What a replica is built from: one frozen ``ReplicaConfig`` that ``deploy.app.build_app`` makes
+once from ``AppArgs`` and every ``LLMServer`` (and the cache agents it starts) reads as it is.
+
+Sections: ``engine`` (``cluster.engine.EngineConfig``), ``store`` (the node's unit store),
+``directory`` (the Redis directory), ``agents`` (the per-node cache agents; None: the replica
+keeps its own store) and ``ep`` (expert parallelism; None: the replica runs its own experts).
+Each default lives in one place: here, or in the type a section wraps. Secrets travel by name
+(an env var, a 0600 file) and are read on the node (``actors.credentials``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.engine import EngineConfig
+
+__all__ = ["AgentSection", "DirectorySection", "EPSection", "ReplicaConfig", "StoreSection"]
+
+DEFAULT_NAMESPACE = "tideserve"  # the directory's namespace: one per cluster, several models share it
+
+
+@dataclass(frozen=True, slots=True)
+class DirectorySection:
+    """The cache directory: its URL (None: no directory), namespace, password (by env var name;
+    a literal ``password`` for tests) and the CA file of a ``rediss://`` server."""
+
+    url: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    password_env: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+
+    def open(self):
+        """The directory client (None without a URL); the password is read here, on the node."""
+        if not self.url:
+            return None
+        from actors.credentials import directory_password
+        from cachedir.directory import open_directory
+
+        return open_directory(self.url, self.namespace, password=directory_password(self), ssl_ca_certs=self.ca_file)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSection:
+    """A node's unit store: ``cache_dir`` (``{node}`` becomes the node id's first 12 characters,
+    for simulated nodes sharing one disk), the SSD and RAM budgets, file layout, admission and
+    eviction."""
+
+    cache_dir: str
+    ssd_bytes: int = 8 << 30
+    layout: str = "segment"  # "unit" | "segment"
+    ram_bytes: int = 512 << 20
+    admission: str = "all"
+    eviction: str = "lru"
+    max_age_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("unit", "segment"):
+            raise ValueError(f"store layout must be unit or segment, got {self.layout!r}")
+        if self.ssd_bytes <= 0 or self.ram_bytes < 0:
+            raise ValueError(f"store budgets must be positive, got ssd {self.ssd_bytes}, ram {self.ram_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSection:
+    """The per-node cache agents (``actors.cache_agent``): their store and directory, the
+    token (by file or env var; a literal for the cluster's KV-kept one), TLS files (PEM on every
+    node), replication (``replicas`` copies of a hot unit; 1: none) and timings."""
+
+    store: StoreSection
+    directory: DirectorySection = DirectorySection()
+    token: str | None = None
+    token_file: str | None = None
+    token_env: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_mutual: bool = False
+    replicas: int = 2
+    replication_min_hits: float = 2.0
+    replication_bytes_per_s: float = 100e6
+    heartbeat_ttl_s: float = 10.0
+    sync_every_s: float = 0.25
+    fetch_timeout_s: float = 5.0  # a replica's fetch from an agent
+    check_s: float = 30.0  # how often a replica makes sure every node has its agent
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"agent replicas must be >= 1, got {self.replicas}")
+        if self.tls_mutual and not self.tls_ca_file:
+            raise ValueError("tls_mutual needs tls_ca_file (the CA that signs the nodes' certificates)")
+
+
+@dataclass(frozen=True, slots=True)
+class EPSection:
+    """Expert parallelism: the app's ``EPControl`` actor (it owns the expert shards and the
+    placement) and how long an expert round may take before its shard counts as failed."""
+
+    control: object
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    """One ``LLMServer`` replica. ``warmup`` None: on CUDA only. ``enable_cache`` False: no unit
+    store, and no prefix sharing whatever ``engine`` says (benchmarks' baseline). ``usage_dir``: per-request usage logs
+    (``tide stats``). ``tidal``: follow the day/night role of its node."""
+
+    checkpoint: str
+    store: StoreSection
+    dtype: str = "float32"
+    device: str = "cpu"
+    warmup: bool | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    enable_cache: bool = True
+    directory: DirectorySection = DirectorySection()
+    agents: AgentSection | None = None
+    ep: EPSection | None = None
+    usage_dir: str | None = None
+    cache_secret_file: str | None = None
+    tidal: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
