@@ -12,7 +12,7 @@ replication and timings).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ray
@@ -152,6 +152,12 @@ class NodeAgentClient:
     @property
     def address(self) -> str:
         return self._client.address
+
+    def push(self, encoded_units: Iterable[bytes], replace: frozenset[int] = frozenset()) -> tuple[int, int]:
+        """``AgentClient.push``; the units are read once, so a retry at a restarted agent sends
+        them all again (a generator would be spent by the failed try)."""
+        units = list(encoded_units)
+        return self.__getattr__("push")(units, replace=replace)
 
     def __getattr__(self, name: str):
         def call(*args, **kwargs):

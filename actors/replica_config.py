@@ -11,8 +11,10 @@ Each default lives in one place: here, or in the type a section wraps. Secrets t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from cluster.engine import EngineConfig
+if TYPE_CHECKING:  # the cache agents and the admin commands read these sections without torch
+    from cluster.engine import EngineConfig
 
 __all__ = ["AgentSection", "DirectorySection", "EPSection", "ReplicaConfig", "StoreSection"]
 
@@ -100,6 +102,12 @@ class EPSection:
     timeout_s: float = 30.0
 
 
+def _engine_config() -> EngineConfig:
+    from cluster.engine import EngineConfig
+
+    return EngineConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     """One ``LLMServer`` replica. ``warmup`` None: on CUDA only. ``enable_cache`` False: no unit
@@ -111,7 +119,7 @@ class ReplicaConfig:
     dtype: str = "float32"
     device: str = "cpu"
     warmup: bool | None = None
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=_engine_config)
     enable_cache: bool = True
     directory: DirectorySection = DirectorySection()
     agents: AgentSection | None = None
