@@ -25,7 +25,7 @@ import uuid
 import ray
 import torch
 
-from cluster.ep import EPExecutor, EPTransportError
+from cluster.ep import EPExecutor, EPTransportError, Wire
 from cluster.ep_gloo import GlooTransport, form_group, listen_socket
 
 __all__ = ["EPGroup", "expert_shard_actor"]
@@ -54,6 +54,7 @@ class EPGroup:
         timeout_s: float = 30.0,
         recover_deadline_s: float = 180.0,
         poll_s: float = 0.25,
+        wire: Wire | None = None,
     ) -> None:
         """``control``: the app's ``EPControl`` actor; ``timeout_s``: a round slower than this
         counts as a failed shard; ``poll_s``: how often to ask the control for a new placement."""
@@ -62,6 +63,7 @@ class EPGroup:
         self.hidden = hidden
         self.dtype = dtype
         self.timeout_s = timeout_s
+        self.wire = wire if wire is not None else Wire.deepseek(dtype)  # how rows travel (cluster.ep.Wire)
         self.recover_deadline_s = recover_deadline_s
         self.poll_s = poll_s
         self.host = ray.util.get_node_ip_address()
@@ -84,7 +86,7 @@ class EPGroup:
         self._shards_of[version] = shards
         self._transport = self._form(shards)
         self.executor = EPExecutor(target["placement"], target["moe_layers"], self._transport,
-                                   recover=self._recover, version=version)
+                                   recover=self._recover, version=version, wire=self.wire)
         threading.Thread(target=self._follow, name="ep-follow", daemon=True).start()
         return self.executor
 
@@ -102,10 +104,10 @@ class EPGroup:
         port = sock.getsockname()[1]
         key = secrets.token_bytes(32)  # the group's members prove they hold it (through Ray only)
         for rank, shard in enumerate(shards, start=1):
-            shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden, key)
+            shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden, key, self.wire)
         pg = form_group(self.host, port, 0, world, self.timeout_s, bind=self.host, listen_fd=sock.detach(),
                         key=key, group_id=group_id)
-        return GlooTransport(pg, world, self.dtype)
+        return GlooTransport(pg, world, self.dtype, self.wire)
 
     # -- following the control's placement ---------------------------------------------------
     def _follow(self) -> None:

@@ -20,7 +20,7 @@ import threading
 
 import ray
 
-from cluster.ep import ShardExperts
+from cluster.ep import ShardExperts, Wire
 from cluster.ep_gloo import form_group, serve_shard
 from model.checkpoint import DTYPES, load_expert_slots
 from model.moe import ExpertWeights
@@ -130,10 +130,11 @@ class ExpertShard:
 
     def join(
         self, group_id: str, host: str, port: int, rank: int, world: int, timeout_s: float, hidden: int,
-        key: bytes | None = None,
+        key: bytes | None = None, wire: Wire = Wire(),
     ) -> None:
         """Serve group ``group_id`` as ``rank`` for rows of ``hidden`` features (returns at once;
-        the serve thread forms the group); ``key``: the group's membership key."""
+        the serve thread forms the group); ``key``: the group's membership key; ``wire``: how
+        its rows travel."""
         torch_dtype = DTYPES[self.dtype]
 
         def run() -> None:
@@ -143,7 +144,7 @@ class ExpertShard:
             except Exception as e:  # noqa: BLE001 - the replica times out and re-forms
                 self.ended[group_id] = f"join failed: {e}"
                 return
-            self.ended[group_id] = serve_shard(pg, rank, world, hidden, torch_dtype, self.experts.compute)
+            self.ended[group_id] = serve_shard(pg, rank, world, hidden, torch_dtype, self.experts.compute, wire)
             del pg  # closing our side lets the other ranks fail fast
 
         thread = threading.Thread(target=run, name=f"ep-{group_id}", daemon=True)

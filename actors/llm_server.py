@@ -27,7 +27,7 @@ from actors.cache_agent import NodeAgentClient, client_certificate, ensure_cache
 from actors.credentials import agent_token
 from actors.ep_group import EPGroup
 from actors.gpu import gpu_telemetry
-from actors.replica_config import AgentSection, ReplicaConfig, StoreSection
+from actors.replica_config import AgentSection, EPSection, ReplicaConfig, StoreSection
 from actors.serve_bind import bind_replica_grpc_to_node
 from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient, ClientPool
@@ -39,6 +39,7 @@ from cachedir.store import StoreConfig, StoreLocked
 from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine, cache_namespace
 from cluster.engine_loop import EngineLoop, PromptKV
+from cluster.ep import Wire
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import (
     FinishReason,
@@ -122,7 +123,7 @@ class LLMServer:
         if self.model.device.type == "cpu":  # build the decode kernels now, not on the first request
             startup.update("building CPU kernels", force=True)
             cpu_kernels()
-        self.ep = self._start_ep(cfg.ep.control, cfg.ep.timeout_s) if cfg.ep is not None else None
+        self.ep = self._start_ep(cfg.ep) if cfg.ep is not None else None
         # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
         # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
         if self.model.device.type == "cuda" if cfg.warmup is None else cfg.warmup:
@@ -172,8 +173,11 @@ class LLMServer:
         return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), agents.directory.open(),
                             client_for, secret=self._secret)
 
-    def _start_ep(self, control, timeout_s: float) -> EPGroup:
-        group = EPGroup(control, self.replica_id, self.model.cfg.hidden_size, self.model.dtype, timeout_s=timeout_s)
+    def _start_ep(self, ep: EPSection) -> EPGroup:
+        dtype = self.model.dtype
+        wire = {"auto": Wire.deepseek(dtype), "native": Wire(), "fp8": Wire("fp8", "bf16")}[ep.wire]
+        group = EPGroup(ep.control, self.replica_id, self.model.cfg.hidden_size, dtype, timeout_s=ep.timeout_s,
+                        wire=wire)
         self.model.set_expert_executor(group.start())
         return group
 

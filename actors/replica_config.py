@@ -96,10 +96,17 @@ class AgentSection:
 @dataclass(frozen=True, slots=True)
 class EPSection:
     """Expert parallelism: the app's ``EPControl`` actor (it owns the expert shards and the
-    placement) and how long an expert round may take before its shard counts as failed."""
+    placement), how long an expert round may take before its shard counts as failed, and how
+    rows travel (``wire``: "fp8" dispatches in FP8 and combines in BF16, as DeepSeek serves V3;
+    "native" sends the model's dtype both ways; "auto" is fp8 for a BF16 model, else native)."""
 
     control: object
     timeout_s: float = 30.0
+    wire: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.wire not in ("auto", "native", "fp8"):
+            raise ValueError(f"ep wire must be auto, native or fp8, got {self.wire!r}")
 
 
 def _engine_config() -> EngineConfig:

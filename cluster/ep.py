@@ -1,13 +1,17 @@
 """Expert parallelism, the transport-agnostic part: dispatch, combine, and what a shard computes.
 
 Legend: T tokens, K experts per token, M hidden, E logical experts, S physical slots, P slots per
-shard, R rows (token copies) sent to one shard.
+shard, H shards, U rows (one per token and shard it has an expert on), Q (token, k) pairs.
 
 An attention replica runs the model with an ``EPExecutor`` as its expert executor. For each MoE
 layer the executor maps every (token, k) pair to one physical copy of its expert (copies of a hot
-expert take turns), groups the rows by the shard that owns the slot, and hands them to a
-``Transport`` that returns each row's *unweighted* expert output; the executor applies the routing
-weights and sums per token. A shard (``ShardExperts``) only knows its slots' weights, per placement
+expert take turns) and builds a ``Round``: each token's hidden row once per shard that holds one
+of its experts (not once per pair), and per pair its row, its slot on the shard and its routing
+weight. A shard runs its pairs, weights them and sums them per row (``shard_round``), so the
+combine also carries one row per token and shard; the executor adds the shards' rows per token.
+A ``Wire`` says how rows travel: as the model's dtype, or as DeepSeek serves V3 (dispatch in FP8
+e4m3 with one scale per token and 128 channels, combine in BF16). A ``Transport`` moves a round's
+tensors as they are. A shard (``ShardExperts``) only knows its slots' weights, per placement
 version, so a new placement can be loaded beside the serving one and switched to atomically.
 
 Transport failures (a shard died, the group broke) raise ``EPTransportError``; the executor calls
@@ -25,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -33,25 +38,123 @@ from cluster.eplb import Placement
 from kernels import resolve_impl
 from model.moe import ExpertWeights, grouped_expert_forward
 
-__all__ = ["EPExecutor", "EPTransportError", "ShardExperts", "Transport", "choose_slots"]
+__all__ = ["EPExecutor", "EPTransportError", "Round", "ShardExperts", "Transport", "Wire", "choose_slots",
+           "shard_round"]
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+SCALE_BLOCK = 128  # channels per FP8 scale (DeepSeek's activation blocks)
 
 
 class EPTransportError(RuntimeError):
     """The expert-parallel group cannot complete a round (a peer died, hung or left)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """How a round's rows travel. ``dispatch``: "native" (the model's dtype) or "fp8" (e4m3, one
+    float32 scale per row and ``SCALE_BLOCK`` channels; a row narrower or not a multiple gets
+    one scale); ``combine``: "native" or "bf16". FP8 payloads travel as their uint8 bytes
+    (collectives need not know float8 types)."""
+
+    dispatch: str = "native"
+    combine: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in ("native", "fp8") or self.combine not in ("native", "bf16"):
+            raise ValueError(f"wire dispatch must be native or fp8 and combine native or bf16, got {self}")
+
+    @staticmethod
+    def deepseek(dtype: torch.dtype) -> Wire:
+        """FP8 dispatch and BF16 combine for a BF16 model (as DeepSeek serves V3/R1); a float32
+        or float16 model's rows travel as they are."""
+        return Wire("fp8", "bf16") if dtype == torch.bfloat16 else Wire()
+
+    def blocks(self, hidden: int) -> int:
+        """FP8 scales per row."""
+        return hidden // SCALE_BLOCK if hidden % SCALE_BLOCK == 0 else 1
+
+    def encode_rows(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(payload, scales [U, blocks] or None) of rows ``x`` [U, M]."""
+        if self.dispatch == "native":
+            return x.to(dtype).contiguous(), None
+        u, m = x.shape
+        xb = x.float().reshape(u, self.blocks(m), -1)
+        scales = xb.abs().amax(-1).clamp_min(1e-12) / FP8_MAX  # [U, blocks]
+        q = (xb / scales[..., None]).to(torch.float8_e4m3fn).reshape(u, m)
+        return q.view(torch.uint8), scales.contiguous()
+
+    def decode_rows(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if self.dispatch == "native":
+            return payload.to(dtype)
+        u, m = payload.shape
+        x = payload.view(torch.float8_e4m3fn).float().reshape(u, scales.shape[1], -1) * scales[..., None]
+        return x.reshape(u, m).to(dtype)
+
+    def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if self.combine == "bf16" else dtype
+
+    def rows_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The payload dtype of dispatched rows (what a shard allocates)."""
+        return torch.uint8 if self.dispatch == "fp8" else dtype
+
+    def encode_out(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return y.to(self.out_dtype(dtype)).contiguous()
+
+    def decode_out(self, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return payload.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One MoE layer's dispatch, grouped by shard: ``counts`` [H] rows and ``pair_counts`` [H]
+    pairs per shard; ``rows`` [U, M] the encoded hidden rows (``Wire``) and ``scales`` their FP8
+    scales; per pair (shard-major) ``pair_row`` [Q] its row among its shard's rows,
+    ``pair_slot`` [Q] its slot on the shard and ``pair_weight`` [Q] (float32) its routing
+    weight."""
+
+    counts: list[int]
+    pair_counts: list[int]
+    rows: torch.Tensor
+    scales: torch.Tensor | None
+    pair_row: torch.Tensor
+    pair_slot: torch.Tensor
+    pair_weight: torch.Tensor
+
+    def part(self, h: int) -> Round:
+        """Shard ``h``'s part (one shard's counts)."""
+        r0, r1 = sum(self.counts[:h]), sum(self.counts[: h + 1])
+        q0, q1 = sum(self.pair_counts[:h]), sum(self.pair_counts[: h + 1])
+        return Round([r1 - r0], [q1 - q0], self.rows[r0:r1], None if self.scales is None else self.scales[r0:r1],
+                     self.pair_row[q0:q1], self.pair_slot[q0:q1], self.pair_weight[q0:q1])
+
+    def dispatch_bytes(self) -> int:
+        """Bytes this round sends to the shards (rows, scales and the pairs' row, slot and weight)."""
+        meta = self.pair_row.numel() * 8 + self.pair_slot.numel() * 8 + self.pair_weight.numel() * 4
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.rows.numel() * self.rows.element_size() + scales + meta
+
+
 class Transport(Protocol):
-    """Moves one MoE layer's rows to the shards and their outputs back.
+    """Moves one MoE layer's ``Round`` to the shards and their outputs back: returns the combine
+    payload [U, M] (``Wire.encode_out`` of each row's weighted sum over its pairs) in the round's
+    row order. Raises ``EPTransportError`` when the round cannot complete. A transport may also
+    offer ``start(...)`` with the same arguments, returning a function that waits for the
+    result, so that the caller computes while the round is in flight (two micro-batches)."""
 
-    ``counts`` [H] rows per shard, ``local_slots`` [R_total] (slot within its shard) and ``x``
-    [R_total, M] sorted by shard. Returns [R_total, M] unweighted expert outputs in the same order.
-    Raises ``EPTransportError`` when the round cannot complete. A transport may also offer
-    ``start(...)`` with the same arguments, returning a function that waits for the result, so
-    that the caller computes while the round is in flight (two micro-batches)."""
+    def dispatch_combine(self, layer: int, version: int, rnd: Round) -> torch.Tensor: ...
 
-    def dispatch_combine(
-        self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
-    ) -> torch.Tensor: ...
+
+def shard_round(compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor], wire: Wire,
+                dtype: torch.dtype, version: int, layer: int, rnd: Round) -> torch.Tensor:
+    """What a shard does with its part of a round: decode the rows, run each pair through its
+    slot's expert (``compute(version, layer, slots, x)``, unweighted), weight, sum per row and
+    encode -> the combine payload [U, M]."""
+    x = wire.decode_rows(rnd.rows, rnd.scales, dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    if rnd.pair_row.numel():
+        y = compute(version, layer, rnd.pair_slot, x.index_select(0, rnd.pair_row))
+        out.index_add_(0, rnd.pair_row, y.float() * rnd.pair_weight[:, None])
+    return wire.encode_out(out, dtype)
 
 
 def choose_slots(expert_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
@@ -77,6 +180,7 @@ class EPExecutor:
         max_retries: int = 3,
         load_decay: float = 0.99,
         version: int = 0,
+        wire: Wire = Wire(),
     ) -> None:
         assert placement.phy2log.shape[0] == len(moe_layers), (placement.phy2log.shape, moe_layers)
         self.row_of = {layer: i for i, layer in enumerate(moe_layers)}
@@ -84,8 +188,10 @@ class EPExecutor:
         self.recover = recover
         self.max_retries = max_retries
         self.load_decay = load_decay
+        self.wire = wire
         self.load = torch.zeros(placement.logcnt.shape, dtype=torch.float64)  # [L, E]
-        self.stats = {"rounds": 0, "retries": 0, "rows": 0, "wait_s": 0.0}
+        self.stats = {"rounds": 0, "retries": 0, "rows": 0, "pairs": 0, "dispatch_bytes": 0, "combine_bytes": 0,
+                      "wait_s": 0.0}
         self._lock = threading.Lock()
         self._placement, self._version = placement, version
         self._pending: tuple[Placement, int, Transport | None] | None = None
@@ -136,12 +242,8 @@ class EPExecutor:
         row = self.row_of[layer_idx]
         self._count(row, expert_ids)
         slots = choose_slots(expert_ids, placement.log2phy[row], placement.logcnt[row])  # [T, K]
-        per = placement.slots_per_shard
-        flat = slots.reshape(-1)
-        order = torch.argsort(flat // per, stable=True)  # rows grouped by shard
-        counts = torch.bincount(flat // per, minlength=placement.num_shards).tolist()
-        token = order // k
-        args = (row, version, counts, (flat % per)[order], x.index_select(0, token))
+        rnd, row_token = self._round(x, slots, weights, placement)
+        args = (row, version, rnd)
         transport = self.transport
         started: Callable[[], torch.Tensor] | EPTransportError
         try:
@@ -155,20 +257,45 @@ class EPExecutor:
             try:
                 if isinstance(started, EPTransportError):
                     raise started
-                ys = started()
+                payload = started()
             except EPTransportError as e:
-                ys = self._retry(e, transport, args)
+                payload = self._retry(e, transport, args)
             finally:
                 with self._lock:
                     self.stats["wait_s"] += time.perf_counter() - t0
                     self._in_flight -= 1
                     self._apply_pending()
-            self.stats["rounds"] += 1
-            self.stats["rows"] += ys.shape[0]
-            ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-            return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype)).to(device)
+            st = self.stats
+            st["rounds"] += 1
+            st["rows"] += payload.shape[0]
+            st["pairs"] += rnd.pair_row.numel()
+            st["dispatch_bytes"] += rnd.dispatch_bytes()
+            st["combine_bytes"] += payload.numel() * payload.element_size()
+            ys = self.wire.decode_out(payload, x.dtype).float()
+            return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, row_token, ys).to(x.dtype).to(device)
 
         return finish
+
+    def _round(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+               placement: Placement) -> tuple[Round, torch.Tensor]:
+        """The round of rows ``x`` [T, M] whose pairs go to ``slots`` [T, K], and the token of each
+        row [U]."""
+        t, k = slots.shape
+        per, shards = placement.slots_per_shard, placement.num_shards
+        flat = slots.reshape(-1)
+        pair_shard = flat // per
+        pair_token = torch.arange(t).repeat_interleave(k)
+        # one row per (shard, token): sorted by shard, then token
+        keys, pair_key = torch.unique(pair_shard * t + pair_token, return_inverse=True)
+        row_shard, row_token = keys // t, keys % t
+        counts = torch.bincount(row_shard, minlength=shards)
+        first_row = torch.cumsum(counts, 0) - counts  # each shard's first row
+        order = torch.argsort(pair_shard, stable=True)  # pairs grouped by shard
+        rows, scales = self.wire.encode_rows(x.index_select(0, row_token), x.dtype)
+        rnd = Round(counts.tolist(), torch.bincount(pair_shard, minlength=shards).tolist(), rows, scales,
+                    (pair_key - first_row[pair_shard])[order], (flat % per)[order],
+                    weights.reshape(-1)[order].float().contiguous())
+        return rnd, row_token
 
     def _retry(self, error: EPTransportError, used: Transport, args: tuple) -> torch.Tensor:
         """Re-form the group (once per failure, however many rounds saw it) and resend."""

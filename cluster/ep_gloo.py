@@ -1,13 +1,18 @@
 """The expert-parallel data plane over a ``torch.distributed`` process group (gloo on CPU).
 
-Legend: H shards, W = H + 1 ranks, R rows, M hidden.
+Legend: H shards, W = H + 1 ranks, U rows, Q pairs, M hidden, B FP8 scale blocks per row.
 
 One group per attention replica: rank 0 is the replica, ranks 1..H are the shards. A round (one
-MoE layer of one forward pass) is four all-to-alls issued in the same order on every rank:
+MoE layer of one forward pass, a ``cluster.ep.Round``) is five or six all-to-alls issued in the
+same order on every rank:
 
-1. headers  [W, 4] int64: (command, placement row, placement version, rows) from rank 0 to each shard
-2. slot ids [R] int64 and 3. hidden rows [R, M], rank 0 -> shards
-4. outputs  [R, M], shards -> rank 0
+1. headers  [W, 5] int64: (command, placement row, placement version, rows, pairs), rank 0 -> each shard
+2. pairs    [Q, 2] int64 (row, slot) and 3. weights [Q] float32, rank 0 -> shards
+4. rows     [U, M] (the ``Wire``'s payload: FP8 bytes or the model's dtype), rank 0 -> shards
+5. scales   [U, B] float32 (FP8 dispatch only), rank 0 -> shards
+6. outputs  [U, M] (BF16 or the model's dtype), shards -> rank 0
+
+Every rank of a group uses the same ``Wire`` (given when it joins).
 
 A ``STOP`` header ends the shards' serve loops. Membership is checked when a group forms: each
 rank proves it holds the group's key (made by the replica, handed to its shards through Ray),
@@ -32,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from cluster.ep import EPTransportError
+from cluster.ep import EPTransportError, Round, Wire, shard_round
 
 __all__ = ["GlooTransport", "check_members", "form_group", "listen_socket", "serve_shard"]
 
@@ -99,40 +104,47 @@ def _a2a(pg, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_spl
 class GlooTransport:
     """Rank 0's side (the attention replica). See ``cluster.ep.Transport``."""
 
-    def __init__(self, pg, world: int, dtype: torch.dtype) -> None:
+    def __init__(self, pg, world: int, dtype: torch.dtype, wire: Wire = Wire()) -> None:
         self.pg = pg
         self.world = world
         self.dtype = dtype
+        self.wire = wire
         self._ones = [1] * world
 
-    def dispatch_combine(
-        self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
-    ) -> torch.Tensor:
-        return self.start(layer, version, counts, local_slots, x)()
+    def dispatch_combine(self, layer: int, version: int, rnd: Round) -> torch.Tensor:
+        return self.start(layer, version, rnd)()
 
-    def start(
-        self, layer: int, version: int, counts: list[int], local_slots: torch.Tensor, x: torch.Tensor
-    ):
-        """Post the round's four all-to-alls without waiting; returns the function that waits.
+    def start(self, layer: int, version: int, rnd: Round):
+        """Post the round's all-to-alls without waiting; returns the function that waits.
         Gloo tags collectives in the order they are posted, so rounds started back to back (two
         micro-batches) pair up with the shards' rounds in the same order."""
-        assert len(counts) == self.world - 1, (counts, self.world)
-        header = torch.zeros(self.world, 4, dtype=torch.long)
+        assert len(rnd.counts) == self.world - 1, (rnd.counts, self.world)
+        header = torch.zeros(self.world, 5, dtype=torch.long)
         header[1:, 0] = CMD_LAYER
         header[1:, 1] = layer
         header[1:, 2] = version
-        header[1:, 3] = torch.tensor(counts)
-        splits, none = [0, *counts], [0] * self.world
-        x = x.to(self.dtype).contiguous()
-        out = torch.empty_like(x)
-        keep = (header, torch.empty_like(header), local_slots.long().contiguous(), x)  # alive until done
+        header[1:, 3] = torch.tensor(rnd.counts)
+        header[1:, 4] = torch.tensor(rnd.pair_counts)
+        rows, pairs, none = [0, *rnd.counts], [0, *rnd.pair_counts], [0] * self.world
+        hidden = rnd.rows.shape[1]
+        out_dtype = self.wire.out_dtype(self.dtype)
+        out = torch.empty(rnd.rows.shape[0], hidden, dtype=out_dtype)
+        meta = torch.stack([rnd.pair_row, rnd.pair_slot], 1).long().contiguous()
+        keep = [header, torch.empty_like(header), meta, rnd.pair_weight.contiguous(), rnd.rows.contiguous()]
+        if rnd.scales is not None:
+            keep.append(rnd.scales.contiguous())
+        keep.append(out)  # every buffer stays alive until the round is done
         try:
             works = [
                 self.pg.alltoall_base(keep[1], header, self._ones, self._ones),
-                self.pg.alltoall_base(torch.empty(0, dtype=torch.long), keep[2], none, splits),
-                self.pg.alltoall_base(torch.empty(0, x.shape[1], dtype=self.dtype), x, none, splits),
-                self.pg.alltoall_base(out, torch.empty(0, x.shape[1], dtype=self.dtype), splits, none),
+                self.pg.alltoall_base(torch.empty(0, 2, dtype=torch.long), keep[2], none, pairs),
+                self.pg.alltoall_base(torch.empty(0, dtype=torch.float32), keep[3], none, pairs),
+                self.pg.alltoall_base(torch.empty(0, hidden, dtype=keep[4].dtype), keep[4], none, rows),
             ]
+            if rnd.scales is not None:
+                works.append(self.pg.alltoall_base(torch.empty(0, rnd.scales.shape[1], dtype=torch.float32),
+                                                   keep[5], none, rows))
+            works.append(self.pg.alltoall_base(out, torch.empty(0, hidden, dtype=out_dtype), rows, none))
         except RuntimeError as e:
             raise EPTransportError(f"expert-parallel all-to-all failed: {e}") from e
 
@@ -148,7 +160,7 @@ class GlooTransport:
 
     def stop(self) -> None:
         """End the shards' serve loops (best effort: a broken group needs no stop)."""
-        header = torch.zeros(self.world, 4, dtype=torch.long)
+        header = torch.zeros(self.world, 5, dtype=torch.long)
         header[1:, 0] = CMD_STOP
         try:
             _a2a(self.pg, torch.empty_like(header), header, self._ones, self._ones)
@@ -158,27 +170,37 @@ class GlooTransport:
 
 def serve_shard(
     pg, rank: int, world: int, hidden: int, dtype: torch.dtype,
-    compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor],
+    compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor], wire: Wire = Wire(),
 ) -> str:
-    """A shard's loop for one group: receive rows, ``compute(version, row, local_slots, x)``,
-    send the outputs back. Returns why it ended (``stop`` or the transport error)."""
+    """A shard's loop for one group: receive a round's part, run it (``cluster.ep.shard_round``
+    over ``compute(version, row, local_slots, x)``), send the outputs back. Returns why it ended
+    (``stop`` or the transport error)."""
     ones = [1] * world
     none = [0] * world
-    zero_header = torch.zeros(world, 4, dtype=torch.long)
+    zero_header = torch.zeros(world, 5, dtype=torch.long)
+    rows_dtype, out_dtype = wire.rows_dtype(dtype), wire.out_dtype(dtype)
+    blocks = wire.blocks(hidden)
     while True:
-        header = torch.empty(world, 4, dtype=torch.long)
+        header = torch.empty(world, 5, dtype=torch.long)
         try:
             _a2a(pg, header, zero_header, ones, ones)
-            cmd, layer, version, rows = header[0].tolist()
+            cmd, layer, version, rows, pairs = header[0].tolist()
             if cmd == CMD_STOP:
                 return "stop"
-            from_root = [rows] + [0] * (world - 1)
-            slots = torch.empty(rows, dtype=torch.long)
-            _a2a(pg, slots, torch.empty(0, dtype=torch.long), from_root, none)
-            x = torch.empty(rows, hidden, dtype=dtype)
-            _a2a(pg, x, torch.empty(0, hidden, dtype=dtype), from_root, none)
-            y = compute(version, layer, slots, x).to(dtype).contiguous()
-            _a2a(pg, torch.empty(0, hidden, dtype=dtype), y, none, from_root)
+            rows_from_root, pairs_from_root = [rows] + [0] * (world - 1), [pairs] + [0] * (world - 1)
+            meta = torch.empty(pairs, 2, dtype=torch.long)
+            _a2a(pg, meta, torch.empty(0, 2, dtype=torch.long), pairs_from_root, none)
+            weights = torch.empty(pairs, dtype=torch.float32)
+            _a2a(pg, weights, torch.empty(0, dtype=torch.float32), pairs_from_root, none)
+            x = torch.empty(rows, hidden, dtype=rows_dtype)
+            _a2a(pg, x, torch.empty(0, hidden, dtype=rows_dtype), rows_from_root, none)
+            scales = None
+            if wire.dispatch == "fp8":
+                scales = torch.empty(rows, blocks, dtype=torch.float32)
+                _a2a(pg, scales, torch.empty(0, blocks, dtype=torch.float32), rows_from_root, none)
+            rnd = Round([rows], [pairs], x, scales, meta[:, 0], meta[:, 1], weights)
+            y = shard_round(compute, wire, dtype, version, layer, rnd).contiguous()
+            _a2a(pg, torch.empty(0, hidden, dtype=out_dtype), y, none, rows_from_root)
         except EPTransportError as e:
             log.info("shard rank %d leaves its group: %s", rank, e)
             return f"error: {e}"

@@ -99,6 +99,9 @@ class AppArgs(BaseModel):
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
     expert_rebalance_s: float = Field(default=0.0, ge=0)  # re-plan placement this often (0: `tide eplb rebalance`)
     micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
+    # how expert-parallel rows travel: fp8 dispatch + bf16 combine (DeepSeek's), the model's dtype
+    # (native), or auto: fp8 for a bfloat16 model, else native
+    ep_wire: Literal["auto", "native", "fp8"] = "auto"
     # key -> "TENANT" or "TENANT:MODEL[+MODEL...]" (the models it may use; default all);
     # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
     api_keys: dict[str, str] | None = None
@@ -255,7 +258,7 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> EPSection:
     control = ep_control_actor(name=name, namespace="tideserve", lifetime="detached", get_if_exists=True,
                                num_cpus=0).remote(checkpoint, shards, slots, nodes, rebalance_s=a.expert_rebalance_s,
                                                   name=name)
-    return EPSection(control)
+    return EPSection(control, wire=a.ep_wire)
 
 
 _APP_ARGS_KEY = b"tideserve/app_args"

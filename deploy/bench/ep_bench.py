@@ -6,6 +6,11 @@ KV pool holds random latents (decode cost depends on the context length, not its
 figure is the median of the timed steps. ``dispatch_hidden_fraction`` = 1 - (time blocked on
 expert rounds with two micro-batches) / (time blocked without): the share of the dispatch and
 combine time that attention of the other micro-batch hid.
+
+``wire`` gives the bytes one round (one MoE layer of one micro-batch) and one decode step (every
+MoE layer) send to the shards and back, with a BF16 model's rows on the wire and with FP8
+dispatch and BF16 combine (``cluster.ep.Wire``), at the benchmark config's dimensions and at
+DeepSeek-V3's; rows are counted once per token and shard, as dispatched.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 
 import torch
 
+from cluster.ep import EPExecutor, Round, Wire
+from cluster.eplb import EplbConfig, plan
 from model.checkpoint import load_model, random_state_dict, save_checkpoint
 from model.config import named_config
 from model.model import DeepseekModel
@@ -40,6 +47,49 @@ def _time_decode(model: DeepseekModel, batch: int, context: int, steps: int, mic
     step_s = statistics.median(times)
     return {"tokens_per_s": round(batch / step_s, 1), "step_ms": round(step_s * 1e3, 2),
             "blocked_on_experts_ms": round(statistics.median(waits) * 1e3, 2)}
+
+
+# DeepSeek-V3's expert-parallel dimensions: hidden size, routed experts, experts per token, MoE layers
+V3_DIMS = {"hidden": 7168, "experts": 256, "top_k": 8, "moe_layers": 58}
+
+
+class _CountingTransport:
+    """Moves nothing: returns a combine payload of the round's shape (for byte counts)."""
+
+    def __init__(self, wire: Wire, dtype: torch.dtype) -> None:
+        self.out_dtype = wire.out_dtype(dtype)
+
+    def dispatch_combine(self, layer: int, version: int, rnd: Round) -> torch.Tensor:
+        return torch.zeros(rnd.rows.shape[0], rnd.rows.shape[1], dtype=self.out_dtype)
+
+
+def wire_bytes(hidden: int, experts: int, top_k: int, moe_layers: int, shards: int, batch: int) -> dict[str, Any]:
+    """Bytes per round and per decode step of ``batch`` tokens routed to ``top_k`` of ``experts``
+    uniformly spread over ``shards``, for a BF16 model's rows and for FP8 dispatch."""
+    slots = experts + (-experts) % shards
+    placement = plan(torch.ones(1, experts, dtype=torch.float64), EplbConfig(slots, 1, 1, shards, "global"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(batch, experts, generator=gen).topk(top_k, dim=-1).indices
+    weights = torch.rand(batch, top_k, generator=gen)
+    out: dict[str, Any] = {"batch": batch, "hidden": hidden, "experts": experts, "top_k": top_k, "shards": shards,
+                           "moe_layers": moe_layers}
+    for name, wire in (("bf16", Wire()), ("fp8", Wire("fp8", "bf16"))):
+        ex = EPExecutor(placement, [0], _CountingTransport(wire, torch.bfloat16), wire=wire)
+        ex(0, x, ids, weights)
+        st = ex.stats
+        out[name] = {"rows": st["rows"], "pairs": st["pairs"], "dispatch_bytes_per_round": st["dispatch_bytes"],
+                     "combine_bytes_per_round": st["combine_bytes"],
+                     "bytes_per_step": (st["dispatch_bytes"] + st["combine_bytes"]) * moe_layers}
+    out["fp8_dispatch_over_bf16"] = round(out["fp8"]["dispatch_bytes_per_round"] / out["bf16"]["dispatch_bytes_per_round"], 3)
+    return out
+
+
+def run_wire_bench(nodes: int = 3, batch: int = 32, config: str = "bench") -> dict[str, Any]:
+    cfg = named_config(config)
+    moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i >= cfg.first_k_dense_replace)
+    return {config: wire_bytes(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, moe_layers, nodes, batch),
+            "deepseek_v3": wire_bytes(**V3_DIMS, shards=nodes, batch=batch)}
 
 
 class EPBenchReplica:
@@ -88,5 +138,6 @@ def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int
         "config": config, "nodes": nodes, "shards": nodes, "slots": slots, "batch": batch, "context": context,
         "steps": steps, "single_process": single, "ep_overlap_off": off, "ep_overlap_on": on,
         "dispatch_hidden_fraction": round(max(0.0, min(1.0, hidden)), 3),
+        "wire": run_wire_bench(nodes, batch, config),
         "note": "simulated nodes share this machine's cores: shards and attention compete for CPU",
     }

@@ -244,3 +244,19 @@ def test_itl_bench_measures_both_chunkings_on_the_same_work():
     assert sized["itl_factor"] == 2.0 and fixed["itl_factor"] == 0.0
     assert fixed["steps"] == 1  # the whole 300-token prompt in one chunk
     assert sized["steps"] >= 1 and all(v > 0 for v in (sized["alone_p50_ms"], fixed["under_prefill_p99_ms"]))
+
+
+def test_bench_ep_wire_only_counts_bytes_per_round_and_step():
+    """``tide bench ep --wire-only``: BF16 rows against FP8 dispatch (1 byte per channel plus a
+    float32 scale per 128) at the bench config's and DeepSeek-V3's dimensions; combine stays BF16."""
+    r = _tide("ep", "--wire-only", "--nodes", "4", "--batch", "16")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    v3 = out["deepseek_v3"]
+    assert (v3["hidden"], v3["top_k"], v3["shards"], v3["batch"]) == (7168, 8, 4, 16)
+    bf16, fp8 = v3["bf16"], v3["fp8"]
+    assert bf16["rows"] == fp8["rows"] <= 16 * 4 < bf16["pairs"] == 16 * 8  # one row per token and shard
+    assert bf16["dispatch_bytes_per_round"] - fp8["dispatch_bytes_per_round"] == fp8["rows"] * (7168 - 56 * 4)
+    assert fp8["combine_bytes_per_round"] == bf16["combine_bytes_per_round"] == fp8["rows"] * 7168 * 2
+    assert fp8["bytes_per_step"] == 58 * (fp8["dispatch_bytes_per_round"] + fp8["combine_bytes_per_round"])
+    assert out["bench"]["fp8_dispatch_over_bf16"] < 0.6
