@@ -108,3 +108,57 @@ def test_fp8_weights_without_an_fp8_config_or_their_scales_are_refused(tmp_path)
         load_model(out)
     with pytest.raises(CheckpointError, match="2x2 blocks need|blocks need"):
         dequantize_fp8(torch.zeros(200, 100, dtype=torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+
+
+class _Shards:
+    """Expert shards in this process, each loading its slots' experts from the checkpoint as an
+    ``ExpertShard`` does (``load_expert_slots``); rows travel by slicing."""
+
+    def __init__(self, ckpt, placement, moe_layers: list[int], wire) -> None:
+        from cluster.ep import ShardExperts
+        from model.checkpoint import load_expert_slots
+
+        per = placement.slots_per_shard
+        self.wire, self.shards = wire, []
+        for h in range(placement.num_shards):
+            slots = {layer: placement.phy2log[row, h * per : (h + 1) * per].tolist()
+                     for row, layer in enumerate(moe_layers)}
+            loaded = load_expert_slots(ckpt, slots)
+            shard = ShardExperts()
+            shard.put(0, {row: loaded[layer] for row, layer in enumerate(moe_layers)})
+            self.shards.append(shard)
+
+    def dispatch_combine(self, layer, version, rnd):
+        from cluster.ep import shard_round
+
+        return torch.cat([shard_round(s.compute, self.wire, torch.float32, version, layer, rnd.part(h))
+                          for h, s in enumerate(self.shards)])
+
+
+@pytest.mark.parametrize("fp8", [(128, 128)], indirect=True, ids=["blocks_128x128"])
+def test_an_fp8_checkpoint_over_expert_shards_gives_transformers_logits(fp8):
+    """The expert-parallel path: an attention model without its routed experts and three shards
+    that load theirs from the FP8 checkpoint (dequantized as the dense weights are) give
+    transformers' logits with the model's dtype on the wire, and stay within FP8 dispatch's
+    tolerance with DeepSeek's wire (FP8 dispatch, BF16 combine)."""
+    from cluster.ep import EPExecutor, Wire
+    from cluster.eplb import EplbConfig, plan
+
+    hf, ckpt = fp8
+    ours = load_model(ckpt, routed_experts=False)
+    cfg = ours.cfg
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if i >= cfg.first_k_dense_replace]
+    slots = cfg.n_routed_experts + (-cfg.n_routed_experts) % 3 + 3
+    placement = plan(torch.ones(len(moe_layers), cfg.n_routed_experts, dtype=torch.float64),
+                     EplbConfig(slots, 1, 1, 3, "global"))
+    ids = torch.randint(0, cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for wire in (Wire(), Wire("fp8", "bf16")):
+        ours.set_expert_executor(EPExecutor(placement, moe_layers, _Shards(ckpt, placement, moe_layers, wire),
+                                            wire=wire))
+        got = ours.prefill(ids, ours.new_pool(8, 16), torch.arange(8), all_logits=True)
+        if wire.dispatch == "native":
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+        else:
+            assert (got - ref).norm() <= 0.12 * ref.norm(), float((got - ref).norm() / ref.norm())
