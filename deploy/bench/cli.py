@@ -103,18 +103,20 @@ def bench_ep(
     context: int = typer.Option(256, "--context", min=1, help="tokens of KV per sequence"),
     steps: int = typer.Option(8, "--steps", min=1, help="timed decode steps (median reported)"),
     config: str = typer.Option("bench", "--config", help="named model config (random weights)"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every case, taking turns (medians reported, with ranges)"),
     wire_only: bool = typer.Option(False, "--wire-only", help="only the bytes on the wire per round and step (bf16 vs fp8 dispatch), without a cluster"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Decode tokens/s and step latency with experts on shards across simulated Ray nodes,
-    two micro-batches on and off, beside one process; dispatch_hidden_fraction; and the bytes
+    two micro-batches on and off, beside one process in the same cluster, taking turns;
+    overlap_speedup and dispatch_hidden_fraction (counted only where the overlap is faster); the bytes
     per round and per decode step with BF16 rows and with FP8 dispatch + BF16 combine."""
     from deploy.bench.ep_bench import run_ep_bench, run_wire_bench
     from model.config import NAMED_CONFIGS
 
     if config not in NAMED_CONFIGS:
         raise typer.BadParameter(f"--config {config!r} is not one of {sorted(NAMED_CONFIGS)}")
-    _emit(run_wire_bench(nodes, batch, config) if wire_only else run_ep_bench(nodes, batch, context, steps, config))
+    _emit(run_wire_bench(nodes, batch, config) if wire_only else run_ep_bench(nodes, batch, context, steps, config, repeats))
 
 
 @bench_app.command("structured")

@@ -1,11 +1,16 @@
 """``tide bench ep``: decode with experts on shards across simulated nodes vs one process.
 
 Starts a ``ray.cluster_utils.Cluster`` of N nodes (one CPU each), one expert shard per node and
-an attention replica on node 0 that holds attention, dense layers, shared experts and gates. The
-KV pool holds random latents (decode cost depends on the context length, not its values). Each
-figure is the median of the timed steps. ``dispatch_hidden_fraction`` = 1 - (time blocked on
-expert rounds with two micro-batches) / (time blocked without): the share of the dispatch and
-combine time that attention of the other micro-batch hid.
+an attention replica on node 0 that holds attention, dense layers, shared experts and gates; the
+same actor also holds the whole model (``single_process``), so all three cases run in the same
+cluster, on the same node, taking turns: each of ``repeats`` runs times every case once, in an
+order that rotates, and each figure is the median over runs (of each run's median step) with its
+range. The KV pool holds random latents (decode cost depends on the context length, not its
+values). ``overlap_speedup`` = tokens/s with two micro-batches over tokens/s without;
+``blocked_hidden_fraction`` = 1 - (time blocked on expert rounds with two micro-batches) / (time
+blocked without); ``dispatch_hidden_fraction`` is that share only where the overlap made decode
+faster (``overlap_speedup`` > 1), else 0: less time blocked that a slower step pays for does
+not count.
 
 ``wire`` gives the bytes one round (one MoE layer of one micro-batch) and one decode step (every
 MoE layer) send to the shards and back, with a BF16 model's rows on the wire and with FP8
@@ -15,6 +20,7 @@ DeepSeek-V3's; rows are counted once per token and shard, as dispatched.
 
 from __future__ import annotations
 
+import platform
 import statistics
 import tempfile
 import time
@@ -93,22 +99,39 @@ def run_wire_bench(nodes: int = 3, batch: int = 32, config: str = "bench") -> di
 
 
 class EPBenchReplica:
-    """The attention replica of the benchmark (runs on node 0 as a Ray actor)."""
+    """The benchmark's replica (a Ray actor on node 0): attention with experts on the shards, and
+    the whole model in this process (the single-process baseline)."""
 
     def __init__(self, checkpoint: str, control) -> None:
         from actors.ep_group import EPGroup
 
+        self.single = load_model(checkpoint)
         self.model = load_model(checkpoint, routed_experts=False)
         self.group = EPGroup(control, "bench", self.model.cfg.hidden_size, self.model.dtype)
         self.executor = self.group.start()
         self.model.set_expert_executor(self.executor)
 
-    def time_decode(self, batch: int, context: int, steps: int, micro_batches: int) -> dict[str, float]:
-        return _time_decode(self.model, batch, context, steps, micro_batches, lambda: self.executor.stats["wait_s"])
+    def time_decode(self, case: str, batch: int, context: int, steps: int) -> dict[str, float]:
+        """``case``: single (one process), off (EP, one micro-batch) or on (EP, two)."""
+        if case == "single":
+            return _time_decode(self.single, batch, context, steps, 1)
+        return _time_decode(self.model, batch, context, steps, 2 if case == "on" else 1,
+                            lambda: self.executor.stats["wait_s"])
+
+
+CASES = ("single", "off", "on")
+
+
+def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over runs and the tokens/s range (slowest run, fastest run)."""
+    rates = [r["tokens_per_s"] for r in runs]
+    return {"tokens_per_s": round(statistics.median(rates), 1), "tokens_per_s_range": [min(rates), max(rates)],
+            "step_ms": round(statistics.median(r["step_ms"] for r in runs), 2),
+            "blocked_on_experts_ms": round(statistics.median(r["blocked_on_experts_ms"] for r in runs), 2)}
 
 
 def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int = 8,
-                 config: str = "bench") -> dict[str, Any]:
+                 config: str = "bench", repeats: int = 3) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -117,9 +140,9 @@ def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int
 
     cfg = named_config(config)
     slots = cfg.n_routed_experts + (-cfg.n_routed_experts) % nodes + nodes  # one redundant copy per shard
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = save_checkpoint(tmp, cfg, random_state_dict(cfg, seed=0))
-        single = _time_decode(load_model(ckpt), batch, context, steps, 1)
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
         try:
             for i in range(1, nodes):
@@ -128,16 +151,23 @@ def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int
             shards = [expert_shard_actor(num_cpus=0, resources={f"node{i}": 0.01}).remote() for i in range(nodes)]
             control = ep_control_actor(num_cpus=0, resources={"node0": 0.01}).remote(str(ckpt), shards, slots, nodes)
             replica = ray.remote(num_cpus=0, resources={"node0": 0.01})(EPBenchReplica).remote(str(ckpt), control)
-            off = ray.get(replica.time_decode.remote(batch, context, steps, 1), timeout=1800)
-            on = ray.get(replica.time_decode.remote(batch, context, steps, 2), timeout=1800)
+            for r in range(repeats):
+                for case in CASES[r % 3:] + CASES[: r % 3]:  # the order rotates: drift hits every case alike
+                    runs[case].append(ray.get(replica.time_decode.remote(case, batch, context, steps), timeout=1800))
         finally:
             ray.shutdown()
             cluster.shutdown()
-    hidden = 1.0 - on["blocked_on_experts_ms"] / off["blocked_on_experts_ms"] if off["blocked_on_experts_ms"] else 0.0
+    single, off, on = (_summary(runs[c]) for c in CASES)
+    blocked = 1.0 - on["blocked_on_experts_ms"] / off["blocked_on_experts_ms"] if off["blocked_on_experts_ms"] else 0.0
+    blocked = round(max(0.0, min(1.0, blocked)), 3)
+    speedup = round(on["tokens_per_s"] / off["tokens_per_s"], 3)
     return {
         "config": config, "nodes": nodes, "shards": nodes, "slots": slots, "batch": batch, "context": context,
-        "steps": steps, "single_process": single, "ep_overlap_off": off, "ep_overlap_on": on,
-        "dispatch_hidden_fraction": round(max(0.0, min(1.0, hidden)), 3),
+        "steps": steps, "repeats": repeats, "statistic": "median over repeats of each run's median step",
+        "single_process": single, "ep_overlap_off": off, "ep_overlap_on": on,
+        "overlap_speedup": speedup, "blocked_hidden_fraction": blocked,
+        "dispatch_hidden_fraction": blocked if speedup > 1.0 else 0.0,
         "wire": run_wire_bench(nodes, batch, config),
+        "machine": platform.machine(), "torch": torch.__version__,
         "note": "simulated nodes share this machine's cores: shards and attention compete for CPU",
     }

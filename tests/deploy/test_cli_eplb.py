@@ -85,13 +85,19 @@ def test_bench_eplb_json():
 @pytest.mark.slow
 def test_bench_ep_json():
     r = _tide("bench", "ep", "--nodes", "2", "--batch", "4", "--context", "16", "--steps", "2",
-              "--config", "tiny", "--json")
+              "--config", "tiny", "--repeats", "2", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert out["repeats"] == 2 and out["torch"]
     for key in ("single_process", "ep_overlap_off", "ep_overlap_on"):
-        assert out[key]["tokens_per_s"] > 0 and out[key]["step_ms"] > 0
+        lo, hi = out[key]["tokens_per_s_range"]
+        assert lo <= out[key]["tokens_per_s"] <= hi and out[key]["step_ms"] > 0
+    assert out["single_process"]["blocked_on_experts_ms"] == 0  # no shards in the baseline
     assert out["ep_overlap_off"]["blocked_on_experts_ms"] > 0
-    assert 0.0 <= out["dispatch_hidden_fraction"] <= 1.0
+    speedup = out["ep_overlap_on"]["tokens_per_s"] / out["ep_overlap_off"]["tokens_per_s"]
+    assert out["overlap_speedup"] == pytest.approx(speedup, abs=2e-3)
+    assert out["dispatch_hidden_fraction"] == (out["blocked_hidden_fraction"] if speedup > 1 else 0.0)
+    assert out["wire"]["tiny"]["fp8"]["rows"] == out["wire"]["tiny"]["bf16"]["rows"]
 
 
 def test_bench_ep_bad_config():
