@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -116,7 +117,10 @@ def bench_ep(
 
     if config not in NAMED_CONFIGS:
         raise typer.BadParameter(f"--config {config!r} is not one of {sorted(NAMED_CONFIGS)}")
-    _emit(run_wire_bench(nodes, batch, config) if wire_only else run_ep_bench(nodes, batch, context, steps, config, repeats))
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_wire_bench(nodes, batch, config) if wire_only else run_ep_bench(nodes, batch, context, steps,
+                                                                                      config, repeats)
+    _emit(result)
 
 
 @bench_app.command("structured")
@@ -293,14 +297,17 @@ def bench_serve(
     concurrency: int = typer.Option(8, "--concurrency", min=1),
     system_tokens: int = typer.Option(2048, "--system-tokens", min=0, help="shared system prompt (half the requests)"),
     max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """A bounded load through HTTP (streaming, half the requests sharing a system prompt) against
-    a local Ray Serve app, once with the prompt cache and once without."""
+    a local Ray Serve app, with the prompt cache and without, the order alternating over repeats."""
     from deploy.bench.serve_bench import run_serve_bench
 
     check_checkpoint(checkpoint)
-    _emit(run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens))
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens, repeats)
+    _emit(result)
 
 
 @bench_app.command("soak")

@@ -1,4 +1,8 @@
-"""``tide bench serve``: a bounded HTTP load against the Serve app, with and without the cache."""
+"""``tide bench serve``: a bounded HTTP load against the Serve app, with and without the cache.
+
+Each of ``repeats`` runs deploys both apps in turn, the order alternating between runs (the case
+that goes first meets a colder machine); each app starts with an empty cache. Figures are the
+medians over runs, each run's figures beside them."""
 
 from __future__ import annotations
 
@@ -115,32 +119,58 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_
     }
 
 
+CASES = (("with_cache", True), ("without_cache", False))
+FIGURES = ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "token_hit_rate")
+
+
+def case_orders(repeats: int) -> list[list[tuple[str, bool]]]:
+    """The cases of each run: with the cache first in even runs, without it first in odd ones."""
+    return [list(CASES) if r % 2 == 0 else list(reversed(CASES)) for r in range(repeats)]
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's runs: the median of each figure (None when a run had none), errors summed."""
+    out: dict[str, Any] = {}
+    for key in FIGURES:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["first_error"] = next((r["first_error"] for r in runs if r.get("first_error")), None)
+    out["runs"] = runs
+    return out
+
+
 def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: int = 8,
-                    system_tokens: int = 2048, max_tokens: int = 16) -> dict[str, Any]:
+                    system_tokens: int = 2048, max_tokens: int = 16, repeats: int = 2) -> dict[str, Any]:
     import ray
     from ray import serve
 
     from deploy.app import build_app
 
-    out: dict[str, Any] = {"requests": requests, "concurrency": concurrency,
-                           "shared_system_prompt_tokens": system_tokens, "max_tokens": max_tokens}
+    out: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "repeats": repeats,
+                           "shared_system_prompt_tokens": system_tokens, "max_tokens": max_tokens,
+                           "statistic": "median over repeats (the order alternates)"}
     prompts = _prompts(requests, system_tokens)
     port = free_port()
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             url = f"http://127.0.0.1:{port}"
-            for label, enable in (("with_cache", True), ("without_cache", False)):
-                app = build_app({"checkpoint": str(checkpoint) if checkpoint else None,
-                                 "cache_dir": str(Path(tmp) / label), "enable_cache": enable,
-                                 "replica_cpus": 1, "max_num_seqs": concurrency})
-                serve.run(app, name="bench", route_prefix="/", blocking=False)
-                wait_healthy(url)
-                model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-                out[label] = asyncio.run(_load(url, model, prompts, concurrency, max_tokens))
-                serve.delete("bench")
+            for r, order in enumerate(case_orders(repeats)):
+                for label, enable in order:
+                    app = build_app({"checkpoint": str(checkpoint) if checkpoint else None,
+                                     "cache_dir": str(Path(tmp) / f"{label}-{r}"), "enable_cache": enable,
+                                     "replica_cpus": 1, "max_num_seqs": concurrency})
+                    serve.run(app, name="bench", route_prefix="/", blocking=False)
+                    wait_healthy(url)
+                    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                    runs[label].append({"order": order.index((label, enable)),
+                                        **asyncio.run(_load(url, model, prompts, concurrency, max_tokens))})
+                    serve.delete("bench")
         finally:
             serve.shutdown()
             ray.shutdown()
+    out.update({label: summarize(case_runs) for label, case_runs in runs.items()})
     return out

@@ -260,3 +260,30 @@ def test_bench_ep_wire_only_counts_bytes_per_round_and_step():
     assert fp8["combine_bytes_per_round"] == bf16["combine_bytes_per_round"] == fp8["rows"] * 7168 * 2
     assert fp8["bytes_per_step"] == 58 * (fp8["dispatch_bytes_per_round"] + fp8["combine_bytes_per_round"])
     assert out["bench"]["fp8_dispatch_over_bf16"] < 0.6
+
+
+def test_bench_serve_alternates_which_case_goes_first_and_reports_medians():
+    from deploy.bench.serve_bench import case_orders, summarize
+
+    orders = case_orders(3)
+    assert [o[0][0] for o in orders] == ["with_cache", "without_cache", "with_cache"]
+    assert all(sorted(o) == sorted(orders[0]) for o in orders)  # every run has both cases
+    runs = [{"requests_per_s": v, "ttft_p50_ms": 10 * v, "ttft_p99_ms": None, "token_hit_rate": 0.5, "errors": e,
+             "first_error": "boom" if e else None} for v, e in ((1.0, 0), (3.0, 1), (2.0, 0))]
+    out = summarize(runs)
+    assert (out["requests_per_s"], out["ttft_p50_ms"], out["ttft_p99_ms"]) == (2.0, 20.0, None)
+    assert out["errors"] == 1 and out["first_error"] == "boom" and out["runs"] == runs
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bench_serve_json():
+    r = _tide("serve", "--requests", "4", "--concurrency", "2", "--system-tokens", "128", "--max-tokens", "2",
+              "--repeats", "2")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for label in ("with_cache", "without_cache"):
+        case = out[label]
+        assert case["errors"] == 0 and len(case["runs"]) == 2
+        assert sorted(run["order"] for run in case["runs"]) == [0, 1]  # first once, second once
+    assert out["without_cache"]["token_hit_rate"] == 0 < out["with_cache"]["token_hit_rate"]
