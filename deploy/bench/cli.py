@@ -279,7 +279,6 @@ def bench_cluster(
         next(iter(read_trace(trace, limit=1)), None)
     except ValueError as e:
         raise typer.BadParameter(f"--trace: {e}") from None
-    import contextlib
 
     from deploy.term import progress
 
@@ -327,7 +326,6 @@ def bench_soak(
     from deploy.bench.soak_bench import run_soak
 
     check_checkpoint(checkpoint)
-    import contextlib
 
     from deploy.term import progress
 
