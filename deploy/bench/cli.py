@@ -75,10 +75,14 @@ def bench_eplb(
     nodes: int = typer.Option(4, "--nodes", min=1),
     slots: int = typer.Option(288, "--slots", min=1),
     exponents: str = typer.Option("0.5,1.0,1.5", "--exponents", help="Zipf exponents, comma-separated"),
+    window_drift: float = typer.Option(0.2, "--window-drift", min=0.0, help="log-std of each expert's load change from one window to the next (out-of-sample scores)"),
+    rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1, help="rows per shard of the sampled batches"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """EPLB policies (global, hierarchical, spill) on Zipf-skewed loads: imbalance before/after,
-    spill_fraction, runtime_ms, and moved_slots when re-planning after a 5% load drift."""
+    """EPLB policies (global, hierarchical, spill) on Zipf-skewed loads: imbalance before/after
+    (in sample), on the next window of a drifting load and on batches sampled from it (out of
+    sample, beside the sampling floor), spill_fraction, runtime_ms, and moved_slots when
+    re-planning after a 5% load drift."""
     from cluster.eplb import EplbConfig
     from deploy.bench.eplb_bench import run_eplb_bench
 
@@ -94,7 +98,8 @@ def bench_eplb(
         raise typer.BadParameter(
             f"--experts {experts} must divide by --shards {shards} and --groups {groups} and be <= --slots {slots}"
         )
-    _emit(run_eplb_bench(exps, experts, groups, shards, nodes, slots, layers))
+    _emit(run_eplb_bench(exps, experts, groups, shards, nodes, slots, layers, window_drift=window_drift,
+                         rows_per_shard=rows_per_shard))
 
 
 @bench_app.command("ep")

@@ -2,6 +2,15 @@
 
 Each layer's expert loads follow a Zipf law (load of the r-th hottest expert ~ r^-s) with the
 ranks shuffled per layer; the drift for ``moved_slots`` multiplies every load by (1 + 5% noise).
+
+In-sample figures (``imbalance_after``) score a plan on the load it was planned from. Out of
+sample: the load drifts between windows (each expert's load times exp(``window_drift`` x a
+standard normal) per window); a plan made on one window is scored on the next
+(``imbalance_next_window``) and on sampled batches of that next window, ``rows_per_shard`` (token,
+expert) rows per shard on average, each expert's rows dealt to its copies in turn as the executor
+does (``imbalance_sampled_batch``: realized max/mean, averaged over layers and batches). A batch
+spread over shards uniformly at random has noise of its own: ``imbalance_sampled_floor`` is that
+floor for the same rows.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import torch
 from cluster.eplb import EplbConfig, Placement, imbalance, moved_slots, plan, spill_fraction
 
 POLICIES = ("global", "hierarchical", "spill")
+BATCHES = 16  # sampled batches per score
 
 
 def zipf_load(layers: int, experts: int, exponent: float, seed: int, tokens: float = 1e6) -> torch.Tensor:
@@ -22,6 +32,46 @@ def zipf_load(layers: int, experts: int, exponent: float, seed: int, tokens: flo
     base = 1.0 / torch.arange(1, experts + 1, dtype=torch.double) ** exponent
     base = base / base.sum() * tokens
     return torch.stack([base[torch.randperm(experts, generator=gen)] for _ in range(layers)])
+
+
+def next_window(load: torch.Tensor, drift: float, seed: int) -> torch.Tensor:
+    """The load one window later: each expert's load times exp(``drift`` x N(0, 1))."""
+    gen = torch.Generator().manual_seed(seed)
+    return load * torch.exp(drift * torch.randn(load.shape, generator=gen, dtype=torch.double))
+
+
+def sampled_imbalance(placement: Placement, load: torch.Tensor, rows_per_shard: int, batches: int,
+                      seed: int) -> float:
+    """Realized max/mean rows per shard of sampled batches (``rows_per_shard`` x shards rows per
+    layer, experts drawn from ``load``), each expert's rows dealt to its copies in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    layers, experts = load.shape
+    shards, per = placement.num_shards, placement.slots_per_shard
+    rows = rows_per_shard * shards
+    ratios = []
+    for _ in range(batches):
+        for layer in range(layers):
+            n = torch.bincount(torch.multinomial(load[layer].float(), rows, replacement=True, generator=gen),
+                               minlength=experts)  # rows per expert
+            copies = placement.logcnt[layer]
+            width = placement.log2phy.shape[2]
+            j = torch.arange(width)
+            # copy j of expert e takes ceil((n_e - j) / c_e) rows (dealt in turn); padded copies none
+            take = ((n[:, None] - j[None, :] + copies[:, None] - 1) // copies[:, None]).clamp_min(0)
+            take = take * (j[None, :] < copies[:, None])
+            slots = placement.log2phy[layer].clamp_min(0)
+            counts = torch.zeros(shards, dtype=torch.long).index_add_(0, (slots // per).reshape(-1), take.reshape(-1))
+            ratios.append(float(counts.max()) / (rows / shards))
+    return sum(ratios) / len(ratios)
+
+
+def sampled_floor(shards: int, rows_per_shard: int, batches: int, layers: int, seed: int) -> float:
+    """max/mean of the same rows spread over shards uniformly at random (sampling noise alone)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = rows_per_shard * shards
+    counts = torch.stack([torch.bincount(torch.randint(0, shards, (rows,), generator=gen), minlength=shards)
+                          for _ in range(batches * layers)])
+    return float((counts.max(1).values.double() / rows_per_shard).mean())
 
 
 def run_eplb_bench(
@@ -34,13 +84,17 @@ def run_eplb_bench(
     layers: int = 58,
     drift: float = 0.05,
     seed: int = 0,
+    window_drift: float = 0.2,
+    rows_per_shard: int = 32,
 ) -> dict[str, Any]:
     results = []
     for s in exponents:
         load = zipf_load(layers, experts, s, seed)
         gen = torch.Generator().manual_seed(seed + 1)
         drifted = load * (1 + drift * torch.randn(load.shape, generator=gen, dtype=torch.double)).clamp_min(0)
-        before = imbalance(Placement.in_order(layers, experts, shards), load)
+        later = next_window(load, window_drift, seed + 2)
+        in_order = Placement.in_order(layers, experts, shards)
+        before = imbalance(in_order, load)
         for policy in POLICIES:
             cfg = EplbConfig(slots, groups, nodes, shards, policy)
             t0 = time.perf_counter()
@@ -60,8 +114,16 @@ def run_eplb_bench(
                 "moved_slots_fresh_plan": moved_slots(placement, plan(drifted, cfg)),
                 "imbalance_after_drift": round(imbalance(replanned, drifted), 4),
                 "replan_runtime_ms": round(replan_runtime * 1e3, 1),
+                "imbalance_next_window": round(imbalance(placement, later), 4),
+                "imbalance_next_window_before": round(imbalance(in_order, later), 4),
+                "imbalance_sampled_batch": round(sampled_imbalance(placement, later, rows_per_shard, BATCHES, seed + 3), 4),
+                "imbalance_sampled_batch_before": round(
+                    sampled_imbalance(in_order, later, rows_per_shard, BATCHES, seed + 3), 4),
             })
     return {
         "experts": experts, "groups": groups, "shards": shards, "nodes": nodes, "slots": slots,
-        "layers": layers, "drift": drift, "total_slots": layers * slots, "results": results,
+        "layers": layers, "drift": drift, "total_slots": layers * slots, "window_drift": window_drift,
+        "rows_per_shard": rows_per_shard, "sampled_batches": BATCHES,
+        "imbalance_sampled_floor": round(sampled_floor(shards, rows_per_shard, BATCHES, layers, seed + 4), 4),
+        "results": results,
     }

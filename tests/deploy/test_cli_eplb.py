@@ -78,7 +78,25 @@ def test_bench_eplb_json():
         assert {"spill_fraction", "runtime_ms", "moved_slots"} <= set(row)
     assert rows["global"]["imbalance_after"] <= 1.05
     assert rows["spill"]["imbalance_after"] < rows["hierarchical"]["imbalance_after"]
+    for row in rows.values():  # out of sample: the next window's load, and batches sampled from it
+        assert row["imbalance_next_window"] < row["imbalance_next_window_before"]
+        assert row["imbalance_sampled_batch"] < row["imbalance_sampled_batch_before"]
     assert rows["hierarchical"]["spill_fraction"] < 1e-9 < rows["spill"]["spill_fraction"]
+    assert out["imbalance_sampled_floor"] > 1.0 and out["rows_per_shard"] == 32
+
+
+def test_sampled_batches_deal_an_experts_rows_to_its_copies_in_turn():
+    from deploy.bench.eplb_bench import sampled_floor, sampled_imbalance
+
+    shards = 4
+    hot = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.double)  # every row goes to expert 0
+    alone = Placement.in_order(1, 4, shards)  # one copy: one shard takes them all
+    assert sampled_imbalance(alone, hot, 8, 3, seed=0) == shards
+    # 5 copies of expert 0, in slots 0, 2, 4, 6 and 7 (two slots per shard): 32 rows dealt in
+    # turn give the copies 7, 7, 6, 6 and 6 rows, so shards 0-3 take 7, 7, 6 and 12
+    everywhere = Placement.from_phy2log(torch.tensor([[0, 1, 0, 2, 0, 3, 0, 0]]), 4, shards)
+    assert sampled_imbalance(everywhere, hot, 8, 3, seed=0) == 12 / 8
+    assert 1.0 < sampled_floor(shards, 8, 4, 2, seed=0) < shards
 
 
 @pytest.mark.ray
