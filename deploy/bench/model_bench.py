@@ -4,7 +4,13 @@ Decode is measured twice for tideserve: ``model.decode`` alone (``decode_tokens_
 through ``Engine.step`` (``engine_decode_tokens_per_s``: scheduling, block tables, sampling,
 detokenizing and outputs included), the way a replica serves. Every figure is the median of
 ``repeats`` timed runs (after one warm-up), the engines taking turns case by case, with the
-range of the runs beside it."""
+range of the runs beside it.
+
+Decode on CPU is bound by streaming weights, so ``roofline_fraction`` puts each decode figure
+against the machine: the bytes a step must read (every weight once, the routed experts a batch of
+that size is expected to touch under uniform routing, the embedding rows of its tokens and the
+batch's latent KV) at that step rate, over the streaming read bandwidth measured in the same run
+(``stream_read_gb_per_s``: summing a buffer far larger than the caches, with the same threads)."""
 
 from __future__ import annotations
 
@@ -94,6 +100,62 @@ def _engine_decode(model: DeepseekModel, batch: int, steps: int) -> Case:
     return run
 
 
+STREAM_BYTES = 512 << 20  # the bandwidth probe's buffer: far beyond any last-level cache
+
+
+def stream_read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second a full read of a large float32 buffer reaches (median of ``repeats``)."""
+    x = torch.ones(STREAM_BYTES // 4)
+    x.sum()  # pages touched, threads started
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return STREAM_BYTES / statistics.median(times)
+
+
+def decode_step_bytes(checkpoint: Path, batch: int, context: int, itemsize: int) -> int:
+    """Bytes one decode step of ``batch`` sequences of ``context`` tokens must read at least: all
+    weights once (as loaded, ``itemsize`` bytes each), of each MoE layer's routed experts only the
+    share a batch is expected to touch (1 - (1 - k/E)^batch under uniform routing), of the
+    embedding only the batch's rows, and the batch's latent KV."""
+    from safetensors import safe_open
+
+    cfg = load_config(checkpoint)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = 1.0 - (1.0 - k / e) ** batch if e else 0.0
+    weights = 0.0
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                numel = 1
+                for d in f.get_slice(name).get_shape():
+                    numel *= d
+                if name.endswith("embed_tokens.weight"):
+                    weights += batch * cfg.hidden_size
+                elif ".mlp.experts." in name:
+                    weights += numel * touched
+                else:
+                    weights += numel
+    kv = batch * context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return int((weights + kv) * itemsize)
+
+
+def _roofline(checkpoint: Path, rates: dict[str, Any], bandwidth: float, itemsize: int) -> dict[str, dict[str, float]]:
+    """Each decode figure's share of the streaming bandwidth (see the module docstring)."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("decode", "engine_decode"):
+        if f"{kind}_tokens_per_s" not in rates:
+            continue
+        out[kind] = {}
+        for b, tokens_per_s in rates[f"{kind}_tokens_per_s"].items():
+            steps_per_s = tokens_per_s / int(b)
+            need = decode_step_bytes(checkpoint, int(b), DECODE_CONTEXT, itemsize)
+            out[kind][b] = round(need * steps_per_s / bandwidth, 3)
+    return out
+
+
 def _hf_cases(ckpt: Path, steps: int) -> dict[str, Case] | None:
     try:
         from transformers import AutoModelForCausalLM
@@ -174,7 +236,8 @@ def run_model_bench(
             cfg = named_config("bench")
             checkpoint = save_checkpoint(Path(tmp) / "bench", cfg, random_state_dict(cfg, seed=0))
         cfg = load_config(checkpoint)
-        engines = [_our_cases(load_model(checkpoint), steps)]
+        model = load_model(checkpoint)
+        engines = [_our_cases(model, steps)]
         hf = _hf_cases(checkpoint, steps) if with_hf else None
         if hf is not None:
             engines.append(hf)
@@ -200,5 +263,10 @@ def run_model_bench(
                 result[f"{kind}_speedup_vs_hf"] = {
                     b: round(v / theirs["hf_decode_tokens_per_s"][b], 2) for b, v in ours[f"{kind}_tokens_per_s"].items()}
         result["range"] = spread  # tokens/s of the slowest and the fastest run
+        bandwidth = stream_read_bandwidth()
+        result["stream_read_gb_per_s"] = round(bandwidth / 1e9, 2)
+        result["decode_step_bytes"] = {str(b): decode_step_bytes(checkpoint, b, DECODE_CONTEXT, model.dtype.itemsize)
+                                       for b in DECODE_BATCHES}
+        result["roofline_fraction"] = _roofline(checkpoint, ours, bandwidth, model.dtype.itemsize)
         result["model_type"] = cfg.model_type
     return result

@@ -182,6 +182,35 @@ def test_bench_model_json_on_a_checkpoint(tmp_path):
         for b, median in out[key].items():
             slow, fast = out["range"][key][b]
             assert slow <= median <= fast
+    # the roofline: the step's bytes at the measured step rate over the measured read bandwidth
+    assert out["stream_read_gb_per_s"] > 0
+    need = out["decode_step_bytes"]
+    assert need["1"] < need["8"] < need["32"]
+    for kind in ("decode", "engine_decode"):
+        for b, frac in out["roofline_fraction"][kind].items():
+            want = need[b] * out[f"{kind}_tokens_per_s"][b] / int(b) / (out["stream_read_gb_per_s"] * 1e9)
+            assert frac == pytest.approx(want, rel=0.02)
+
+
+def test_decode_step_bytes_counts_each_weight_once_and_the_experts_a_batch_touches(tmp_path):
+    from safetensors.torch import load_file
+
+    from deploy.bench.model_bench import decode_step_bytes
+    from model.checkpoint import random_state_dict, save_checkpoint
+    from model.config import named_config
+
+    cfg = named_config("tiny")
+    ckpt = save_checkpoint(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=0))
+    sd = {}
+    for f in ckpt.glob("*.safetensors"):
+        sd.update(load_file(f))
+    experts = sum(t.numel() for n, t in sd.items() if ".mlp.experts." in n)
+    dense = sum(t.numel() for n, t in sd.items() if ".mlp.experts." not in n and "embed_tokens" not in n)
+    kv_per_token = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    for batch in (1, 4):
+        touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
+        want = (dense + experts * touched + batch * cfg.hidden_size + batch * 100 * kv_per_token) * 4
+        assert decode_step_bytes(ckpt, batch, 100, 4) == pytest.approx(want, abs=4)
 
 
 def test_bench_model_engines_take_turns_and_the_median_counts():
