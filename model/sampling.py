@@ -77,8 +77,10 @@ def sample(
         logits = biased(logits, params)
     if outputs is not None and any(p.penalized for p in params):
         logits = penalized(logits, params, outputs)
-    out = logits.argmax(dim=-1)  # [B]
     rows = [b for b, p in enumerate(params) if not p.greedy]
+    if len(rows) == len(params):  # every row samples: no argmax, no copy of the rows
+        return _sample_rows(logits, params, generators).cpu()
+    out = logits.argmax(dim=-1)  # [B]
     if rows:
         out[rows] = _sample_rows(logits[rows], [params[b] for b in rows], [generators[b] for b in rows])
     return out.cpu()
@@ -91,7 +93,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     scaled = logits.float() / temp[:, None]  # [R, V]
     out = torch.empty(len(params), dtype=torch.long, device=dev)
     plain = [r for r, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
-    if plain:  # temperature alone: no candidates to choose, no sort
+    if len(plain) == len(params):  # temperature alone: no candidates to choose, no sort
+        return _draw(scaled.softmax(-1), generators)
+    if plain:
         out[plain] = _draw(scaled[plain].softmax(-1), [generators[r] for r in plain])
     cut = [r for r in range(len(params)) if r not in set(plain)]
     if cut:
@@ -124,17 +128,41 @@ def _truncated(scaled: torch.Tensor, params: list[SamplingParams], generators: l
     return idx.gather(-1, _draw(probs, generators)[:, None])[:, 0]
 
 
+DRAW_BLOCK = 1024  # tokens per block of the two-level inverse CDF
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row of ``probs`` [R, N] (rows need not be normalised) by inverting its
-    cumulative sum (in float64: 129k float32 terms would bias the rare tokens) at one uniform
-    in (0, 1]. A seeded row takes its uniform from its own generator, so its draw does not
-    depend on its batch; the others share one draw on the device."""
+    cumulative sum at one uniform in (0, 1], in two levels: the block of ``DRAW_BLOCK`` tokens
+    the uniform falls in (over the blocks' masses), then the token within it, both in float64
+    (129k float32 terms would bias the rare tokens), so only one block is cumulated per row. A
+    seeded row takes its uniform from its own generator, so its draw does not depend on its
+    batch; the others share one draw on the device."""
     u = 1.0 - torch.rand(probs.shape[0], 1, device=probs.device, dtype=torch.float64)
     for r, g in enumerate(generators):
         if g is not None:
             u[r, 0] = 1.0 - float(torch.rand(1, generator=g, dtype=torch.float64))
-    cdf = probs.double().cumsum(-1)  # [R, N]
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=probs.shape[-1] - 1)[:, 0]
+    rows, n = probs.shape
+    if n <= DRAW_BLOCK:
+        cdf = probs.double().cumsum(-1)  # [R, N]
+        return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=n - 1)[:, 0]
+    whole = n // DRAW_BLOCK
+    main = probs[:, : whole * DRAW_BLOCK].view(rows, whole, DRAW_BLOCK)  # [R, NB, B], no copy
+    tail = probs[:, whole * DRAW_BLOCK :]  # [R, N - NB*B]: the last, shorter block
+    mass = torch.cat([main.sum(-1), tail.sum(-1, keepdim=True)], 1).double()  # [R, NB + 1]
+    cdf = mass.cumsum(-1)
+    target = u * cdf[:, -1:]  # [R, 1]
+    block = torch.searchsorted(cdf, target).clamp_(max=whole)  # [R, 1]
+    inner = torch.zeros(rows, DRAW_BLOCK, dtype=probs.dtype, device=probs.device)
+    in_main = block[:, 0] < whole
+    at = torch.arange(rows, device=probs.device)
+    inner[in_main] = main[at[in_main], block[in_main, 0]]
+    inner[~in_main, : tail.shape[1]] = tail[~in_main]
+    inner = inner.double().cumsum(-1)  # [R, B]
+    # the mass left for the block, at most the block's own sum (rounding must not step past it)
+    left = torch.minimum(target - (cdf.gather(-1, block) - mass.gather(-1, block)), inner[:, -1:])
+    token = block * DRAW_BLOCK + torch.searchsorted(inner, left)
+    return token.clamp_(max=n - 1)[:, 0]
 
 
 def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -170,3 +170,28 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
         alone = int(sample(logits[:1], [mine], [torch.Generator().manual_seed(seed)])[0])
         batch = sample(logits, [mine, *others], [torch.Generator().manual_seed(seed)] + [None] * 5)
         assert int(batch[0]) == alone
+
+
+def test_the_two_level_draw_inverts_the_whole_cumulative_sum():
+    """``_draw`` finds the block first, then the token in it: with the same uniform it picks the
+    token the whole vocabulary's float64 cumulative sum picks, in every block (the shorter last
+    one too), and never a token of probability 0."""
+    from model.sampling import DRAW_BLOCK, _draw
+
+    vocab = 3 * DRAW_BLOCK + 300  # three whole blocks and a short one
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, vocab, generator=gen) ** 4
+    probs[:, ::7] = 0.0  # masked tokens, block edges among them
+    probs[0] = 0.0
+    probs[0, -5:] = 1.0  # all the mass in the short block
+    probs[1] = 0.0
+    probs[1, DRAW_BLOCK - 1] = probs[1, DRAW_BLOCK] = 1.0  # on either side of a block edge
+    seeds = [torch.Generator().manual_seed(100 + r) for r in range(64)]
+    got = _draw(probs, seeds)
+    u = torch.tensor([[1.0 - float(torch.rand(1, generator=torch.Generator().manual_seed(100 + r),
+                                              dtype=torch.float64))] for r in range(64)], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, u * cdf[:, -1:])[:, 0]
+    assert torch.equal(got, want)
+    assert (probs[torch.arange(64), got] > 0).all()
+    assert got[0] >= vocab - 5 and got[1] in (DRAW_BLOCK - 1, DRAW_BLOCK)
