@@ -389,6 +389,7 @@ class Engine:
                     break
             if seq.row is not None:
                 batch.append(seq)
+        batch.sort(key=lambda s: s.row)  # in row order: the block tables are a view of their rows
         return batch
 
     def _decode_inputs(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

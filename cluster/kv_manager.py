@@ -9,6 +9,7 @@ for later requests; ``allocate`` drops its least recently used entries when page
 
 from __future__ import annotations
 
+import heapq
 import warnings
 from collections import Counter
 from collections.abc import Iterable
@@ -35,7 +36,7 @@ class KVManager:
         self.unit_pages = unit_tokens // page_size
         max_pages = min(num_pages, -(-(model.cfg.max_position_embeddings + 1) // page_size))
         self._tables = torch.zeros(max_rows, max_pages, dtype=torch.long)  # [rows, pages]
-        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._free_rows = list(range(max_rows))  # a heap: the lowest free row is taken first
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -89,18 +90,24 @@ class KVManager:
 
     # -- block-table rows ----------------------------------------------------------------
     def claim_row(self, seq: Sequence) -> None:
-        """``seq`` starts running: a row of the block tables, filled with its pages."""
-        seq.row = self._free_rows.pop()
+        """``seq`` starts running: the lowest free row of the block tables (running rows stay
+        packed from row 0), filled with its pages."""
+        seq.row = heapq.heappop(self._free_rows)
         self._tables[seq.row, : len(seq.pages)] = torch.tensor(seq.pages)
 
     def free_row(self, seq: Sequence) -> None:
-        self._free_rows.append(seq.row)
+        heapq.heappush(self._free_rows, seq.row)
         seq.row = None
 
     def tables(self, batch: list[Sequence]) -> torch.Tensor:
-        """Block tables [B, W] of running sequences (W: the longest's pages)."""
+        """Block tables [B, W] of running sequences (W: the longest's pages): a view of the rows
+        when the batch holds consecutive rows in order (no copy that grows with context), else
+        the rows gathered."""
         width = max(len(s.pages) for s in batch)
-        return self._tables[:, :width].index_select(0, torch.tensor([s.row for s in batch]))
+        rows = [s.row for s in batch]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return self._tables[rows[0] : rows[0] + len(rows), :width]
+        return self._tables[:, :width].index_select(0, torch.tensor(rows))
 
     # -- units and prompts in and out ----------------------------------------------------
     def fits(self, unit: Unit) -> bool:
