@@ -337,3 +337,33 @@ def bench_soak(
     with contextlib.redirect_stdout(sys.stderr), progress("soak (seconds)", minutes * 60) as bar:
         result = run_soak(minutes, concurrency, nodes, fault_every_s, grace_s, max_tokens, checkpoint, progress=bar)
     _emit(result)
+
+
+@bench_app.command("all")
+def bench_all(
+    budget_min: float = typer.Option(60.0, "--budget-min", min=0.0, help="start no benchmark after this many minutes"),
+    only: str = typer.Option(None, "--only", help="comma-separated benchmarks, in this order (default: every CPU one)"),
+    trace: Path = typer.Option(None, "--trace", help="also replay this Mooncake-format trace (every admission policy, capacity half its units)"),
+    out: Path = typer.Option(None, "--out", help="also write the report to this file"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """The CPU benchmarks one after another with their defaults (eplb, structured, directory,
+    unit-io, engine, ttft, model, ep, serve; trace with --trace), cheapest first, as one report;
+    those that would start after the budget is spent are listed as skipped."""
+    from deploy.bench.all_bench import BENCHMARKS, run_all
+
+    known = list(BENCHMARKS) + (["trace"] if trace is not None else [])
+    names = [n.strip() for n in only.split(",") if n.strip()] if only else known
+    for name in names:
+        if name not in known:
+            hint = " (give --trace for trace)" if name == "trace" else ""
+            raise typer.BadParameter(f"--only {name!r} is not one of {', '.join(known)}{hint}")
+    if trace is not None and not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    if out is not None and not out.parent.is_dir():
+        raise typer.BadParameter(f"--out {str(out)!r}: its directory does not exist")
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        report = run_all(names, budget_min * 60, trace)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    _emit(report)

@@ -316,3 +316,41 @@ def test_bench_serve_json():
         assert case["errors"] == 0 and len(case["runs"]) == 2
         assert sorted(run["order"] for run in case["runs"]) == [0, 1]  # first once, second once
     assert out["without_cache"]["token_hit_rate"] == 0 < out["with_cache"]["token_hit_rate"]
+
+
+def test_bench_all_runs_in_order_keeps_errors_and_skips_past_the_budget(monkeypatch):
+    from deploy.bench import all_bench
+
+    now = [0.0]
+    ran = []
+
+    def bench(name, seconds, fail=False):
+        def run():
+            ran.append(name)
+            now[0] += seconds
+            if fail:
+                raise RuntimeError("no disk")
+            return {"figure": name}
+        return run
+
+    monkeypatch.setattr(all_bench, "BENCHMARKS", {"a": bench("a", 30), "b": bench("b", 50, fail=True),
+                                                  "c": bench("c", 10), "d": bench("d", 1)})
+    report = all_bench.run_all(["a", "b", "c", "d"], budget_s=80, clock=lambda: now[0])
+    runs = report["benchmarks"]
+    assert ran == ["a", "b"]  # c would start at 80 s: the budget is spent
+    assert runs["a"] == {"result": {"figure": "a"}, "seconds": 30.0}
+    assert runs["b"]["error"] == "RuntimeError: no disk" and runs["b"]["seconds"] == 50.0
+    assert "budget" in runs["c"]["skipped"] and "budget" in runs["d"]["skipped"]
+    assert report["seconds"] == 80.0 and report["torch"]
+
+
+def test_bench_all_json_is_each_benchmarks_own_output(tmp_path):
+    out = tmp_path / "report.json"
+    r = _tide("all", "--only", "structured", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert json.loads(out.read_text()) == report
+    own = json.loads(_tide("structured").stdout)
+    assert set(report["benchmarks"]["structured"]["result"]) == set(own)
+    bad = _tide("all", "--only", "structured,trace")
+    assert bad.returncode == 2 and "--trace" in bad.stderr
