@@ -4,7 +4,9 @@ Decode is measured twice for tideserve: ``model.decode`` alone (``decode_tokens_
 through ``Engine.step`` (``engine_decode_tokens_per_s``: scheduling, block tables, sampling,
 detokenizing and outputs included), the way a replica serves. Every figure is the median of
 ``repeats`` timed runs (after one warm-up), the engines taking turns case by case, with the
-range of the runs beside it.
+range of the runs beside it. ``decode_mixed_*`` decode a batch of 8 whose contexts differ (32
+to 480 tokens, 256 on average): tideserve runs them ragged, transformers as a left-padded batch
+with an attention mask, as its users batch them.
 
 Decode on CPU is bound by streaming weights, so ``roofline_fraction`` puts each decode figure
 against the machine: the bytes a step must read (every weight once, the routed experts a batch of
@@ -35,6 +37,24 @@ from model.model import DeepseekModel
 PREFILL_TOKENS = 2048
 DECODE_CONTEXT = 256
 DECODE_BATCHES = (1, 8, 32)
+MIXED_BATCHES = (8,)  # batches of mixed context lengths
+
+
+def contexts(batch: int, mixed: bool) -> list[int]:
+    """Each row's context: DECODE_CONTEXT, or evenly from 32 to 2 x DECODE_CONTEXT - 32 (the
+    same mean) when ``mixed``."""
+    if not mixed or batch == 1:
+        return [DECODE_CONTEXT] * batch
+    lo, hi = 32, 2 * DECODE_CONTEXT - 32
+    return [lo + (hi - lo) * j // (batch - 1) for j in range(batch)]
+
+
+def _cases_of(batches: tuple[int, ...], mixed: bool) -> list[tuple[str, int, list[int]]]:
+    tag = "mixed_" if mixed else ""
+    return [(f"{tag}{b}", b, contexts(b, mixed)) for b in batches]
+
+
+CASES = _cases_of(DECODE_BATCHES, False) + _cases_of(MIXED_BATCHES, True)  # (name suffix, batch, contexts)
 
 
 Case = Callable[[], float]  # runs once; returns the seconds that count
@@ -56,37 +76,39 @@ def _our_cases(model: DeepseekModel, steps: int) -> dict[str, Case]:
     pool = model.new_pool(PREFILL_TOKENS // 16, 16)
     table = torch.arange(PREFILL_TOKENS // 16)
     cases = {"prefill": _timed(lambda: model.prefill(ids, pool, table))}
-    for b in DECODE_BATCHES:
-        pages_per_seq = -(-(DECODE_CONTEXT + steps + 1) // 16)
+    for name, b, ctx_lens in CASES:
+        pages_per_seq = -(-(max(ctx_lens) + steps + 1) // 16)
         pool_b = model.new_pool(b * pages_per_seq, 16)
         tables = torch.arange(b * pages_per_seq).view(b, pages_per_seq)
-        ctx = torch.randint(0, vocab, (b, DECODE_CONTEXT), generator=gen)
-        for j in range(b):
-            model.prefill(ctx[j], pool_b, tables[j])
+        for j, n in enumerate(ctx_lens):
+            model.prefill(torch.randint(0, vocab, (n,), generator=gen), pool_b, tables[j])
         tok = torch.randint(0, vocab, (b,), generator=gen)
+        start = torch.tensor(ctx_lens)
 
-        def run(b=b, pool_b=pool_b, tables=tables, tok=tok) -> None:
+        def run(pool_b=pool_b, tables=tables, tok=tok, start=start) -> None:
             for s in range(steps):
-                model.decode(tok, pool_b, tables, torch.full((b,), DECODE_CONTEXT + s))
+                model.decode(tok, pool_b, tables, start + s)
 
-        cases[f"decode_{b}"] = _timed(run)
-        cases[f"engine_decode_{b}"] = _engine_decode(model, b, steps)
+        cases[f"decode_{name}"] = _timed(run)
+        cases[f"engine_decode_{name}"] = _engine_decode(model, ctx_lens, steps)
     return cases
 
 
-def _engine_decode(model: DeepseekModel, batch: int, steps: int) -> Case:
-    """``steps`` engine steps of ``batch`` running requests (greedy, DECODE_CONTEXT-token
-    prompts, prefilled untimed on a fresh engine each run)."""
-    pages_per_seq = -(-(DECODE_CONTEXT + steps + 3) // 16)
+def _engine_decode(model: DeepseekModel, ctx_lens: list[int], steps: int) -> Case:
+    """``steps`` engine steps of one running request per context length (greedy prompts of
+    those lengths, prefilled untimed on a fresh engine each run)."""
+    batch = len(ctx_lens)
+    pages_per_seq = -(-(max(ctx_lens) + steps + 3) // 16)
     ns = Namespace(model.cfg.fingerprint(), "bench", str(model.dtype), "latent", 64)
-    prompts = torch.randint(0, model.cfg.vocab_size, (batch, DECODE_CONTEXT), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in ctx_lens]
 
     def run() -> float:
         engine = Engine(model, EngineConfig(num_pages=batch * pages_per_seq, max_num_seqs=batch, prefix_sharing=False,
-                                            max_prefill_tokens=batch * DECODE_CONTEXT),
+                                            max_prefill_tokens=sum(ctx_lens)),
                         ns, byte_text, eos_id=None)
-        for j in range(batch):
-            engine.add_request(GenerationRequest(f"r{j}", tuple(prompts[j].tolist()), steps + 2))
+        for j, prompt in enumerate(prompts):
+            engine.add_request(GenerationRequest(f"r{j}", tuple(prompt), steps + 2))
         while engine.waiting:
             engine.step()
         t0 = time.perf_counter()
@@ -145,7 +167,7 @@ def decode_step_bytes(checkpoint: Path, batch: int, context: int, itemsize: int)
 def _roofline(checkpoint: Path, rates: dict[str, Any], bandwidth: float, itemsize: int) -> dict[str, dict[str, float]]:
     """Each decode figure's share of the streaming bandwidth (see the module docstring)."""
     out: dict[str, dict[str, float]] = {}
-    for kind in ("decode", "engine_decode"):
+    for kind in ("decode", "engine_decode", "decode_mixed", "engine_decode_mixed"):
         if f"{kind}_tokens_per_s" not in rates:
             continue
         out[kind] = {}
@@ -171,19 +193,24 @@ def _hf_cases(ckpt: Path, steps: int) -> dict[str, Case] | None:
             return _timed(lambda: hf(ids, logits_to_keep=1))()
 
     cases: dict[str, Case] = {"prefill": prefill}
-    for b in DECODE_BATCHES:
-        ctx = torch.randint(0, vocab, (b, DECODE_CONTEXT), generator=gen)
+    for name, b, ctx_lens in CASES:
+        width = max(ctx_lens)
+        ctx = torch.randint(0, vocab, (b, width), generator=gen)
+        # a ragged batch as transformers users run one: left padding and an attention mask
+        mask = torch.stack([torch.arange(width) >= width - n for n in ctx_lens]).long()
         tok = torch.randint(0, vocab, (b, 1), generator=gen)
 
-        def decode(ctx=ctx, tok=tok) -> float:
+        def decode(ctx=ctx, mask=mask, tok=tok) -> float:
             with torch.inference_mode():
-                past = hf(ctx, use_cache=True).past_key_values  # the context: not timed
+                past = hf(ctx, attention_mask=mask, use_cache=True).past_key_values  # the context: not timed
                 t0 = time.perf_counter()
+                m = mask
                 for _ in range(steps):
-                    past = hf(tok, past_key_values=past, use_cache=True).past_key_values
+                    m = torch.cat([m, torch.ones(m.shape[0], 1, dtype=m.dtype)], 1)
+                    past = hf(tok, attention_mask=m, past_key_values=past, use_cache=True).past_key_values
                 return time.perf_counter() - t0
 
-        cases[f"decode_{b}"] = decode
+        cases[f"decode_{name}"] = decode
     return cases
 
 
@@ -210,8 +237,11 @@ def _rates(runs: dict[str, list[float]], steps: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"prefill": rate(PREFILL_TOKENS, "prefill")}
     for kind in ("decode", "engine_decode"):
-        if f"{kind}_{DECODE_BATCHES[0]}" in runs:
-            out[kind] = {str(b): rate(b * steps, f"{kind}_{b}") for b in DECODE_BATCHES}
+        for mixed, batches in ((False, DECODE_BATCHES), (True, MIXED_BATCHES)):
+            key = f"{kind}_mixed" if mixed else kind
+            tag = "mixed_" if mixed else ""
+            if f"{kind}_{tag}{batches[0]}" in runs:
+                out[key] = {str(b): rate(b * steps, f"{kind}_{tag}{b}") for b in batches}
     return out
 
 
@@ -249,6 +279,7 @@ def run_model_bench(
             "machine": platform.machine(), "torch": torch.__version__,
             "prefill_prompt_tokens": PREFILL_TOKENS,
             "decode_context_tokens": DECODE_CONTEXT,
+            "decode_mixed_context_tokens": {str(b): contexts(b, True) for b in MIXED_BATCHES},
             "decode_steps": steps,
             "repeats": repeats,
             "statistic": "median",
@@ -259,9 +290,10 @@ def run_model_bench(
             result.update(theirs)
             spread.update(hf_spread)
             result["prefill_speedup_vs_hf"] = round(ours["prefill_tokens_per_s"] / theirs["hf_prefill_tokens_per_s"], 2)
-            for kind in ("decode", "engine_decode"):
+            for kind in ("decode", "engine_decode", "decode_mixed", "engine_decode_mixed"):
+                hf_key = "hf_decode_mixed_tokens_per_s" if kind.endswith("mixed") else "hf_decode_tokens_per_s"
                 result[f"{kind}_speedup_vs_hf"] = {
-                    b: round(v / theirs["hf_decode_tokens_per_s"][b], 2) for b, v in ours[f"{kind}_tokens_per_s"].items()}
+                    b: round(v / theirs[hf_key][b], 2) for b, v in ours[f"{kind}_tokens_per_s"].items()}
         result["range"] = spread  # tokens/s of the slowest and the fastest run
         bandwidth = stream_read_bandwidth()
         result["stream_read_gb_per_s"] = round(bandwidth / 1e9, 2)

@@ -177,6 +177,10 @@ def test_bench_model_json_on_a_checkpoint(tmp_path):
     for key in ("decode_tokens_per_s", "engine_decode_tokens_per_s", "hf_decode_tokens_per_s",
                 "decode_speedup_vs_hf", "engine_decode_speedup_vs_hf"):
         assert set(out[key]) == {"1", "8", "32"} and all(v > 0 for v in out[key].values())
+    for key in ("decode_mixed_tokens_per_s", "engine_decode_mixed_tokens_per_s", "hf_decode_mixed_tokens_per_s",
+                "decode_mixed_speedup_vs_hf"):  # a batch of 8 with contexts from 32 to 480 tokens
+        assert set(out[key]) == {"8"} and out[key]["8"] > 0
+    assert out["decode_mixed_context_tokens"]["8"][0] == 32
     assert out["prefill_speedup_vs_hf"] == round(out["prefill_tokens_per_s"] / out["hf_prefill_tokens_per_s"], 2)
     for key in ("decode_tokens_per_s", "engine_decode_tokens_per_s"):  # each median lies in its range
         for b, median in out[key].items():
@@ -238,8 +242,18 @@ def test_engine_decode_case_times_whole_batch_steps():
     from model.config import named_config
 
     cfg = named_config("tiny")
-    run = _engine_decode(build_model(cfg, random_state_dict(cfg, seed=0)), batch=3, steps=4)
-    assert run() > 0  # it raises if a timed step decoded fewer than the 3 requests
+    model = build_model(cfg, random_state_dict(cfg, seed=0))
+    for ctx_lens in ([256] * 3, [32, 100, 480]):  # equal and mixed contexts
+        run = _engine_decode(model, ctx_lens, steps=4)
+        assert run() > 0  # it raises if a timed step decoded fewer than the 3 requests
+
+
+def test_mixed_contexts_keep_the_mean_and_spread_out():
+    from deploy.bench.model_bench import DECODE_CONTEXT, contexts
+
+    mixed = contexts(8, True)
+    assert len(mixed) == 8 and sum(mixed) == 8 * DECODE_CONTEXT and mixed[0] == 32 < mixed[-1]
+    assert contexts(8, False) == [DECODE_CONTEXT] * 8
 
 
 def test_bench_structured_json():
