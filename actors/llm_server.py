@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 bind_replica_grpc_to_node()  # a replica imports this module before Serve opens its gRPC port
 
 
-def _wire(o: RequestOutput) -> RequestOutput:
+def _for_caller(o: RequestOutput) -> RequestOutput:
     """An output as it crosses to the caller: a handoff's KV tensor stays here (it is the
     stream's next item, ``actors/pd_handoff.py``)."""
     return o if o.handoff is None else dataclasses.replace(o, handoff=dataclasses.replace(o.handoff, kv=None))
@@ -112,7 +112,6 @@ class LLMServer:
         the routed experts run on the expert shards of ``cfg.ep.control``."""
         if not isinstance(cfg, ReplicaConfig):
             raise TypeError(f"LLMServer takes an actors.replica_config.ReplicaConfig, got {type(cfg).__name__}")
-        self.cfg = cfg
         self._stop = False
         ckpt = Path(cfg.checkpoint)
         self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
@@ -126,7 +125,8 @@ class LLMServer:
         self.ep = self._start_ep(cfg.ep) if cfg.ep is not None else None
         # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
         # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
-        if self.model.device.type == "cuda" if cfg.warmup is None else cfg.warmup:
+        warmup = self.model.device.type == "cuda" if cfg.warmup is None else cfg.warmup
+        if warmup:
             startup.update("warming up", force=True)
             self.model.warmup(cfg.engine.max_prefill_tokens)
         self.tokenizer = load_tokenizer(ckpt)
@@ -175,9 +175,8 @@ class LLMServer:
 
     def _start_ep(self, ep: EPSection) -> EPGroup:
         dtype = self.model.dtype
-        wire = {"auto": Wire.deepseek(dtype), "native": Wire(), "fp8": Wire("fp8", "bf16")}[ep.wire]
         group = EPGroup(ep.control, self.replica_id, self.model.cfg.hidden_size, dtype, timeout_s=ep.timeout_s,
-                        wire=wire)
+                        wire=Wire.named(ep.wire, dtype))
         self.model.set_expert_executor(group.start())
         return group
 
@@ -250,7 +249,7 @@ class LLMServer:
         req = await pd_handoff.resolve(req)
         async with contextlib.aclosing(self.loop.stream(req)) as stream:  # a client gone aborts now
             async for item in stream:
-                yield item.kv if isinstance(item, PromptKV) else _wire(item)
+                yield item.kv if isinstance(item, PromptKV) else _for_caller(item)
 
     def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
         """The prompt's cache unit keys (hex), as the directory knows them; ``text`` is tokenized

@@ -64,6 +64,14 @@ class Wire:
             raise ValueError(f"wire dispatch must be native or fp8 and combine native or bf16, got {self}")
 
     @staticmethod
+    def named(name: str, dtype: torch.dtype) -> Wire:
+        """The wire a config names for a ``dtype`` model: "fp8", "native" or "auto" (``deepseek``)."""
+        wires = {"auto": Wire.deepseek(dtype), "native": Wire(), "fp8": Wire("fp8", "bf16")}
+        if name not in wires:
+            raise ValueError(f"ep wire must be one of {', '.join(wires)}, got {name!r}")
+        return wires[name]
+
+    @staticmethod
     def deepseek(dtype: torch.dtype) -> Wire:
         """FP8 dispatch and BF16 combine for a BF16 model (as DeepSeek serves V3/R1); a float32
         or float16 model's rows travel as they are."""
