@@ -32,6 +32,12 @@ class TidalState:
                 raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
             self._roles[node] = role
 
+    def drop(self, nodes: list[str]) -> None:
+        """Forget nodes that left the cluster (a Kubernetes night deletes the lent pods)."""
+        for node in nodes:
+            self._roles.pop(node, None)
+            self._reports.pop(node, None)
+
     def roles(self) -> dict[str, str]:
         return dict(self._roles)
 

@@ -18,7 +18,7 @@ from deploy.cache_cli import cache_app
 from deploy.eplb_cli import eplb_app
 from deploy.logs_cli import logs
 from deploy.options import check_checkpoint, check_device, check_dtype
-from deploy.scale_cli import scale
+from deploy.scale_cli import drain, scale
 from deploy.schedule_cli import schedule_app
 from deploy.stats_cli import stats
 from deploy.status_cli import status
@@ -35,6 +35,7 @@ app.add_typer(cache_app, name="cache")
 app.command("stats")(stats)
 app.add_typer(train_app, name="train")
 app.command("scale")(scale)
+app.command("drain")(drain)
 app.command("status")(status)
 app.command("logs")(logs)
 app.add_typer(schedule_app, name="schedule")

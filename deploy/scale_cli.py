@@ -1,6 +1,6 @@
 """``tide scale``: day/night serving size. The decision is ``cluster.scaling``'s; on a local Ray
 cluster ``deploy.tidal`` carries it out (drain, lend, take back), Kubernetes mode applies it to
-the KubeRay RayService (``deploy.k8s_scale``)."""
+the KubeRay RayService (``deploy.k8s_scale``), its drain run on the cluster by ``tide drain``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def scale(
     node_tokens_per_s: float = typer.Option(1000.0, "--node-tokens-per-s", min=1.0, help="one node's capacity"),
     deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds in-flight requests get to finish (then they move) / training gets to checkpoint"),
     reload: str = typer.Option(None, "--reload", help="day: serve this checkpoint (e.g. the night's export)"),
+    job: str = typer.Option("tideserve-train", "--job", help="--k8s: the training RayJob, unsuspended at night, stopped with a checkpoint and suspended by day ('' for none)"),
+    dashboard: str = typer.Option(None, "--dashboard", help="--k8s: the serving cluster's Jobs API (default http://RAYSERVICE-head-svc.NAMESPACE.svc:8265)"),
     as_json: bool = typer.Option(False, "--json"),
     address: str = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP),
 ) -> None:
@@ -43,41 +45,115 @@ def scale(
         _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
                      deadline_s, reload, as_json, address)
         return
+    if reload:
+        raise typer.BadParameter("--reload is for a Ray cluster; on Kubernetes change the checkpoint in serveConfigV2")
+    _scale_k8s(mode, serve_nodes, dry_run, rayservice, namespace, group, fixed_nodes, night_nodes, tokens_per_s,
+               kv_occupancy, node_tokens_per_s, deadline_s, job, dashboard, as_json)
+
+
+def _scale_k8s(mode, serve_nodes, dry_run, rayservice, namespace, group, fixed_nodes, night_nodes, tokens_per_s,
+               kv_occupancy, node_tokens_per_s, deadline_s, job, dashboard, as_json) -> None:
+    """The night or morning of a KubeRay RayService (``deploy.k8s_scale``)."""
     try:
         from kubernetes import client, config
     except ImportError:
         raise typer.BadParameter("--k8s needs the kubernetes client: pip install 'tideserve[k8s]'") from None
 
-    from deploy.k8s_scale import K8sScaleError, scale_worker_group
+    from deploy.k8s_scale import K8sScaleError, KubeRay, day, night
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    api = client.CustomObjectsApi()
+    kube = KubeRay(client.CustomObjectsApi(), client.CoreV1Api(), namespace, rayservice)
     try:
-        svc = api.get_namespaced_custom_object("ray.io", "v1", namespace, "rayservices", rayservice)
-    except client.ApiException as e:
-        raise TideError(f"cannot read RayService {namespace}/{rayservice}: {e.reason}") from None
-    groups = {g["groupName"]: g for g in svc["spec"]["rayClusterConfig"].get("workerGroupSpecs", [])}
-    if group not in groups:
-        raise typer.BadParameter(f"--group {group!r} is not a worker group of {rayservice}: {sorted(groups)}")
-    fixed = fixed_nodes if fixed_nodes is not None else sum(g.get("replicas", 0) for n, g in groups.items() if n != group)
-    lendable_max = groups[group].get("maxReplicas", groups[group].get("replicas", 0))
-    current = fixed + groups[group].get("replicas", 0)
-    total = fixed + lendable_max
-    target, reason = _target(mode, serve_nodes, total, current, night_nodes, tokens_per_s, kv_occupancy,
-                             node_tokens_per_s, min_nodes=max(1, min(fixed, total)))
-    lendable = min(lendable_max, max(0, target - fixed))
-    try:
-        result = scale_worker_group(api, namespace, rayservice, group, lendable, dry_run)
+        live = kube.get("rayclusters", kube.live_cluster())
+        groups = {g["groupName"]: g for g in live["spec"].get("workerGroupSpecs", [])}
+        if group not in groups:
+            raise typer.BadParameter(f"--group {group!r} is not a worker group of {rayservice}: {sorted(groups)}")
+        fixed = fixed_nodes if fixed_nodes is not None else sum(g.get("replicas", 0) for n, g in groups.items() if n != group)
+        lendable_max = groups[group].get("maxReplicas", groups[group].get("replicas", 0))
+        now = groups[group].get("replicas", 0)
+        target, reason = _target(mode, serve_nodes, fixed + lendable_max, fixed + now, night_nodes, tokens_per_s,
+                                 kv_occupancy, node_tokens_per_s, min_nodes=max(1, min(fixed, fixed + lendable_max)))
+        lendable = min(lendable_max, max(0, target - fixed))
+        base = {"rayservice": rayservice, "group": group, "serve_nodes": fixed + lendable, "reason": reason}
+        if dry_run or lendable == now and mode != "day":
+            _emit({**base, "replicas_before": now, "replicas": lendable, "changed": False, "dry_run": dry_run}, as_json)
+            return
+        if lendable < now:
+            serving = dashboard or f"http://{rayservice}-head-svc.{namespace}.svc:8265"
+            result = night(kube, group, lendable, _drain_by_job(serving, deadline_s), job=job or None)
+        elif lendable == lendable_max:
+            from actors.tidal import stop_training
+
+            result = day(kube, group, job=job or None,
+                         stop_run=lambda job_id, url: stop_training(job_id, deadline_s, url))
+        else:
+            raise typer.BadParameter(f"--serve-nodes {target}: taking back only some lent nodes is not supported; "
+                                     "use `tide scale day`")
     except K8sScaleError as e:
         raise TideError(str(e)) from None
-    if not dry_run:
-        from deploy.local import record_serving_nodes
+    from deploy.local import record_serving_nodes
 
-        record_serving_nodes(fixed + lendable)
-    _emit({**result, "serve_nodes": fixed + lendable, "reason": reason}, as_json)
+    record_serving_nodes(fixed + result["replicas"])
+    _emit({**base, **result, "serve_nodes": fixed + result["replicas"]}, as_json)
+
+
+def _drain_by_job(dashboard: str, deadline_s: float, timeout_s: float = 600.0):
+    """Drain pods of the serving cluster with ``tide drain`` run there as a Ray job (this process
+    is not a Ray node); returns what it printed."""
+    import shlex
+
+    from actors.tidal import jobs_client
+    from deploy.k8s_scale import K8sScaleError
+
+    def drain(pods: list[str], n: int) -> dict:
+        client = jobs_client(dashboard)
+        cmd = [sys.executable, "-m", "deploy.cli", "drain", "--pods", ",".join(pods), "--count", str(n),
+               "--deadline", str(deadline_s), "--json"]
+        job_id = client.submit_job(entrypoint=shlex.join(cmd))
+        stop = time.monotonic() + deadline_s + timeout_s
+        while not client.get_job_status(job_id).is_terminal():
+            if time.monotonic() > stop:
+                client.stop_job(job_id)
+                raise K8sScaleError(f"the drain job {job_id} on {dashboard} did not finish in "
+                                    f"{deadline_s + timeout_s:.0f} s")
+            time.sleep(0.5)
+        logs = client.get_job_logs(job_id)
+        status = client.get_job_status(job_id)
+        lines = [x for x in logs.splitlines() if x.startswith("{")]
+        if str(status.value if hasattr(status, "value") else status) != "SUCCEEDED" or not lines:
+            raise K8sScaleError(f"the drain job {job_id} on {dashboard} ended {status}: {logs.strip()[-800:]}")
+        return json.loads(lines[-1])
+
+    return drain
+
+
+def drain(
+    pods: str = typer.Option(..., "--pods", help="comma-separated pod names whose nodes may be lent"),
+    count: int = typer.Option(..., "--count", min=1, help="how many of them to lend"),
+    deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds in-flight requests get to finish (then they move)"),
+    as_json: bool = typer.Option(False, "--json"),
+    address: str = typer.Option(None, "--address", envvar="RAY_ADDRESS", help=ADDRESS_HELP),
+) -> None:
+    """Drain COUNT of the PODS' Ray nodes and stop their replicas, for a Kubernetes night
+    (`tide scale night --k8s` runs this on the serving cluster as a Ray job, then lowers
+    serveConfigV2's counts and deletes the pods it names)."""
+    from deploy.connect import app_args, find_target, serve_handle
+
+    names = [p for p in pods.split(",") if p]
+    if not names:
+        raise typer.BadParameter("--pods names no pod")
+    cluster = find_target(address)
+    serve_handle(cluster)
+    from deploy.tidal import lend_pods
+
+    try:
+        result = lend_pods(app_args(cluster), names, count, deadline_s=deadline_s)
+    except ValueError as e:
+        raise TideError(str(e)) from None
+    _emit({**result, "serve_nodes": result["serving_replicas"], "changed": True}, as_json)
 
 
 def _target(mode: str | None, serve_nodes: int | None, total: int, current: int, night_nodes: int | None,
@@ -87,7 +163,9 @@ def _target(mode: str | None, serve_nodes: int | None, total: int, current: int,
     if serve_nodes is not None:
         return serve_nodes, "--serve-nodes"
     saved = load_schedule()
-    cfg = ScalingConfig(total_nodes=total, min_nodes=min_nodes, night_nodes=min(total, max(1, night_nodes or saved["night_nodes"])),
+    # the night never goes below the always-serving nodes
+    cfg = ScalingConfig(total_nodes=total, min_nodes=min_nodes,
+                        night_nodes=min(total, max(min_nodes, night_nodes or saved["night_nodes"])),
                         node_tokens_per_s=node_tokens_per_s, min_dwell_s=0)
     policy = ScalingPolicy(cfg, Schedule.parse(saved["day"], saved["night"], saved["timezone"]))
     policy.observe(LoadSample(time.time(), tokens_per_s, kv_occupancy=kv_occupancy, serving_nodes=current))

@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.tidal import (
     lease_node,
@@ -53,7 +55,7 @@ from actors.tidal import (
 )
 from cluster.scaling import NodeLoad, nodes_to_free
 
-__all__ = ["lend_nodes", "return_nodes"]
+__all__ = ["lend_nodes", "lend_pods", "node_pods", "return_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +128,17 @@ def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int | di
 def lend_nodes(
     app_args: dict[str, Any], n: int, app_name: str = "tideserve", route_prefix: str = "/",
     deadline_s: float = 60.0, train: dict[str, Any] | None = None, timeout_s: float = 300.0,
+    among: list[str] | None = None, redeploy: bool = True,
 ) -> dict[str, Any]:
     """Lend ``n`` serving nodes (see the module docstring). ``train``: ``entrypoint`` (a shell
     command) and optionally ``runtime_env``, ``submission_id``; ``dashboard`` (the Jobs API
-    address, default the local one). Returns the lent nodes, serving replicas and the job id."""
+    address, default the local one). ``among``: lend only these nodes. ``redeploy=False``: stop
+    after removing the nodes' replicas and leave the lower counts (``replicas`` in the result)
+    to whoever owns the app's config (KubeRay's ``serveConfigV2``). Returns the lent nodes,
+    serving replicas (per deployment in ``replicas``) and the job id."""
     state = tidal_state()
+    alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
+    ray.get(state.drop.remote([x for x in ray.get(state.roles.remote()) if x not in alive]))  # pods gone for good
     roles = ray.get(state.roles.remote())
     replicas = ray.get(state.replica_reports.remote())  # actor name -> report, fresh ones
     on_node: dict[str, list[str]] = {}
@@ -138,11 +146,13 @@ def lend_nodes(
         on_node.setdefault(r["node_id"], []).append(name)
     head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
     serving = [node for node in on_node if roles.get(node, "serving") == "serving"]
+    lendable = [x for x in serving if among is None or x in among]
     resized = None
     if app_args.get("expert_shards"):
         shards = _shards(app_args)
         where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
-        shard_only = sorted({w for w in where if w not in on_node and roles.get(w, "serving") == "serving"})
+        shard_only = sorted({w for w in where if w not in on_node and roles.get(w, "serving") == "serving"
+                             and (among is None or w in among)})
         if 1 <= n <= len(shard_only):
             return _lend_shard_nodes(app_args, n, app_name, train, timeout_s, shard_only, shards, where, head,
                                      set(on_node))
@@ -150,7 +160,7 @@ def lend_nodes(
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
     # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
     pools = {d: sum(1 for a in replicas if _deployment_of(a) == d) for d in _deployments(app_args)}
-    candidates = [x for x in serving
+    candidates = [x for x in lendable
                   if all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]
     unique = _unique_units(app_args, candidates)
     loads = [NodeLoad(node, sum(replicas[a].get("running", 0) for a in on_node[node]), unique[node], node == head)
@@ -208,18 +218,20 @@ def lend_nodes(
         if control is not None:
             ray.get([control.leave.remote(name) for name in leaving], timeout=timeout_s)
     total = len(serving) + sum(1 for r in roles.values() if r == "lent")
-    _deploy(app_name, route_prefix, app_args, target)
+    if redeploy:
+        _deploy(app_name, route_prefix, app_args, target)
     ray.get([lease.ready.remote() for lease in leases], timeout=timeout_s)
-    _wait(lambda: all(_running_replicas(app_name, d) == t for d, t in target.items()), timeout_s,
-          f"serving replicas {target}")
+    if redeploy:
+        _wait(lambda: all(_running_replicas(app_name, d) == t for d, t in target.items()), timeout_s,
+              f"serving replicas {target}")
     ray.get(state.set_roles.remote(dict.fromkeys(chosen, "lent")))
 
     job_id = None
     if train is not None:
         job_id = submit_training(chosen, train)
         ray.get(state.set_job.remote(job_id))
-    out = {"lent": chosen, "serving_replicas": target["LLMServer"], "nodes": total, "migrated": migrated,
-           "job_id": job_id}
+    out = {"lent": chosen, "serving_replicas": target["LLMServer"], "replicas": target, "nodes": total,
+           "migrated": migrated, "job_id": job_id}
     if "LLMDecode" in target:
         out["decode_replicas"] = target["LLMDecode"]
     if resized is not None:
@@ -261,6 +273,50 @@ def return_nodes(
     return out
 
 
+# -- Kubernetes: nodes are pods --------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+def _pod_name() -> str:
+    return os.environ.get("RAY_CLOUD_INSTANCE_ID") or socket.gethostname()
+
+
+def node_pods(timeout_s: float = 60.0) -> dict[str, str]:
+    """Each alive node's pod: ``RAY_CLOUD_INSTANCE_ID``, which KubeRay sets to the pod's name
+    in every Ray container (elsewhere the node's hostname)."""
+    nodes = [x["NodeID"] for x in ray.nodes() if x["Alive"]]
+    refs = [_pod_name.options(scheduling_strategy=NodeAffinitySchedulingStrategy(x, soft=False)).remote()
+            for x in nodes]
+    return dict(zip(nodes, ray.get(refs, timeout=timeout_s), strict=True))
+
+
+def lend_pods(app_args: dict[str, Any], pods: list[str], n: int, deadline_s: float = 60.0,
+              timeout_s: float = 300.0) -> dict[str, Any]:
+    """The Ray side of a Kubernetes night: drain ``n`` of ``pods``' nodes and stop their replicas,
+    leaving the lower counts to ``serveConfigV2`` (``lend_nodes(redeploy=False)``). Adds the
+    freed pods' names (``lent_pods``), which the caller deletes."""
+    by_node = node_pods()
+    among = [node for node, pod in by_node.items() if pod in pods]
+    if not among:
+        raise ValueError(f"none of the pods {pods} is a node of this Ray cluster "
+                         f"(its nodes' pods: {sorted(by_node.values())})")
+    out = lend_nodes(app_args, n, deadline_s=deadline_s, timeout_s=timeout_s, among=among, redeploy=False)
+    # a node without replicas drains its HTTP proxy (its readiness fails, so KubeRay's serve
+    # Service stops sending it connections); deleting the pod before that would cut requests
+    # passing through it
+    try:
+        _wait(lambda: _proxies_drained(out["lent"]), deadline_s + 60.0, "the lent nodes' HTTP proxies to drain",
+              every_s=1.0)
+    except TimeoutError as e:
+        log.warning("%s; their pods go anyway", e)
+    return {**out, "lent_pods": [by_node[x] for x in out["lent"]]}
+
+
+def _proxies_drained(nodes: list[str]) -> bool:
+    from ray import serve
+
+    proxies = serve.status().proxies
+    return all(getattr(proxies.get(x), "value", proxies.get(x)) in (None, "DRAINED") for x in nodes)
+
+
 # -- expert-parallel apps --------------------------------------------------------------------------
 def _shards(app_args: dict[str, Any]) -> list:
     from deploy.app import EXPERT_SHARD_NAME
@@ -300,6 +356,8 @@ def _lend_shard_nodes(app_args: dict[str, Any], n: int, app_name: str, train: di
     if train is not None:
         job_id = submit_training(chosen, train)
         ray.get(state.set_job.remote(job_id))
-    return {"lent": chosen, "serving_replicas": _running_replicas(app_name), "expert_shards": resized["shards"],
+    replicas = {d: _running_replicas(app_name, d) for d in _deployments(app_args)}
+    return {"lent": chosen, "serving_replicas": replicas["LLMServer"], "replicas": replicas,
+            "expert_shards": resized["shards"],
             "nodes": len(set(where) | replica_nodes), "migrated": False, "job_id": job_id}
 

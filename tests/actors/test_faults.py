@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import socket
-import threading
 import time
 
 import httpx
@@ -25,6 +24,7 @@ import pytest
 
 from model.checkpoint import load_model
 from model.generate import generate
+from tests.actors.tidal_streams import ClientThreads
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow, pytest.mark.fault]
 CHECKPOINT_SEED = 17  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -116,14 +116,13 @@ def _complete(client: httpx.Client, url: str, prompt) -> httpx.Response:
         "model": "tiny", "prompt": list(prompt), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
 
 
-class Stream:
+class Stream(ClientThreads):
     """Two clients sending a mix of repeated, shared-prefix and unique prompts until stopped."""
 
     def __init__(self, url: str, seed: int) -> None:
+        super().__init__()
         self.url, self.seed = url, seed
         self.results: list[tuple[tuple[int, ...], int, str, str | None]] = []  # prompt, status, text, Retry-After
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(2)]
 
     def _run(self, worker: int) -> None:
         i = 0
@@ -141,16 +140,6 @@ class Stream:
                     continue
                 text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
                 self.results.append((prompt, r.status_code, text, r.headers.get("retry-after")))
-
-    def __enter__(self) -> Stream:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=300)
 
     def check(self, reference) -> int:
         """Every request succeeded (or got a 503 with Retry-After) with the reference text."""

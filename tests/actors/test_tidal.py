@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import socket
 import sys
-import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.actors.tidal_streams import ClientThreads
+
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 PROMPT = "the tide comes in and the tide goes out, " * 8
+LIVE = "tideserve-abc12"  # the RayService's live RayCluster in the Kubernetes test
+LENDABLE_PODS = [f"{LIVE}-lendable-worker-{x}" for x in ("aaaaa", "bbbbb")]
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +30,18 @@ def serving(redis_server, tmp_path_factory):
     from deploy.app import build_app
     from deploy.redis_proc import wait_healthy
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    ray.init(address=c.address, log_to_driver=False)
+    # each node is a pod of a KubeRay RayCluster for the Kubernetes test (KubeRay sets this variable)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "env_vars": {"RAY_CLOUD_INSTANCE_ID": f"{LIVE}-head-0"}})
+    ray.init(address=c.address, log_to_driver=False)  # before the others: this driver is the head's
+    for pod in LENDABLE_PODS:
+        c.add_node(num_cpus=1, env_vars={"RAY_CLOUD_INSTANCE_ID": pod})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
+    # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
+    # serve Service does
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     home = tmp_path_factory.mktemp("tidal")
     args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
             "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
@@ -41,7 +49,7 @@ def serving(redis_server, tmp_path_factory):
     serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
-    yield url, args, home
+    yield url, args, home, c
     serve.shutdown()
     ray.shutdown()
     c.shutdown()
@@ -61,13 +69,38 @@ def _llm_replica_nodes() -> list[str]:
             if "LLMServer" in (a.class_name or "") or "LLMServer" in (a.name or "")]
 
 
+class _RequestStream(ClientThreads):
+    """Two clients sending requests without pause while the block runs; ``failures`` and
+    ``done`` count what came back."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url, self.failures, self.done = url, [], 0
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        with httpx.Client(timeout=300) as client:
+            while not self._stop.is_set():
+                i += 1
+                try:
+                    r = client.post(f"{self.url}/v1/completions", json={
+                        "model": "tiny", "prompt": f"request {worker}.{i}: " + "waves " * (i % 30), "max_tokens": 12,
+                        "temperature": 0})
+                    if r.status_code != 200:
+                        self.failures.append(f"{r.status_code}: {r.text[:200]}")
+                    else:
+                        self.done += 1
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+
+
 def test_day_night_day(serving):
     import ray
     from ray.job_submission import JobSubmissionClient
 
     from deploy.tidal import lend_nodes, return_nodes
 
-    url, args, home = serving
+    url, args, home, _ = serving
     before = _complete(url, PROMPT)
     assert before["usage"]["prompt_cache_hit_tokens"] == 0
     time.sleep(1.0)  # its units reach the directory
@@ -77,30 +110,8 @@ def test_day_night_day(serving):
     assert len(reports) == 3 and len({r["node_id"] for r in reports.values()}) == 3
     assert sum(r["stats"]["engine"]["prefill_tokens"] for r in reports.values()) >= 1
 
-    failures: list[str] = []
-    done = [0]
-    stop = threading.Event()
-
-    def stream() -> None:  # a continuous request stream through the whole cycle
-        i = 0
-        with httpx.Client(timeout=300) as client:
-            while not stop.is_set():
-                i += 1
-                try:
-                    r = client.post(f"{url}/v1/completions", json={
-                        "model": "tiny", "prompt": f"request {i}: " + "waves " * (i % 30), "max_tokens": 12,
-                        "temperature": 0})
-                    if r.status_code != 200:
-                        failures.append(f"{r.status_code}: {r.text[:200]}")
-                    else:
-                        done[0] += 1
-                except httpx.HTTPError as e:
-                    failures.append(repr(e))
-
-    threads = [threading.Thread(target=stream, daemon=True) for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
+    stream = _RequestStream(url)
+    with stream:
         time.sleep(2)
         out = home / "train-run"
         entrypoint = (f"{sys.executable} -m deploy.cli train run --out {out} --steps 100000 --batch-size 2 "
@@ -118,20 +129,16 @@ def test_day_night_day(serving):
             time.sleep(0.5)
         assert (out / "model.safetensors").is_file(), client.get_job_logs(night["job_id"])[-2000:]
         assert client.get_job_info(night["job_id"]).driver_node_id == lent  # trained on the lent node only
-        served_at_night = done[0]
+        served_at_night = stream.done
         time.sleep(2)
-        assert done[0] > served_at_night  # serving went on at night
+        assert stream.done > served_at_night  # serving went on at night
 
         day = return_nodes(args, deadline_s=60)
         assert day["returned"] == [lent] and day["serving_replicas"] == 3
         assert day["job_status"] in ("STOPPED", "SUCCEEDED"), client.get_job_logs(night["job_id"])[-2000:]
         assert lent in _llm_replica_nodes()  # serving is back on the lent node
         time.sleep(2)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=300)
-    assert failures == [] and done[0] > 0
+    assert stream.failures == [] and stream.done > 0
     morning = _complete(url, PROMPT)
     assert morning["usage"]["prompt_cache_hit_tokens"] >= 4 * 64  # units from before the night
 
@@ -146,7 +153,7 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
     from actors.tidal import tidal_state
     from deploy.tidal import _running_replicas, _wait
 
-    url, _, _ = serving
+    url, _, _, _ = serving
     body = {"model": "tiny", "prompt": "a long answer about the sea: ", "max_tokens": 160, "temperature": 0,
             "ignore_eos": True}
     ref = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
@@ -175,3 +182,116 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
                 killed.append(busy[0]["actor_name"])
     assert killed and "".join(text) == want
     _wait(lambda: _running_replicas("tideserve") == 3, 300, "Serve to replace the killed replica")
+
+
+def test_a_kubernetes_night_and_morning(serving, tmp_path):
+    """``tide scale night|day --k8s`` against the in-process Kubernetes API with this cluster as
+    the RayService's live RayCluster: the drain runs here as a Ray job (``tide drain``), the
+    KubeRay stand-in deletes the pod named for deletion (its Ray node goes) and applies
+    ``serveConfigV2`` (Serve's count drops); the morning stops the training run (a Ray job:
+    SIGTERM), brings a pod back (a new Ray node) and the day's count. No request fails."""
+    import copy
+    import json
+    import os
+    import subprocess
+
+    import ray
+    import yaml
+    from ray import serve
+
+    from actors.tidal import jobs_client
+    from deploy.app import build_app
+    from deploy.tidal import _running_replicas, _wait
+    from tests.k8s.fake_kube import FakeKube, KubeRayController
+
+    url, args, home, cluster = serving
+    _wait(lambda: _running_replicas("tideserve") == 3, 300, "three serving replicas")
+    k8s = Path(__file__).resolve().parents[2] / "k8s"
+    svc = next(d for d in yaml.safe_load_all((k8s / "rayservice.yaml").read_text()) if d["kind"] == "RayService")
+    svc["spec"]["serveConfigV2"] = yaml.safe_dump({"applications": [
+        {"name": "tideserve", "route_prefix": "/", "import_path": "deploy.app:build_app", "args": args}]})
+    groups = [g for g in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "lendable"]
+    svc["spec"]["rayClusterConfig"]["workerGroupSpecs"] = groups  # the head is the node that always serves
+    svc["status"] = {"activeServiceStatus": {"rayClusterName": LIVE}}
+    job = next(d for d in yaml.safe_load_all((k8s / "rayjob-train.yaml").read_text()) if d["kind"] == "RayJob")
+    kube = FakeKube()
+    kube.put("rayservices", svc)
+    kube.put("rayclusters", {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": LIVE},
+                             "spec": copy.deepcopy(svc["spec"]["rayClusterConfig"])})
+    kube.put("rayjobs", job)
+    labels = {"ray.io/cluster": LIVE, "ray.io/group": "lendable", "ray.io/node-type": "worker"}
+    for pod in LENDABLE_PODS:
+        kube.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels}})
+    nodes = {pod: next(n for n in cluster.worker_nodes if n._ray_params.env_vars["RAY_CLOUD_INSTANCE_ID"] == pod)
+             for pod in LENDABLE_PODS}
+    dashboard = f"http://{ray._private.worker.get_dashboard_url()}"
+    marker = tmp_path / "checkpointed"
+    run = (f"{sys.executable} -c \"import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: "
+           f"(pathlib.Path('{marker}').write_text('ok'), sys.exit(0))); time.sleep(900)\"")
+
+    def created(pod: dict) -> None:  # a pod comes up: a Ray node joins
+        name = pod["metadata"]["name"]
+        nodes[name] = cluster.add_node(num_cpus=1, env_vars={"RAY_CLOUD_INSTANCE_ID": name})
+
+    def applied(config: str) -> None:  # KubeRay PUTs serveConfigV2 to Serve and goes on
+        (app,) = yaml.safe_load(config)["applications"]
+        serve._run(build_app(app["args"]), _blocking=False, name="tideserve", route_prefix="/")  # serve.run waits
+
+    controller = KubeRayController(
+        kube, on_pod_created=created, on_pod_deleted=lambda pod: cluster.remove_node(nodes.pop(pod["metadata"]["name"])),
+        on_serve_config=applied, on_job_started=lambda j: (jobs_client(dashboard).submit_job(entrypoint=run), dashboard))
+
+    def waiting(cond, timeout_s: float, what: str):
+        """Wait for ``cond`` while KubeRay reconciles, in this thread (a Ray node starts only in
+        the main thread)."""
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            controller.reconcile()
+            time.sleep(0.5)
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+        "users": [{"name": "tide", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tide"}}]}))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "KUBERNETES_SERVICE_HOST")},
+           "KUBECONFIG": str(kubeconfig), "TIDE_HOME": str(tmp_path / "home")}
+
+    def tide(*argv: str) -> dict:
+        with subprocess.Popen([sys.executable, "-m", "deploy.cli", "scale", *argv, "--k8s", "--fixed-nodes", "1",
+                               "--dashboard", dashboard, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) as proc:
+            waiting(lambda: proc.poll() is not None, 600, f"tide scale {argv[0]}")
+            out, err = proc.communicate()
+        assert proc.returncode == 0, out + err
+        return json.loads(out)
+
+    stream = _RequestStream(url)
+    try:
+        with stream:
+            time.sleep(1)
+            night = tide("night", "--night-nodes", "2", "--deadline", "20")
+            (lent,) = night["workers_to_delete"]
+            assert lent in LENDABLE_PODS and night["serve_replicas"] == {"LLMServer": 2} and night["job"] == "unsuspended"
+            waiting(lambda: controller.deleted_named == [lent], 60, "KubeRay to delete the drained pod")
+            assert controller.deleted_random == []
+            waiting(lambda: _running_replicas("tideserve") == 2 and len([n for n in ray.nodes() if n["Alive"]]) == 2,
+                    120, "two nodes and two replicas serving")
+            waiting(lambda: (kube.obj("rayjobs", "tideserve-train").get("status") or {}).get("jobStatus") == "RUNNING",
+                    60, "the training run")
+            served_at_night = stream.done
+            waiting(lambda: stream.done > served_at_night + 2, 60, "requests served at night")
+
+            morning = tide("day", "--deadline", "60")
+            assert morning["training"]["run"] == "STOPPED" and marker.read_text() == "ok"  # it checkpointed
+            assert morning["serve_replicas"] == {"LLMServer": 3} and morning["replicas"] == 2
+            waiting(lambda: _running_replicas("tideserve") == 3, 300, "three replicas again")
+            time.sleep(2)
+    finally:
+        kube.close()
+    assert stream.failures == [] and stream.done > 0, stream.failures
+    assert kube.obj("rayjobs", "tideserve-train")["spec"]["suspend"] is True
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 3

@@ -12,6 +12,27 @@ from collections.abc import Callable, Iterator
 import httpx
 
 
+class ClientThreads:
+    """Two threads running ``_run(worker)`` until the ``with`` block ends (``_stop`` is set)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(2)]
+
+    def _run(self, worker: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+
+
 @contextlib.contextmanager
 def three_node_serve() -> Iterator[str]:
     """Three nodes of one CPU each, Serve's HTTP proxy on a free port; yields its URL."""

@@ -35,7 +35,7 @@ DOCS = documents()
 def test_the_expected_kinds_are_there():
     kinds = sorted(d["kind"] for _, d in DOCS)
     for kind in ("RayService", "RayJob", "StatefulSet", "Service", "CronJob", "ServiceAccount",
-                 "Role", "RoleBinding"):
+                 "Role", "RoleBinding", "PersistentVolumeClaim"):
         assert kind in kinds, kind
 
 
@@ -106,19 +106,39 @@ def test_serve_config_v2_is_a_valid_serve_config_of_our_app():
 
 def test_rbac_allows_exactly_what_the_scaler_needs():
     (role,) = [d for _, d in DOCS if d["kind"] == "Role"]
-    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
-    assert rules[(("ray.io",), ("rayservices",))] == {"get", "patch"}
-    assert rules[(("ray.io",), ("rayclusters",))] == {"get", "patch"}
-    assert all("*" not in verbs and "delete" not in verbs or res == ("rayjobs",) for (_, res), verbs in rules.items())
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r.get("resourceNames", ()))): set(r["verbs"])
+             for r in role["rules"]}
+    assert rules == {
+        (("ray.io",), ("rayservices",), ("tideserve",)): {"get", "patch"},
+        (("ray.io",), ("rayclusters",), ()): {"get", "patch"},
+        (("ray.io",), ("rayjobs",), ("tideserve-train",)): {"get", "patch", "delete"},
+        (("ray.io",), ("rayjobs",), ()): {"create"},
+        (("",), ("pods",), ()): {"list"},
+    }  # tests/deploy/test_k8s_scale.py checks a night and a day use all of it
 
 
-def test_the_training_job_only_runs_on_lendable_nodes():
+def test_the_training_job_can_be_suspended_and_runs_on_what_the_night_frees():
     (job,) = [d for _, d in DOCS if d["kind"] == "RayJob"]
-    assert json.loads(job["spec"]["entrypointResources"]) == {"lendable": 1}
+    spec = job["spec"]
+    # KubeRay's validation: suspend needs shutdownAfterJobFinishes and its own cluster
+    assert spec["suspend"] is True and spec["shutdownAfterJobFinishes"] is True
+    assert "clusterSelector" not in spec and spec["rayClusterSpec"]
     (service,) = [d for _, d in DOCS if d["kind"] == "RayService"]
-    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-    assert "lendable" in groups["lendable"]["rayStartParams"]["resources"]
-    assert "lendable" not in groups["serve"]["rayStartParams"]["resources"]
+    lendable = next(g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "lendable")
+
+    def gpus(group: dict) -> int:
+        return group["maxReplicas"] * sum(int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
+                                          for c in group["template"]["spec"]["containers"])
+
+    assert sum(gpus(g) for g in spec["rayClusterSpec"]["workerGroupSpecs"]) == gpus(lendable)
+    # checkpoints outlive the run's cluster: --out is on the claim every pod of it mounts
+    out = next(a for a in spec["entrypoint"].split() if a.startswith("/"))
+    claims = {d["metadata"]["name"] for _, d in DOCS if d["kind"] == "PersistentVolumeClaim"}
+    for pod in [spec["rayClusterSpec"]["headGroupSpec"], *spec["rayClusterSpec"]["workerGroupSpecs"]]:
+        mounts = {m["name"]: m["mountPath"] for c in pod["template"]["spec"]["containers"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["template"]["spec"]["volumes"]}
+        (name,) = [n for n, path in mounts.items() if out.startswith(path + "/")]
+        assert volumes[name]["persistentVolumeClaim"]["claimName"] in claims
 
 
 def test_kustomization_renders():
