@@ -286,6 +286,7 @@ class LLMServer:
         """Engine counters, queue, cache per tier; the node's GPUs (``gpus``, an NVML read)."""
         out = {"node_id": self.node_id, "replica_id": self.replica_id, "engine": dict(self.engine.stats),
                "running": len(self.engine.running), "waiting": len(self.engine.waiting), "cpu_kernels": kernel_state(),
+               "kv_usage": 1.0 - self.engine.kv.pages.num_free / self.engine.kv.num_pages,
                "cache": self.cache.stats() if self.cache is not None else {}}
         if gpus:
             out["gpus"] = gpu_telemetry()

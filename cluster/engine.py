@@ -265,6 +265,7 @@ class Engine:
             if seq.req.prefilled is not None and not seq.output_ids:
                 if not self._admit_prefilled(seq):
                     break
+                seq.scheduled_s = seq.scheduled_s or time.monotonic()
                 del self.waiting[i]
                 self._join_running(seq)
                 batch.append(seq)
@@ -272,6 +273,7 @@ class Engine:
                 continue
             if not seq.pages and not self._admit(seq):
                 break  # not enough pages yet: wait for running sequences to finish
+            seq.scheduled_s = seq.scheduled_s or time.monotonic()
             end = min(seq.length, seq.num_computed + budget)
             chunks.append((seq, end))
             budget -= end - seq.num_computed
@@ -458,6 +460,7 @@ class Engine:
             len(seq.req.prompt_ids), len(seq.output_ids), seq.sources.cached, seq.sources, handoff,
             time.monotonic() - seq.first_token_s if seq.finished and seq.first_token_s is not None else 0.0,
             logprobs,
+            seq.scheduled_s - seq.arrival_s if seq.finished and seq.scheduled_s is not None else 0.0,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:

@@ -139,6 +139,7 @@ class RequestOutput:
     handoff: Prefilled | None = None  # with finish_reason HANDOFF
     decode_s: float = 0.0  # first to last output token, set when finished
     new_logprobs: list[TokenLogprob | None] | None = None  # one per new token, when the request asked
+    queued_s: float = 0.0  # arrival to the first scheduled step, set when finished
 
 
 @dataclass(slots=True)
@@ -155,6 +156,7 @@ class Sequence:
     load: Future | None = None  # cache units being loaded while the request queues
     expected_cached: int = 0  # prompt tokens the cache lookup found (the queue estimate)
     sources: TokenSources = field(default_factory=TokenSources)
+    scheduled_s: float | None = None  # when a step first took it up (its queue time ends)
     first_token_s: float | None = None
     finished: FinishReason | None = None
     input_persisted: bool = False

@@ -25,10 +25,10 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +47,7 @@ from cluster.request import (
     RequestOutput,
 )
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
+from deploy.metrics import IngressMetrics
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -171,34 +172,6 @@ def _unavailable_error() -> APIError:
                     code="service_unavailable", retry_after_s=RETRY_AFTER_S)
 
 
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.prompt_tokens = Counter("tide_prompt_tokens", "prompt tokens by KV source", ["source"], registry=self.registry)
-        self.completion_tokens = Counter("tide_completion_tokens", "generated tokens", registry=self.registry)
-        self.requests = Counter("tide_requests", "finished requests", ["status"], registry=self.registry)
-        self.continued = Counter("tide_requests_continued", "requests moved to another replica mid-stream",
-                                 registry=self.registry)
-        self.handoffs = Counter("tide_pd_handoffs", "requests a prefill replica handed to the decode pool (P/D)",
-                                registry=self.registry)
-        self.running = Gauge("tide_requests_running", "requests being served", registry=self.registry)
-        self.engine_running = Gauge("tide_engine_running", "sequences in the decode batch", registry=self.registry)
-        self.engine_queued = Gauge("tide_engine_queued", "sequences waiting for prefill", registry=self.registry)
-        self.ttft = Histogram("tide_time_to_first_token_seconds", "time to first token", registry=self.registry,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.tpot = Histogram("tide_time_per_output_token_seconds", "time per output token after the first",
-                              registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        self.tier_bytes = Gauge("tide_cache_bytes", "prompt-cache bytes a node holds per tier", ["node", "tier"],
-                                registry=self.registry)
-        self.tier_units = Gauge("tide_cache_units", "prompt-cache units a node holds per tier", ["node", "tier"],
-                                registry=self.registry)
-        self.gpus = Gauge("tide_gpus", "NVIDIA GPUs a replica's node reports (0: absent)", registry=self.registry)
-        self.gpu_memory_used = Gauge("tide_gpu_memory_used_bytes", "GPU memory used", ["gpu"], registry=self.registry)
-        self.gpu_memory_total = Gauge("tide_gpu_memory_total_bytes", "GPU memory", ["gpu"], registry=self.registry)
-        self.gpu_utilization = Gauge("tide_gpu_utilization", "GPU busy fraction", ["gpu"], registry=self.registry)
-        self.gpu_temperature = Gauge("tide_gpu_temperature_celsius", "GPU temperature", ["gpu"], registry=self.registry)
-
-
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, server, cfg: dict, decode=None) -> None:
@@ -224,7 +197,7 @@ class OpenAIIngress:
         api.state.edge = EdgeConfig(self.api_keys, lim.max_body_bytes,  # read by deploy.http_edge
                                     PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas,
                                     lim.body_timeout_s)
-        self.metrics = _Metrics()
+        self.metrics = IngressMetrics(cfg["model_name"])
         self.directory = self.namespace = None
         directory: DirectorySection = cfg.get("directory") or DirectorySection()
         if directory.url:
@@ -380,7 +353,7 @@ class OpenAIIngress:
         start = time.monotonic()
         first = last_t = None
         n_tokens = 0
-        self.metrics.running.inc()
+        self.metrics.in_flight.inc()
         status = "error"
         try:
             plan = await self._plan(engine_req)
@@ -393,18 +366,21 @@ class OpenAIIngress:
                         first = now
                         self.metrics.ttft.observe(now - start)
                     elif last_t is not None:
-                        self.metrics.tpot.observe((now - last_t) / len(item.new_token_ids))
+                        self.metrics.itl.observe((now - last_t) / len(item.new_token_ids))
                     last_t = now
                     n_tokens += len(item.new_token_ids)
                 if item.finished:
                     for source, n in dataclasses.asdict(item.sources).items():
-                        self.metrics.prompt_tokens.labels(source).inc(n)
-                    self.metrics.completion_tokens.inc(item.completion_tokens)
+                        self.metrics.prompt_tokens(source).inc(n)
+                    self.metrics.generation_tokens.inc(item.completion_tokens)
+                    self.metrics.queue_time.observe(item.queued_s)
                     status = "ok"
                 yield item
         finally:
-            self.metrics.running.dec()
-            self.metrics.requests.labels(status).inc()
+            self.metrics.in_flight.dec()
+            self.metrics.requests(status).inc()
+            if status == "ok":
+                self.metrics.e2e.observe(time.monotonic() - start)
 
     async def _choices(self, engine_req: GenerationRequest, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of ``n`` choices of one request, as ``(index, output)`` in the order they
@@ -686,22 +662,29 @@ class OpenAIIngress:
     @api.get("/metrics")
     async def metrics(self):
         try:
+            from actors.tidal import tidal_state
+
+            state = tidal_state()
+            self.metrics.replicas(await state.replica_reports.remote())
+            alive = await asyncio.to_thread(lambda: [n["NodeID"] for n in ray.nodes() if n["Alive"]])
+            self.metrics.node_roles(alive, await state.roles.remote())
+        except Exception as e:  # noqa: BLE001 - no day/night state: the other series still serve
+            log.warning("replica reports unavailable for /metrics: %s", e)
+        try:  # the nodes' cache tiers and GPUs, through one replica
             stats = await self.server.stats.remote()
-            self.metrics.engine_running.set(stats["running"])
-            self.metrics.engine_queued.set(stats["waiting"])
             for node, cache in (await self._node_caches(stats)).items():
                 for tier in ("ssd", "ram"):
-                    self.metrics.tier_bytes.labels(node[:12], tier).set(cache.get(f"{tier}_bytes", 0))
-                    self.metrics.tier_units.labels(node[:12], tier).set(cache.get(f"{tier}_units", 0))
+                    self.metrics.tier_bytes(node[:12], tier).set(cache.get(f"{tier}_bytes", 0))
+                    self.metrics.tier_units(node[:12], tier).set(cache.get(f"{tier}_units", 0))
             gpus = stats.get("gpus", {}).get("gpus", [])
             self.metrics.gpus.set(len(gpus))
             for g in gpus:
                 idx = str(g["index"])
-                self.metrics.gpu_memory_used.labels(idx).set(g["memory_used_bytes"])
-                self.metrics.gpu_memory_total.labels(idx).set(g["memory_total_bytes"])
-                self.metrics.gpu_utilization.labels(idx).set(g["utilization"])
-                self.metrics.gpu_temperature.labels(idx).set(g["temperature_c"])
+                self.metrics.gpu_memory_used(idx).set(g["memory_used_bytes"])
+                self.metrics.gpu_memory_total(idx).set(g["memory_total_bytes"])
+                self.metrics.gpu_utilization(idx).set(g["utilization"])
+                self.metrics.gpu_temperature(idx).set(g["temperature_c"])
         except Exception as e:  # noqa: BLE001 - metrics still serve the ingress's own series
             log.warning("replica stats unavailable for /metrics: %s", e)
-        return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
+        return PlainTextResponse(self.metrics.render().decode(),
                                  media_type="text/plain; version=0.0.4")

@@ -286,7 +286,7 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
             assert usage[0]["prompt_cache_hit_tokens"] == 0 and usage[1]["prompt_cache_hit_tokens"] == 3 * 64
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         remote = [float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith('tide_prompt_tokens_total{source="remote"}')]
+                  if line.startswith("tide:prompt_tokens_total{") and 'source="remote"' in line]
         if router == "cache-aware":
             assert remote == [0.0]  # every repeat ran where its units were
         else:

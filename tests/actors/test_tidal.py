@@ -141,6 +141,13 @@ def test_day_night_day(serving):
     assert stream.failures == [] and stream.done > 0
     morning = _complete(url, PROMPT)
     assert morning["usage"]["prompt_cache_hit_tokens"] >= 4 * 64  # units from before the night
+    # /metrics has a series per serving replica (their heartbeats), not one replica's view
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    series = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "tide:num_requests_running"]
+    assert len({s.labels["replica"] for s in series}) == 3 and len({s.labels["node"] for s in series}) == 3
 
 
 def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):

@@ -537,3 +537,19 @@ def test_json_mode_after_a_thought_constrains_only_the_answer(model):
     eng.add_request(GenerationRequest("c", prompt + tuple(want[:k]), 40 - k, params, response_format="json_object",
                                       constrain_after=close, continued_ids=tuple(want[:k])))
     assert _tokens(eng.run_to_completion()["c"]) == want[k:]
+
+
+def test_queue_time_ends_when_a_step_takes_the_request_up(model):
+    """One seat: the second request waits for the first to finish, and its queue time covers
+    that wait (arrival to its first step); only finished outputs carry it."""
+    eng = _engine(model, max_num_seqs=1)
+    eng.add_request(GenerationRequest("a", _prompt(40, 1), max_tokens=6))
+    eng.add_request(GenerationRequest("b", _prompt(40, 2), max_tokens=6))
+    outs: dict[str, list] = {}
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    a, b = outs["a"][-1], outs["b"][-1]
+    assert all(o.queued_s == 0.0 for o in outs["a"][:-1] + outs["b"][:-1])
+    assert 0.0 <= a.queued_s < b.queued_s
+    assert b.queued_s >= a.decode_s  # b waited at least as long as a decoded

@@ -267,8 +267,10 @@ def test_chat_logprobs_with_top_alternatives(client):
 def _token_sources(base_url) -> dict[str, float]:
     assert httpx.get(base_url + "/metrics", timeout=30).status_code == 401  # keys configured: /metrics needs one
     text = httpx.get(base_url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}, timeout=30).text
-    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith("tide_prompt_tokens_total{source=")}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["source"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "tide:prompt_tokens_total"}
 
 
 @pytest.mark.security
@@ -453,22 +455,95 @@ def test_metrics(base_url, client, tide_home):
     deadline = time.monotonic() + 60
     while True:  # units are written after the request finishes, and counted once the agent indexed them
         text = httpx.get(base_url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}, timeout=30).text
-        units = _gauge_sum(text, "tide_cache_units", tier="ssd")
+        units = _gauge_sum(text, "tide:cache_units", tier="ssd")
         on_disk = sum(p.stat().st_size for p in (tide_home / "cache").rglob("*")
                       if p.is_file() and p.suffix in (".seg", ".unit"))
-        if units >= 3 and _gauge_sum(text, "tide_cache_bytes", tier="ssd") == on_disk or time.monotonic() > deadline:
+        if units >= 3 and _gauge_sum(text, "tide:cache_bytes", tier="ssd") == on_disk or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert units >= 3 and on_disk > 0
-    assert _gauge_sum(text, "tide_cache_bytes", tier="ssd") == on_disk  # the agents' bytes are the files' bytes
-    assert 'tide_prompt_tokens_total{source="compute"}' in text
-    assert "tide_time_to_first_token_seconds_bucket" in text
-    assert "tide_engine_queued" in text and "tide_time_per_output_token_seconds_bucket" in text
+    assert _gauge_sum(text, "tide:cache_bytes", tier="ssd") == on_disk  # the agents' bytes are the files' bytes
+    assert _gauge_sum(text, "tide:prompt_tokens_total", source="compute") > 0
+    assert _gauge_sum(text, "tide:generation_tokens_total") >= 4
+    assert _gauge_sum(text, "tide:request_success_total", status="ok") >= 2
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds"):
+        assert _gauge_sum(text, f"tide:{histogram}_count") >= 2, histogram
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert samples and all(s.labels.get("model_name") == "tiny" for s in samples)  # on every series
+    # one series per replica, from each replica's heartbeat
+    from ray import serve
+
+    replicas = serve.status().applications["tideserve"].deployments["LLMServer"].replica_states["RUNNING"]
+    for name in ("tide:num_requests_running", "tide:num_requests_waiting", "tide:kv_cache_usage_perc"):
+        series = [s for s in samples if s.name == name]
+        assert len(series) == replicas and {s.labels["deployment"] for s in series} == {"LLMServer"}, series
+        assert len({s.labels["replica"] for s in series}) == replicas
+    assert all(0.0 <= s.value <= 1.0 for s in samples if s.name == "tide:kv_cache_usage_perc")
     import torch
 
     if not torch.cuda.is_available():
-        assert "tide_gpus 0.0" in text  # absent GPUs are reported as absent
+        assert _gauge_sum(text, "tide:gpus") == 0  # absent GPUs are reported as absent
     json.dumps(text)
+
+
+def test_the_dashboards_queries_return_data_from_a_real_prometheus(base_url, client, tmp_path):
+    """A real Prometheus scrapes /metrics (with a key, as the PodMonitor does) while requests run;
+    every query of the shipped Grafana dashboard returns data."""
+    import shutil
+    import subprocess
+    import time
+    from urllib.parse import urlparse
+
+    import yaml
+
+    from tests.conftest import require
+
+    exe = shutil.which("prometheus")
+    require(exe is not None, "prometheus is not installed (Debian package prometheus)")
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "tideserve.json").read_text())
+    target = urlparse(base_url)
+    port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "tideserve", "metrics_path": "/metrics",
+                            "authorization": {"credentials": "sk-alpha"},
+                            "static_configs": [{"targets": [f"{target.hostname}:{target.port}"]}]}]}))
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def query(expr: str) -> list:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": expr}, timeout=10).json()
+        except httpx.HTTPError:
+            return []
+        assert r["status"] == "success", (expr, r)
+        return r["data"]["result"]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not [x for x in query('up{job="tideserve"}') if x["value"][1] == "1"]:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()
+            time.sleep(0.5)
+        for i in range(6):  # a short load, spread over a few scrapes
+            client.completions.create(model="tiny", prompt=f"dashboard {i} " * 12, max_tokens=4, temperature=0)
+            time.sleep(0.5)
+        exprs = [t["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".*")
+                 for panel in dashboard["panels"] for t in panel["targets"]]
+        deadline = time.monotonic() + 60
+        while (empty := [e for e in exprs if not query(e)]) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert empty == []
+        (model,) = {x["metric"]["model_name"] for x in query("tide:generation_tokens_total")}
+        assert model == "tiny"  # the dashboard's model variable lists the served model
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
 
 
 def test_finished_requests_are_logged_for_tide_stats(client, tide_home):

@@ -96,7 +96,7 @@ def test_prefill_hands_off_to_decode_replicas_by_free_kv(base_url):
 
 def _handoffs(url: str) -> float:
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tide_pd_handoffs_total"))
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tide:pd_handoffs_total"))
 
 
 def test_a_request_that_ends_at_its_first_token_never_reaches_the_decode_pool(base_url):

@@ -86,7 +86,8 @@ def _check_model(data, type_name: str, path: str) -> None:
     ApiClient()._ApiClient__deserialize(data, type_name)
 
 
-@pytest.mark.parametrize("name, doc", [d for d in DOCS if d[1]["kind"] not in CRDS], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("name, doc", [d for d in DOCS if d[1]["kind"] not in CRDS and d[1]["kind"] != "PodMonitor"],
+                         ids=lambda v: v if isinstance(v, str) else "")
 def test_core_resources_validate_against_the_kubernetes_models(name, doc):
     pytest.importorskip("kubernetes")
     _check_model(doc, _core_model(doc), name)
@@ -148,7 +149,10 @@ def test_kustomization_renders():
     r = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
-    assert len(rendered) == len(DOCS)
+    generated = yaml.safe_load((K8S / "kustomization.yaml").read_text())["configMapGenerator"]
+    assert len(rendered) == len(DOCS) + len(generated)  # + the dashboard's ConfigMap
+    dashboard = next(d for d in rendered if d["kind"] == "ConfigMap")
+    assert json.loads(dashboard["data"]["tideserve.json"])["uid"] == "tideserve"
     assert all(d["metadata"].get("namespace") == "tideserve" for d in rendered if d["kind"] != "Namespace")
 
 
@@ -238,3 +242,39 @@ def test_the_rayservice_uses_no_removed_fields_and_says_who_scales_and_upgrades(
     assert not {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} & set(spec)
     assert spec["upgradeStrategy"]["type"] in ("None", "NewCluster", "NewClusterWithIncrementalUpgrade")
     assert spec["rayClusterConfig"]["enableInTreeAutoscaling"] is False  # `tide scale` owns worker counts
+
+
+def test_the_pod_monitors_select_the_rayservice_pods_and_ports():
+    monitors = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "PodMonitor"}
+    assert set(monitors) == {"tideserve-api", "tideserve-ray"}
+    assert all(d["apiVersion"] == "monitoring.coreos.com/v1" for d in monitors.values())
+    svc = next(d for _, d in DOCS if d["kind"] == "RayService")
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    (api,) = monitors["tideserve-api"]["spec"]["podMetricsEndpoints"]
+    assert api["port"] in {p["name"] for p in head["ports"]} and api["path"] == "/metrics"
+    assert api["authorization"]["credentials"]["name"] == "tideserve-metrics-key"  # /metrics needs a key
+    assert monitors["tideserve-api"]["spec"]["selector"]["matchLabels"]["ray.io/node-type"] == "head"
+    (ray_endpoint,) = monitors["tideserve-ray"]["spec"]["podMetricsEndpoints"]
+    assert ray_endpoint["port"] == "metrics"  # the port KubeRay adds to every Ray container
+
+
+def test_the_dashboard_ships_as_a_configmap_and_queries_only_series_that_exist():
+    from deploy.metrics import IngressMetrics
+
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (gen,) = kustomization["configMapGenerator"]
+    assert gen["options"]["labels"] == {"grafana_dashboard": "1"}  # Grafana's sidecar picks it up
+    assert "monitoring.yaml" in kustomization["resources"]
+    dashboard = json.loads((K8S / gen["files"][0]).read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = set(re.findall(r"tide:[a-z0-9_]+", " ".join(exprs)))
+    exported = {m.name for m in IngressMetrics("m").registry.collect()}
+    histograms = {m.name for m in IngressMetrics("m").registry.collect() if m.type == "histogram"}
+    counters = {m.name for m in IngressMetrics("m").registry.collect() if m.type == "counter"}
+    for name in used:
+        base = name.removesuffix("_bucket") if name.removesuffix("_bucket") in histograms else name
+        base = base.removesuffix("_total") if base.removesuffix("_total") in counters else base
+        assert base in exported, name
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("tokens", "first token", "inter-token", "cache", "kv", "queue", "nodes serving vs lent"):
+        assert topic in titles, topic

@@ -1,0 +1,121 @@
+"""The Prometheus series the ingress serves at ``/metrics``: ``tide:*``, each with a
+``model_name`` label, named after the vLLM series that dashboards, autoscalers and the Gateway
+API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning is the same).
+
+| tide | vLLM | what |
+| --- | --- | --- |
+| ``tide:num_requests_running{deployment,replica,node}`` | ``vllm:num_requests_running`` | sequences in a replica's batch |
+| ``tide:num_requests_waiting{deployment,replica,node}`` | ``vllm:num_requests_waiting`` | sequences queued for prefill |
+| ``tide:kv_cache_usage_perc{deployment,replica,node}`` | ``vllm:kv_cache_usage_perc`` | KV pages in use (0..1) |
+| ``tide:prompt_tokens_total{source}`` | ``vllm:prompt_tokens_total`` (the sum over sources) | prompt tokens by where their KV came from |
+| ``tide:generation_tokens_total`` | ``vllm:generation_tokens_total`` | generated tokens |
+| ``tide:request_success_total{status}`` | ``vllm:request_success_total`` | finished requests, ok or error |
+| ``tide:time_to_first_token_seconds`` | ``vllm:time_to_first_token_seconds`` | histogram, at the ingress |
+| ``tide:inter_token_latency_seconds`` | ``vllm:inter_token_latency_seconds`` | histogram, at the ingress |
+| ``tide:e2e_request_latency_seconds`` | ``vllm:e2e_request_latency_seconds`` | histogram, at the ingress |
+| ``tide:request_queue_time_seconds`` | ``vllm:request_queue_time_seconds`` | histogram: arrival at a replica to its first step |
+| ``tide:requests_in_flight`` | (none) | requests this ingress is streaming |
+| ``tide:nodes{role}`` | (none) | alive Ray nodes by day/night role: serving, draining, migrate, lent |
+
+The per-replica series come from the replicas' heartbeats (``actors.tidal.TidalState``), one
+series per replica, so a multi-replica app reports each replica rather than whichever one a
+scrape reached. tideserve's own: ``tide:requests_continued_total``, ``tide:pd_handoffs_total``,
+``tide:cache_bytes`` / ``tide:cache_units{node,tier}``, ``tide:gpus`` and ``tide:gpu_*{gpu}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["IngressMetrics"]
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _Family:
+    """A labelled metric with ``model_name`` filled in: ``family(*other_labels)`` is the child."""
+
+    def __init__(self, metric: Any, model: str) -> None:
+        self.metric, self.model = metric, model
+
+    def __call__(self, *labels: str) -> Any:
+        return self.metric.labels(self.model, *labels)
+
+    def clear(self) -> None:
+        self.metric.clear()
+
+
+class IngressMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+
+        def family(kind, name: str, doc: str, labels: list[str], **kw) -> _Family:
+            return _Family(kind(name, doc, m + labels, registry=r, **kw), model_name)
+
+        def one(kind, name: str, doc: str, **kw):
+            return kind(name, doc, m, registry=r, **kw).labels(model_name)
+
+        replica = ["deployment", "replica", "node"]
+        self.num_running = family(Gauge, "tide:num_requests_running", "sequences in a replica's decode batch", replica)
+        self.num_waiting = family(Gauge, "tide:num_requests_waiting", "sequences a replica has queued for prefill",
+                                  replica)
+        self.kv_usage = family(Gauge, "tide:kv_cache_usage_perc", "fraction of a replica's KV pages in use", replica)
+        self.prompt_tokens = family(Counter, "tide:prompt_tokens", "prompt tokens by where their KV came from",
+                                    ["source"])
+        self.generation_tokens = one(Counter, "tide:generation_tokens", "generated tokens")
+        self.requests = family(Counter, "tide:request_success", "finished requests", ["status"])
+        self.continued = one(Counter, "tide:requests_continued", "requests moved to another replica mid-stream")
+        self.handoffs = one(Counter, "tide:pd_handoffs", "requests a prefill replica handed to the decode pool (P/D)")
+        self.in_flight = one(Gauge, "tide:requests_in_flight", "requests this ingress is streaming")
+        self.ttft = one(Histogram, "tide:time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS)
+        self.itl = one(Histogram, "tide:inter_token_latency_seconds", "time between output tokens",
+                       buckets=TOKEN_BUCKETS)
+        self.e2e = one(Histogram, "tide:e2e_request_latency_seconds", "request latency, arrival to last token",
+                       buckets=E2E_BUCKETS)
+        self.queue_time = one(Histogram, "tide:request_queue_time_seconds",
+                              "arrival at a replica to the first step that takes it up", buckets=LATENCY_BUCKETS)
+        self.tier_bytes = family(Gauge, "tide:cache_bytes", "prompt-cache bytes a node holds per tier", ["node", "tier"])
+        self.tier_units = family(Gauge, "tide:cache_units", "prompt-cache units a node holds per tier", ["node", "tier"])
+        self.nodes = family(Gauge, "tide:nodes", "alive Ray nodes by day/night role", ["role"])
+        self.gpus = one(Gauge, "tide:gpus", "NVIDIA GPUs a replica's node reports (0: absent)")
+        self.gpu_memory_used = family(Gauge, "tide:gpu_memory_used_bytes", "GPU memory used", ["gpu"])
+        self.gpu_memory_total = family(Gauge, "tide:gpu_memory_total_bytes", "GPU memory", ["gpu"])
+        self.gpu_utilization = family(Gauge, "tide:gpu_utilization", "GPU busy fraction", ["gpu"])
+        self.gpu_temperature = family(Gauge, "tide:gpu_temperature_celsius", "GPU temperature", ["gpu"])
+
+    def replicas(self, reports: dict[str, dict]) -> None:
+        """One series per replica that reported lately (``TidalState.replica_reports``: actor
+        name -> heartbeat with its ``stats``); a replica that stopped reporting has none."""
+        for f in (self.num_running, self.num_waiting, self.kv_usage):
+            f.clear()
+        for name, report in reports.items():
+            stats = report.get("stats") or {}
+            labels = (_deployment(name), name.rsplit("#", 1)[-1], str(report.get("node_id", ""))[:12])
+            self.num_running(*labels).set(stats.get("running", 0))
+            self.num_waiting(*labels).set(stats.get("waiting", 0))
+            if "kv_usage" in stats:
+                self.kv_usage(*labels).set(stats["kv_usage"])
+
+    def node_roles(self, alive: list[str], roles: dict[str, str]) -> None:
+        """``alive`` node ids; ``roles``: ``TidalState.roles`` (a node without one serves)."""
+        from actors.tidal import ROLES
+
+        counts = dict.fromkeys(ROLES, 0)
+        for node in alive:
+            counts[roles.get(node, "serving")] += 1
+        for role, n in counts.items():
+            self.nodes(role).set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _deployment(actor_name: str) -> str:
+    """A Serve replica actor's deployment (``SERVE_REPLICA::app#deployment#id``)."""
+    parts = actor_name.split("#")
+    return parts[1] if len(parts) == 3 else actor_name

@@ -1,0 +1,55 @@
+"""The ingress's Prometheus series: names, the model label, one series per replica."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from deploy.metrics import IngressMetrics
+
+
+def _samples(m: IngressMetrics) -> list:
+    return [s for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples]
+
+
+def _report(node: str, running: int, waiting: int, kv: float) -> dict:
+    return {"node_id": node, "stats": {"running": running, "waiting": waiting, "kv_usage": kv}}
+
+
+def test_each_replica_is_a_series_and_a_replica_that_stopped_reporting_is_none():
+    m = IngressMetrics("deepseek")
+    m.replicas({"SERVE_REPLICA::tideserve#LLMServer#a1": _report("n" * 20, 3, 1, 0.25),
+                "SERVE_REPLICA::tideserve#LLMServer#b2": _report("m" * 20, 0, 0, 0.0),
+                "SERVE_REPLICA::tideserve#LLMDecode#c3": _report("m" * 20, 7, 0, 0.5)})
+    running = {(s.labels["deployment"], s.labels["replica"]): s.value for s in _samples(m)
+               if s.name == "tide:num_requests_running"}
+    assert running == {("LLMServer", "a1"): 3, ("LLMServer", "b2"): 0, ("LLMDecode", "c3"): 7}
+    kv = {s.labels["replica"]: s.value for s in _samples(m) if s.name == "tide:kv_cache_usage_perc"}
+    assert kv == {"a1": 0.25, "b2": 0.0, "c3": 0.5}
+    assert {s.labels["node"] for s in _samples(m) if s.name == "tide:num_requests_waiting"} == {"n" * 12, "m" * 12}
+    m.replicas({"SERVE_REPLICA::tideserve#LLMServer#a1": _report("n" * 20, 1, 0, 0.1)})
+    assert [s.labels["replica"] for s in _samples(m) if s.name == "tide:num_requests_running"] == ["a1"]
+
+
+def test_every_series_carries_the_model_and_the_vllm_names():
+    m = IngressMetrics("deepseek")
+    m.prompt_tokens("compute").inc(5)
+    m.generation_tokens.inc(2)
+    m.requests("ok").inc()
+    m.ttft.observe(0.1)
+    m.itl.observe(0.01)
+    m.e2e.observe(1.0)
+    m.tier_bytes("node", "ssd").set(10)
+    samples = _samples(m)
+    assert samples and all(s.labels["model_name"] == "deepseek" for s in samples)
+    names = {s.name for s in samples}
+    for name in ("tide:prompt_tokens_total", "tide:generation_tokens_total", "tide:request_success_total",
+                 "tide:time_to_first_token_seconds_count", "tide:inter_token_latency_seconds_count",
+                 "tide:e2e_request_latency_seconds_count", "tide:cache_bytes", "tide:requests_in_flight"):
+        assert name in names, name
+
+
+def test_nodes_by_role_count_every_alive_node_once():
+    m = IngressMetrics("deepseek")
+    m.node_roles(["a", "b", "c", "d"], {"b": "lent", "c": "draining", "gone": "lent"})
+    nodes = {s.labels["role"]: s.value for s in _samples(m) if s.name == "tide:nodes"}
+    assert nodes == {"serving": 2, "draining": 1, "migrate": 0, "lent": 1}
