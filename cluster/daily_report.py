@@ -24,7 +24,7 @@ from zoneinfo import ZoneInfo
 
 from cluster.scaling import Schedule
 
-__all__ = ["NodeSample", "Prices", "JsonlLog", "UsageRecord", "daily_report", "log_files", "read_jsonl"]
+__all__ = ["NodeSample", "Prices", "JsonlLog", "UsageRecord", "daily_report", "log_files", "read_jsonl", "timeline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,3 +176,30 @@ def _node_stats(nodes: list[NodeSample], start: float, end: float) -> tuple[int 
         area += a.serving_nodes * (b.now_s - a.now_s)
     span = end - steps[0].now_s
     return max(n.serving_nodes for n in steps), (area / span if span > 0 else float(steps[-1].serving_nodes)), area / 3600
+
+
+def timeline(usage: list[UsageRecord], nodes: list[NodeSample], window_s: float, now_s: float,
+             bins: int = 24) -> dict:
+    """The window in ``bins`` equal slices (DeepSeek's daily chart): per slice its start (Unix
+    time), input, cache-hit and output tokens of the requests that finished in it, the cache hit
+    rate (None without input) and the serving nodes at its start (None before the first sample)."""
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    start, width = now_s - window_s, window_s / bins
+    input_tokens, hit, output = [0] * bins, [0] * bins, [0] * bins
+    for u in usage:
+        if start <= u.end_s <= now_s:
+            i = min(bins - 1, int((u.end_s - start) // width))
+            input_tokens[i] += u.prompt_tokens
+            hit[i] += u.cached_tokens
+            output[i] += u.completion_tokens
+    samples = sorted(nodes, key=lambda n: n.now_s)
+    starts = [start + i * width for i in range(bins)]
+    serving = []
+    for t in starts:
+        before = [n.serving_nodes for n in samples if n.now_s <= t]
+        serving.append(before[-1] if before else None)
+    return {"start_s": starts, "width_s": width, "input_tokens": input_tokens, "cache_hit_tokens": hit,
+            "output_tokens": output, "cache_hit_rate": [h / i if i else None for h, i in zip(hit, input_tokens, strict=True)],
+            "serving_nodes": serving}
+

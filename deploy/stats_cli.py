@@ -22,6 +22,7 @@ from cluster.daily_report import (
     daily_report,
     log_files,
     read_jsonl,
+    timeline,
 )
 from cluster.scaling import Schedule
 
@@ -48,6 +49,9 @@ def stats(
     timezone: str = typer.Option("Asia/Shanghai", "--tz", help="timezone of --night"),
     now: float = typer.Option(None, "--now", help="end of the window as Unix time (default: now)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    plot: Path = typer.Option(None, "--plot", help="also draw the daily chart (serving nodes, tokens, cache hit rate) "
+                              "into this file (.png/.svg/.pdf; needs matplotlib: tideserve[plot])"),
+    bins: int = typer.Option(24, "--bins", min=1, max=10_000, help="--plot: slices of the window"),
 ) -> None:
     """Input tokens, cache-hit tokens and rate, output tokens, average output tokens/s per request,
     average KV length, serving nodes peak/average, theoretical revenue against node-hour cost."""
@@ -66,7 +70,19 @@ def stats(
     prices = Prices(price_hit, price_miss, price_output, node_hour_cost, night_discount, schedule)
     usage = read_jsonl(log_files(usage_dir), UsageRecord)
     nodes = read_jsonl(log_files(nodes_log.parent, nodes_log.name), NodeSample)
-    report = daily_report(usage, nodes, window_s, now if now is not None else time.time(), prices)
+    end_s = now if now is not None else time.time()
+    report = daily_report(usage, nodes, window_s, end_s, prices)
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise typer.BadParameter(f"--plot {str(plot)!r}: the file must end in .png, .svg or .pdf")
+        from deploy.stats_plot import plot_timeline
+
+        try:
+            plot_timeline(timeline(usage, nodes, window_s, end_s, bins), plot, timezone,
+                          title=f"tideserve, {report['window_start'][:16]} .. {report['window_end'][:16]} UTC")
+        except ImportError as e:
+            raise typer.BadParameter(str(e)) from None
+        report["plot"] = str(plot)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return

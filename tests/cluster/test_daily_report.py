@@ -76,3 +76,21 @@ def test_the_usage_log_rotates_within_its_bound_and_reads_back_in_order(tmp_path
     assert all(f.stat().st_size <= 2000 for f in files)
     back = read_jsonl(files, UsageRecord)
     assert back == records[-len(back):] and len(back) > 3 * 2000 // 200  # the newest, in order, none lost between files
+
+
+def test_the_timeline_slices_the_window_and_steps_the_nodes():
+    from cluster.daily_report import timeline
+
+    t0 = 1_800_000_000.0
+    usage = [UsageRecord(t0 + 10, 100, 60, 5, 1.0), UsageRecord(t0 + 3599, 50, 0, 2, 1.0),
+             UsageRecord(t0 + 3 * 3600 - 1, 10, 10, 1, 1.0), UsageRecord(t0 - 5, 999, 0, 9, 1.0)]  # the last before
+    nodes = [NodeSample(t0 - 100, 4), NodeSample(t0 + 3600, 2)]
+    s = timeline(usage, nodes, 3 * 3600, t0 + 3 * 3600, bins=3)
+    assert s["start_s"] == [t0, t0 + 3600, t0 + 7200] and s["width_s"] == 3600
+    assert s["input_tokens"] == [150, 0, 10] and s["cache_hit_tokens"] == [60, 0, 10]
+    assert s["output_tokens"] == [7, 0, 1]
+    assert s["cache_hit_rate"] == [0.4, None, 1.0]
+    assert s["serving_nodes"] == [4, 2, 2]
+    assert timeline(usage, [], 3600, t0, bins=1)["serving_nodes"] == [None]
+    with pytest.raises(ValueError, match="bins"):
+        timeline(usage, nodes, 3600, t0, bins=0)

@@ -103,3 +103,15 @@ def test_stats_table_and_bad_arguments(replayed):
     assert r.returncode == 2 and "'yesterday'" in r.stderr
     r = _tide("stats", "--usage-dir", "/nonexistent", env=env)
     assert r.returncode == 2 and "/nonexistent" in r.stderr.replace("\n", "").replace("│", "")
+
+
+def test_stats_plot_draws_the_daily_chart(replayed, tmp_path):
+    env = {"TIDE_HOME": str(replayed)}
+    png = tmp_path / "day.png"
+    r = _tide("stats", "--now", str(T0 + 20 * 3600), "--plot", str(png), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["plot"] == str(png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000  # a drawn chart, not an empty canvas
+    r = _tide("stats", "--plot", str(tmp_path / "day.txt"), env=env)
+    assert r.returncode == 2 and "day.txt" in r.stderr
