@@ -11,7 +11,7 @@ The trace is scaled down so it runs on a small machine: each 512-token ``hash_id
 from the hash id, so equal blocks are equal token runs and prefixes are shared exactly as in the
 trace; prompts are capped at ``max_prompt_tokens`` and outputs at ``max_tokens``. Requests are
 replayed in trace order by ``concurrency`` clients (closed loop). Token sources come from the
-ingress's ``tide_prompt_tokens_total`` counters; TTFT is measured by the client (streaming).
+ingress's ``tide:prompt_tokens_total`` counters; TTFT is measured by the client (streaming).
 """
 
 from __future__ import annotations
@@ -88,10 +88,12 @@ async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int,
 
 def _source_tokens(url: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("tide_prompt_tokens_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = float(line.split()[-1])
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "tide:prompt_tokens_total":
+                out[sample.labels["source"]] = out.get(sample.labels["source"], 0.0) + sample.value
     return out
 
 

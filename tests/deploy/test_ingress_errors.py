@@ -46,10 +46,11 @@ class _Response:
 
 
 def _ingress(handle):
-    from deploy.openai_api import OpenAIIngress, _Metrics
+    from deploy.metrics import IngressMetrics
+    from deploy.openai_api import OpenAIIngress
 
     ing = object.__new__(OpenAIIngress)
-    ing.server, ing.model_name, ing.metrics, ing.directory, ing.decode = handle, "tiny", _Metrics(), None, None
+    ing.server, ing.model_name, ing.metrics, ing.directory, ing.decode = handle, "tiny", IngressMetrics("tiny"), None, None
     return ing
 
 
