@@ -343,7 +343,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         # the ingress plans each request's prefix for the cache-aware router only
         "directory": directory if a.router == "cache-aware" else DirectorySection(),
         "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,
-        "public_paths": a.public_paths,
+        "public_paths": a.public_paths, "expert_parallel": bool(a.expert_shards),
     }
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
                                max_ongoing_requests=256)

@@ -16,6 +16,8 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:request_queue_time_seconds`` | ``vllm:request_queue_time_seconds`` | histogram: arrival at a replica to its first step |
 | ``tide:requests_in_flight`` | (none) | requests this ingress is streaming |
 | ``tide:nodes{role}`` | (none) | alive Ray nodes by day/night role: serving, draining, migrate, lent |
+| ``tide:ep_placement_version``, ``tide:ep_shards`` | (none) | expert parallelism: the placement served, over how many shards |
+| ``tide:ep_rebalances``, ``tide:ep_moved_slots`` | (none) | EPLB rebalances and expert slots whose weights moved, since the control started |
 
 The per-replica series come from the replicas' heartbeats (``actors.tidal.TidalState``), one
 series per replica, so a multi-replica app reports each replica rather than whichever one a
@@ -82,6 +84,11 @@ class IngressMetrics:
         self.tier_bytes = family(Gauge, "tide:cache_bytes", "prompt-cache bytes a node holds per tier", ["node", "tier"])
         self.tier_units = family(Gauge, "tide:cache_units", "prompt-cache units a node holds per tier", ["node", "tier"])
         self.nodes = family(Gauge, "tide:nodes", "alive Ray nodes by day/night role", ["role"])
+        self.ep_version = one(Gauge, "tide:ep_placement_version", "the expert placement the replicas serve")
+        self.ep_shards = one(Gauge, "tide:ep_shards", "expert shards the placement spreads the experts over")
+        self.ep_rebalances = one(Gauge, "tide:ep_rebalances", "EPLB rebalances since the control started")
+        self.ep_moved_slots = one(Gauge, "tide:ep_moved_slots",
+                                  "expert slots whose weights moved in rebalances since the control started")
         self.gpus = one(Gauge, "tide:gpus", "NVIDIA GPUs a replica's node reports (0: absent)")
         self.gpu_memory_used = family(Gauge, "tide:gpu_memory_used_bytes", "GPU memory used", ["gpu"])
         self.gpu_memory_total = family(Gauge, "tide:gpu_memory_total_bytes", "GPU memory", ["gpu"])
@@ -110,6 +117,14 @@ class IngressMetrics:
             counts[roles.get(node, "serving")] += 1
         for role, n in counts.items():
             self.nodes(role).set(n)
+
+    def expert_placement(self, info: dict) -> None:
+        """``actors.ep_control.EPControl.info`` of the app's control."""
+        if info.get("version") is not None:
+            self.ep_version.set(info["version"])
+        self.ep_shards.set(info.get("num_shards", 0))
+        self.ep_rebalances.set(info.get("rebalances", 0))
+        self.ep_moved_slots.set(info.get("moved_slots", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -198,6 +198,7 @@ class OpenAIIngress:
                                     PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas,
                                     lim.body_timeout_s)
         self.metrics = IngressMetrics(cfg["model_name"])
+        self.expert_parallel = bool(cfg.get("expert_parallel"))  # /metrics reports the expert placement
         self.directory = self.namespace = None
         directory: DirectorySection = cfg.get("directory") or DirectorySection()
         if directory.url:
@@ -670,6 +671,15 @@ class OpenAIIngress:
             self.metrics.node_roles(alive, await state.roles.remote())
         except Exception as e:  # noqa: BLE001 - no day/night state: the other series still serve
             log.warning("replica reports unavailable for /metrics: %s", e)
+        if self.expert_parallel:
+            try:
+                from deploy.ep_admin import find_ep_control
+
+                control = await asyncio.to_thread(find_ep_control, 5.0)
+                if control is not None:
+                    self.metrics.expert_placement(await control.info.remote())
+            except Exception as e:  # noqa: BLE001 - the control restarts: the other series still serve
+                log.warning("expert placement unavailable for /metrics: %s", e)
         try:  # the nodes' cache tiers and GPUs, through one replica
             stats = await self.server.stats.remote()
             for node, cache in (await self._node_caches(stats)).items():

@@ -482,6 +482,8 @@ def test_metrics(base_url, client, tide_home):
         assert len(series) == replicas and {s.labels["deployment"] for s in series} == {"LLMServer"}, series
         assert len({s.labels["replica"] for s in series}) == replicas
     assert all(0.0 <= s.value <= 1.0 for s in samples if s.name == "tide:kv_cache_usage_perc")
+    # the app serves with two expert shards: its placement is a series too
+    assert _gauge_sum(text, "tide:ep_shards") == 2 and _gauge_sum(text, "tide:ep_placement_version") > 0
     import torch
 
     if not torch.cuda.is_available():

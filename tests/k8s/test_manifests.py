@@ -276,5 +276,5 @@ def test_the_dashboard_ships_as_a_configmap_and_queries_only_series_that_exist()
         base = base.removesuffix("_total") if base.removesuffix("_total") in counters else base
         assert base in exported, name
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for topic in ("tokens", "first token", "inter-token", "cache", "kv", "queue", "nodes serving vs lent"):
+    for topic in ("tokens", "first token", "inter-token", "cache", "kv", "queue", "nodes serving vs lent", "expert"):
         assert topic in titles, topic
