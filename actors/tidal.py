@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-__all__ = ["TidalState", "lease_name", "lease_node", "jobs_client", "release_lease", "stop_training", "submit_training", "tidal_state"]
+__all__ = ["TidalState", "lease_name", "lease_node", "jobs_client", "release_lease", "stop_training", "submit_training", "tidal_state", "wait_job"]
 
 NAMESPACE = "tideserve"
 STATE_NAME = "tideserve-tidal"
@@ -123,18 +123,23 @@ def submit_training(nodes: list[str], train: dict[str, Any]) -> str:
     )
 
 
-def stop_training(job_id: str, deadline_s: float = 60.0, dashboard: str | None = None) -> str:
-    """SIGTERM the job (the trainer checkpoints and exits), wait for it to end; its final status."""
+def wait_job(client, job_id: str, timeout_s: float) -> str:
+    """Poll the job until it ends or ``timeout_s`` passes; its status then (``SUCCEEDED``,
+    ``STOPPED``, ``RUNNING``...)."""
     from ray.job_submission import JobStatus
 
-    client = jobs_client(dashboard)
-    if not client.get_job_status(job_id).is_terminal():
-        client.stop_job(job_id)
-    deadline = time.monotonic() + deadline_s
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not client.get_job_status(job_id).is_terminal():
         time.sleep(0.25)
-    if not client.get_job_status(job_id).is_terminal():
-        client.stop_job(job_id)  # again: Ray kills it after its own grace period
     status = client.get_job_status(job_id)
     return status.value if isinstance(status, JobStatus) else str(status)
 
+
+def stop_training(job_id: str, deadline_s: float = 60.0, dashboard: str | None = None) -> str:
+    """SIGTERM the job (the trainer checkpoints and exits), wait for it to end; its final status."""
+    client = jobs_client(dashboard)
+    if not client.get_job_status(job_id).is_terminal():
+        client.stop_job(job_id)
+    if wait_job(client, job_id, deadline_s) in ("PENDING", "RUNNING"):
+        client.stop_job(job_id)  # again: Ray kills it after its own grace period
+    return wait_job(client, job_id, 0.0)

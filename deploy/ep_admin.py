@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
-__all__ = ["EP_CONTROL_PREFIX", "ep_control_name", "find_ep_control"]
+__all__ = ["EP_CONTROL_PREFIX", "ep_control_name", "find_ep_control", "find_ep_control_info"]
 
 EP_CONTROL_PREFIX = "tideserve-ep-control-"  # detached, in the "tideserve" namespace
 
@@ -20,17 +21,23 @@ def ep_control_name(checkpoint: str) -> str:
 def find_ep_control(timeout_s: float = 30.0):
     """The running app's control (the one most replicas follow, during a roll-over), or None
     when the app does not use expert shards. Needs a connected Ray driver."""
+    found = find_ep_control_info(timeout_s)
+    return found[0] if found is not None else None
+
+
+def find_ep_control_info(timeout_s: float = 30.0) -> tuple[Any, dict] | None:
+    """``find_ep_control``'s control with the ``info`` it was chosen by, or None."""
     import ray
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == "tideserve" and a["name"].startswith(EP_CONTROL_PREFIX)]
-    best, most = None, -1
+    best = None
     for name in names:
         try:
             control = ray.get_actor(name, namespace="tideserve")
-            replicas = len(ray.get(control.info.remote(), timeout=timeout_s)["replicas"])
+            info = ray.get(control.info.remote(), timeout=timeout_s)
         except (ValueError, ray.exceptions.RayError):  # gone meanwhile
             continue
-        if replicas > most:
-            best, most = control, replicas
+        if best is None or len(info["replicas"]) > len(best[1]["replicas"]):
+            best = (control, info)
     return best

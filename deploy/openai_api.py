@@ -673,11 +673,11 @@ class OpenAIIngress:
             log.warning("replica reports unavailable for /metrics: %s", e)
         if self.expert_parallel:
             try:
-                from deploy.ep_admin import find_ep_control
+                from deploy.ep_admin import find_ep_control_info
 
-                control = await asyncio.to_thread(find_ep_control, 5.0)
-                if control is not None:
-                    self.metrics.expert_placement(await control.info.remote())
+                found = await asyncio.to_thread(find_ep_control_info, 5.0)
+                if found is not None:
+                    self.metrics.expert_placement(found[1])
             except Exception as e:  # noqa: BLE001 - the control restarts: the other series still serve
                 log.warning("expert placement unavailable for /metrics: %s", e)
         try:  # the nodes' cache tiers and GPUs, through one replica

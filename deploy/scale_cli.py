@@ -105,7 +105,7 @@ def _drain_by_job(dashboard: str, deadline_s: float, timeout_s: float = 600.0):
     is not a Ray node); returns what it printed."""
     import shlex
 
-    from actors.tidal import jobs_client
+    from actors.tidal import jobs_client, wait_job
     from deploy.k8s_scale import K8sScaleError
 
     def drain(pods: list[str], n: int) -> dict:
@@ -113,17 +113,14 @@ def _drain_by_job(dashboard: str, deadline_s: float, timeout_s: float = 600.0):
         cmd = [sys.executable, "-m", "deploy.cli", "drain", "--pods", ",".join(pods), "--count", str(n),
                "--deadline", str(deadline_s), "--json"]
         job_id = client.submit_job(entrypoint=shlex.join(cmd))
-        stop = time.monotonic() + deadline_s + timeout_s
-        while not client.get_job_status(job_id).is_terminal():
-            if time.monotonic() > stop:
-                client.stop_job(job_id)
-                raise K8sScaleError(f"the drain job {job_id} on {dashboard} did not finish in "
-                                    f"{deadline_s + timeout_s:.0f} s")
-            time.sleep(0.5)
+        status = wait_job(client, job_id, deadline_s + timeout_s)
+        if status in ("PENDING", "RUNNING"):
+            client.stop_job(job_id)
+            raise K8sScaleError(f"the drain job {job_id} on {dashboard} did not finish in "
+                                f"{deadline_s + timeout_s:.0f} s")
         logs = client.get_job_logs(job_id)
-        status = client.get_job_status(job_id)
         lines = [x for x in logs.splitlines() if x.startswith("{")]
-        if str(status.value if hasattr(status, "value") else status) != "SUCCEEDED" or not lines:
+        if status != "SUCCEEDED" or not lines:
             raise K8sScaleError(f"the drain job {job_id} on {dashboard} ended {status}: {logs.strip()[-800:]}")
         return json.loads(lines[-1])
 

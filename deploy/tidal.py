@@ -137,14 +137,17 @@ def lend_nodes(
     to whoever owns the app's config (KubeRay's ``serveConfigV2``). Returns the lent nodes,
     serving replicas (per deployment in ``replicas``) and the job id."""
     state = tidal_state()
-    alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
-    ray.get(state.drop.remote([x for x in ray.get(state.roles.remote()) if x not in alive]))  # pods gone for good
+    alive = [x for x in ray.nodes() if x["Alive"]]
     roles = ray.get(state.roles.remote())
+    gone = [x for x in roles if x not in {a["NodeID"] for a in alive}]  # pods deleted on a Kubernetes night
+    if gone:
+        ray.get(state.drop.remote(gone))
+        roles = {x: r for x, r in roles.items() if x not in gone}
     replicas = ray.get(state.replica_reports.remote())  # actor name -> report, fresh ones
     on_node: dict[str, list[str]] = {}
     for name, r in replicas.items():
         on_node.setdefault(r["node_id"], []).append(name)
-    head = next((x["NodeID"] for x in ray.nodes() if x["Alive"] and x.get("Resources", {}).get("node:__internal_head__")), None)
+    head = next((x["NodeID"] for x in alive if x.get("Resources", {}).get("node:__internal_head__")), None)
     serving = [node for node in on_node if roles.get(node, "serving") == "serving"]
     lendable = [x for x in serving if among is None or x in among]
     resized = None
@@ -313,8 +316,8 @@ def lend_pods(app_args: dict[str, Any], pods: list[str], n: int, deadline_s: flo
 def _proxies_drained(nodes: list[str]) -> bool:
     from ray import serve
 
-    proxies = serve.status().proxies
-    return all(getattr(proxies.get(x), "value", proxies.get(x)) in (None, "DRAINED") for x in nodes)
+    proxies = serve.status().proxies  # node -> ProxyStatus, a str enum; a drained proxy is removed
+    return all(proxies.get(x) in (None, "DRAINED") for x in nodes)
 
 
 # -- expert-parallel apps --------------------------------------------------------------------------
