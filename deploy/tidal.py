@@ -210,9 +210,10 @@ def lend_nodes(
         except ValueError:
             pass  # already gone
     # Serve must see them gone before the counts drop: else it stops other running replicas to
-    # meet the lower count, then replaces the killed ones
+    # meet the lower count, then replaces the killed ones. It notices at its next health check
+    # of each (every 10 s), later when its controller is busy
     gone = {d: running[d] - sum(1 for a in leaving if _deployment_of(a) == d) for d in target}
-    _wait(lambda: all(_running_replicas(app_name, d) <= n for d, n in gone.items()), 30.0,
+    _wait(lambda: all(_running_replicas(app_name, d) <= n for d, n in gone.items()), min(timeout_s, 120.0),
           "Serve to notice the lent nodes' replicas are gone")
     if app_args.get("expert_shards"):  # the control stops waiting for them (their id is their actor name)
         from deploy.ep_admin import find_ep_control
