@@ -80,6 +80,21 @@ def _running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
     return dep.replica_states.get("RUNNING", 0) if dep else 0
 
 
+def _serve_replicas(app_name: str) -> dict[str, tuple[str, str | None]]:
+    """Serve's own view of the app's replicas: actor name -> (state, node id)."""
+    from ray.serve._private.api import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return {}
+    app = ServeInstanceDetails(**client.get_serve_details()).applications.get(app_name)
+    if app is None:
+        return {}
+    return {r.actor_name: (str(r.state.value), r.node_id)
+            for d in app.deployments.values() for r in d.replicas if r.actor_name}
+
+
 def _deployments(app_args: dict[str, Any]) -> list[str]:
     """The app's model deployments: the replicas, and the decode pool under P/D."""
     return ["LLMServer", "LLMDecode"] if app_args.get("decode_replicas") else ["LLMServer"]
@@ -203,7 +218,6 @@ def lend_nodes(
     # 3. lease, stop the replicas, fewer replicas
     cpus = float(app_args.get("replica_cpus", 1.0))
     leases = [lease_node(x, cpus) for x in chosen]
-    running = {d: _running_replicas(app_name, d) for d in target}
     for name in leaving:
         try:
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
@@ -211,10 +225,19 @@ def lend_nodes(
             pass  # already gone
     # Serve must see them gone before the counts drop: else it stops other running replicas to
     # meet the lower count, then replaces the killed ones. It notices at its next health check
-    # of each (every 10 s), later when its controller is busy
-    gone = {d: running[d] - sum(1 for a in leaving if _deployment_of(a) == d) for d in target}
-    _wait(lambda: all(_running_replicas(app_name, d) <= n for d, n in gone.items()), min(timeout_s, 120.0),
-          "Serve to notice the lent nodes' replicas are gone")
+    # of each (every 10 s), later when its controller is busy. The killed replicas are named:
+    # a count taken before the kill races with replicas that Serve starts or replaces meanwhile
+    seen: dict[str, tuple[str, str | None]] = {}
+
+    def noticed() -> bool:
+        seen.clear()
+        seen.update(_serve_replicas(app_name))
+        return not any(seen.get(a, ("",))[0] == "RUNNING" for a in leaving)
+
+    try:
+        _wait(noticed, timeout_s, "Serve to notice the lent nodes' replicas are gone")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; Serve's replicas (state, node): {seen}; killed: {leaving}") from None
     if app_args.get("expert_shards"):  # the control stops waiting for them (their id is their actor name)
         from deploy.ep_admin import find_ep_control
 
