@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -53,3 +54,13 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_left_initialized():
+    """A module whose Ray fixture failed half-way must not leave Ray initialized in this process:
+    every later module's ``ray.init`` would fail with "called ray.init twice"."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

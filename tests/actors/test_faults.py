@@ -58,30 +58,33 @@ def app(redis_server, checkpoint, tmp_path_factory):
     from deploy.redis_proc import wait_healthy
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    workers = [c.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=c.address, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # One HTTP proxy and the ingress on the head: the simulated nodes share 127.0.0.1, so proxies
-    # on every node would share the port and a removed node's dying proxy would answer some
-    # requests; an ingress on the removed node would take its requests down with it. The fault
-    # under test is losing a serving node (its replica and cache agent).
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    home = tmp_path_factory.mktemp("faults")
-    # no RAM tier and no prefix sharing in the replicas: every prefix hit reads the unit files
-    # (a repeated prompt goes back to its replica, whose pages would otherwise serve it)
-    args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
-            "num_pages": 256, "ram_mb": 0, "prefix_sharing": False, "cache_dir": str(home / "cache" / "{node}"),
-            "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
-            "directory_namespace": NAMESPACE, "ingress_on_head": True}
-    serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 300)
-    yield url, c, workers, home
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+    try:
+        workers = [c.add_node(num_cpus=1) for _ in range(2)]
+        ray.init(address=c.address, log_to_driver=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # One HTTP proxy and the ingress on the head: the simulated nodes share 127.0.0.1, so proxies
+        # on every node would share the port and a removed node's dying proxy would answer some
+        # requests; an ingress on the removed node would take its requests down with it. The fault
+        # under test is losing a serving node (its replica and cache agent).
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        home = tmp_path_factory.mktemp("faults")
+        # no RAM tier and no prefix sharing in the replicas: every prefix hit reads the unit files
+        # (a repeated prompt goes back to its replica, whose pages would otherwise serve it)
+        args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
+                "num_pages": 256, "ram_mb": 0, "prefix_sharing": False, "cache_dir": str(home / "cache" / "{node}"),
+                "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
+                "directory_namespace": NAMESPACE, "ingress_on_head": True}
+        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 300)
+        yield url, c, workers, home
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        c.shutdown()
 
 
 @pytest.fixture(scope="module")

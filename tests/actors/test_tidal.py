@@ -32,27 +32,30 @@ def serving(redis_server, tmp_path_factory):
 
     # each node is a pod of a KubeRay RayCluster for the Kubernetes test (KubeRay sets this variable)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "env_vars": {"RAY_CLOUD_INSTANCE_ID": f"{LIVE}-head-0"}})
-    ray.init(address=c.address, log_to_driver=False)  # before the others: this driver is the head's
-    for pod in LENDABLE_PODS:
-        c.add_node(num_cpus=1, env_vars={"RAY_CLOUD_INSTANCE_ID": pod})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
-    # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
-    # serve Service does
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    home = tmp_path_factory.mktemp("tidal")
-    args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
-            "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
-            "directory_url": redis_server.url, "directory_namespace": "tidal-test"}
-    serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 300)
-    yield url, args, home, c
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+    try:
+        ray.init(address=c.address, log_to_driver=False)  # before the others: this driver is the head's
+        for pod in LENDABLE_PODS:
+            c.add_node(num_cpus=1, env_vars={"RAY_CLOUD_INSTANCE_ID": pod})
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
+        # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
+        # serve Service does
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        home = tmp_path_factory.mktemp("tidal")
+        args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
+                "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
+                "directory_url": redis_server.url, "directory_namespace": "tidal-test"}
+        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 300)
+        yield url, args, home, c
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        c.shutdown()
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:

@@ -41,19 +41,20 @@ def three_node_serve() -> Iterator[str]:
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()  # build_app deals expert shards over the nodes alive at deploy time
-    ray.init(address=c.address, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
+        for _ in range(2):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes()  # build_app deals expert shards over the nodes alive at deploy time
+        ray.init(address=c.address, log_to_driver=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
         c.shutdown()
 
 
