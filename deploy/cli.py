@@ -17,7 +17,7 @@ from deploy.bench.cli import bench_app
 from deploy.cache_cli import cache_app
 from deploy.eplb_cli import eplb_app
 from deploy.logs_cli import logs
-from deploy.options import check_checkpoint, check_device, check_dtype
+from deploy.options import check_checkpoint, check_device, check_dtype, check_redis_url
 from deploy.scale_cli import drain, scale
 from deploy.schedule_cli import schedule_app
 from deploy.stats_cli import stats
@@ -271,8 +271,7 @@ def up(
                 target[key] = value
     host, port, redis_url, num_cpus = edge["host"], edge["port"], edge["redis_url"], edge["num_cpus"]
     check_checkpoint(Path(args["checkpoint"]) if args["checkpoint"] else None)
-    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
-        raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
+    check_redis_url(redis_url)
     if args["ep_wire"] not in ("auto", "native", "fp8"):
         raise typer.BadParameter(f"--ep-wire {args['ep_wire']!r} is not one of auto, native, fp8")
     if args["admission"] not in ("all", "second-sight"):

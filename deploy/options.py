@@ -30,3 +30,13 @@ def check_checkpoint(checkpoint: Path | None) -> None:
         check_checkpoint_dir(checkpoint)
     except ValueError as e:
         raise typer.BadParameter(f"--checkpoint: {e}") from None
+
+
+def check_redis_url(url: str | None, option: str = "--redis-url") -> None:
+    """A Redis directory URL: one server (redis://, rediss://) or a cluster's seeds
+    (redis+cluster://host:port,host:port, rediss+cluster://)."""
+    from cachedir.directory import SCHEMES
+
+    schemes = [s for s in SCHEMES if s != "mem"]
+    if url is not None and ("://" not in url or url.split("://", 1)[0] not in schemes):
+        raise typer.BadParameter(f"{option} {url!r} must start with one of {', '.join(s + '://' for s in schemes)}")

@@ -20,13 +20,15 @@ class RedisServer:
     """``detach=True`` starts it in its own session so it outlives this process (``tide up``)."""
 
     def __init__(self, workdir: Path, password: str | None = None, detach: bool = False,
-                 save: str = "", tls: tuple[Path, Path, Path] | None = None) -> None:
-        """``tls``: (CA cert, server cert, server key) to serve TLS only (``rediss://``)."""
+                 save: str = "", tls: tuple[Path, Path, Path] | None = None, config: str = "") -> None:
+        """``tls``: (CA cert, server cert, server key) to serve TLS only (``rediss://``);
+        ``config``: more lines of redis.conf."""
         self.workdir = workdir
         self.password = password
         self.detach = detach
         self.save = save
         self.tls = tls
+        self.config = config
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -42,11 +44,13 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
         args = [binary]
-        if self.password:  # in a 0600 file, not on the command line (readable in /proc by anyone)
+        if self.password or self.config:  # in a 0600 file, not on the command line (anyone reads /proc)
             conf = self.workdir / "redis.conf"
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(f"requirepass {self.password}\n")
+                if self.password:
+                    f.write(f"requirepass {self.password}\nmasterauth {self.password}\n")
+                f.write(self.config)
             args.append(str(conf))
         args += ["--bind", "127.0.0.1", "--save", self.save, "--appendonly", "no", "--dir", str(self.workdir)]
         if self.tls:
@@ -79,6 +83,81 @@ class RedisServer:
     def restart_empty(self) -> None:
         self.kill()
         self.start()
+
+
+class RedisClusterServer:
+    """A local Redis Cluster on loopback (tests, benchmarks): ``primaries`` primaries with
+    ``replicas`` replicas each, made with ``redis-cli --cluster create``; a failed primary's
+    replica takes over after ``node_timeout_ms``."""
+
+    def __init__(self, workdir: Path, primaries: int = 3, replicas: int = 1, password: str | None = None,
+                 node_timeout_ms: int = 1000) -> None:
+        if primaries < 3:
+            raise ValueError(f"a Redis Cluster needs at least 3 primaries, got {primaries}")
+        self.password = password
+        config = (f"cluster-enabled yes\ncluster-config-file nodes.conf\ncluster-node-timeout {node_timeout_ms}\n"
+                  "cluster-require-full-coverage no\nrepl-diskless-sync-delay 0\n")
+        self.servers = [RedisServer(workdir / f"node{i}", password=password,
+                                    config=config + f"cluster-port {free_port()}\n")
+                        for i in range(primaries * (1 + replicas))]
+        self.primaries, self.replicas = primaries, replicas
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        alive = [s for s in self.servers if s.proc is not None]
+        return "redis+cluster://" + auth + ",".join(f"127.0.0.1:{s.port}" for s in alive)
+
+    def _cli(self, *args: str, timeout: float = 60) -> str:
+        binary = shutil.which("redis-cli")
+        if binary is None:
+            raise RuntimeError("redis-cli is not installed (scripts/setup.sh installs redis-server, which has it)")
+        env = {**os.environ, "REDISCLI_AUTH": self.password} if self.password else None  # not on the command line
+        r = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout, env=env)
+        if r.returncode:
+            raise RuntimeError(f"redis-cli {' '.join(args[:3])} failed: {(r.stdout + r.stderr)[-800:]}")
+        return r.stdout
+
+    def start(self) -> RedisClusterServer:
+        for s in self.servers:
+            s.start()
+        self._cli("--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                  "--cluster-replicas", str(self.replicas), "--cluster-yes")
+        self.wait_ok()
+        return self
+
+    def info(self, server: RedisServer, section: str) -> dict[str, str]:
+        out = self._cli("-p", str(server.port), "cluster" if section == "cluster" else "info",
+                        "info" if section == "cluster" else section)
+        return dict(line.strip().split(":", 1) for line in out.splitlines() if ":" in line)
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Every live node says the cluster is ok, there are ``primaries`` primaries, and every
+        live replica is in sync with its primary."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = [s for s in self.servers if s.proc is not None]
+            try:
+                ok = all(self.info(s, "cluster").get("cluster_state") == "ok" for s in alive)
+                roles = [self.info(s, "replication") for s in alive]
+                primaries = [r for r in roles if r.get("role") == "master"]
+                # a replica that never finished its first sync would not take over a failed primary
+                ok = ok and len(primaries) == self.primaries and all(
+                    r.get("master_link_status") == "up" for r in roles if r.get("role") == "slave")
+            except RuntimeError:
+                ok = False
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis Cluster is not ok after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def primary_servers(self) -> list[RedisServer]:
+        return [s for s in self.servers if s.proc is not None and self.info(s, "replication").get("role") == "master"]
+
+    def kill(self) -> None:
+        for s in self.servers:
+            s.kill()
 
 
 def wait_healthy(url: str, timeout_s: float = 300.0, on_wait=lambda: None) -> None:

@@ -56,6 +56,20 @@ def redis_server(tmp_path_factory):
     server.kill()
 
 
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A real Redis Cluster for the module: three primaries with a replica each (killed at its end)."""
+    from deploy.redis_proc import RedisClusterServer
+
+    require(shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
+            "redis-server / redis-cli are not installed")
+    cluster = RedisClusterServer(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.kill()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_ray_left_initialized():
     """A module whose Ray fixture failed half-way must not leave Ray initialized in this process:

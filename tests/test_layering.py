@@ -25,7 +25,7 @@ ALLOWED = {
 # third-party module -> path prefixes (relative to the repo) allowed to import it
 RESTRICTED = {
     "ray": ("actors/", "deploy/"),
-    "redis": ("cachedir/directory/redis_backend.py",),
+    "redis": ("cachedir/directory/redis_backend.py", "cachedir/directory/redis_links.py"),
     "grpc": ("cachedir/agent/",),
 }
 

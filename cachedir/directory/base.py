@@ -11,7 +11,8 @@ Contract shared by every backend (``tests/cachedir/test_directory_contract.py`` 
   may go on (a reader then finds the unit missing on load: a shorter hit, never wrong KV), and
   it never stops before the first hole. Size 0 -> no match.
 * A node is live while its heartbeat (TTL) lasts. Units of a dead node are ignored at once and
-  removed lazily by ``collect_dead``.
+  removed by ``collect_dead`` (every node's publisher calls it now and then); a heartbeat says
+  when the node was not live before, so a node that comes back registers its units again.
 * ``record_hits`` adds to per-unit hit counters that halve every ``half_life_s``; ``hot_units``
   returns the hottest units with fewer than ``max_replicas`` live holders.
 * Backends raise ``DirectoryUnavailable`` when their store cannot be reached in time; callers on
@@ -152,7 +153,10 @@ class Directory(ABC):
     def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch: ...
 
     @abstractmethod
-    def heartbeat(self, node_id: str, address: str, ttl_s: float) -> None: ...
+    def heartbeat(self, node_id: str, address: str, ttl_s: float) -> bool:
+        """Keep ``node_id`` live for ``ttl_s``. True when it was not live before (its first
+        heartbeat, or one after its TTL lapsed, when ``collect_dead`` may have removed its
+        units): the caller then registers everything it holds again."""
 
     @abstractmethod
     def live_nodes(self) -> dict[str, str]:

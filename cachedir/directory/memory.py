@@ -73,12 +73,14 @@ class MemoryDirectory(Directory):
             out.extend([same] * count)
         return PrefixMatch(out)
 
-    def heartbeat(self, node_id: str, address: str, ttl_s: float) -> None:
+    def heartbeat(self, node_id: str, address: str, ttl_s: float) -> bool:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         with self._lock:
+            revived = not self._is_live(node_id)
             self._alive[node_id] = (address, self._now() + ttl_s)
             self._by_node.setdefault(node_id, set())
+            return revived
 
     def live_nodes(self) -> dict[str, str]:
         with self._lock:

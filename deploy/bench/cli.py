@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from deploy.options import check_checkpoint
+from deploy.options import check_checkpoint, check_redis_url
 
 bench_app = typer.Typer(help="Benchmarks; each prints one JSON object.", no_args_is_help=True)
 
@@ -197,8 +197,7 @@ def bench_directory(
     and redis_bytes_per_unit (its memory per unit one node holds)."""
     from deploy.bench.cache_bench import run_directory
 
-    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
-        raise typer.BadParameter(f"--redis-url {redis_url!r} must start with redis:// or rediss://")
+    check_redis_url(redis_url)
     _emit(run_directory(redis_url, units, lookups))
 
 

@@ -14,14 +14,16 @@ from tests.cachedir.conftest import FakeClock
 _ns = itertools.count()
 
 
-@pytest.fixture(params=["mem", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=["mem", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 def make_dir(request):
-    """Factory: a fresh namespace (or two sharing one store) of the backend under test."""
+    """Factory: a fresh namespace (or two sharing one store) of the backend under test: in
+    memory, one redis-server, a Redis Cluster of three primaries."""
     if request.param == "mem":
         def make(namespace=None, **options):
             return MemoryDirectory(namespace or f"ns{next(_ns)}", **options)
     else:
-        server = request.getfixturevalue("redis_server")
+        server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
 
         def make(namespace=None, **options):
             return open_directory(server.url, namespace or f"ns{next(_ns)}", timeout_s=2.0, **options)
@@ -225,7 +227,7 @@ def test_nested_holders_come_back_exactly(make_dir):
 
 
 def test_unknown_scheme_lists_the_supported_ones():
-    with pytest.raises(ValueError, match="supported schemes: mem, redis, rediss"):
+    with pytest.raises(ValueError, match="supported schemes: mem, redis, rediss, redis[+]cluster, rediss[+]cluster"):
         open_directory("etcd://x", "ns")
 
 

@@ -42,3 +42,48 @@ def test_events_survive_an_outage_and_a_restart_empty_re_registers(tmp_path):
         assert d.node_keys("node-a") == set(keys[1:])
     finally:
         server.kill()
+
+
+def _keys(n: int, seed: int) -> list[bytes]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def test_nodes_reap_dead_nodes_registrations_now_and_then():
+    """A node whose heartbeat lapsed is ignored at once; a live node's publisher removes its
+    registrations at its next reap (every reap_every_s, on a clock of its own), not before."""
+    from cachedir.directory.memory import MemoryDirectory
+    from tests.cachedir.conftest import FakeClock
+
+    clock = FakeClock()
+    d = MemoryDirectory("reap", now_s=clock)
+    gone = DirectoryPublisher(d, "gone", "x", lambda: {"ssd": _keys(50, 1)}, heartbeat_ttl_s=10, reap_every_s=0)
+    live = DirectoryPublisher(d, "live", "y", lambda: {"ssd": _keys(5, 2)}, heartbeat_ttl_s=1000,
+                              reap_every_s=60, now_s=clock)
+    assert gone.sync() and live.sync()
+    assert len(d.node_keys("gone")) == 50 and live.reaped == 0
+    clock.advance(11)  # gone's heartbeat lapsed: its units are no hit already, still registered
+    assert d.longest_prefix(_keys(50, 1)).num_units == 0 and len(d.node_keys("gone")) == 50
+    for _ in range(6):  # within a minute, live reaps once
+        clock.advance(10)
+        assert live.sync()
+    assert live.reaped == 1 and d.node_keys("gone") == set()
+    assert len(d.node_keys("live")) == 5  # its own stay
+
+
+def test_a_node_whose_heartbeat_lapsed_registers_everything_again():
+    """A node paused past its TTL (and reaped meanwhile) comes back: its heartbeat says it was
+    not live, and it registers what it holds again."""
+    from cachedir.directory.memory import MemoryDirectory
+    from tests.cachedir.conftest import FakeClock
+
+    clock = FakeClock()
+    d = MemoryDirectory("revive", now_s=clock)
+    keys = _keys(20, 3)
+    pub = DirectoryPublisher(d, "a", "x", lambda: {"ssd": keys}, heartbeat_ttl_s=10, reap_every_s=0)
+    assert pub.sync() and d.longest_prefix(keys).num_units == 20
+    clock.advance(11)
+    assert d.collect_dead() == ["a"] and d.node_keys("a") == set()
+    assert pub.sync() and d.longest_prefix(keys).num_units == 20 and d.node_keys("a") == set(keys)
