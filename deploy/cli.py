@@ -233,7 +233,8 @@ def up(
     model_name: str = typer.Option("tiny", "--model-name", help="the model id clients ask for"),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (loopback by default: then every Ray, cache-agent and expert-parallel listener binds to loopback too)"),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
-    redis_url: str = typer.Option(None, "--redis-url", help="cache directory Redis; default: a local redis-server"),
+    redis_url: str = typer.Option(None, "--redis-url", help="the cache directory: a Redis (redis://, rediss://) or "
+                                  "a Redis Cluster (redis+cluster://host:port,...); default: a local redis-server"),
     replicas: int = typer.Option(1, "--replicas", min=1, help="model replicas (with --decode-replicas: the prefill replicas)"),
     decode_replicas: int = typer.Option(0, "--decode-replicas", min=0, help="P/D disaggregation: this many decode replicas take each prompt's KV from the prefill replicas (0: every replica does both)"),
     num_cpus: int = typer.Option(None, "--num-cpus", min=1, help="CPUs Ray may use (default: all)"),

@@ -56,7 +56,7 @@ def _unit_io() -> dict[str, Any]:
 
 
 def _directory() -> dict[str, Any]:
-    from deploy.bench.cache_bench import run_directory
+    from deploy.bench.directory_bench import run_directory
 
     return run_directory(None)
 

@@ -1,4 +1,4 @@
-"""``tide bench unit-io | directory | trace``: the prompt cache's I/O, directory and hit rates."""
+"""``tide bench unit-io | trace``: the prompt cache's I/O and hit rates (``directory_bench``: its directory)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from cachedir.directory import open_directory
 from cachedir.hashing import Namespace, chain_keys
 from cachedir.layout import LAYOUTS
 from cachedir.store import StoreConfig, UnitStore
@@ -197,61 +196,6 @@ def run_unit_io(
             result["integrity"] = _integrity_costs(ns, units, repeats)
             out[shape] = result
     return out
-
-
-def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300) -> dict[str, Any]:
-    from deploy.redis_proc import RedisServer
-
-    server = None
-    with tempfile.TemporaryDirectory() as tmp:
-        if redis_url is None:
-            server = RedisServer(Path(tmp)).start()
-            redis_url = server.url
-        try:
-            d = open_directory(redis_url, f"bench{os.getpid()}", timeout_s=5.0)
-            d.heartbeat("node-a", "127.0.0.1:1", ttl_s=600)
-            d.heartbeat("node-b", "127.0.0.1:2", ttl_s=600)
-            keys = chain_keys(b"\0" * 16, np.arange(units * UNIT_TOKENS) % 30_000, UNIT_TOKENS)
-            memory0 = d.server_stats()["used_memory"]
-            t0 = time.perf_counter()
-            for i in range(0, units, 500):
-                d.register("node-a", keys[i : i + 500])
-            reg_s = time.perf_counter() - t0
-            memory1 = d.server_stats()["used_memory"]
-            d.register("node-b", keys[: units // 2], "ram")
-            d.longest_prefix(keys[:1])  # script load
-            stats0 = d.server_stats()
-            before = d.round_trips()
-            times = []
-            for _ in range(lookups):
-                t0 = time.perf_counter()
-                m = d.longest_prefix(keys)
-                times.append(time.perf_counter() - t0)
-                assert m.num_units == units
-            trips = (d.round_trips() - before) / lookups
-            stats1 = d.server_stats()
-            for _ in range(lookups):  # the CPU floor of one round trip on this machine, for scale
-                d.ping()
-            stats2 = d.server_stats()
-            return {
-                "redis_url": redis_url.split("@")[-1],
-                "chain_units": units,
-                "round_trips_per_lookup": trips,
-                "lookups_per_s": round(lookups / sum(times), 1),
-                "p50_lookup_ms": round(statistics.median(times) * 1000, 3),
-                "p99_lookup_ms": round(float(np.percentile(times, 99)) * 1000, 3),
-                "registrations_per_s": round(units / reg_s, 1),
-                # Redis's own time per lookup (INFO commandstats: every command the lookups ran),
-                # the CPU its single thread gives each lookup, and its memory per unit one node holds
-                "redis_us_per_lookup": round((stats1["command_usec"] - stats0["command_usec"]) / lookups, 1),
-                # the same from the main thread's CPU clock: parsing requests and writing replies too
-                "redis_cpu_us_per_lookup": round((stats1["cpu_usec"] - stats0["cpu_usec"]) / lookups, 1),
-                "redis_cpu_us_per_ping": round((stats2["cpu_usec"] - stats1["cpu_usec"]) / lookups, 1),
-                "redis_bytes_per_unit": round((memory1 - memory0) / units, 1),
-            }
-        finally:
-            if server is not None:
-                server.kill()
 
 
 def run_trace(

@@ -185,20 +185,33 @@ def bench_unit_io(
 
 @bench_app.command("directory")
 def bench_directory(
-    redis_url: str = typer.Option(None, "--redis-url", help="default: a local redis-server child process"),
+    redis_url: str = typer.Option(None, "--redis-url", help="measure this Redis or cluster (redis+cluster://) "
+                                  "only; default: a local redis-server and a local 3-primary Redis Cluster"),
     units: int = typer.Option(2000, "--units", min=1, help="chain length looked up (2,000 = 128K tokens)"),
     lookups: int = typer.Option(300, "--lookups", min=1),
+    clients: int = typer.Option(16, "--clients", min=1, help="concurrent clients looking the chain up"),
+    trace: Path = typer.Option(None, "--trace", help="also replay a Mooncake-format JSONL trace's lookups and "
+                               "registrations"),
+    trace_limit: int = typer.Option(2000, "--trace-limit", min=1, help="requests of the trace replayed"),
+    trace_nodes: int = typer.Option(8, "--trace-nodes", min=1, help="nodes the replayed units are registered on"),
+    cluster: bool = typer.Option(True, "--cluster/--no-cluster", help="also measure a local Redis Cluster"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """Directory lookups (round trips per lookup, lookups/s, p99) and registrations/s on Redis,
-    and Redis's own cost: redis_us_per_lookup (the time of the commands a lookup runs, from INFO
-    commandstats), redis_cpu_us_per_lookup (its main thread's CPU, which also counts reading
-    requests and writing replies; redis_cpu_us_per_ping is that floor for an empty round trip)
-    and redis_bytes_per_unit (its memory per unit one node holds)."""
-    from deploy.bench.cache_bench import run_directory
+    """The cache directory on one Redis and on a Redis Cluster (3 primaries, a replica each),
+    per store: ``chain`` (one client, a --units chain: round trips per lookup, lookups/s, p50/p99,
+    registrations/s, redis_us_per_lookup: the command time a lookup costs Redis, from INFO
+    commandstats over every primary; redis_cpu_us_per_lookup: its main threads' CPU, which also
+    counts reading requests and writing replies, with redis_cpu_us_per_ping that floor for an empty
+    round trip; redis_bytes_per_unit: memory per unit one node holds), ``concurrent`` (--clients
+    threads: lookups/s and p50/p99) and, with --trace, ``trace`` (the trace's prompts looked up and
+    their missed units registered in order; on the cluster cluster_imbalance: the busiest primary's
+    command time over the mean)."""
+    from deploy.bench.directory_bench import run_directory
 
     check_redis_url(redis_url)
-    _emit(run_directory(redis_url, units, lookups))
+    if trace is not None and not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    _emit(run_directory(redis_url, units, lookups, clients, trace, trace_limit, trace_nodes, cluster))
 
 
 @bench_app.command("trace")

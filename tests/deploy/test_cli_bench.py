@@ -39,15 +39,32 @@ def test_bench_trace_bad_arguments(args, message):
 
 
 @pytest.mark.redis
-def test_bench_directory_json():
-    r = _tide("directory", "--units", "300", "--lookups", "5", "--json")
+def test_bench_directory_json(tmp_path):
+    """One Redis and a 3-primary cluster run the same work: the same chain, the same trace with
+    the same hits (the directory answers alike); the cluster splits it over its primaries."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048 + 64 * (i % 5), "output_length": 8,
+                                         "hash_ids": [i % 4, 100 + i % 7, 200 + i, 300 + i, 400 + i]}) + "\n"
+                             for i in range(60)))
+    r = _tide("directory", "--units", "1000", "--lookups", "8", "--clients", "4", "--trace", str(trace), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert 1 <= out["round_trips_per_lookup"] <= 4  # log16 of 300 units, and the first
-    assert out["lookups_per_s"] > 0 and out["p99_lookup_ms"] > 0 and out["registrations_per_s"] > 0
-    # Redis's own cost: a lookup's command time, and its memory per unit (a hash, a set member:
-    # well over a key's 16 bytes, well under a kilobyte)
-    assert out["redis_us_per_lookup"] > 0 and 32 < out["redis_bytes_per_unit"] < 1024
+    single, cluster = out["single"], out["cluster"]
+    assert cluster["primaries"] == 3 and cluster["url"].startswith("redis+cluster://")
+    for store in (single, cluster):
+        chain = store["chain"]
+        assert chain["chain_units"] == 1000 and 1 <= chain["round_trips_per_lookup"] <= 4  # log16 of 1,000, and the first
+        assert chain["lookups_per_s"] > 0 and chain["p99_lookup_ms"] >= chain["p50_lookup_ms"] > 0
+        # Redis's own cost: a lookup's command time, and its memory per unit (a hash, a set member:
+        # well over a key's 16 bytes, well under a kilobyte)
+        assert chain["redis_us_per_lookup"] > 0 and 32 < chain["redis_bytes_per_unit"] < 1024
+        assert store["concurrent"]["clients"] == 4 and store["concurrent"]["lookups"] == 4 * 2
+    assert single["trace"]["requests"] == cluster["trace"]["requests"] == 60
+    assert single["trace"]["hit_units_fraction"] == cluster["trace"]["hit_units_fraction"] > 0
+    assert len(cluster["trace"]["command_usec_per_primary"]) == 3 and cluster["trace"]["cluster_imbalance"] >= 1.0
+    assert "cluster_imbalance" not in single["trace"]
+    bad = _tide("directory", "--redis-url", "memcached://x")
+    assert bad.returncode == 2 and "memcached://x" in bad.stderr
 
 
 def test_bench_unit_io_json(tmp_path):
