@@ -11,25 +11,36 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (held open together while they are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class RedisServer:
     """``detach=True`` starts it in its own session so it outlives this process (``tide up``)."""
 
     def __init__(self, workdir: Path, password: str | None = None, detach: bool = False,
-                 save: str = "", tls: tuple[Path, Path, Path] | None = None, config: str = "") -> None:
+                 save: str = "", tls: tuple[Path, Path, Path] | None = None, config: str = "",
+                 port: int | None = None) -> None:
         """``tls``: (CA cert, server cert, server key) to serve TLS only (``rediss://``);
-        ``config``: more lines of redis.conf."""
+        ``config``: more lines of redis.conf; ``port``: default a free one."""
         self.workdir = workdir
         self.password = password
         self.detach = detach
         self.save = save
         self.tls = tls
         self.config = config
-        self.port = free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -69,9 +80,12 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
+                    pass
             except OSError:
                 time.sleep(0.05)
+                continue
+            if self.proc.poll() is None:  # ours answers, not another process on the port
+                return self
         raise RuntimeError("redis-server did not start")
 
     def kill(self) -> None:
@@ -91,39 +105,50 @@ class RedisClusterServer:
     replica takes over after ``node_timeout_ms``."""
 
     def __init__(self, workdir: Path, primaries: int = 3, replicas: int = 1, password: str | None = None,
-                 node_timeout_ms: int = 1000) -> None:
+                 node_timeout_ms: int = 1000, tls: tuple[Path, Path, Path] | None = None) -> None:
+        """``tls``: (CA cert, server cert, server key): clients, replication and the cluster bus
+        over TLS only (``rediss+cluster://``)."""
         if primaries < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 primaries, got {primaries}")
-        self.password = password
+        self.password, self.tls = password, tls
         config = (f"cluster-enabled yes\ncluster-config-file nodes.conf\ncluster-node-timeout {node_timeout_ms}\n"
                   "cluster-require-full-coverage no\nrepl-diskless-sync-delay 0\n")
-        self.servers = [RedisServer(workdir / f"node{i}", password=password,
-                                    config=config + f"cluster-port {free_port()}\n")
-                        for i in range(primaries * (1 + replicas))]
+        if tls:
+            config += "tls-cluster yes\ntls-replication yes\n"
+        n = primaries * (1 + replicas)
+        ports = free_ports(2 * n)  # each node's client port and cluster bus port
+        self.servers = [RedisServer(workdir / f"node{i}", password=password, port=ports[2 * i], tls=tls,
+                                    config=config + f"cluster-port {ports[2 * i + 1]}\n")
+                        for i in range(n)]
         self.primaries, self.replicas = primaries, replicas
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         alive = [s for s in self.servers if s.proc is not None]
-        return "redis+cluster://" + auth + ",".join(f"127.0.0.1:{s.port}" for s in alive)
+        return ("rediss" if self.tls else "redis") + "+cluster://" + auth + ",".join(f"127.0.0.1:{s.port}" for s in alive)
 
     def _cli(self, *args: str, timeout: float = 60) -> str:
         binary = shutil.which("redis-cli")
         if binary is None:
             raise RuntimeError("redis-cli is not installed (scripts/setup.sh installs redis-server, which has it)")
         env = {**os.environ, "REDISCLI_AUTH": self.password} if self.password else None  # not on the command line
-        r = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout, env=env)
+        tls = ["--tls", "--cacert", str(self.tls[0])] if self.tls else []
+        r = subprocess.run([binary, *tls, *args], capture_output=True, text=True, timeout=timeout, env=env)
         if r.returncode:
             raise RuntimeError(f"redis-cli {' '.join(args[:3])} failed: {(r.stdout + r.stderr)[-800:]}")
         return r.stdout
 
     def start(self) -> RedisClusterServer:
-        for s in self.servers:
-            s.start()
-        self._cli("--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
-                  "--cluster-replicas", str(self.replicas), "--cluster-yes")
-        self.wait_ok()
+        try:
+            for s in self.servers:
+                s.start()
+            self._cli("--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                      "--cluster-replicas", str(self.replicas), "--cluster-yes")
+            self.wait_ok()
+        except BaseException:
+            self.kill()  # nothing of a cluster that did not start is left running
+            raise
         return self
 
     def info(self, server: RedisServer, section: str) -> dict[str, str]:
@@ -151,6 +176,18 @@ class RedisClusterServer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Redis Cluster is not ok after {timeout_s:.0f} s")
             time.sleep(0.1)
+
+    def primary_of(self, key: str) -> RedisServer:
+        """The live primary that serves ``key``'s hash slot."""
+        alive = [s for s in self.servers if s.proc is not None]
+        slot = int(self._cli("-p", str(alive[0].port), "cluster", "keyslot", key))
+        for line in self._cli("-p", str(alive[0].port), "cluster", "nodes").splitlines():
+            fields = line.split()
+            ranges = [r.partition("-") for r in fields[8:] if not r.startswith("[")]
+            if "master" in fields[2] and any(int(a) <= slot <= int(b or a) for a, _, b in ranges):
+                port = int(fields[1].split("@")[0].rpartition(":")[2])
+                return next(s for s in alive if s.port == port)
+        raise RuntimeError(f"no live primary serves slot {slot}")
 
     def primary_servers(self) -> list[RedisServer]:
         return [s for s in self.servers if s.proc is not None and self.info(s, "replication").get("role") == "master"]

@@ -144,3 +144,72 @@ def test_a_segment_cut_short_under_a_reader(model, tmp_path, monkeypatch):  # no
     cache.ssd.check_integrity()
     _, tokens, last = _run(model, cache, prompt)
     assert tokens == want and last.cached_tokens == 4 * 64
+
+
+@pytest.mark.redis
+def test_a_directory_primary_killed_between_and_under_requests(model, tmp_path):  # noqa: F811
+    """Two nodes with cache agents share a Redis Cluster directory; node B serves prompts whose
+    units node A computed (remote hits). A primary of the cluster dies: B's requests go on with
+    the reference tokens, as misses while the slot map is broken, and hit remotely again once the
+    replica took over and A registered its units again."""
+    import os
+    import signal
+
+    from cachedir.agent.client import AgentClient
+    from cachedir.agent.cluster_cache import ClusterCache
+    from cachedir.agent.node_agent import AgentConfig, NodeAgent
+    from cachedir.agent.service import ServerConfig
+    from cachedir.directory import open_directory
+    from deploy.redis_proc import RedisClusterServer
+
+    servers = RedisClusterServer(tmp_path / "redis").start()
+    agents, caches = [], []
+    try:
+        def node(name):
+            directory = open_directory(servers.url, "engine-failover", timeout_s=0.3)
+            agent = NodeAgent(AgentConfig(name, CacheConfig(StoreConfig(tmp_path / name, 1 << 30, fsync=False),
+                                                            ram_bytes=0), ServerConfig(host="127.0.0.1"),
+                                          heartbeat_ttl_s=30, sync_every_s=0.2, replication=None), directory)
+            cache = ClusterCache(name, AgentClient(agent.address), directory, AgentClient)
+            agents.append(agent)
+            caches.append(cache)
+            return cache
+
+        a, b = node("node-a"), node("node-b")
+        remote = [_prompt(64 * 3 + 5, 100 + i) for i in range(8)]  # computed by A; B never computes them
+        for p in remote:
+            _run(model, a, p, n=4)
+        a.flush()
+        directory = agents[0].publisher.directory
+        deadline = time.monotonic() + 30
+        while any(len(directory.longest_prefix(chain_keys(_ns(model).seed, list(p), 64, max_units=3)).holders) < 3
+                  for p in remote):
+            assert time.monotonic() < deadline, "node A's units never reached the directory"
+            time.sleep(0.1)
+
+        def serve(prompt) -> int:
+            """B serves ``prompt``: the reference tokens always; returns its cached tokens."""
+            _, tokens, last = _run(model, b, prompt, n=4)
+            assert tokens == _ref(model, prompt, 4)
+            return last.cached_tokens
+
+        assert serve(remote[0]) == 3 * 64  # from A's agent
+
+        victim = servers.primary_of("tide:{engine-failover}:expiry")  # the node table's: every lookup reads it
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        victim.proc = None
+        assert [serve(remote[i]) for i in (1, 2)] == [0, 0]  # at once: the lookups fail, B computes
+        unseen = iter(remote[3:])
+        deadline = time.monotonic() + 60
+        while agents[0].publisher.resyncs < 1:  # the new primary: A registers everything again
+            assert time.monotonic() < deadline, "node A never registered its units again"
+            serve(_prompt(64 + 7, int(time.monotonic() * 1000)))  # meanwhile B serves new prompts
+        while (hit := serve(next(unseen))) != 3 * 64:  # and B finds A's units again
+            assert time.monotonic() < deadline, f"no remote hit within 60 s (last {hit})"
+    finally:
+        for c in caches:
+            c.close()
+        for agent in agents:
+            agent.close()
+        servers.kill()
