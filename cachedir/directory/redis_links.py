@@ -87,11 +87,13 @@ class Links(ABC):
             for (_, _, conn), idx in zip(taken, groups.values(), strict=True):
                 for i in idx:
                     replies[i] = _read(conn)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        except BaseException as e:
             for _, _, conn in taken:
-                conn.disconnect()  # a half-read pipeline must not be reused
-            self.stale()
-            raise LinkDown(str(e)) from e
+                conn.disconnect()  # a pipeline sent but not read must not go back to its pool
+            if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError)):
+                self.stale()
+                raise LinkDown(str(e)) from e
+            raise
         finally:
             for _, pool, conn in taken:
                 pool.release(conn)
