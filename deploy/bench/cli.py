@@ -253,16 +253,23 @@ def bench_trace(
 @bench_app.command("ttft")
 def bench_ttft(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the bench config"),
-    prompt_tokens: int = typer.Option(4096, "--prompt-tokens", min=65),
-    repeats: int = typer.Option(3, "--repeats", min=1),
+    prompt_tokens: int = typer.Option(4096 + 37, "--prompt-tokens", min=65,
+                                      help="prompt length (default 4,133: not a whole number of units)"),
+    repeats: int = typer.Option(5, "--repeats", min=1),
+    v3_prompt_tokens: int = typer.Option(4096, "--v3-prompt-tokens", min=64,
+                                         help="prompt whose DeepSeek-V3-sized units are loaded"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """Time to first token of a long prompt: cold, with its units on SSD (page cache dropped),
-    and in the RAM tier; each run on a fresh engine and checked to give the same first token."""
+    """Time to first token of a long prompt (medians of --repeats, with ranges): computed, and
+    loaded as a deployment loads it, through the node's cache agent over gRPC (its RAM tier; its
+    SSD, page cache dropped) and through another node's agent; every run on a fresh engine with
+    the same first token. Beside it the loads alone (GB/s, tokens/s, and whether they beat the
+    prefill tokens/s measured here), and loads of DeepSeek-V3-sized units (~70 KB of KV per
+    token) against DeepSeek's prefill rate per H800 node."""
     from deploy.bench.ttft_bench import run_ttft
 
     check_checkpoint(checkpoint)
-    _emit(run_ttft(checkpoint, prompt_tokens, repeats))
+    _emit(run_ttft(checkpoint, prompt_tokens, repeats, v3_prompt_tokens))
 
 
 @bench_app.command("cluster")

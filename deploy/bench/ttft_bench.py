@@ -1,23 +1,48 @@
-"""``tide bench ttft``: time to first token for a long prompt, cold vs from the SSD and RAM tiers."""
+"""``tide bench ttft``: time to first token of a long prompt computed, and loaded from the prompt
+cache the way a deployment loads it: through the node's cache agent over gRPC (its RAM tier, its
+SSD) and through another node's agent, with the directory a deployment uses (a local
+redis-server when one is installed). Medians of ``repeats`` runs with their range.
+
+Beside each TTFT: the load alone (``load``: the cache's own load of the prompt's units, timed
+apart from the engine) as GB/s and tokens/s, against the prefill tokens/s measured here; and the
+same loads for DeepSeek-V3-sized units (61 layers x 576 bf16 values: ~70 KB of KV per token, a
+4K prompt ~288 MB), against the prefill rate DeepSeek reports per H800 node, so the figures say
+where loading beats recomputing and where it does not.
+"""
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from cachedir.hashing import Namespace
-from cachedir.node_cache import CacheConfig, NodeCache
+from cachedir.agent.client import AgentClient
+from cachedir.agent.cluster_cache import ClusterCache
+from cachedir.agent.node_agent import AgentConfig, NodeAgent
+from cachedir.agent.service import ServerConfig
+from cachedir.directory import open_directory
+from cachedir.hashing import Namespace, chain_keys
+from cachedir.node_cache import CacheConfig
 from cachedir.store import StoreConfig
+from cachedir.unit import Unit
 from cluster.engine import Engine, EngineConfig
 from cluster.request import GenerationRequest
 from model.checkpoint import load_model, random_state_dict, save_checkpoint, weights_digest
 from model.config import named_config
 from model.tokenizer import ByteTokenizer
+
+__all__ = ["run_ttft"]
+
+UNIT_TOKENS = 64
+V3_LAYERS, V3_DIM = 61, 576  # DeepSeek-V3's latent KV per token and layer (kv_lora_rank 512 + rope 64), bf16
+H800_PREFILL_TOKENS_PER_S = 73_700  # per node, DeepSeek's published day (ARCHITECTURE.md)
 
 
 def _ttft(engine: Engine, prompt: tuple[int, ...], rid: str) -> tuple[float, list[int], int]:
@@ -31,55 +56,158 @@ def _ttft(engine: Engine, prompt: tuple[int, ...], rid: str) -> tuple[float, lis
                 return elapsed, o.new_token_ids, o.cached_tokens
 
 
-def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096, repeats: int = 3) -> dict[str, Any]:
+def _median(xs: list[float], scale: float = 1000.0) -> dict[str, Any]:
+    return {"median": round(statistics.median(xs) * scale, 2), "range": [round(min(xs) * scale, 2),
+                                                                       round(max(xs) * scale, 2)]}
+
+
+class _Node:
+    """A node's cache agent (real gRPC on loopback) and the engine's view of the cluster's cache."""
+
+    def __init__(self, root: Path, name: str, directory_url: str, namespace: str, ram_bytes: int) -> None:
+        self.directory = open_directory(directory_url, namespace, timeout_s=5.0)
+        self.agent = NodeAgent(AgentConfig(
+            name, CacheConfig(StoreConfig(root / name, 1 << 40, fsync=False), ram_bytes=ram_bytes),
+            ServerConfig(host="127.0.0.1"), heartbeat_ttl_s=3600, sync_every_s=3600, replication=None),
+            self.directory)
+        self.cache = ClusterCache(name, AgentClient(self.agent.address), self.directory, AgentClient)
+
+    def publish(self) -> None:
+        self.cache.flush()
+        self.agent.cache.flush()
+        self.agent.sync_once()
+
+    def drop_page_cache(self) -> None:
+        """Its units on disk only: not in the page cache (nor in a RAM tier: it has none)."""
+        for key in self.agent.cache.ssd.keys():
+            self.agent.cache.ssd.drop_page_cache(key)
+
+    def close(self) -> None:
+        self.cache.close()
+        self.agent.close()
+        self.directory.close()
+
+
+def _timed_load(cache: ClusterCache, units: list[Unit], before: Callable[[], None]) -> float:
+    """Seconds the cache takes to look up and load ``units`` (each verified), after ``before``."""
+    keys = [u.key for u in units]
+    before()
+    t0 = time.perf_counter()
+    cache.lookup(keys)
+    loaded = cache.load_async(keys, units[0].namespace, [u.token_ids for u in units]).result(timeout=600)
+    elapsed = time.perf_counter() - t0
+    assert all(x is not None for x in loaded), "a unit failed to load"
+    return elapsed
+
+
+def _load_figures(seconds: list[float], nbytes: int, tokens: int) -> dict[str, Any]:
+    t = statistics.median(seconds)
+    return {"ms": _median(seconds), "gb_per_s": round(nbytes / t / 1e9, 3), "tokens_per_s": round(tokens / t, 1)}
+
+
+def _v3_units(prompt_tokens: int) -> list[Unit]:
+    ns = Namespace("deepseek-v3-sized", "bench", "bfloat16", "latent", UNIT_TOKENS)
+    tokens = list(range(prompt_tokens))
+    rng = np.random.default_rng(0)
+    units, parent = [], ns.seed
+    for i, key in enumerate(chain_keys(ns.seed, tokens, UNIT_TOKENS)):
+        payload = rng.integers(0, 1 << 16, V3_LAYERS * UNIT_TOKENS * V3_DIM, dtype=np.uint16).tobytes()
+        units.append(Unit(ns.seed, key, parent, tuple(tokens[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS]),
+                          payload, V3_LAYERS, V3_DIM, "bfloat16"))
+        parent = key
+    return units
+
+
+def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: int = 5,
+             v3_prompt_tokens: int = 4096) -> dict[str, Any]:
+    from deploy.redis_proc import RedisServer
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if checkpoint is None:
-            cfg = named_config("bench")
-            checkpoint = save_checkpoint(root / "bench", cfg, random_state_dict(cfg, seed=0))
-        model = load_model(checkpoint)
-        mcfg = model.cfg
-        ns = Namespace(mcfg.fingerprint(), weights_digest(checkpoint), "float32", "latent", 64)
-        prompt = tuple(torch.randint(0, mcfg.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist())
-        pages = -(-(prompt_tokens + 16) // 16) + 8
-        ecfg = EngineConfig(num_pages=pages, max_prefill_tokens=prompt_tokens)
-        tok = ByteTokenizer()
+        redis_server = RedisServer(root / "redis").start() if shutil.which("redis-server") else None
+        url = redis_server.url if redis_server is not None else "mem://"
+        nodes: list[_Node] = []
+        try:
+            if checkpoint is None:
+                cfg = named_config("bench")
+                checkpoint = save_checkpoint(root / "bench", cfg, random_state_dict(cfg, seed=0))
+            model = load_model(checkpoint)
+            mcfg = model.cfg
+            ns = Namespace(mcfg.fingerprint(), weights_digest(checkpoint), "float32", "latent", UNIT_TOKENS)
+            prompt = tuple(torch.randint(0, mcfg.vocab_size, (prompt_tokens,),
+                                         generator=torch.Generator().manual_seed(0)).tolist())
+            ecfg = EngineConfig(num_pages=-(-(prompt_tokens + 16) // 16) + 8, max_prefill_tokens=prompt_tokens)
+            tok = ByteTokenizer()
 
-        def cache(ram: int, where: str = "ssd") -> NodeCache:
-            return NodeCache(CacheConfig(StoreConfig(root / where, capacity_bytes=1 << 40), ram_bytes=ram))
+            def engine(cache) -> Engine:
+                return Engine(model, ecfg, ns, tok.decode, None, cache)
 
-        def fresh_engine(c: NodeCache | None) -> Engine:
-            return Engine(model, ecfg, ns, tok.decode, None, c)
+            engine(None)  # warm-up allocations
+            cold, ref = [], None
+            for i in range(repeats):
+                t, out, hit = _ttft(engine(None), prompt, f"cold{i}")
+                cold.append(t)
+                ref = ref or out
+                assert out == ref and hit == 0
 
-        fresh_engine(None)  # warm-up allocations
-        cold, ssd, ram = [], [], []
-        ref = None
-        warm = cache(1 << 30)
-        for i in range(repeats):
-            t, out, hit = _ttft(fresh_engine(None), prompt, f"cold{i}")
-            cold.append(t)
-            ref = ref or out
-            assert out == ref and hit == 0
-        _ttft(fresh_engine(warm), prompt, "fill")  # computes and persists the units
-        warm.flush()
-        # the SSD runs read a copy: one store per directory, and `warm` keeps its own open
-        shutil.copytree(root / "ssd", root / "ssd-copy", ignore=shutil.ignore_patterns(".lock"))
-        for i in range(repeats):
-            ssd_only = cache(0, "ssd-copy")
-            for key in ssd_only.ssd.keys():
-                ssd_only.ssd.drop_page_cache(key)  # on disk, not in RAM or the page cache
-            t, out, hit = _ttft(fresh_engine(ssd_only), prompt, f"ssd{i}")
-            assert out == ref and hit > 0, (out, ref, hit)
-            ssd.append(t)
-            ssd_only.close()
-            t, out, hit = _ttft(fresh_engine(warm), prompt, f"ram{i}")
-            assert out == ref and hit > 0
-            ram.append(t)
-        cold_ms, ssd_ms, ram_ms = (min(x) * 1000 for x in (cold, ssd, ram))
-        return {
-            "checkpoint": str(checkpoint), "prompt_tokens": prompt_tokens, "cached_tokens": hit,
-            "unit_bytes": mcfg.num_hidden_layers * 64 * mcfg.latent_dim * 4,
-            "cold_ms": round(cold_ms, 1), "ssd_hit_ms": round(ssd_ms, 1), "ram_hit_ms": round(ram_ms, 1),
-            "speedup_ssd": round(cold_ms / ssd_ms, 1), "speedup_ram": round(cold_ms / ram_ms, 1),
-            "same_first_token": True,
-        }
+            # node A computes the prompt; its agent keeps the units in RAM and on its SSD
+            a = _Node(root, "node-a", url, "ttft-a", ram_bytes=1 << 30)
+            nodes.append(a)
+            _ttft(engine(a.cache), prompt, "fill")
+            a.publish()
+            # node C holds a copy on its SSD only; node B holds nothing and fetches from C
+            shutil.copytree(root / "node-a", root / "node-c", ignore=shutil.ignore_patterns(".lock"))
+            c = _Node(root, "node-c", url, "ttft-bc", ram_bytes=0)
+            b = _Node(root, "node-b", url, "ttft-bc", ram_bytes=0)
+            nodes += [c, b]
+            c.publish()
+            paths = {"local_agent_ram": (a, lambda: None), "local_agent_ssd": (c, c.drop_page_cache),
+                     "remote_agent_ssd": (b, c.drop_page_cache)}
+            ttft: dict[str, list[float]] = {"cold": cold, **{p: [] for p in paths}}
+            cached = 0
+            for i in range(repeats):
+                for path, (node, before) in paths.items():
+                    before()
+                    t, out, cached = _ttft(engine(node.cache), prompt, f"{path}{i}")
+                    assert out == ref and cached == prompt_tokens // UNIT_TOKENS * UNIT_TOKENS, (path, out, ref, cached)
+                    ttft[path].append(t)
+
+            # the loads alone, for this model's units and for DeepSeek-V3-sized ones
+            keys = chain_keys(ns.seed, list(prompt), UNIT_TOKENS)
+            units = [u for u in (a.agent.cache.ssd.get(k, ns.seed) for k in keys) if u is not None]
+            unit_bytes = len(bytes(units[0].payload))
+            load = {path: _load_figures([_timed_load(node.cache, units, before) for _ in range(repeats)],
+                                        unit_bytes * len(units), UNIT_TOKENS * len(units))
+                    for path, (node, before) in paths.items()}
+            v3 = _v3_units(v3_prompt_tokens)
+            c.agent.cache.persist(v3)
+            c.publish()
+            v3_bytes = sum(len(u.payload) for u in v3)
+            v3_load = {path: _load_figures([_timed_load(node.cache, v3, c.drop_page_cache) for _ in range(repeats)],
+                                           v3_bytes, UNIT_TOKENS * len(v3))
+                       for path, node in (("local_agent_ssd", c), ("remote_agent_ssd", b))}
+        finally:
+            for node in nodes:
+                node.close()
+            if redis_server is not None:
+                redis_server.kill()
+
+    prefill = prompt_tokens / statistics.median(cold)
+    v3_token_bytes = V3_LAYERS * V3_DIM * 2
+    return {
+        "checkpoint": str(checkpoint), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+        "unit_bytes": unit_bytes, "repeats": repeats, "directory": "redis" if redis_server else "memory",
+        "ttft_ms": {path: _median(ts) for path, ts in ttft.items()},
+        "speedup": {path: round(statistics.median(cold) / statistics.median(ts), 2)
+                    for path, ts in ttft.items() if path != "cold"},
+        "prefill_tokens_per_s": round(prefill, 1),
+        "load": {path: {**f, "beats_prefill": f["tokens_per_s"] > prefill} for path, f in load.items()},
+        "deepseek_v3": {
+            "kv_bytes_per_token": v3_token_bytes, "prompt_tokens": v3_prompt_tokens, "prompt_bytes": v3_bytes,
+            "h800_node_prefill_tokens_per_s": H800_PREFILL_TOKENS_PER_S,
+            # loading a prompt beats recomputing it, at DeepSeek's prefill rate, above this bandwidth
+            "break_even_gb_per_s": round(v3_token_bytes * H800_PREFILL_TOKENS_PER_S / 1e9, 2),
+            "load": {path: {**f, "beats_h800_prefill": f["tokens_per_s"] > H800_PREFILL_TOKENS_PER_S}
+                     for path, f in v3_load.items()},
+        },
+    }

@@ -385,3 +385,22 @@ def test_bench_all_json_is_each_benchmarks_own_output(tmp_path):
     assert set(report["benchmarks"]["structured"]["result"]) == set(own)
     bad = _tide("all", "--only", "structured,trace")
     assert bad.returncode == 2 and "--trace" in bad.stderr
+
+
+@pytest.mark.redis
+def test_bench_ttft_json():
+    """Computed and loaded through the local agent's RAM and SSD and a remote agent: every path
+    loads the same units (the whole units of a prompt that does not end on one) and the loads
+    alone report their bandwidth, also for DeepSeek-V3-sized units."""
+    r = _tide("ttft", "--prompt-tokens", "200", "--repeats", "1", "--v3-prompt-tokens", "128", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    paths = ("local_agent_ram", "local_agent_ssd", "remote_agent_ssd")
+    assert out["cached_tokens"] == 192 and out["directory"] == "redis"
+    assert set(out["ttft_ms"]) == {"cold", *paths} and set(out["load"]) == set(paths)
+    for path in paths:
+        load = out["load"][path]
+        assert load["gb_per_s"] > 0 and load["tokens_per_s"] > 0 and isinstance(load["beats_prefill"], bool)
+    v3 = out["deepseek_v3"]
+    assert v3["prompt_bytes"] == 2 * 64 * 61 * 576 * 2 and v3["break_even_gb_per_s"] == pytest.approx(5.18)
+    assert set(v3["load"]) == {"local_agent_ssd", "remote_agent_ssd"}
