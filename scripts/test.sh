@@ -6,12 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-if [ "${1:-}" != "--fast" ] && ! command -v prometheus >/dev/null 2>&1; then
-  # the dashboard test queries a real Prometheus (Debian package prometheus; not started as a service)
-  echo "== installing prometheus (apt)"
+if [ "${1:-}" != "--fast" ] && { ! command -v prometheus >/dev/null 2>&1 || ! command -v fio >/dev/null 2>&1; }; then
+  # the dashboard test queries a real Prometheus (not started as a service); the unit-io
+  # benchmark's raw baseline is fio's (Debian packages prometheus and fio)
+  echo "== installing prometheus and fio (apt)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
-    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+  $SUDO apt-get install -y -qq --no-install-recommends prometheus fio >/dev/null \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus fio >/dev/null; }
 fi
 if [ "${1:-}" = "--fast" ]; then
   shift

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import json
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -32,41 +33,28 @@ def bench_unit_bytes() -> int:
     return layers * UNIT_TOKENS * dim * item
 
 
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+IO_THREADS = 4  # the store's reader threads: the queue depth fio is given
+SEGMENT_READ_BYTES = 4 << 20  # the segment layout's longest coalesced read (cachedir/layout.py)
 
 
-class _RawFile:
-    """The disk's raw speed: one large file written (+fsync) and read back cold, sequentially,
-    in ``chunk``-sized calls."""
-
-    def __init__(self, path: Path, total_bytes: int, chunk: int) -> None:
-        self.path, self.total_bytes, self.chunk = path, total_bytes, chunk
-
-    def write(self) -> float:
-        data = memoryview(np.random.default_rng(0).bytes(self.total_bytes))  # no two blocks alike
-        t0 = time.perf_counter()
-        with open(self.path, "wb") as f:
-            for start in range(0, self.total_bytes - self.chunk + 1, self.chunk):
-                f.write(data[start : start + self.chunk])
-            f.flush()
-            os.fsync(f.fileno())
-        return time.perf_counter() - t0
-
-    def read(self) -> float:
-        _drop_cache(self.path)
-        t0 = time.perf_counter()
-        with open(self.path, "rb") as f:
-            while f.read(self.chunk):
-                pass
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.path.unlink(missing_ok=True)
+def fio_raw(path: Path, nbytes: int, block: int, depth: int = IO_THREADS) -> dict[str, float]:
+    """The disk's raw speed from fio (Debian package ``fio``): ``nbytes`` written (fsync at the
+    end) and read back in ``block``-sized O_DIRECT requests, ``depth`` in flight; GB/s."""
+    exe = shutil.which("fio")
+    if exe is None:
+        raise RuntimeError("fio is not installed: the raw baseline comes from it (apt-get install fio)")
+    size = max(block, nbytes // block * block)
+    out = {}
+    for rw, extra in (("write", ["--end_fsync=1"]), ("read", [])):
+        r = subprocess.run([exe, "--name=raw", f"--filename={path}", f"--size={size}", f"--bs={block}",
+                            f"--rw={rw}", "--direct=1", "--ioengine=libaio", f"--iodepth={depth}",
+                            "--output-format=json", *extra], capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            raise RuntimeError(f"fio --rw={rw} failed: {(r.stdout + r.stderr)[-500:]}")
+        job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0][rw]
+        out[f"{rw}_gb_per_s"] = job["bw_bytes"] / 1e9
+    path.unlink(missing_ok=True)
+    return out
 
 
 def _units(shape: str, count: int) -> tuple[Namespace, list[Unit]]:
@@ -91,9 +79,9 @@ class _StoreRuns:
     once read (the engine copies it into its KV pool)."""
 
     def __init__(self, root: Path, layout: str, ns: Namespace, units: list[Unit], run_units: int) -> None:
-        self.root, self.ns, self.units = root, ns, units
+        self.root, self.ns, self.units, self.run_units = root, ns, units, run_units
         self.runs = [units[i : i + run_units] for i in range(0, len(units), run_units)]
-        self.store = UnitStore(StoreConfig(root, capacity_bytes=1 << 42, io_threads=4, layout=layout))
+        self.store = UnitStore(StoreConfig(root, capacity_bytes=1 << 42, io_threads=IO_THREADS, layout=layout))
 
     def write(self) -> float:
         t0 = time.perf_counter()
@@ -101,11 +89,13 @@ class _StoreRuns:
             assert f.result()
         return time.perf_counter() - t0
 
-    def read(self) -> float:
-        for u in self.units:
+    def read(self, units: list[Unit]) -> float:
+        """Seconds to read ``units`` (some of those written) back cold, run after run."""
+        for u in units:
             self.store.drop_page_cache(u.key)
+        runs = [units[i : i + self.run_units] for i in range(0, len(units), self.run_units)]
         t0 = time.perf_counter()
-        for run in self.runs:
+        for run in runs:
             got = self.store.get_many_async([u.key for u in run], self.ns.seed, [u.token_ids for u in run]).result()
             assert all(g is not None for g in got)
             del got
@@ -154,42 +144,47 @@ def run_unit_io(
     root: Path | None = None, total_mb: int = 256, layouts: tuple[str, ...] = LAYOUTS,
     run_units: int = READ_RUN_UNITS, repeats: int = 3,
 ) -> dict[str, Any]:
-    """Best of ``repeats`` (each repeat measures raw and every layout, so drift hits all alike)."""
+    """Medians of ``repeats`` (each repeat measures fio and every layout, so drift hits all alike)."""
     out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)",
-                           "run_units": run_units, "repeats": repeats}
+                           "run_units": run_units, "repeats": repeats, "io_threads": IO_THREADS,
+                           "raw": "fio, O_DIRECT, libaio, queue depth = the store's I/O threads"}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         base = Path(tmp)
         for shape in UNIT_SHAPES:
             layers, dim, dtype, item = UNIT_SHAPES[shape]
             unit_bytes = layers * UNIT_TOKENS * dim * item
             count = max(8, total_mb * 2**20 // unit_bytes)
-            ns, units = _units(shape, count)
+            # the reads are timed on units of their own: the warm-up pass (staging buffers in use,
+            # as in a running server) reads another set, so no file's read-ahead is warm
+            ns, both = _units(shape, 2 * count)
+            warm, units = both[:count], both[count:]
             nbytes = sum(len(u.payload) for u in units)
-            best: dict[str, list[float]] = {name: [0.0, 0.0] for name in ("raw", *layouts)}
+            # the block the store reads: one unit (unit layout), coalesced runs (segment layout)
+            blocks = {"unit": unit_bytes, "segment": max(unit_bytes, min(SEGMENT_READ_BYTES, run_units * unit_bytes))}
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in (*(f"fio_{x}" for x in layouts), *layouts)}
             for _ in range(repeats):
-                targets = {"raw": _RawFile(base / "raw.bin", nbytes, unit_bytes)}
-                targets.update({name: _StoreRuns(base / f"{shape}-{name}", name, ns, units, run_units)
-                                for name in layouts})
-                try:
-                    # all writes first, then all reads: a disk still busy with a write (this VM's
-                    # disk stays slow for seconds after an fsync) slows whatever reads next
-                    for name, target in targets.items():
-                        best[name][0] = max(best[name][0], nbytes / target.write() / 1e9)
-                    for name, target in targets.items():
-                        target.read()  # timed on the second pass: the first fills the store's
-                        read_s = target.read()  # staging buffers, in use already in a server
-                        best[name][1] = max(best[name][1], nbytes / read_s / 1e9)
-                finally:
-                    for target in targets.values():
+                for name in layouts:
+                    raw = fio_raw(base / "raw.bin", nbytes, blocks[name])
+                    runs[f"fio_{name}"].append((raw["write_gb_per_s"], raw["read_gb_per_s"]))
+                    target = _StoreRuns(base / f"{shape}-{name}", name, ns, warm + units, run_units)
+                    try:
+                        write_s = target.write()
+                        target.read(warm)
+                        read_s = target.read(units)
+                        runs[name].append((2 * nbytes / write_s / 1e9, nbytes / read_s / 1e9))
+                    finally:
                         target.close()
-            raw_w, raw_r = best["raw"]
-            result: dict[str, Any] = {"unit_bytes": unit_bytes, "units": count,
-                                      "raw_write_gb_per_s": round(raw_w, 3), "raw_read_gb_per_s": round(raw_r, 3)}
+            result: dict[str, Any] = {"unit_bytes": unit_bytes, "units": count}
             for layout in layouts:
-                w, r = best[layout]
+                raw_w = statistics.median(w for w, _ in runs[f"fio_{layout}"])
+                raw_r = statistics.median(r for _, r in runs[f"fio_{layout}"])
+                w = statistics.median(w for w, _ in runs[layout])
+                r = statistics.median(r for _, r in runs[layout])
                 result[layout] = {
-                    "write_gb_per_s": round(w, 3),
-                    "read_gb_per_s": round(r, 3),
+                    "block_bytes": blocks[layout],
+                    "fio_write_gb_per_s": round(raw_w, 3), "fio_read_gb_per_s": round(raw_r, 3),
+                    "write_gb_per_s": round(w, 3), "read_gb_per_s": round(r, 3),
+                    "read_range": [round(min(x for _, x in runs[layout]), 3), round(max(x for _, x in runs[layout]), 3)],
                     "write_fraction_of_raw": round(w / raw_w, 3),
                     "read_fraction_of_raw": round(r / raw_r, 3),
                 }

@@ -162,16 +162,17 @@ def bench_unit_io(
     total_mb: int = typer.Option(256, "--total-mb", min=8, help="bytes written and read per measurement"),
     layout: list[str] = typer.Option(None, "--layout", help="store layout(s) to measure: unit, segment (default: both)"),
     run_units: int = typer.Option(128, "--run-units", min=1, help="units a request persists and loads together"),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="timed repeats (the best counts, raw and units alike)"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="timed repeats (medians count, raw and units alike)"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Unit write/read GB/s (bench-model and DeepSeek-V3-sized units) for each store layout
-    (a file per unit, segment files) beside raw sequential I/O of the same disk. Units are
-    written in runs (a request's units, all runs queued at once) and read back cold (page cache
-    dropped) run after run. Each repeat writes raw and every layout first, then reads them all;
-    reads (raw too) are timed on a second pass, once the store's staging buffers are in use, as
-    in a running server. ``integrity``: the host cost per unit of the keyed unit hash and the
-    unit MAC (beside the unkeyed hash and the checksum)."""
+    (a file per unit, segment files) as a fraction of the same disk's raw speed from fio (Debian
+    package fio: O_DIRECT, the block the layout reads, queue depth = the store's 4 I/O threads).
+    Units are written in runs (a request's units, all runs queued at once) and read back cold
+    (page cache dropped) run after run, after a warm-up pass over other units (the staging
+    buffers in use, as in a running server; no read-ahead warmed on the timed files). Medians of
+    --repeats with the read range. ``integrity``: the host cost per unit of the keyed unit hash
+    and the unit MAC (beside the unkeyed hash and the checksum)."""
     from cachedir.layout import LAYOUTS
     from deploy.bench.cache_bench import run_unit_io
 

@@ -68,13 +68,21 @@ def test_bench_directory_json(tmp_path):
 
 
 def test_bench_unit_io_json(tmp_path):
-    r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--json")
+    """Each layout beside fio's raw figure for the block that layout reads (one unit; a
+    segment's coalesced run, up to 4 MiB or one unit)."""
+    r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert out["io_threads"] == 4 and "O_DIRECT" in out["raw"]
     for shape in ("bench_model", "deepseek_v3"):
-        assert out[shape]["raw_read_gb_per_s"] > 0
+        unit = out[shape]["unit_bytes"]
+        assert out[shape]["unit"]["block_bytes"] == unit
+        assert out[shape]["segment"]["block_bytes"] == max(unit, min(4 << 20, 128 * unit))
         for layout in ("unit", "segment"):
-            assert out[shape][layout]["write_gb_per_s"] > 0 and out[shape][layout]["read_fraction_of_raw"] > 0
+            figures = out[shape][layout]
+            assert figures["fio_read_gb_per_s"] > 0 and figures["write_gb_per_s"] > 0
+            assert figures["read_fraction_of_raw"] == pytest.approx(
+                figures["read_gb_per_s"] / figures["fio_read_gb_per_s"], rel=0.01, abs=0.002)
     r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
     assert r.returncode == 2 and "tape" in r.stderr
 
