@@ -91,7 +91,7 @@ class AppArgs(BaseModel):
     agent_tls_key_file: str | None = None  # (the certificate must name the node's IP)
     agent_tls_ca_file: str | None = None
     agent_tls_mutual: bool = False  # agents require a node certificate signed by agent_tls_ca_file (and present theirs)
-    router: Literal["cache-aware", "round-robin", "power-of-two"] = "cache-aware"
+    router: Literal["cache-aware", "round-robin", "prefix-affinity", "power-of-two"] = "cache-aware"
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     directory_tls_ca_file: str | None = None  # PEM CA of the Redis server's certificate (rediss:// URLs)
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
@@ -315,7 +315,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
     )
     router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
-              "round-robin": "deploy.prefill_router:RoundRobinRouter"}.get(a.router)
+              "round-robin": "deploy.prefill_router:RoundRobinRouter",
+              "prefix-affinity": "deploy.prefill_router:PrefixAffinityRouter"}.get(a.router)
     options: dict[str, Any] = {}
     if router:
         options["request_router_config"] = RequestRouterConfig(

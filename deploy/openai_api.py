@@ -280,13 +280,17 @@ class OpenAIIngress:
     @staticmethod
     def _usage(lasts: list[RequestOutput], reasoning: list[ReasoningTokens] | None = None) -> dict:
         """Usage of a request from each choice's last output: the prompt counts once, and as cached
-        only the tokens every choice found in the cache; ``reasoning``: each choice's count of its
-        thought's tokens (a model that reasons)."""
-        prompt, hit = lasts[0].prompt_tokens, min(last.cached_tokens for last in lasts)
+        only the tokens every choice found in the cache (``prompt_cache_hit_sources``: where that
+        choice's cached KV came from: this replica's pool or node's RAM, the node's SSD, another
+        node); ``reasoning``: each choice's count of its thought's tokens (a model that reasons)."""
+        least = min(lasts, key=lambda last: last.cached_tokens)
+        prompt, hit = lasts[0].prompt_tokens, least.cached_tokens
         completion = sum(last.completion_tokens for last in lasts)
+        sources = least.sources
         out = {
             "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": prompt - hit,
+            "prompt_cache_hit_sources": {"ram": sources.ram, "ssd": sources.ssd, "remote": sources.remote},
             "prompt_tokens_details": {"cached_tokens": hit},
         }
         if reasoning is not None:

@@ -18,8 +18,10 @@ request gets the replica ranked for its own prompt.
 Why a router rather than the ingress picking a replica: Serve owns replica membership, queue
 limits, retries and back-pressure; a router keeps all of that and only supplies the ranking.
 
-``RoundRobinRouter`` ignores the cache (the benchmark's baseline). Both skip replicas that report
-``draining`` (their node is being lent to training: ``actors/tidal.py``).
+``RoundRobinRouter`` ignores the cache, and ``PrefixAffinityRouter`` sends prompts that share
+their first tokens to one replica without asking a directory (``cluster/prefix_affinity.py``):
+the benchmark's baselines. All skip replicas that report ``draining`` (their node is being lent
+to training: ``actors/tidal.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate
+from cluster.prefix_affinity import rank_by_prefix
 from cluster.request import GenerationRequest, PrefixPlan
 
-__all__ = ["CacheAwareRouter", "RoundRobinRouter", "plan_prefix"]
+__all__ = ["CacheAwareRouter", "PrefixAffinityRouter", "RoundRobinRouter", "plan_prefix"]
 
 MIN_SAMPLES = 8  # prefill chunks a replica must have timed before its fit counts
 RECENT_S = 0.5  # the replicas' report period: a request sent since is not in the reported queue
@@ -143,3 +146,17 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
         ordered = sorted(serving or candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = next(self._counter) % len(ordered)
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]  # ranks: this one, then the rest
+
+
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        req = _request(pending_request)
+        if req is None or not candidate_replicas:
+            return [candidate_replicas]
+        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")] or candidate_replicas
+        queued = [len((r.routing_stats or {}).get("queued", [])) + int((r.routing_stats or {}).get("running", 0))
+                  for r in serving]
+        order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued)
+        return [[serving[order[0]]], [serving[i] for i in order[1:]]]

@@ -282,13 +282,18 @@ def bench_cluster(
     block_tokens: int = typer.Option(8, "--block-tokens", min=1, max=512, help="tokens per 512-token trace block (scale factor = 512 / this)"),
     max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, help="cap on each request's (scaled) output"),
-    modes: str = typer.Option("shared,per_node,round_robin", "--modes", help="comma-separated: shared, per_node, round_robin"),
+    modes: str = typer.Option("shared,prefix_affinity,per_node,round_robin", "--modes",
+                              help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """Replay a trace against a simulated multi-node cluster with the shared cache directory and
-    the cache-aware router, then with per-node caches only, then with round-robin placement:
-    token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms, ttft_p99_ms, errors."""
+    """Replay a trace against a simulated multi-node cluster: the shared cache directory with the
+    cache-aware router; prefix affinity without a directory (consistent hashing of the first 256
+    tokens, the baseline SGLang's and Ray Serve's routers offer); per-node caches only; round-robin
+    placement. Every mode --repeats times, taking turns, on empty caches each run: medians with
+    ranges of token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms and
+    ttft_p99_ms, every run's figures with its TTFT by where the prompt's KV came from, errors."""
     from deploy.bench.cluster_bench import MODES, run_cluster_bench
 
     if not trace.is_file():
@@ -310,7 +315,7 @@ def bench_cluster(
     with contextlib.redirect_stdout(sys.stderr), progress("replaying", None) as bar:  # Ray's shutdown
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
-                                   max_tokens, checkpoint, chosen, progress=bar)
+                                   max_tokens, checkpoint, chosen, progress=bar, repeats=repeats)
     _emit(result)
 
 

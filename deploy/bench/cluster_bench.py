@@ -3,8 +3,15 @@ multi-node Ray cluster (``ray.cluster_utils.Cluster``, one Serve replica and one
 node, a real redis-server directory), in three modes:
 
 * ``shared`` — the cache directory is shared and the cache-aware prefill router places requests;
+* ``prefix_affinity`` — no directory: prompts whose first 256 tokens agree go to the same replica
+  (rendezvous hashing with a bounded load, as SGLang's router and Ray Serve's prefix-aware router
+  do): the baseline a user would pick instead of a shared directory;
 * ``per_node`` — no directory: each node hits only its own cache (the router balances load);
 * ``round_robin`` — the shared directory, but cache-unaware round-robin placement.
+
+Each mode runs ``repeats`` times, the modes taking turns (a run of every mode, then the next), each
+run on empty caches; figures are medians over the runs with their range, and every request's TTFT
+is also counted under where most of its prompt's KV came from (``compute`` when nothing hit).
 
 The trace is scaled down so it runs on a small machine: each 512-token ``hash_id`` block becomes
 ``block_tokens`` tokens (the scale factor 512 / block_tokens is printed) whose ids are derived
@@ -36,6 +43,7 @@ __all__ = ["MODES", "run_cluster_bench", "trace_prompts"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
+    "prefix_affinity": {"router": "prefix-affinity", "directory": False},
     "per_node": {"router": "cache-aware", "directory": False},
     "round_robin": {"router": "round-robin", "directory": True},
 }
@@ -97,28 +105,59 @@ def _source_tokens(url: str) -> dict[str, float]:
     return out
 
 
+def _source_of(usage: dict) -> str:
+    """Where most of a request's prompt KV came from: ``compute`` when nothing hit."""
+    sources = usage.get("prompt_cache_hit_sources") or {}
+    if not usage.get("prompt_cache_hit_tokens") or not any(sources.values()):
+        return "compute"
+    best = max(sources, key=lambda k: sources[k])
+    return {"ssd": "local_ssd"}.get(best, best)
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return round(sorted(values)[min(len(values) - 1, int(q * len(values)))] * 1000, 1) if values else None
+
+
 def _summary(results: list[dict], sources: dict[str, float], wall_s: float) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r and r.get("ttft") is not None and r.get("usage")]
-    ttfts = sorted(r["ttft"] for r in ok)
+    ttfts = [r["ttft"] for r in ok]
     prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
     hits = sum(r["usage"]["prompt_cache_hit_tokens"] for r in ok)
     share = lambda n: round(n / max(1, prompt), 4)  # noqa: E731
+    by_source: dict[str, list[float]] = {}
+    for r in ok:
+        by_source.setdefault(_source_of(r["usage"]), []).append(r["ttft"])
     return {
         "requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
         "token_hit_rate": share(hits),
         "hit_rate_by_source": {"ram": share(sources.get("ram", 0)), "local_ssd": share(sources.get("ssd", 0)),
                                "remote": share(sources.get("remote", 0))},
-        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
-        "ttft_p99_ms": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1000, 1) if ttfts else None,
+        "ttft_p50_ms": _p(ttfts, 0.5), "ttft_p99_ms": _p(ttfts, 0.99),
+        "ttft_by_source": {k: {"requests": len(v), "p50_ms": _p(v, 0.5), "p99_ms": _p(v, 0.99)}
+                           for k, v in sorted(by_source.items())},
         "wall_s": round(wall_s, 1),
         "first_error": next((r["error"] for r in results if "error" in r), None),
+    }
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's figures over its runs: medians with their ranges; every run as it came."""
+    def spread(get) -> dict[str, Any]:
+        values = [v for v in (get(r) for r in runs) if v is not None]
+        return {"median": round(statistics.median(values), 4), "range": [min(values), max(values)]} if values else {}
+
+    return {
+        "token_hit_rate": spread(lambda r: r["token_hit_rate"]),
+        "hit_rate_by_source": {k: spread(lambda r, k=k: r["hit_rate_by_source"][k]) for k in ("ram", "local_ssd", "remote")},
+        "ttft_p50_ms": spread(lambda r: r["ttft_p50_ms"]), "ttft_p99_ms": spread(lambda r: r["ttft_p99_ms"]),
+        "errors": sum(r["errors"] for r in runs), "runs": runs,
     }
 
 
 def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-    modes: tuple[str, ...] = tuple(MODES), progress=None,
+    modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3,
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``)."""
     import ray
@@ -131,36 +170,46 @@ def run_cluster_bench(
     out: dict[str, Any] = {
         "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
         "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
-        "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens,
+        "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
         "prompt_tokens": sum(len(p) for p, _ in work),
     }
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    total = len(work) * len(modes) * repeats
     with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url):
-        for mode in modes:
-            spec = MODES[mode]
-            app = build_app({
-                "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
-                "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / mode / "{node}"),
-                "directory_url": redis.url if spec["directory"] else None,
-                "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
-                "max_num_seqs": max(4, concurrency), "num_pages": 2048,
-            })
-            serve.run(app, name="bench", route_prefix="/", blocking=False)
-            wait_healthy(url)
-            before = _source_tokens(url)
-            t0 = time.perf_counter()
-            results = asyncio.run(_replay(url, work, concurrency, done=lambda n, m=mode: progress and progress.update(
-                modes.index(m) * len(work) + n, len(work) * len(modes), f"{m}: request {n}/{len(work)}")))
-            wall = time.perf_counter() - t0
-            after = _source_tokens(url)
-            out[mode] = _summary(results, {k: after.get(k, 0) - before.get(k, 0) for k in after}, wall)
-            serve.delete("bench")
-            for node in ray.nodes():  # the next mode starts from empty caches
-                try:
-                    ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
-                except ValueError:
-                    pass
-    if "shared" in out and "per_node" in out:
-        out["shared_beats_per_node_hit_rate"] = out["shared"]["token_hit_rate"] > out["per_node"]["token_hit_rate"]
-    if "shared" in out and "round_robin" in out and out["shared"]["ttft_p50_ms"] and out["round_robin"]["ttft_p50_ms"]:
-        out["shared_beats_round_robin_ttft_p50"] = out["shared"]["ttft_p50_ms"] < out["round_robin"]["ttft_p50_ms"]
+        for rep in range(repeats):
+            for k, mode in enumerate(modes):
+                spec = MODES[mode]
+                app = build_app({
+                    "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
+                    "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / f"{mode}-{rep}" / "{node}"),
+                    "directory_url": redis.url if spec["directory"] else None,
+                    "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
+                    "max_num_seqs": max(4, concurrency), "num_pages": 2048,
+                })
+                serve.run(app, name="bench", route_prefix="/", blocking=False)
+                wait_healthy(url)
+                before = _source_tokens(url)
+                t0 = time.perf_counter()
+                offset = (rep * len(modes) + k) * len(work)
+                results = asyncio.run(_replay(url, work, concurrency, done=lambda n, m=mode, o=offset: progress and (
+                    progress.update(o + n, total, f"{m}: request {n}/{len(work)}"))))
+                wall = time.perf_counter() - t0
+                after = _source_tokens(url)
+                runs[mode].append(_summary(results, {s: after.get(s, 0) - before.get(s, 0) for s in after}, wall))
+                serve.delete("bench")
+                for node in ray.nodes():  # the next run starts from empty caches
+                    try:
+                        ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
+                    except ValueError:
+                        pass
+    for mode in modes:
+        out[mode] = _medians(runs[mode])
+    hit = {m: out[m]["token_hit_rate"].get("median") for m in modes}
+    p50 = {m: out[m]["ttft_p50_ms"].get("median") for m in modes}
+    for baseline in ("prefix_affinity", "per_node"):
+        if "shared" in out and baseline in out:
+            out[f"shared_beats_{baseline}_hit_rate"] = (hit["shared"] or 0) > (hit[baseline] or 0)
+    for baseline in ("prefix_affinity", "round_robin"):
+        if "shared" in out and baseline in out and p50["shared"] and p50[baseline]:
+            out[f"shared_beats_{baseline}_ttft_p50"] = p50["shared"] < p50[baseline]
     return out

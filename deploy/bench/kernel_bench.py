@@ -7,7 +7,14 @@ clock x 2 for DDR), or ``--peak-gbps``. With 128 heads every cached token also f
 128 x (576 + 512) x 2 FLOPs, ~242 FLOPs per byte, about an H100/H200's ratio of tensor FLOP/s to
 bandwidth, so ``tflop_per_s`` is reported beside it: the kernel is bound by either. The same
 cases with 16 heads (the heads one GPU holds under 8-way tensor parallelism, 30 FLOPs per byte)
-show the memory-bound side (``mla_decode_16_heads``).
+show the memory-bound side (``mla_decode_16_heads``). Pages hold 16 tokens, as the engine's
+pool does; ``mla_decode_mixed`` gives the batch's sequences lengths drawn between an eighth of
+the context and all of it (a real decode batch is ragged), its bytes counted from the actual
+lengths.
+
+MoE: prefill-sized batches (thousands of tokens: bound by tensor FLOP/s) and decode-sized ones
+(64-256 tokens over a shard's 32 experts: bound by reading the experts' weights, so GB/s of the
+weights touched and their fraction of the peak bandwidth are reported beside TFLOP/s).
 
 Every case is first checked against the torch reference (``max_abs_err``, on two sequences of
 the batch), then timed as the median of ``triton.testing.do_bench``; the first call tunes the
@@ -34,7 +41,7 @@ class Shapes:
     hidden: int = 7168
     moe_inter: int = 2048
     top_k: int = 8
-    page_size: int = 64
+    page_size: int = 16  # the engine's (cluster.engine.EngineConfig.page_size)
 
 
 V3 = Shapes()
@@ -78,8 +85,10 @@ def _tuned(kernel) -> str | None:
 
 
 def bench_mla_decode(
-    batch: int, context: int, peak_gbps: float | None, shapes: Shapes = V3, device: str = "cuda"
+    batch: int, context: int, peak_gbps: float | None, shapes: Shapes = V3, device: str = "cuda",
+    mixed: bool = False,
 ) -> dict[str, Any]:
+    """``mixed``: lengths drawn between context/8 and context (seeded) instead of all equal."""
     from kernels.mla_decode import _mla_decode_split, mla_decode, ref_mla_decode
 
     sh, dt = shapes, torch.bfloat16
@@ -88,7 +97,12 @@ def bench_mla_decode(
     table = torch.randperm(batch * pages_per_seq, device=device, dtype=torch.int32).view(batch, -1)
     q_lat = torch.randn(batch, sh.heads, sh.kv_lora_rank, device=device, dtype=dt)
     q_rope = torch.randn(batch, sh.heads, sh.rope_dim, device=device, dtype=dt)
-    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    if mixed:
+        lens = torch.randint(max(1, context // 8), context + 1, (batch,), generator=torch.Generator().manual_seed(0))
+        lens = lens.to(device=device, dtype=torch.int32)
+    else:
+        lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    tokens = int(lens.sum())
     scale = (sh.kv_lora_rank + sh.rope_dim) ** -0.5
 
     def run() -> torch.Tensor:
@@ -98,13 +112,15 @@ def bench_mla_decode(
     ref = ref_mla_decode(q_lat[:checked], q_rope[:checked], kv, table[:checked], lens[:checked], scale, sh.page_size)
     err = float((run()[:checked].float() - ref.float()).abs().max())
     ms = _time_ms(run, device)
-    nbytes = (batch * context * (sh.kv_lora_rank + sh.rope_dim) + q_lat.numel() * 2 + q_rope.numel()) * 2 \
+    nbytes = (tokens * (sh.kv_lora_rank + sh.rope_dim) + q_lat.numel() * 2 + q_rope.numel()) * 2 \
         + table.numel() * 4
-    flops = 2 * batch * sh.heads * context * (2 * sh.kv_lora_rank + sh.rope_dim)
+    flops = 2 * sh.heads * tokens * (2 * sh.kv_lora_rank + sh.rope_dim)
     gbps = nbytes / ms / 1e6
     return {
         "batch": batch,
         "context": context,
+        "mean_length": round(tokens / batch, 1),
+        "page_size": sh.page_size,
         "ms": round(ms, 4),
         "gb_per_s": round(gbps, 1),
         "fraction_of_peak": round(gbps / peak_gbps, 3) if peak_gbps else None,
@@ -114,7 +130,8 @@ def bench_mla_decode(
     }
 
 
-def bench_moe_grouped(tokens: int, experts: int, shapes: Shapes = V3, device: str = "cuda") -> dict[str, Any]:
+def bench_moe_grouped(tokens: int, experts: int, shapes: Shapes = V3, device: str = "cuda",
+                      peak_gbps: float | None = None) -> dict[str, Any]:
     from kernels.moe_grouped import _gate_up_silu, moe_grouped_mlp, ref_moe_grouped_mlp
 
     sh, dt = shapes, torch.bfloat16
@@ -133,9 +150,13 @@ def bench_moe_grouped(tokens: int, experts: int, shapes: Shapes = V3, device: st
     err = float((run()[few].float() - ref).abs().max() / ref.abs().max())
     ms = _time_ms(run, device)
     flops = 2 * tokens * sh.top_k * 3 * sh.hidden * sh.moe_inter
+    # each expert any token chose is read once: its gate, up and down weights (bf16)
+    weight_bytes = int(ids.unique().numel()) * 3 * sh.hidden * sh.moe_inter * 2
+    gbps = (weight_bytes + 2 * x.numel() * 2) / ms / 1e6
     return {"tokens": tokens, "experts": experts, "top_k": sh.top_k, "ms": round(ms, 3),
-            "tflop_per_s": round(flops / ms / 1e9, 1), "max_rel_err": round(err, 5),
-            "config": _tuned(_gate_up_silu)}
+            "tflop_per_s": round(flops / ms / 1e9, 1), "weight_gb_per_s": round(gbps, 1),
+            "fraction_of_peak_bandwidth": round(gbps / peak_gbps, 3) if peak_gbps else None,
+            "max_rel_err": round(err, 5), "config": _tuned(_gate_up_silu)}
 
 
 def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
@@ -146,8 +167,11 @@ def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(),
         "peak_memory_gb_per_s": peak,
         "mla_decode": [bench_mla_decode(b, c, peak) for b in (64, 128) for c in (4096, 32768)],
+        "mla_decode_mixed": [bench_mla_decode(b, c, peak, mixed=True) for b in (64, 128) for c in (4096, 32768)],
         "mla_decode_16_heads": [bench_mla_decode(b, c, peak, Shapes(heads=16)) for b in (64, 128)
                                 for c in (4096, 32768)],
         # 32 local experts = one shard of 256 experts over 8 GPUs; 256 = all experts on one GPU
-        "moe_grouped_gemm": [bench_moe_grouped(t, e) for t, e in ((4096, 32), (16384, 256))],
+        "moe_grouped_gemm": [bench_moe_grouped(t, e, peak_gbps=peak) for t, e in ((4096, 32), (16384, 256))],
+        # a decode step's tokens over one shard: memory-bound
+        "moe_grouped_gemm_decode": [bench_moe_grouped(t, 32, peak_gbps=peak) for t in (64, 256)],
     }

@@ -112,8 +112,12 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     mla = bench_mla_decode(2, 100, 1000.0, small, device)
     assert mla["max_abs_err"] < 0.05 and mla["ms"] > 0 and mla["gb_per_s"] >= 0 and mla["tflop_per_s"] >= 0
     assert mla["fraction_of_peak"] == round(mla["gb_per_s"] / 1000.0, 3) and "BLOCK_H" in mla["config"]
-    moe = bench_moe_grouped(24, 4, small, device)
+    assert mla["mean_length"] == 100 and mla["page_size"] == 16 == Shapes().page_size  # the engine's pages
+    ragged = bench_mla_decode(3, 100, 1000.0, small, device, mixed=True)
+    assert ragged["max_abs_err"] < 0.05 and 12 <= ragged["mean_length"] < 100
+    moe = bench_moe_grouped(24, 4, small, device, peak_gbps=1000.0)
     assert moe["max_rel_err"] < 0.05 and moe["ms"] > 0 and "BN" in moe["config"]
+    assert moe["fraction_of_peak_bandwidth"] == round(moe["weight_gb_per_s"] / 1000.0, 3)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -145,22 +149,42 @@ def test_trace_prompts_share_blocks_exactly_like_the_trace(tmp_path):
 @pytest.mark.redis
 @pytest.mark.slow
 def test_bench_cluster_json(tmp_path):
+    """The shared directory and the prefix-affinity baseline replay the same requests; without a
+    directory no KV comes from another node; each request's TTFT is counted under its source."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(8)))
-    r = _tide("cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32", "--modes", "shared,per_node",
-              "--concurrency", "1")
+    r = _tide("cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
+              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["scale_factor"] == 16 and out["requests"] == 8
-    for mode in ("shared", "per_node"):
+    assert out["scale_factor"] == 16 and out["requests"] == 8 and out["repeats"] == 1
+    for mode in ("shared", "prefix_affinity"):
         m = out[mode]
-        assert m["errors"] == 0 and m["requests"] == 8
-        assert {"token_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "hit_rate_by_source"} <= set(m)
-        assert set(m["hit_rate_by_source"]) == {"ram", "local_ssd", "remote"}
-        assert sum(m["hit_rate_by_source"].values()) == pytest.approx(m["token_hit_rate"], abs=1e-3)
+        (run,) = m["runs"]
+        assert m["errors"] == 0 and run["requests"] == 8 and run["prompt_tokens"] == out["prompt_tokens"]
+        assert m["token_hit_rate"]["median"] == run["token_hit_rate"] and set(m["hit_rate_by_source"]) == {
+            "ram", "local_ssd", "remote"}
+        assert sum(run["hit_rate_by_source"].values()) == pytest.approx(run["token_hit_rate"], abs=1e-3)
+        assert sum(s["requests"] for s in run["ttft_by_source"].values()) == 8 and "compute" in run["ttft_by_source"]
+    assert out["prefix_affinity"]["runs"][0]["hit_rate_by_source"]["remote"] == 0  # no directory, no remote KV
     # requests 2..7 share a 64-token unit with an earlier one (at most 6 x 64 of 8 x 128 tokens)
-    assert 0 < out["shared"]["token_hit_rate"] <= 6 * 64 / (8 * 128) + 1e-3
+    assert 0 < out["shared"]["runs"][0]["token_hit_rate"] <= 6 * 64 / (8 * 128) + 1e-3
+
+
+def test_cluster_bench_verdicts_are_on_medians_over_runs():
+    from deploy.bench.cluster_bench import _medians, _source_of
+
+    def run(hit, p50):
+        return {"token_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p99_ms": 2 * p50, "errors": 0,
+                "hit_rate_by_source": {"ram": hit, "local_ssd": 0.0, "remote": 0.0}}
+
+    m = _medians([run(0.5, 30.0), run(0.1, 90.0), run(0.4, 20.0)])  # one bad run does not decide
+    assert m["token_hit_rate"] == {"median": 0.4, "range": [0.1, 0.5]}
+    assert m["ttft_p50_ms"] == {"median": 30.0, "range": [20.0, 90.0]} and len(m["runs"]) == 3
+    assert _source_of({"prompt_cache_hit_tokens": 0, "prompt_cache_hit_sources": {"ram": 0, "ssd": 0, "remote": 0}}) == "compute"
+    assert _source_of({"prompt_cache_hit_tokens": 192, "prompt_cache_hit_sources": {"ram": 64, "ssd": 0, "remote": 128}}) == "remote"
+    assert _source_of({"prompt_cache_hit_tokens": 64, "prompt_cache_hit_sources": {"ram": 0, "ssd": 64, "remote": 0}}) == "local_ssd"
 
 
 @pytest.mark.ray

@@ -74,6 +74,9 @@ def test_repeated_long_prompt_hits_the_cache_with_identical_output(client):
     assert a.choices[0].text == b.choices[0].text
     assert a.usage.model_extra["prompt_cache_hit_tokens"] == 0
     assert b.usage.model_extra["prompt_cache_hit_tokens"] >= 256
+    # where the hit came from: the replica's pool or the node's RAM, its SSD, another node
+    assert a.usage.model_extra["prompt_cache_hit_sources"] == {"ram": 0, "ssd": 0, "remote": 0}
+    assert sum(b.usage.model_extra["prompt_cache_hit_sources"].values()) == b.usage.model_extra["prompt_cache_hit_tokens"]
 
 
 def test_streaming_with_usage(client):
