@@ -202,7 +202,8 @@ def test_killed_agent_units_leave_lookups_and_requests_still_succeed(cluster, se
 
 class _PrefixLookups:
     """Counts the directory's prefix lookups Redis serves, by watching MONITOR: each lookup's
-    first round, and nothing else, reads the nodes' heartbeat expiries."""
+    first round, and nothing else, reads unit hashes and then the nodes' heartbeat expiries in
+    one pipeline (listing live nodes or hot units reads the expiries after other keys)."""
 
     def __init__(self, redis_url: str) -> None:
         import redis
@@ -214,13 +215,18 @@ class _PrefixLookups:
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
+        last: dict[tuple, str] = {}  # client -> its previous command
         with self._redis.monitor() as m:
             self._ready.set()
             for cmd in m.listen():
                 if self._stop.is_set():
                     return
-                if cmd["command"].startswith("HGETALL") and cmd["command"].endswith(":expiry"):
+                client, command = (cmd.get("client_address"), cmd.get("client_port")), cmd["command"]
+                before = last.get(client, "")
+                if command.startswith("HGETALL") and command.endswith(":expiry") and before.startswith("HGETALL") \
+                        and ":u:" in before:
                     self.count += 1
+                last[client] = command
 
     def __enter__(self):
         self._thread.start()
