@@ -18,6 +18,7 @@ from cachedir.layout import LAYOUTS
 from cachedir.store import StoreConfig, UnitStore
 from cachedir.trace import read_trace, replay, unique_unit_count
 from cachedir.unit import Unit
+from deploy.bench.machine import machine
 
 UNIT_TOKENS = 64
 READ_RUN_UNITS = 128  # units a request persists and loads together in the I/O bench (an 8K-token prompt)
@@ -145,7 +146,7 @@ def run_unit_io(
     run_units: int = READ_RUN_UNITS, repeats: int = 3,
 ) -> dict[str, Any]:
     """Medians of ``repeats`` (each repeat measures fio and every layout, so drift hits all alike)."""
-    out: dict[str, Any] = {"total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)",
+    out: dict[str, Any] = {**machine(), "total_mb_per_measurement": total_mb, "read_mode": "cold (page cache dropped)",
                            "run_units": run_units, "repeats": repeats, "io_threads": IO_THREADS,
                            "raw": "fio, O_DIRECT, libaio, queue depth = the store's I/O threads"}
     with tempfile.TemporaryDirectory(dir=root) as tmp:

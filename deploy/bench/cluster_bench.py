@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from cachedir.trace import BLOCK_TOKENS, read_trace
+from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
 
@@ -168,7 +169,7 @@ def run_cluster_bench(
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
     out: dict[str, Any] = {
-        "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
+        **machine(), "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
         "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
         "prompt_tokens": sum(len(p) for p, _ in work),

@@ -17,7 +17,6 @@ Per store:
 from __future__ import annotations
 
 import hashlib
-import platform
 import statistics
 import tempfile
 import threading
@@ -30,6 +29,7 @@ import numpy as np
 from cachedir.directory import open_directory
 from cachedir.hashing import chain_keys
 from cachedir.trace import BLOCK_TOKENS, read_trace
+from deploy.bench.machine import machine
 
 __all__ = ["run_directory"]
 
@@ -177,7 +177,7 @@ def run_directory(redis_url: str | None, units: int = 2000, lookups: int = 300, 
     from deploy.redis_proc import RedisClusterServer, RedisServer
 
     args = (units, lookups, clients, trace, trace_limit, trace_nodes)
-    out: dict[str, Any] = {"machine": platform.machine(), "python": platform.python_version()}
+    out: dict[str, Any] = {**machine(), "lookups": lookups}
     if redis_url is not None:
         out["given"] = _figures(redis_url, *args)
         return out

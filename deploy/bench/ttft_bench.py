@@ -34,6 +34,7 @@ from cachedir.store import StoreConfig
 from cachedir.unit import Unit
 from cluster.engine import Engine, EngineConfig
 from cluster.request import GenerationRequest
+from deploy.bench.machine import machine
 from model.checkpoint import load_model, random_state_dict, save_checkpoint, weights_digest
 from model.config import named_config
 from model.tokenizer import ByteTokenizer
@@ -195,7 +196,7 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
     prefill = prompt_tokens / statistics.median(cold)
     v3_token_bytes = V3_LAYERS * V3_DIM * 2
     return {
-        "checkpoint": str(checkpoint), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+        **machine(), "checkpoint": str(checkpoint), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
         "unit_bytes": unit_bytes, "repeats": repeats, "directory": "redis" if redis_server else "memory",
         "ttft_ms": {path: _median(ts) for path, ts in ttft.items()},
         "speedup": {path: round(statistics.median(cold) / statistics.median(ts), 2)

@@ -73,7 +73,8 @@ def test_bench_unit_io_json(tmp_path):
     r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["io_threads"] == 4 and "O_DIRECT" in out["raw"]
+    assert out["io_threads"] == 4 and "O_DIRECT" in out["raw"] and out["repeats"] == 1
+    assert out["cpus"] >= 1 and out["machine"] and out["torch"]  # where it ran
     for shape in ("bench_model", "deepseek_v3"):
         unit = out[shape]["unit_bytes"]
         assert out[shape]["unit"]["block_bytes"] == unit
@@ -158,7 +159,7 @@ def test_bench_cluster_json(tmp_path):
               "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["scale_factor"] == 16 and out["requests"] == 8 and out["repeats"] == 1
+    assert out["scale_factor"] == 16 and out["requests"] == 8 and out["repeats"] == 1 and out["ray"]
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
         (run,) = m["runs"]
@@ -428,7 +429,7 @@ def test_bench_ttft_json():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     paths = ("local_agent_ram", "local_agent_ssd", "remote_agent_ssd")
-    assert out["cached_tokens"] == 192 and out["directory"] == "redis"
+    assert out["cached_tokens"] == 192 and out["directory"] == "redis" and out["repeats"] == 1 and out["cpus"] >= 1
     assert set(out["ttft_ms"]) == {"cold", *paths} and set(out["load"]) == set(paths)
     for path in paths:
         load = out["load"][path]

@@ -1,0 +1,22 @@
+"""What every benchmark's JSON says about where it ran: the machine and the versions that matter."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+__all__ = ["machine"]
+
+
+def machine() -> dict[str, Any]:
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": version("torch"), "ray": version("ray"), "redis_py": version("redis"),
+            "tideserve": version("tideserve")}
