@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-
-def _tide(*args):
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", *args], capture_output=True,
-                       text=True, timeout=600, env={**os.environ})
-    return r
+from tests.cli import tide
 
 
 def test_bench_trace_json(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 8,
                                          "hash_ids": [i % 3, 100 + i]}) + "\n" for i in range(20)))
-    r = _tide("trace", "--trace", str(trace), "--policy", "every", "--capacity-fraction", "0.5", "--json")
+    r = tide("bench", "trace", "--trace", str(trace), "--policy", "every", "--capacity-fraction", "0.5", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {p["policy"] for p in out["policies"]} == {"all", "deepseek", "second-sight"}
@@ -34,7 +27,7 @@ def test_bench_trace_json(tmp_path):
     (["trace", "--trace", __file__, "--unit", "100"], "100"),
 ])
 def test_bench_trace_bad_arguments(args, message):
-    r = _tide(*args)
+    r = tide("bench", *args)
     assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
 
 
@@ -46,7 +39,7 @@ def test_bench_directory_json(tmp_path):
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048 + 64 * (i % 5), "output_length": 8,
                                          "hash_ids": [i % 4, 100 + i % 7, 200 + i, 300 + i, 400 + i]}) + "\n"
                              for i in range(60)))
-    r = _tide("directory", "--units", "1000", "--lookups", "8", "--clients", "4", "--trace", str(trace), "--json")
+    r = tide("bench", "directory", "--units", "1000", "--lookups", "8", "--clients", "4", "--trace", str(trace), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     single, cluster = out["single"], out["cluster"]
@@ -63,14 +56,14 @@ def test_bench_directory_json(tmp_path):
     assert single["trace"]["hit_units_fraction"] == cluster["trace"]["hit_units_fraction"] > 0
     assert len(cluster["trace"]["command_usec_per_primary"]) == 3 and cluster["trace"]["cluster_imbalance"] >= 1.0
     assert "cluster_imbalance" not in single["trace"]
-    bad = _tide("directory", "--redis-url", "memcached://x")
+    bad = tide("bench", "directory", "--redis-url", "memcached://x")
     assert bad.returncode == 2 and "memcached://x" in bad.stderr
 
 
 def test_bench_unit_io_json(tmp_path):
     """Each layout beside fio's raw figure for the block that layout reads (one unit; a
     segment's coalesced run, up to 4 MiB or one unit)."""
-    r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
+    r = tide("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["io_threads"] == 4 and "O_DIRECT" in out["raw"] and out["repeats"] == 1
@@ -84,14 +77,14 @@ def test_bench_unit_io_json(tmp_path):
             assert figures["fio_read_gb_per_s"] > 0 and figures["write_gb_per_s"] > 0
             assert figures["read_fraction_of_raw"] == pytest.approx(
                 figures["read_gb_per_s"] / figures["fio_read_gb_per_s"], rel=0.01, abs=0.002)
-    r = _tide("unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
+    r = tide("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
     assert r.returncode == 2 and "tape" in r.stderr
 
 
 def test_bench_kernels_without_cuda_says_so_and_exits_0():
     import torch
 
-    r = _tide("kernels", "--json")
+    r = tide("bench", "kernels", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     if torch.cuda.is_available():
@@ -128,7 +121,7 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__, "--nodes", "1"], "--nodes"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
-    r = _tide(*args)
+    r = tide("bench", *args)
     assert r.returncode == 2 and message in " ".join(r.stderr.replace("│", "").split())
 
 
@@ -155,7 +148,7 @@ def test_bench_cluster_json(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(8)))
-    r = _tide("cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
+    r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
               "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
@@ -193,7 +186,7 @@ def test_cluster_bench_verdicts_are_on_medians_over_runs():
 @pytest.mark.slow
 @pytest.mark.fault
 def test_bench_soak_json_with_faults():
-    r = _tide("soak", "--minutes", "0.3", "--concurrency", "2", "--fault-every-s", "6", "--max-tokens", "4")
+    r = tide("bench", "soak", "--minutes", "0.3", "--concurrency", "2", "--fault-every-s", "6", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert [f["kind"] for f in out["faults"]][:2] == ["redis_restart", "agent_kill"]
@@ -209,7 +202,7 @@ def test_bench_soak_json_with_faults():
     (["--checkpoint", "/nonexistent"], "/nonexistent"),
 ])
 def test_bench_soak_bad_arguments(args, message):
-    r = _tide("soak", *args)
+    r = tide("bench", "soak", *args)
     assert r.returncode == 2 and message in r.stderr
 
 
@@ -219,7 +212,7 @@ def test_bench_model_json_on_a_checkpoint(tmp_path):
 
     cfg = named_config("tiny")
     ckpt = save_checkpoint(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=0))
-    r = _tide("model", "--checkpoint", str(ckpt), "--steps", "2", "--repeats", "3", "--json")
+    r = tide("bench", "model", "--checkpoint", str(ckpt), "--steps", "2", "--repeats", "3", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["statistic"] == "median" and out["repeats"] == 3
@@ -307,7 +300,7 @@ def test_mixed_contexts_keep_the_mean_and_spread_out():
 
 
 def test_bench_structured_json():
-    r = _tide("structured", "--vocab", "3000", "--json")
+    r = tide("bench", "structured", "--vocab", "3000", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["vocab"] == "synthetic" and out["vocab_size"] == 3000
@@ -318,14 +311,14 @@ def test_bench_structured_json():
 
 
 def test_bench_engine_json():
-    r = _tide("engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl")
+    r = tide("bench", "engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     grid = out["host_ms_per_step"]
     assert set(grid) == {"batch_1", "batch_4"} and all(set(row) == {"ctx_64", "ctx_256"} for row in grid.values())
     assert all(c["steps"] == 5 and c["p90_ms"] >= c["median_ms"] for row in grid.values() for c in row.values())
     assert set(out["context_growth"]) == {"batch_1", "batch_4"} and "targets" not in out  # no batch 64 asked
-    bad = _tide("engine", "--batches", "0")
+    bad = tide("bench", "engine", "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
 
 
@@ -342,7 +335,7 @@ def test_itl_bench_measures_both_chunkings_on_the_same_work():
 def test_bench_ep_wire_only_counts_bytes_per_round_and_step():
     """``tide bench ep --wire-only``: BF16 rows against FP8 dispatch (1 byte per channel plus a
     float32 scale per 128) at the bench config's and DeepSeek-V3's dimensions; combine stays BF16."""
-    r = _tide("ep", "--wire-only", "--nodes", "4", "--batch", "16")
+    r = tide("bench", "ep", "--wire-only", "--nodes", "4", "--batch", "16")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     v3 = out["deepseek_v3"]
@@ -371,7 +364,7 @@ def test_bench_serve_alternates_which_case_goes_first_and_reports_medians():
 @pytest.mark.ray
 @pytest.mark.slow
 def test_bench_serve_json():
-    r = _tide("serve", "--requests", "4", "--concurrency", "2", "--system-tokens", "128", "--max-tokens", "2",
+    r = tide("bench", "serve", "--requests", "4", "--concurrency", "2", "--system-tokens", "128", "--max-tokens", "2",
               "--repeats", "2")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -410,13 +403,13 @@ def test_bench_all_runs_in_order_keeps_errors_and_skips_past_the_budget(monkeypa
 
 def test_bench_all_json_is_each_benchmarks_own_output(tmp_path):
     out = tmp_path / "report.json"
-    r = _tide("all", "--only", "structured", "--out", str(out))
+    r = tide("bench", "all", "--only", "structured", "--out", str(out))
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert json.loads(out.read_text()) == report
-    own = json.loads(_tide("structured").stdout)
+    own = json.loads(tide("bench", "structured").stdout)
     assert set(report["benchmarks"]["structured"]["result"]) == set(own)
-    bad = _tide("all", "--only", "structured,trace")
+    bad = tide("bench", "all", "--only", "structured,trace")
     assert bad.returncode == 2 and "--trace" in bad.stderr
 
 
@@ -425,7 +418,7 @@ def test_bench_ttft_json():
     """Computed and loaded through the local agent's RAM and SSD and a remote agent: every path
     loads the same units (the whole units of a prompt that does not end on one) and the loads
     alone report their bandwidth, also for DeepSeek-V3-sized units."""
-    r = _tide("ttft", "--prompt-tokens", "200", "--repeats", "1", "--v3-prompt-tokens", "128", "--json")
+    r = tide("bench", "ttft", "--prompt-tokens", "200", "--repeats", "1", "--v3-prompt-tokens", "128", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     paths = ("local_agent_ram", "local_agent_ssd", "remote_agent_ssd")

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cluster.eplb import Placement
-
-
-def _tide(*args):
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
+from tests.cli import tide
 
 
 @pytest.fixture
@@ -30,7 +23,7 @@ def load_file(tmp_path):
 
 def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
     path, load = load_file
-    r = _tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
+    r = tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
               "--shards", "4", "--policy", "spill", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -41,7 +34,7 @@ def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
     # re-planning the same load from the printed plan moves nothing
     prev = tmp_path / "plan.json"
     prev.write_text(r.stdout)
-    r2 = _tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
+    r2 = tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
                "--shards", "4", "--policy", "spill", "--previous", str(prev))
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["moved_slots"] == 0
@@ -55,7 +48,7 @@ def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
 ])
 def test_plan_bad_arguments_name_the_value(load_file, args, message):
     path, _ = load_file
-    r = _tide("eplb", "plan", "--load", str(path), *args)
+    r = tide("eplb", "plan", "--load", str(path), *args)
     assert r.returncode == 2
     assert message in r.stderr.replace("\n", " ").replace("│", "")
 
@@ -63,12 +56,12 @@ def test_plan_bad_arguments_name_the_value(load_file, args, message):
 def test_plan_bad_load_file(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[[1, 2], [3]]")
-    r = _tide("eplb", "plan", "--load", str(bad), "--slots", "2", "--shards", "1")
+    r = tide("eplb", "plan", "--load", str(bad), "--slots", "2", "--shards", "1")
     assert r.returncode == 2 and "[layers][experts]" in r.stderr.replace("\n", " ").replace("│", "")
 
 
 def test_bench_eplb_json():
-    r = _tide("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json")
+    r = tide("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = {row["policy"]: row for row in out["results"]}
@@ -102,7 +95,7 @@ def test_sampled_batches_deal_an_experts_rows_to_its_copies_in_turn():
 @pytest.mark.ray
 @pytest.mark.slow
 def test_bench_ep_json():
-    r = _tide("bench", "ep", "--nodes", "2", "--batch", "4", "--context", "16", "--steps", "2",
+    r = tide("bench", "ep", "--nodes", "2", "--batch", "4", "--context", "16", "--steps", "2",
               "--config", "tiny", "--repeats", "2", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -119,5 +112,5 @@ def test_bench_ep_json():
 
 
 def test_bench_ep_bad_config():
-    r = _tide("bench", "ep", "--config", "huge")
+    r = tide("bench", "ep", "--config", "huge")
     assert r.returncode == 2 and "'huge'" in r.stderr

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from model.checkpoint import load_model
 from model.generate import generate
+from tests.cli import tide
 from tests.model.hf_checkpoints import make_hf_checkpoint
-
-
-def _tide(*args, env_home):
-    env = {**os.environ, "TIDE_HOME": str(env_home)}
-    return subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +27,9 @@ def test_penalized_and_biased_generation_matches_the_model(hf_ckpt, tmp_path):
     model = load_model(hf_ckpt)
     penalized = generate(model, [5, 6, 7, 8], 12, SamplingParams(presence_penalty=2.0, frequency_penalty=1.0))
     banned = penalized[0]  # the bias must change the answer
-    r = _tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "12",
+    r = tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "12",
               "--presence-penalty", "2", "--frequency-penalty", "1", "--logit-bias", f"{banned}=-100",
-              "--logit-bias", "3=1.5", "--json", env_home=tmp_path)
+              "--logit-bias", "3=1.5", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     params = SamplingParams(presence_penalty=2.0, frequency_penalty=1.0, logit_bias=((banned, -100.0), (3, 1.5)))
     ids = generate(model, [5, 6, 7, 8], 12, params)
@@ -51,8 +42,8 @@ def test_json_object_mode_matches_the_model_under_the_masks(tmp_path):
     from model.structured import JsonMasks
     from model.tokenizer import ByteTokenizer
 
-    r = _tide("generate", "--prompt", "Reply in JSON", "--max-tokens", "40", "--json-object", "--logit-bias", "32=-10",
-              "--logit-bias", "125=2.5", "--logit-bias", "44=-3", "--json", env_home=tmp_path)
+    r = tide("generate", "--prompt", "Reply in JSON", "--max-tokens", "40", "--json-object", "--logit-bias", "32=-10",
+              "--logit-bias", "125=2.5", "--logit-bias", "44=-3", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     tok = ByteTokenizer()
     model = load_model(default_checkpoint(tmp_path))
@@ -64,8 +55,8 @@ def test_json_object_mode_matches_the_model_under_the_masks(tmp_path):
 
 
 def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
-    r = _tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "6",
-              "--json", env_home=tmp_path)
+    r = tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "6",
+              "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == generate(load_model(hf_ckpt), [5, 6, 7, 8], 6)
@@ -73,7 +64,7 @@ def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
 
 
 def test_generate_default_model_with_text_prompt(tmp_path):
-    r = _tide("generate", "--prompt", "Hello", "--max-tokens", "24", "--json", env_home=tmp_path)
+    r = tide("generate", "--prompt", "Hello", "--max-tokens", "24", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) <= 24
@@ -98,14 +89,14 @@ def test_generate_default_model_with_text_prompt(tmp_path):
     ],
 )
 def test_bad_arguments_name_the_bad_value(tmp_path, args, message):
-    r = _tide("generate", "--max-tokens", "2", *args, env_home=tmp_path)
+    r = tide("generate", "--max-tokens", "2", *args, env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 2
     assert message in r.stderr.replace("\n", " ").replace("│", "")
 
 
 def test_seeded_sampling_is_reproducible(tmp_path):
-    runs = [_tide("generate", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "1.0",
-                  "--seed", "11", "--json", env_home=tmp_path) for _ in range(2)]
+    runs = [tide("generate", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "1.0",
+                  "--seed", "11", "--json", env={"TIDE_HOME": str(tmp_path)}) for _ in range(2)]
     assert runs[0].returncode == 0, runs[0].stderr
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
     torch.manual_seed(0)  # keep global RNG state irrelevant to the outcome
@@ -116,5 +107,5 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    r = _tide("generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--device", "cuda", env_home=tmp_path)
+    r = tide("generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--device", "cuda", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 2 and "CUDA is not available" in r.stderr

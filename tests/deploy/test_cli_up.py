@@ -18,6 +18,7 @@ import pytest
 from deploy.local import process_alive
 from deploy.ray_head import marked_processes, stop_marked
 from deploy.redis_proc import free_port
+from tests.cli import tide
 from tests.listeners import is_loopback, listening
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -40,13 +41,7 @@ def _env(home: Path | None, fresh_home: Path, **extra: str) -> dict[str, str]:
 
 
 def _tide(*args, home, fresh_home=None, timeout=600, env=None):
-    env = env or _env(home, fresh_home or home / "home")
-    try:
-        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
-                              env=env, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # what it printed says where it hung
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"tide {' '.join(args)} ran past {timeout} s; its stderr ends:\n{err[-3000:]}")
+    return tide(*args, env=env or _env(home, fresh_home or home / "home"), timeout=timeout, replace_env=True)
 
 
 def _ray_head(tmp: Path, env: dict[str, str]) -> tuple[str, str]:
