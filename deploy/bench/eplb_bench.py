@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cluster.eplb import EplbConfig, Placement, imbalance, moved_slots, plan, spill_fraction
+from deploy.bench.machine import machine
 
 POLICIES = ("global", "hierarchical", "spill")
 BATCHES = 16  # sampled batches per score
@@ -121,6 +122,7 @@ def run_eplb_bench(
                     sampled_imbalance(in_order, later, rows_per_shard, BATCHES, seed + 3), 4),
             })
     return {
+        **machine(),
         "experts": experts, "groups": groups, "shards": shards, "nodes": nodes, "slots": slots,
         "layers": layers, "drift": drift, "total_slots": layers * slots, "window_drift": window_drift,
         "rows_per_shard": rows_per_shard, "sampled_batches": BATCHES,

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from deploy.bench.machine import machine
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 
 
@@ -147,7 +148,7 @@ def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: in
 
     from deploy.app import build_app
 
-    out: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "repeats": repeats,
+    out: dict[str, Any] = {**machine(), "requests": requests, "concurrency": concurrency, "repeats": repeats,
                            "shared_system_prompt_tokens": system_tokens, "max_tokens": max_tokens,
                            "statistic": "median over repeats (the order alternates)"}
     prompts = _prompts(requests, system_tokens)

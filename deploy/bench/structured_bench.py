@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.bench.machine import machine
 from model.json_schema import SchemaGrammar
 from model.structured import JsonMasks
 
@@ -69,5 +70,5 @@ def run_structured_bench(checkpoint: Path | None = None, vocab_size: int = 129_2
     masks = JsonMasks(token_bytes, vocab_size)
     table_s = time.perf_counter() - t
     text = json.dumps(VALUE, ensure_ascii=False).encode()
-    return {"vocab": source, "vocab_size": vocab_size, "table_build_s": round(table_s, 3),
+    return {**machine(), "vocab": source, "vocab_size": vocab_size, "table_build_s": round(table_s, 3),
             "json_object": _walk(masks, text), "json_schema": _walk(masks.for_grammar(SchemaGrammar(SCHEMA)), text)}
