@@ -125,6 +125,7 @@ class ReplicaConfig:
     store: StoreSection
     dtype: str = "float32"
     device: str = "cpu"
+    cpu_weights: str = "fp32"  # "int8": a CPU replica holds its projections and experts in 8 bits
     warmup: bool | None = None
     engine: EngineConfig = field(default_factory=_engine_config)
     enable_cache: bool = True
@@ -138,3 +139,7 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.cpu_weights not in ("fp32", "int8"):
+            raise ValueError(f"cpu_weights must be fp32 or int8, got {self.cpu_weights!r}")
+        if self.cpu_weights == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"cpu_weights int8 needs device cpu and dtype float32, got {self.device} {self.dtype}")

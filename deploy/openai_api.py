@@ -206,7 +206,8 @@ class OpenAIIngress:
 
             self.directory = directory.open()
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")),
-                                             read_secret(cfg.get("cache_secret_file")))
+                                             read_secret(cfg.get("cache_secret_file")),
+                                             cfg.get("cpu_weights", "fp32"))
 
     async def _plan(self, req: GenerationRequest) -> PrefixPlan | None:
         """The prompt's prefix plan: the keys of its whole units (hashed here, once) and the

@@ -5,6 +5,8 @@ I expert intermediate size, H hidden size, A active experts.
 
 BLAS sgemm is tuned for large M; at decode (M <= 16 rows) it reaches a fraction of memory
 bandwidth on many CPUs. ``small_linear`` and ``moe_experts`` stream each weight byte once.
+``small_linear_q8`` and ``moe_routed_q8`` do the same over int8 weights with a float32 scale per
+row and group of G columns (``quantize_q8``; G divides K), reading a quarter of the bytes.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
 flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
@@ -25,16 +27,25 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "Q8_GROUP",
     "build_dir",
     "cpu_kernels",
+    "dequantize_q8",
     "kernel_state",
     "moe_experts",
     "moe_routed",
+    "moe_routed_q8",
+    "quantize_q8",
     "ref_moe_experts",
     "ref_moe_routed",
+    "ref_moe_routed_q8",
     "ref_small_linear",
+    "ref_small_linear_q8",
     "small_linear",
+    "small_linear_q8",
 ]
+
+Q8_GROUP = 128  # columns per int8 scale (the 128-wide blocks of DeepSeek's FP8 checkpoints)
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -157,6 +168,58 @@ def moe_routed(
     if mod is None:
         return ref_moe_routed(x, ids, weights, gate_up, down)
     return mod.moe_routed(x, ids, weights, gate_up, down)
+
+
+def quantize_q8(w: torch.Tensor, group: int = Q8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float -> (q int8 [..., N, K], scale float32 [..., N, K / G]): symmetric, one
+    scale per row and group of G columns (G = ``group`` when it divides K, else K), so that
+    ``q * scale`` is within half a step (scale / 2) of w."""
+    k = w.shape[-1]
+    g = group if k % group == 0 else k
+    blocks = w.float().reshape(*w.shape[:-1], k // g, g)  # [..., N, K/G, G]
+    scale = blocks.abs().amax(dim=-1).clamp_min(1e-30) / 127.0  # [..., N, K/G]
+    q = torch.round(blocks / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(w.shape).contiguous(), scale.contiguous()
+
+
+def dequantize_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(q [..., N, K], scale [..., N, K / G]) -> float32 [..., N, K]."""
+    groups = scale.shape[-1]
+    blocks = q.float().reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
+    return (blocks * scale[..., None]).reshape(q.shape)
+
+
+def ref_small_linear_q8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, q [N, K] int8, scale [N, K / G] -> [M, N]."""
+    return F.linear(x, dequantize_q8(q, scale))
+
+
+def small_linear_q8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``ref_small_linear_q8``; fp32 contiguous CPU activations only."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_small_linear_q8(x, q, scale)
+    return mod.small_linear_q8(x, q, scale)
+
+
+def ref_moe_routed_q8(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_q: torch.Tensor, gate_up_scale: torch.Tensor,
+    down_q: torch.Tensor, down_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``ref_moe_routed`` with int8 experts: gate_up_q [E, 2I, H] (scales [E, 2I, H / G]),
+    down_q [E, H, I] (scales [E, H, I / G])."""
+    return ref_moe_routed(x, ids, weights, dequantize_q8(gate_up_q, gate_up_scale), dequantize_q8(down_q, down_scale))
+
+
+def moe_routed_q8(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_q: torch.Tensor, gate_up_scale: torch.Tensor,
+    down_q: torch.Tensor, down_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as ``ref_moe_routed_q8``."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_moe_routed_q8(x, ids, weights, gate_up_q, gate_up_scale, down_q, down_scale)
+    return mod.moe_routed_q8(x, ids, weights, gate_up_q, gate_up_scale, down_q, down_scale)
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at install time

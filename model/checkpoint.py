@@ -335,20 +335,33 @@ def load_model(
     impl: str = "auto",
     routed_experts: bool = True,
     device: str | torch.device = "cpu",
+    cpu_weights: str = "fp32",
 ) -> DeepseekModel:
     """``routed_experts=False`` leaves the routed experts on disk (an attention replica under
     expert parallelism, whose executor sends tokens to expert shards). ``device``: where the
-    weights and the latent pool live (``cuda`` selects the Triton kernels under ``impl="auto"``)."""
+    weights and the latent pool live (``cuda`` selects the Triton kernels under ``impl="auto"``).
+    ``cpu_weights="int8"``: a float32 CPU model holds its projections and experts as int8 with
+    per-block scales (``model.quant``: a quarter of the bytes a decode step streams)."""
+    from model.quant import CPU_WEIGHTS, quantize_model
+
+    if cpu_weights not in CPU_WEIGHTS:
+        raise ValueError(f"unsupported cpu_weights {cpu_weights!r}; supported: {', '.join(CPU_WEIGHTS)}")
     dtype = _dtype(dtype)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
+    if cpu_weights == "int8" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"cpu_weights 'int8' needs a float32 model on the CPU, not {dtype} on {device}")
     cfg = load_config(ckpt_dir)
     include = None if routed_experts else (lambda name: not is_routed_expert(name))
     sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include)
     for name in sd:  # one tensor at a time, so host memory holds at most one extra copy
         sd[name] = sd[name].to(device)
-    return build_model(cfg, sd, impl)
+    model = build_model(cfg, sd, impl)
+    if cpu_weights == "int8":
+        del sd  # the fp32 copies go as each weight is quantized
+        quantize_model(model)
+    return model
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import small_linear
+from kernels.cpu_gemv import small_linear, small_linear_q8
+from model.quant import Q8Weight
 
 __all__ = ["linear", "rms_norm", "SwiGLU"]
 
@@ -16,15 +17,16 @@ __all__ = ["linear", "rms_norm", "SwiGLU"]
 SMALL_ROWS = 16
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [T, K], w [N, K]; decode-sized fp32 CPU batches use the GEMV kernel."""
-    if (
-        bias is None
-        and x.dim() == 2
-        and x.shape[0] <= SMALL_ROWS
-        and x.dtype == torch.float32
+def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for x [T, K], w [N, K] (a tensor or int8 ``Q8Weight``); decode-sized fp32
+    CPU batches use the GEMV kernels, larger ones an int8 weight dequantized for the call."""
+    small = bias is None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32 \
         and x.device.type == "cpu"
-    ):
+    if isinstance(w, Q8Weight):
+        if small:
+            return small_linear_q8(x.contiguous(), w.q, w.scale)
+        return F.linear(x, w.dequantize().to(x.dtype), bias)
+    if small:
         return small_linear(x.contiguous(), w)
     return F.linear(x, w, bias)
 
@@ -41,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class SwiGLU:
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one [2I, H] matrix."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: torch.Tensor | Q8Weight, down: torch.Tensor | Q8Weight) -> None:
         assert gate_up.shape[0] == 2 * down.shape[1], (gate_up.shape, down.shape)
         self.gate_up = gate_up  # [2I, H]
         self.down = down  # [H, I]

@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import Impl
-from kernels.cpu_gemv import moe_routed, ref_moe_routed
+from kernels.cpu_gemv import moe_routed, moe_routed_q8, ref_moe_routed
 from kernels.moe_grouped import moe_grouped_mlp
 from kernels.moe_route import moe_route_v3
 from model.config import ModelConfig
 from model.layers import SwiGLU
+from model.quant import Q8Weight
 
 __all__ = ["ExpertExecutor", "ExpertWeights", "Gate", "LocalExpertExecutor", "MoE", "route"]
 
@@ -92,8 +93,8 @@ class ExpertExecutor(Protocol):
 class ExpertWeights:
     """Routed experts of one layer, stacked in Hugging Face layout."""
 
-    gate_up: torch.Tensor  # [E, 2I, M]  (gate_proj rows, then up_proj rows)
-    down: torch.Tensor  # [E, M, I]
+    gate_up: torch.Tensor | Q8Weight  # [E, 2I, M]  (gate_proj rows, then up_proj rows)
+    down: torch.Tensor | Q8Weight  # [E, M, I]
 
     @classmethod
     def stack(cls, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> ExpertWeights:
@@ -117,6 +118,11 @@ def grouped_expert_forward(
     num_slots = w.gate_up.shape[0]
     if t == 0:
         return torch.zeros_like(x)
+    if isinstance(w.gate_up, Q8Weight):  # int8 experts (model.quant): the kernel, or fp32 for this call
+        if t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu":
+            return moe_routed_q8(x.contiguous(), expert_ids.contiguous(), weights.float().contiguous(),
+                                 w.gate_up.q, w.gate_up.scale, w.down.q, w.down.scale)
+        w = ExpertWeights(w.gate_up.dequantize(), w.down.dequantize())
     if impl == "triton":
         return moe_grouped_mlp(x, expert_ids, weights, w.gate_up, w.down)
     if t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu":

@@ -1,9 +1,13 @@
-// Small-batch matrix kernels for CPU decode (fp32).
+// Small-batch matrix kernels for CPU decode (fp32 activations; fp32 or int8 weights).
 //
 // At decode a linear layer sees a handful of rows (M <= 16) while its weight is megabytes; BLAS
 // sgemm is tuned for large M and reaches a fraction of memory bandwidth there. These kernels
 // stream each weight row once, dot it with every input row held in cache, and split the output
 // columns over threads. Layouts follow Hugging Face: a weight is [N, K], y = x @ w^T.
+//
+// Int8 weights (the "q8" kernels) carry a float32 scale per row and group of G consecutive
+// columns (w[n, k] = q[n, k] * scale[n, k / G]): a quarter of the bytes per step, which is what
+// bounds decode here. Each group's dot product is summed in float32 and scaled once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -71,6 +75,12 @@ inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K,
   out[0][0] = hsum(a0); out[0][1] = hsum(a1); out[0][2] = hsum(a2); out[0][3] = hsum(a3);
   out[1][0] = hsum(c0); out[1][1] = hsum(c1); out[1][2] = hsum(c2); out[1][3] = hsum(c3);
 }
+
+// 8 int8 weights -> 8 floats.
+inline __m256 load_q8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 #endif
 
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < m, n in [n0, n1); y has leading dimension ldy.
@@ -111,6 +121,33 @@ void dot_rows(const float* x, int64_t m, int64_t K, const float* w, int64_t n0, 
   }
 }
 
+// One int8 weight row [K] with its scales [K / G] -> float32 [K].
+void dequant_row(const int8_t* q, const float* scale, int64_t K, int64_t G, float* out) {
+  for (int64_t g = 0, k = 0; k < K; ++g) {
+    const float sc = scale[g];
+    int64_t end = k + G;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vs = _mm256_set1_ps(sc);
+    for (; k + 7 < end; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(load_q8(q + k), vs));
+#endif
+    for (; k < end; ++k) out[k] = static_cast<float>(q[k]) * sc;
+  }
+}
+
+// ``dot_rows`` with int8 weight rows q [N, K] and their scales [N, K / G]: each group of 4 rows
+// is widened to float32 once (16 bytes of it per weight byte read, kept in cache) and every
+// input row is dotted with it there, so memory carries a quarter of the bytes of fp32 weights.
+void dot_rows_q8(const float* x, int64_t m, int64_t K, const int8_t* q, const float* scale, int64_t G,
+                 int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t groups = K / G;
+  std::vector<float> rows(4 * K);
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t count = std::min<int64_t>(4, n1 - n);
+    for (int64_t j = 0; j < count; ++j) dequant_row(q + (n + j) * K, scale + (n + j) * groups, K, G, rows.data() + j * K);
+    dot_rows(x, m, K, rows.data(), 0, count, y + n, ldy);
+  }
+}
+
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -136,10 +173,57 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
 
 namespace {
 
-// For every span (e, lo, hi): out[lo:hi] = in[lo:hi] @ w_e^T, with w_e = w + e * N * K of shape
-// [N, K]. Work items are (span, chunk of output columns), so every weight byte is read by exactly
-// one item and the threads split the experts' weights between them.
-void per_expert_linear(const float* in, const int64_t* s, int64_t A, int64_t K, const float* w,
+void check_q8(const torch::Tensor& q, const torch::Tensor& scale, const char* name) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.device().is_cpu(), name,
+              " must be contiguous int8 on the CPU, got ", q.scalar_type());
+  check_f32(scale, "scale");
+  TORCH_CHECK(scale.dim() == q.dim() && scale.sizes().slice(0, q.dim() - 1) == q.sizes().slice(0, q.dim() - 1),
+              name, " scales ", scale.sizes(), " do not fit its weights ", q.sizes());
+  const int64_t K = q.size(-1), groups = scale.size(-1);
+  TORCH_CHECK(groups > 0 && K % groups == 0, name, ": ", groups, " scale groups do not divide ", K, " columns");
+}
+
+}  // namespace
+
+// x [M, K] float32, q [N, K] int8, scale [N, K / G] float32 -> [M, N] = x @ (q * scale)^T
+torch::Tensor small_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  check_f32(x, "x");
+  check_q8(q, scale, "q");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1),
+              "shape mismatch: x ", x.sizes(), " q ", q.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / scale.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) { dot_rows_q8(xp, M, K, qp, sp, G, n0, n1, yp, N); });
+  return y;
+}
+
+namespace {
+
+// Expert weights [E, N, K]: float32, or int8 with float32 scales [E, N, K / G].
+struct ExpertMats {
+  const float* f32 = nullptr;
+  const int8_t* q8 = nullptr;
+  const float* scale = nullptr;
+  int64_t G = 0;
+
+  // out[:, n0:n1] (leading dimension ldy) = in [m, K] @ (expert e's rows n0..n1)^T
+  void rows(const float* in, int64_t m, int64_t K, int64_t N, int64_t e, int64_t n0, int64_t n1, float* out,
+            int64_t ldy) const {
+    if (q8 != nullptr)
+      dot_rows_q8(in, m, K, q8 + e * N * K, scale + e * N * (K / G), G, n0, n1, out, ldy);
+    else
+      dot_rows(in, m, K, f32 + e * N * K, n0, n1, out, ldy);
+  }
+};
+
+// For every span (e, lo, hi): out[lo:hi] = in[lo:hi] @ w_e^T, w_e of shape [N, K]. Work items
+// are (span, chunk of output columns), so every weight byte is read by exactly one item and the
+// threads split the experts' weights between them.
+void per_expert_linear(const float* in, const int64_t* s, int64_t A, int64_t K, const ExpertMats& w,
                        int64_t N, float* out) {
   constexpr int64_t kChunk = 64;
   const int64_t chunks = (N + kChunk - 1) / kChunk;
@@ -148,33 +232,90 @@ void per_expert_linear(const float* in, const int64_t* s, int64_t A, int64_t K, 
       const int64_t a = it / chunks, c = it % chunks;
       const int64_t ex = s[3 * a], lo = s[3 * a + 1], hi = s[3 * a + 2];
       const int64_t n0 = c * kChunk, n1 = std::min(N, n0 + kChunk);
-      dot_rows(in + lo * K, hi - lo, K, w + ex * N * K, n0, n1, out + lo * N, N);
+      w.rows(in + lo * K, hi - lo, K, N, ex, n0, n1, out + lo * N, N);
     }
   });
 }
 
 // ys[lo:hi] = down_e(silu(gate_e(xs[lo:hi])) * up_e(xs[lo:hi])) for every span (e, lo, hi).
 void run_experts(const float* xp, const int64_t* s, int64_t A, int64_t R, int64_t H, int64_t I,
-                 const float* gp, const float* dp, float* yp) {
+                 const ExpertMats& gate_up, const ExpertMats& down, float* yp) {
   const int64_t I2 = 2 * I;
   std::vector<float> h(R * I2), act(R * I);
-  per_expert_linear(xp, s, A, H, gp, I2, h.data());
+  per_expert_linear(xp, s, A, H, gate_up, I2, h.data());
   for (int64_t r = 0; r < R; ++r) {
     const float* g = h.data() + r * I2;
     const float* u = g + I;
     float* o = act.data() + r * I;
     for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
-  per_expert_linear(act.data(), s, A, I, dp, H, yp);
+  per_expert_linear(act.data(), s, A, I, down, H, yp);
+}
+
+void check_expert_shapes(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t H) {
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(2) == H && down.size(0) == E &&
+                  down.size(1) == H && down.size(2) == I,
+              "expert weight shapes gate_up ", gate_up.sizes(), " down ", down.sizes(),
+              " do not fit hidden size ", H);
 }
 
 void check_experts(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t H) {
   check_f32(gate_up, "gate_up");
   check_f32(down, "down");
-  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(2) == H && down.size(0) == E && down.size(1) == H && down.size(2) == I,
-              "expert weight shapes gate_up ", gate_up.sizes(), " down ", down.sizes(),
-              " do not fit hidden size ", H);
+  check_expert_shapes(gate_up, down, H);
+}
+
+// The whole routed-expert step for a few tokens: group (token, k) pairs by expert (counting
+// sort), run each active expert once, and sum the weighted outputs per token.
+torch::Tensor routed(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights, int64_t E,
+                     int64_t I, const ExpertMats& gate_up, const ExpertMats& down) {
+  check_f32(x, "x");
+  check_f32(weights, "weights");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous(), "ids must be contiguous int64");
+  TORCH_CHECK(ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0),
+              "ids ", ids.sizes(), " and weights ", weights.sizes(), " must be [T, K] for x ", x.sizes());
+  const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), R = T * K;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t j = 0; j < R; ++j) {
+    TORCH_CHECK(id[j] >= 0 && id[j] < E, "expert id ", id[j], " outside [0, ", E, ")");
+    ++count[id[j] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // start row of each expert
+  std::vector<int64_t> spans, row_of(R);
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) spans.insert(spans.end(), {e, count[e], count[e + 1]});
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t j = 0; j < R; ++j) row_of[j] = next[id[j]]++;  // stable: token order per expert
+  std::vector<float> xs(R * H), ys(R * H);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t j = 0; j < R; ++j) std::copy_n(xp + (j / K) * H, H, xs.data() + row_of[j] * H);
+  run_experts(xs.data(), spans.data(), static_cast<int64_t>(spans.size() / 3), R, H, I, gate_up, down, ys.data());
+  auto out = torch::zeros({T, H}, x.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  for (int64_t j = 0; j < R; ++j) {
+    const float wj = wp[j];
+    const float* yr = ys.data() + row_of[j] * H;
+    float* o = op + (j / K) * H;
+    for (int64_t c = 0; c < H; ++c) o[c] += wj * yr[c];
+  }
+  return out;
+}
+
+ExpertMats f32_mats(const torch::Tensor& w) {
+  ExpertMats m;
+  m.f32 = w.data_ptr<float>();
+  return m;
+}
+
+ExpertMats q8_mats(const torch::Tensor& q, const torch::Tensor& scale) {
+  ExpertMats m;
+  m.q8 = q.data_ptr<int8_t>();
+  m.scale = scale.data_ptr<float>();
+  m.G = q.size(2) / scale.size(2);
+  return m;
 }
 
 }  // namespace
@@ -197,54 +338,33 @@ torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor g
     TORCH_CHECK(0 <= s[3 * a + 1] && s[3 * a + 1] <= s[3 * a + 2] && s[3 * a + 2] <= R, "bad span");
   }
   auto ys = torch::empty({R, H}, xs.options());
-  run_experts(xs.data_ptr<float>(), s, A, R, H, gate_up.size(1) / 2, gate_up.data_ptr<float>(),
-              down.data_ptr<float>(), ys.data_ptr<float>());
+  run_experts(xs.data_ptr<float>(), s, A, R, H, gate_up.size(1) / 2, f32_mats(gate_up), f32_mats(down),
+              ys.data_ptr<float>());
   return ys;
 }
 
-// The whole routed-expert step for a few tokens: group (token, k) pairs by expert (counting
-// sort), run each active expert once, and sum the weighted outputs per token.
-// x [T, H]; ids [T, K] int64; weights [T, K] float32 -> [T, H].
+// x [T, H]; ids [T, K] int64; weights [T, K] float32; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
 torch::Tensor moe_routed(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                          torch::Tensor gate_up, torch::Tensor down) {
-  check_f32(x, "x");
-  check_f32(weights, "weights");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous(), "ids must be contiguous int64");
-  TORCH_CHECK(ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0),
-              "ids ", ids.sizes(), " and weights ", weights.sizes(), " must be [T, K] for x ", x.sizes());
-  const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), E = gate_up.size(0), R = T * K;
-  check_experts(gate_up, down, H);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> count(E + 1, 0);
-  for (int64_t j = 0; j < R; ++j) {
-    TORCH_CHECK(id[j] >= 0 && id[j] < E, "expert id ", id[j], " outside [0, ", E, ")");
-    ++count[id[j] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];  // start row of each expert
-  std::vector<int64_t> spans, row_of(R);
-  for (int64_t e = 0; e < E; ++e)
-    if (count[e + 1] > count[e]) spans.insert(spans.end(), {e, count[e], count[e + 1]});
-  std::vector<int64_t> next(count.begin(), count.end() - 1);
-  for (int64_t j = 0; j < R; ++j) row_of[j] = next[id[j]]++;  // stable: token order per expert
-  std::vector<float> xs(R * H), ys(R * H);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t j = 0; j < R; ++j) std::copy_n(xp + (j / K) * H, H, xs.data() + row_of[j] * H);
-  run_experts(xs.data(), spans.data(), static_cast<int64_t>(spans.size() / 3), R, H,
-              gate_up.size(1) / 2, gate_up.data_ptr<float>(), down.data_ptr<float>(), ys.data());
-  auto out = torch::zeros({T, H}, x.options());
-  float* op = out.data_ptr<float>();
-  const float* wp = weights.data_ptr<float>();
-  for (int64_t j = 0; j < R; ++j) {
-    const float wj = wp[j];
-    const float* yr = ys.data() + row_of[j] * H;
-    float* o = op + (j / K) * H;
-    for (int64_t c = 0; c < H; ++c) o[c] += wj * yr[c];
-  }
-  return out;
+  check_experts(gate_up, down, x.size(1));
+  return routed(x, ids, weights, gate_up.size(0), gate_up.size(1) / 2, f32_mats(gate_up), f32_mats(down));
+}
+
+// The same with int8 experts: gate_up_q [E, 2I, H] with scales [E, 2I, H / G1], down_q [E, H, I]
+// with scales [E, H, I / G2].
+torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up_q,
+                            torch::Tensor gate_up_scale, torch::Tensor down_q, torch::Tensor down_scale) {
+  check_q8(gate_up_q, gate_up_scale, "gate_up");
+  check_q8(down_q, down_scale, "down");
+  check_expert_shapes(gate_up_q, down_q, x.size(1));
+  return routed(x, ids, weights, gate_up_q.size(0), gate_up_q.size(1) / 2, q8_mats(gate_up_q, gate_up_scale),
+                q8_mats(down_q, down_scale));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
   m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
   m.def("moe_routed", &moe_routed, "group by expert, run, and combine weighted outputs (fp32)");
+  m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
+  m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
 }

@@ -186,6 +186,8 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
 @pytest.mark.parametrize("args, message", [(["--device", "tpu"], "tpu"), (["--dtype", "int3"], "int3"),
                                            (["--host", "0.0.0.0"], "without API keys"),
                                            (["--cache-layout", "flat"], "flat"),
+                                           (["--cpu-weights", "int4"], "int4"),
+                                           (["--cpu-weights", "int8", "--dtype", "bfloat16"], "float32 models"),
                                            (["--checkpoint", "{llama}"], "unsupported model_type 'llama'")])
 def test_bad_arguments_name_the_bad_value_and_start_nothing(tmp_path, args, message):
     llama = tmp_path / "llama"

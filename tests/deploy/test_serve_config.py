@@ -129,7 +129,8 @@ def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypa
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
     args = {"num_pages": 96, "max_num_seqs": 3, "max_prefill_tokens": 128, "itl_factor": 2.5, "micro_batches": 2,
             "admission": "second-sight", "ssd_gb": 2.0, "ram_mb": 7, "cache_layout": "unit", "cache_replicas": 3,
-            "directory_url": "redis://127.0.0.1:1/0", "directory_namespace": "ns-7", "decode_replicas": 1}
+            "directory_url": "redis://127.0.0.1:1/0", "directory_namespace": "ns-7", "decode_replicas": 1,
+            "cpu_weights": "int8"}
     ingress = build_app(args)._bound_deployment
     server, decode = ingress.init_args[0]._bound_deployment.init_args[0], ingress.init_args[2]._bound_deployment.init_args[0]
     assert isinstance(server, ReplicaConfig) and decode == server
@@ -141,6 +142,8 @@ def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypa
     assert server.agents.store == st and server.agents.replicas == 3 and server.agents.directory == server.directory
     assert (server.directory.url, server.directory.namespace) == ("redis://127.0.0.1:1/0", "ns-7")
     assert ingress.init_args[1]["directory"] == server.directory  # the ingress plans in the same namespace
+    # int8 weights compute other KV: the replicas and the ingress hash units in another namespace
+    assert server.cpu_weights == "int8" == ingress.init_args[1]["cpu_weights"]
     with pytest.raises(TypeError, match="ReplicaConfig"):
         from actors.llm_server import LLMServer
 

@@ -78,6 +78,57 @@ def test_moe_routed_matches_reference(t, k, e, hidden, inter):
         cpu_kernels().moe_routed(x, ids + e, weights, gate_up, down)
 
 
+@pytest.mark.parametrize("k, group", [(256, 128), (60, 128), (512, 64)])
+def test_q8_quantization_is_within_half_a_step_and_round_trips(k, group):
+    from kernels.cpu_gemv import dequantize_q8, quantize_q8
+
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(3, 37, k, generator=gen) * torch.logspace(-3, 1, k)  # columns of very different sizes
+    q, scale = quantize_q8(w, group)
+    g = group if k % group == 0 else k  # a group that does not divide K: one scale per row
+    assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (3, 37, k // g)
+    err = (dequantize_q8(q, scale) - w).abs().reshape(3, 37, k // g, g)
+    assert bool((err <= scale[..., None] / 2 + 1e-7).all())
+    assert torch.equal(quantize_q8(dequantize_q8(q, scale), group)[0], q)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 13, 16])
+@pytest.mark.parametrize("k, n, group", [(8, 1, 128), (64, 63, 16), (256, 257, 128), (1536, 64, 128), (200, 5, 128)])
+def test_small_linear_q8_matches_reference(m, k, n, group):
+    from kernels.cpu_gemv import quantize_q8, ref_small_linear_q8, small_linear_q8
+
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    q, scale = quantize_q8(w, group)
+    torch.testing.assert_close(small_linear_q8(x, q, scale), ref_small_linear_q8(x, q, scale), atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, k, e", [(1, 1, 4), (8, 4, 32), (5, 2, 3)])
+@pytest.mark.parametrize("hidden, inter", [(64, 32), (256, 128), (60, 20)])
+def test_moe_routed_q8_matches_reference(t, k, e, hidden, inter):
+    from kernels.cpu_gemv import moe_routed_q8, quantize_q8, ref_moe_routed_q8
+
+    gen = torch.Generator().manual_seed(t * 100 + k + e + hidden)
+    gate_up = quantize_q8(torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1)
+    down = quantize_q8(torch.randn(e, hidden, inter, generator=gen) * 0.1)
+    x = torch.randn(t, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[: min(k, e)] for _ in range(t)])
+    weights = torch.rand(ids.shape, generator=gen)
+    torch.testing.assert_close(moe_routed_q8(x, ids, weights, *gate_up, *down),
+                               ref_moe_routed_q8(x, ids, weights, *gate_up, *down), atol=2e-4, rtol=1e-5)
+
+
+def test_q8_bad_inputs_are_rejected_with_the_reason():
+    mod = cpu_kernels()
+    q, scale = torch.zeros(3, 64, dtype=torch.int8), torch.ones(3, 1)
+    with pytest.raises(RuntimeError, match="int8"):
+        mod.small_linear_q8(torch.ones(2, 64), q.float(), scale)
+    with pytest.raises(RuntimeError, match="scale groups do not divide"):
+        mod.small_linear_q8(torch.ones(2, 64), q, torch.ones(3, 3))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        mod.small_linear_q8(torch.ones(2, 32), q, scale)
+
+
 def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path):
     """Two installs (interpreters) on one machine build into different folders, so neither
     rebuilds the other's copy; the same install finds its own again."""

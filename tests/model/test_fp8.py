@@ -94,6 +94,35 @@ def test_an_fp8_checkpoint_gives_transformers_logits_on_its_dequantized_weights(
     assert generate(ours, ids[:20].tolist(), 16, eos_id=None) == want
 
 
+def test_an_fp8_checkpoint_held_in_int8_on_the_cpu_gives_transformers_logits_on_those_weights(tmp_path):
+    """cpu_weights="int8" re-quantizes the dequantized FP8 weights (every projection but kv_b,
+    the experts, the LM head) to int8 per row and 128 columns: the logits are transformers' on
+    exactly the weights the int8 model holds, and so are the greedy tokens."""
+    from kernels.cpu_gemv import dequantize_q8, quantize_q8
+
+    src, out, ref = tmp_path / "fp32", tmp_path / "fp8", tmp_path / "int8-equivalent"
+    make_hf_checkpoint("v3_grouped_yarn", src)
+    weights = make_fp8_checkpoint(src, out, (128, 128))
+    int8 = re.compile(r"(proj|proj_with_mqa)\.weight$|^lm_head\.weight$")
+    held = {name: dequantize_q8(*quantize_q8(t)) if int8.search(name) and "kv_b_proj" not in name else t
+            for name, t in weights.items()}
+    ref.mkdir()
+    save_file(held, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    (ref / "config.json").write_text((src / "config.json").read_text())
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(ref, torch_dtype=torch.float32).eval()
+    ours = load_model(out, cpu_weights="int8")
+    ids = torch.randint(0, ours.cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    got = ours.prefill(ids, ours.new_pool(8, 16), torch.arange(8), all_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        tokens = hf.generate(ids[None, :20], max_new_tokens=16, do_sample=False)[0, 20:].tolist()
+    assert generate(ours, ids[:20].tolist(), 16, eos_id=None) == tokens  # decode: the int8 kernels
+
+
 def test_fp8_weights_without_an_fp8_config_or_their_scales_are_refused(tmp_path):
     src = tmp_path / "fp32"
     make_hf_checkpoint("v3_ungrouped", src)
