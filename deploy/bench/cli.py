@@ -24,15 +24,18 @@ def bench_model(
     steps: int = typer.Option(16, "--steps", min=1, help="decode steps per measurement"),
     repeats: int = typer.Option(5, "--repeats", min=1, help="timed repeats, tideserve and transformers taking turns (the median counts; range beside it)"),
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers comparison"),
+    no_int8: bool = typer.Option(False, "--no-int8", help="skip the int8-weights cases"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Prefill (2,048-token prompt) and decode (batch 1/8/32, 256-token context) tokens/s,
     decode both of model.decode alone and through the engine's step, beside transformers on
-    the same checkpoint and threads when it is installed; medians with their range."""
+    the same checkpoint and threads when it is installed; medians with their range. ``int8``:
+    the same with the weights held in int8 (--cpu-weights int8), its speedups over fp32 and the
+    bytes of the weights."""
     from deploy.bench.model_bench import run_model_bench
 
     check_checkpoint(checkpoint)
-    _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf))
+    _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf, with_int8=not no_int8))
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:

@@ -8,6 +8,10 @@ range of the runs beside it. ``decode_mixed_*`` decode a batch of 8 whose contex
 to 480 tokens, 256 on average): tideserve runs them ragged, transformers as a left-padded batch
 with an attention mask, as its users batch them.
 
+``int8``: the same cases with the weights held in int8 with a scale per 128 columns
+(``cpu_weights="int8"``, ``model.quant``), taking turns with fp32: tokens/s, speedups and the
+bytes the weights take.
+
 Decode on CPU is bound by streaming weights, so ``roofline_fraction`` puts each decode figure
 against the machine: the bytes a step must read (every weight once, the routed experts a batch of
 that size is expected to touch under uniform routing, the embedding rows of its tokens and the
@@ -259,8 +263,12 @@ def _split(rates: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dic
 
 
 def run_model_bench(
-    checkpoint: Path | None, steps: int = 16, repeats: int = 5, with_hf: bool = True
+    checkpoint: Path | None, steps: int = 16, repeats: int = 5, with_hf: bool = True, with_int8: bool = True,
 ) -> dict[str, Any]:
+    """``with_int8``: the same cases with the model's weights held in int8 (``cpu_weights``),
+    taking turns with fp32, under ``int8`` with their speedups and the weights' bytes."""
+    from model.quant import weight_bytes
+
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
             cfg = named_config("bench")
@@ -268,6 +276,9 @@ def run_model_bench(
         cfg = load_config(checkpoint)
         model = load_model(checkpoint)
         engines = [_our_cases(model, steps)]
+        q8 = load_model(checkpoint, cpu_weights="int8") if with_int8 and model.dtype == torch.float32 else None
+        if q8 is not None:
+            engines.append(_our_cases(q8, steps))
         hf = _hf_cases(checkpoint, steps) if with_hf else None
         if hf is not None:
             engines.append(hf)
@@ -285,8 +296,17 @@ def run_model_bench(
             "statistic": "median",
             **ours,
         }
+        if q8 is not None:
+            int8, int8_spread = _split(_rates(runs[1], steps))
+            result["int8"] = {
+                **int8, "range": int8_spread,
+                "weight_bytes": weight_bytes(q8), "fp32_weight_bytes": weight_bytes(model),
+                "speedup_vs_fp32": {kind: ({b: round(v / ours[kind][b], 2) for b, v in figs.items()}
+                                           if isinstance(figs, dict) else round(figs / ours[kind], 2))
+                                    for kind, figs in int8.items()},
+            }
         if hf is not None:
-            theirs, hf_spread = _split(_rates(runs[1], steps), "hf_")
+            theirs, hf_spread = _split(_rates(runs[-1], steps), "hf_")
             result.update(theirs)
             spread.update(hf_spread)
             result["prefill_speedup_vs_hf"] = round(ours["prefill_tokens_per_s"] / theirs["hf_prefill_tokens_per_s"], 2)

@@ -237,6 +237,12 @@ def test_bench_model_json_on_a_checkpoint(tmp_path):
         for b, frac in out["roofline_fraction"][kind].items():
             want = need[b] * out[f"{kind}_tokens_per_s"][b] / int(b) / (out["stream_read_gb_per_s"] * 1e9)
             assert frac == pytest.approx(want, rel=0.02)
+    # int8 weights: the same cases, their speedups over fp32, and under a third of the bytes
+    int8 = out["int8"]
+    assert set(int8["decode_tokens_per_s"]) == {"1", "8", "32"} and int8["engine_decode_mixed_tokens_per_s"]["8"] > 0
+    assert int8["speedup_vs_fp32"]["decode_tokens_per_s"]["8"] == pytest.approx(
+        int8["decode_tokens_per_s"]["8"] / out["decode_tokens_per_s"]["8"], abs=0.01)
+    assert int8["weight_bytes"] < int8["fp32_weight_bytes"] / 3
 
 
 def test_decode_step_bytes_counts_each_weight_once_and_the_experts_a_batch_touches(tmp_path):
