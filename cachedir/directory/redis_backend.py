@@ -298,8 +298,9 @@ class RedisDirectory(Directory):
         epoch = replies[1].decode()
         if not self._clustered:
             return epoch
-        primaries = sorted(line.split()[0] for line in replies[2].decode().splitlines()
-                           if "master" in line.split()[2].split(",") and "fail" not in line.split()[2])
+        nodes = [line.split() for line in replies[2].decode().splitlines()]
+        # a primary that failed ("fail"; not one merely suspected, "fail?") is no longer one
+        primaries = sorted(n[0] for n in nodes if {"master"} <= set(n[2].split(",")) and "fail" not in n[2].split(","))
         return epoch + ":" + hashlib.sha1(" ".join(primaries).encode()).hexdigest()[:16]
 
     # -- maintenance and benchmarks ----------------------------------------------------------
