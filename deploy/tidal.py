@@ -5,7 +5,7 @@ running Serve app whose ``LLMServer`` replicas run one per node (``max_replicas_
 
 Night (``lend_nodes``)
   1. Choose the nodes to free (``nodes_to_free``: not the head, fewest running requests, least
-     unique cache).
+     unique cache; never a node that hosts the app's ingress or a pool's last replica).
   2. Drain them: their replicas learn the role ``draining`` from the ``TidalState`` actor and
      report it in their routing stats, so the router stops sending them requests; in-flight
      requests finish. Past ``deadline_s`` the role becomes ``migrate``: the replica hands its
@@ -165,21 +165,23 @@ def lend_nodes(
     head = next((x["NodeID"] for x in alive if x.get("Resources", {}).get("node:__internal_head__")), None)
     serving = [node for node in on_node if roles.get(node, "serving") == "serving"]
     lendable = [x for x in serving if among is None or x in among]
+    ingress = {node for name, (_, node) in _serve_replicas(app_name).items() if "#OpenAIIngress#" in name}
     resized = None
     if app_args.get("expert_shards"):
         shards = _shards(app_args)
         where = [info["node_id"] for info in ray.get([s.info.remote() for s in shards], timeout=timeout_s)]
-        shard_only = sorted({w for w in where if w not in on_node and roles.get(w, "serving") == "serving"
-                             and (among is None or w in among)})
+        shard_only = sorted({w for w in where if w not in on_node and w not in ingress
+                             and roles.get(w, "serving") == "serving" and (among is None or w in among)})
         if 1 <= n <= len(shard_only):
             return _lend_shard_nodes(app_args, n, app_name, train, timeout_s, shard_only, shards, where, head,
                                      set(on_node))
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
-    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
+    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays, and so
+    # does one that hosts the app's ingress: its streams pass there (and a deleted pod ends them)
     pools = {d: sum(1 for a in replicas if _deployment_of(a) == d) for d in _deployments(app_args)}
-    candidates = [x for x in lendable
-                  if all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]
+    candidates = [x for x in lendable if x not in ingress
+                  and all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]
     unique = _unique_units(app_args, candidates)
     loads = [NodeLoad(node, sum(replicas[a].get("running", 0) for a in on_node[node]), unique[node], node == head)
              for node in candidates]
@@ -188,7 +190,8 @@ def lend_nodes(
     target = {d: count - sum(1 for a in leaving if _deployment_of(a) == d) for d, count in pools.items()}
     if len(chosen) < n or min(target.values()) < 1:
         raise ValueError(f"cannot lend {n} nodes: each pool ({', '.join(pools)}) must keep a replica on a "
-                         "serving node")
+                         f"serving node, and the ingress's node{'s' if len(ingress) > 1 else ''} stay"
+                         f"{'' if len(ingress) > 1 else 's'}")
     log.info("lending %s", chosen)
     if app_args.get("expert_shards"):
         # 1b. DP attention replicas live on these nodes too: move the experts off them first

@@ -125,6 +125,10 @@ def test_day_night_day(serving):
         assert len(staying) == 2 and set(staying) < set(reports)  # the others were not replaced
         lent = night["lent"][0]
         assert night["serving_replicas"] == 2 and night["job_id"]
+        from deploy.tidal import _serve_replicas
+
+        ingress = {node for name, (_, node) in _serve_replicas("tideserve").items() if "#OpenAIIngress#" in name}
+        assert ingress and lent not in ingress  # the ingress's node is never lent: streams pass there
         assert sorted(_llm_replica_nodes()) != [] and lent not in _llm_replica_nodes()
         client = JobSubmissionClient(f"http://{ray._private.worker.get_dashboard_url()}")
         deadline = time.monotonic() + 120

@@ -523,9 +523,12 @@ def test_the_dashboards_queries_return_data_from_a_real_prometheus(base_url, cli
 
     def query(expr: str) -> list:
         try:
-            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": expr}, timeout=10).json()
+            resp = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": expr}, timeout=10)
         except httpx.HTTPError:
             return []
+        if resp.status_code == 503:  # Prometheus says "Service Unavailable" until it is ready
+            return []
+        r = resp.json()
         assert r["status"] == "success", (expr, r)
         return r["data"]["result"]
 
