@@ -81,6 +81,29 @@ inline __m256 load_q8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// 1 input row x 4 int8 weight rows, straight from the int8 bytes: each group of G columns
+// (G % 8 == 0) is summed in float32, then scaled (scale rows [4, groups]) into out.
+inline void dot_q8_1x4(const float* x, const int8_t* w, const float* scale, int64_t K, int64_t G, float out[4]) {
+  const int8_t *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  const int64_t groups = K / G;
+  __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps(), t2 = _mm256_setzero_ps(), t3 = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+      const __m256 xa = _mm256_loadu_ps(x + k);
+      a0 = _mm256_fmadd_ps(xa, load_q8(w0 + k), a0);
+      a1 = _mm256_fmadd_ps(xa, load_q8(w1 + k), a1);
+      a2 = _mm256_fmadd_ps(xa, load_q8(w2 + k), a2);
+      a3 = _mm256_fmadd_ps(xa, load_q8(w3 + k), a3);
+    }
+    t0 = _mm256_fmadd_ps(a0, _mm256_set1_ps(scale[g]), t0);
+    t1 = _mm256_fmadd_ps(a1, _mm256_set1_ps(scale[groups + g]), t1);
+    t2 = _mm256_fmadd_ps(a2, _mm256_set1_ps(scale[2 * groups + g]), t2);
+    t3 = _mm256_fmadd_ps(a3, _mm256_set1_ps(scale[3 * groups + g]), t3);
+  }
+  out[0] = hsum(t0); out[1] = hsum(t1); out[2] = hsum(t2); out[3] = hsum(t3);
+}
+
 #endif
 
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < m, n in [n0, n1); y has leading dimension ldy.
@@ -140,8 +163,18 @@ void dequant_row(const int8_t* q, const float* scale, int64_t K, int64_t G, floa
 void dot_rows_q8(const float* x, int64_t m, int64_t K, const int8_t* q, const float* scale, int64_t G,
                  int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t groups = K / G;
+  int64_t n = n0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (m == 1 && G % 8 == 0) {  // one row: dot the int8 bytes directly (widening them once is the work)
+    float o[4];
+    for (; n + 3 < n1; n += 4) {
+      dot_q8_1x4(x, q + n * K, scale + n * groups, K, G, o);
+      for (int j = 0; j < 4; ++j) y[n + j] = o[j];
+    }
+  }
+#endif
   std::vector<float> rows(4 * K);
-  for (int64_t n = n0; n < n1; n += 4) {
+  for (; n < n1; n += 4) {
     const int64_t count = std::min<int64_t>(4, n1 - n);
     for (int64_t j = 0; j < count; ++j) dequant_row(q + (n + j) * K, scale + (n + j) * groups, K, G, rows.data() + j * K);
     dot_rows(x, m, K, rows.data(), 0, count, y + n, ldy);
