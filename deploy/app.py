@@ -112,9 +112,10 @@ class AppArgs(BaseModel):
     # /redoc, /openapi.json here to serve them without a key too (e.g. a Prometheus without one)
     public_paths: list[str] = Field(default_factory=list)
     limits: dict[str, int] | None = None
-    # True: the HTTP ingress runs on the head node (beside its proxy), so losing a worker node
-    # never loses a request's ingress — only its replica, and the request continues elsewhere
-    ingress_on_head: bool = False
+    # the HTTP ingress runs on the head node (beside its proxy), so losing or lending a worker node
+    # never loses a request's ingress — only its replica, and the request continues elsewhere;
+    # False: anywhere Serve places it
+    ingress_on_head: bool = True
 
 
     @field_validator("itl_factor")

@@ -5,7 +5,8 @@ running Serve app whose ``LLMServer`` replicas run one per node (``max_replicas_
 
 Night (``lend_nodes``)
   1. Choose the nodes to free (``nodes_to_free``: not the head, fewest running requests, least
-     unique cache; never a node that hosts the app's ingress or a pool's last replica).
+     unique cache; never a node that hosts a pool's last replica, nor, when the nodes will be
+     deleted (a Kubernetes night), one that hosts the app's ingress).
   2. Drain them: their replicas learn the role ``draining`` from the ``TidalState`` actor and
      report it in their routing stats, so the router stops sending them requests; in-flight
      requests finish. Past ``deadline_s`` the role becomes ``migrate``: the replica hands its
@@ -165,7 +166,10 @@ def lend_nodes(
     head = next((x["NodeID"] for x in alive if x.get("Resources", {}).get("node:__internal_head__")), None)
     serving = [node for node in on_node if roles.get(node, "serving") == "serving"]
     lendable = [x for x in serving if among is None or x in among]
-    ingress = {node for name, (_, node) in _serve_replicas(app_name).items() if "#OpenAIIngress#" in name}
+    # a night that deletes its nodes (KubeRay's: redeploy=False) must not take the ingress's node:
+    # every stream passes there. A local night keeps the node up, and the ingress serves on
+    ingress = set() if redeploy else {
+        node for name, (_, node) in _serve_replicas(app_name).items() if "#OpenAIIngress#" in name}
     resized = None
     if app_args.get("expert_shards"):
         shards = _shards(app_args)
@@ -177,8 +181,7 @@ def lend_nodes(
                                      set(on_node))
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
-    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays, and so
-    # does one that hosts the app's ingress: its streams pass there (and a deleted pod ends them)
+    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
     pools = {d: sum(1 for a in replicas if _deployment_of(a) == d) for d in _deployments(app_args)}
     candidates = [x for x in lendable if x not in ingress
                   and all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]

@@ -75,7 +75,7 @@ def app(redis_server, checkpoint, tmp_path_factory):
         args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
                 "num_pages": 256, "ram_mb": 0, "prefix_sharing": False, "cache_dir": str(home / "cache" / "{node}"),
                 "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
-                "directory_namespace": NAMESPACE, "ingress_on_head": True}
+                "directory_namespace": NAMESPACE}
         serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 300)

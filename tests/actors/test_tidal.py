@@ -128,7 +128,7 @@ def test_day_night_day(serving):
         from deploy.tidal import _serve_replicas
 
         ingress = {node for name, (_, node) in _serve_replicas("tideserve").items() if "#OpenAIIngress#" in name}
-        assert ingress and lent not in ingress  # the ingress's node is never lent: streams pass there
+        assert ingress and lent not in ingress  # the ingress runs on the head (the default), which is never lent
         assert sorted(_llm_replica_nodes()) != [] and lent not in _llm_replica_nodes()
         client = JobSubmissionClient(f"http://{ray._private.worker.get_dashboard_url()}")
         deadline = time.monotonic() + 120

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.actors.tidal_streams import three_node_app, under_a_stream
+from tests.actors.tidal_streams import day_after_a_failure, three_node_app, under_a_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 23  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -99,7 +99,8 @@ def test_night_moves_the_experts_off_a_shard_only_node_and_day_brings_them_back(
         assert _placement(2)["num_shards"] == 3
         time.sleep(2)
 
-    under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)
+    with day_after_a_failure(args):
+        under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)
 
 
 def test_with_a_replica_on_every_node_night_lends_one_with_its_replica(serving, checkpoint):
@@ -129,4 +130,5 @@ def test_with_a_replica_on_every_node_night_lends_one_with_its_replica(serving, 
         assert _placement(3)["num_shards"] == 3
         time.sleep(2)
 
-    under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)
+    with day_after_a_failure(args):
+        under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)

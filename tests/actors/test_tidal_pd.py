@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.actors.tidal_streams import three_node_app, under_a_stream
+from tests.actors.tidal_streams import day_after_a_failure, three_node_app, under_a_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 31  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -73,4 +73,5 @@ def test_night_lends_a_prefill_node_and_day_restores_both_pools(serving, checkpo
         assert set(left) < set(_wait_reports(3))
         time.sleep(2)
 
-    under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)
+    with day_after_a_failure(args):
+        under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)
