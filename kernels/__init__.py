@@ -1,5 +1,5 @@
 """Compute kernels below the model: CPU decode kernels (``cpu_gemv``) and Triton kernels for GPUs
-(``mla_decode``, ``moe_route``, ``moe_grouped``, ``unit_copy``), each beside a same-signature
+(``mla_decode``, ``moe_route``, ``moe_grouped``, ``fp8_gemm``, ``unit_copy``), each beside a same-signature
 pure-torch ``ref_*`` reference. ``resolve_impl`` picks between them."""
 
 from __future__ import annotations

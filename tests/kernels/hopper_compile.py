@@ -72,6 +72,22 @@ def cases() -> list[Case]:
                     {"logits": "fp32", "bias": "fp32", "ids_out": "i32", "w_out": "fp32"},
                     dict(E=256, G=8, K=8, KG=4, BLOCK_T=4, BLOCK_G=8, BLOCK_F=32, BLOCK_K=8,
                          HAS_BIAS=True, NORM=True)))
+    from kernels.fp8_gemm import FP8_CONFIGS, GROUPED_FP8_BN, grouped_fp8_launch
+
+    out.append(Case("kernels.fp8_gemm", "_quantize_rows", {"x": "bf16", "q": "fp8e4nv", "s": "fp32"}, dict(SK=128)))
+    for cfg in FP8_CONFIGS:
+        out.append(Case("kernels.fp8_gemm", "_fp8_matmul",
+                        {"a": "fp8e4nv", "a_s": "fp32", "w": "fp8e4nv", "w_s": "fp32", "out": "bf16"},
+                        dict(SN=128, SK=128, **cfg.kwargs), cfg.num_warps, cfg.num_stages, unaligned=("M",)))
+    for bm in BLOCK_ROWS:
+        out.append(Case("kernels.fp8_gemm", "_gate_up_silu_fp8",
+                        {"x": "fp8e4nv", "x_s": "fp32", "gate_up": "fp8e4nv", "gate_up_s": "fp32", "rows": "i32",
+                         "block_expert": "i32", "h": "fp32"},
+                        dict(TOPK=8, SN=128, SK=128, BM=bm, BN=GROUPED_FP8_BN), **grouped_fp8_launch(bm)))
+        out.append(Case("kernels.fp8_gemm", "_down_weighted_fp8",
+                        {"h": "fp8e4nv", "h_s": "fp32", "down": "fp8e4nv", "down_s": "fp32", "rows": "i32",
+                         "block_expert": "i32", "weights": "fp32", "y": "fp32"},
+                        dict(SN=128, SK=128, BM=bm, BN=GROUPED_FP8_BN), **grouped_fp8_launch(bm)))
     for to_units in (True, False):
         out.append(Case("kernels.unit_copy", "_copy_pages",
                         {"pool": "bf16", "units": "bf16", "unit_pages": "i32"},
@@ -122,7 +138,8 @@ def compile_case(case: Case) -> dict[str, object]:
         "registers": usage["REG"],
         "spill_bytes": usage["LOCAL"] + usage["STACK"],
         "shared_bytes": kernel.metadata.shared,
-        "tensor_core": "HGMMA" if "HGMMA" in sass else ("HMMA" if "HMMA" in sass else None),
+        # warpgroup MMA: HGMMA (16-bit inputs), QGMMA (fp8); HMMA / QMMA: one warp's
+        "tensor_core": next((op for op in ("HGMMA", "QGMMA", "HMMA", "QMMA") if op in sass), None),
     }
 
 

@@ -1,6 +1,6 @@
 """Every Triton kernel, in every tuning config, compiles for Hopper (sm_90) without a GPU, within
 an SM's shared memory and without spilling registers; the 64-row tiles use Hopper's warpgroup
-MMA (HGMMA). What the kernels compute is checked by the interpreter tests beside this one."""
+MMA (HGMMA; QGMMA for the fp8 GEMMs). What the kernels compute is checked by the interpreter tests beside this one."""
 
 from __future__ import annotations
 
@@ -28,14 +28,18 @@ def compiled() -> list[dict]:
 
 
 def test_every_kernel_config_compiles_for_hopper(compiled):
+    from kernels.fp8_gemm import FP8_CONFIGS
     from kernels.mla_decode import MLA_CONFIGS
     from kernels.moe_grouped import BLOCK_ROWS, GROUPED_CONFIGS
 
     kernels = {r["kernel"] for r in compiled}
     assert kernels == {"_mla_decode_split", "_mla_decode_merge", "_gate_up_silu", "_down_weighted",
-                       "_moe_route_v3", "_copy_pages"}
+                       "_moe_route_v3", "_copy_pages", "_quantize_rows", "_fp8_matmul", "_gate_up_silu_fp8",
+                       "_down_weighted_fp8"}
     assert sum(r["kernel"] == "_mla_decode_split" for r in compiled) == len(MLA_CONFIGS)
     assert sum(r["kernel"] == "_gate_up_silu" for r in compiled) == len(BLOCK_ROWS) * len(GROUPED_CONFIGS)
+    assert sum(r["kernel"] == "_fp8_matmul" for r in compiled) == len(FP8_CONFIGS)
+    assert sum(r["kernel"] == "_gate_up_silu_fp8" for r in compiled) == len(BLOCK_ROWS)
     failed = [r for r in compiled if "error" in r]
     assert not failed, failed
 
@@ -58,6 +62,8 @@ def test_64_row_tiles_use_warpgroup_mma(compiled):
     _tuned_compiler()
     wide = [r for r in compiled if "error" not in r and
             (r["constexprs"].get("BLOCK_H", 0) >= 64 or r["constexprs"].get("BM", 0) >= 64)]
-    assert wide and all(r["tensor_core"] == "HGMMA" for r in wide), wide
-    narrow_dots = [r for r in compiled if r["kernel"] in ("_mla_decode_split", "_gate_up_silu") and r not in wide]
-    assert all(r["tensor_core"] == "HMMA" for r in narrow_dots)
+    fp8 = {"_fp8_matmul", "_gate_up_silu_fp8", "_down_weighted_fp8"}
+    assert wide and all(r["tensor_core"] == ("QGMMA" if r["kernel"] in fp8 else "HGMMA") for r in wide), wide
+    # narrower tiles use one warp's MMA (Hopper has no warp-level fp8 MMA: fp8 is widened to fp16)
+    narrow_dots = [r for r in compiled if r["kernel"] in ("_mla_decode_split", "_gate_up_silu", *fp8) and r not in wide]
+    assert narrow_dots and all(r["tensor_core"] == "HMMA" for r in narrow_dots)
