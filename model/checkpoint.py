@@ -7,7 +7,8 @@ decoder layer); anything else is a ``CheckpointError`` naming the tensor.
 
 FP8 checkpoints as DeepSeek publishes V3 and R1 (``quantization_config`` with ``quant_method:
 fp8`` and ``weight_block_size``; e4m3 weights, each with a ``weight_scale_inv`` per block) are
-dequantized once at load (``w = q * scale_inv`` block by block) to the requested dtype.
+dequantized once at load (``w = q * scale_inv`` block by block) to the requested dtype, or, on
+CUDA, kept as stored (``model.quant.Fp8Weight``) and multiplied by the block-scaled fp8 GEMMs.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels import resolve_impl
+from kernels import resolve_impl, triton_interpreted
 from model.config import DTYPE_NAMES, WEIGHTS_FILE, WEIGHTS_INDEX, ModelConfig, load_config
 from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
 from model.model import DecoderLayer, DeepseekModel
 from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
+from model.quant import Fp8Weight
 
 __all__ = [
     "CheckpointError",
@@ -169,9 +171,12 @@ def load_state_dict(
     dtype: torch.dtype = torch.float32,
     progress: Progress | None = None,
     include: Callable[[str], bool] | None = None,
-) -> dict[str, torch.Tensor]:
+    keep_fp8: bool = False,
+) -> dict[str, torch.Tensor | Fp8Weight]:
     """Read and validate every tensor (or those ``include`` accepts); converts to ``dtype``
-    (gates stay fp32). The checkpoint must still hold every tensor the architecture names."""
+    (gates stay fp32). The checkpoint must still hold every tensor the architecture names.
+    ``keep_fp8``: an fp8 checkpoint's projections come as ``Fp8Weight`` (e4m3 with their
+    scales, as stored), except ``kv_b_proj``, which the absorbed attention splits."""
     ckpt = Path(ckpt_dir)
     want = expected_shapes(cfg)
     where = _shard_files(ckpt)
@@ -211,10 +216,15 @@ def load_state_dict(
                     )
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {name!r} has non-float dtype {t.dtype}")
-                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    t = _dequantized(name, t, where, block, path, f)
                 keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
-                out[name] = t.to(torch.float32 if keep_fp32 else dtype)
+                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    scale = _scales(name, t, where, block, path, f)
+                    if keep_fp8 and t.dtype == torch.float8_e4m3fn and not name.endswith("kv_b_proj.weight"):
+                        out[name] = Fp8Weight(t, scale.float(), block)
+                    else:
+                        out[name] = dequantize_fp8(t, scale, block).to(dtype)
+                else:
+                    out[name] = t.to(torch.float32 if keep_fp32 else dtype)
                 done += 1
                 done_bytes += t.numel() * t.element_size()
                 if progress is not None:
@@ -223,17 +233,17 @@ def load_state_dict(
     return out
 
 
-def _dequantized(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None,
-                 path: Path, shard) -> torch.Tensor:
-    """``q`` (from ``shard``, the open file ``path``) times its scales, wherever the index puts them."""
+def _scales(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None,
+            path: Path, shard) -> torch.Tensor:
+    """The scales of ``q`` (from ``shard``, the open file ``path``), wherever the index puts them."""
     scales = where.get(name + SCALE_SUFFIX)
     if block is None or scales is None or q.dim() != 2:
         raise CheckpointError(f"tensor {name!r} is {q.dtype} without {name + SCALE_SUFFIX!r} and an fp8 "
                               "quantization_config: it cannot be dequantized")
     if scales == path:
-        return dequantize_fp8(q, shard.get_tensor(name + SCALE_SUFFIX), block)
+        return shard.get_tensor(name + SCALE_SUFFIX)
     with safe_open(scales, "pt") as f:
-        return dequantize_fp8(q, f.get_tensor(name + SCALE_SUFFIX), block)
+        return f.get_tensor(name + SCALE_SUFFIX)
 
 
 def _stored_bytes(by_file: dict[Path, list[str]]) -> int:
@@ -257,7 +267,7 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto
     def mlp(prefix: str) -> SwiGLU:
         gate_up = sd.get(prefix + "gate_up_proj.weight")  # already fused (the trainer holds it so)
         if gate_up is None:
-            gate_up = torch.cat((sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]))
+            gate_up = _cat_rows(sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"])
         return SwiGLU(gate_up, sd[prefix + "down_proj.weight"])
 
     layers, experts = [], {}
@@ -298,12 +308,23 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto
     return model
 
 
-def _stack_experts(sd: dict[str, torch.Tensor], prefix: str, expert_ids) -> ExpertWeights:
-    return ExpertWeights.stack(
-        [torch.cat((sd[f"{prefix}experts.{e}.gate_proj.weight"], sd[f"{prefix}experts.{e}.up_proj.weight"]))
-         for e in expert_ids],
-        [sd[f"{prefix}experts.{e}.down_proj.weight"] for e in expert_ids],
-    )
+def _cat_rows(gate: torch.Tensor | Fp8Weight, up: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
+    """gate's rows, then up's: fp8 weights stay fp8 when gate ends on a scale block."""
+    if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight):
+        fused = Fp8Weight.cat_rows([gate, up])
+        if fused is not None:
+            return fused
+    dense = [w.dequantize() if isinstance(w, Fp8Weight) else w for w in (gate, up)]
+    return torch.cat(dense)
+
+
+def _stack_experts(sd: dict[str, torch.Tensor | Fp8Weight], prefix: str, expert_ids) -> ExpertWeights:
+    gate_up = [_cat_rows(sd[f"{prefix}experts.{e}.gate_proj.weight"], sd[f"{prefix}experts.{e}.up_proj.weight"])
+               for e in expert_ids]
+    down = [sd[f"{prefix}experts.{e}.down_proj.weight"] for e in expert_ids]
+    if not all(isinstance(w, Fp8Weight) for w in gate_up + down):  # a layer's experts are fp8 or dense, all
+        gate_up, down = ([w.dequantize() if isinstance(w, Fp8Weight) else w for w in ws] for ws in (gate_up, down))
+    return ExpertWeights.stack(gate_up, down)
 
 
 def is_routed_expert(name: str) -> bool:
@@ -336,12 +357,15 @@ def load_model(
     routed_experts: bool = True,
     device: str | torch.device = "cpu",
     cpu_weights: str = "fp32",
+    fp8_weights: str = "auto",
 ) -> DeepseekModel:
     """``routed_experts=False`` leaves the routed experts on disk (an attention replica under
     expert parallelism, whose executor sends tokens to expert shards). ``device``: where the
     weights and the latent pool live (``cuda`` selects the Triton kernels under ``impl="auto"``).
     ``cpu_weights="int8"``: a float32 CPU model holds its projections and experts as int8 with
-    per-block scales (``model.quant``: a quarter of the bytes a decode step streams)."""
+    per-block scales (``model.quant``: a quarter of the bytes a decode step streams).
+    ``fp8_weights`` (``model.quant.FP8_WEIGHTS``): whether an fp8 checkpoint's projections and
+    experts stay e4m3 as stored (``Fp8Weight``, the fp8 GEMMs) or are dequantized at load."""
     from model.quant import CPU_WEIGHTS, quantize_model
 
     if cpu_weights not in CPU_WEIGHTS:
@@ -352,9 +376,12 @@ def load_model(
         raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
     if cpu_weights == "int8" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"cpu_weights 'int8' needs a float32 model on the CPU, not {dtype} on {device}")
+    keep_fp8 = keeps_fp8(ckpt_dir, device, fp8_weights)
+    if keep_fp8 and cpu_weights != "fp32":
+        raise ValueError(f"cpu_weights {cpu_weights!r} and fp8 weights kept as stored: choose one")
     cfg = load_config(ckpt_dir)
     include = None if routed_experts else (lambda name: not is_routed_expert(name))
-    sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include)
+    sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include, keep_fp8=keep_fp8)
     for name in sd:  # one tensor at a time, so host memory holds at most one extra copy
         sd[name] = sd[name].to(device)
     model = build_model(cfg, sd, impl)
@@ -362,6 +389,21 @@ def load_model(
         del sd  # the fp32 copies go as each weight is quantized
         quantize_model(model)
     return model
+
+
+def keeps_fp8(ckpt_dir: str | Path, device: str | torch.device, fp8_weights: str = "auto") -> bool:
+    """Whether ``load_model`` keeps this checkpoint's weights in fp8 (see its ``fp8_weights``);
+    the cache namespace depends on it (fp8 products compute other KV)."""
+    from model.quant import FP8_WEIGHTS
+
+    if fp8_weights not in FP8_WEIGHTS:
+        raise ValueError(f"unsupported fp8_weights {fp8_weights!r}; supported: {', '.join(FP8_WEIGHTS)}")
+    if fp8_weights == "dequantize" or fp8_block_size(ckpt_dir) is None:
+        return False
+    on_cuda = torch.device(device).type == "cuda"
+    if fp8_weights == "keep" and not on_cuda and not triton_interpreted():
+        raise ValueError("fp8_weights 'keep' needs CUDA (the fp8 GEMMs are Triton kernels) or TRITON_INTERPRET=1")
+    return fp8_weights == "keep" or on_cuda
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_gemv import small_linear, small_linear_q8
-from model.quant import Q8Weight
+from kernels.fp8_gemm import fp8_linear
+from model.quant import Fp8Weight, Q8Weight
 
 __all__ = ["linear", "rms_norm", "SwiGLU"]
 
@@ -17,9 +18,13 @@ __all__ = ["linear", "rms_norm", "SwiGLU"]
 SMALL_ROWS = 16
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [T, K], w [N, K] (a tensor or int8 ``Q8Weight``); decode-sized fp32
-    CPU batches use the GEMV kernels, larger ones an int8 weight dequantized for the call."""
+def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for x [T, K], w [N, K] (a tensor, int8 ``Q8Weight`` or e4m3 ``Fp8Weight``);
+    decode-sized fp32 CPU batches use the GEMV kernels, larger ones an int8 weight dequantized for
+    the call; fp8 weights run the block-scaled fp8 GEMM (x quantized per row and block)."""
+    if isinstance(w, Fp8Weight):
+        y = fp8_linear(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.block).view(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
     small = bias is None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32 \
         and x.device.type == "cpu"
     if isinstance(w, Q8Weight):
@@ -43,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class SwiGLU:
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one [2I, H] matrix."""
 
-    def __init__(self, gate_up: torch.Tensor | Q8Weight, down: torch.Tensor | Q8Weight) -> None:
+    def __init__(self, gate_up: torch.Tensor | Q8Weight | Fp8Weight, down: torch.Tensor | Q8Weight | Fp8Weight) -> None:
         assert gate_up.shape[0] == 2 * down.shape[1], (gate_up.shape, down.shape)
         self.gate_up = gate_up  # [2I, H]
         self.down = down  # [H, I]

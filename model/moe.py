@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from kernels import Impl
 from kernels.cpu_gemv import moe_routed, moe_routed_q8, ref_moe_routed
+from kernels.fp8_gemm import moe_grouped_mlp_fp8
 from kernels.moe_grouped import moe_grouped_mlp
 from kernels.moe_route import moe_route_v3
 from model.config import ModelConfig
 from model.layers import SwiGLU
-from model.quant import Q8Weight
+from model.quant import Fp8Weight, Q8Weight
 
 __all__ = ["ExpertExecutor", "ExpertWeights", "Gate", "LocalExpertExecutor", "MoE", "route"]
 
@@ -93,12 +94,15 @@ class ExpertExecutor(Protocol):
 class ExpertWeights:
     """Routed experts of one layer, stacked in Hugging Face layout."""
 
-    gate_up: torch.Tensor | Q8Weight  # [E, 2I, M]  (gate_proj rows, then up_proj rows)
-    down: torch.Tensor | Q8Weight  # [E, M, I]
+    gate_up: torch.Tensor | Q8Weight | Fp8Weight  # [E, 2I, M]  (gate_proj rows, then up_proj rows)
+    down: torch.Tensor | Q8Weight | Fp8Weight  # [E, M, I]
 
     @classmethod
-    def stack(cls, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> ExpertWeights:
-        """From per-expert ``gate_up`` [2I, M] and ``down`` [M, I] matrices."""
+    def stack(cls, gate_up: list, down: list) -> ExpertWeights:
+        """From per-expert ``gate_up`` [2I, M] and ``down`` [M, I] matrices (tensors, or all
+        ``Fp8Weight``)."""
+        if isinstance(gate_up[0], Fp8Weight):
+            return cls(gate_up=Fp8Weight.stack(gate_up), down=Fp8Weight.stack(down))
         return cls(gate_up=torch.stack(gate_up), down=torch.stack(down))
 
 
@@ -118,6 +122,9 @@ def grouped_expert_forward(
     num_slots = w.gate_up.shape[0]
     if t == 0:
         return torch.zeros_like(x)
+    if isinstance(w.gate_up, Fp8Weight):  # e4m3 experts as the checkpoint stores them
+        return moe_grouped_mlp_fp8(x, expert_ids, weights, w.gate_up.q, w.gate_up.scale, w.down.q, w.down.scale,
+                                   w.gate_up.block)
     if isinstance(w.gate_up, Q8Weight):  # int8 experts (model.quant): the kernel, or fp32 for this call
         if t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu":
             return moe_routed_q8(x.contiguous(), expert_ids.contiguous(), weights.float().contiguous(),

@@ -20,9 +20,13 @@ import torch
 
 from kernels.cpu_gemv import Q8_GROUP, dequantize_q8, quantize_q8
 
-__all__ = ["CPU_WEIGHTS", "Q8Weight", "quantize_model", "weight_bytes"]
+__all__ = ["CPU_WEIGHTS", "FP8_WEIGHTS", "Fp8Weight", "Q8Weight", "quantize_model", "weight_bytes"]
 
 CPU_WEIGHTS = ("fp32", "int8")  # how a CPU model holds its weights (load_model's cpu_weights)
+# what becomes of an fp8 checkpoint's weights (load_model's fp8_weights): "auto" keeps them in fp8
+# on CUDA and dequantizes them elsewhere; "keep" always keeps them (off CUDA only under Triton's
+# interpreter: tests); "dequantize" always dequantizes them at load
+FP8_WEIGHTS = ("auto", "keep", "dequantize")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,48 @@ class Q8Weight:
         return self.q.numel() + self.scale.numel() * 4
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A weight [..., N, K] as DeepSeek's fp8 checkpoints store it: e4m3 ``q`` with float32
+    ``scale`` [..., ceil(N/bn), ceil(K/bk)], one per ``block`` (bn, bk) (their
+    ``weight_scale_inv``: w = q * scale). Multiplied by ``kernels.fp8_gemm`` (Triton)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [..., N, K]."""
+        from kernels.fp8_gemm import dequantize_blocks
+
+        return dequantize_blocks(self.q, self.scale, self.block)
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.q.to(device), self.scale.to(device), self.block)
+
+    @staticmethod
+    def cat_rows(parts: list[Fp8Weight]) -> Fp8Weight | None:
+        """The parts' rows one after another (a fused gate/up projection); None when a part but
+        the last ends inside a scale block (its scales could not be concatenated)."""
+        block = parts[0].block
+        if any(p.block != block for p in parts) or any(p.shape[-2] % block[0] for p in parts[:-1]):
+            return None
+        return Fp8Weight(torch.cat([p.q for p in parts], -2), torch.cat([p.scale for p in parts], -2), block)
+
+    @staticmethod
+    def stack(parts: list[Fp8Weight]) -> Fp8Weight:
+        """[E, N, K] from E weights [N, K] (the routed experts of a layer)."""
+        return Fp8Weight(torch.stack([p.q for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)
+
+
 def weight_bytes(model) -> int:
     """Bytes of the tensors a model holds for its weights (int8 ones with their scales)."""
     seen: set[int] = set()
@@ -56,7 +102,7 @@ def weight_bytes(model) -> int:
 
     def add(x) -> None:
         nonlocal total
-        if isinstance(x, Q8Weight):
+        if isinstance(x, Q8Weight | Fp8Weight):
             add(x.q)
             add(x.scale)
         elif isinstance(x, torch.Tensor) and x.data_ptr() not in seen:
