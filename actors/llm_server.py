@@ -48,7 +48,7 @@ from cluster.request import (
     RequestOutput,
 )
 from kernels.cpu_gemv import cpu_kernels, kernel_state
-from model.checkpoint import LoadProgress, load_model, weights_digest
+from model.checkpoint import LoadProgress, load_model, weights_digest, weights_form
 from model.tokenizer import load_tokenizer
 
 __all__ = ["LLMServer"]
@@ -118,7 +118,7 @@ class LLMServer:
         startup = StartupReporter(self.replica_id)
         self.model = load_model(
             ckpt, cfg.dtype, progress=_load_progress(ckpt, startup), routed_experts=cfg.ep is None, device=cfg.device,
-            cpu_weights=cfg.cpu_weights,
+            cpu_weights=cfg.cpu_weights, fp8_weights=cfg.fp8_weights,
         )
         if self.model.device.type == "cpu":  # build the decode kernels now, not on the first request
             startup.update("building CPU kernels", force=True)
@@ -133,7 +133,8 @@ class LLMServer:
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
         self._secret = read_secret(cfg.cache_secret_file)
-        namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype, self._secret, cfg.cpu_weights)
+        namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype, self._secret,
+                                    weights_form(ckpt, cfg.device, cfg.cpu_weights, cfg.fp8_weights))
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         self.cache = None
         self._agents = cfg.agents if cfg.enable_cache else None

@@ -126,6 +126,7 @@ class ReplicaConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cpu_weights: str = "fp32"  # "int8": a CPU replica holds its projections and experts in 8 bits
+    fp8_weights: str = "auto"  # an fp8 checkpoint's weights: auto (kept on CUDA) | keep | dequantize
     warmup: bool | None = None
     engine: EngineConfig = field(default_factory=_engine_config)
     enable_cache: bool = True
@@ -143,3 +144,5 @@ class ReplicaConfig:
             raise ValueError(f"cpu_weights must be fp32 or int8, got {self.cpu_weights!r}")
         if self.cpu_weights == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"cpu_weights int8 needs device cpu and dtype float32, got {self.device} {self.dtype}")
+        if self.fp8_weights not in ("auto", "keep", "dequantize"):
+            raise ValueError(f"fp8_weights must be auto, keep or dequantize, got {self.fp8_weights!r}")

@@ -85,12 +85,12 @@ class EngineConfig:
 
 
 def cache_namespace(mcfg, weights_digest: str, dtype: torch.dtype, secret: bytes = b"",
-                    cpu_weights: str = "fp32") -> Namespace:
+                    weights: str = "fp32") -> Namespace:
     """The cache namespace of a model: units never cross architectures, checkpoints, dtypes,
-    weight formats (int8 weights compute other KV) or KV layouts (the ingress computes it too, to
-    look a prompt's units up before routing). ``secret``: the cluster's cache secret (keys the
-    unit hash and authenticates units)."""
-    dtype_name = str(dtype).removeprefix("torch.") + ("" if cpu_weights == "fp32" else f"+{cpu_weights}-weights")
+    weight forms (``model.checkpoint.weights_form``: int8 or fp8 weights compute other KV) or KV
+    layouts (the ingress computes it too, to look a prompt's units up before routing).
+    ``secret``: the cluster's cache secret (keys the unit hash and authenticates units)."""
+    dtype_name = str(dtype).removeprefix("torch.") + ("" if weights == "fp32" else f"+{weights}-weights")
     return Namespace(mcfg.fingerprint(), weights_digest, dtype_name,
                      f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS, secret=secret)
 

@@ -53,6 +53,9 @@ class AppArgs(BaseModel):
     # "int8": a CPU replica holds its projections and routed experts as int8 with a scale per 128
     # columns (model.quant): a quarter of the bytes a decode step streams; float32 CPU models only
     cpu_weights: Literal["fp32", "int8"] = "fp32"
+    # an fp8 checkpoint's (DeepSeek-V3/R1 as published) projections and experts: auto keeps them
+    # in fp8 on CUDA (the block-scaled fp8 GEMMs) and dequantizes them on the CPU; keep | dequantize
+    fp8_weights: Literal["auto", "keep", "dequantize"] = "auto"
     replicas: int = Field(default=1, ge=1)
     # >0: P/D disaggregation: `replicas` prefill replicas hand each prompt's KV to this many decode
     # replicas (deployment LLMDecode, placed by free KV); 0: every replica does both
@@ -314,7 +317,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
                           admission=a.admission, prefix_sharing=a.enable_cache and a.prefix_sharing,
                           micro_batches=a.micro_batches, itl_factor=a.itl_factor)
     server_cfg = ReplicaConfig(
-        checkpoint, store, a.dtype, a.device, a.cpu_weights, engine=engine, enable_cache=a.enable_cache,
+        checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, engine=engine, enable_cache=a.enable_cache,
         directory=directory,
         agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None,
         usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
@@ -346,6 +349,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         ingress_options["resources"] = {"node:__internal_head__": 0.001}
     ingress_cfg = {
         "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype, "cpu_weights": a.cpu_weights,
+        "device": a.device, "fp8_weights": a.fp8_weights,
         # the ingress plans each request's prefix for the cache-aware router only
         "directory": directory if a.router == "cache-aware" else DirectorySection(),
         "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,

@@ -250,6 +250,7 @@ def up(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica, and each expert shard, takes one GPU and runs the Triton kernels)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     cpu_weights: str = typer.Option("fp32", "--cpu-weights", help="fp32 | int8: a CPU replica holds its projections and routed experts as int8 with a scale per 128 columns (a quarter of the bytes a decode step reads; float32 models only)"),
+    fp8_weights: str = typer.Option("auto", "--fp8-weights", help="auto | keep | dequantize: an fp8 checkpoint's (DeepSeek-V3/R1 as published) weights stay fp8 on CUDA and run the block-scaled fp8 GEMMs (auto), always (keep), or are dequantized to --dtype at load"),
     insecure: bool = typer.Option(False, "--insecure", help="allow a --host other than loopback without API keys (anyone who reaches it may use the model)"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
@@ -263,7 +264,8 @@ def up(
             "replicas": replicas, "decode_replicas": decode_replicas, "cache_dir": str(cache_dir) if cache_dir else None,
             "ssd_gb": ssd_gb, "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key),
             "expert_shards": expert_shards, "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches,
-            "ep_wire": ep_wire, "device": device, "dtype": dtype, "cpu_weights": cpu_weights}
+            "ep_wire": ep_wire, "device": device, "dtype": dtype, "cpu_weights": cpu_weights,
+            "fp8_weights": fp8_weights}
     cli_names = {"api_keys": "api_key"}
     edge = {"host": host, "port": port, "redis_url": redis_url, "num_cpus": num_cpus}
     if config is not None:
@@ -284,6 +286,10 @@ def up(
     check_dtype(args["dtype"])
     if args["cpu_weights"] not in ("fp32", "int8"):
         raise typer.BadParameter(f"--cpu-weights {args['cpu_weights']!r} is not one of fp32, int8")
+    if args["fp8_weights"] not in ("auto", "keep", "dequantize"):
+        raise typer.BadParameter(f"--fp8-weights {args['fp8_weights']!r} is not one of auto, keep, dequantize")
+    if args["fp8_weights"] == "keep" and args["device"] != "cuda":
+        raise typer.BadParameter("--fp8-weights keep needs --device cuda (the fp8 GEMMs are Triton kernels)")
     if args["cpu_weights"] == "int8" and (args["device"] != "cpu" or args["dtype"] != "float32"):
         raise typer.BadParameter("--cpu-weights int8 is for float32 models on the CPU (--device cpu --dtype float32)")
     from deploy.ray_head import is_loopback

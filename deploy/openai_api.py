@@ -59,7 +59,7 @@ from deploy.protocol import (
     completion_logprobs,
     error_body,
 )
-from model.checkpoint import weights_digest
+from model.checkpoint import weights_digest, weights_form
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
 from model.sampling import SamplingParams, TokenLogprob
@@ -207,7 +207,8 @@ class OpenAIIngress:
             self.directory = directory.open()
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")),
                                              read_secret(cfg.get("cache_secret_file")),
-                                             cfg.get("cpu_weights", "fp32"))
+                                             weights_form(ckpt, cfg.get("device", "cpu"), cfg.get("cpu_weights", "fp32"),
+                                                          cfg.get("fp8_weights", "auto")))
 
     async def _plan(self, req: GenerationRequest) -> PrefixPlan | None:
         """The prompt's prefix plan: the keys of its whole units (hashed here, once) and the

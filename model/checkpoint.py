@@ -406,6 +406,13 @@ def keeps_fp8(ckpt_dir: str | Path, device: str | torch.device, fp8_weights: str
     return fp8_weights == "keep" or on_cuda
 
 
+def weights_form(ckpt_dir: str | Path, device: str | torch.device, cpu_weights: str = "fp32",
+                 fp8_weights: str = "auto") -> str:
+    """How ``load_model`` holds the weights: "fp8" (kept as stored), "int8" or "fp32" (the
+    model's dtype); units of KV computed with one form are not served to another."""
+    return "fp8" if keeps_fp8(ckpt_dir, device, fp8_weights) else cpu_weights
+
+
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:

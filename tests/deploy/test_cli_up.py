@@ -188,6 +188,8 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
                                            (["--cache-layout", "flat"], "flat"),
                                            (["--cpu-weights", "int4"], "int4"),
                                            (["--cpu-weights", "int8", "--dtype", "bfloat16"], "float32 models"),
+                                           (["--fp8-weights", "e5m2"], "e5m2"),
+                                           (["--fp8-weights", "keep"], "needs --device cuda"),
                                            (["--checkpoint", "{llama}"], "unsupported model_type 'llama'")])
 def test_bad_arguments_name_the_bad_value_and_start_nothing(tmp_path, args, message):
     llama = tmp_path / "llama"

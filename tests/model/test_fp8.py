@@ -247,3 +247,20 @@ def test_fp8_weights_kept_off_cuda_need_the_interpreter(fp8, monkeypatch):
     with pytest.raises(ValueError, match="unsupported fp8_weights 'bf16'"):
         load_model(ckpt, fp8_weights="bf16")
     assert isinstance(load_model(ckpt).layers[0].attn.w.o, torch.Tensor)  # auto on a CPU: dequantized
+
+
+def test_fp8_weights_kept_compute_in_a_cache_namespace_of_their_own(fp8):
+    """A replica that keeps fp8 weights computes other KV than one that dequantized them: their
+    units live apart (the ingress and the replica both name the form from the same config)."""
+    from cluster.engine import cache_namespace
+    from model.checkpoint import weights_digest, weights_form
+    from model.config import load_config
+
+    _, ckpt = fp8
+    assert weights_form(ckpt, "cuda") == "fp8" and weights_form(ckpt, "cpu") == "fp32"
+    assert weights_form(ckpt, "cuda", fp8_weights="dequantize") == "fp32"
+    assert weights_form(ckpt, "cpu", fp8_weights="keep") == "fp8"  # under the interpreter
+    cfg, digest = load_config(ckpt), weights_digest(ckpt)
+    kept, dense = (cache_namespace(cfg, digest, torch.bfloat16, weights=weights_form(ckpt, "cuda", fp8_weights=f))
+                   for f in ("auto", "dequantize"))
+    assert kept.seed != dense.seed

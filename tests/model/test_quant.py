@@ -68,5 +68,5 @@ def test_int8_weights_cache_their_kv_in_a_namespace_of_their_own(checkpoint):
 
     cfg, digest = load_config(checkpoint), weights_digest(checkpoint)
     fp32 = cache_namespace(cfg, digest, torch.float32)
-    int8 = cache_namespace(cfg, digest, torch.float32, cpu_weights="int8")
-    assert fp32.seed != int8.seed and fp32 == cache_namespace(cfg, digest, torch.float32, cpu_weights="fp32")
+    int8 = cache_namespace(cfg, digest, torch.float32, weights="int8")
+    assert fp32.seed != int8.seed and fp32 == cache_namespace(cfg, digest, torch.float32, weights="fp32")
