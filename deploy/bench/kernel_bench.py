@@ -12,6 +12,10 @@ pool does; ``mla_decode_mixed`` gives the batch's sequences lengths drawn betwee
 the context and all of it (a real decode batch is ragged), its bytes counted from the actual
 lengths.
 
+FP8 (DeepSeek-V3's weights as published, ``kernels.fp8_gemm``): a dense projection and the
+grouped experts with e4m3 weights in 128x128 blocks, TFLOP/s against the device's FP8 peak
+(``FP8_PEAK_TFLOPS``) and the error against the same product in BF16.
+
 MoE: prefill-sized batches (thousands of tokens: bound by tensor FLOP/s) and decode-sized ones
 (64-256 tokens over a shard's 32 experts: bound by reading the experts' weights, so GB/s of the
 weights touched and their fraction of the peak bandwidth are reported beside TFLOP/s).
@@ -159,10 +163,71 @@ def bench_moe_grouped(tokens: int, experts: int, shapes: Shapes = V3, device: st
             "max_rel_err": round(err, 5), "config": _tuned(_gate_up_silu)}
 
 
+# dense FP8 tensor-core TFLOP/s by device name (NVIDIA's datasheets, SXM parts, no sparsity)
+FP8_PEAK_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "H800": 1979.0, "H20": 296.0, "B200": 4500.0}
+
+
+def peak_fp8_tflops(device_name: str) -> float | None:
+    """The FP8 peak of the named device, when this table knows it."""
+    return next((v for k, v in FP8_PEAK_TFLOPS.items() if k in device_name), None)
+
+
+def bench_fp8_linear(tokens: int, n: int, k: int, peak_tflops: float | None, device: str = "cuda") -> dict[str, Any]:
+    """A dense projection with DeepSeek's fp8 weights (128x128 blocks): TFLOP/s, its fraction of
+    the FP8 peak, and the error against the same product in BF16."""
+    from kernels.fp8_gemm import _fp8_matmul, fp8_linear, quantize_blocks
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, k, device=device, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=device, generator=gen) / k**0.5).to(torch.bfloat16)
+    q, scale = quantize_blocks(w, (128, 128))
+
+    def run() -> torch.Tensor:
+        return fp8_linear(x, q, scale)
+
+    ref = (x @ w.T).float()
+    err = float((run().float() - ref).abs().max() / ref.abs().max())
+    ms = _time_ms(run, device)
+    tflops = 2 * tokens * n * k / ms / 1e9
+    return {"tokens": tokens, "n": n, "k": k, "ms": round(ms, 3), "tflop_per_s": round(tflops, 1),
+            "fraction_of_fp8_peak": round(tflops / peak_tflops, 3) if peak_tflops else None,
+            "max_rel_err_vs_bf16": round(err, 4), "config": _tuned(_fp8_matmul)}
+
+
+def bench_moe_grouped_fp8(tokens: int, experts: int, shapes: Shapes = V3, device: str = "cuda",
+                          peak_tflops: float | None = None) -> dict[str, Any]:
+    """The grouped expert MLP with fp8 experts: TFLOP/s, the fraction of the FP8 peak, and the
+    error against the BF16 grouped GEMM on the unquantized weights."""
+    from kernels.fp8_gemm import moe_grouped_mlp_fp8, quantize_blocks
+    from kernels.moe_grouped import moe_grouped_mlp
+
+    sh = shapes
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, sh.hidden, device=device, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(dim=1)[:, : sh.top_k]
+    w = torch.rand(tokens, sh.top_k, device=device, generator=gen)
+    gate_up = (torch.randn(experts, 2 * sh.moe_inter, sh.hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(experts, sh.hidden, sh.moe_inter, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    fp8 = (*quantize_blocks(gate_up, (128, 128)), *quantize_blocks(down, (128, 128)))
+
+    def run() -> torch.Tensor:
+        return moe_grouped_mlp_fp8(x, ids, w, *fp8)
+
+    ref = moe_grouped_mlp(x, ids, w, gate_up, down).float()
+    err = float((run().float() - ref).abs().max() / ref.abs().max())
+    ms = _time_ms(run, device)
+    tflops = 2 * tokens * sh.top_k * 3 * sh.hidden * sh.moe_inter / ms / 1e9
+    return {"tokens": tokens, "experts": experts, "top_k": sh.top_k, "ms": round(ms, 3),
+            "tflop_per_s": round(tflops, 1),
+            "fraction_of_fp8_peak": round(tflops / peak_tflops, 3) if peak_tflops else None,
+            "max_rel_err_vs_bf16": round(err, 4)}
+
+
 def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "tide bench kernels needs CUDA; no CUDA device here"}
     peak = peak_gbps or peak_memory_gbps(torch.cuda.current_device())
+    fp8_peak = peak_fp8_tflops(torch.cuda.get_device_name())
     return {
         "device": torch.cuda.get_device_name(),
         "peak_memory_gb_per_s": peak,
@@ -174,4 +239,8 @@ def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
         "moe_grouped_gemm": [bench_moe_grouped(t, e, peak_gbps=peak) for t, e in ((4096, 32), (16384, 256))],
         # a decode step's tokens over one shard: memory-bound
         "moe_grouped_gemm_decode": [bench_moe_grouped(t, 32, peak_gbps=peak) for t in (64, 256)],
+        # DeepSeek-V3's fp8 weights as published: o_proj-sized (16384 -> 7168) prefill and decode
+        "peak_fp8_tflop_per_s": fp8_peak,
+        "fp8_linear": [bench_fp8_linear(t, 7168, 16384, fp8_peak) for t in (4096, 64)],
+        "moe_grouped_gemm_fp8": [bench_moe_grouped_fp8(t, e, peak_tflops=fp8_peak) for t, e in ((4096, 32), (64, 32))],
     }

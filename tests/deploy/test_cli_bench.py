@@ -112,6 +112,14 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     moe = bench_moe_grouped(24, 4, small, device, peak_gbps=1000.0)
     assert moe["max_rel_err"] < 0.05 and moe["ms"] > 0 and "BN" in moe["config"]
     assert moe["fraction_of_peak_bandwidth"] == round(moe["weight_gb_per_s"] / 1000.0, 3)
+    from deploy.bench.kernel_bench import bench_fp8_linear, bench_moe_grouped_fp8, peak_fp8_tflops
+
+    lin = bench_fp8_linear(8, 64, 256, 100.0, device)
+    assert 0 < lin["max_rel_err_vs_bf16"] < 0.1 and lin["ms"] > 0 and "BM" in lin["config"]
+    assert lin["fraction_of_fp8_peak"] == round(lin["tflop_per_s"] / 100.0, 3)
+    fp8_moe = bench_moe_grouped_fp8(24, 4, small, device, peak_tflops=100.0)
+    assert 0 < fp8_moe["max_rel_err_vs_bf16"] < 0.1 and fp8_moe["ms"] > 0
+    assert peak_fp8_tflops("NVIDIA H200") == 1979.0 and peak_fp8_tflops("NVIDIA A100-SXM4-80GB") is None
 
 
 @pytest.mark.parametrize("args, message", [
