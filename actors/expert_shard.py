@@ -22,7 +22,7 @@ import ray
 
 from cluster.ep import ShardExperts, Wire
 from cluster.ep_gloo import form_group, serve_shard
-from model.checkpoint import DTYPES, load_expert_slots
+from model.checkpoint import DTYPES, keeps_fp8, load_expert_slots
 from model.moe import ExpertWeights
 
 __all__ = ["ExpertShard"]
@@ -83,7 +83,8 @@ class ExpertShard:
                     tensors[(layer, e)], counts["peer"] = fetched[(layer, e)], counts["peer"] + 1
                 else:
                     missing.setdefault(layer, []).append(e)
-        for layer, stacked in (load_expert_slots(checkpoint, missing, self.dtype) if missing else {}).items():
+        loaded = load_expert_slots(checkpoint, missing, self.dtype, keeps_fp8(checkpoint, self.device)) if missing else {}
+        for layer, stacked in loaded.items():
             for i, e in enumerate(missing[layer]):
                 tensors[(layer, e)] = (stacked.gate_up[i], stacked.down[i])
                 counts["checkpoint"] += 1

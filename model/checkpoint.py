@@ -332,11 +332,13 @@ def is_routed_expert(name: str) -> bool:
 
 
 def load_expert_slots(
-    ckpt_dir: str | Path, slot_experts: dict[int, list[int]], dtype: str | torch.dtype = "float32"
+    ckpt_dir: str | Path, slot_experts: dict[int, list[int]], dtype: str | torch.dtype = "float32",
+    keep_fp8: bool = False,
 ) -> dict[int, ExpertWeights]:
     """The routed experts that fill one shard's slots: ``slot_experts`` maps a model layer index
     to the logical expert of each slot (repeats allowed across shards, not needed within).
-    Returns, per layer, weights stacked in slot order ([slots, 2I, M] and [slots, M, I])."""
+    Returns, per layer, weights stacked in slot order ([slots, 2I, M] and [slots, M, I]);
+    ``keep_fp8``: an fp8 checkpoint's experts stay e4m3 as stored (``keeps_fp8``)."""
     dtype = _dtype(dtype)
     cfg = load_config(ckpt_dir)
     names = {
@@ -345,7 +347,7 @@ def load_expert_slots(
         for e in experts
         for proj in ("gate_proj", "up_proj", "down_proj")
     }
-    sd = load_state_dict(ckpt_dir, cfg, dtype, include=names.__contains__)
+    sd = load_state_dict(ckpt_dir, cfg, dtype, include=names.__contains__, keep_fp8=keep_fp8)
     return {layer: _stack_experts(sd, f"model.layers.{layer}.mlp.", experts) for layer, experts in slot_experts.items()}
 
 

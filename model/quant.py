@@ -77,8 +77,12 @@ class Fp8Weight:
 
         return dequantize_blocks(self.q, self.scale, self.block)
 
-    def to(self, device: torch.device | str) -> Fp8Weight:
-        return Fp8Weight(self.q.to(device), self.scale.to(device), self.block)
+    def to(self, device: torch.device | str, copy: bool = False) -> Fp8Weight:
+        return Fp8Weight(self.q.to(device, copy=copy), self.scale.to(device, copy=copy), self.block)
+
+    def __getitem__(self, i: int) -> Fp8Weight:
+        """Expert ``i`` of stacked experts [E, N, K]."""
+        return Fp8Weight(self.q[i], self.scale[i], self.block)
 
     @staticmethod
     def cat_rows(parts: list[Fp8Weight]) -> Fp8Weight | None:

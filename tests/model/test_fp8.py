@@ -144,7 +144,7 @@ class _Shards:
     """Expert shards in this process, each loading its slots' experts from the checkpoint as an
     ``ExpertShard`` does (``load_expert_slots``); rows travel by slicing."""
 
-    def __init__(self, ckpt, placement, moe_layers: list[int], wire) -> None:
+    def __init__(self, ckpt, placement, moe_layers: list[int], wire, keep_fp8: bool = False) -> None:
         from cluster.ep import ShardExperts
         from model.checkpoint import load_expert_slots
 
@@ -153,7 +153,7 @@ class _Shards:
         for h in range(placement.num_shards):
             slots = {layer: placement.phy2log[row, h * per : (h + 1) * per].tolist()
                      for row, layer in enumerate(moe_layers)}
-            loaded = load_expert_slots(ckpt, slots)
+            loaded = load_expert_slots(ckpt, slots, keep_fp8=keep_fp8)
             shard = ShardExperts()
             shard.put(0, {row: loaded[layer] for row, layer in enumerate(moe_layers)})
             self.shards.append(shard)
@@ -247,6 +247,36 @@ def test_fp8_weights_kept_off_cuda_need_the_interpreter(fp8, monkeypatch):
     with pytest.raises(ValueError, match="unsupported fp8_weights 'bf16'"):
         load_model(ckpt, fp8_weights="bf16")
     assert isinstance(load_model(ckpt).layers[0].attn.w.o, torch.Tensor)  # auto on a CPU: dequantized
+
+
+@pytest.mark.slow  # the fp8 GEMMs in Triton's interpreter
+@pytest.mark.parametrize("fp8", [(16, 32)], indirect=True, ids=["blocks_16x32"])
+def test_fp8_experts_kept_on_expert_shards_compute_what_the_local_fp8_model_does(fp8):
+    """The expert-parallel path with fp8 kept (a CUDA shard's default): three shards load their
+    slots' experts as e4m3 and run the fp8 grouped GEMM; the logits equal the local fp8 model's
+    (each token's rows are quantized alone, wherever they run) and so stay within its error of
+    transformers."""
+    from cluster.ep import EPExecutor, Wire
+    from cluster.eplb import EplbConfig, plan
+    from model.quant import Fp8Weight
+
+    hf, ckpt = fp8
+    local = load_model(ckpt, fp8_weights="keep")
+    ours = load_model(ckpt, routed_experts=False, fp8_weights="keep")
+    cfg = ours.cfg
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if i >= cfg.first_k_dense_replace]
+    placement = plan(torch.ones(len(moe_layers), cfg.n_routed_experts, dtype=torch.float64),
+                     EplbConfig(cfg.n_routed_experts + 2, 1, 1, 2, "global"))
+    shards = _Shards(ckpt, placement, moe_layers, Wire(), keep_fp8=True)
+    assert all(isinstance(s.layer(0, 0).gate_up, Fp8Weight) for s in shards.shards)
+    ours.set_expert_executor(EPExecutor(placement, moe_layers, shards, wire=Wire()))
+    ids = torch.randint(0, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(2))
+    got = ours.prefill(ids, ours.new_pool(4, 16), torch.arange(4), all_logits=True)
+    want = local.prefill(ids, local.new_pool(4, 16), torch.arange(4), all_logits=True)
+    assert (got - want).norm() <= 1e-4 * want.norm(), float((got - want).norm() / want.norm())
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (got - ref).norm() <= 0.3 * ref.norm()
 
 
 def test_fp8_weights_kept_compute_in_a_cache_namespace_of_their_own(fp8):

@@ -70,3 +70,23 @@ def test_int8_weights_cache_their_kv_in_a_namespace_of_their_own(checkpoint):
     fp32 = cache_namespace(cfg, digest, torch.float32)
     int8 = cache_namespace(cfg, digest, torch.float32, weights="int8")
     assert fp32.seed != int8.seed and fp32 == cache_namespace(cfg, digest, torch.float32, weights="fp32")
+
+
+def test_fp8_weights_stack_index_and_fuse_by_whole_scale_blocks():
+    """What expert shards and the fused gate/up projection do with fp8 weights: stack experts,
+    take one back out (moving experts between shards), and concatenate rows only where the
+    first part ends on a scale block."""
+    from kernels.fp8_gemm import quantize_blocks
+    from model.quant import Fp8Weight
+
+    ws = [torch.randn(32, 48, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    parts = [Fp8Weight(*quantize_blocks(w, (16, 32)), (16, 32)) for w in ws]
+    stacked = Fp8Weight.stack(parts)
+    assert stacked.shape == (3, 32, 48) and stacked.scale.shape == (3, 2, 2)
+    assert torch.equal(stacked[1].dequantize(), parts[1].dequantize())
+    assert torch.equal(stacked[2].to("cpu", copy=True).q.float(), parts[2].q.float())
+    fused = Fp8Weight.cat_rows(parts[:2])
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts[:2]]))
+    ragged = Fp8Weight(*quantize_blocks(ws[0][:20], (16, 32)), (16, 32))  # 20 rows: ends inside a block
+    assert Fp8Weight.cat_rows([ragged, parts[1]]) is None and Fp8Weight.cat_rows([parts[1], ragged]) is not None
+    assert parts[0].nbytes == 32 * 48 + 2 * 2 * 4
