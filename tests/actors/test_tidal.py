@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.actors.tidal_streams import ClientThreads
+from tests.actors.tidal_streams import ClientThreads, day_after_a_failure
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
@@ -114,7 +114,7 @@ def test_day_night_day(serving):
     assert sum(r["stats"]["engine"]["prefill_tokens"] for r in reports.values()) >= 1
 
     stream = _RequestStream(url)
-    with stream:
+    with day_after_a_failure(args), stream:
         time.sleep(2)
         out = home / "train-run"
         entrypoint = (f"{sys.executable} -m deploy.cli train run --out {out} --steps 100000 --batch-size 2 "
