@@ -88,6 +88,13 @@ class CacheAgent:
         keys = [bytes.fromhex(k) for k in keys_hex] if keys_hex is not None else self.agent.cache.ssd.keys()
         return self.agent.evict(keys)
 
+    def explain(self, keys_hex: list[str]) -> dict[str, list[str]]:
+        """For each unit (hex key): the tier this node holds it in ("" where not) and, where not,
+        why it was dropped here recently ("evicted", "removed", "damaged"; "" when it never was
+        here or long ago)."""
+        keys = [bytes.fromhex(k) for k in keys_hex]
+        return {"tiers": self.agent.cache.has(keys), "gone": self.agent.cache.ssd.gone(keys)}
+
     def pin(self, keys_hex: list[str], unpin: bool = False) -> int:
         """Pin (or unpin) the units this node holds among ``keys_hex``; returns how many."""
         keys = [bytes.fromhex(k) for k in keys_hex]

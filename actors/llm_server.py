@@ -32,12 +32,13 @@ from actors.serve_bind import bind_replica_grpc_to_node
 from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.cluster_cache import ClusterCache
+from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys, read_secret
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig, StoreLocked
 from cluster.daily_report import JsonlLog, UsageRecord
-from cluster.engine import Engine, cache_namespace
+from cluster.engine import UNIT_TOKENS, Engine, cache_namespace
 from cluster.engine_loop import EngineLoop, PromptKV
 from cluster.ep import Wire
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
@@ -138,6 +139,7 @@ class LLMServer:
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         self.cache = None
         self._agents = cfg.agents if cfg.enable_cache else None
+        self._directory_cfg, self._explain_directory = cfg.directory, None
         if self._agents is not None:
             self.cache = self._cluster_cache(self._agents)
         elif cfg.enable_cache:
@@ -261,6 +263,27 @@ class LLMServer:
             prompt_ids = bos + self.tokenizer.encode(text)
         ns = self.engine.namespace_for(tenant)
         return [k.hex() for k in chain_keys(ns.seed, prompt_ids, ns.unit_size)]
+
+    def explain(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> dict:
+        """What the directory answers for a prompt now (``tide cache explain``): its unit keys
+        (hex), how many whole units precede its last token (``cacheable``), and the live holders
+        (node, tier) of each leading unit the directory finds."""
+        keys = self.unit_keys(prompt_ids, tenant, text)
+        if text is not None:
+            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
+            prompt_ids = bos + self.tokenizer.encode(text)
+        cacheable = min(len(keys), (len(prompt_ids) - 1) // UNIT_TOKENS)
+        listed: list[list[tuple[str, str]]] = []
+        if self._explain_directory is None and self._directory_cfg.url:
+            self._explain_directory = self._directory_cfg.open()  # a maintenance path: opened on first use
+        if self._explain_directory is not None and cacheable:
+            try:
+                match = self._explain_directory.longest_prefix([bytes.fromhex(k) for k in keys[:cacheable]])
+                listed = [[(h.node_id, h.tier) for h in hs] for hs in match.holders]
+            except DirectoryUnavailable as e:
+                return {"keys": keys, "cacheable": cacheable, "listed": [], "directory_error": str(e)}
+        return {"keys": keys, "cacheable": cacheable, "listed": listed,
+                "directory": bool(self._directory_cfg.url)}
 
     def record_routing_stats(self) -> dict:
         """What the request routers score this replica by (Ray Serve polls it): its node, queue,

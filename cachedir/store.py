@@ -22,7 +22,7 @@ import fcntl
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +39,7 @@ __all__ = ["StoreConfig", "StoreLocked", "StoreStats", "UnitStore"]
 
 PINS_FILE = "pinned.keys"  # hex keys of pinned units, one per line
 LOCK_FILE = ".lock"  # held (flock) by the one store that has the directory open
+GONE_MEMORY = 1 << 16  # dropped keys a store remembers, with why (UnitStore.gone; ~6 MB)
 
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # a write skipped, not a bug
 
@@ -138,6 +139,7 @@ class UnitStore:
             cfg.capacity_bytes, make_policy(cfg.eviction, cfg.lfu_half_life_s), cfg.max_age_s
         )
         self._events: list[UnitStored | UnitRemoved] = []
+        self._gone: OrderedDict[bytes, str] = OrderedDict()  # recently dropped key -> why (``gone``)
         self.stats = StoreStats()
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="unit-io")
         self.staging = StagingBuffers(cfg.staging_bytes)
@@ -162,7 +164,7 @@ class UnitStore:
                 self.layout.delete(loc)
                 continue
             for gone in self._index.add(h.key, loc.length, now):
-                self._delete_file(gone)
+                self._delete_file(gone, "evicted")
             if h.key in self._index:
                 self._namespaces[h.key] = h.namespace
                 self._locs[h.key] = loc
@@ -313,8 +315,19 @@ class UnitStore:
         self.stats.bytes = self._index.bytes
         self.stats.evictions = self._index.evictions
 
-    def _delete_file(self, key: bytes) -> None:
+    def gone(self, keys: Sequence[bytes]) -> list[str]:
+        """Why each key was dropped, among the last ``GONE_MEMORY`` dropped and not stored
+        since: "evicted" (capacity or age), "removed" (``tide cache evict``) or "damaged"; ""
+        otherwise (never stored here, or long ago). ``tide cache explain`` reads it."""
+        with self._lock:
+            return [self._gone.get(k, "") for k in keys]
+
+    def _delete_file(self, key: bytes, why: str) -> None:
         """Forget a key the index already dropped: its namespace entry, bytes on disk and event."""
+        self._gone[key] = why
+        self._gone.move_to_end(key)
+        if len(self._gone) > GONE_MEMORY:
+            self._gone.popitem(last=False)
         self._namespaces.pop(key, None)
         loc = self._locs.pop(key, None)
         if loc is not None:
@@ -323,9 +336,9 @@ class UnitStore:
                 self._compact_async([sparse])
         self._events.append(UnitRemoved(key, "ssd"))
 
-    def _remove_locked(self, key: bytes) -> None:
+    def _remove_locked(self, key: bytes, why: str = "removed") -> None:
         if self._index.remove(key):
-            self._delete_file(key)
+            self._delete_file(key, why)
             self._sync_stats()
 
     def _remove_if_at(self, key: bytes, loc: Loc) -> bool:
@@ -333,7 +346,7 @@ class UnitStore:
         copy must not take a good one with it); under the lock."""
         if self._locs.get(key) != loc:
             return False
-        self._remove_locked(key)
+        self._remove_locked(key, "damaged")
         return True
 
     def remove(self, key: bytes) -> bool:
@@ -384,7 +397,7 @@ class UnitStore:
                     if gone in fresh:  # a unit of this very batch: it was never visible
                         fresh.discard(gone)
                     else:
-                        self._delete_file(gone)
+                        self._delete_file(gone, "evicted")
                 if key not in self._index:  # no room: only pinned units are left
                     fresh.discard(key)
             keep = [key in fresh and key in self._index for key, _ in items]
@@ -395,6 +408,7 @@ class UnitStore:
                 if k:
                     self._locs[key] = loc
                     self._namespaces[key] = u.namespace
+                    self._gone.pop(key, None)
                     self._events.append(UnitStored(key, loc.length, "ssd"))
                     self.stats.writes += 1
                     self.stats.bytes_written += loc.length

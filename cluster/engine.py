@@ -357,6 +357,12 @@ class Engine:
                 last = loaded[-1].tier if loaded else "ram"
                 setattr(src, last, getattr(src, last) - 1)
             src.compute = len(seq.req.prompt_ids) - src.cached
+            plan = seq.req.plan
+            if plan is not None:  # why the units past the cached ones were computed
+                units = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS  # the last token is always computed
+                held, planned = min(len(plan.holders), units), min(plan.loadable, units)
+                src.stale = max(0, planned - n_cached_units) * UNIT_TOKENS
+                src.declined = max(0, held - max(planned, n_cached_units)) * UNIT_TOKENS
         return True
 
     def _admit_prefilled(self, seq: Sequence) -> bool:

@@ -100,12 +100,19 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class TokenSources:
-    """Where each prompt token's KV came from."""
+    """Where each prompt token's KV came from, and why the computed tokens of whole units before
+    the prompt's last token were not loaded instead: ``stale`` — the prefix plan loaded them (the
+    directory listed a live holder) but the load did not deliver them (gone, damaged or late);
+    ``declined`` — the directory listed holders but the plan did not load them (the router
+    declined a load slower than computing); the rest of ``compute`` no live node was listed for
+    (never seen, evicted, or past the first unit missing)."""
 
     compute: int = 0
     ram: int = 0  # this replica's pool (shared pages) or the node's RAM tier
     ssd: int = 0
     remote: int = 0
+    stale: int = 0  # of compute
+    declined: int = 0  # of compute
 
     @property
     def cached(self) -> int:

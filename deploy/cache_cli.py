@@ -160,3 +160,87 @@ def pin(
         sys.stdout.write(json.dumps({"units": len(keys), verb: counts}) + "\n")
     else:
         _per_node(f"{len(keys)} units of the prompt, {verb} on each node that holds them", counts, verb)
+
+
+# what became of each whole unit of a prompt (``tide cache explain``), in the order they are tested
+EXPLAIN_CLASSES = {
+    "found": "the directory lists a live node that holds it: a request now can load it",
+    "stale": "the directory lists nodes that no longer hold it: a load would miss and compute it",
+    "unlisted": "a node holds it but the directory did not list it (registration pending, or past the "
+                "first unit it found missing): computed unless routed to that node",
+    "evicted": "no node holds it; a node dropped it for capacity or age",
+    "removed": "no node holds it; removed with `tide cache evict`",
+    "damaged": "no node holds it; its file was found damaged and dropped",
+    "never seen": "no node holds it or dropped it recently: never computed here, or long ago",
+}
+
+
+def explain_units(info: dict, nodes: dict[str, dict[str, list[str]]]) -> dict:
+    """Classify each whole unit before a prompt's last token from the directory's answer
+    (``LLMServer.explain``: keys, cacheable, listed) and every node's (``CacheAgent.explain``:
+    tiers held, why dropped), as ``EXPLAIN_CLASSES`` names them."""
+    from cluster.engine import UNIT_TOKENS
+
+    units = []
+    for i in range(info["cacheable"]):
+        listed = [tuple(h) for h in info["listed"][i]] if i < len(info["listed"]) else []
+        held = {node: a["tiers"][i] for node, a in nodes.items() if a["tiers"][i]}
+        gone = {node: a["gone"][i] for node, a in nodes.items() if a["gone"][i] and not a["tiers"][i]}
+        if listed:
+            cls = "found" if any(node in held for node, _ in listed) else "stale"
+        elif held:
+            cls = "unlisted"
+        else:
+            cls = next((why for why in ("evicted", "removed", "damaged") if why in gone.values()), "never seen")
+        units.append({"index": i, "key": info["keys"][i], "tokens": [i * UNIT_TOKENS, (i + 1) * UNIT_TOKENS],
+                      "class": cls, "listed": [{"node": n, "tier": t} for n, t in listed], "held": held, "gone": gone})
+    summary = {cls: sum(u["class"] == cls for u in units) for cls in EXPLAIN_CLASSES}
+    return {"whole_units": len(info["keys"]), "cacheable": info["cacheable"], "directory": info.get("directory", True),
+            "directory_error": info.get("directory_error"), "summary": summary, "units": units}
+
+
+@cache_app.command("explain")
+def explain(
+    prompt: str = typer.Option(None, "--prompt", help="the prompt text (tokenized as the completions API does)"),
+    prompt_ids: str = typer.Option(None, "--prompt-ids", help="the prompt's token ids (comma-separated)"),
+    tenant: str = typer.Option("", "--tenant", help="the tenant whose cache"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    address: str = ADDRESS,
+) -> None:
+    """What the cache holds of one prompt and why the rest would be computed: each whole unit
+    before its last token, what the directory lists for it, which nodes hold it, and its class
+    (found, stale, unlisted, evicted, removed, damaged, never seen)."""
+    ids = _which(None, prompt, prompt_ids)
+    server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
+    import ray
+
+    from actors.cache_agent import agent_handles
+
+    info = server.explain.remote(ids, tenant=tenant, text=prompt).result(timeout_s=60)
+    if not info["cacheable"]:
+        raise typer.BadParameter("the prompt has no whole 64-token cache unit before its last token")
+    keys = info["keys"][: info["cacheable"]]
+    handles = agent_handles()
+    nodes = dict(zip(handles, ray.get([h.explain.remote(keys) for h in handles.values()], timeout=120), strict=True))
+    out = explain_units(info, nodes)
+    if as_json:
+        sys.stdout.write(json.dumps(out) + "\n")
+        return
+    from rich.table import Table
+
+    from deploy.term import stdout_console
+
+    table = Table(title=f"{out['cacheable']} whole units before the prompt's last token", title_justify="left", box=None)
+    for col in ("unit", "tokens", "class", "directory lists", "held by"):
+        table.add_column(col)
+    for u in out["units"]:
+        table.add_row(str(u["index"]), f"{u['tokens'][0]}-{u['tokens'][1]}", u["class"],
+                      ", ".join(f"{h['node'][:12]} ({h['tier']})" for h in u["listed"]) or "-",
+                      ", ".join(f"{n[:12]} ({t})" for n, t in u["held"].items()) or "-")
+    console = stdout_console()
+    console.print(table)
+    for cls, n in out["summary"].items():
+        if n:
+            console.print(f"{n:>5} {cls}: {EXPLAIN_CLASSES[cls]}")
+    if out["directory_error"]:
+        console.print(f"the directory did not answer: {out['directory_error']}")

@@ -8,6 +8,7 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:num_requests_waiting{deployment,replica,node}`` | ``vllm:num_requests_waiting`` | sequences queued for prefill |
 | ``tide:kv_cache_usage_perc{deployment,replica,node}`` | ``vllm:kv_cache_usage_perc`` | KV pages in use (0..1) |
 | ``tide:prompt_tokens_total{source}`` | ``vllm:prompt_tokens_total`` (the sum over sources) | prompt tokens by where their KV came from |
+| ``tide:prompt_cache_misses_total{reason}`` | (none) | computed tokens of whole units that could have been cached: ``stale`` (the plan loaded them, the load did not deliver), ``declined`` (the directory listed holders, the router did not load them), ``unlisted`` (no live node listed: never seen, evicted, or past the first missing unit) |
 | ``tide:generation_tokens_total`` | ``vllm:generation_tokens_total`` | generated tokens |
 | ``tide:request_success_total{status}`` | ``vllm:request_success_total`` | finished requests, ok or error |
 | ``tide:time_to_first_token_seconds`` | ``vllm:time_to_first_token_seconds`` | histogram, at the ingress |
@@ -30,6 +31,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cluster.engine import UNIT_TOKENS
 
 __all__ = ["IngressMetrics"]
 
@@ -69,6 +72,8 @@ class IngressMetrics:
         self.kv_usage = family(Gauge, "tide:kv_cache_usage_perc", "fraction of a replica's KV pages in use", replica)
         self.prompt_tokens = family(Counter, "tide:prompt_tokens", "prompt tokens by where their KV came from",
                                     ["source"])
+        self.cache_misses = family(Counter, "tide:prompt_cache_misses",
+                                   "computed prompt tokens of whole units, by why they were not loaded", ["reason"])
         self.generation_tokens = one(Counter, "tide:generation_tokens", "generated tokens")
         self.requests = family(Counter, "tide:request_success", "finished requests", ["status"])
         self.continued = one(Counter, "tide:requests_continued", "requests moved to another replica mid-stream")
@@ -94,6 +99,17 @@ class IngressMetrics:
         self.gpu_memory_total = family(Gauge, "tide:gpu_memory_total_bytes", "GPU memory", ["gpu"])
         self.gpu_utilization = family(Gauge, "tide:gpu_utilization", "GPU busy fraction", ["gpu"])
         self.gpu_temperature = family(Gauge, "tide:gpu_temperature_celsius", "GPU temperature", ["gpu"])
+
+    def count_prompt(self, prompt_tokens: int, sources) -> None:
+        """A finished request's prompt tokens by source (``cluster.request.TokenSources``) and
+        its cache misses by reason."""
+        for source in ("compute", "ram", "ssd", "remote"):
+            self.prompt_tokens(source).inc(getattr(sources, source))
+        cacheable = (prompt_tokens - 1) // UNIT_TOKENS * UNIT_TOKENS  # the last token is always computed
+        missed = max(0, cacheable - sources.cached)
+        unlisted = max(0, missed - sources.stale - sources.declined)
+        for reason, n in (("stale", sources.stale), ("declined", sources.declined), ("unlisted", unlisted)):
+            self.cache_misses(reason).inc(n)
 
     def replicas(self, reports: dict[str, dict]) -> None:
         """One series per replica that reported lately (``TidalState.replica_reports``: actor

@@ -377,8 +377,7 @@ class OpenAIIngress:
                     last_t = now
                     n_tokens += len(item.new_token_ids)
                 if item.finished:
-                    for source, n in dataclasses.asdict(item.sources).items():
-                        self.metrics.prompt_tokens(source).inc(n)
+                    self.metrics.count_prompt(item.prompt_tokens, item.sources)
                     self.metrics.generation_tokens.inc(item.completion_tokens)
                     self.metrics.queue_time.observe(item.queued_s)
                     status = "ok"

@@ -94,6 +94,7 @@ def test_damaged_unit_is_a_miss_removed_and_counted(tmp_path, layout, damage):
     assert store.get(unit.key, ns, tokens) is None
     assert unit.key not in store and not path.exists()
     assert store.stats.corrupt == (0 if damage == "delete" else 1)
+    assert store.gone([unit.key]) == ["damaged"]
     store.check_integrity()
 
 
@@ -181,6 +182,11 @@ def test_capacity_evicts_lru_and_max_age(tmp_path, layout):
     store.put(u[4])  # everything else is older than max_age
     assert set(store.keys()) == {u[4].key}
     store.check_integrity()
+    # what was dropped and why (tide cache explain): evicted, removed by hand, or never here
+    store.remove(u[4].key)
+    assert store.gone([u[1].key, u[0].key, u[4].key, bytes(16)]) == ["evicted", "evicted", "removed", ""]
+    store.put(u[1])  # stored again: no longer gone
+    assert store.gone([u[1].key]) == [""]
 
 
 def test_lfu_keeps_frequently_used_units(tmp_path, layout):

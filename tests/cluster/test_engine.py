@@ -501,17 +501,28 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
     monkeypatch.setattr(engine_module, "chain_keys",
                         lambda seed, ids, *a, **k: hashed.append(len(ids)) or real(seed, ids, *a, **k))
     want = _ref(model, prompt, 6)
-    for load_units, cached in ((None, 3 * 64), (3, 3 * 64), (1, 64), (0, 0)):
-        eng = _engine(model, _cache(tmp_path, ram=0))
+    # (units the router loads, cached tokens, computed because declined, ... because stale)
+    for load_units, cached, declined, stale, where in ((None, 3 * 64, 0, 0, tmp_path), (3, 3 * 64, 0, 0, tmp_path),
+                                                       (1, 64, 2 * 64, 0, tmp_path), (0, 0, 3 * 64, 0, tmp_path),
+                                                       (3, 0, 0, 3 * 64, tmp_path / "empty")):
+        eng = _engine(model, _cache(where, ram=0))  # "empty": the directory listed units this node lost
         plan = PrefixPlan(keys, holders=(("node",),) * 3, load_units=load_units)
         hashed.clear()
         eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=plan))
         outs = eng.run_to_completion()["r"]
         assert _tokens(outs) == want, load_units
-        assert outs[-1].cached_tokens == cached and outs[-1].sources.compute == len(prompt) - cached
+        src = outs[-1].sources
+        assert outs[-1].cached_tokens == cached and src.compute == len(prompt) - cached
+        assert (src.declined, src.stale) == (declined, stale), (load_units, src)
         assert hashed == [0]  # only the output's units (none whole here), never the prompt again
         eng.check_integrity()
         eng.cache.close()
+    # the directory listed only the first unit: the other two were computed, unlisted
+    eng = _engine(model, _cache(tmp_path, ram=0))
+    eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=PrefixPlan(keys, holders=(("node",),))))
+    src = eng.run_to_completion()["r"][-1].sources
+    assert (src.ssd, src.declined, src.stale) == (64, 0, 0) and src.compute == len(prompt) - 64
+    eng.cache.close()
 
 
 def test_json_mode_after_a_thought_constrains_only_the_answer(model):

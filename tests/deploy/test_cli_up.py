@@ -143,6 +143,10 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
         assert report["cache"]["totals"]["ssd_units"] >= 0 and len(report["cache"]["nodes"]) == 1
         stats = json.loads(_tide("cache", "stats", "--json", home=tmp_path, fresh_home=fresh_home).stdout)
         assert stats["totals"]["ssd_units"] >= 3
+        # the served prompt's units: found (the directory lists the node that holds them)
+        explained = _tide("cache", "explain", "--prompt", text, "--json", home=tmp_path, fresh_home=fresh_home)
+        assert explained.returncode == 0, explained.stderr[-2000:]
+        assert json.loads(explained.stdout)["summary"]["found"] == 3, explained.stdout
         # the node's cache agent answers only calls signed with the agent token, a 0600 file like
         # the cache secret; neither is in the state file
         from cachedir.agent.client import AgentClient, AgentError
@@ -169,6 +173,8 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
         ev = _tide("cache", "evict", "--all", home=tmp_path, fresh_home=fresh_home)
         assert ev.returncode == 0 and "units evicted" in ev.stdout and "Started" not in ev.stdout + ev.stderr, ev.stdout
         assert json.loads(_tide("cache", "stats", "--json", home=tmp_path, fresh_home=fresh_home).stdout)["totals"]["ssd_units"] == 0
+        gone = _tide("cache", "explain", "--prompt", text, home=tmp_path, fresh_home=fresh_home)
+        assert gone.returncode == 0 and "3 removed" in " ".join(gone.stdout.split()), gone.stdout
     finally:
         d = _tide("down", home=tmp_path, fresh_home=fresh_home)
     assert d.returncode == 0, d.stderr[-2000:]

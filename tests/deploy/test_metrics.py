@@ -53,3 +53,20 @@ def test_nodes_by_role_count_every_alive_node_once():
     m.node_roles(["a", "b", "c", "d"], {"b": "lent", "c": "draining", "gone": "lent"})
     nodes = {s.labels["role"]: s.value for s in _samples(m) if s.name == "tide:nodes"}
     assert nodes == {"serving": 2, "draining": 1, "migrate": 0, "lent": 1}
+
+
+def test_prompt_tokens_count_by_source_and_cache_misses_by_reason():
+    """A 300-token prompt has 4 whole units before its last token: one came from the SSD, one
+    was computed though the plan loaded it (stale), one because the router declined the load;
+    the last one no live node was listed for."""
+    from cluster.request import TokenSources
+
+    m = IngressMetrics("deepseek")
+    m.count_prompt(300, TokenSources(compute=236, ssd=64, stale=64, declined=64))
+    m.count_prompt(64, TokenSources(compute=64))  # no whole unit before the last token: nothing to miss
+    by = {(s.name, s.labels.get("source") or s.labels.get("reason")): s.value for s in _samples(m)
+          if s.name in ("tide:prompt_tokens_total", "tide:prompt_cache_misses_total")}
+    assert by[("tide:prompt_tokens_total", "compute")] == 300 and by[("tide:prompt_tokens_total", "ssd")] == 64
+    assert by[("tide:prompt_cache_misses_total", "stale")] == 64
+    assert by[("tide:prompt_cache_misses_total", "declined")] == 64
+    assert by[("tide:prompt_cache_misses_total", "unlisted")] == 64
