@@ -25,6 +25,16 @@ class TidalState:
         self._reports: dict[str, dict] = {}  # node -> the latest report from a replica there
         self._by_replica: dict[str, dict] = {}  # replica actor name -> its latest report
         self.job_id: str | None = None
+        self._nights = {"nights": 0, "migrated": 0, "last_drain_s": 0.0}
+
+    def record_night(self, drain_s: float, migrated: bool) -> None:
+        """A night's drain took ``drain_s``; ``migrated``: past its deadline, requests moved."""
+        self._nights = {"nights": self._nights["nights"] + 1, "migrated": self._nights["migrated"] + migrated,
+                        "last_drain_s": drain_s}
+
+    def nights(self) -> dict:
+        """Nights so far, how many moved requests to finish their drain, the last drain's seconds."""
+        return dict(self._nights)
 
     def set_roles(self, roles: dict[str, str]) -> None:
         for node, role in roles.items():

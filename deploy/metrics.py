@@ -17,6 +17,8 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:request_queue_time_seconds`` | ``vllm:request_queue_time_seconds`` | histogram: arrival at a replica to its first step |
 | ``tide:requests_in_flight`` | (none) | requests this ingress is streaming |
 | ``tide:nodes{role}`` | (none) | alive Ray nodes by day/night role: serving, draining, migrate, lent |
+| ``tide:nights``, ``tide:nights_migrated``, ``tide:night_drain_seconds`` | (none) | nights so far, those whose drain passed its deadline (requests continued on other replicas), the last drain's duration |
+| ``tide:training_job_active`` | (none) | 1 while a night's training job runs on the lent nodes |
 | ``tide:ep_placement_version``, ``tide:ep_shards`` | (none) | expert parallelism: the placement served, over how many shards |
 | ``tide:ep_rebalances``, ``tide:ep_moved_slots`` | (none) | EPLB rebalances and expert slots whose weights moved, since the control started |
 
@@ -89,6 +91,11 @@ class IngressMetrics:
         self.tier_bytes = family(Gauge, "tide:cache_bytes", "prompt-cache bytes a node holds per tier", ["node", "tier"])
         self.tier_units = family(Gauge, "tide:cache_units", "prompt-cache units a node holds per tier", ["node", "tier"])
         self.nodes = family(Gauge, "tide:nodes", "alive Ray nodes by day/night role", ["role"])
+        self.nights = one(Gauge, "tide:nights", "nights (nodes lent to training) since the cluster started")
+        self.nights_migrated = one(Gauge, "tide:nights_migrated",
+                                   "nights whose drain passed its deadline: requests continued on other replicas")
+        self.drain_s = one(Gauge, "tide:night_drain_seconds", "how long the last night's drain took")
+        self.training = one(Gauge, "tide:training_job_active", "1 while a night's training job runs")
         self.ep_version = one(Gauge, "tide:ep_placement_version", "the expert placement the replicas serve")
         self.ep_shards = one(Gauge, "tide:ep_shards", "expert shards the placement spreads the experts over")
         self.ep_rebalances = one(Gauge, "tide:ep_rebalances", "EPLB rebalances since the control started")
@@ -133,6 +140,13 @@ class IngressMetrics:
             counts[roles.get(node, "serving")] += 1
         for role, n in counts.items():
             self.nodes(role).set(n)
+
+    def tidal(self, nights: dict, job_id: str | None) -> None:
+        """``TidalState.nights`` and ``TidalState.job``."""
+        self.nights.set(nights["nights"])
+        self.nights_migrated.set(nights["migrated"])
+        self.drain_s.set(nights["last_drain_s"])
+        self.training.set(1 if job_id else 0)
 
     def expert_placement(self, info: dict) -> None:
         """``actors.ep_control.EPControl.info`` of the app's control."""

@@ -674,6 +674,7 @@ class OpenAIIngress:
             self.metrics.replicas(await state.replica_reports.remote())
             alive = await asyncio.to_thread(lambda: [n["NodeID"] for n in ray.nodes() if n["Alive"]])
             self.metrics.node_roles(alive, await state.roles.remote())
+            self.metrics.tidal(await state.nights.remote(), await state.job.remote())
         except Exception as e:  # noqa: BLE001 - no day/night state: the other series still serve
             log.warning("replica reports unavailable for /metrics: %s", e)
         if self.expert_parallel:

@@ -220,6 +220,7 @@ def lend_nodes(
         ray.get(state.set_roles.remote(dict.fromkeys(chosen, "migrate")))
         _wait(drained, 60.0, "the lent nodes to hand their requests back")
         migrated = True
+    ray.get(state.record_night.remote(time.time() - started, migrated))
 
     # 3. lease, stop the replicas, fewer replicas
     cpus = float(app_args.get("replica_cpus", 1.0))

@@ -155,6 +155,9 @@ def test_day_night_day(serving):
     series = [s for fam in text_string_to_metric_families(text) for s in fam.samples
               if s.name == "tide:num_requests_running"]
     assert len({s.labels["replica"] for s in series}) == 3 and len({s.labels["node"] for s in series}) == 3
+    night = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name in ("tide:nights", "tide:night_drain_seconds", "tide:training_job_active")}
+    assert night["tide:nights"] == 1 and night["tide:night_drain_seconds"] > 0 and night["tide:training_job_active"] == 0
 
 
 def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):

@@ -70,3 +70,14 @@ def test_prompt_tokens_count_by_source_and_cache_misses_by_reason():
     assert by[("tide:prompt_cache_misses_total", "stale")] == 64
     assert by[("tide:prompt_cache_misses_total", "declined")] == 64
     assert by[("tide:prompt_cache_misses_total", "unlisted")] == 64
+
+
+def test_the_nights_and_the_training_job():
+    m = IngressMetrics("deepseek")
+    m.tidal({"nights": 2, "migrated": 1, "last_drain_s": 3.5}, "raysubmit_1")
+    got = {s.name: s.value for s in _samples(m) if s.name in (
+        "tide:nights", "tide:nights_migrated", "tide:night_drain_seconds", "tide:training_job_active")}
+    assert got == {"tide:nights": 2, "tide:nights_migrated": 1, "tide:night_drain_seconds": 3.5,
+                   "tide:training_job_active": 1}
+    m.tidal({"nights": 2, "migrated": 1, "last_drain_s": 3.5}, None)
+    assert [s.value for s in _samples(m) if s.name == "tide:training_job_active"] == [0]
