@@ -18,6 +18,33 @@ def _emit(result: dict) -> None:
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
 
+PLOT = typer.Option(None, "--plot", help="also draw the figures into this file (.png/.svg/.pdf; needs matplotlib: "
+                                         "tideserve[plot])")
+
+
+def _check_plot(plot: Path | None) -> None:
+    from deploy.bench.plots import check_plot_path
+
+    if plot is not None:
+        try:
+            check_plot_path(plot)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+
+
+def _plotted(name: str, result: dict, plot: Path | None) -> dict:
+    """``result`` drawn into ``plot`` (``deploy.bench.plots``), which the JSON then names."""
+    if plot is None:
+        return result
+    from deploy.bench.plots import PLOTS
+
+    try:
+        PLOTS[name](result, plot)
+    except ImportError as e:
+        raise typer.BadParameter(str(e)) from None
+    return {**result, "plot": str(plot)}
+
+
 @bench_app.command("model")
 def bench_model(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the bench config, random weights"),
@@ -55,6 +82,7 @@ def bench_engine(
     steps: int = typer.Option(30, "--steps", min=5, help="timed decode steps per case (after 5 untimed)"),
     itl: bool = typer.Option(True, "--itl/--no-itl", help="also the inter-token latency of 16 decoding requests while a long prompt is prefilled, with sized and fixed chunks (bench config, a few minutes)"),
     itl_prompt_tokens: int = typer.Option(8000, "--itl-prompt-tokens", min=64, max=8000),
+    plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """The engine's host work per decode step (host_ms_per_step: median and p90) with a model
@@ -63,10 +91,11 @@ def bench_engine(
     inter-token latency of running requests while a long prompt is prefilled (itl)."""
     from deploy.bench.engine_bench import run_engine_bench, run_itl_bench
 
+    _check_plot(plot)
     out = run_engine_bench(_ints(batches, "--batches"), _ints(contexts, "--contexts"), steps)
     if itl:
         out["itl"] = run_itl_bench(prompt_tokens=itl_prompt_tokens)
-    _emit(out)
+    _emit(_plotted("engine", out, plot))
 
 
 @bench_app.command("eplb")
@@ -80,6 +109,7 @@ def bench_eplb(
     exponents: str = typer.Option("0.5,1.0,1.5", "--exponents", help="Zipf exponents, comma-separated"),
     window_drift: float = typer.Option(0.2, "--window-drift", min=0.0, help="log-std of each expert's load change from one window to the next (out-of-sample scores)"),
     rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1, help="rows per shard of the sampled batches"),
+    plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """EPLB policies (global, hierarchical, spill) on Zipf-skewed loads: imbalance before/after
@@ -101,8 +131,9 @@ def bench_eplb(
         raise typer.BadParameter(
             f"--experts {experts} must divide by --shards {shards} and --groups {groups} and be <= --slots {slots}"
         )
-    _emit(run_eplb_bench(exps, experts, groups, shards, nodes, slots, layers, window_drift=window_drift,
-                         rows_per_shard=rows_per_shard))
+    _check_plot(plot)
+    _emit(_plotted("eplb", run_eplb_bench(exps, experts, groups, shards, nodes, slots, layers,
+                                          window_drift=window_drift, rows_per_shard=rows_per_shard), plot))
 
 
 @bench_app.command("ep")
@@ -289,6 +320,7 @@ def bench_cluster(
                               help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Replay a trace against a simulated multi-node cluster: the shared cache directory with the
@@ -306,6 +338,7 @@ def bench_cluster(
     if bad or not chosen:
         raise typer.BadParameter(f"--modes {modes!r}: unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(MODES)}")
     check_checkpoint(checkpoint)
+    _check_plot(plot)
     try:
         from cachedir.trace import read_trace
 
@@ -319,7 +352,7 @@ def bench_cluster(
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
                                    max_tokens, checkpoint, chosen, progress=bar, repeats=repeats)
-    _emit(result)
+    _emit(_plotted("cluster", result, plot))
 
 
 @bench_app.command("serve")

@@ -157,9 +157,11 @@ def test_bench_cluster_json(tmp_path):
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(8)))
     r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
-              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1")
+              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1",
+              "--plot", str(tmp_path / "cluster.png"))
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
+    assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"  # hit rate and TTFT by mode
     assert out["scale_factor"] == 16 and out["requests"] == 8 and out["repeats"] == 1 and out["ray"]
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
@@ -172,6 +174,20 @@ def test_bench_cluster_json(tmp_path):
     assert out["prefix_affinity"]["runs"][0]["hit_rate_by_source"]["remote"] == 0  # no directory, no remote KV
     # requests 2..7 share a 64-token unit with an earlier one (at most 6 x 64 of 8 x 128 tokens)
     assert 0 < out["shared"]["runs"][0]["token_hit_rate"] <= 6 * 64 / (8 * 128) + 1e-3
+
+
+def test_cluster_plot_draws_every_mode_from_the_benchmarks_json(tmp_path):
+    from deploy.bench.cluster_bench import _medians
+    from deploy.bench.plots import plot_cluster
+
+    def run(hit, p50):
+        return {"token_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p99_ms": 2 * p50, "errors": 0,
+                "hit_rate_by_source": {"ram": hit, "local_ssd": 0.0, "remote": 0.0}}
+
+    out = {"requests": 8, "repeats": 2, "nodes": 2, "shared": _medians([run(0.5, 30.0), run(0.4, 20.0)]),
+           "round_robin": _medians([run(0.1, 90.0), run(0.2, 80.0)])}
+    plot_cluster(out, tmp_path / "c.pdf")
+    assert (tmp_path / "c.pdf").read_bytes()[:5] == b"%PDF-"
 
 
 def test_cluster_bench_verdicts_are_on_medians_over_runs():
@@ -324,10 +340,12 @@ def test_bench_structured_json():
         assert row["cold_total_ms"] > 0 and row["cached_us_per_step"] > 0
 
 
-def test_bench_engine_json():
-    r = tide("bench", "engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl")
+def test_bench_engine_json(tmp_path):
+    r = tide("bench", "engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl",
+             "--plot", str(tmp_path / "engine.svg"))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert (tmp_path / "engine.svg").read_text().lstrip().startswith("<?xml") and out["plot"].endswith("engine.svg")
     grid = out["host_ms_per_step"]
     assert set(grid) == {"batch_1", "batch_4"} and all(set(row) == {"ctx_64", "ctx_256"} for row in grid.values())
     assert all(c["steps"] == 5 and c["p90_ms"] >= c["median_ms"] for row in grid.values() for c in row.values())

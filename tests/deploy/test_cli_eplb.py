@@ -60,12 +60,15 @@ def test_plan_bad_load_file(tmp_path):
     assert r.returncode == 2 and "[layers][experts]" in r.stderr.replace("\n", " ").replace("│", "")
 
 
-def test_bench_eplb_json():
-    r = tide("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json")
+def test_bench_eplb_json(tmp_path):
+    r = tide("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json", "--plot", str(tmp_path / "eplb.png"))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = {row["policy"]: row for row in out["results"]}
     assert set(rows) == {"global", "hierarchical", "spill"}
+    assert out["plot"] == str(tmp_path / "eplb.png") and (tmp_path / "eplb.png").read_bytes()[:4] == b"\x89PNG"
+    bad = tide("bench", "eplb", "--layers", "2", "--plot", str(tmp_path / "eplb.jpg"))
+    assert bad.returncode == 2 and "eplb.jpg" in bad.stderr.replace("\n", "").replace("│", "")
     for row in rows.values():
         assert row["imbalance_after"] < row["imbalance_before"]
         assert {"spill_fraction", "runtime_ms", "moved_slots"} <= set(row)
