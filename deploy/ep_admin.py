@@ -41,3 +41,16 @@ def find_ep_control_info(timeout_s: float = 30.0) -> tuple[Any, dict] | None:
         if best is None or len(info["replicas"]) > len(best[1]["replicas"]):
             best = (control, info)
     return best
+
+
+def placement_imbalance(info: dict, load) -> float | None:
+    """Max over mean shard load of the control's placement (``info``) on the load its replicas
+    measured (``EPControl.load``: [layers, experts]); None before any load was measured."""
+    import torch
+
+    from cluster.eplb import Placement, imbalance
+
+    if info.get("version") is None or float(load.sum()) <= 0:
+        return None
+    phy2log = torch.tensor(info["phy2log"])
+    return round(imbalance(Placement.from_phy2log(phy2log, load.shape[1], info["num_shards"]), load), 4)

@@ -110,7 +110,8 @@ def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON"), 
     import ray
     import torch
 
-    from cluster.eplb import Placement, imbalance
+    from cluster.eplb import Placement
+    from deploy.ep_admin import placement_imbalance
 
     info, load = ray.get([control.info.remote(), control.load.remote()], timeout=60)
     if info["version"] is None:
@@ -118,8 +119,8 @@ def eplb_show(as_json: bool = typer.Option(False, "--json", help="print JSON"), 
     phy2log = torch.tensor(info["phy2log"])
     placement = Placement.from_phy2log(phy2log, load.shape[1], info["num_shards"])
     out = {"version": info["version"], "shards": info["num_shards"], "slots": phy2log.shape[1],
-           "copies_max": int(placement.logcnt.max()), "imbalance": round(imbalance(placement, load), 4)
-           if float(load.sum()) > 0 else None, "rebalances": info["rebalances"], "resizes": info["resizes"],
+           "copies_max": int(placement.logcnt.max()), "imbalance": placement_imbalance(info, load),
+           "rebalances": info["rebalances"], "resizes": info["resizes"],
            "replicas": info["replicas"], "phy2log": info["phy2log"]}
     if as_json:
         sys.stdout.write(json.dumps(out) + "\n")

@@ -21,6 +21,7 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:training_job_active`` | (none) | 1 while a night's training job runs on the lent nodes |
 | ``tide:ep_placement_version``, ``tide:ep_shards`` | (none) | expert parallelism: the placement served, over how many shards |
 | ``tide:ep_rebalances``, ``tide:ep_moved_slots`` | (none) | EPLB rebalances and expert slots whose weights moved, since the control started |
+| ``tide:ep_imbalance`` | (none) | max over mean shard load of the placement served, on the load the replicas measured |
 
 The per-replica series come from the replicas' heartbeats (``actors.tidal.TidalState``), one
 series per replica, so a multi-replica app reports each replica rather than whichever one a
@@ -101,6 +102,8 @@ class IngressMetrics:
         self.ep_rebalances = one(Gauge, "tide:ep_rebalances", "EPLB rebalances since the control started")
         self.ep_moved_slots = one(Gauge, "tide:ep_moved_slots",
                                   "expert slots whose weights moved in rebalances since the control started")
+        self.ep_imbalance = one(Gauge, "tide:ep_imbalance",
+                                "max over mean shard load of the placement served, on the load measured")
         self.gpus = one(Gauge, "tide:gpus", "NVIDIA GPUs a replica's node reports (0: absent)")
         self.gpu_memory_used = family(Gauge, "tide:gpu_memory_used_bytes", "GPU memory used", ["gpu"])
         self.gpu_memory_total = family(Gauge, "tide:gpu_memory_total_bytes", "GPU memory", ["gpu"])
@@ -148,10 +151,13 @@ class IngressMetrics:
         self.drain_s.set(nights["last_drain_s"])
         self.training.set(1 if job_id else 0)
 
-    def expert_placement(self, info: dict) -> None:
-        """``actors.ep_control.EPControl.info`` of the app's control."""
+    def expert_placement(self, info: dict, imbalance: float | None = None) -> None:
+        """``actors.ep_control.EPControl.info`` of the app's control, and its placement's
+        imbalance on the measured load (``deploy.ep_admin.placement_imbalance``)."""
         if info.get("version") is not None:
             self.ep_version.set(info["version"])
+        if imbalance is not None:
+            self.ep_imbalance.set(imbalance)
         self.ep_shards.set(info.get("num_shards", 0))
         self.ep_rebalances.set(info.get("rebalances", 0))
         self.ep_moved_slots.set(info.get("moved_slots", 0))

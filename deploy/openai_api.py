@@ -679,11 +679,13 @@ class OpenAIIngress:
             log.warning("replica reports unavailable for /metrics: %s", e)
         if self.expert_parallel:
             try:
-                from deploy.ep_admin import find_ep_control_info
+                from deploy.ep_admin import find_ep_control_info, placement_imbalance
 
                 found = await asyncio.to_thread(find_ep_control_info, 5.0)
                 if found is not None:
-                    self.metrics.expert_placement(found[1])
+                    control, info = found
+                    load = await control.load.remote()
+                    self.metrics.expert_placement(info, await asyncio.to_thread(placement_imbalance, info, load))
             except Exception as e:  # noqa: BLE001 - the control restarts: the other series still serve
                 log.warning("expert placement unavailable for /metrics: %s", e)
         try:  # the nodes' cache tiers and GPUs, through one replica

@@ -81,3 +81,19 @@ def test_the_nights_and_the_training_job():
                    "tide:training_job_active": 1}
     m.tidal({"nights": 2, "migrated": 1, "last_drain_s": 3.5}, None)
     assert [s.value for s in _samples(m) if s.name == "tide:training_job_active"] == [0]
+
+
+def test_the_expert_placement_and_its_imbalance_on_the_measured_load():
+    import torch
+
+    from deploy.ep_admin import placement_imbalance
+
+    info = {"version": 3, "num_shards": 2, "rebalances": 1, "moved_slots": 4, "phy2log": [[0, 1, 2, 3]]}
+    load = torch.tensor([[3.0, 1.0, 1.0, 1.0]])  # shard 0 holds experts 0 and 1: 4 of the 6
+    assert placement_imbalance(info, load) == round(4 / 3, 4)
+    assert placement_imbalance(info, torch.zeros(1, 4)) is None  # nothing measured yet
+    m = IngressMetrics("deepseek")
+    m.expert_placement(info, placement_imbalance(info, load))
+    got = {s.name: s.value for s in _samples(m) if s.name.startswith("tide:ep_")}
+    assert got == {"tide:ep_placement_version": 3, "tide:ep_shards": 2, "tide:ep_rebalances": 1,
+                   "tide:ep_moved_slots": 4, "tide:ep_imbalance": round(4 / 3, 4)}
