@@ -363,6 +363,7 @@ class Engine:
                 held, planned = min(len(plan.holders), units), min(plan.loadable, units)
                 src.stale = max(0, planned - n_cached_units) * UNIT_TOKENS
                 src.declined = max(0, held - max(planned, n_cached_units)) * UNIT_TOKENS
+                src.listed, src.planned = held * UNIT_TOKENS, planned * UNIT_TOKENS
         return True
 
     def _admit_prefilled(self, seq: Sequence) -> bool:

@@ -105,7 +105,9 @@ class TokenSources:
     directory listed a live holder) but the load did not deliver them (gone, damaged or late);
     ``declined`` — the directory listed holders but the plan did not load them (the router
     declined a load slower than computing); the rest of ``compute`` no live node was listed for
-    (never seen, evicted, or past the first unit missing)."""
+    (never seen, evicted, or past the first unit missing). ``listed`` and ``planned``: the
+    prompt tokens the fleet held by the directory's answer and those routing chose to load (a
+    request without a prefix plan: 0)."""
 
     compute: int = 0
     ram: int = 0  # this replica's pool (shared pages) or the node's RAM tier
@@ -113,6 +115,8 @@ class TokenSources:
     remote: int = 0
     stale: int = 0  # of compute
     declined: int = 0  # of compute
+    listed: int = 0
+    planned: int = 0
 
     @property
     def cached(self) -> int:

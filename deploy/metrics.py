@@ -8,6 +8,7 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:num_requests_waiting{deployment,replica,node}`` | ``vllm:num_requests_waiting`` | sequences queued for prefill |
 | ``tide:kv_cache_usage_perc{deployment,replica,node}`` | ``vllm:kv_cache_usage_perc`` | KV pages in use (0..1) |
 | ``tide:prompt_tokens_total{source}`` | ``vllm:prompt_tokens_total`` (the sum over sources) | prompt tokens by where their KV came from |
+| ``tide:prompt_cache_listed_tokens_total``, ``tide:prompt_cache_planned_tokens_total`` | (none) | prompt tokens the directory listed live holders for / routing chose to load (beside ``prompt_tokens_total``'s delivered sources) |
 | ``tide:prompt_cache_misses_total{reason}`` | (none) | computed tokens of whole units that could have been cached: ``stale`` (the plan loaded them, the load did not deliver), ``declined`` (the directory listed holders, the router did not load them), ``unlisted`` (no live node listed: never seen, evicted, or past the first missing unit) |
 | ``tide:generation_tokens_total`` | ``vllm:generation_tokens_total`` | generated tokens |
 | ``tide:request_success_total{status}`` | ``vllm:request_success_total`` | finished requests, ok or error |
@@ -37,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from cluster.engine import UNIT_TOKENS
 
-__all__ = ["IngressMetrics"]
+__all__ = ["IngressMetrics", "accounting"]
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -77,6 +78,9 @@ class IngressMetrics:
                                     ["source"])
         self.cache_misses = family(Counter, "tide:prompt_cache_misses",
                                    "computed prompt tokens of whole units, by why they were not loaded", ["reason"])
+        self.listed_tokens = one(Counter, "tide:prompt_cache_listed_tokens",
+                                 "prompt tokens the directory listed live holders for")
+        self.planned_tokens = one(Counter, "tide:prompt_cache_planned_tokens", "prompt tokens routing chose to load")
         self.generation_tokens = one(Counter, "tide:generation_tokens", "generated tokens")
         self.requests = family(Counter, "tide:request_success", "finished requests", ["status"])
         self.continued = one(Counter, "tide:requests_continued", "requests moved to another replica mid-stream")
@@ -111,14 +115,14 @@ class IngressMetrics:
         self.gpu_temperature = family(Gauge, "tide:gpu_temperature_celsius", "GPU temperature", ["gpu"])
 
     def count_prompt(self, prompt_tokens: int, sources) -> None:
-        """A finished request's prompt tokens by source (``cluster.request.TokenSources``) and
-        its cache misses by reason."""
+        """A finished request's prompt tokens by source (``cluster.request.TokenSources``), what
+        the directory listed and routing planned of them, and its cache misses by reason."""
         for source in ("compute", "ram", "ssd", "remote"):
             self.prompt_tokens(source).inc(getattr(sources, source))
-        cacheable = (prompt_tokens - 1) // UNIT_TOKENS * UNIT_TOKENS  # the last token is always computed
-        missed = max(0, cacheable - sources.cached)
-        unlisted = max(0, missed - sources.stale - sources.declined)
-        for reason, n in (("stale", sources.stale), ("declined", sources.declined), ("unlisted", unlisted)):
+        acc = accounting(prompt_tokens, sources)
+        self.listed_tokens.inc(acc["listed_tokens"])
+        self.planned_tokens.inc(acc["planned_tokens"])
+        for reason, n in acc["missed_tokens"].items():
             self.cache_misses(reason).inc(n)
 
     def replicas(self, reports: dict[str, dict]) -> None:
@@ -164,6 +168,19 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def accounting(prompt_tokens: int, sources) -> dict:
+    """One prompt's cache accounting (``usage.prompt_cache_accounting``): of the tokens of its
+    whole units before the last token (``cacheable_tokens``), those the directory listed live
+    holders for, those routing chose to load, those the engine delivered from a cache, and the
+    rest by why they were computed (see ``cluster.request.TokenSources``)."""
+    cacheable = max(0, (prompt_tokens - 1) // UNIT_TOKENS * UNIT_TOKENS)  # the last token is always computed
+    missed = max(0, cacheable - sources.cached)
+    return {"cacheable_tokens": cacheable, "listed_tokens": sources.listed, "planned_tokens": sources.planned,
+            "delivered_tokens": sources.cached,
+            "missed_tokens": {"stale": sources.stale, "declined": sources.declined,
+                              "unlisted": max(0, missed - sources.stale - sources.declined)}}
 
 
 def _deployment(actor_name: str) -> str:

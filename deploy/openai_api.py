@@ -47,7 +47,7 @@ from cluster.request import (
     RequestOutput,
 )
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
-from deploy.metrics import IngressMetrics
+from deploy.metrics import IngressMetrics, accounting
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -293,6 +293,9 @@ class OpenAIIngress:
             "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_cache_hit_tokens": hit, "prompt_cache_miss_tokens": prompt - hit,
             "prompt_cache_hit_sources": {"ram": sources.ram, "ssd": sources.ssd, "remote": sources.remote},
+            # the cache's accounting of this prompt: what the fleet held (the directory's answer),
+            # what routing chose to load, and why the computed tokens of whole units were computed
+            "prompt_cache_accounting": accounting(prompt, sources),
             "prompt_tokens_details": {"cached_tokens": hit},
         }
         if reasoning is not None:

@@ -514,6 +514,7 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
         src = outs[-1].sources
         assert outs[-1].cached_tokens == cached and src.compute == len(prompt) - cached
         assert (src.declined, src.stale) == (declined, stale), (load_units, src)
+        assert (src.listed, src.planned) == (3 * 64, 64 * (3 if load_units is None else load_units))
         assert hashed == [0]  # only the output's units (none whole here), never the prompt again
         eng.check_integrity()
         eng.cache.close()

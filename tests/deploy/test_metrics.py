@@ -62,7 +62,7 @@ def test_prompt_tokens_count_by_source_and_cache_misses_by_reason():
     from cluster.request import TokenSources
 
     m = IngressMetrics("deepseek")
-    m.count_prompt(300, TokenSources(compute=236, ssd=64, stale=64, declined=64))
+    m.count_prompt(300, TokenSources(compute=236, ssd=64, stale=64, declined=64, listed=192, planned=128))
     m.count_prompt(64, TokenSources(compute=64))  # no whole unit before the last token: nothing to miss
     by = {(s.name, s.labels.get("source") or s.labels.get("reason")): s.value for s in _samples(m)
           if s.name in ("tide:prompt_tokens_total", "tide:prompt_cache_misses_total")}
@@ -70,6 +70,13 @@ def test_prompt_tokens_count_by_source_and_cache_misses_by_reason():
     assert by[("tide:prompt_cache_misses_total", "stale")] == 64
     assert by[("tide:prompt_cache_misses_total", "declined")] == 64
     assert by[("tide:prompt_cache_misses_total", "unlisted")] == 64
+    totals = {s.name: s.value for s in _samples(m) if s.name.startswith("tide:prompt_cache_") and s.name.endswith("tokens_total")}
+    assert totals == {"tide:prompt_cache_listed_tokens_total": 192, "tide:prompt_cache_planned_tokens_total": 128}
+    from deploy.metrics import accounting
+
+    assert accounting(300, TokenSources(compute=236, ssd=64, stale=64, declined=64, listed=192, planned=128)) == {
+        "cacheable_tokens": 256, "listed_tokens": 192, "planned_tokens": 128, "delivered_tokens": 64,
+        "missed_tokens": {"stale": 64, "declined": 64, "unlisted": 64}}
 
 
 def test_the_nights_and_the_training_job():

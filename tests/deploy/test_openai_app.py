@@ -77,6 +77,11 @@ def test_repeated_long_prompt_hits_the_cache_with_identical_output(client):
     # where the hit came from: the replica's pool or the node's RAM, its SSD, another node
     assert a.usage.model_extra["prompt_cache_hit_sources"] == {"ram": 0, "ssd": 0, "remote": 0}
     assert sum(b.usage.model_extra["prompt_cache_hit_sources"].values()) == b.usage.model_extra["prompt_cache_hit_tokens"]
+    # the cache's accounting: nothing delivered the first time, every whole unit computed for a reason
+    first, again = (r.usage.model_extra["prompt_cache_accounting"] for r in (a, b))
+    assert first["cacheable_tokens"] >= 256 and first["delivered_tokens"] == 0
+    assert sum(first["missed_tokens"].values()) == first["cacheable_tokens"]
+    assert again["delivered_tokens"] == b.usage.model_extra["prompt_cache_hit_tokens"]
 
 
 def test_streaming_with_usage(client):
