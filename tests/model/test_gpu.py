@@ -84,3 +84,25 @@ def test_warmup_leaves_no_state_behind(tmp_path):
     before = generate(model, [1, 2, 3, 4], 8, eos_id=None)
     model.warmup(prefill_tokens=40, decode_batch=3)
     assert generate(model, [1, 2, 3, 4], 8, eos_id=None) == before
+
+
+@pytest.mark.gpu
+def test_an_fp8_checkpoint_keeps_its_weights_in_fp8_on_cuda_within_fp8s_error(tmp_path):
+    """On CUDA an fp8 checkpoint's projections and experts stay e4m3 (``fp8_weights="auto"``)
+    and run the block-scaled fp8 GEMMs on the tensor cores; the logits stay within fp8's error
+    of the same checkpoint dequantized to bfloat16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from model.quant import Fp8Weight
+    from tests.model.test_fp8 import make_fp8_checkpoint
+
+    src, out = tmp_path / "src", tmp_path / "fp8"
+    make_hf_checkpoint("v3_grouped_yarn", src)
+    make_fp8_checkpoint(src, out, (16, 32))
+    kept = load_model(out, "bfloat16", device="cuda")
+    dense = load_model(out, "bfloat16", device="cuda", fp8_weights="dequantize")
+    assert isinstance(kept.layers[0].attn.w.o, Fp8Weight) and kept.layers[0].attn.w.o.q.is_cuda
+    ids = torch.randint(0, kept.cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    a = kept.prefill(ids, kept.new_pool(8, 16), torch.arange(8), all_logits=True).float()
+    b = dense.prefill(ids, dense.new_pool(8, 16), torch.arange(8), all_logits=True).float()
+    assert (a - b).norm() <= 0.3 * b.norm(), float((a - b).norm() / b.norm())
