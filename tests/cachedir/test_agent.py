@@ -271,7 +271,10 @@ def test_dead_agent_and_dead_directory_degrade_to_misses(pair, monkeypatch):
 
 
 def test_heartbeat_ttl_hides_a_stopped_agents_units(tmp_path):
-    d = MemoryDirectory("ttl")
+    from tests.cachedir.conftest import FakeClock
+
+    clock = FakeClock()
+    d = MemoryDirectory("ttl", now_s=clock)
     a = _agent(tmp_path, "a", d)
     b = _agent(tmp_path, "b", d)
     units = make_units(TOKENS)
@@ -279,7 +282,8 @@ def test_heartbeat_ttl_hides_a_stopped_agents_units(tmp_path):
     cache = _cluster_cache(b, d)
     assert cache.lookup([u.key for u in units]) == ["remote"] * 4
     a.close()  # no more heartbeats
-    time.sleep(2.2)  # the TTL
+    clock.advance(60)  # past the TTL
+    b.sync_once()  # b heartbeats at the new time; a does not
     cache._live = (-1e18, {})
     assert cache.lookup([u.key for u in units]) == []
     cache.close()
