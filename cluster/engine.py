@@ -364,6 +364,8 @@ class Engine:
                 src.stale = max(0, planned - n_cached_units) * UNIT_TOKENS
                 src.declined = max(0, held - max(planned, n_cached_units)) * UNIT_TOKENS
                 src.listed, src.planned = held * UNIT_TOKENS, planned * UNIT_TOKENS
+                if plan.dropped_next:  # the units past those listed: evicted, not never seen
+                    src.evicted = max(0, units - max(held, n_cached_units)) * UNIT_TOKENS
         return True
 
     def _admit_prefilled(self, seq: Sequence) -> bool:

@@ -41,6 +41,7 @@ class PrefixPlan:
     unit_keys: tuple[bytes, ...]
     holders: tuple[tuple[str, ...], ...] = ()  # node ids per leading unit found, in order
     load_units: int | None = None
+    dropped_next: bool = False  # the unit after those found was dropped by its holders (directory)
 
     def __post_init__(self) -> None:
         if len(self.holders) > len(self.unit_keys):
@@ -105,7 +106,8 @@ class TokenSources:
     directory listed a live holder) but the load did not deliver them (gone, damaged or late);
     ``declined`` — the directory listed holders but the plan did not load them (the router
     declined a load slower than computing); the rest of ``compute`` no live node was listed for
-    (never seen, evicted, or past the first unit missing). ``listed`` and ``planned``: the
+    (``evicted``: the first of them was dropped by the nodes that held it, by the directory's
+    memory, so they count as evicted; else never seen). ``listed`` and ``planned``: the
     prompt tokens the fleet held by the directory's answer and those routing chose to load (a
     request without a prefix plan: 0)."""
 
@@ -115,6 +117,7 @@ class TokenSources:
     remote: int = 0
     stale: int = 0  # of compute
     declined: int = 0  # of compute
+    evicted: int = 0  # of compute
     listed: int = 0
     planned: int = 0
 

@@ -9,7 +9,7 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:kv_cache_usage_perc{deployment,replica,node}`` | ``vllm:kv_cache_usage_perc`` | KV pages in use (0..1) |
 | ``tide:prompt_tokens_total{source}`` | ``vllm:prompt_tokens_total`` (the sum over sources) | prompt tokens by where their KV came from |
 | ``tide:prompt_cache_listed_tokens_total``, ``tide:prompt_cache_planned_tokens_total`` | (none) | prompt tokens the directory listed live holders for / routing chose to load (beside ``prompt_tokens_total``'s delivered sources) |
-| ``tide:prompt_cache_misses_total{reason}`` | (none) | computed tokens of whole units that could have been cached: ``stale`` (the plan loaded them, the load did not deliver), ``declined`` (the directory listed holders, the router did not load them), ``unlisted`` (no live node listed: never seen, evicted, or past the first missing unit) |
+| ``tide:prompt_cache_misses_total{reason}`` | (none) | computed tokens of whole units that could have been cached: ``stale`` (the plan loaded them, the load did not deliver), ``declined`` (the directory listed holders, the router did not load them), ``evicted`` (no live node listed; the first of them its holders dropped), ``unseen`` (no live node listed, never registered or long ago) |
 | ``tide:generation_tokens_total`` | ``vllm:generation_tokens_total`` | generated tokens |
 | ``tide:request_success_total{status}`` | ``vllm:request_success_total`` | finished requests, ok or error |
 | ``tide:time_to_first_token_seconds`` | ``vllm:time_to_first_token_seconds`` | histogram, at the ingress |
@@ -179,8 +179,8 @@ def accounting(prompt_tokens: int, sources) -> dict:
     missed = max(0, cacheable - sources.cached)
     return {"cacheable_tokens": cacheable, "listed_tokens": sources.listed, "planned_tokens": sources.planned,
             "delivered_tokens": sources.cached,
-            "missed_tokens": {"stale": sources.stale, "declined": sources.declined,
-                              "unlisted": max(0, missed - sources.stale - sources.declined)}}
+            "missed_tokens": {"stale": sources.stale, "declined": sources.declined, "evicted": sources.evicted,
+                              "unseen": max(0, missed - sources.stale - sources.declined - sources.evicted)}}
 
 
 def _deployment(actor_name: str) -> str:

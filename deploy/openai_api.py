@@ -222,13 +222,15 @@ class OpenAIIngress:
         keys = tuple(chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS))
         usable = (len(req.prompt_ids) - 1) // UNIT_TOKENS
         holders: tuple[tuple[str, ...], ...] = ()
+        dropped = False
         if usable:
             try:
                 match = await asyncio.to_thread(self.directory.longest_prefix, keys[:usable])
                 holders = tuple(tuple(h.node_id for h in hs) for hs in match.holders)
+                dropped = match.dropped_next
             except DirectoryUnavailable:
                 pass
-        return PrefixPlan(keys, holders)
+        return PrefixPlan(keys, holders, dropped_next=dropped)
 
     # -- helpers -------------------------------------------------------------------------
     def _grant(self, request: Request) -> KeyGrant:

@@ -19,6 +19,11 @@ Contract shared by every backend (``tests/cachedir/test_directory_contract.py`` 
   a request path treat that as "no hit".
 * ``epoch`` identifies the store's lifetime: it changes when the store restarts empty, telling
   nodes to re-register their units.
+* A unit that every node holding it unregistered (evicted it, or dropped it otherwise) is
+  remembered as dropped for ``GONE_TTL_S``, until a node registers it again; a lookup says
+  whether the unit right after the run it found is such a unit (``PrefixMatch.dropped_next``:
+  the cache's accounting tells an evicted prefix from one never seen). Units of dead nodes that
+  ``collect_dead`` removes are not.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Directory", "DirectoryUnavailable", "Holder", "HotUnit", "PrefixMatch", "FANOUT", "TIERS", "bisect_runs"]
+__all__ = ["Directory", "DirectoryUnavailable", "Holder", "HotUnit", "PrefixMatch", "FANOUT", "GONE_TTL_S", "TIERS",
+           "bisect_runs"]
 
 TIERS = ("ram", "ssd")
+GONE_TTL_S = 86400.0  # how long a unit every holder dropped is remembered as dropped
 
 
 class DirectoryUnavailable(RuntimeError):
@@ -46,6 +53,7 @@ class Holder:
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     holders: list[list[Holder]]  # one list per matched unit, in order
+    dropped_next: bool = False  # the unit after the match was held once and dropped by its holders
 
     @property
     def num_units(self) -> int:

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from cachedir.directory.base import (
+    GONE_TTL_S,
     MAX_HOT,
     Directory,
     Holder,
@@ -35,6 +36,7 @@ class MemoryDirectory(Directory):
         self._by_node: dict[str, set[bytes]] = {}
         self._alive: dict[str, tuple[str, float]] = {}  # node -> (address, expires)
         self._hot: dict[bytes, float] = {}  # key -> log2 of time-scaled hit mass
+        self._gone: dict[bytes, float] = {}  # key every holder dropped -> until when it is remembered
         self._epoch = uuid.uuid4().hex
 
     def _is_live(self, node_id: str) -> bool:
@@ -47,18 +49,27 @@ class MemoryDirectory(Directory):
             mine = self._by_node.setdefault(node_id, set())
             for k in keys:
                 self._holders.setdefault(k, {})[node_id] = tier
+                self._gone.pop(k, None)
                 mine.add(k)
 
     def unregister(self, node_id: str, keys: Sequence[bytes]) -> None:
+        self._drop(node_id, keys, remember=True)
+
+    def _drop(self, node_id: str, keys: Sequence[bytes], remember: bool) -> None:
         with self._lock:
             mine = self._by_node.get(node_id, set())
+            now = self._now()
             for k in keys:
                 holders = self._holders.get(k)
                 if holders is not None:
                     holders.pop(node_id, None)
                     if not holders:
                         del self._holders[k]
+                        if remember:
+                            self._gone[k] = now + GONE_TTL_S
                 mine.discard(k)
+            if remember and len(self._gone) > 2 * len(self._holders) + 1024:  # forget the expired ones
+                self._gone = {k: t for k, t in self._gone.items() if t > now}
 
     def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         def probe(indices: list[int]) -> list[str]:
@@ -67,11 +78,13 @@ class MemoryDirectory(Directory):
 
         with self._lock:
             runs = bisect_runs(len(keys), probe)
-        out: list[list[Holder]] = []
-        for count, holders in runs:
-            same = [Holder(*item.split("=", 1)) for item in holders.split(",")]
-            out.extend([same] * count)
-        return PrefixMatch(out)
+            out: list[list[Holder]] = []
+            for count, holders in runs:
+                same = [Holder(*item.split("=", 1)) for item in holders.split(",")]
+                out.extend([same] * count)
+            dropped = len(out) < len(keys) and self._gone.get(keys[len(out)], 0.0) > self._now() \
+                and not any(self._is_live(n) for n in self._holders.get(keys[len(out)], {}))
+        return PrefixMatch(out, dropped)
 
     def heartbeat(self, node_id: str, address: str, ttl_s: float) -> bool:
         if ttl_s <= 0:
@@ -94,7 +107,7 @@ class MemoryDirectory(Directory):
         with self._lock:
             dead = [n for n in self._by_node if not self._is_live(n)]
         for n in dead:
-            self.unregister(n, list(self.node_keys(n)))
+            self._drop(n, list(self.node_keys(n)), remember=False)
             with self._lock:
                 self._by_node.pop(n, None)
                 self._alive.pop(n, None)

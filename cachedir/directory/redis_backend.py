@@ -13,7 +13,9 @@ key                               type    content
 ``tide:{ns}:expiry``              hash    node id -> when its heartbeat ends (ms, that server's clock)
 ``tide:{ns}:addr``                hash    node id -> its cache agent's address
 ``tide:{ns}:reaping``             set     dead nodes whose units ``collect_dead`` is removing
-``tide:ns:u:{unit hex}``          hash    node id -> tier (``ram``/``ssd``) of every holder
+``tide:ns:u:{unit hex}``          hash    node id -> tier (``ram``/``ssd``) of every holder; ``~gone`` ->
+                                          when its last holder dropped it (the key then expires
+                                          after ``GONE_TTL_S``; a registration keeps it again)
 ``tide:ns:n:{node id}:{s}``       set     the node's unit hex keys in shard s (cleanup, re-registration)
 ``tide:ns:hot:{s}``               zset    unit hex -> log2 of the time-scaled hit mass, shard s
                                           (the hottest ``max_hot / HOT_SHARDS`` of each shard)
@@ -40,6 +42,7 @@ from collections.abc import Iterable, Sequence
 import redis
 
 from cachedir.directory.base import (
+    GONE_TTL_S,
     MAX_HOT,
     Directory,
     DirectoryUnavailable,
@@ -84,6 +87,19 @@ for i = 1, #flat, 2 do
 end
 return redis.call('SMEMBERS', KEYS[3])
 """
+
+# A node drops a unit; when no node is left on it the unit is remembered as dropped (``~gone``)
+# and the key expires after ARGV[2] ms (``longest_prefix`` reports it as ``dropped_next``).
+_DROP = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('HLEN', KEYS[1]) - redis.call('HEXISTS', KEYS[1], '~gone') == 0 then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], '~gone', t[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+GONE = b"~gone"
 
 _RECORD_HITS = """
 local mass = tonumber(ARGV[1])
@@ -152,6 +168,7 @@ class RedisDirectory(Directory):
         self._beat = self._links.script(_HEARTBEAT)
         self._reap = self._links.script(_REAP)
         self._hits = self._links.script(_RECORD_HITS)
+        self._drop = self._links.script(_DROP)
 
     # -- keys --------------------------------------------------------------------------------
     def _unit(self, hexkey: str) -> str:
@@ -187,7 +204,9 @@ class RedisDirectory(Directory):
             return
         commands: list[tuple] = [(self._expiry, "HSETNX", self._expiry, node_id, 0),  # reaped if it never beats
                                  (self._epoch_key, "SET", self._epoch_key, uuid.uuid4().hex, "NX")]
-        commands += [(self._unit(k.hex()), "HSET", self._unit(k.hex()), node_id, tier) for k in keys]
+        for k in keys:  # held: a unit remembered as dropped is kept again
+            unit = self._unit(k.hex())
+            commands += [(unit, "HSET", unit, node_id, tier), (unit, "HDEL", unit, GONE), (unit, "PERSIST", unit)]
         for shard, hexes in self._by_node_shard(keys).items():
             commands.append((self._node_set(node_id, shard), "SADD", self._node_set(node_id, shard), *hexes))
         self._send(commands)
@@ -195,13 +214,16 @@ class RedisDirectory(Directory):
     def unregister(self, node_id: str, keys: Sequence[bytes]) -> None:
         if not keys:
             return
-        commands: list[tuple] = [(self._unit(k.hex()), "HDEL", self._unit(k.hex()), node_id) for k in keys]
+        ttl_ms = int(GONE_TTL_S * 1000)
+        commands: list[tuple] = [(unit, "EVALSHA", self._drop, 1, unit, node_id, ttl_ms)
+                                 for unit in (self._unit(k.hex()) for k in keys)]
         for shard, hexes in self._by_node_shard(keys).items():
             commands.append((self._node_set(node_id, shard), "SREM", self._node_set(node_id, shard), *hexes))
         self._send(commands)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> PrefixMatch:
         live: set[bytes] | None = None
+        dropped: set[int] = set()  # read units no live node holds that their last holder dropped
 
         def probe(indices: list[int]) -> list[str]:
             nonlocal live
@@ -212,14 +234,19 @@ class RedisDirectory(Directory):
             if live is None:
                 now_ms = _now_ms(replies[-1])
                 live = {node for node, until in _pairs(replies[-2]) if int(until) > now_ms}
-            return [",".join(sorted(n.decode() + "=" + t.decode() for n, t in _pairs(h) if n in live))
-                    for h in replies[: len(indices)]]
+            out = []
+            for i, h in zip(indices, replies[: len(indices)], strict=True):
+                fields = dict(_pairs(h))
+                out.append(",".join(sorted(n.decode() + "=" + t.decode() for n, t in fields.items() if n in live)))
+                if not out[-1] and GONE in fields:
+                    dropped.add(i)
+            return out
 
         holders: list[list[Holder]] = []
         for count, held in bisect_runs(len(keys), probe):
             same = [Holder(*item.split("=", 1)) for item in held.split(",")]
             holders.extend([same] * count)  # the runs share one (read-only) list
-        return PrefixMatch(holders)
+        return PrefixMatch(holders, len(holders) in dropped)
 
     def heartbeat(self, node_id: str, address: str, ttl_s: float) -> bool:
         if ttl_s <= 0:

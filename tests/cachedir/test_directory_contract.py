@@ -61,6 +61,36 @@ def test_register_is_idempotent_and_unregister_removes(make_dir):
         d.register("a", [K(3)], "disk")
 
 
+def test_a_unit_every_holder_dropped_is_told_from_one_never_seen(make_dir):
+    """The cache's accounting: the unit after a lookup's run was dropped by the nodes that held
+    it (evicted), or never registered; registering it again forgets the drop, and a dead node's
+    units collected are not drops."""
+    d = make_dir()
+    d.heartbeat("a", "x", ttl_s=30)
+    d.heartbeat("b", "y", ttl_s=30)
+    d.register("a", [K(1), K(2), K(3)])
+    d.register("b", [K(2)])
+    assert d.longest_prefix([K(1), K(2), K(3)]).dropped_next is False  # all held
+    d.unregister("a", [K(2), K(3)])
+    m = d.longest_prefix([K(1), K(2), K(3)])
+    assert m.num_units == 2 and m.dropped_next is True  # b still holds unit 2; unit 3's only holder dropped it
+    d.unregister("b", [K(2)])
+    m = d.longest_prefix([K(1), K(2), K(3)])
+    assert m.num_units == 1 and m.dropped_next is True  # unit 2: its last holder dropped it
+    assert d.longest_prefix([K(1), K(7)]).dropped_next is False  # never registered
+    d.register("b", [K(2)])
+    d.unregister("a", [K(3)])  # a no longer holds 3: still dropped
+    m = d.longest_prefix([K(1), K(2), K(3)])
+    assert m.num_units == 2 and m.dropped_next is True
+    d.register("a", [K(3)])
+    assert d.longest_prefix([K(1), K(2), K(3)]).num_units == 3
+    d.heartbeat("dying", "z", ttl_s=0.2)
+    d.register("dying", [K(8)])
+    time.sleep(0.35)
+    assert "dying" in d.collect_dead()
+    assert d.longest_prefix([K(8)]).dropped_next is False  # a dead node's units are not drops
+
+
 def test_units_of_a_dead_node_are_ignored_at_once_and_collected_lazily(make_dir):
     d = make_dir()
     d.heartbeat("a", "x", ttl_s=30)

@@ -518,12 +518,16 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
         assert hashed == [0]  # only the output's units (none whole here), never the prompt again
         eng.check_integrity()
         eng.cache.close()
-    # the directory listed only the first unit: the other two were computed, unlisted
-    eng = _engine(model, _cache(tmp_path, ram=0))
-    eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=PrefixPlan(keys, holders=(("node",),))))
-    src = eng.run_to_completion()["r"][-1].sources
-    assert (src.ssd, src.declined, src.stale) == (64, 0, 0) and src.compute == len(prompt) - 64
-    eng.cache.close()
+    # the directory listed only the first unit: the other two were computed, never seen or (the
+    # directory remembers the second as dropped by its holders) evicted
+    for dropped, evicted in ((False, 0), (True, 2 * 64)):
+        eng = _engine(model, _cache(tmp_path, ram=0))
+        plan = PrefixPlan(keys, holders=(("node",),), dropped_next=dropped)
+        eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=plan))
+        src = eng.run_to_completion()["r"][-1].sources
+        assert (src.ssd, src.declined, src.stale, src.evicted) == (64, 0, 0, evicted)
+        assert src.compute == len(prompt) - 64
+        eng.cache.close()
 
 
 def test_json_mode_after_a_thought_constrains_only_the_answer(model):

@@ -58,25 +58,29 @@ def test_nodes_by_role_count_every_alive_node_once():
 def test_prompt_tokens_count_by_source_and_cache_misses_by_reason():
     """A 300-token prompt has 4 whole units before its last token: one came from the SSD, one
     was computed though the plan loaded it (stale), one because the router declined the load;
-    the last one no live node was listed for."""
+    the last one no live node was listed for (never seen). Then one where the engine counted three
+    units as evicted (the directory remembered the first unlisted one as dropped) and the fourth
+    as never seen."""
     from cluster.request import TokenSources
 
     m = IngressMetrics("deepseek")
     m.count_prompt(300, TokenSources(compute=236, ssd=64, stale=64, declined=64, listed=192, planned=128))
+    m.count_prompt(300, TokenSources(compute=300, evicted=192))  # no live holder; the first unit was dropped
     m.count_prompt(64, TokenSources(compute=64))  # no whole unit before the last token: nothing to miss
     by = {(s.name, s.labels.get("source") or s.labels.get("reason")): s.value for s in _samples(m)
           if s.name in ("tide:prompt_tokens_total", "tide:prompt_cache_misses_total")}
-    assert by[("tide:prompt_tokens_total", "compute")] == 300 and by[("tide:prompt_tokens_total", "ssd")] == 64
+    assert by[("tide:prompt_tokens_total", "compute")] == 236 + 64 + 300 and by[("tide:prompt_tokens_total", "ssd")] == 64
     assert by[("tide:prompt_cache_misses_total", "stale")] == 64
     assert by[("tide:prompt_cache_misses_total", "declined")] == 64
-    assert by[("tide:prompt_cache_misses_total", "unlisted")] == 64
+    assert by[("tide:prompt_cache_misses_total", "evicted")] == 192
+    assert by[("tide:prompt_cache_misses_total", "unseen")] == 64 + 64
     totals = {s.name: s.value for s in _samples(m) if s.name.startswith("tide:prompt_cache_") and s.name.endswith("tokens_total")}
     assert totals == {"tide:prompt_cache_listed_tokens_total": 192, "tide:prompt_cache_planned_tokens_total": 128}
     from deploy.metrics import accounting
 
     assert accounting(300, TokenSources(compute=236, ssd=64, stale=64, declined=64, listed=192, planned=128)) == {
         "cacheable_tokens": 256, "listed_tokens": 192, "planned_tokens": 128, "delivered_tokens": 64,
-        "missed_tokens": {"stale": 64, "declined": 64, "unlisted": 64}}
+        "missed_tokens": {"stale": 64, "declined": 64, "evicted": 0, "unseen": 64}}
 
 
 def test_the_nights_and_the_training_job():
