@@ -9,7 +9,8 @@ engine: host milliseconds per decode step against context, a line per batch size
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,21 @@ def _pyplot():
     return plt
 
 
+@contextlib.contextmanager
+def _figure(path: Path, title: str, *grid: int, **options) -> Iterator:
+    """The axes of a new figure (``plt.subplots(*grid, **options)``), titled and saved into
+    ``path`` when the block ends without an error; closed either way."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(*grid, **options)
+    try:
+        yield axes
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
 def _spread(figure: dict) -> tuple[float, float, float]:
     """(median, below, above) of a ``{"median", "range": [lo, hi]}`` figure (error bar lengths)."""
     median = figure.get("median") or 0.0
@@ -43,10 +59,10 @@ def _spread(figure: dict) -> tuple[float, float, float]:
 
 
 def plot_cluster(out: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
     modes = [m for m, v in out.items() if isinstance(v, dict) and "token_hit_rate" in v]
-    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
-    try:
+    title = (f"tide bench cluster: {out.get('requests')} requests x {out.get('repeats')} runs, "
+             f"{out.get('nodes', '?')} nodes (median, range)")
+    with _figure(path, title, 1, 2, figsize=(11, 4.5)) as (hit_ax, ttft_ax):
         for ax, key, label, scale in ((hit_ax, "token_hit_rate", "token hit rate (%)", 100.0),
                                       (ttft_ax, "ttft_p50_ms", "TTFT p50 (ms)", 1.0)):
             figures = [_spread(out[m][key]) for m in modes]
@@ -54,21 +70,15 @@ def plot_cluster(out: dict[str, Any], path: Path) -> None:
                    yerr=[[f[1] * scale for f in figures], [f[2] * scale for f in figures]], capsize=4)
             ax.set_ylabel(label)
             ax.tick_params(axis="x", labelrotation=15)
-        fig.suptitle(f"tide bench cluster: {out.get('requests')} requests x {out.get('repeats')} runs, "
-                     f"{out.get('nodes', '?')} nodes (median, range)")
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
 
 
 def plot_eplb(out: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
     results = out["results"]
     exponents = sorted({r["exponent"] for r in results})
     policies = list(dict.fromkeys(r["policy"] for r in results))
-    fig, axes = plt.subplots(1, len(exponents), figsize=(4.5 * len(exponents), 4.5), sharey=True, squeeze=False)
-    try:
+    title = f"tide bench eplb: {out['experts']} experts, {out['shards']} shards, {out['slots']} slots"
+    with _figure(path, title, 1, len(exponents), figsize=(4.5 * len(exponents), 4.5), sharey=True,
+                 squeeze=False) as axes:
         for ax, s in zip(axes[0], exponents, strict=True):
             rows = {r["policy"]: r for r in results if r["exponent"] == s}
             xs = range(len(policies))
@@ -83,17 +93,10 @@ def plot_eplb(out: dict[str, Any], path: Path) -> None:
             ax.set_title(f"Zipf exponent {s:g}")
         axes[0][0].set_ylabel("max / mean load per shard (out of sample)")
         axes[0][0].legend(fontsize="small")
-        fig.suptitle(f"tide bench eplb: {out['experts']} experts, {out['shards']} shards, {out['slots']} slots")
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
 
 
 def plot_engine(out: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    try:
+    with _figure(path, "tide bench engine: the step's host work", figsize=(7, 4.5)) as ax:
         for batch, row in out["host_ms_per_step"].items():
             contexts = sorted(row, key=lambda c: int(c.removeprefix("ctx_")))
             ax.plot([int(c.removeprefix("ctx_")) for c in contexts], [row[c]["median_ms"] for c in contexts],
@@ -102,11 +105,6 @@ def plot_engine(out: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("context (tokens per sequence)")
         ax.set_ylabel("host ms per decode step (median)")
         ax.legend(fontsize="small")
-        fig.suptitle("tide bench engine: the step's host work")
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
 
 
 PLOTS: dict[str, Callable[[dict[str, Any], Path], None]] = {
