@@ -68,6 +68,7 @@ def quantize_rows_fp8(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, 
     """x [T, K] -> (e4m3 [T, K], float32 scales [T, ceil(K/block)]): each row's ``block``-column
     runs scaled so that their absolute max is e4m3's largest value."""
     t, k = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()  # the kernel reads a row's columns as one run
     q = torch.empty(t, k, device=x.device, dtype=FP8_DTYPE)
     s = torch.empty(t, triton.cdiv(k, block), device=x.device, dtype=torch.float32)
     if t:

@@ -45,6 +45,13 @@ def test_rows_quantize_like_the_reference_and_round_to_nearest(t, k):
     assert ((back - x).abs() <= x.abs() * E4M3_STEP / 2 + s.repeat_interleave(128, 1)[:, :k] * 2**-9).all()
 
 
+def test_rows_with_strided_columns_quantize_like_contiguous_ones():
+    x = torch.randn(200, 6, generator=_gen(9)).to(DEVICE).T  # [6, 200], column stride 6
+    q, s = quantize_rows_fp8(x)
+    rq, rs = ref_quantize_rows_fp8(x.contiguous())
+    assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
+
+
 def test_block_quantization_round_trips_within_e4m3s_step_and_keeps_zero_blocks():
     w = torch.randn(300, 260, generator=_gen(1)) * 0.02
     w[128:256, :128] = 0  # an all-zero block
