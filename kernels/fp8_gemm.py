@@ -54,10 +54,10 @@ def _quantize_rows(x, q, s, K, stride_x, stride_q, stride_s, SK: tl.constexpr):
     cols = kb * SK + tl.arange(0, SK)
     ok = cols < K
     v = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), 448.0)
     # round to e4m3's 3 mantissa bits (nearest, ties to even) on the float32 bits; the conversion
     # then meets only values it holds (Triton's interpreter rounds 124.3 to 64, not 128)
-    bits = (v / scale).to(tl.int32, bitcast=True)
+    bits = tl.math.div_rn(v, scale).to(tl.int32, bitcast=True)  # IEEE division, as torch divides
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
     v = tl.clamp(bits.to(tl.float32, bitcast=True), -448.0, 448.0)
     tl.store(q + row * stride_q + cols, v.to(q.dtype.element_ty), mask=ok)
