@@ -22,6 +22,9 @@ from kernels.moe_grouped import ref_moe_grouped_mlp
 from tests.kernels.triton_cases import DEVICE
 
 E4M3_STEP = 2.0**-3  # the relative spacing of e4m3 values (3 mantissa bits)
+# kernel vs reference: the interpreter sums exactly as the reference does, up to float32 order; a
+# Hopper's fp8 tensor cores accumulate a 128-deep block in fewer bits (hence the per-block scaling)
+MATCH = 1e-5 if DEVICE == "cpu" else 2e-3
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,7 +74,7 @@ def test_linear_matches_the_reference(t, n, k, dtype):
     q, s = q.to(DEVICE), s.to(DEVICE)
     out, ref = fp8_linear(x, q, s), ref_fp8_linear(x, q, s)
     assert out.dtype == dtype and out.shape == (t, n)
-    assert _relative(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _relative(out, ref) <= (MATCH if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("config", FP8_CONFIGS, ids=lambda c: f"BM{c.kwargs['BM']}-BN{c.kwargs['BN']}")
@@ -79,7 +82,7 @@ def test_every_tile_config_computes_the_same(config):
     gen = _gen(3)
     x = torch.randn(20, 256, generator=gen).to(DEVICE)
     q, s = (v.to(DEVICE) for v in quantize_blocks(torch.randn(192, 256, generator=gen) / 16, (128, 128)))
-    assert _relative(fp8_linear(x, q, s, config=config), ref_fp8_linear(x, q, s)) <= 1e-5
+    assert _relative(fp8_linear(x, q, s, config=config), ref_fp8_linear(x, q, s)) <= MATCH
 
 
 def test_the_fp8_product_stays_within_e4m3s_error_of_the_exact_one():
@@ -122,7 +125,7 @@ def test_grouped_experts_match_the_reference_and_the_exact_mlp(t, k, e, m, i):
     assert out.shape == (t, m) and out.dtype == x.dtype
     # the intermediate is quantized after float32 sums in another order: a value on a rounding
     # edge may land one e4m3 step apart
-    assert _relative(out, ref) <= 1e-3
+    assert _relative(out, ref) <= 100 * MATCH
     assert _relative(ref, ref_moe_grouped_mlp(x, ids, w, gate_up, down)) <= 2 * E4M3_STEP
 
 
