@@ -255,23 +255,24 @@ class LLMServer:
             async for item in stream:
                 yield item.kv if isinstance(item, PromptKV) else _for_caller(item)
 
+    def _prompt_ids(self, prompt_ids: list[int] | None, text: str | None) -> list[int]:
+        """``prompt_ids``, or ``text`` tokenized as the completions API does (BOS + text)."""
+        if text is None:
+            return prompt_ids
+        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
+        return bos + self.tokenizer.encode(text)
+
     def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
-        """The prompt's cache unit keys (hex), as the directory knows them; ``text`` is tokenized
-        as the completions API does (BOS + text)."""
-        if text is not None:
-            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-            prompt_ids = bos + self.tokenizer.encode(text)
+        """The prompt's cache unit keys (hex), as the directory knows them."""
         ns = self.engine.namespace_for(tenant)
-        return [k.hex() for k in chain_keys(ns.seed, prompt_ids, ns.unit_size)]
+        return [k.hex() for k in chain_keys(ns.seed, self._prompt_ids(prompt_ids, text), ns.unit_size)]
 
     def explain(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> dict:
         """What the directory answers for a prompt now (``tide cache explain``): its unit keys
         (hex), how many whole units precede its last token (``cacheable``), and the live holders
         (node, tier) of each leading unit the directory finds."""
-        keys = self.unit_keys(prompt_ids, tenant, text)
-        if text is not None:
-            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-            prompt_ids = bos + self.tokenizer.encode(text)
+        prompt_ids = self._prompt_ids(prompt_ids, text)
+        keys = self.unit_keys(prompt_ids, tenant)
         cacheable = min(len(keys), (len(prompt_ids) - 1) // UNIT_TOKENS)
         listed: list[list[tuple[str, str]]] = []
         if self._explain_directory is None and self._directory_cfg.url:

@@ -39,13 +39,19 @@ from cachedir.unit import Unit
 from cluster.constraints import Constraints
 from cluster.kv_manager import KVManager
 from cluster.output import TextStream
-from cluster.request import FinishReason, GenerationRequest, Prefilled, RequestOutput, Sequence
+from cluster.request import (
+    UNIT_TOKENS,
+    FinishReason,
+    GenerationRequest,
+    Prefilled,
+    RequestOutput,
+    Sequence,
+)
 from model.model import DeepseekModel
 from model.sampling import TokenLogprob, sample, token_logprobs
 
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
 
-UNIT_TOKENS = 64
 MIN_CHUNK = 8  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from model.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["RESPONSE_FORMATS", "FinishReason", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestMigrated",
+UNIT_TOKENS = 64  # tokens per prompt-cache unit (the engine, the ingress and the stores share it)
+
+__all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestMigrated",
            "RequestOutput", "Sequence", "TokenSources"]
 
 
@@ -94,9 +96,9 @@ class GenerationRequest:
             raise ValueError("a request is either handed off (prefill) or prefilled (decode), not both")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.plan is not None and len(self.plan.unit_keys) != len(self.prompt_ids) // 64:
+        if self.plan is not None and len(self.plan.unit_keys) != len(self.prompt_ids) // UNIT_TOKENS:
             raise ValueError(f"the prefix plan has {len(self.plan.unit_keys)} unit keys; the prompt has "
-                             f"{len(self.prompt_ids) // 64} whole units")
+                             f"{len(self.prompt_ids) // UNIT_TOKENS} whole units")
 
 
 @dataclass(slots=True)
@@ -124,6 +126,18 @@ class TokenSources:
     @property
     def cached(self) -> int:
         return self.ram + self.ssd + self.remote
+
+    def accounting(self, prompt_tokens: int) -> dict:
+        """The prompt's cache accounting (``usage.prompt_cache_accounting``): of the tokens of
+        its whole units before the last token (``cacheable_tokens``), those the directory listed
+        live holders for, those routing chose to load, those delivered from a cache, and the
+        rest by why they were computed (``unseen``: not listed, not remembered as dropped)."""
+        cacheable = max(0, (prompt_tokens - 1) // UNIT_TOKENS * UNIT_TOKENS)  # the last token is always computed
+        missed = max(0, cacheable - self.cached)
+        return {"cacheable_tokens": cacheable, "listed_tokens": self.listed, "planned_tokens": self.planned,
+                "delivered_tokens": self.cached,
+                "missed_tokens": {"stale": self.stale, "declined": self.declined, "evicted": self.evicted,
+                                  "unseen": max(0, missed - self.stale - self.declined - self.evicted)}}
 
 
 @dataclass(frozen=True, slots=True)

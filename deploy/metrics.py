@@ -36,9 +36,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from cluster.engine import UNIT_TOKENS
-
-__all__ = ["IngressMetrics", "accounting"]
+__all__ = ["IngressMetrics"]
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -119,7 +117,7 @@ class IngressMetrics:
         the directory listed and routing planned of them, and its cache misses by reason."""
         for source in ("compute", "ram", "ssd", "remote"):
             self.prompt_tokens(source).inc(getattr(sources, source))
-        acc = accounting(prompt_tokens, sources)
+        acc = sources.accounting(prompt_tokens)
         self.listed_tokens.inc(acc["listed_tokens"])
         self.planned_tokens.inc(acc["planned_tokens"])
         for reason, n in acc["missed_tokens"].items():
@@ -168,19 +166,6 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def accounting(prompt_tokens: int, sources) -> dict:
-    """One prompt's cache accounting (``usage.prompt_cache_accounting``): of the tokens of its
-    whole units before the last token (``cacheable_tokens``), those the directory listed live
-    holders for, those routing chose to load, those the engine delivered from a cache, and the
-    rest by why they were computed (see ``cluster.request.TokenSources``)."""
-    cacheable = max(0, (prompt_tokens - 1) // UNIT_TOKENS * UNIT_TOKENS)  # the last token is always computed
-    missed = max(0, cacheable - sources.cached)
-    return {"cacheable_tokens": cacheable, "listed_tokens": sources.listed, "planned_tokens": sources.planned,
-            "delivered_tokens": sources.cached,
-            "missed_tokens": {"stale": sources.stale, "declined": sources.declined, "evicted": sources.evicted,
-                              "unseen": max(0, missed - sources.stale - sources.declined - sources.evicted)}}
 
 
 def _deployment(actor_name: str) -> str:

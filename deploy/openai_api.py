@@ -47,7 +47,7 @@ from cluster.request import (
     RequestOutput,
 )
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
-from deploy.metrics import IngressMetrics, accounting
+from deploy.metrics import IngressMetrics
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -297,7 +297,7 @@ class OpenAIIngress:
             "prompt_cache_hit_sources": {"ram": sources.ram, "ssd": sources.ssd, "remote": sources.remote},
             # the cache's accounting of this prompt: what the fleet held (the directory's answer),
             # what routing chose to load, and why the computed tokens of whole units were computed
-            "prompt_cache_accounting": accounting(prompt, sources),
+            "prompt_cache_accounting": sources.accounting(prompt),
             "prompt_tokens_details": {"cached_tokens": hit},
         }
         if reasoning is not None:

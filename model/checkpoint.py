@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels import resolve_impl, triton_interpreted
+from kernels.fp8_gemm import dequantize_blocks
 from model.config import DTYPE_NAMES, WEIGHTS_FILE, WEIGHTS_INDEX, ModelConfig, load_config
 from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
@@ -95,8 +96,7 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     if tuple(scale_inv.shape) != want:
         raise CheckpointError(f"weight scales of shape {tuple(scale_inv.shape)} for a [{n}, {k}] weight; "
                               f"{bn}x{bk} blocks need {want}")
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.float() * s
+    return dequantize_blocks(q, scale_inv.float(), block)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

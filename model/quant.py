@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_gemv import Q8_GROUP, dequantize_q8, quantize_q8
+from kernels.fp8_gemm import dequantize_blocks
 
 __all__ = ["CPU_WEIGHTS", "FP8_WEIGHTS", "Fp8Weight", "Q8Weight", "quantize_model", "weight_bytes"]
 
@@ -73,8 +74,6 @@ class Fp8Weight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [..., N, K]."""
-        from kernels.fp8_gemm import dequantize_blocks
-
         return dequantize_blocks(self.q, self.scale, self.block)
 
     def to(self, device: torch.device | str, copy: bool = False) -> Fp8Weight:

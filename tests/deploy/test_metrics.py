@@ -76,9 +76,7 @@ def test_prompt_tokens_count_by_source_and_cache_misses_by_reason():
     assert by[("tide:prompt_cache_misses_total", "unseen")] == 64 + 64
     totals = {s.name: s.value for s in _samples(m) if s.name.startswith("tide:prompt_cache_") and s.name.endswith("tokens_total")}
     assert totals == {"tide:prompt_cache_listed_tokens_total": 192, "tide:prompt_cache_planned_tokens_total": 128}
-    from deploy.metrics import accounting
-
-    assert accounting(300, TokenSources(compute=236, ssd=64, stale=64, declined=64, listed=192, planned=128)) == {
+    assert TokenSources(compute=236, ssd=64, stale=64, declined=64, listed=192, planned=128).accounting(300) == {
         "cacheable_tokens": 256, "listed_tokens": 192, "planned_tokens": 128, "delivered_tokens": 64,
         "missed_tokens": {"stale": 64, "declined": 64, "evicted": 0, "unseen": 64}}
 
