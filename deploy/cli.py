@@ -348,13 +348,14 @@ def _root(
     """tideserve: serve DeepSeek-style models (MLA + MoE) on Ray with a disk prompt cache."""
 
 
-def main() -> None:
-    """The ``tide`` console entry: runtime conditions (no cluster, a dead head, nothing to
-    lend) are one line and exit status 1; usage errors exit 2."""
+def main(argv: list[str] | None = None) -> None:
+    """The ``tide`` console entry (``argv``: the arguments, default ``sys.argv[1:]``): runtime
+    conditions (no cluster, a dead head, nothing to lend) are one line and exit status 1; usage
+    errors exit 2."""
     from deploy.connect import TideError
 
     try:
-        app()
+        app(args=argv)
     except TideError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(1) from None

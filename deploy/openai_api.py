@@ -174,6 +174,8 @@ def _unavailable_error() -> APIError:
 
 @serve.ingress(api)
 class OpenAIIngress:
+    health_timeout_s = HEALTH_TIMEOUT_S  # per instance: Serve's ingress decorator copies the module's globals
+
     def __init__(self, server, cfg: dict, decode=None) -> None:
         """``server``: a handle to the ``LLMServer`` deployment; ``decode``: one to the decode
         pool (P/D disaggregation: ``server`` then only prefills). ``cfg`` keys: checkpoint,
@@ -651,7 +653,7 @@ class OpenAIIngress:
         pools = [("LLMServer", self.server)] + ([("LLMDecode", self.decode)] if self.decode is not None else [])
         for name, handle in pools:
             try:
-                ok = await asyncio.wait_for(handle.ready.remote(), timeout=HEALTH_TIMEOUT_S)
+                ok = await asyncio.wait_for(handle.ready.remote(), timeout=self.health_timeout_s)
             except Exception:  # noqa: BLE001 - no replica answered in time: not ready
                 ok = False
             if not ok:

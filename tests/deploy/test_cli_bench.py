@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from tests.cli import tide
+from tests.cli import tide, tide_here
 
 
 def test_bench_trace_json(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 8,
                                          "hash_ids": [i % 3, 100 + i]}) + "\n" for i in range(20)))
-    r = tide("bench", "trace", "--trace", str(trace), "--policy", "every", "--capacity-fraction", "0.5", "--json")
+    r = tide_here("bench", "trace", "--trace", str(trace), "--policy", "every", "--capacity-fraction", "0.5", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {p["policy"] for p in out["policies"]} == {"all", "deepseek", "second-sight"}
@@ -27,7 +27,7 @@ def test_bench_trace_json(tmp_path):
     (["trace", "--trace", __file__, "--unit", "100"], "100"),
 ])
 def test_bench_trace_bad_arguments(args, message):
-    r = tide("bench", *args)
+    r = tide_here("bench", *args)
     assert r.returncode == 2 and message in r.stderr.replace("\n", " ").replace("│", "")
 
 
@@ -56,14 +56,14 @@ def test_bench_directory_json(tmp_path):
     assert single["trace"]["hit_units_fraction"] == cluster["trace"]["hit_units_fraction"] > 0
     assert len(cluster["trace"]["command_usec_per_primary"]) == 3 and cluster["trace"]["cluster_imbalance"] >= 1.0
     assert "cluster_imbalance" not in single["trace"]
-    bad = tide("bench", "directory", "--redis-url", "memcached://x")
+    bad = tide_here("bench", "directory", "--redis-url", "memcached://x")
     assert bad.returncode == 2 and "memcached://x" in bad.stderr
 
 
 def test_bench_unit_io_json(tmp_path):
     """Each layout beside fio's raw figure for the block that layout reads (one unit; a
     segment's coalesced run, up to 4 MiB or one unit)."""
-    r = tide("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
+    r = tide_here("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["io_threads"] == 4 and "O_DIRECT" in out["raw"] and out["repeats"] == 1
@@ -77,14 +77,14 @@ def test_bench_unit_io_json(tmp_path):
             assert figures["fio_read_gb_per_s"] > 0 and figures["write_gb_per_s"] > 0
             assert figures["read_fraction_of_raw"] == pytest.approx(
                 figures["read_gb_per_s"] / figures["fio_read_gb_per_s"], rel=0.01, abs=0.002)
-    r = tide("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
+    r = tide_here("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
     assert r.returncode == 2 and "tape" in r.stderr
 
 
 def test_bench_kernels_without_cuda_says_so_and_exits_0():
     import torch
 
-    r = tide("bench", "kernels", "--json")
+    r = tide_here("bench", "kernels", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     if torch.cuda.is_available():
@@ -129,7 +129,7 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__, "--nodes", "1"], "--nodes"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
-    r = tide("bench", *args)
+    r = tide_here("bench", *args)
     assert r.returncode == 2 and message in " ".join(r.stderr.replace("│", "").split())
 
 
@@ -226,17 +226,18 @@ def test_bench_soak_json_with_faults():
     (["--checkpoint", "/nonexistent"], "/nonexistent"),
 ])
 def test_bench_soak_bad_arguments(args, message):
-    r = tide("bench", "soak", *args)
+    r = tide_here("bench", "soak", *args)
     assert r.returncode == 2 and message in r.stderr
 
 
+@pytest.mark.slow  # a whole benchmark against transformers (~35 s); its parts are tested below
 def test_bench_model_json_on_a_checkpoint(tmp_path):
     from model.checkpoint import random_state_dict, save_checkpoint
     from model.config import named_config
 
     cfg = named_config("tiny")
     ckpt = save_checkpoint(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=0))
-    r = tide("bench", "model", "--checkpoint", str(ckpt), "--steps", "2", "--repeats", "3", "--json")
+    r = tide_here("bench", "model", "--checkpoint", str(ckpt), "--steps", "2", "--repeats", "3", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["statistic"] == "median" and out["repeats"] == 3
@@ -330,7 +331,7 @@ def test_mixed_contexts_keep_the_mean_and_spread_out():
 
 
 def test_bench_structured_json():
-    r = tide("bench", "structured", "--vocab", "3000", "--json")
+    r = tide_here("bench", "structured", "--vocab", "3000", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["vocab"] == "synthetic" and out["vocab_size"] == 3000
@@ -341,7 +342,7 @@ def test_bench_structured_json():
 
 
 def test_bench_engine_json(tmp_path):
-    r = tide("bench", "engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl",
+    r = tide_here("bench", "engine", "--batches", "1,4", "--contexts", "64,256", "--steps", "5", "--no-itl",
              "--plot", str(tmp_path / "engine.svg"))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -350,7 +351,7 @@ def test_bench_engine_json(tmp_path):
     assert set(grid) == {"batch_1", "batch_4"} and all(set(row) == {"ctx_64", "ctx_256"} for row in grid.values())
     assert all(c["steps"] == 5 and c["p90_ms"] >= c["median_ms"] for row in grid.values() for c in row.values())
     assert set(out["context_growth"]) == {"batch_1", "batch_4"} and "targets" not in out  # no batch 64 asked
-    bad = tide("bench", "engine", "--batches", "0")
+    bad = tide_here("bench", "engine", "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
 
 
@@ -367,7 +368,7 @@ def test_itl_bench_measures_both_chunkings_on_the_same_work():
 def test_bench_ep_wire_only_counts_bytes_per_round_and_step():
     """``tide bench ep --wire-only``: BF16 rows against FP8 dispatch (1 byte per channel plus a
     float32 scale per 128) at the bench config's and DeepSeek-V3's dimensions; combine stays BF16."""
-    r = tide("bench", "ep", "--wire-only", "--nodes", "4", "--batch", "16")
+    r = tide_here("bench", "ep", "--wire-only", "--nodes", "4", "--batch", "16")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     v3 = out["deepseek_v3"]
@@ -435,13 +436,13 @@ def test_bench_all_runs_in_order_keeps_errors_and_skips_past_the_budget(monkeypa
 
 def test_bench_all_json_is_each_benchmarks_own_output(tmp_path):
     out = tmp_path / "report.json"
-    r = tide("bench", "all", "--only", "structured", "--out", str(out))
+    r = tide_here("bench", "all", "--only", "structured", "--out", str(out))
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert json.loads(out.read_text()) == report
-    own = json.loads(tide("bench", "structured").stdout)
+    own = json.loads(tide_here("bench", "structured").stdout)
     assert set(report["benchmarks"]["structured"]["result"]) == set(own)
-    bad = tide("bench", "all", "--only", "structured,trace")
+    bad = tide_here("bench", "all", "--only", "structured,trace")
     assert bad.returncode == 2 and "--trace" in bad.stderr
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.eplb import Placement
-from tests.cli import tide
+from tests.cli import tide, tide_here
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def load_file(tmp_path):
 
 def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
     path, load = load_file
-    r = tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
+    r = tide_here("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
               "--shards", "4", "--policy", "spill", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -34,7 +34,7 @@ def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
     # re-planning the same load from the printed plan moves nothing
     prev = tmp_path / "plan.json"
     prev.write_text(r.stdout)
-    r2 = tide("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
+    r2 = tide_here("eplb", "plan", "--load", str(path), "--slots", "40", "--groups", "4", "--nodes", "2",
                "--shards", "4", "--policy", "spill", "--previous", str(prev))
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["moved_slots"] == 0
@@ -48,7 +48,7 @@ def test_plan_prints_a_valid_balanced_placement(load_file, tmp_path):
 ])
 def test_plan_bad_arguments_name_the_value(load_file, args, message):
     path, _ = load_file
-    r = tide("eplb", "plan", "--load", str(path), *args)
+    r = tide_here("eplb", "plan", "--load", str(path), *args)
     assert r.returncode == 2
     assert message in r.stderr.replace("\n", " ").replace("│", "")
 
@@ -56,18 +56,18 @@ def test_plan_bad_arguments_name_the_value(load_file, args, message):
 def test_plan_bad_load_file(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[[1, 2], [3]]")
-    r = tide("eplb", "plan", "--load", str(bad), "--slots", "2", "--shards", "1")
+    r = tide_here("eplb", "plan", "--load", str(bad), "--slots", "2", "--shards", "1")
     assert r.returncode == 2 and "[layers][experts]" in r.stderr.replace("\n", " ").replace("│", "")
 
 
 def test_bench_eplb_json(tmp_path):
-    r = tide("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json", "--plot", str(tmp_path / "eplb.png"))
+    r = tide_here("bench", "eplb", "--layers", "2", "--exponents", "1.0", "--json", "--plot", str(tmp_path / "eplb.png"))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = {row["policy"]: row for row in out["results"]}
     assert set(rows) == {"global", "hierarchical", "spill"}
     assert out["plot"] == str(tmp_path / "eplb.png") and (tmp_path / "eplb.png").read_bytes()[:4] == b"\x89PNG"
-    bad = tide("bench", "eplb", "--layers", "2", "--plot", str(tmp_path / "eplb.jpg"))
+    bad = tide_here("bench", "eplb", "--layers", "2", "--plot", str(tmp_path / "eplb.jpg"))
     assert bad.returncode == 2 and "eplb.jpg" in bad.stderr.replace("\n", "").replace("│", "")
     for row in rows.values():
         assert row["imbalance_after"] < row["imbalance_before"]
@@ -115,5 +115,5 @@ def test_bench_ep_json():
 
 
 def test_bench_ep_bad_config():
-    r = tide("bench", "ep", "--config", "huge")
+    r = tide_here("bench", "ep", "--config", "huge")
     assert r.returncode == 2 and "'huge'" in r.stderr

@@ -1,4 +1,5 @@
-"""``tide generate`` as a user runs it: a real subprocess of the installed console script."""
+"""``tide generate`` through its console entry point (``deploy.cli.main``), run in this process:
+its output equals the model computed alone, bad arguments name the value."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from model.checkpoint import load_model
 from model.generate import generate
-from tests.cli import tide
+from tests.cli import tide_here
 from tests.model.hf_checkpoints import make_hf_checkpoint
 
 
@@ -27,7 +28,7 @@ def test_penalized_and_biased_generation_matches_the_model(hf_ckpt, tmp_path):
     model = load_model(hf_ckpt)
     penalized = generate(model, [5, 6, 7, 8], 12, SamplingParams(presence_penalty=2.0, frequency_penalty=1.0))
     banned = penalized[0]  # the bias must change the answer
-    r = tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "12",
+    r = tide_here("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "12",
               "--presence-penalty", "2", "--frequency-penalty", "1", "--logit-bias", f"{banned}=-100",
               "--logit-bias", "3=1.5", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
@@ -42,7 +43,7 @@ def test_json_object_mode_matches_the_model_under_the_masks(tmp_path):
     from model.structured import JsonMasks
     from model.tokenizer import ByteTokenizer
 
-    r = tide("generate", "--prompt", "Reply in JSON", "--max-tokens", "40", "--json-object", "--logit-bias", "32=-10",
+    r = tide_here("generate", "--prompt", "Reply in JSON", "--max-tokens", "40", "--json-object", "--logit-bias", "32=-10",
               "--logit-bias", "125=2.5", "--logit-bias", "44=-3", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     tok = ByteTokenizer()
@@ -55,7 +56,7 @@ def test_json_object_mode_matches_the_model_under_the_masks(tmp_path):
 
 
 def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
-    r = tide("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "6",
+    r = tide_here("generate", "--checkpoint", str(hf_ckpt), "--prompt-ids", "5,6,7,8", "--max-tokens", "6",
               "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -64,7 +65,7 @@ def test_generate_json_matches_the_model(hf_ckpt, tmp_path):
 
 
 def test_generate_default_model_with_text_prompt(tmp_path):
-    r = tide("generate", "--prompt", "Hello", "--max-tokens", "24", "--json", env={"TIDE_HOME": str(tmp_path)})
+    r = tide_here("generate", "--prompt", "Hello", "--max-tokens", "24", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) <= 24
@@ -89,13 +90,13 @@ def test_generate_default_model_with_text_prompt(tmp_path):
     ],
 )
 def test_bad_arguments_name_the_bad_value(tmp_path, args, message):
-    r = tide("generate", "--max-tokens", "2", *args, env={"TIDE_HOME": str(tmp_path)})
+    r = tide_here("generate", "--max-tokens", "2", *args, env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 2
     assert message in r.stderr.replace("\n", " ").replace("│", "")
 
 
 def test_seeded_sampling_is_reproducible(tmp_path):
-    runs = [tide("generate", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "1.0",
+    runs = [tide_here("generate", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "1.0",
                   "--seed", "11", "--json", env={"TIDE_HOME": str(tmp_path)}) for _ in range(2)]
     assert runs[0].returncode == 0, runs[0].stderr
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
@@ -107,5 +108,5 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    r = tide("generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--device", "cuda", env={"TIDE_HOME": str(tmp_path)})
+    r = tide_here("generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--device", "cuda", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 2 and "CUDA is not available" in r.stderr

@@ -18,7 +18,7 @@ from cluster.request import GenerationRequest
 from model.checkpoint import build_model, random_state_dict
 from model.config import named_config
 from model.tokenizer import ByteTokenizer
-from tests.cli import tide
+from tests.cli import tide_here
 from tests.conftest import require
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -64,7 +64,7 @@ def replayed(tmp_path_factory):
 
 
 def test_stats_json_adds_up(replayed):
-    r = tide("stats", "--window", "24h", "--now", str(T0 + 20 * 3600), "--price-hit", "1", "--price-miss", "2",
+    r = tide_here("stats", "--window", "24h", "--now", str(T0 + 20 * 3600), "--price-hit", "1", "--price-miss", "2",
               "--price-output", "4", "--node-hour-cost", "10", "--json", env={"TIDE_HOME": str(replayed)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -87,24 +87,24 @@ def test_stats_json_adds_up(replayed):
 
 def test_stats_table_and_bad_arguments(replayed):
     env = {"TIDE_HOME": str(replayed)}
-    r = tide("stats", "--now", str(T0 + 3600), "--node-hour-cost", "1000", env=env)
+    r = tide_here("stats", "--now", str(T0 + 3600), "--node-hour-cost", "1000", env=env)
     assert r.returncode == 0 and "cache hit rate" in r.stdout
-    out = json.loads(tide("stats", "--now", str(T0 + 3600), "--node-hour-cost", "1000", "--json", env=env).stdout)
+    out = json.loads(tide_here("stats", "--now", str(T0 + 3600), "--node-hour-cost", "1000", "--json", env=env).stdout)
     assert out["margin"] < 0 and f"{100 * out['margin']:,.1f}%" in r.stdout  # a margin reads as a percentage...
     assert f"cost is {1 - out['margin']:,.1f}x the revenue" in r.stdout  # ... with what a negative one means
-    r = tide("stats", "--window", "yesterday", env=env)
+    r = tide_here("stats", "--window", "yesterday", env=env)
     assert r.returncode == 2 and "'yesterday'" in r.stderr
-    r = tide("stats", "--usage-dir", "/nonexistent", env=env)
+    r = tide_here("stats", "--usage-dir", "/nonexistent", env=env)
     assert r.returncode == 2 and "/nonexistent" in r.stderr.replace("\n", "").replace("│", "")
 
 
 def test_stats_plot_draws_the_daily_chart(replayed, tmp_path):
     env = {"TIDE_HOME": str(replayed)}
     png = tmp_path / "day.png"
-    r = tide("stats", "--now", str(T0 + 20 * 3600), "--plot", str(png), "--json", env=env)
+    r = tide_here("stats", "--now", str(T0 + 20 * 3600), "--plot", str(png), "--json", env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["plot"] == str(png)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000  # a drawn chart, not an empty canvas
-    r = tide("stats", "--plot", str(tmp_path / "day.txt"), env=env)
+    r = tide_here("stats", "--plot", str(tmp_path / "day.txt"), env=env)
     assert r.returncode == 2 and "day.txt" in r.stderr

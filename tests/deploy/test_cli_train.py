@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_model
-from tests.cli import tide
+from tests.cli import tide_here
 
 SMALL = ["--batch-size", "2", "--seq-len", "64", "--docs-limit", "300", "--checkpoint-every", "2"]
 
@@ -23,14 +23,14 @@ def _done(stdout: str) -> dict:
 
 def test_train_resume_and_export(tmp_path):
     out = tmp_path / "run"
-    r = tide("train", "run", "--out", str(out), "--steps", "3", "--json", *SMALL)
+    r = tide_here("train", "run", "--out", str(out), "--steps", "3", "--json", *SMALL)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines() if '"step"' in line and "done" not in line]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["loss"] > 0 for row in rows)
     assert _done(r.stdout)["step"] == 3
     first = load_model(out)  # an ordinary HF-format checkpoint
-    r = tide("train", "run", "--out", str(out), "--steps", "5", "--json", *SMALL)
+    r = tide_here("train", "run", "--out", str(out), "--steps", "5", "--json", *SMALL)
     assert r.returncode == 0, r.stderr
     done = _done(r.stdout)
     assert done["started_at_step"] == 3 and done["step"] == 5
@@ -62,7 +62,7 @@ def test_sigterm_checkpoints_and_stops(tmp_path):
     (["export", "/nonexistent", "y"], "/nonexistent"),
 ])
 def test_bad_arguments_name_the_value(args, message):
-    r = tide("train", *args)
+    r = tide_here("train", *args)
     assert r.returncode == 2 and message in r.stderr.replace("\n", "").replace("│", "")
 
 
@@ -71,7 +71,7 @@ def test_a_planted_trainer_state_is_refused_not_run(tmp_path):
     """Resuming reads the trainer state with torch's weights-only loader: a pickle that would run
     code is an error naming the file, and the code never runs."""
     out = tmp_path / "run"
-    r = tide("train", "run", "--out", str(out), "--steps", "1", "--json", *SMALL)
+    r = tide_here("train", "run", "--out", str(out), "--steps", "1", "--json", *SMALL)
     assert r.returncode == 0, r.stderr
     marker = tmp_path / "pwned"
 
@@ -80,6 +80,6 @@ def test_a_planted_trainer_state_is_refused_not_run(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     torch.save({"step": 1, "evil": Planted()}, out / "trainer_state.pt")
-    r = tide("train", "run", "--out", str(out), "--steps", "2", *SMALL)
+    r = tide_here("train", "run", "--out", str(out), "--steps", "2", *SMALL)
     assert r.returncode == 1 and "trainer_state.pt" in r.stderr and "refusing" in r.stderr, r.stderr
     assert not marker.exists()

@@ -292,13 +292,11 @@ def test_scale_cli_says_what_is_wrong(tmp_path, args, status, message):
 
 def test_schedule_show_and_set(tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
+
+    from tests.cli import tide_here
 
     def tide(*args):
-        return subprocess.run([sys.executable, "-m", "deploy.cli", "schedule", *args], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "TIDE_HOME": str(tmp_path)})
+        return tide_here("schedule", *args, env={"TIDE_HOME": str(tmp_path)})
 
     assert json.loads(tide("show", "--json").stdout)["day"] == "08:00"
     r = tide("set", "--night", "23:30", "--tz", "Europe/Berlin", "--night-nodes", "2")

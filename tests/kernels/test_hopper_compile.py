@@ -16,6 +16,8 @@ from tests.kernels.hopper_compile import SM90_SHARED_BYTES, TUNED_WITH_TRITON
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.slow  # compiling every config takes ~15 s: not the inner loop
+
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:

@@ -19,8 +19,10 @@ def checkpoint(request, tmp_path_factory):
 
 
 # Every parity test runs with the torch path and with the Triton kernels (MLA decode over the
-# paged pool, V3 routing, grouped experts, unit copies), which run in Triton's interpreter on CPU.
-@pytest.fixture(scope="module", params=["ref", "triton"])
+# paged pool, V3 routing, grouped experts, unit copies), which run in Triton's interpreter on CPU:
+# about a minute in all, so the Triton half is in the slow tier (the kernel tests beside it check
+# each kernel against its reference in the fast one).
+@pytest.fixture(scope="module", params=["ref", pytest.param("triton", marks=pytest.mark.slow)])
 def pair(request, checkpoint):
     hf, ckpt = checkpoint
     model = load_model(ckpt, impl=request.param)
