@@ -12,6 +12,7 @@ import torch
 from cluster.request import GenerationRequest
 from model.checkpoint import load_model
 from model.generate import generate
+from tests.waiting import until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 7  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -107,11 +108,18 @@ def test_ep_over_three_nodes_equals_single_process(ep_server, reference):
     assert (counts >= 1).all() and counts.max() > 3  # every expert placed, some with redundant copies
 
 
+def _rounds(server) -> int:
+    import ray
+
+    return ray.get(server.ep_stats.remote())["rounds"]
+
+
 def _while_streaming(server, action) -> list[list[int]]:
     result: list = []
+    before = _rounds(server)
     worker = threading.Thread(target=lambda: result.append(_generate_all(server)))
     worker.start()
-    time.sleep(1.0)
+    until(lambda: _rounds(server) > before or not worker.is_alive(), 120, "the stream's first expert round")
     assert worker.is_alive(), "the stream ended before the action: make it longer"
     action()
     worker.join(timeout=600)
@@ -171,9 +179,11 @@ def test_two_attention_replicas_follow_one_placement(ep_server, checkpoint, tmp_
     results: dict[str, list] = {}
     workers = [threading.Thread(target=lambda k=k, r=r: results.__setitem__(k, _generate_all(r)))
                for k, r in (("first", server), ("second", other))]
+    before = {r: _rounds(r) for r in (server, other)}
     for w in workers:
         w.start()
-    time.sleep(1.0)
+    until(lambda: all(_rounds(r) > n for r, n in before.items()) or not all(w.is_alive() for w in workers), 120,
+          "both streams' first expert round")
     assert all(w.is_alive() for w in workers), "the streams ended before the rebalance: make them longer"
     moved = ray.get(control.rebalance.remote(shifted))
     for w in workers:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.actors.tidal_streams import ClientThreads, day_after_a_failure
+from tests.waiting import until
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
@@ -106,23 +107,28 @@ def test_day_night_day(serving):
     url, args, home, _ = serving
     before = _complete(url, PROMPT)
     assert before["usage"]["prompt_cache_hit_tokens"] == 0
-    time.sleep(1.0)  # its units reach the directory
     from actors.tidal import tidal_state
 
-    reports = ray.get(tidal_state().replica_reports.remote())  # what `tide status` lists
-    assert len(reports) == 3 and len({r["node_id"] for r in reports.values()}) == 3
-    assert sum(r["stats"]["engine"]["prefill_tokens"] for r in reports.values()) >= 1
+    def reports_of(n: int):  # what `tide status` lists, once it lists n replicas
+        reports = ray.get(tidal_state().replica_reports.remote())
+        return reports if len(reports) == n else None
+
+    def prefilled() -> int:
+        return sum(r["stats"]["engine"]["prefill_tokens"] for r in (reports_of(3) or {}).values())
+
+    until(prefilled, 60, "3 replicas reporting, one of them the request's prefill")
+    reports = reports_of(3)
+    assert len({r["node_id"] for r in reports.values()}) == 3
 
     stream = _RequestStream(url)
     with day_after_a_failure(args), stream:
-        time.sleep(2)
+        until(lambda: stream.done or stream.failures, 120, "the stream's first answer")
         out = home / "train-run"
         entrypoint = (f"{sys.executable} -m deploy.cli train run --out {out} --steps 100000 --batch-size 2 "
                       f"--seq-len 64 --checkpoint-every 5 --docs-limit 40")
         night = lend_nodes(args, 1, deadline_s=30, train={"entrypoint": entrypoint})
-        time.sleep(3.0)  # the lent replica's last report goes stale
-        staying = ray.get(tidal_state().replica_reports.remote())
-        assert len(staying) == 2 and set(staying) < set(reports)  # the others were not replaced
+        staying = until(lambda: reports_of(2), 60, "the lent replica's last report to go stale")
+        assert set(staying) < set(reports)  # the others were not replaced
         lent = night["lent"][0]
         assert night["serving_replicas"] == 2 and night["job_id"]
         from deploy.tidal import _serve_replicas
@@ -137,14 +143,14 @@ def test_day_night_day(serving):
         assert (out / "model.safetensors").is_file(), client.get_job_logs(night["job_id"])[-2000:]
         assert client.get_job_info(night["job_id"]).driver_node_id == lent  # trained on the lent node only
         served_at_night = stream.done
-        time.sleep(2)
-        assert stream.done > served_at_night  # serving went on at night
+        until(lambda: stream.done > served_at_night, 120, "an answer at night")  # serving went on
 
         day = return_nodes(args, deadline_s=60)
         assert day["returned"] == [lent] and day["serving_replicas"] == 3
         assert day["job_status"] in ("STOPPED", "SUCCEEDED"), client.get_job_logs(night["job_id"])[-2000:]
         assert lent in _llm_replica_nodes()  # serving is back on the lent node
-        time.sleep(2)
+        served_at_dawn = stream.done
+        until(lambda: stream.done > served_at_dawn, 120, "an answer in the morning")
     assert stream.failures == [] and stream.done > 0
     morning = _complete(url, PROMPT)
     assert morning["usage"]["prompt_cache_hit_tokens"] >= 4 * 64  # units from before the night
@@ -289,7 +295,7 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
     stream = _RequestStream(url)
     try:
         with stream:
-            time.sleep(1)
+            waiting(lambda: stream.done or stream.failures, 120, "the stream's first answer")
             night = tide("night", "--night-nodes", "2", "--deadline", "20")
             (lent,) = night["workers_to_delete"]
             assert lent in LENDABLE_PODS and night["serve_replicas"] == {"LLMServer": 2} and night["job"] == "unsuspended"
@@ -306,7 +312,8 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
             assert morning["training"]["run"] == "STOPPED" and marker.read_text() == "ok"  # it checkpointed
             assert morning["serve_replicas"] == {"LLMServer": 3} and morning["replicas"] == 2
             waiting(lambda: _running_replicas("tideserve") == 3, 300, "three replicas again")
-            time.sleep(2)
+            served_at_dawn = stream.done
+            waiting(lambda: stream.done > served_at_dawn, 120, "requests served in the morning")
     finally:
         kube.close()
     assert stream.failures == [] and stream.done > 0, stream.failures

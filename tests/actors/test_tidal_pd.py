@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.actors.tidal_streams import day_after_a_failure, three_node_app, under_a_stream
+from tests.waiting import until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 31  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -71,7 +72,8 @@ def test_night_lends_a_prefill_node_and_day_restores_both_pools(serving, checkpo
         day = return_nodes(args)
         assert day["returned"] == night["lent"] and day["serving_replicas"] == 2 and day["decode_replicas"] == 1
         assert set(left) < set(_wait_reports(3))
-        time.sleep(2)
+        served = len(answers)
+        until(lambda: len(answers) > served, 120, "an answer in the morning")
 
     with day_after_a_failure(args):
         under_a_stream(url, checkpoint, _prompt, MAX_TOKENS, night_and_day)

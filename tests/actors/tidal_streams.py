@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import httpx
+
+from tests.waiting import until
 
 
 class ClientThreads:
@@ -111,7 +112,7 @@ def under_a_stream(url: str, checkpoint, prompt: Callable[[int], list[int]], max
     for t in threads:
         t.start()
     try:
-        time.sleep(2)
+        until(lambda: answers, 120, "the streams' first answer")
         action(answers)
     finally:
         stop.set()
