@@ -70,11 +70,48 @@ def redis_cluster(tmp_path_factory):
         cluster.kill()
 
 
+# The modules with a test that uses ``local_ray`` (set at collection; they run last, in a row).
+_ON_SHARED_RAY: set = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules on the shared one-node Ray run last, one after another, so it starts once."""
+    _ON_SHARED_RAY.update(getattr(item, "module", None) for item in items if "local_ray" in item.fixturenames)
+    items.sort(key=lambda item: getattr(item, "module", None) in _ON_SHARED_RAY)
+
+
+@pytest.fixture(scope="session")
+def _shared_ray(tmp_path_factory):
+    from tests.shared_ray import SharedRay
+
+    shared = SharedRay(tmp_path_factory.mktemp("shared-ray-home"))
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="module")
+def local_ray(_shared_ray):
+    """This run's one-node Ray (2 CPUs; ``tests/shared_ray.py``), shared with the other modules
+    that use it and reset when the module ends: Serve and every named actor removed."""
+    _shared_ray.acquire()
+    yield _shared_ray
+    _shared_ray.reset()
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _no_ray_left_initialized():
+def _no_ray_left_initialized(request):
     """A module whose Ray fixture failed half-way must not leave Ray initialized in this process:
-    every later module's ``ray.init`` would fail with "called ray.init twice"."""
+    every later module's ``ray.init`` would fail with "called ray.init twice". A module that
+    starts its own Ray (or none) begins without the shared one."""
+    own = request.module not in _ON_SHARED_RAY
+    if own:
+        _stop_ray()
     yield
+    if own:
+        _stop_ray()
+
+
+def _stop_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()

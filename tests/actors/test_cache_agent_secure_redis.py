@@ -10,7 +10,7 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.security]
 
 
-def test_agent_publishes_through_tls_redis_with_a_password(tmp_path):
+def test_agent_publishes_through_tls_redis_with_a_password(local_ray, tmp_path):
     import ray
 
     from actors.cache_agent import NAMESPACE, agent_name, ensure_cache_agents
@@ -22,7 +22,6 @@ def test_agent_publishes_through_tls_redis_with_a_password(tmp_path):
     ca, cert, key = make_certs(tmp_path)
     server = RedisServer(tmp_path / "redis", password="s3cret-pw", tls=(ca, cert, key)).start()
     url = server.url.replace(":s3cret-pw@", "")  # the password travels separately, never in the URL
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         agents = ensure_cache_agents(AgentSection(
             StoreSection(str(tmp_path / "cache" / "{node}"), ssd_bytes=1 << 28, ram_bytes=0),
@@ -39,5 +38,4 @@ def test_agent_publishes_through_tls_redis_with_a_password(tmp_path):
                 bad.live_nodes()
         ray.kill(ray.get_actor(agent_name(node), namespace=NAMESPACE), no_restart=True)
     finally:
-        ray.shutdown()
         server.kill()

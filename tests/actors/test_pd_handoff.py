@@ -16,15 +16,6 @@ MAX_TOKENS = 6
 PROMPT = [256] + [(j * 13) % 250 + 3 for j in range(37)]
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _server(checkpoint, tmp_path_factory):
     import ray
 
@@ -37,7 +28,7 @@ def _server(checkpoint, tmp_path_factory):
         engine=EngineConfig(num_pages=64), tidal=False))
 
 
-def test_decode_pulls_the_kv_after_the_prefill_replica_died(ray_local, checkpoint, tmp_path_factory):
+def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoint, tmp_path_factory):
     import ray
     import torch
 
@@ -76,7 +67,7 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(ray_local, checkpoin
     assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
 
 
-def test_a_request_that_ends_on_the_prefill_replica_hands_nothing_off(ray_local, checkpoint, tmp_path_factory):
+def test_a_request_that_ends_on_the_prefill_replica_hands_nothing_off(local_ray, checkpoint, tmp_path_factory):
     import ray
 
     from actors.pd_handoff import read_prefill

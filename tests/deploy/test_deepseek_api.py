@@ -7,7 +7,6 @@ thought when ``chat_template_kwargs`` asks for thinking, as DeepSeek-V3.1's does
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -31,32 +30,20 @@ WORDS = ["what", "is", "the", "weather", "in", "Paris", "?", "def", "fib", "(", 
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    import ray
-    from ray import serve
-
+def client(local_ray, tmp_path_factory):
     from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
+    from tests.shared_ray import serving
 
     home = tmp_path_factory.mktemp("tools")
     ckpt = make_scripted_checkpoint(home / "scripted", WORDS, {"<|assistant|>": SCRIPT, "<｜fim▁end｜>": FIM_SCRIPT,
                                                                "<think>": THINK_SCRIPT},
                                     template=R1_TEMPLATE, added=("<think>",))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"checkpoint": str(ckpt), "model_name": "scripted", "cache_dir": str(home / "cache"),
                      "replica_cpus": 0.5, "num_pages": 64})
-    serve.run(app, name="tideserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 300)
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    client.ckpt = ckpt
-    yield client
-    serve.shutdown()
-    ray.shutdown()
+    with serving(app, 300) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        client.ckpt = ckpt
+        yield client
 
 
 def test_the_call_comes_back_as_tool_calls(client):

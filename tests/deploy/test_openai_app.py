@@ -26,28 +26,17 @@ def tide_home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_url(tide_home):
-    import ray
-    from ray import serve
-
+def base_url(local_ray, tide_home):
     from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
+    from tests.shared_ray import serving
 
     home = tide_home
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # The app serves with expert parallelism: routed experts on two expert-shard actors.
     app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1, "num_pages": 512,
                      "expert_shards": 2, "micro_batches": 2,
                      "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta:tiny", "sk-gamma": "gamma:other-model"}, "limits": {"max_tokens": 64}})
-    serve.run(app, name="tideserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 120)
-    yield url
-    serve.shutdown()
-    ray.shutdown()
+    with serving(app, 120) as url:
+        yield url
 
 
 @pytest.fixture()

@@ -24,27 +24,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    import ray
-    from ray import serve
-
+def base_url(local_ray, tmp_path_factory):
     from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
+    from tests.shared_ray import serving
 
     home = tmp_path_factory.mktemp("tide")
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TIDE_HOME": str(home)}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # 16 pages of 16 tokens per replica: a decode replica holds two of these requests at once
     app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 0.5,
                      "num_pages": 16, "replicas": 1, "decode_replicas": 2})
-    serve.run(app, name="tideserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 300)
-    yield url, home
-    serve.shutdown()
-    ray.shutdown()
+    with serving(app, 300) as url:
+        yield url, local_ray.home  # the replicas' TIDE_HOME (their default checkpoint)
 
 
 def _complete(url: str, prompt: str) -> dict:
