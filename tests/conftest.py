@@ -70,39 +70,56 @@ def redis_cluster(tmp_path_factory):
         cluster.kill()
 
 
-# The modules with a test that uses ``local_ray`` (set at collection; they run last, in a row).
-_ON_SHARED_RAY: set = set()
+# The shared Rays (tests/shared_ray.py) by fixture name, with the order their modules run in.
+SHARED_RAYS = {"three_nodes": 1, "local_ray": 2}
+# Module -> the shared Ray its tests use (set at collection).
+_ON_SHARED_RAY: dict = {}
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules on the shared one-node Ray run last, one after another, so it starts once."""
-    _ON_SHARED_RAY.update(getattr(item, "module", None) for item in items if "local_ray" in item.fixturenames)
-    items.sort(key=lambda item: getattr(item, "module", None) in _ON_SHARED_RAY)
+    """The modules on a shared Ray run after the others, those of one shared Ray in a row, so it
+    starts once."""
+    for item in items:
+        for name in SHARED_RAYS:
+            if name in item.fixturenames:
+                _ON_SHARED_RAY[getattr(item, "module", None)] = name
+    items.sort(key=lambda item: SHARED_RAYS.get(_ON_SHARED_RAY.get(getattr(item, "module", None)), 0))
 
 
 @pytest.fixture(scope="session")
-def _shared_ray(tmp_path_factory):
-    from tests.shared_ray import SharedRay
+def _shared_rays(tmp_path_factory):
+    from tests.shared_ray import SharedRay, stop_shared
 
-    shared = SharedRay(tmp_path_factory.mktemp("shared-ray-home"))
-    yield shared
-    shared.stop()
+    home = tmp_path_factory.mktemp("shared-ray-home")
+    yield {"local_ray": SharedRay(home, nodes=1), "three_nodes": SharedRay(home, nodes=3)}
+    stop_shared()
 
 
 @pytest.fixture(scope="module")
-def local_ray(_shared_ray):
+def local_ray(_shared_rays):
     """This run's one-node Ray (2 CPUs; ``tests/shared_ray.py``), shared with the other modules
     that use it and reset when the module ends: Serve and every named actor removed."""
-    _shared_ray.acquire()
-    yield _shared_ray
-    _shared_ray.reset()
+    shared = _shared_rays["local_ray"]
+    shared.acquire()
+    yield shared
+    shared.reset()
+
+
+@pytest.fixture(scope="module")
+def three_nodes(_shared_rays):
+    """This run's three simulated nodes (one CPU and resource ``node{i}`` each; ``.cluster``),
+    shared like ``local_ray``: a module that removes a node it added leaves three alive."""
+    shared = _shared_rays["three_nodes"]
+    shared.acquire()
+    yield shared
+    shared.reset()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_ray_left_initialized(request):
     """A module whose Ray fixture failed half-way must not leave Ray initialized in this process:
     every later module's ``ray.init`` would fail with "called ray.init twice". A module that
-    starts its own Ray (or none) begins without the shared one."""
+    starts its own Ray (or none) begins without a shared one."""
     own = request.module not in _ON_SHARED_RAY
     if own:
         _stop_ray()
@@ -112,6 +129,8 @@ def _no_ray_left_initialized(request):
 
 
 def _stop_ray() -> None:
+    if "tests.shared_ray" in sys.modules:
+        sys.modules["tests.shared_ray"].stop_shared()
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()

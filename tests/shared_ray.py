@@ -1,6 +1,6 @@
-"""One local Ray shared by the test modules that serve on a single node (``local_ray``): started
-by the first such module, reset between modules, stopped by the first module that needs another
-Ray (a ``Cluster``) or at the end of the run. Starting Ray costs ~10 s here, every module."""
+"""Rays shared by the test modules of one shape (``local_ray``: one node; ``three_nodes``: three
+simulated nodes): started by the first such module, reset between modules, stopped by the first
+module that needs another Ray or at the end of the run. Starting a Ray costs 10-30 s here."""
 
 from __future__ import annotations
 
@@ -17,15 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SharedRay:
-    """The shared Ray of this test run: 2 CPUs, ``TIDE_HOME=home`` for every job's workers."""
+_ACTIVE: list[SharedRay] = []  # the shared Ray that is running, if any (one at a time)
 
-    def __init__(self, home: Path) -> None:
-        self.home = home
+
+class SharedRay:
+    """A Ray shared by the test modules of one shape: one node with 2 CPUs (``ray.init``), or
+    ``nodes`` simulated nodes of one CPU each with resource ``node{i}`` (a ``Cluster``, in
+    ``.cluster``). Every job's workers get ``TIDE_HOME=home``."""
+
+    def __init__(self, home: Path, nodes: int = 1) -> None:
+        self.home, self.nodes = home, nodes
+        self.cluster = None
         self.address: str | None = None
 
     def running(self) -> bool:
-        """Whether this process is connected to the shared Ray (not to another one)."""
+        """Whether this process is connected to this Ray (not to another one)."""
         import ray
 
         return self.address is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == self.address
@@ -35,19 +41,37 @@ class SharedRay:
 
         if self.running():
             return
+        stop_shared()
         if ray.is_initialized():
             ray.shutdown()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"TIDE_HOME": str(self.home)}})
+        runtime_env = {"env_vars": {"TIDE_HOME": str(self.home)}}
+        if self.nodes == 1:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+        else:
+            from ray.cluster_utils import Cluster
+
+            c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
+            try:
+                for i in range(1, self.nodes):
+                    c.add_node(num_cpus=1, resources={f"node{i}": 1})
+                c.wait_for_nodes()
+                ray.init(address=c.address, log_to_driver=False, runtime_env=runtime_env)
+            except BaseException:
+                c.shutdown()
+                raise
+            self.cluster = c
         self.address = ray.get_runtime_context().gcs_address
+        _ACTIVE.append(self)
 
     def reset(self, within_s: float = 30.0) -> None:
         """Remove what a module left: Serve and its apps, every named actor (cache agents, the
-        tidal state, expert shards). The next module gets every CPU free, or a new Ray."""
+        tidal state, leases, expert shards). The next module gets every node alive and every CPU
+        free, or a new Ray."""
         import ray
         from ray import serve
 
         if not self.running():
+            self.stop()
             return
         try:
             serve.shutdown()
@@ -55,9 +79,10 @@ class SharedRay:
                 with contextlib.suppress(ValueError):  # gone meanwhile
                     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
             deadline = time.monotonic() + within_s
-            while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+            while (ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0)
+                   or sum(n["Alive"] for n in ray.nodes()) != self.nodes):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"CPUs still held {within_s} s after the module ended")
+                    raise TimeoutError(f"a node or CPU still held {within_s} s after the module ended")
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001 - whatever is left, a new Ray leaves none of it
             self.stop()
@@ -67,7 +92,18 @@ class SharedRay:
 
         if self.running():
             ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
         self.address = None
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+
+def stop_shared() -> None:
+    """Stop the shared Ray that is running (before a module that starts its own)."""
+    for shared in list(_ACTIVE):
+        shared.stop()
 
 
 @contextlib.contextmanager

@@ -23,14 +23,7 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server, tmp_path_factory):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
-    c.add_node(num_cpus=1, resources={"node1": 1})
-    c.add_node(num_cpus=1, resources={"node2": 1})
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+def cluster(three_nodes, redis_server, tmp_path_factory):
     from actors.replica_config import AgentSection, DirectorySection, StoreSection
 
     agent_cfg = AgentSection(
@@ -39,9 +32,7 @@ def cluster(redis_server, tmp_path_factory):
         sync_every_s=0.25, replicas=2,
         check_s=3600,  # the test decides when a killed agent comes back
     )
-    yield c, agent_cfg
-    ray.shutdown()
-    c.shutdown()
+    return three_nodes.cluster, agent_cfg
 
 
 @pytest.fixture(scope="module")

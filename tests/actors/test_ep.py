@@ -28,17 +28,8 @@ def reference(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
-    c.add_node(num_cpus=1, resources={"node1": 1})
-    c.add_node(num_cpus=1, resources={"node2": 1})
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+def cluster(three_nodes):
+    return three_nodes.cluster
 
 
 def _shards_and_control(checkpoint, nodes: int, slots: int, **control_args):

@@ -22,7 +22,7 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def serving(checkpoint, tmp_path_factory):
+def serving(three_nodes, checkpoint, tmp_path_factory):
     home = tmp_path_factory.mktemp("tidal-ep")
     args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "num_pages": 256,
             "expert_shards": 3, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}

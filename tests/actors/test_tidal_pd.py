@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def serving(checkpoint, tmp_path_factory):
+def serving(three_nodes, checkpoint, tmp_path_factory):
     home = tmp_path_factory.mktemp("tidal-pd")
     args = {"checkpoint": str(checkpoint), "replicas": 2, "decode_replicas": 1, "replica_cpus": 1,
             "num_pages": 256, "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage")}

@@ -4,7 +4,6 @@ stream whose every answer is checked against the model computed alone."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 from collections.abc import Callable, Iterator
 
@@ -35,41 +34,13 @@ class ClientThreads:
 
 
 @contextlib.contextmanager
-def three_node_serve() -> Iterator[str]:
-    """Three nodes of one CPU each, Serve's HTTP proxy on a free port; yields its URL."""
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=1)
-        c.wait_for_nodes()  # build_app deals expert shards over the nodes alive at deploy time
-        ray.init(address=c.address, log_to_driver=False)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        c.shutdown()
-
-
-@contextlib.contextmanager
 def three_node_app(args: dict) -> Iterator[str]:
-    """``three_node_serve`` with the app built from ``args`` deployed and healthy; yields its URL."""
-    from ray import serve
-
+    """The app built from ``args`` served on the connected (three-node) Ray, its HTTP proxy on a
+    free port; yields its URL once healthy."""
     from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
+    from tests.shared_ray import serving
 
-    with three_node_serve() as url:
-        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-        wait_healthy(url, 300)
+    with serving(build_app(args), 300) as url:
         yield url
 
 
