@@ -197,12 +197,17 @@ class _PrefixLookups:
     one pipeline (listing live nodes or hot units reads the expiries after other keys)."""
 
     def __init__(self, redis_url: str) -> None:
+        import uuid
+
         import redis
 
         self._redis = redis.Redis.from_url(redis_url)
         self.count = 0
-        self._stop = threading.Event()
         self._ready = threading.Event()
+        # MONITOR lists commands in the order Redis ran them: once it lists an ECHO of a marker,
+        # it has listed every command that ran before
+        self._marker = f"lookups-{uuid.uuid4().hex}"
+        self._marks = {f"{self._marker}-{m}": threading.Event() for m in ("start", "end")}
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
@@ -210,25 +215,33 @@ class _PrefixLookups:
         with self._redis.monitor() as m:
             self._ready.set()
             for cmd in m.listen():
-                if self._stop.is_set():
-                    return
                 client, command = (cmd.get("client_address"), cmd.get("client_port")), cmd["command"]
+                if self._marker in command:
+                    for mark, seen in self._marks.items():
+                        if mark in command:
+                            seen.set()
+                    if self._marks[f"{self._marker}-end"].is_set():
+                        return
+                    continue
                 before = last.get(client, "")
                 if command.startswith("HGETALL") and command.endswith(":expiry") and before.startswith("HGETALL") \
                         and ":u:" in before:
                     self.count += 1
                 last[client] = command
 
+    def _mark(self, name: str) -> None:
+        mark = f"{self._marker}-{name}"
+        self._redis.echo(mark)
+        assert self._marks[mark].wait(10), f"MONITOR did not list {name!r} within 10 s"
+
     def __enter__(self):
         self._thread.start()
-        self._ready.wait(10)
-        time.sleep(0.2)
+        assert self._ready.wait(10), "MONITOR did not start"
+        self._mark("start")
         return self
 
     def __exit__(self, *exc):
-        time.sleep(0.5)  # let MONITOR deliver what came before
-        self._stop.set()
-        self._redis.ping()  # wakes the watcher
+        self._mark("end")  # every command before this one has been counted
         self._thread.join(10)
 
 

@@ -9,6 +9,8 @@ import dataclasses
 
 import pytest
 
+from tests.waiting import until
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CHECKPOINT_SEED = 17
 
@@ -26,6 +28,16 @@ def _server(checkpoint, tmp_path_factory):
     return ray.remote(num_cpus=0)(LLMServer).remote(ReplicaConfig(
         str(checkpoint), StoreSection(str(tmp_path_factory.mktemp("cache"))), enable_cache=False,
         engine=EngineConfig(num_pages=64), tidal=False))
+
+
+def _dead(actor) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.check_health.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoint, tmp_path_factory):
@@ -53,7 +65,7 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
         assert last.finished and last.handoff.kv is None and kv is not None, last  # the tensor came apart
         assert isinstance(ray.get(kv), torch.Tensor)
         ray.kill(prefill, no_restart=True)  # before the decode replica pulled the KV
-        await asyncio.sleep(1.0)
+        until(lambda: _dead(prefill), 60, "the prefill replica to die")
         decode_req = decode_request(req, last, kv)
         return [await ref for ref in decode.generate.options(num_returns="streaming").remote(decode_req)]
 
