@@ -129,8 +129,9 @@ def _no_ray_left_initialized(request):
 
 
 def _stop_ray() -> None:
-    if "tests.shared_ray" in sys.modules:
-        sys.modules["tests.shared_ray"].stop_shared()
+    from tests.shared_ray import stop_shared
+
+    stop_shared()
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()

@@ -5,17 +5,9 @@ module that needs another Ray or at the end of the run. Starting a Ray costs 10-
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 _ACTIVE: list[SharedRay] = []  # the shared Ray that is running, if any (one at a time)
 
@@ -112,7 +104,7 @@ def serving(app, within_s: float = 300) -> Iterator[str]:
     ends: yields the base URL once ``/health`` answers."""
     from ray import serve
 
-    from deploy.redis_proc import wait_healthy
+    from deploy.redis_proc import free_port, wait_healthy
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

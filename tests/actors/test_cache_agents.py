@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from model.checkpoint import load_model
 from model.generate import generate
+from tests.waiting import until
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 CHECKPOINT_SEED = 11  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -94,16 +94,6 @@ def _holders(directory, server, prompt) -> list[set[str]]:
     return [{h.node_id for h in hs} for hs in directory.longest_prefix(keys).holders]
 
 
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def _prompt(seed: int) -> list[int]:
     return [256] + [(seed * 131 + i * 7) % 250 + 3 for i in range(64 * 3 + 4)]  # 3 whole units
 
@@ -134,7 +124,7 @@ def test_prefix_from_node_a_is_served_on_node_b(servers, checkpoint, directory):
     want = generate(load_model(checkpoint), prompt, MAX_TOKENS, eos_id=None)
     on_a = _run(a, prompt)
     assert on_a["tokens"] == want and on_a["sources"]["compute"] == len(prompt)
-    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    until(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
     on_b = _run(b, prompt)
     assert on_b["tokens"] == want  # token-identical, from A's units
     assert on_b["sources"]["remote"] == 3 * 64 and on_b["cached_tokens"] == 3 * 64
@@ -147,12 +137,12 @@ def test_a_hot_unit_gets_a_second_replica(servers, directory):
     a, b = servers
     prompt = _prompt(2)
     _run(a, prompt)
-    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    until(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
     assert all(len(h) == 1 for h in _holders(directory, a, prompt))
     for _ in range(5):  # five more requests find the units: hot (min_hits is 2, hits decay)
         _run(b, prompt)
     try:
-        replicated = _wait(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
+        replicated = until(lambda: (h := _holders(directory, a, prompt)) and all(len(x) == 2 for x in h) and h,
                            60, "a second replica of every unit")  # a failed push is retried after 30 s
     except AssertionError as e:
         import ray
@@ -178,17 +168,17 @@ def test_killed_agent_units_leave_lookups_and_requests_still_succeed(cluster, se
     prompt = _prompt(3)
     want = generate(load_model(checkpoint), prompt, MAX_TOKENS, eos_id=None)
     _run(a, prompt)
-    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    until(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
     a_node = ray.get(a.stats.remote())["node_id"]
     ray.kill(ray.get_actor(agent_name(a_node), namespace="tideserve"), no_restart=True)
-    _wait(lambda: not _holders(directory, a, prompt), TTL_S + 3, "A's units to leave lookups")
+    until(lambda: not _holders(directory, a, prompt), TTL_S + 3, "A's units to leave lookups")
     on_b = _run(b, prompt)  # nothing to fetch: computed, same tokens
     assert on_b["tokens"] == want and on_b["sources"]["remote"] == 0
     on_a = _run(a, prompt)  # A's own agent is gone: A still serves (its pool may share pages)
     assert on_a["tokens"] == want
     # the agent comes back (Ray restart or the periodic check); its units are on disk: found again
     ensure_cache_agents(agent_cfg)
-    _wait(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units after the agent restarted")
+    until(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units after the agent restarted")
 
 
 class _PrefixLookups:
@@ -292,7 +282,7 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
                 # loads it without asking again), or the replica's own (round-robin: no plan)
                 assert lookups.count == 1, lookups.count
                 usage.append(r.json()["usage"])
-                _wait(lambda p=prompt: len(_holders(directory, servers[0], p)) == 3, 10, "the units in the directory")
+                until(lambda p=prompt: len(_holders(directory, servers[0], p)) == 3, 10, "the units in the directory")
             assert usage[0]["prompt_cache_hit_tokens"] == 0 and usage[1]["prompt_cache_hit_tokens"] == 3 * 64
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         remote = [float(line.split()[-1]) for line in metrics.splitlines()

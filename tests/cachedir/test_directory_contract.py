@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
 from cachedir.directory import DirectoryUnavailable, Holder, open_directory
 from cachedir.directory.memory import MemoryDirectory
 from tests.cachedir.conftest import FakeClock
+from tests.waiting import until
 
 _ns = itertools.count()
 
@@ -86,17 +86,9 @@ def test_a_unit_every_holder_dropped_is_told_from_one_never_seen(make_dir):
     assert d.longest_prefix([K(1), K(2), K(3)]).num_units == 3
     d.heartbeat("dying", "z", ttl_s=0.2)
     d.register("dying", [K(8)])
-    _until_expired(d, "dying")
+    until(lambda: "dying" not in d.live_nodes(), 10, "the heartbeat to expire", every_s=0.05)
     assert "dying" in d.collect_dead()
     assert d.longest_prefix([K(8)]).dropped_next is False  # a dead node's units are not drops
-
-
-def _until_expired(d, node: str, within_s: float = 10.0) -> None:
-    """Wait (polling) until ``node``'s heartbeat has expired in the directory's own clock."""
-    deadline = time.monotonic() + within_s
-    while node in d.live_nodes():
-        assert time.monotonic() < deadline, f"{node}'s heartbeat did not expire within {within_s} s"
-        time.sleep(0.05)
 
 
 def test_units_of_a_dead_node_are_ignored_at_once_and_collected_lazily(make_dir):
@@ -106,7 +98,7 @@ def test_units_of_a_dead_node_are_ignored_at_once_and_collected_lazily(make_dir)
     d.register("a", [K(1)])
     d.register("dying", [K(1), K(2)])
     assert d.longest_prefix([K(1), K(2)]).num_units == 2
-    _until_expired(d, "dying")
+    until(lambda: "dying" not in d.live_nodes(), 10, "the heartbeat to expire", every_s=0.05)
     m = d.longest_prefix([K(1), K(2)])
     assert m.num_units == 1 and m.holders[0] == [Holder("a", "ssd")]
     assert set(d.live_nodes()) == {"a"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import httpx
@@ -12,12 +11,6 @@ import pytest
 pytestmark = pytest.mark.ray
 
 openai = pytest.importorskip("openai")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -504,7 +497,9 @@ def test_the_dashboards_queries_return_data_from_a_real_prometheus(base_url, cli
     require(exe is not None, "prometheus is not installed (Debian package prometheus)")
     dashboard = json.loads((Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "tideserve.json").read_text())
     target = urlparse(base_url)
-    port = _free_port()
+    from deploy.redis_proc import free_port
+
+    port = free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "tideserve", "metrics_path": "/metrics",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 
 import httpx
 import pytest
@@ -15,12 +14,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MAX_TOKENS = 40
 PROMPTS = [f"p{i} " + "tide " * (5 + i % 6) for i in range(8)]  # 1 + 28..53 tokens (bytes)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
