@@ -96,6 +96,31 @@ def _serve_replicas(app_name: str) -> dict[str, tuple[str, str | None]]:
             for d in app.deployments.values() for r in d.replicas if r.actor_name}
 
 
+def _running_models(app_name: str, app_args: dict[str, Any]) -> set[str]:
+    """The actor names of the app's model replicas that Serve runs."""
+    models = _deployments(app_args)
+    return {a for a, (state, _) in _serve_replicas(app_name).items()
+            if state == "RUNNING" and any(f"#{d}#" in a for d in models)}
+
+
+def _reports_of(state, running: set[str], within_s: float) -> dict[str, dict]:
+    """The fresh heartbeats, once every replica in ``running`` has one: a replica that has just
+    started, or one on a busy node, can be a few seconds late. After ``within_s`` the late ones
+    are left out (a node without a report is not chosen to lend)."""
+    reports: dict[str, dict] = {}
+
+    def all_in() -> bool:
+        reports.clear()
+        reports.update(ray.get(state.replica_reports.remote()))
+        return running <= set(reports)
+
+    try:
+        _wait(all_in, within_s, "every serving replica's heartbeat")
+    except TimeoutError:
+        log.warning("no heartbeat from %s: their nodes are not lent", sorted(running - set(reports)))
+    return reports
+
+
 def _deployments(app_args: dict[str, Any]) -> list[str]:
     """The app's model deployments: the replicas, and the decode pool under P/D."""
     return ["LLMServer", "LLMDecode"] if app_args.get("decode_replicas") else ["LLMServer"]
@@ -159,7 +184,8 @@ def lend_nodes(
     if gone:
         ray.get(state.drop.remote(gone))
         roles = {x: r for x, r in roles.items() if x not in gone}
-    replicas = ray.get(state.replica_reports.remote())  # actor name -> report, fresh ones
+    running = _running_models(app_name, app_args)
+    replicas = _reports_of(state, running, min(timeout_s, 30.0))  # actor name -> report, fresh ones
     on_node: dict[str, list[str]] = {}
     for name, r in replicas.items():
         on_node.setdefault(r["node_id"], []).append(name)
@@ -182,7 +208,7 @@ def lend_nodes(
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
     # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
-    pools = {d: sum(1 for a in replicas if _deployment_of(a) == d) for d in _deployments(app_args)}
+    pools = {d: sum(1 for a in (running or set(replicas)) if _deployment_of(a) == d) for d in _deployments(app_args)}
     candidates = [x for x in lendable if x not in ingress
                   and all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]
     unique = _unique_units(app_args, candidates)
