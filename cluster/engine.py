@@ -13,7 +13,9 @@ One engine drives one model replica. Each ``step`` does both of:
 
 The decode tokens ride in the first prefill chunk's forward pass (``model.mixed``), so running
 sequences do not wait for a pass of their own behind a prompt's; with ``micro_batches=2`` the
-decode keeps its own pipelined pass (it hides expert-parallel rounds).
+decode keeps its own pipelined pass (it hides expert-parallel rounds). On a CUDA model a decode
+pass of its own replays the CUDA graph of its batch bucket (``model.fixed_decode``) unless
+``enforce_eager``.
 
 When the pool is full, cached prefix entries are dropped first, then the newest running sequence
 is preempted (its pages freed; it is recomputed later from its tokens, which stay the same).
@@ -47,7 +49,9 @@ from cluster.request import (
     RequestOutput,
     Sequence,
 )
+from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.model import DeepseekModel
+from model.moe import LocalExpertExecutor
 from model.sampling import TokenLogprob, sample, token_logprobs
 
 __all__ = ["cache_namespace", "Engine", "EngineConfig"]
@@ -73,6 +77,9 @@ class EngineConfig:
     # at most this many decode steps' time (their inter-token latency stays bounded); 0: every
     # chunk is max_prefill_tokens long
     itl_factor: float = 0.0
+    # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
+    # steps without a prefill chunk replay a CUDA graph captured per batch bucket (model.fixed_decode)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -124,6 +131,7 @@ class Engine:
         self.constraints = Constraints(token_bytes, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
         self.kv = KVManager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS)
+        self.fixed_decode = self._fixed_decode()
         self.waiting: deque[Sequence] = deque()
         self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
         self.running: list[Sequence] = []
@@ -394,6 +402,18 @@ class Engine:
         seq.first_token_s = time.monotonic()
         return True
 
+    def _fixed_decode(self) -> FixedShapeDecode | None:
+        """CUDA graphs of the decode step, one per batch bucket, where they can replay it: a CUDA
+        model with a paged attention kernel, its experts in this process, one micro-batch."""
+        m = self.model
+        if self.cfg.enforce_eager or not isinstance(m, DeepseekModel) or m.device.type != "cuda" \
+                or self.cfg.micro_batches != 1 \
+                or m.paged_kernel is None \
+                or not all(isinstance(moe.executor, LocalExpertExecutor) for moe in m.moe_layers()):
+            return None
+        return FixedShapeDecode(m, self.kv.pool, self.kv.scratch_page, self.kv.max_pages,
+                                buckets_up_to(self.cfg.max_num_seqs), capture=True)
+
     def _decode_batch(self) -> list[Sequence]:
         """The running sequences that decode this step, each with a page for its next token
         (the newest are preempted when the pool runs out). O(batch): a new page goes into the
@@ -422,7 +442,11 @@ class Engine:
         if logits is None:
             tables, tokens, positions = self._decode_inputs(batch)
             t0 = self._clock()
-            logits = self.model.decode(tokens, self.kv.pool, tables, positions, micro_batches=self.cfg.micro_batches)
+            if self.fixed_decode is not None:
+                logits = self.fixed_decode(tokens, tables, positions)
+            else:
+                logits = self.model.decode(tokens, self.kv.pool, tables, positions,
+                                           micro_batches=self.cfg.micro_batches)
             self._decode_s = _moving(self._decode_s, self._clock() - t0)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step

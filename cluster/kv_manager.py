@@ -29,13 +29,15 @@ class KVManager:
     def __init__(self, model: DeepseekModel, num_pages: int, page_size: int, max_rows: int, unit_tokens: int) -> None:
         if unit_tokens % page_size:
             raise ValueError(f"page_size {page_size} must divide the {unit_tokens}-token unit")
-        self.pool = model.new_pool(num_pages, page_size)
+        # one page past the allocator's: the scratch page that a fixed-shape step's padding rows write
+        self.pool = model.new_pool(num_pages + 1, page_size)
+        self.scratch_page = num_pages
         self.pages = PageAllocator(num_pages)
         self.prefix = PrefixTable(self.pages)
         self.num_pages, self.page_size, self.unit_tokens = num_pages, page_size, unit_tokens
         self.unit_pages = unit_tokens // page_size
-        max_pages = min(num_pages, -(-(model.cfg.max_position_embeddings + 1) // page_size))
-        self._tables = torch.zeros(max_rows, max_pages, dtype=torch.long)  # [rows, pages]
+        self.max_pages = min(num_pages, -(-(model.cfg.max_position_embeddings + 1) // page_size))
+        self._tables = torch.zeros(max_rows, self.max_pages, dtype=torch.long)  # [rows, pages]
         self._free_rows = list(range(max_rows))  # a heap: the lowest free row is taken first
 
     def pages_for(self, tokens: int) -> int:

@@ -105,6 +105,8 @@ class AppArgs(BaseModel):
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
     expert_rebalance_s: float = Field(default=0.0, ge=0)  # re-plan placement this often (0: `tide eplb rebalance`)
     micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
+    # True: no CUDA graphs; every decode step runs eagerly (as vLLM's --enforce-eager)
+    enforce_eager: bool = False
     # how expert-parallel rows travel: fp8 dispatch + bf16 combine (DeepSeek's), the model's dtype
     # (native), or auto: fp8 for a bfloat16 model, else native
     ep_wire: Literal["auto", "native", "fp8"] = "auto"
@@ -315,7 +317,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
                               tls_mutual=a.agent_tls_mutual, replicas=a.cache_replicas)
     engine = EngineConfig(num_pages=a.num_pages, max_num_seqs=a.max_num_seqs, max_prefill_tokens=a.max_prefill_tokens,
                           admission=a.admission, prefix_sharing=a.enable_cache and a.prefix_sharing,
-                          micro_batches=a.micro_batches, itl_factor=a.itl_factor)
+                          micro_batches=a.micro_batches, itl_factor=a.itl_factor, enforce_eager=a.enforce_eager)
     server_cfg = ReplicaConfig(
         checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, engine=engine, enable_cache=a.enable_cache,
         directory=directory,

@@ -246,6 +246,7 @@ def up(
     expert_shards: int = typer.Option(0, "--expert-shards", min=0, help="routed experts on N expert-shard actors shared by every replica (0: in the replica)"),
     expert_rebalance_s: float = typer.Option(0.0, "--expert-rebalance-s", min=0.0, help="with --expert-shards: re-plan expert placement from the measured load this often (0: only `tide eplb rebalance`)"),
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="with --device cuda: run every decode step eagerly instead of replaying the CUDA graph captured for its batch size"),
     ep_wire: str = typer.Option("auto", "--ep-wire", help="with --expert-shards, how rows travel to the shards and back: fp8 (FP8 dispatch, BF16 combine, as DeepSeek serves V3) | native (the model's dtype) | auto (fp8 for a bfloat16 model)"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica, and each expert shard, takes one GPU and runs the Triton kernels)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
@@ -264,7 +265,7 @@ def up(
             "replicas": replicas, "decode_replicas": decode_replicas, "cache_dir": str(cache_dir) if cache_dir else None,
             "ssd_gb": ssd_gb, "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key),
             "expert_shards": expert_shards, "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches,
-            "ep_wire": ep_wire, "device": device, "dtype": dtype, "cpu_weights": cpu_weights,
+            "enforce_eager": enforce_eager, "ep_wire": ep_wire, "device": device, "dtype": dtype, "cpu_weights": cpu_weights,
             "fp8_weights": fp8_weights}
     cli_names = {"api_keys": "api_key"}
     edge = {"host": host, "port": port, "redis_url": redis_url, "num_cpus": num_cpus}

@@ -7,6 +7,8 @@ BLAS sgemm is tuned for large M; at decode (M <= 16 rows) it reaches a fraction 
 bandwidth on many CPUs. ``small_linear`` and ``moe_experts`` stream each weight byte once.
 ``small_linear_q8`` and ``moe_routed_q8`` do the same over int8 weights with a float32 scale per
 row and group of G columns (``quantize_q8``; G divides K), reading a quarter of the bytes.
+``mla_decode_paged`` is the absorbed MLA decode of ``kernels.mla_decode`` reading the paged pool
+in place: no gathered copy of the context, and work in proportion to each row's own length.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
 flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
@@ -32,6 +34,7 @@ __all__ = [
     "cpu_kernels",
     "dequantize_q8",
     "kernel_state",
+    "mla_decode_paged",
     "moe_experts",
     "moe_routed",
     "moe_routed_q8",
@@ -220,6 +223,21 @@ def moe_routed_q8(
     if mod is None:
         return ref_moe_routed_q8(x, ids, weights, gate_up_q, gate_up_scale, down_q, down_scale)
     return mod.moe_routed_q8(x, ids, weights, gate_up_q, gate_up_scale, down_q, down_scale)
+
+
+def mla_decode_paged(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, page_size: int,
+) -> torch.Tensor:
+    """The contract of ``kernels.mla_decode.mla_decode`` for fp32 CPU tensors (the reference,
+    ``ref_mla_decode``, when the extension is unavailable)."""
+    mod = cpu_kernels()
+    if mod is None:
+        from kernels.mla_decode import ref_mla_decode
+
+        return ref_mla_decode(q_lat, q_rope, kv, block_table, seq_lens, scale, page_size)
+    return mod.mla_decode_paged(q_lat.contiguous(), q_rope.contiguous(), kv, block_table.long(), seq_lens.long(),
+                                scale, page_size)
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at install time

@@ -106,13 +106,14 @@ def _mla_decode_split(
         acc = tl.dot(w.to(c.dtype), c, acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
 
-    # An empty split (its chunk lies past the sequence end) writes lse = -inf and zeros.
+    # An empty split (its chunk lies past the sequence end: block tables as wide as the longest
+    # context, a fixed-shape step's) writes only lse = -inf; the merge does not read its output.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     base = b * stride_pb + split * stride_ps
     tl.store(part_out + base + heads[:, None] * stride_ph + r[None, :], out,
-             mask=head_ok[:, None] & (r[None, :] < R))
+             mask=head_ok[:, None] & ~empty[:, None] & (r[None, :] < R))
     tl.store(part_lse + (b * num_heads + heads) * tl.num_programs(2) + split, lse, mask=head_ok)
 
 
@@ -130,8 +131,9 @@ def _mla_decode_merge(
                   other=float("-inf"))  # [BC]
     w = tl.exp(lse - tl.max(lse, axis=0))  # split 0 always holds a token, so the max is finite
     w = w / tl.sum(w, axis=0)
+    filled = (c < num_splits) & (lse > float("-inf"))
     parts = tl.load(part_out + b * stride_pb + h * stride_ph + c[:, None] * stride_ps + r[None, :],
-                    mask=(c[:, None] < num_splits) & (r[None, :] < R), other=0.0)  # [BC, BR]
+                    mask=filled[:, None] & (r[None, :] < R), other=0.0)  # [BC, BR]
     o = tl.sum(parts * w[:, None], axis=0)
     tl.store(out + b * stride_ob + h * stride_oh + r, o.to(out.dtype.element_ty), mask=r < R)
 

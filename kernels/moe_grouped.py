@@ -128,7 +128,8 @@ def sort_rows_by_expert(
     n = flat.numel()
     num_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # counted by index_add_, not bincount: bincount reads the largest id back to size its output
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
     pad_start = pad_end - padded

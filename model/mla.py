@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemv import mla_decode_paged
 from kernels.mla_decode import mla_decode
 from model.config import ModelConfig
 from model.layers import linear, rms_norm
@@ -168,13 +169,16 @@ class MLA:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         page_size: int,
+        kernel: str = "triton",
     ) -> torch.Tensor:
-        """Absorbed decode straight over one layer of the paged pool (Triton kernel, no gather).
+        """Absorbed decode straight over one layer of the paged pool (no gather): ``kernel``
+        "triton" (``kernels.mla_decode``) or "cpu" (the C++ one of ``kernels.cpu_gemv``, fp32).
 
         q_nope [B, H, N], q_rope [B, H, P], kv [slots, D], block_tables [B, X], seq_lens [B]
         (tokens to attend, the new one included). Returns [B, H, V]."""
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, self.w_uk).to(kv.dtype)  # [B, H, R]
-        o_lat = mla_decode(
+        decode = mla_decode_paged if kernel == "cpu" else mla_decode
+        o_lat = decode(
             q_lat.contiguous(), q_rope.to(kv.dtype).contiguous(), kv, block_tables, seq_lens,
             self.scale, page_size,
         )  # [B, H, R]

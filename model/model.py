@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from kernels import Impl
+from kernels.cpu_gemv import cpu_kernels
 from model.config import ModelConfig
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
@@ -64,6 +65,16 @@ class DeepseekModel:
         """Where the weights and pools live; token ids, block tables and positions may come from
         anywhere and are moved here."""
         return self.embed.device
+
+    @property
+    def paged_kernel(self) -> str | None:
+        """The kernel that attends a decode batch over the paged pool in place: Triton's, or on a
+        float32 CPU model the C++ one (``kernels.cpu_gemv``) when it is built; None: gather."""
+        if self.impl == "triton":
+            return "triton"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
+            return "cpu"
+        return None
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
@@ -130,6 +141,7 @@ class DeepseekModel:
         positions: torch.Tensor,
         attn: AttnPath = "absorbed",
         micro_batches: int = 1,
+        max_len: int | None = None,
     ) -> torch.Tensor:
         """One decode step for B sequences of different lengths.
 
@@ -140,16 +152,19 @@ class DeepseekModel:
         ``micro_batches=2`` splits the batch in two and pipelines them: while one half's MoE
         round is with the expert executor (remote shards under expert parallelism), the other
         half computes attention. Results are the same as one batch.
+
+        ``max_len``: a bound on every sequence's length (the new token included) when the caller
+        knows it; the step then never reads the positions back to the host (CUDA graphs).
         """
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
         b = token_ids.shape[0]
         if micro_batches == 2 and b >= 2:
             half = (b + 1) // 2
-            parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn)
-                     for sl in (slice(0, half), slice(half, b))]
+            parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn,
+                                        max_len) for sl in (slice(0, half), slice(half, b))]
             return torch.cat([self._logits(h) for h in self._decode_pipelined(parts, pool)])
-        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, attn)
+        batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, attn, max_len)
         return self._logits(self._forward(pool, None, batch))
 
     @torch.inference_mode()
@@ -284,14 +299,18 @@ class _DecodeBatch:
     cos: torch.Tensor
     sin: torch.Tensor
     attn: str  # "absorbed" | "naive"
-    paged: bool  # the Triton kernel reads the pool directly
+    paged: str | None  # a kernel that reads the pool in place: "triton" | "cpu"; None: gather (torch)
     read_slots: torch.Tensor | None = None  # [B, S] (torch path)
     mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
 
     @classmethod
-    def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: AttnPath) -> _DecodeBatch:
+    def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: AttnPath,
+              max_len: int | None = None) -> _DecodeBatch:
+        """``max_len``: a bound on every row's length, when the caller knows it (a fixed-shape
+        step: no read of the positions back from a GPU)."""
         b = token_ids.shape[0]
-        max_len = int(positions.max()) + 1  # before the move: positions usually come from the host
+        if max_len is None:
+            max_len = int(positions.max()) + 1  # before the move: positions usually come from the host
         dev = model.device
         token_ids, block_tables, positions = token_ids.to(dev), block_tables.to(dev), positions.to(dev)
         if block_tables.shape[1] * page_size < max_len:
@@ -300,7 +319,7 @@ class _DecodeBatch:
         new_slots = slots_for(block_tables, positions[:, None], page_size)[:, 0]
         cos, sin = model.rope.cos_sin(positions, model.dtype, top=max_len)
         batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin, attn,
-                    model.impl == "triton" and attn == "absorbed")
+                    model.paged_kernel if attn == "absorbed" else None)
         if not batch.paged:
             span = torch.arange(max_len, device=dev)  # [S]
             batch.read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), page_size)
@@ -311,7 +330,7 @@ class _DecodeBatch:
         """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written)."""
         if self.paged:
             return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.positions + 1,
-                                     pool.page_size)
+                                     pool.page_size, self.paged)
         latents = pool.read(i, self.read_slots)  # [B, S, D]
         if self.attn == "absorbed":
             return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, self.mask)[:, 0]

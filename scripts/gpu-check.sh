@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA (a session's lent H200, or your own GPU):
-# the Triton kernel tests, the model's GPU tests and expert-shard compute on CUDA, then `tide bench kernels --json`.
+# the Triton kernel tests, the model's GPU tests (CUDA graphs of the decode step too) and expert-shard compute on
+# CUDA, then `tide bench kernels --json`.
 # It uses the machine's own python3 with its torch and triton (nothing is installed) and the repo
 # on PYTHONPATH; it writes env.txt, tests.log and bench-kernels.json under ${OUT:-gpu-check}.
 # Without CUDA the tests run in Triton's interpreter and the bench says it needs CUDA.
@@ -19,7 +20,9 @@ unset TRITON_INTERPRET
 } | tee "$OUT/env.txt"
 
 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider -rs \
-  tests/kernels tests/model/test_gpu.py tests/cluster/test_ep.py --ignore=tests/kernels/test_cpu_gemv.py 2>&1 | tee "$OUT/tests.log"
+  tests/kernels tests/model/test_gpu.py tests/model/test_fixed_decode.py tests/cluster/test_ep.py \
+  "tests/cluster/test_engine.py::test_on_cuda_decode_steps_replay_graphs_and_give_the_eager_engines_tokens" \
+  --ignore=tests/kernels/test_cpu_gemv.py 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 timeout "${BENCH_TIMEOUT:-300}" "$PY" -m deploy.cli bench kernels --json | tee "$OUT/bench-kernels.json"

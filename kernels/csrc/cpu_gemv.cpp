@@ -394,10 +394,122 @@ torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor we
                 q8_mats(down_q, down_scale));
 }
 
+namespace {
+
+// a . b over n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
+  }
+  acc = hsum(_mm256_add_ps(v0, v1));
+#endif
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Heads attended together by one task: they share every latent row read.
+constexpr int64_t kHeadBlock = 16;
+
+}  // namespace
+
+// Absorbed MLA decode over one layer of the paged latent pool, the contract of
+// kernels.mla_decode.mla_decode (fp32): q_lat [B, H, R], q_rope [B, H, P], kv [slots, R + P],
+// block_table [B, X] int64, seq_lens [B] int64 (each in 1..X*Z) -> out [B, H, R] =
+// softmax_s((q_lat . c_s + q_rope . k_s) * scale) @ c. Token s of row b is in slot
+// block_table[b, s / Z] * Z + s % Z; only s < seq_lens[b] is read. A task takes one row and a
+// block of heads: each latent is read once for the block's scores and once for its output.
+torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv,
+                               torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                               int64_t page_size) {
+  check_f32(q_lat, "q_lat");
+  check_f32(q_rope, "q_rope");
+  check_f32(kv, "kv");
+  TORCH_CHECK(q_lat.dim() == 3 && q_rope.dim() == 3 && kv.dim() == 2, "q_lat, q_rope must be 3-D, kv 2-D");
+  const int64_t B = q_lat.size(0), H = q_lat.size(1), R = q_lat.size(2), P = q_rope.size(2);
+  TORCH_CHECK(q_rope.size(0) == B && q_rope.size(1) == H, "q_rope must be [B, H, P] like q_lat");
+  TORCH_CHECK(kv.size(1) == R + P, "kv rows hold ", kv.size(1), " values, need R + P = ", R + P);
+  TORCH_CHECK(page_size >= 1 && kv.size(0) % page_size == 0, "kv slots must be whole pages");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == B,
+              "block_table must be int64 [B, X]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == B, "seq_lens must be int64 [B]");
+  auto bt = block_table.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t X = bt.size(1), Z = page_size, pages = kv.size(0) / Z, D = R + P;
+  const int64_t* tab = bt.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= X * Z, "seq_lens[", b, "] = ", len[b], " outside [1, ", X * Z, "]");
+    for (int64_t x = 0; x < (len[b] + Z - 1) / Z; ++x)
+      TORCH_CHECK(tab[b * X + x] >= 0 && tab[b * X + x] < pages, "block_table[", b, ", ", x, "] = ",
+                  tab[b * X + x], " outside the pool's ", pages, " pages");
+    longest = std::max(longest, len[b]);
+  }
+  auto out = torch::empty({B, H, R}, q_lat.options());
+  const float *ql = q_lat.data_ptr<float>(), *qr = q_rope.data_ptr<float>(), *cache = kv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = (H + kHeadBlock - 1) / kHeadBlock;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(kHeadBlock * longest), qf(kHeadBlock * D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = task / blocks, h0 = (task % blocks) * kHeadBlock, nh = std::min(kHeadBlock, H - h0);
+      const int64_t n = len[b];
+      float mx[kHeadBlock], sum[kHeadBlock];
+      std::fill(mx, mx + nh, -INFINITY);
+      // each head's query as one [R + P] row, the layout of a latent: a score is one dot product
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t q = b * H + h0 + h;
+        std::copy(ql + q * R, ql + (q + 1) * R, qf.data() + h * D);
+        std::copy(qr + q * P, qr + (q + 1) * P, qf.data() + h * D + R);
+      }
+      for (int64_t s = 0; s < n; ++s) {
+        const float* row = cache + (tab[b * X + s / Z] * Z + s % Z) * D;
+        int64_t h = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; D % 16 == 0 && h + 4 <= nh; h += 4) {  // four heads per read of the row
+          float four[4];
+          dot_1x4(row, qf.data() + h * D, D, four);
+          for (int64_t j = 0; j < 4; ++j) p[(h + j) * n + s] = four[j] * sc;
+        }
+#endif
+        for (; h < nh; ++h) p[h * n + s] = dot(qf.data() + h * D, row, D) * sc;
+        for (int64_t j = 0; j < nh; ++j) mx[j] = std::max(mx[j], p[j * n + s]);
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        float total = 0.0f;
+        for (int64_t s = 0; s < n; ++s) total += (p[h * n + s] = std::exp(p[h * n + s] - mx[h]));
+        sum[h] = total;
+        std::fill(op + (b * H + h0 + h) * R, op + (b * H + h0 + h + 1) * R, 0.0f);
+      }
+      for (int64_t s = 0; s < n; ++s) {
+        const float* row = cache + (tab[b * X + s / Z] * Z + s % Z) * D;
+        for (int64_t h = 0; h < nh; ++h) {
+          const float w = p[h * n + s];
+          float* o = op + (b * H + h0 + h) * R;
+          for (int64_t r = 0; r < R; ++r) o[r] += w * row[r];
+        }
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        float* o = op + (b * H + h0 + h) * R;
+        const float inv = 1.0f / sum[h];
+        for (int64_t r = 0; r < R; ++r) o[r] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
   m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
   m.def("moe_routed", &moe_routed, "group by expert, run, and combine weighted outputs (fp32)");
   m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
   m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
+  m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
 }

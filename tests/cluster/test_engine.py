@@ -569,3 +569,30 @@ def test_queue_time_ends_when_a_step_takes_the_request_up(model):
     assert all(o.queued_s == 0.0 for o in outs["a"][:-1] + outs["b"][:-1])
     assert 0.0 <= a.queued_s < b.queued_s
     assert b.queued_s >= a.decode_s  # b waited at least as long as a decoded
+
+
+@pytest.mark.gpu
+def test_on_cuda_decode_steps_replay_graphs_and_give_the_eager_engines_tokens():
+    """A CUDA model's engine captures a graph per batch bucket; its tokens equal an
+    ``enforce_eager`` engine's for requests that join and leave (every bucket, padded rows)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from model.checkpoint import build_model, random_state_dict
+    from model.config import named_config
+
+    cfg = named_config("tiny")
+    m = build_model(cfg, {k: v.cuda() for k, v in random_state_dict(cfg, seed=5, std=0.1).items()})
+    runs = {}
+    for eager in (False, True):
+        eng = _engine(m, max_num_seqs=6, max_prefill_tokens=64, enforce_eager=eager)
+        assert (eng.fixed_decode is None) == eager
+        if not eager:
+            assert eng.fixed_decode.captured == [1, 2, 4, 6]
+        for i in range(6):
+            eng.add_request(GenerationRequest(f"r{i}", _prompt(10 + 23 * i, i), max_tokens=4 + 5 * i))
+        outs = {}
+        while eng.has_work():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).append(o)
+        runs[eager] = {rid: _tokens(o) for rid, o in outs.items()}
+    assert runs[False] == runs[True]

@@ -143,3 +143,35 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
     assert cpu_gemv.build_dir().name != mine.name
     monkeypatch.setenv("TIDE_KERNEL_BUILD_DIR", str(tmp_path))
     assert cpu_gemv.build_dir().parent == tmp_path
+
+
+@pytest.mark.parametrize("heads, rank, rope, page", [(8, 128, 32, 16), (20, 60, 12, 4), (1, 16, 8, 1)])
+@pytest.mark.parametrize("lens", [[1], [16, 17, 3], [100, 1, 64, 33, 48]])
+def test_mla_decode_paged_matches_reference_and_reads_only_each_rows_tokens(heads, rank, rope, page, lens):
+    from kernels.cpu_gemv import mla_decode_paged
+    from kernels.mla_decode import ref_mla_decode
+
+    gen = torch.Generator().manual_seed(len(lens) * heads)
+    b, width = len(lens), -(-max(lens) // page) + 2
+    pages = torch.randperm(b * width, generator=gen).view(b, width)  # scattered, like a pool's
+    kv = torch.full((b * width * page, rank + rope), float("nan"))  # what no row attends stays NaN
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        kv[pages[i, pos // page] * page + pos % page] = torch.randn(n, rank + rope, generator=gen)
+    q_lat, q_rope = torch.randn(b, heads, rank, generator=gen), torch.randn(b, heads, rope, generator=gen)
+    seq_lens = torch.tensor(lens)
+    got = mla_decode_paged(q_lat, q_rope, kv, pages, seq_lens, 0.125, page)
+    want = ref_mla_decode(q_lat, q_rope, kv, pages, seq_lens, 0.125, page)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_paged_rejects_a_length_or_page_outside_the_pool():
+    mod = cpu_kernels()
+    q_lat, q_rope, kv = torch.ones(1, 2, 8), torch.ones(1, 2, 4), torch.ones(4 * 16, 12)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 33 outside \[1, 32\]"):
+        mod.mla_decode_paged(q_lat, q_rope, kv, torch.tensor([[0, 1]]), torch.tensor([33]), 1.0, 16)
+    with pytest.raises(RuntimeError, match=r"block_table\[0, 1\] = 9 outside the pool's 4 pages"):
+        mod.mla_decode_paged(q_lat, q_rope, kv, torch.tensor([[0, 9]]), torch.tensor([20]), 1.0, 16)
+    with pytest.raises(RuntimeError, match="R \\+ P = 13"):
+        mod.mla_decode_paged(q_lat, torch.ones(1, 2, 5), kv, torch.tensor([[0, 1]]), torch.tensor([2]), 1.0, 16)
