@@ -13,8 +13,8 @@ One engine drives one model replica. Each ``step`` does both of:
 
 The decode tokens ride in the first prefill chunk's forward pass (``model.mixed``), so running
 sequences do not wait for a pass of their own behind a prompt's; with ``micro_batches=2`` the
-decode keeps its own pipelined pass (it hides expert-parallel rounds). On a CUDA model a decode
-pass of its own replays the CUDA graph of its batch bucket (``model.fixed_decode``) unless
+chunk and the decode batch are that pass's two pipelined micro-batches (one's expert round hides
+behind the other's attention). On a CUDA model a decode pass of its own replays the CUDA graph of its batch bucket (``model.fixed_decode``) unless
 ``enforce_eager``.
 
 When the pool is full, cached prefix entries are dropped first, then the newest running sequence
@@ -218,7 +218,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """A token for every running sequence and the next chunks of the waiting prompts: a
         forward pass per chunk, the decode riding in the first (a pass of its own when nothing is
-        prefilled, or with ``micro_batches=2``)."""
+        prefilled)."""
         outputs: list[RequestOutput] = []
         with self._lock:
             self._reap_aborted(outputs)
@@ -226,8 +226,7 @@ class Engine:
         chunks = self._schedule_prefill(batch)
         decode_logits = None
         for k, (seq, end) in enumerate(chunks):
-            rides = k == 0 and self.cfg.micro_batches == 1  # the decode tokens ride in the first chunk's pass
-            logits, rode = self._run_chunk(seq, end, batch if rides else None)
+            logits, rode = self._run_chunk(seq, end, batch if k == 0 else None)  # the decode rides in the first
             decode_logits = rode if rode is not None else decode_logits
             self._chunk_done(seq, end, logits, outputs)
         if batch:
@@ -309,7 +308,8 @@ class Engine:
         decode_logits = None
         if batch:
             tables, tokens, positions = self._decode_inputs(batch)
-            logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool)
+            logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool,
+                                                     micro_batches=self.cfg.micro_batches)
             self.stats["mixed_steps"] += 1
         else:
             logits = self.model.prefill(ids, self.kv.pool, table, start=start)

@@ -163,7 +163,7 @@ class DeepseekModel:
             half = (b + 1) // 2
             parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn,
                                         max_len) for sl in (slice(0, half), slice(half, b))]
-            return torch.cat([self._logits(h) for h in self._decode_pipelined(parts, pool)])
+            return torch.cat([self._logits(h) for h in self._pipelined(parts, pool)])
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, attn, max_len)
         return self._logits(self._forward(pool, None, batch))
 
@@ -178,14 +178,24 @@ class DeepseekModel:
         positions: torch.Tensor,
         pool: LatentKVPool,
         decode_attn: AttnPath = "absorbed",
+        micro_batches: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk of one sequence and a decode step of B others in one forward pass:
         every projection and expert GEMM runs once over the T + B rows (the weights are read
         once), attention runs per part. Arguments as ``prefill(chunk_ids, pool, chunk_table,
         chunk_start)`` and ``decode(token_ids, pool, block_tables, positions)``; returns their
-        logits, ([V] of the chunk's last token, [B, V]), the same as the two calls would."""
+        logits, ([V] of the chunk's last token, [B, V]), the same as the two calls would.
+
+        ``micro_batches=2``: the chunk and the batch are the two micro-batches, pipelined as in
+        ``decode``: one's MoE round is with the expert executor while the other attends."""
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
         chunk = _Chunk.build(self, chunk_ids, chunk_table, chunk_start, pool.page_size, "auto")
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, decode_attn)
+        if micro_batches == 2:
+            h_chunk, h_batch = self._pipelined([chunk, batch], pool)
+            logits = self._logits(torch.cat((h_chunk[-1:], h_batch)))
+            return logits[0], logits[1:]
         h = self._forward(pool, chunk, batch)
         logits = self._logits(torch.cat((h[chunk.t - 1 : chunk.t], h[chunk.t :])))
         return logits[0], logits[1:]
@@ -212,9 +222,10 @@ class DeepseekModel:
             h = self._ffn(layer, h + layer.attn.output(o))
         return h
 
-    def _decode_pipelined(self, parts: list[_DecodeBatch], pool: LatentKVPool) -> list[torch.Tensor]:
-        """Two micro-batches, one layer apart: finishing micro-batch m's MoE of layer i-1 and its
-        attention of layer i run while the other's MoE round is in flight."""
+    def _pipelined(self, parts: list[_Chunk | _DecodeBatch], pool: LatentKVPool) -> list[torch.Tensor]:
+        """Two micro-batches (decode halves, or a prefill chunk and a decode batch), one layer
+        apart: finishing micro-batch m's MoE of layer i-1 and its attention of layer i run while
+        the other's MoE round is in flight. Returns each part's hidden states."""
         h = [p.h for p in parts]
         pending: list = [None, None]  # (residual, finisher) of an MoE round in flight
         for i, layer in enumerate(self.layers):
@@ -222,7 +233,7 @@ class DeepseekModel:
                 if pending[m] is not None:
                     residual, finish = pending[m]
                     h[m], pending[m] = residual + finish(), None
-                h[m] = h[m] + self._decode_attention(i, layer, h[m], part, pool)
+                h[m] = h[m] + self._attention(i, layer, h[m], part, pool)
                 x = rms_norm(h[m], layer.post_attn_norm, self.cfg.rms_norm_eps)
                 if isinstance(layer.mlp, MoE):
                     pending[m] = (h[m], layer.mlp.submit(x))
@@ -234,13 +245,15 @@ class DeepseekModel:
                 h[m] = residual + finish()
         return h
 
-    def _decode_attention(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: _DecodeBatch,
-                          pool: LatentKVPool) -> torch.Tensor:
-        """Attention output [B, M] of layer ``i`` for one decode batch (writes its new latents)."""
+    def _attention(self, i: int, layer: DecoderLayer, h: torch.Tensor, part: _Chunk | _DecodeBatch,
+                   pool: LatentKVPool) -> torch.Tensor:
+        """Attention output [rows, M] of layer ``i`` for one part (writes its new latents)."""
         x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-        q_nope, q_rope, latent = layer.attn.project(x, batch.cos, batch.sin)
-        pool.write(i, batch.new_slots, latent)
-        return layer.attn.output(batch.attend(i, layer.attn, q_nope, q_rope, pool))
+        q_nope, q_rope, latent = layer.attn.project(x, part.cos, part.sin)
+        pool.write(i, part.new_slots, latent)
+        if isinstance(part, _Chunk):
+            return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, latent, pool))
+        return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, pool))
 
 
 @dataclass(slots=True)

@@ -68,20 +68,21 @@ def test_concurrent_requests_with_shared_and_unique_prefixes_match_the_reference
     assert eng.stats["mixed_steps"] > 0  # decode tokens rode in prefill chunks' passes
 
 
-def test_decode_rides_in_the_prefill_pass_unless_micro_batches_pipeline_it(model):
-    """With one micro-batch a step that prefills a chunk while others decode is one forward
-    pass; with two, the decode keeps its own pipelined pass. The tokens are the same."""
+def test_decode_rides_in_the_prefill_pass_with_one_or_two_micro_batches(model):
+    """A step that prefills a chunk while others decode is one forward pass; with two
+    micro-batches the chunk and the decode batch are its pipelined halves. The tokens are the
+    same."""
     calls = []
 
     class Counting:
         def __getattr__(self, name):
             attr = getattr(model, name)
             if name in ("prefill", "decode", "mixed"):
-                return lambda *a, **k: calls.append(name) or attr(*a, **k)
+                return lambda *a, **k: calls.append((name, k.get("micro_batches", 1))) or attr(*a, **k)
             return attr
 
     prompts = {"a": _prompt(70, 1), "b": _prompt(300, 2)}
-    for micro_batches, passes in ((1, {"mixed"}), (2, {"prefill", "decode"})):
+    for micro_batches, passes in ((1, {("mixed", 1)}), (2, {("mixed", 2)})):
         eng = _engine(Counting(), max_prefill_tokens=64, micro_batches=micro_batches)
         eng.add_request(GenerationRequest("a", prompts["a"], max_tokens=12))
         outs = {"a": eng.step() + eng.step()}  # a is prefilled: it decodes from now on

@@ -148,10 +148,12 @@ def test_a_chunked_prefill_equals_one_prefill(model):
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("chunk_start", [0, 64])
-def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start):
-    """A prefill chunk and a decode batch in one forward pass give the logits and write the
-    latents that the two calls give apart (the chunk after a cached start or from token 0)."""
+def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start, micro_batches):
+    """A prefill chunk and a decode batch in one forward pass (or as its two pipelined
+    micro-batches) give the logits and write the latents that the two calls give apart (the
+    chunk after a cached start or from token 0)."""
     lengths = [5, 33, 70]
     pool = model.new_pool(64, 16)
     tables = torch.arange(30).view(3, 10)
@@ -167,7 +169,8 @@ def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start):
     want_batch = model.decode(tokens, pool, tables, positions)
     want_pool = pool.data.clone()
     pool.data.copy_(snapshot)
-    got_chunk, got_batch = model.mixed(ids[chunk_start:], chunk_table, chunk_start, tokens, tables, positions, pool)
+    got_chunk, got_batch = model.mixed(ids[chunk_start:], chunk_table, chunk_start, tokens, tables, positions, pool,
+                                       micro_batches=micro_batches)
     torch.testing.assert_close(got_chunk, want_chunk, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_batch, want_batch, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool.data, want_pool, atol=1e-5, rtol=0)
