@@ -81,26 +81,36 @@ def _running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
     return dep.replica_states.get("RUNNING", 0) if dep else 0
 
 
-def _serve_replicas(app_name: str) -> dict[str, tuple[str, str | None]]:
-    """Serve's own view of the app's replicas: actor name -> (state, node id)."""
+def _app_details(app_name: str):
+    """Serve's details of the app (``ray.serve.schema.ApplicationDetails``), None without it."""
     from ray.serve._private.api import _get_global_client
     from ray.serve.schema import ServeInstanceDetails
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
-        return {}
-    app = ServeInstanceDetails(**client.get_serve_details()).applications.get(app_name)
+        return None
+    return ServeInstanceDetails(**client.get_serve_details()).applications.get(app_name)
+
+
+def _serve_replicas(app_name: str) -> dict[str, tuple[str, str | None]]:
+    """Serve's own view of the app's replicas: actor name -> (state, node id)."""
+    app = _app_details(app_name)
     if app is None:
         return {}
     return {r.actor_name: (str(r.state.value), r.node_id)
             for d in app.deployments.values() for r in d.replicas if r.actor_name}
 
 
-def _running_models(app_name: str, app_args: dict[str, Any]) -> set[str]:
-    """The actor names of the app's model replicas that Serve runs."""
-    models = _deployments(app_args)
-    return {a for a, (state, _) in _serve_replicas(app_name).items()
-            if state == "RUNNING" and any(f"#{d}#" in a for d in models)}
+def _serve_models(app_name: str, app_args: dict[str, Any]) -> tuple[dict[str, int], set[str]]:
+    """Serve's view of the app's model deployments: the target replica count of each, and the
+    actor names of the replicas it runs (empty when there is no Serve)."""
+    app = _app_details(app_name)
+    if app is None:
+        return {}, set()
+    models = {d: app.deployments[d] for d in _deployments(app_args) if d in app.deployments}
+    return ({d: dep.target_num_replicas for d, dep in models.items()},
+            {r.actor_name for dep in models.values() for r in dep.replicas
+             if r.actor_name and str(r.state.value) == "RUNNING"})
 
 
 def _reports_of(state, running: set[str], within_s: float) -> dict[str, dict]:
@@ -184,8 +194,8 @@ def lend_nodes(
     if gone:
         ray.get(state.drop.remote(gone))
         roles = {x: r for x, r in roles.items() if x not in gone}
-    running = _running_models(app_name, app_args)
-    replicas = _reports_of(state, running, min(timeout_s, 30.0))  # actor name -> report, fresh ones
+    targets, running = _serve_models(app_name, app_args)
+    replicas = _reports_of(state, running, min(timeout_s, 15.0))  # actor name -> report, fresh ones
     on_node: dict[str, list[str]] = {}
     for name, r in replicas.items():
         on_node.setdefault(r["node_id"], []).append(name)
@@ -207,8 +217,9 @@ def lend_nodes(
                                      set(on_node))
     if n < 1 or n >= len(serving):
         raise ValueError(f"cannot lend {n} of {len(serving)} serving nodes (at least one keeps serving)")
-    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays
-    pools = {d: sum(1 for a in (running or set(replicas)) if _deployment_of(a) == d) for d in _deployments(app_args)}
+    # a node that hosts every replica of a pool (P/D: the prefill or the decode pool) stays. A
+    # pool's size is Serve's target for it (a replica being replaced counts), else the reports'
+    pools = {d: targets.get(d, sum(1 for a in replicas if _deployment_of(a) == d)) for d in _deployments(app_args)}
     candidates = [x for x in lendable if x not in ingress
                   and all(pools[d] - sum(1 for a in on_node[x] if _deployment_of(a) == d) >= 1 for d in pools)]
     unique = _unique_units(app_args, candidates)

@@ -174,7 +174,7 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
     import ray
 
     from actors.tidal import tidal_state
-    from deploy.tidal import _running_replicas, _wait
+    from deploy.tidal import _running_replicas, _serve_replicas
 
     url, _, _, _ = serving
     body = {"model": "tiny", "prompt": "a long answer about the sea: ", "max_tokens": 160, "temperature": 0,
@@ -204,7 +204,9 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
                 ray.kill(ray.get_actor(busy[0]["actor_name"], namespace="serve"), no_restart=True)
                 killed.append(busy[0]["actor_name"])
     assert killed and "".join(text) == want
-    _wait(lambda: _running_replicas("tideserve") == 3, 300, "Serve to replace the killed replica")
+    # Serve lists the killed replica as running until its next health check: wait for it to go
+    until(lambda: killed[0] not in _serve_replicas("tideserve") and _running_replicas("tideserve") == 3, 300,
+          "Serve to replace the killed replica")
 
 
 def test_a_kubernetes_night_and_morning(serving, tmp_path):
