@@ -66,7 +66,6 @@ class FixedShapeDecode:
         # the RoPE table must hold every position before a graph captures its address
         model.rope.cos_sin(self.positions[:1], model.dtype, top=self.max_len)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._graph_pool = None
         if capture:
             self.capture()
 
@@ -114,7 +113,7 @@ class FixedShapeDecode:
         its memory). The buffers hold padding rows only meanwhile: nothing but the scratch page
         is written."""
         self._pad(0, self.buckets[-1])
-        self._graph_pool = torch.cuda.graph_pool_handle()
+        memory = torch.cuda.graph_pool_handle()
         for k in reversed(self.buckets):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -124,7 +123,7 @@ class FixedShapeDecode:
                         self._step(k)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
+                with torch.inference_mode(), torch.cuda.graph(graph, pool=memory):
                     out = self._step(k)
             except RuntimeError as e:  # a host sync in some kernel: this bucket stays eager
                 torch.cuda.synchronize()
