@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from model.sampling import SamplingParams, TokenLogprob
+from model.sampling_params import SamplingParams, TokenLogprob
 
 UNIT_TOKENS = 64  # tokens per prompt-cache unit (the engine, the ingress and the stores share it)
 

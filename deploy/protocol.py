@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.json_schema import SchemaError, SchemaGrammar
-from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprob
+from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprob
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
            "completion_logprobs", "error_body"]

@@ -10,10 +10,12 @@ import sys
 
 import pytest
 
-# modules that admin commands (not generate / train / bench) import to do their work
+# modules that admin commands (not generate / train / bench) import to do their work; the request
+# routers too: every command connects with serve.status(), which loads the app's routers
 ADMIN_MODULES = ["deploy.cli", "deploy.local", "deploy.cache_cli", "deploy.status_cli", "deploy.scale_cli",
                  "deploy.eplb_cli", "deploy.train_cli", "deploy.schedule_cli", "deploy.stats_cli",
-                 "deploy.tidal", "deploy.options", "actors.cache_agent", "actors.tidal", "model.default", "model.config"]
+                 "deploy.tidal", "deploy.options", "actors.cache_agent", "actors.tidal", "model.default", "model.config",
+                 "deploy.prefill_router", "deploy.decode_router"]
 
 _PROBE = """
 import json, sys

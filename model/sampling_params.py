@@ -1,0 +1,65 @@
+"""What a request asks of sampling (``SamplingParams``) and what it gets back per token
+(``TokenLogprob``): plain values, importable without torch (the router, the API models and the
+admin commands use them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams", "TokenLogprob"]
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely
+    # OpenAI's penalties on the tokens generated so far: each token's logit drops by
+    # presence_penalty once it has appeared and by frequency_penalty per appearance
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits at every step
+    # (+100 all but forces a token, -100 all but bans it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (the raw distribution, before
+    logit bias, penalties, temperature, top-k and top-p) and the ``top`` most likely tokens with theirs, most
+    likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
