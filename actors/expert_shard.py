@@ -22,8 +22,9 @@ import ray
 
 from cluster.ep import ShardExperts, Wire
 from cluster.ep_gloo import form_group, serve_shard
-from model.checkpoint import DTYPES, keeps_fp8, load_expert_slots
+from model.checkpoint import DTYPES, load_expert_slots
 from model.moe import ExpertWeights
+from model.weights_id import keeps_fp8
 
 __all__ = ["ExpertShard"]
 

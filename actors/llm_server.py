@@ -38,19 +38,22 @@ from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig, StoreLocked
 from cluster.daily_report import JsonlLog, UsageRecord
-from cluster.engine import UNIT_TOKENS, Engine, cache_namespace
+from cluster.engine import Engine
 from cluster.engine_loop import EngineLoop, PromptKV
 from cluster.ep import Wire
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
 from cluster.request import (
+    UNIT_TOKENS,
     FinishReason,
     GenerationRequest,
     RequestMigrated,
     RequestOutput,
+    cache_namespace,
 )
 from kernels.cpu_gemv import cpu_kernels, kernel_state
-from model.checkpoint import LoadProgress, load_model, weights_digest, weights_form
+from model.checkpoint import LoadProgress, load_model
 from model.tokenizer import load_tokenizer
+from model.weights_id import weights_digest, weights_form
 
 __all__ = ["LLMServer"]
 

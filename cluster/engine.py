@@ -54,7 +54,7 @@ from model.model import DeepseekModel
 from model.moe import LocalExpertExecutor
 from model.sampling import TokenLogprob, sample, token_logprobs
 
-__all__ = ["cache_namespace", "Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig"]
 
 MIN_CHUNK = 8  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 
@@ -95,17 +95,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.itl_factor != 0 and self.itl_factor <= 1:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
-
-
-def cache_namespace(mcfg, weights_digest: str, dtype: torch.dtype, secret: bytes = b"",
-                    weights: str = "fp32") -> Namespace:
-    """The cache namespace of a model: units never cross architectures, checkpoints, dtypes,
-    weight forms (``model.checkpoint.weights_form``: int8 or fp8 weights compute other KV) or KV
-    layouts (the ingress computes it too, to look a prompt's units up before routing).
-    ``secret``: the cluster's cache secret (keys the unit hash and authenticates units)."""
-    dtype_name = str(dtype).removeprefix("torch.") + ("" if weights == "fp32" else f"+{weights}-weights")
-    return Namespace(mcfg.fingerprint(), weights_digest, dtype_name,
-                     f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS, secret=secret)
 
 
 class Engine:

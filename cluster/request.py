@@ -6,16 +6,33 @@ import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from cachedir.hashing import Namespace
 from model.sampling_params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # the ingress and the routers use this module without torch
+    import torch
 
 UNIT_TOKENS = 64  # tokens per prompt-cache unit (the engine, the ingress and the stores share it)
 
-__all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestMigrated",
+__all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestMigrated",
            "RequestOutput", "Sequence", "TokenSources"]
 
 
 RESPONSE_FORMATS = (None, "json_object", "json_schema")
+
+
+def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret: bytes = b"",
+                    weights: str = "fp32") -> Namespace:
+    """The cache namespace of a model: units never cross architectures, checkpoints, dtypes,
+    weight forms (``model.checkpoint.weights_form``: int8 or fp8 weights compute other KV) or KV
+    layouts (the ingress computes it too, to look a prompt's units up before routing).
+    ``dtype``: the model's dtype or its name ("bfloat16"). ``secret``: the cluster's cache secret
+    (keys the unit hash and authenticates units)."""
+    dtype_name = str(dtype).removeprefix("torch.") + ("" if weights == "fp32" else f"+{weights}-weights")
+    return Namespace(mcfg.fingerprint(), weights_digest, dtype_name,
+                     f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS, secret=secret)
 
 
 class RequestMigrated(RuntimeError):

@@ -179,7 +179,7 @@ def explain_units(info: dict, nodes: dict[str, dict[str, list[str]]]) -> dict:
     """Classify each whole unit before a prompt's last token from the directory's answer
     (``LLMServer.explain``: keys, cacheable, listed) and every node's (``CacheAgent.explain``:
     tiers held, why dropped), as ``EXPLAIN_CLASSES`` names them."""
-    from cluster.engine import UNIT_TOKENS
+    from cluster.request import UNIT_TOKENS
 
     units = []
     for i in range(info["cacheable"]):

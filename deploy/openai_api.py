@@ -38,13 +38,14 @@ from actors.replica_config import DirectorySection
 from actors.serve_bind import bind_replica_grpc_to_node
 from cachedir.directory.base import DirectoryUnavailable
 from cachedir.hashing import chain_keys, read_secret
-from cluster.engine import UNIT_TOKENS, cache_namespace
 from cluster.request import (
+    UNIT_TOKENS,
     FinishReason,
     GenerationRequest,
     PrefixPlan,
     RequestMigrated,
     RequestOutput,
+    cache_namespace,
 )
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
 from deploy.metrics import IngressMetrics
@@ -59,12 +60,12 @@ from deploy.protocol import (
     completion_logprobs,
     error_body,
 )
-from model.checkpoint import weights_digest, weights_form
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
-from model.sampling import SamplingParams, TokenLogprob
+from model.sampling_params import SamplingParams, TokenLogprob
 from model.tokenizer import load_tokenizer
 from model.tool_calls import ForcedCall, ToolCall, ToolCallStream
+from model.weights_id import weights_digest, weights_form
 
 __all__ = ["OpenAIIngress", "api"]
 
@@ -204,10 +205,8 @@ class OpenAIIngress:
         self.directory = self.namespace = None
         directory: DirectorySection = cfg.get("directory") or DirectorySection()
         if directory.url:
-            import torch
-
             self.directory = directory.open()
-            self.namespace = cache_namespace(mcfg, weights_digest(ckpt), getattr(torch, cfg.get("dtype", "float32")),
+            self.namespace = cache_namespace(mcfg, weights_digest(ckpt), cfg.get("dtype", "float32"),
                                              read_secret(cfg.get("cache_secret_file")),
                                              weights_form(ckpt, cfg.get("device", "cpu"), cfg.get("cpu_weights", "fp32"),
                                                           cfg.get("fp8_weights", "auto")))

@@ -5,9 +5,10 @@ pure-torch ``ref_*`` reference. ``resolve_impl`` picks between them."""
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # the package's helpers are plain Python; the kernels import torch themselves
+    import torch
 
 __all__ = ["Impl", "resolve_impl", "triton_interpreted", "tuned_configs", "with_config"]
 
@@ -39,6 +40,8 @@ def with_config(kernel, config) -> tuple:
 def resolve_impl(impl: str, device: torch.device | str) -> Impl:
     """``auto`` -> ``triton`` on CUDA, ``ref`` elsewhere. ``triton`` off CUDA needs the
     interpreter (``TRITON_INTERPRET=1``); anything else raises ``ValueError`` naming the value."""
+    import torch
+
     device = torch.device(device)
     if impl == "auto":
         return "triton" if device.type == "cuda" else "ref"

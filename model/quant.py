@@ -20,14 +20,11 @@ import torch
 
 from kernels.cpu_gemv import Q8_GROUP, dequantize_q8, quantize_q8
 from kernels.fp8_gemm import dequantize_blocks
+from model.weights_id import FP8_WEIGHTS
 
 __all__ = ["CPU_WEIGHTS", "FP8_WEIGHTS", "Fp8Weight", "Q8Weight", "quantize_model", "weight_bytes"]
 
 CPU_WEIGHTS = ("fp32", "int8")  # how a CPU model holds its weights (load_model's cpu_weights)
-# what becomes of an fp8 checkpoint's weights (load_model's fp8_weights): "auto" keeps them in fp8
-# on CUDA and dequantizes them elsewhere; "keep" always keeps them (off CUDA only under Triton's
-# interpreter: tests); "dequantize" always dequantizes them at load
-FP8_WEIGHTS = ("auto", "keep", "dequantize")
 
 
 @dataclass(frozen=True, slots=True)

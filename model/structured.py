@@ -22,8 +22,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the grammar itself is plain Python: the ingress checks schemas without torch
+    import torch
 
 __all__ = ["MaskCache", "JSON_OBJECT", "JSON_START", "MAX_WHITESPACE_RUN", "NUMBER_END", "NUMBER_STARTS", "STRING_END", "STRING_MODES",
            "WHITESPACE", "JsonMasks", "json_advance", "json_done", "json_step", "number_start", "number_step",
@@ -312,6 +314,8 @@ class JsonMasks:
         key = (self._id, self.grammar.cache_key(state, self._depth))
         mask = self.cache.get(key)
         if mask is None:
+            import torch
+
             mask = torch.tensor(self._compute(state), dtype=torch.bool)
             self.cache.put(key, mask)
         return mask
@@ -342,7 +346,7 @@ class JsonMasks:
             if not mask.any():
                 if fallback is None:
                     continue
-                mask = torch.zeros_like(mask)
+                mask = mask.new_zeros(mask.shape)
                 mask[fallback] = True
             logits[b].masked_fill_(~mask.to(logits.device), float("-inf"))
         return logits

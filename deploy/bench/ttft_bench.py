@@ -35,9 +35,10 @@ from cachedir.unit import Unit
 from cluster.engine import Engine, EngineConfig
 from cluster.request import GenerationRequest
 from deploy.bench.machine import machine
-from model.checkpoint import load_model, random_state_dict, save_checkpoint, weights_digest
+from model.checkpoint import load_model, random_state_dict, save_checkpoint
 from model.config import named_config
 from model.tokenizer import ByteTokenizer
+from model.weights_id import weights_digest
 
 __all__ = ["run_ttft"]
 

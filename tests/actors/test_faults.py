@@ -99,9 +99,9 @@ def unit_keys(checkpoint):
     import torch
 
     from cachedir.hashing import chain_keys
-    from cluster.engine import UNIT_TOKENS, cache_namespace
-    from model.checkpoint import weights_digest
+    from cluster.request import UNIT_TOKENS, cache_namespace
     from model.config import load_config
+    from model.weights_id import weights_digest
 
     seed = cache_namespace(load_config(checkpoint), weights_digest(checkpoint), torch.float32).seed
     return lambda prompt: chain_keys(seed, list(prompt), UNIT_TOKENS, max_units=(len(prompt) - 1) // UNIT_TOKENS)

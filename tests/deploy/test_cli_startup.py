@@ -35,8 +35,11 @@ def _heavy_after(code: str, *args: str, home) -> list[str]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_admin_modules_do_not_import_torch(tmp_path):
-    code = ";".join(f"import {m}" for m in ADMIN_MODULES)
+@pytest.mark.parametrize("modules", [ADMIN_MODULES, ["deploy.openai_api"]], ids=["admin", "ingress"])
+def test_admin_and_ingress_modules_do_not_import_torch(tmp_path, modules):
+    """The ingress replicas (``deploy.openai_api``) tokenize, route and stream: torch would cost
+    each of them seconds to start and hundreds of MB."""
+    code = ";".join(f"import {m}" for m in modules)
     code += "\nimport json, sys; print(json.dumps([m for m in ('torch', 'triton') if m in sys.modules]))"
     assert _heavy_after(code, home=tmp_path) == []
 

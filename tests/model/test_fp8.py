@@ -282,9 +282,9 @@ def test_fp8_experts_kept_on_expert_shards_compute_what_the_local_fp8_model_does
 def test_fp8_weights_kept_compute_in_a_cache_namespace_of_their_own(fp8):
     """A replica that keeps fp8 weights computes other KV than one that dequantized them: their
     units live apart (the ingress and the replica both name the form from the same config)."""
-    from cluster.engine import cache_namespace
-    from model.checkpoint import weights_digest, weights_form
+    from cluster.request import cache_namespace
     from model.config import load_config
+    from model.weights_id import weights_digest, weights_form
 
     _, ckpt = fp8
     assert weights_form(ckpt, "cuda") == "fp8" and weights_form(ckpt, "cpu") == "fp32"

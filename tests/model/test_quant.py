@@ -62,9 +62,9 @@ def test_bad_cpu_weights_are_refused_by_name(checkpoint):
 
 
 def test_int8_weights_cache_their_kv_in_a_namespace_of_their_own(checkpoint):
-    from cluster.engine import cache_namespace
-    from model.checkpoint import weights_digest
+    from cluster.request import cache_namespace
     from model.config import load_config
+    from model.weights_id import weights_digest
 
     cfg, digest = load_config(checkpoint), weights_digest(checkpoint)
     fp32 = cache_namespace(cfg, digest, torch.float32)
