@@ -38,10 +38,13 @@ re-planned onto every shard again and the replicas come back to the configured c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -176,6 +179,32 @@ def _deploy(app_name: str, route_prefix: str, app_args: dict, replicas: int | di
     serve.run(build_app(args), name=app_name, route_prefix=route_prefix, blocking=False)
 
 
+@contextlib.contextmanager
+def _stopping_unplaced(app_name: str, every_s: float = 0.2) -> Iterator[list[str]]:
+    """While the block runs, kill the replicas Serve is stopping that were never placed on a
+    node (their names are yielded). Serve replaced the lent nodes' replicas before the counts
+    dropped; the replacements cannot be placed (the leases hold the CPUs), and Serve waits its
+    graceful-shutdown period (20 s) on each before it kills it. They hold no request."""
+    killed: list[str] = []
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(every_s):
+            with contextlib.suppress(Exception):  # Serve busy or the actor gone meanwhile: next round
+                for name, (state, node) in _serve_replicas(app_name).items():
+                    if state == "STOPPING" and not node and name not in killed:
+                        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+                        killed.append(name)
+
+    thread = threading.Thread(target=run, name="stop-unplaced", daemon=True)
+    thread.start()
+    try:
+        yield killed
+    finally:
+        done.set()
+        thread.join()
+
+
 def lend_nodes(
     app_args: dict[str, Any], n: int, app_name: str = "tideserve", route_prefix: str = "/",
     deadline_s: float = 60.0, train: dict[str, Any] | None = None, timeout_s: float = 300.0,
@@ -290,7 +319,10 @@ def lend_nodes(
             ray.get([control.leave.remote(name) for name in leaving], timeout=timeout_s)
     total = len(serving) + sum(1 for r in roles.values() if r == "lent")
     if redeploy:
-        _deploy(app_name, route_prefix, app_args, target)
+        with _stopping_unplaced(app_name) as unplaced:
+            _deploy(app_name, route_prefix, app_args, target)
+        if unplaced:
+            log.info("stopped %d replacement replica(s) that had no node: %s", len(unplaced), unplaced)
     ray.get([lease.ready.remote() for lease in leases], timeout=timeout_s)
     if redeploy:
         _wait(lambda: all(_running_replicas(app_name, d) == t for d, t in target.items()), timeout_s,
