@@ -107,8 +107,9 @@ def local_ray(_shared_rays):
 
 @pytest.fixture(scope="module")
 def three_nodes(_shared_rays):
-    """This run's three simulated nodes (one CPU and resource ``node{i}`` each; ``.cluster``),
-    shared like ``local_ray``: a module that removes a node it added leaves three alive."""
+    """This run's three simulated nodes (one CPU, resource ``node{i}`` and pod name
+    ``tests.shared_ray.pod_name(i)`` each; ``.cluster``), shared like ``local_ray``: a worker
+    node a module removed or added is put back or removed when the module ends."""
     shared = _shared_rays["three_nodes"]
     shared.acquire()
     yield shared

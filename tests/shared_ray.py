@@ -14,12 +14,13 @@ _ACTIVE: list[SharedRay] = []  # the shared Ray that is running, if any (one at 
 
 class SharedRay:
     """A Ray shared by the test modules of one shape: one node with 2 CPUs (``ray.init``), or
-    ``nodes`` simulated nodes of one CPU each with resource ``node{i}`` (a ``Cluster``, in
-    ``.cluster``). Every job's workers get ``TIDE_HOME=home``."""
+    ``nodes`` simulated nodes of one CPU each with resource ``node{i}`` and pod name
+    ``pod_name(i)`` (a ``Cluster``, in ``.cluster``). Every job's workers get ``TIDE_HOME=home``."""
 
     def __init__(self, home: Path, nodes: int = 1) -> None:
         self.home, self.nodes = home, nodes
         self.cluster = None
+        self._workers: dict = {}  # i -> the worker node with resource node{i}
         self.address: str | None = None
 
     def running(self) -> bool:
@@ -42,23 +43,24 @@ class SharedRay:
         else:
             from ray.cluster_utils import Cluster
 
-            c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
+            c = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 1, "resources": {"node0": 1}, "env_vars": {"RAY_CLOUD_INSTANCE_ID": pod_name(0)}})
+            self.cluster = c
             try:
-                for i in range(1, self.nodes):
-                    c.add_node(num_cpus=1, resources={f"node{i}": 1})
+                self._workers = {i: self._add_worker(i) for i in range(1, self.nodes)}
                 c.wait_for_nodes()
                 ray.init(address=c.address, log_to_driver=False, runtime_env=runtime_env)
             except BaseException:
+                self.cluster = None
                 c.shutdown()
                 raise
-            self.cluster = c
         self.address = ray.get_runtime_context().gcs_address
         _ACTIVE.append(self)
 
     def reset(self, within_s: float = 30.0) -> None:
         """Remove what a module left: Serve and its apps, every named actor (cache agents, the
-        tidal state, leases, expert shards). The next module gets every node alive and every CPU
-        free, or a new Ray."""
+        tidal state, leases, expert shards), and put back a worker node it removed. The next
+        module gets every node alive and every CPU free, or a new Ray."""
         import ray
         from ray import serve
 
@@ -70,6 +72,7 @@ class SharedRay:
             for actor in ray.util.list_named_actors(all_namespaces=True):
                 with contextlib.suppress(ValueError):  # gone meanwhile
                     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            self._restore_nodes()
             deadline = time.monotonic() + within_s
             while (ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0)
                    or sum(n["Alive"] for n in ray.nodes()) != self.nodes):
@@ -79,6 +82,23 @@ class SharedRay:
         except Exception:  # noqa: BLE001 - whatever is left, a new Ray leaves none of it
             self.stop()
 
+    def _restore_nodes(self) -> None:
+        """Back to the nodes it started with: a worker node a module removed (a fault under
+        test) comes back as a new node with its ``node{i}`` resource and pod name, and a node a
+        module added goes. A few seconds instead of a new Ray."""
+        if self.cluster is None:
+            return
+        for node in [n for n in self.cluster.worker_nodes if n not in self._workers.values()]:
+            self.cluster.remove_node(node)
+        missing = [i for i, node in self._workers.items() if node not in self.cluster.worker_nodes]
+        for i in missing:
+            self._workers[i] = self._add_worker(i)
+        if missing:
+            self.cluster.wait_for_nodes()
+
+    def _add_worker(self, i: int):
+        return self.cluster.add_node(num_cpus=1, resources={f"node{i}": 1}, env_vars={"RAY_CLOUD_INSTANCE_ID": pod_name(i)})
+
     def stop(self) -> None:
         import ray
 
@@ -87,9 +107,16 @@ class SharedRay:
         if self.cluster is not None:
             self.cluster.shutdown()
             self.cluster = None
+            self._workers = {}
         self.address = None
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+
+
+def pod_name(i: int) -> str:
+    """Node i's pod (``RAY_CLOUD_INSTANCE_ID``, which KubeRay sets in every Ray container): the
+    Kubernetes tests map pods to nodes by it."""
+    return f"tide-test-{'head' if i == 0 else 'worker'}-{i}"
 
 
 def stop_shared() -> None:

@@ -49,26 +49,21 @@ def reference(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def app(redis_server, checkpoint, tmp_path_factory):
-    import ray
+def app(three_nodes, redis_server, checkpoint, tmp_path_factory):
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from deploy.app import build_app
     from deploy.redis_proc import wait_healthy
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # One HTTP proxy and the ingress on the head: the simulated nodes share 127.0.0.1, so proxies
+    # on every node would share the port and a removed node's dying proxy would answer some
+    # requests; an ingress on the removed node would take its requests down with it. The fault
+    # under test is losing a serving node (its replica and cache agent).
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
-        workers = [c.add_node(num_cpus=1) for _ in range(2)]
-        ray.init(address=c.address, log_to_driver=False)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        # One HTTP proxy and the ingress on the head: the simulated nodes share 127.0.0.1, so proxies
-        # on every node would share the port and a removed node's dying proxy would answer some
-        # requests; an ingress on the removed node would take its requests down with it. The fault
-        # under test is losing a serving node (its replica and cache agent).
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         home = tmp_path_factory.mktemp("faults")
         # no RAM tier and no prefix sharing in the replicas: every prefix hit reads the unit files
         # (a repeated prompt goes back to its replica, whose pages would otherwise serve it)
@@ -79,12 +74,9 @@ def app(redis_server, checkpoint, tmp_path_factory):
         serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 300)
-        yield url, c, workers, home
+        yield url, three_nodes.cluster, list(three_nodes.cluster.worker_nodes), home
     finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        c.shutdown()
+        serve.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +338,8 @@ def test_a_garbage_or_hanging_peer_in_the_directory(app, directory, unit_keys, r
 
 
 def test_a_node_removed_under_a_stream(app, directory, unit_keys, reference):
-    """Last in the module: the cluster is one node smaller afterwards."""
+    """Last in the module: the cluster is one node smaller afterwards (until the shared Ray
+    puts a node back)."""
     url, cluster, workers, _ = app
     replica_nodes = {_node_of(w) for w in workers} & _llm_nodes()
     assert replica_nodes, "no replica on a worker node"

@@ -19,31 +19,23 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 PROMPT = "the tide comes in and the tide goes out, " * 8
 LIVE = "tideserve-abc12"  # the RayService's live RayCluster in the Kubernetes test
-LENDABLE_PODS = [f"{LIVE}-lendable-worker-{x}" for x in ("aaaaa", "bbbbb")]
 
 
 @pytest.fixture(scope="module")
-def serving(redis_server, tmp_path_factory):
-    import ray
+def serving(three_nodes, redis_server, tmp_path_factory):
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from deploy.app import build_app
     from deploy.redis_proc import wait_healthy
 
-    # each node is a pod of a KubeRay RayCluster for the Kubernetes test (KubeRay sets this variable)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "env_vars": {"RAY_CLOUD_INSTANCE_ID": f"{LIVE}-head-0"}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
+    # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
+    # serve Service does
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     try:
-        ray.init(address=c.address, log_to_driver=False)  # before the others: this driver is the head's
-        for pod in LENDABLE_PODS:
-            c.add_node(num_cpus=1, env_vars={"RAY_CLOUD_INSTANCE_ID": pod})
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
-        # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
-        # serve Service does
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         home = tmp_path_factory.mktemp("tidal")
         args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
                 "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
@@ -51,12 +43,9 @@ def serving(redis_server, tmp_path_factory):
         serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 300)
-        yield url, args, home, c
+        yield url, args, home, three_nodes.cluster
     finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        c.shutdown()
+        serve.shutdown()
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
@@ -245,10 +234,11 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
                              "spec": copy.deepcopy(svc["spec"]["rayClusterConfig"])})
     kube.put("rayjobs", job)
     labels = {"ray.io/cluster": LIVE, "ray.io/group": "lendable", "ray.io/node-type": "worker"}
-    for pod in LENDABLE_PODS:
+    # each worker node is a pod of the lendable group (its RAY_CLOUD_INSTANCE_ID, as KubeRay sets it)
+    nodes = {n._ray_params.env_vars["RAY_CLOUD_INSTANCE_ID"]: n for n in cluster.worker_nodes}
+    lendable_pods = sorted(nodes)
+    for pod in lendable_pods:
         kube.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels}})
-    nodes = {pod: next(n for n in cluster.worker_nodes if n._ray_params.env_vars["RAY_CLOUD_INSTANCE_ID"] == pod)
-             for pod in LENDABLE_PODS}
     dashboard = f"http://{ray._private.worker.get_dashboard_url()}"
     marker = tmp_path / "checkpointed"
     run = (f"{sys.executable} -c \"import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: "
@@ -300,7 +290,7 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
             waiting(lambda: stream.done or stream.failures, 120, "the stream's first answer")
             night = tide("night", "--night-nodes", "2", "--deadline", "20")
             (lent,) = night["workers_to_delete"]
-            assert lent in LENDABLE_PODS and night["serve_replicas"] == {"LLMServer": 2} and night["job"] == "unsuspended"
+            assert lent in lendable_pods and night["serve_replicas"] == {"LLMServer": 2} and night["job"] == "unsuspended"
             waiting(lambda: controller.deleted_named == [lent], 60, "KubeRay to delete the drained pod")
             assert controller.deleted_random == []
             waiting(lambda: _running_replicas("tideserve") == 2 and len([n for n in ray.nodes() if n["Alive"]]) == 2,
