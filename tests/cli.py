@@ -28,9 +28,9 @@ def tide(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
         pytest.fail(f"tide {' '.join(args)} ran past {timeout} s; its stderr ends:\n{err[-3000:]}")
 
 
-def tide_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def tide_here(*args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """Run ``tide ARGS`` through ``deploy.cli.main`` in this process, with ``env`` added to the
-    environment while it runs: the same exit status, stdout and stderr as :func:`tide` (an
+    environment while it runs (a None value removes the variable): the same exit status, stdout and stderr as :func:`tide` (an
     uncaught exception prints its traceback and exits 1) without a child's 2-3 s of starting
     Python and importing torch. For commands that start no Ray cluster and no process of their
     own and leave no state behind."""

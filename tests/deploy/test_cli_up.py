@@ -18,7 +18,7 @@ import pytest
 from deploy.local import process_alive
 from deploy.ray_head import marked_processes, stop_marked
 from deploy.redis_proc import free_port
-from tests.cli import tide
+from tests.cli import tide, tide_here
 from tests.listeners import is_loopback, listening
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -42,6 +42,12 @@ def _env(home: Path | None, fresh_home: Path, **extra: str) -> dict[str, str]:
 
 def _tide(*args, home, fresh_home=None, timeout=600, env=None):
     return tide(*args, env=env or _env(home, fresh_home or home / "home"), timeout=timeout, replace_env=True)
+
+
+def _tide_here(*args, home):
+    """``tide ARGS`` in this process (``tests.cli.tide_here``), for a usage error found before
+    anything starts: without a child's seconds of starting Python."""
+    return tide_here(*args, env={"TIDE_HOME": str(home), "HOME": str(home / "home"), "TIDE_API_KEYS": None})
 
 
 def _ray_head(tmp: Path, env: dict[str, str]) -> tuple[str, str]:
@@ -202,7 +208,7 @@ def test_bad_arguments_name_the_bad_value_and_start_nothing(tmp_path, args, mess
     llama.mkdir()
     (llama / "config.json").write_text('{"model_type": "llama"}')
     args = [a.replace("{llama}", str(llama)) for a in args]
-    r = _tide("up", *args, home=tmp_path, timeout=120)
+    r = _tide_here("up", *args, home=tmp_path)
     assert r.returncode == 2 and message in " ".join(r.stderr.replace("│", " ").split())
     assert not (tmp_path / "run" / "state.json").exists()  # nothing was started
 
@@ -304,10 +310,10 @@ def test_serve_run_on_a_token_cluster_and_the_admin_commands_reach_it(tmp_path, 
 def test_up_config_file_fields_are_checked_and_used(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("replicas: 0\n")
-    r = _tide("up", "--config", str(bad), home=tmp_path, timeout=120)
+    r = _tide_here("up", "--config", str(bad), home=tmp_path)
     assert r.returncode == 2 and "replicas" in r.stderr, r.stderr
     bad.write_text("replica: 2\n")  # a misspelled field is an error, not a default
-    r = _tide("up", "--config", str(bad), home=tmp_path, timeout=120)
+    r = _tide_here("up", "--config", str(bad), home=tmp_path)
     assert r.returncode == 2 and "replica" in r.stderr.replace("\n", " ").replace("│", "")
     import socket
 
@@ -319,7 +325,7 @@ def test_up_config_file_fields_are_checked_and_used(tmp_path):
         good.write_text(f"port: {port}\nreplicas: 1\nmodel_name: tiny\n")
         r = _tide("up", "--config", str(good), home=tmp_path, timeout=120)
         assert r.returncode == 1 and f"--port {port}" in r.stderr, r.stderr
-        r = _tide("up", "--config", str(good), "--port", str(free_port()), "--replicas", "0", home=tmp_path)
+        r = _tide_here("up", "--config", str(good), "--port", str(free_port()), "--replicas", "0", home=tmp_path)
         assert r.returncode == 2 and "--replicas" in r.stderr  # the command line wins and is checked
     assert not (tmp_path / "run" / "state.json").exists()
 
