@@ -333,5 +333,5 @@ def test_up_config_file_fields_are_checked_and_used(tmp_path):
 @pytest.mark.parametrize("args", [["cache", "evict", "--key", "xyz"], ["cache", "pin"], ["cache", "evict", "--all", "--key", "00"]])
 def test_usage_errors_need_no_cluster(tmp_path, args):
     """A bad option is a usage error (exit 2) before anything connects; no cluster is exit 1."""
-    r = _tide(*args, home=tmp_path, timeout=60)
+    r = _tide_here(*args, home=tmp_path)
     assert r.returncode == 2 and "no cluster" not in r.stderr, r.stderr

@@ -280,13 +280,9 @@ def test_the_cli_decides_from_the_live_cluster_and_the_morning_needs_no_ray(kube
     (["day", "--serve-nodes", "2"], 2, "exactly one"),
 ])
 def test_scale_cli_says_what_is_wrong(tmp_path, args, status, message):
-    import os
-    import subprocess
-    import sys
+    from tests.cli import tide_here
 
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "scale", *args], capture_output=True, text=True,
-                       timeout=120, env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-                                         "TIDE_HOME": str(tmp_path)})
+    r = tide_here("scale", *args, env={"RAY_ADDRESS": None, "TIDE_HOME": str(tmp_path)})
     assert r.returncode == status and message in " ".join(r.stderr.replace("│", " ").split())
 
 
