@@ -26,7 +26,7 @@ RESPONSE_FORMATS = (None, "json_object", "json_schema")
 def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret: bytes = b"",
                     weights: str = "fp32") -> Namespace:
     """The cache namespace of a model: units never cross architectures, checkpoints, dtypes,
-    weight forms (``model.checkpoint.weights_form``: int8 or fp8 weights compute other KV) or KV
+    weight forms (``model.weights_id.weights_form``: int8 or fp8 weights compute other KV) or KV
     layouts (the ingress computes it too, to look a prompt's units up before routing).
     ``dtype``: the model's dtype or its name ("bfloat16"). ``secret``: the cluster's cache secret
     (keys the unit hash and authenticates units)."""
