@@ -190,11 +190,13 @@ def _stopping_unplaced(app_name: str, every_s: float = 0.2) -> Iterator[list[str
 
     def run() -> None:
         while not done.wait(every_s):
-            with contextlib.suppress(Exception):  # Serve busy or the actor gone meanwhile: next round
+            try:
                 for name, (state, node) in _serve_replicas(app_name).items():
                     if state == "STOPPING" and not node and name not in killed:
                         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
                         killed.append(name)
+            except Exception as e:  # noqa: BLE001 - Serve busy or the actor gone meanwhile: the next round
+                log.debug("stopping unplaced replicas: %s", e)  # (at worst Serve's own grace period)
 
     thread = threading.Thread(target=run, name="stop-unplaced", daemon=True)
     thread.start()

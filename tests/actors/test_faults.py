@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import time
 
 import httpx
@@ -50,33 +49,22 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def app(three_nodes, redis_server, checkpoint, tmp_path_factory):
-    from ray import serve
-
     from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
+    from tests.shared_ray import serving
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("faults")
+    # no RAM tier and no prefix sharing in the replicas: every prefix hit reads the unit files
+    # (a repeated prompt goes back to its replica, whose pages would otherwise serve it)
+    args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
+            "num_pages": 256, "ram_mb": 0, "prefix_sharing": False, "cache_dir": str(home / "cache" / "{node}"),
+            "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
+            "directory_namespace": NAMESPACE}
     # One HTTP proxy and the ingress on the head: the simulated nodes share 127.0.0.1, so proxies
     # on every node would share the port and a removed node's dying proxy would answer some
     # requests; an ingress on the removed node would take its requests down with it. The fault
     # under test is losing a serving node (its replica and cache agent).
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    try:
-        home = tmp_path_factory.mktemp("faults")
-        # no RAM tier and no prefix sharing in the replicas: every prefix hit reads the unit files
-        # (a repeated prompt goes back to its replica, whose pages would otherwise serve it)
-        args = {"checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 1, "max_replicas_per_node": 1,
-                "num_pages": 256, "ram_mb": 0, "prefix_sharing": False, "cache_dir": str(home / "cache" / "{node}"),
-                "usage_dir": str(home / "usage"), "directory_url": redis_server.url,
-                "directory_namespace": NAMESPACE}
-        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 300)
+    with serving(build_app(args), 300, proxy_location="HeadOnly") as url:
         yield url, three_nodes.cluster, list(three_nodes.cluster.worker_nodes), home
-    finally:
-        serve.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ checkpoint, serving returns to full size, and units written before the night sti
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,29 +22,18 @@ LIVE = "tideserve-abc12"  # the RayService's live RayCluster in the Kubernetes t
 
 @pytest.fixture(scope="module")
 def serving(three_nodes, redis_server, tmp_path_factory):
-    from ray import serve
-
     from deploy.app import build_app
-    from deploy.redis_proc import wait_healthy
+    from tests.shared_ray import serving
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("tidal")
+    args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
+            "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
+            "directory_url": redis_server.url, "directory_namespace": "tidal-test"}
     # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
     # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
     # serve Service does
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        home = tmp_path_factory.mktemp("tidal")
-        args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
-                "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
-                "directory_url": redis_server.url, "directory_namespace": "tidal-test"}
-        serve.run(build_app(args), name="tideserve", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 300)
+    with serving(build_app(args), 300, proxy_location="HeadOnly") as url:
         yield url, args, home, three_nodes.cluster
-    finally:
-        serve.shutdown()
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
