@@ -23,6 +23,13 @@ from cachedir.unitfile import UnitCorrupt, decode, holds, read_header
 __all__ = ["CacheConfig", "LoadedUnit", "NodeCache", "PromptCache"]
 
 
+def done(result: bool) -> Future[bool]:
+    """A future that already holds ``result``."""
+    fut: Future[bool] = Future()
+    fut.set_result(result)
+    return fut
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     ssd: StoreConfig
@@ -147,17 +154,18 @@ class NodeCache:
                         self.ram.put(unit)
         return out
 
-    def accept(self, encoded: bytes) -> Unit | None:
+    def accept(self, encoded: bytes) -> Future[bool]:
         """Verify an encoded unit from elsewhere (its key is the chain hash of its parent and
-        tokens, its payload matches its checksum) and persist it; None when it fails."""
+        tokens, its payload matches its checksum) and persist it. The future says whether it is
+        on SSD: False at once when it fails verification, True at once when already held."""
         try:
             h = read_header(encoded)
             _, payload = decode(encoded, h.namespace, h.key)
         except UnitCorrupt:
-            return None
+            return done(False)
         unit = Unit(h.namespace, h.key, h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac, h.sealed)
-        self.persist([unit])
-        return unit
+        writes = self.persist([unit])
+        return writes[0] if writes else done(True)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop units from both tiers (``tide cache evict``); returns how many the SSD held."""

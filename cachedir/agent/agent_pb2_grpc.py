@@ -75,7 +75,8 @@ class CacheAgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Store the units in the stream (replication, or an engine persisting its units).
+        """Store the units in the stream (replication, or an engine persisting its units); answered
+        once every unit is on the agent's SSD or rejected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -15,12 +15,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.service import AgentBackend, ServerConfig, start_server
 from cachedir.directory.base import Directory
-from cachedir.node_cache import CacheConfig, NodeCache
+from cachedir.node_cache import CacheConfig, NodeCache, done
 from cachedir.publisher import DirectoryPublisher
 from cachedir.replication import ReplicationConfig, Replicator
 from cachedir.unit import UnitRemoved
@@ -91,10 +92,11 @@ class NodeAgent:
     def has(self, keys: Sequence[bytes]) -> list[str]:
         return self.cache.has(keys)
 
-    def accept(self, encoded: bytes, replace: bool = False) -> bool:
-        """Store a pushed unit, unless it fails verification or this node evicted it lately.
-        ``replace``: the pusher (a replica, which checks units' MACs) found the copy held under
-        this key forged or damaged; it is dropped and this one kept."""
+    def accept(self, encoded: bytes, replace: bool = False) -> Future[bool]:
+        """Store a pushed unit, unless it fails verification or this node evicted it lately; the
+        future says whether it reached SSD. ``replace``: the pusher (a replica, which checks
+        units' MACs) found the copy held under this key forged or damaged; it is dropped and this
+        one kept."""
         try:
             key = read_header(encoded).key
         except UnitCorrupt:
@@ -105,10 +107,16 @@ class NodeAgent:
         refused = key is None or (not replace and gone is not None and time.monotonic() - gone < cooldown)
         if not refused and replace:
             self.cache.remove([key])
-        ok = not refused and self.cache.accept(encoded) is not None
-        with self._lock:
-            self.counters["push_accepted" if ok else "push_refused"] += 1
-        return ok
+        counted: Future[bool] = Future()  # resolves after the count, so a pusher's next Stats sees it
+
+        def count(stored: Future[bool]) -> None:
+            ok = stored.exception() is None and stored.result()
+            with self._lock:
+                self.counters["push_accepted" if ok else "push_refused"] += 1
+            counted.set_result(ok)
+
+        (done(False) if refused else self.cache.accept(encoded)).add_done_callback(count)
+        return counted
 
     def stats(self) -> dict:
         out = {"node_id": self.node_id, "address": self.address, **self.cache.stats()}

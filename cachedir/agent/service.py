@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import grpc
@@ -48,7 +48,7 @@ class AgentBackend:
 
     read: Callable[[Sequence[bytes], str], list[tuple[str, bytes] | None]]  # keys, requester
     has: Callable[[Sequence[bytes]], list[str]]
-    accept: Callable[[bytes], bool]  # one encoded unit; False when rejected
+    accept: Callable[[bytes, bool], Future[bool]]  # one encoded unit, replace: stored (False: rejected)
     stats: Callable[[], dict]
 
 
@@ -89,7 +89,10 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
         return agent_pb2.HasReply(tiers=self.b.has(keys))
 
     def Push(self, request_iterator, context) -> agent_pb2.PushReply:  # noqa: N802
-        accepted = rejected = 0
+        """Answers once every unit of the stream is stored or rejected: an accepted unit is
+        readable (and on SSD) when the pusher learns of it."""
+        stored: list[Future[bool]] = []
+        rejected = 0
         parts: list[bytes] | None = None
         size = got = 0
         replace = False
@@ -104,13 +107,16 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
             if got > size:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unit {chunk.index} is longer than its size {size}")
             if chunk.last:
-                ok = got == size and self.b.accept(b"".join(parts), replace=replace)
-                accepted += ok
-                rejected += not ok
+                if got == size:
+                    stored.append(self.b.accept(b"".join(parts), replace))
+                else:
+                    rejected += 1
                 parts = None
         if parts is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended inside a unit (no last chunk)")
-        return agent_pb2.PushReply(accepted=accepted, rejected=rejected)
+        wait(stored, timeout=context.time_remaining())
+        accepted = sum(f.done() and f.exception() is None and f.result() for f in stored)
+        return agent_pb2.PushReply(accepted=accepted, rejected=rejected + len(stored) - accepted)
 
     def Stats(self, request, context) -> agent_pb2.StatsReply:  # noqa: N802
         return agent_pb2.StatsReply(json=json.dumps(self.b.stats()))

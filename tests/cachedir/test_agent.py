@@ -73,6 +73,24 @@ def test_fetch_has_push_and_stats_round_trip(pair):
     assert b.cache.has([u.key for u in units]) == ["ssd", "ssd", "", ""]
 
 
+def test_a_push_is_answered_once_its_units_are_stored(pair, monkeypatch):
+    """A slow disk: the pusher learns of an accepted unit only when it is readable and on SSD."""
+    _, _, b = pair
+    units = make_units(TOKENS)
+    put_many = type(b.cache.ssd).put_many
+
+    def slow_put_many(store, batch):
+        time.sleep(0.5)
+        return put_many(store, batch)
+
+    monkeypatch.setattr(type(b.cache.ssd), "put_many", slow_put_many)
+    with AgentClient(b.address) as c:
+        assert c.push(u.encode() for u in units[:2]) == (2, 0)
+        assert b.cache.has([u.key for u in units[:2]]) == ["ssd", "ssd"]
+        assert [f is not None for f in c.fetch([u.key for u in units[:2]])] == [True, True]
+        assert c.stats()["push_accepted"] == 2
+
+
 def test_large_units_stream_in_chunks(tmp_path):
     """A DeepSeek-V3-sized unit (several 1 MiB chunks) arrives whole and verified."""
     a = _agent(tmp_path, "big")

@@ -14,7 +14,7 @@ from cachedir.agent.auth import AUTH_HEADER, WINDOW_S, Signer, Verifier
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import AgentBackend, ServerConfig, _Servicer
-from cachedir.node_cache import CacheConfig
+from cachedir.node_cache import CacheConfig, done
 from cachedir.store import StoreConfig
 from tests.cachedir.units import make_units
 
@@ -92,7 +92,7 @@ def rogue():
     recorder, received = _Recorder(), []
     backend = AgentBackend(read=lambda keys, requester: [("ssd", b"x" * 100)] * len(keys),
                            has=lambda keys: ["ssd"] * len(keys),
-                           accept=lambda data, replace=False: received.append(data) or True,
+                           accept=lambda data, replace: received.append(data) or done(True),
                            stats=lambda: {"node_id": "rogue"})
     server = grpc.server(ThreadPoolExecutor(4), interceptors=[recorder])
     agent_pb2_grpc.add_CacheAgentServicer_to_server(_Servicer(backend), server)
