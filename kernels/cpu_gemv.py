@@ -9,6 +9,8 @@ bandwidth on many CPUs. ``small_linear`` and ``moe_experts`` stream each weight 
 row and group of G columns (``quantize_q8``; G divides K), reading a quarter of the bytes.
 ``mla_decode_paged`` is the absorbed MLA decode of ``kernels.mla_decode`` reading the paged pool
 in place: no gathered copy of the context, and work in proportion to each row's own length.
+``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
+costs a dozen small torch ops, whose dispatch dominates at decode sizes.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
 flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
@@ -30,20 +32,25 @@ import torch.nn.functional as F
 
 __all__ = [
     "Q8_GROUP",
+    "ROUTE_METHODS",
     "build_dir",
     "cpu_kernels",
     "dequantize_q8",
     "kernel_state",
     "mla_decode_paged",
     "moe_experts",
+    "moe_route",
     "moe_routed",
     "moe_routed_q8",
     "quantize_q8",
     "ref_moe_experts",
+    "ref_moe_route",
     "ref_moe_routed",
     "ref_moe_routed_q8",
+    "ref_rms_norm",
     "ref_small_linear",
     "ref_small_linear_q8",
+    "rms_norm",
     "small_linear",
     "small_linear_q8",
 ]
@@ -238,6 +245,73 @@ def mla_decode_paged(
         return ref_mla_decode(q_lat, q_rope, kv, block_table, seq_lens, scale, page_size)
     return mod.mla_decode_paged(q_lat.contiguous(), q_rope.contiguous(), kv, block_table.long(), seq_lens.long(),
                                 scale, page_size)
+
+
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, H], w [H] -> x * rsqrt(mean(x^2) + eps) * w, row by row."""
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as ``ref_rms_norm``; fp32 contiguous CPU tensors only."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_rms_norm(x, w, eps)
+    return mod.rms_norm(x, w, eps)
+
+
+ROUTE_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def ref_moe_route(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_group: int, method: str,
+    softmax: bool, norm: bool, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek top-K routing from gate logits [T, E] -> (ids [T, K] int64, weights [T, K] fp32).
+
+    Scores are ``softmax`` (V2) or sigmoid (V3) of the logits. ``greedy``: the K best scores.
+    ``group_limited_greedy``: only the ``topk_group`` groups with the best single score compete.
+    ``noaux_tc``: the bias steers the *choice* only (choice = scores + bias; groups ranked by the
+    sum of their best two choices); the weights are the unbiased scores. Weights are normalised to
+    sum 1 when ``norm`` (and K > 1), then multiplied by ``scaling``.
+    """
+    t, e = logits.shape
+    g = num_groups
+    scores = logits.float().softmax(dim=-1) if softmax else logits.float().sigmoid()
+    choice = scores
+    if method == "noaux_tc" and bias is not None:
+        choice = scores + bias.float()
+    if method in ("group_limited_greedy", "noaux_tc") and g > 1:
+        grouped = choice.view(t, g, e // g)
+        if method == "noaux_tc":
+            group_scores = grouped.topk(min(2, e // g), dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values  # [T, G]
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = group_mask[:, :, None].expand(t, g, e // g).reshape(t, e)
+        choice = choice.masked_fill(~keep, float("-inf") if method == "noaux_tc" else 0.0)
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if norm and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+def moe_route(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_group: int, method: str,
+    softmax: bool, norm: bool, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``ref_moe_route`` (a token's ids best first); fp32 contiguous CPU
+    logits. One call for what costs a dozen small ops in torch: meant for decode-sized T."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_moe_route(logits, bias, top_k, num_groups, topk_group, method, softmax, norm, scaling)
+    if method not in ROUTE_METHODS:
+        raise ValueError(f"unknown routing method {method!r}; known: {ROUTE_METHODS}")
+    bias = bias.float().contiguous() if bias is not None and method == "noaux_tc" else None
+    return mod.moe_route(logits, bias, top_k, num_groups, topk_group, ROUTE_METHODS.index(method), softmax, norm,
+                         scaling)
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at install time

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemv import rms_norm as cpu_rms_norm
 from kernels.cpu_gemv import small_linear, small_linear_q8
 from kernels.fp8_gemm import fp8_linear
 from model.quant import Fp8Weight, Q8Weight
@@ -39,6 +40,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight | Fp8Weight, bias: torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (as Hugging Face does), returned in ``x``'s dtype."""
     if x.dtype == torch.float32:
+        if x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32:
+            return cpu_rms_norm(x.contiguous(), weight.contiguous(), eps)
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -176,7 +176,7 @@ class MLA:
 
         q_nope [B, H, N], q_rope [B, H, P], kv [slots, D], block_tables [B, X], seq_lens [B]
         (tokens to attend, the new one included). Returns [B, H, V]."""
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, self.w_uk).to(kv.dtype)  # [B, H, R]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).to(kv.dtype)  # [B, H, R]
         decode = mla_decode_paged if kernel == "cpu" else mla_decode
         o_lat = decode(
             q_lat.contiguous(), q_rope.to(kv.dtype).contiguous(), kv, block_tables, seq_lens,

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import Impl
-from kernels.cpu_gemv import moe_routed, moe_routed_q8, ref_moe_routed
+from kernels.cpu_gemv import moe_route, moe_routed, moe_routed_q8, ref_moe_route, ref_moe_routed
 from kernels.fp8_gemm import moe_grouped_mlp_fp8
 from kernels.moe_grouped import moe_grouped_mlp
 from kernels.moe_route import moe_route_v3
 from model.config import ModelConfig
-from model.layers import SwiGLU
+from model.layers import SMALL_ROWS, SwiGLU
 from model.quant import Fp8Weight, Q8Weight
 
 __all__ = ["ExpertExecutor", "ExpertWeights", "Gate", "LocalExpertExecutor", "MoE", "route"]
@@ -50,31 +50,11 @@ def route(
             logits, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
             cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
-    t, e = logits.shape
-    g = cfg.n_group
-    if cfg.scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    else:
-        scores = logits.sigmoid()
-    choice = scores
-    if cfg.topk_method == "noaux_tc" and gate.e_score_correction_bias is not None:
-        choice = scores + gate.e_score_correction_bias.float()
-    if cfg.topk_method in ("group_limited_greedy", "noaux_tc") and g > 1:
-        grouped = choice.view(t, g, e // g)
-        if cfg.topk_method == "noaux_tc":
-            group_scores = grouped.topk(min(2, e // g), dim=-1).values.sum(dim=-1)  # [T, G]
-        else:
-            group_scores = grouped.max(dim=-1).values  # [T, G]
-        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        keep = group_mask[:, :, None].expand(t, g, e // g).reshape(t, e)
-        fill = float("-inf") if cfg.topk_method == "noaux_tc" else 0.0
-        choice = choice.masked_fill(~keep, fill)
-    ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices  # [T, K]
-    weights = scores.gather(1, ids)  # [T, K]
-    if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * cfg.routed_scaling_factor
+    small = logits.shape[0] <= SMALL_ROWS and logits.device.type == "cpu"
+    return (moe_route if small else ref_moe_route)(
+        logits, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+        cfg.topk_method, cfg.scoring_func == "softmax", cfg.norm_topk_prob, cfg.routed_scaling_factor,
+    )
 
 
 class ExpertExecutor(Protocol):

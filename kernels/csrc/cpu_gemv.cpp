@@ -505,6 +505,110 @@ torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch:
   return out;
 }
 
+// RMSNorm of each row of x [M, H] (fp32): y = x * rsqrt(mean(x^2) + eps) * w, w [H]. One
+// call in place of the half-dozen ops (and their dispatch) a decode-sized norm costs in torch.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "shape mismatch: x ", x.sizes(), " w ",
+              w.sizes());
+  const int64_t M = x.size(0), H = x.size(1);
+  auto y = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * H;
+      const float inv = 1.0f / std::sqrt(dot(row, row, H) / static_cast<float>(H) + static_cast<float>(eps));
+      float* out = yp + m * H;
+      for (int64_t h = 0; h < H; ++h) out[h] = row[h] * inv * wp[h];
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// The k largest of values[0..n) (ties: the lower index first), best first, into out.
+void top_k(const float* values, int64_t n, int64_t k, int64_t* out, std::vector<int64_t>& idx) {
+  idx.resize(n);
+  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
+    return values[a] > values[b] || (values[a] == values[b] && a < b);
+  });
+  std::copy(idx.begin(), idx.begin() + k, out);
+}
+
+}  // namespace
+
+// DeepSeek top-K routing from the gate's logits [T, E] (fp32), the contract of model.moe.route:
+// scores = softmax or sigmoid(logits); ``method`` 0 greedy, 1 group_limited_greedy (groups
+// ranked by their best score, the others' scores taken as 0), 2 noaux_tc (choice = scores +
+// bias, groups ranked by the sum of their best two, the others excluded); the K best choices,
+// weighted by their unbiased scores (normalised to sum 1 when ``norm`` and K > 1) times
+// ``scaling``. Returns (ids [T, K] int64, best first; weights [T, K] fp32).
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, c10::optional<torch::Tensor> bias,
+                                                   int64_t K, int64_t G, int64_t KG, int64_t method,
+                                                   bool softmax, bool norm, double scaling) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [T, E]");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(method >= 0 && method <= 2, "method must be 0, 1 or 2, got ", method);
+  TORCH_CHECK(K >= 1 && K <= E, "K = ", K, " outside [1, ", E, "]");
+  const bool grouped = method > 0 && G > 1;
+  TORCH_CHECK(!grouped || (E % G == 0 && KG >= 1 && KG <= G && K <= KG * (E / G)),
+              "groups: E = ", E, ", G = ", G, ", KG = ", KG, ", K = ", K);
+  const float* bp = nullptr;
+  if (bias.has_value() && method == 2) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == E, "bias must have E = ", E, " values");
+    bp = bias->data_ptr<float>();
+  }
+  auto ids = torch::empty({T, K}, logits.options().dtype(torch::kInt64));
+  auto weights = torch::empty({T, K}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  const int64_t F = grouped ? E / G : E;
+  std::vector<float> scores(E), choice(E), group_score(grouped ? G : 0);
+  std::vector<int64_t> idx, kept(grouped ? KG : 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = lp + t * E;
+    if (softmax) {
+      const float mx = *std::max_element(l, l + E);
+      float total = 0.0f;
+      for (int64_t e = 0; e < E; ++e) total += (scores[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) scores[e] /= total;
+    } else {
+      for (int64_t e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    }
+    for (int64_t e = 0; e < E; ++e) choice[e] = bp != nullptr ? scores[e] + bp[e] : scores[e];
+    if (grouped) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* c = choice.data() + g * F;
+        if (method == 2 && F >= 2) {
+          int64_t best2[2];
+          top_k(c, F, 2, best2, idx);
+          group_score[g] = c[best2[0]] + c[best2[1]];
+        } else {
+          group_score[g] = *std::max_element(c, c + F);
+        }
+      }
+      top_k(group_score.data(), G, KG, kept.data(), idx);
+      const float fill = method == 2 ? -INFINITY : 0.0f;
+      for (int64_t g = 0; g < G; ++g)
+        if (std::find(kept.begin(), kept.end(), g) == kept.end()) std::fill_n(choice.data() + g * F, F, fill);
+    }
+    int64_t* out = ip + t * K;
+    top_k(choice.data(), E, K, out, idx);
+    float total = 0.0f;
+    for (int64_t j = 0; j < K; ++j) total += (wp[t * K + j] = scores[out[j]]);
+    const float d = norm && K > 1 ? total + 1e-20f : 1.0f;
+    for (int64_t j = 0; j < K; ++j) wp[t * K + j] = wp[t * K + j] / d * static_cast<float>(scaling);
+  }
+  return {ids, weights};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
   m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
@@ -512,4 +616,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
   m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
   m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
+  m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
 }

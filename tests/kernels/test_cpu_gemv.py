@@ -175,3 +175,51 @@ def test_mla_decode_paged_rejects_a_length_or_page_outside_the_pool():
         mod.mla_decode_paged(q_lat, q_rope, kv, torch.tensor([[0, 9]]), torch.tensor([20]), 1.0, 16)
     with pytest.raises(RuntimeError, match="R \\+ P = 13"):
         mod.mla_decode_paged(q_lat, torch.ones(1, 2, 5), kv, torch.tensor([[0, 1]]), torch.tensor([2]), 1.0, 16)
+
+
+@pytest.mark.parametrize("m, h", [(1, 512), (8, 60), (16, 7168), (3, 1)])
+def test_rms_norm_matches_reference(m, h):
+    from kernels.cpu_gemv import ref_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(m + h)
+    x, w = torch.randn(m, h, generator=gen) * 3, torch.randn(h, generator=gen)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+    zeros = torch.zeros(m, h)  # eps keeps an all-zero row finite
+    assert torch.equal(rms_norm(zeros, w, 1e-6), zeros)
+
+
+# (E, K, G, KG): V2-Lite greedy, V2 group-limited, V3 noaux_tc; a group of one expert
+ROUTES = [(64, 6, 1, 1, "greedy", True), (160, 6, 8, 3, "group_limited_greedy", True),
+          (256, 8, 8, 4, "noaux_tc", False), (32, 4, 4, 2, "noaux_tc", False), (8, 2, 8, 3, "noaux_tc", False),
+          (16, 3, 4, 2, "group_limited_greedy", False), (12, 1, 3, 1, "greedy", False)]
+
+
+@pytest.mark.parametrize("e, k, g, kg, method, softmax", ROUTES)
+@pytest.mark.parametrize("t", [1, 5, 16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_route_matches_reference(e, k, g, kg, method, softmax, t, norm):
+    from kernels.cpu_gemv import moe_route, ref_moe_route
+
+    gen = torch.Generator().manual_seed(e * 100 + t)
+    logits, bias = torch.randn(t, e, generator=gen) * 2, torch.randn(e, generator=gen) * 0.5
+    for b in (bias, None):
+        ids, weights = moe_route(logits, b, k, g, kg, method, softmax, norm, 2.5)
+        ref_ids, ref_weights = ref_moe_route(logits, b, k, g, kg, method, softmax, norm, 2.5)
+        order = ref_ids.sort(dim=-1)  # the reference's order is unspecified; the kernel's is best first
+        assert torch.equal(ids.sort(dim=-1).values, order.values)
+        torch.testing.assert_close(weights.gather(1, ids.sort(dim=-1).indices), ref_weights.gather(1, order.indices),
+                                   atol=1e-6, rtol=1e-5)
+        if b is None or method != "noaux_tc":  # best first: without a bias the weights follow the choice
+            assert bool((weights[:, :-1] >= weights[:, 1:]).all())
+
+
+def test_moe_route_rejects_what_the_gate_cannot_do():
+    from kernels.cpu_gemv import moe_route
+
+    logits = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="unknown routing method"):
+        moe_route(logits, None, 2, 4, 2, "top2", False, True, 1.0)
+    with pytest.raises(RuntimeError, match="groups"):
+        moe_route(logits, None, 12, 4, 2, "noaux_tc", False, True, 1.0)  # 2 groups of 4 hold 8 experts
+    with pytest.raises(RuntimeError, match="K = 20"):
+        moe_route(logits, None, 20, 1, 1, "greedy", True, True, 1.0)
