@@ -13,10 +13,16 @@ from kernels.cpu_gemv import small_linear, small_linear_q8
 from kernels.fp8_gemm import fp8_linear
 from model.quant import Fp8Weight, Q8Weight
 
-__all__ = ["linear", "rms_norm", "SwiGLU"]
+__all__ = ["linear", "needs_grad", "rms_norm", "SwiGLU"]
 
 # Up to this many rows a linear layer is a (multi-row) GEMV: see kernels.cpu_gemv.
 SMALL_ROWS = 16
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on these tensors: the C++ kernels have no backward, so
+    such an op (training) takes the torch path."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +33,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight | Fp8Weight, bias: torch.
         y = fp8_linear(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.block).view(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     small = bias is None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.dtype == torch.float32 \
-        and x.device.type == "cpu"
+        and x.device.type == "cpu" and not (isinstance(w, torch.Tensor) and needs_grad(x, w))
     if isinstance(w, Q8Weight):
         if small:
             return small_linear_q8(x.contiguous(), w.q, w.scale)
@@ -40,7 +46,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight | Fp8Weight, bias: torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (as Hugging Face does), returned in ``x``'s dtype."""
     if x.dtype == torch.float32:
-        if x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32:
+        if x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32 and not needs_grad(x, weight):
             return cpu_rms_norm(x.contiguous(), weight.contiguous(), eps)
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()

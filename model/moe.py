@@ -23,7 +23,7 @@ from kernels.fp8_gemm import moe_grouped_mlp_fp8
 from kernels.moe_grouped import moe_grouped_mlp
 from kernels.moe_route import moe_route_v3
 from model.config import ModelConfig
-from model.layers import SMALL_ROWS, SwiGLU
+from model.layers import SMALL_ROWS, SwiGLU, needs_grad
 from model.quant import Fp8Weight, Q8Weight
 
 __all__ = ["ExpertExecutor", "ExpertWeights", "Gate", "LocalExpertExecutor", "MoE", "route"]
@@ -50,7 +50,7 @@ def route(
             logits, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
             cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
-    small = logits.shape[0] <= SMALL_ROWS and logits.device.type == "cpu"
+    small = logits.shape[0] <= SMALL_ROWS and logits.device.type == "cpu" and not needs_grad(logits)
     return (moe_route if small else ref_moe_route)(
         logits, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
         cfg.topk_method, cfg.scoring_func == "softmax", cfg.norm_topk_prob, cfg.routed_scaling_factor,

@@ -174,3 +174,36 @@ def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start, micro_ba
     torch.testing.assert_close(got_chunk, want_chunk, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_batch, want_batch, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool.data, want_pool, atol=1e-5, rtol=0)
+
+
+def test_small_ops_keep_their_gradients():
+    """The C++ kernels (decode-sized linear, RMSNorm, routing) have no backward: with autograd
+    recording, the same calls take torch's path and give torch's gradients."""
+    import torch.nn.functional as F
+
+    from kernels.cpu_gemv import ref_moe_route
+    from model.layers import linear, rms_norm
+    from model.moe import Gate, route
+
+    cfg = named_config("bench")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, cfg.hidden_size, generator=gen, requires_grad=True)
+    w = torch.randn(32, cfg.hidden_size, generator=gen, requires_grad=True)
+    norm = torch.randn(cfg.hidden_size, generator=gen, requires_grad=True)
+    gate = Gate(torch.randn(cfg.n_routed_experts, cfg.hidden_size, generator=gen, requires_grad=True),
+                torch.randn(cfg.n_routed_experts, generator=gen))
+
+    def ours():
+        return linear(rms_norm(x, norm, 1e-6), w).square().sum() + route(cfg, gate, x)[1].sum()
+
+    def torchs():
+        logits = F.linear(x, gate.weight)
+        weights = ref_moe_route(logits, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                                cfg.topk_group, cfg.topk_method, False, cfg.norm_topk_prob,
+                                cfg.routed_scaling_factor)[1]
+        return F.linear(F.rms_norm(x, norm.shape, norm, 1e-6), w).square().sum() + weights.sum()
+
+    grads = [torch.autograd.grad(f(), (x, w, norm, gate.weight)) for f in (ours, torchs)]
+    for a, b in zip(*grads, strict=True):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b)
