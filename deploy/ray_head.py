@@ -194,17 +194,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# Ray's daemons that do not exit on SIGTERM: once the rest of a cluster has, they are killed.
+_DEAF_TO_SIGTERM = ("gcs_server", "raylet", "monitor.py")
+
+
+def _deaf_to_sigterm(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(os.path.basename(a.decode(errors="replace")) in _DEAF_TO_SIGTERM for a in argv[:3])
+
+
 def stop_marked(cluster_id: str, timeout_s: float = 3.0) -> int:
-    """SIGTERM every process of the cluster, SIGKILL what is left after ``timeout_s`` (Ray's
-    gcs_server and autoscaler monitor do not exit on SIGTERM; Serve was shut down in order
-    before); returns how many there were. Processes of other clusters are never signalled."""
+    """SIGTERM every process of the cluster and SIGKILL what is left once only Ray's daemons
+    that ignore SIGTERM (gcs_server, raylet, the autoscaler monitor) remain, or after
+    ``timeout_s`` (Serve was shut down in order before); returns how many there were. Processes
+    of other clusters are never signalled."""
     pids = marked_processes(cluster_id)
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         left = [p for p in pids if _alive(p)]
-        if not left:
+        if all(_deaf_to_sigterm(p) for p in left):
             break
         time.sleep(0.1)
     for pid in marked_processes(cluster_id):  # stragglers, and anything started meanwhile

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,28 @@ def test_stop_signals_exactly_the_marked_processes():
         assert marked_processes("c1") == [] and marked_processes("c2") == [other.pid]
     finally:
         for p in (ours, child_of_ours, other, unmarked):
+            p.kill()
+            p.wait()
+
+
+def test_a_daemon_deaf_to_sigterm_is_killed_once_the_rest_has_exited():
+    """Ray's raylet and gcs_server ignore SIGTERM: when only they are left, they are killed then,
+    not at the (here hour-long) timeout."""
+    env = {**os.environ, CLUSTER_ID_ENV: "c3"}
+    deaf = subprocess.Popen(["bash", "-c", "trap '' TERM; exec -a /opt/ray/raylet/raylet sleep 600"], env=env)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while b"raylet" not in Path(f"/proc/{deaf.pid}/cmdline").read_bytes():  # bash has exec'd it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stopper = threading.Thread(target=stop_marked, args=("c3", 3600.0), daemon=True)
+        stopper.start()
+        stopper.join(120)
+        assert not stopper.is_alive()
+        assert deaf.wait(10) == -signal.SIGKILL and worker.wait(10) == -signal.SIGTERM
+    finally:
+        for p in (deaf, worker):
             p.kill()
             p.wait()
 
