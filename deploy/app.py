@@ -185,6 +185,9 @@ def _secret(env_name: str | None, field: str) -> str | None:
 
 
 EXPERT_SHARD_NAME = "tideserve-expert-shard-{}"  # detached, in the "tideserve" namespace
+# How often a stopping replica checks that its requests have finished (Serve's default, 2 s, is
+# also what every idle replica waits before it stops: tide down, a night's redeploy, scale-in)
+DRAIN_POLL_S = 0.25
 
 
 def expert_shard_nodes(num_nodes: int, num_shards: int) -> int:
@@ -334,6 +337,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     replica_options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": _gpus_per_actor(a.device)},
         "max_ongoing_requests": 64, "health_check_period_s": 10, "max_replicas_per_node": a.max_replicas_per_node,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     }
     server_dep = serve.deployment(LLMServer, name="LLMServer", num_replicas=a.replicas, **replica_options, **options)
     server = _versioned(server_dep, server_cfg, replica_options, router).bind(server_cfg)
@@ -358,7 +362,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "public_paths": a.public_paths, "expert_parallel": bool(a.expert_shards),
     }
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
-                               max_ongoing_requests=256)
+                               max_ongoing_requests=256, graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
     return _versioned(ingress, ingress_cfg, ingress_options, decode is not None).bind(server, ingress_cfg, decode)
 
 

@@ -150,6 +150,18 @@ def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypa
         LLMServer({"checkpoint": "x"})
 
 
+def test_an_idle_replica_stops_without_waiting_out_serves_default_drain_poll(tmp_path, monkeypatch):
+    """Every deployment checks its in-flight requests every DRAIN_POLL_S while stopping (Serve's
+    2-s default is also the least time any replica takes to stop)."""
+    from deploy.app import DRAIN_POLL_S, build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    ingress = build_app({"decode_replicas": 1})._bound_deployment
+    deployments = [ingress, ingress.init_args[0]._bound_deployment, ingress.init_args[2]._bound_deployment]
+    assert [d.name for d in deployments] == ["OpenAIIngress", "LLMServer", "LLMDecode"]
+    assert {d._deployment_config.graceful_shutdown_wait_loop_s for d in deployments} == {DRAIN_POLL_S} != {2.0}
+
+
 @pytest.mark.security
 def test_keys_from_the_environment_without_a_tenant_get_one_each(monkeypatch):
     """TIDE_API_KEYS entries without a tenant are isolated by the whole key: two keys with a
