@@ -267,7 +267,8 @@ def ref_moe_route(
     logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_group: int, method: str,
     softmax: bool, norm: bool, scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek top-K routing from gate logits [T, E] -> (ids [T, K] int64, weights [T, K] fp32).
+    """DeepSeek top-K routing from gate logits [T, E] -> (ids [T, K] int64, a token's best
+    first; weights [T, K] fp32).
 
     Scores are ``softmax`` (V2) or sigmoid (V3) of the logits. ``greedy``: the K best scores.
     ``group_limited_greedy``: only the ``topk_group`` groups with the best single score compete.
@@ -291,7 +292,7 @@ def ref_moe_route(
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
         keep = group_mask[:, :, None].expand(t, g, e // g).reshape(t, e)
         choice = choice.masked_fill(~keep, float("-inf") if method == "noaux_tc" else 0.0)
-    ids = choice.topk(top_k, dim=-1, sorted=False).indices  # [T, K]
+    ids = choice.topk(top_k, dim=-1).indices  # [T, K], best first
     weights = scores.gather(1, ids)  # [T, K]
     if norm and top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -302,13 +303,13 @@ def moe_route(
     logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_group: int, method: str,
     softmax: bool, norm: bool, scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``ref_moe_route`` (a token's ids best first); fp32 contiguous CPU
-    logits. One call for what costs a dozen small ops in torch: meant for decode-sized T."""
+    """Same contract as ``ref_moe_route``; fp32 contiguous CPU logits. One call for what costs a
+    dozen small ops in torch: meant for decode-sized T."""
+    if method not in ROUTE_METHODS:
+        raise ValueError(f"unknown routing method {method!r}; known: {ROUTE_METHODS}")
     mod = cpu_kernels()
     if mod is None:
         return ref_moe_route(logits, bias, top_k, num_groups, topk_group, method, softmax, norm, scaling)
-    if method not in ROUTE_METHODS:
-        raise ValueError(f"unknown routing method {method!r}; known: {ROUTE_METHODS}")
     bias = bias.float().contiguous() if bias is not None and method == "noaux_tc" else None
     return mod.moe_route(logits, bias, top_k, num_groups, topk_group, ROUTE_METHODS.index(method), softmax, norm,
                          scaling)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.cpu_gemv import ref_moe_route
+
 __all__ = ["moe_route_v3", "ref_moe_route_v3"]
 
 
@@ -118,21 +120,9 @@ def ref_moe_route_v3(
     norm: bool,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``moe_route_v3`` in plain torch."""
+    """Same contract as ``moe_route_v3`` in plain torch (``kernels.cpu_gemv.ref_moe_route``)."""
     _check(logits, bias, top_k, num_groups, topk_group)
-    t, e = logits.shape
-    scores = logits.float().sigmoid()  # [T, E]
-    choice = scores if bias is None else scores + bias.float()
-    grouped = choice.view(t, num_groups, e // num_groups)
-    group_scores = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(-1)  # [T, G]
-    kept = group_scores.topk(topk_group, dim=-1).indices  # [T, KG]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-    choice = choice.masked_fill(~keep.repeat_interleave(e // num_groups, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices  # [T, K], best first
-    weights = scores.gather(1, ids)
-    if norm and top_k > 1:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * scaling
+    return ref_moe_route(logits, bias, top_k, num_groups, topk_group, "noaux_tc", False, norm, scaling)
 
 
 def _check(logits, bias, top_k, num_groups, topk_group) -> None:
