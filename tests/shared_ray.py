@@ -43,8 +43,12 @@ class SharedRay:
         else:
             from ray.cluster_utils import Cluster
 
+            from deploy.redis_proc import free_port
+
+            # its own dashboard port (the Jobs and state APIs): the default may be another Ray's
             c = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 1, "resources": {"node0": 1}, "env_vars": {"RAY_CLOUD_INSTANCE_ID": pod_name(0)}})
+                "num_cpus": 1, "resources": {"node0": 1}, "env_vars": {"RAY_CLOUD_INSTANCE_ID": pod_name(0)},
+                "dashboard_port": free_port()})
             self.cluster = c
             try:
                 self._workers = {i: self._add_worker(i) for i in range(1, self.nodes)}

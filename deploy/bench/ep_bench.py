@@ -143,7 +143,8 @@ def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = save_checkpoint(tmp, cfg, random_state_dict(cfg, seed=0))
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1},
+                                                               "include_dashboard": False})
         try:
             for i in range(1, nodes):
                 cluster.add_node(num_cpus=1, resources={f"node{i}": 1})

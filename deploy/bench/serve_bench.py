@@ -79,7 +79,9 @@ def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]
 
     port = free_port()
     redis = RedisServer(tmp / "redis").start()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # its own dashboard port: the state API (the soak's memory and fault picks) goes through the
+    # dashboard, and Ray's default port may be another cluster's on this machine
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port()})
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=1)
     try:

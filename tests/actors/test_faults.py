@@ -24,6 +24,7 @@ import pytest
 from model.checkpoint import load_model
 from model.generate import generate
 from tests.actors.tidal_streams import ClientThreads
+from tests.ray_state import alive_actors
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow, pytest.mark.fault]
 CHECKPOINT_SEED = 17  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -190,9 +191,7 @@ def test_redis_killed_then_restarted_empty_under_a_stream(app, redis_server, dir
 
 
 def _actor_pid(name_part: str, node_id: str) -> int | None:
-    from ray.util.state import list_actors
-
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True):
+    for a in alive_actors(detail=True):
         if a.node_id == node_id and name_part in ((a.class_name or "") + (a.name or "")):
             return a.pid
     return None
@@ -351,7 +350,5 @@ def _node_of(node) -> str:
 
 
 def _llm_nodes() -> set[str]:
-    from ray.util.state import list_actors
-
-    return {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return {a.node_id for a in alive_actors()
             if "LLMServer" in (a.class_name or "") + (a.name or "")}

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.actors.tidal_streams import ClientThreads, day_after_a_failure
+from tests.ray_state import alive_actors
 from tests.waiting import until
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -44,9 +45,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
 
 
 def _llm_replica_nodes() -> list[str]:
-    from ray.util.state import list_actors
-
-    return [a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.node_id for a in alive_actors()
             if "LLMServer" in (a.class_name or "") or "LLMServer" in (a.name or "")]
 
 
