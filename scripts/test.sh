@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh; quick when nothing changed) and runs the test suite. Extra arguments
-# go to pytest.
+# Sets up (scripts/setup.sh; quick when nothing changed) and runs the test suite in
+# TIDE_TEST_PROCESSES pytest processes (pytest-xdist; default 2), each group of tests (a module, or
+# the modules on one shared Ray: tests/conftest.py) whole in one, the longest groups first. Extra
+# arguments go to pytest (`-n 0`: all in this process).
 #   scripts/test.sh           everything (what CI runs)
 #   scripts/test.sh --fast    the inner loop: tests that need no Ray cluster and are not marked slow
 set -euo pipefail
@@ -16,6 +18,6 @@ if [ "${1:-}" != "--fast" ] && { ! command -v prometheus >/dev/null 2>&1 || ! co
 fi
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -m "not ray and not slow" "$@"
+  exec .venv/bin/python -m pytest -n "${TIDE_TEST_PROCESSES:-2}" -m "not ray and not slow" "$@"
 fi
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n "${TIDE_TEST_PROCESSES:-2}" "$@"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,12 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 # kernel is decorated, so it must be set before any ``kernels.*`` module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist each worker's torch (and the commands and Rays it starts) gets its share of
+# the cores: every worker using every core would spin its threads against the others'.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # On a GPU, tuning every kernel for every test shape would compile each config for each of them
 # (minutes); tests run the first config, and the kernel tests check every config separately.
 os.environ.setdefault("TIDE_AUTOTUNE", "0")
@@ -70,20 +78,93 @@ def redis_cluster(tmp_path_factory):
         cluster.kill()
 
 
-# The shared Rays (tests/shared_ray.py) by fixture name, with the order their modules run in.
-SHARED_RAYS = {"three_nodes": 1, "local_ray": 2}
-# Module -> the shared Ray its tests use (set at collection).
-_ON_SHARED_RAY: dict = {}
+# The groups of modules on a shared Ray (tests/shared_ray.py): group -> (the Ray's fixture, its
+# modules). A group runs whole, in a row, in one process, so the Ray starts once per process;
+# three_nodes has two groups of about equal time, which two processes can run side by side. Listed
+# here, not found from the fixtures, because xdist's scheduler sees node ids alone; collection
+# checks that every module using a shared Ray is in one of its groups.
+SHARED_RAY_GROUPS = {
+    "three_nodes/ep": ("three_nodes", ("tests/actors/test_cache_agents.py", "tests/actors/test_ep.py",
+                                       "tests/actors/test_tidal_ep.py")),
+    "three_nodes/tidal": ("three_nodes", ("tests/actors/test_faults.py", "tests/actors/test_tidal.py",
+                                          "tests/actors/test_tidal_pd.py")),
+    "local_ray": ("local_ray", ("tests/actors/test_cache_agent_secure_redis.py", "tests/actors/test_pd_handoff.py",
+                                "tests/deploy/test_api_fuzz.py", "tests/deploy/test_deepseek_api.py",
+                                "tests/deploy/test_openai_app.py", "tests/deploy/test_pd_app.py")),
+}
+_GROUP_OF = {module: group for group, (_, modules) in SHARED_RAY_GROUPS.items() for module in modules}
+_ON_SHARED_RAY = {module: SHARED_RAY_GROUPS[group][0] for module, group in _GROUP_OF.items()}
+# Each group's seconds in a whole run here, to start the longest groups first; refreshed by
+# running the suite with TIDE_GROUP_SECONDS_OUT=tests/group_seconds.json. A group missing from it
+# is guessed from its tests' marks.
+GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
+_GUESS_S = {"ray": 15.0, "slow": 5.0}
+
+
+def _group(nodeid: str) -> str:
+    """The tests that run together, in a row and in one process: a module's, or all the modules'
+    on one shared Ray (so it starts once per process)."""
+    module = nodeid.split("::")[0]
+    return _GROUP_OF.get(module, module)
+
+
+def _guess(item) -> float:
+    return max([s for m, s in _GUESS_S.items() if item.get_closest_marker(m)], default=0.1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules on a shared Ray run after the others, those of one shared Ray in a row, so it
-    starts once."""
+    """Tests run by group (``_group``), the longest groups first: one process runs each shared
+    Ray's modules in a row, and under pytest-xdist (``-n N``, as ``scripts/test.sh`` runs) a
+    group goes to one worker whole while the long ones start early."""
     for item in items:
-        for name in SHARED_RAYS:
-            if name in item.fixturenames:
-                _ON_SHARED_RAY[getattr(item, "module", None)] = name
-    items.sort(key=lambda item: SHARED_RAYS.get(_ON_SHARED_RAY.get(getattr(item, "module", None)), 0))
+        module = item.nodeid.split("::")[0]
+        for name in {ray for ray, _ in SHARED_RAY_GROUPS.values()}:
+            if name in item.fixturenames and _ON_SHARED_RAY.get(module) != name:
+                raise pytest.UsageError(f"{module} uses the shared Ray {name!r}: list it in a group of that "
+                                        "Ray in tests/conftest.py's SHARED_RAY_GROUPS")
+    ids = [item.nodeid for item in items]
+    if len(set(ids)) != len(ids):  # xdist tracks tests by id: all but one of each would not run
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise pytest.UsageError(f"tests share a node id (a plugin's ids on this pytest?): {twice[:5]}")
+    known = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.is_file() else {}
+    guessed: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        group = _group(item.nodeid)
+        guessed[group] = guessed.get(group, 0.0) + _guess(item)
+        first.setdefault(group, i)
+    cost = {group: known.get(group, s) for group, s in guessed.items()}
+    items.sort(key=lambda item: (-cost[_group(item.nodeid)], first[_group(item.nodeid)]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n N``: whole groups (``_group``) to a worker, in the order collection left them
+    (the longest first). xdist's own ``loadgroup`` would need marks it cannot read on pytest 9."""
+    if config.getoption("dist") not in ("load", "loadgroup"):
+        return None  # --dist loadfile, each, ...: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByGroup(config, log)
+
+
+_SPENT: dict[str, float] = {}  # group -> seconds its tests took in this run
+
+
+def pytest_runtest_logreport(report):
+    _SPENT[_group(report.nodeid)] = _SPENT.get(_group(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("TIDE_GROUP_SECONDS_OUT")
+    if out and not hasattr(session.config, "workerinput"):  # the run's one process or xdist's controller
+        spent = dict(sorted(((g, round(s, 1)) for g, s in _SPENT.items()), key=lambda kv: -kv[1]))
+        Path(out).write_text(json.dumps(spent, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +202,7 @@ def _no_ray_left_initialized(request):
     """A module whose Ray fixture failed half-way must not leave Ray initialized in this process:
     every later module's ``ray.init`` would fail with "called ray.init twice". A module that
     starts its own Ray (or none) begins without a shared one."""
-    own = request.module not in _ON_SHARED_RAY
+    own = request.node.nodeid.split("::")[0] not in _ON_SHARED_RAY
     if own:
         _stop_ray()
     yield
@@ -136,3 +217,4 @@ def _stop_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
