@@ -79,15 +79,13 @@ def redis_cluster(tmp_path_factory):
 
 
 # The groups of modules on a shared Ray (tests/shared_ray.py): group -> (the Ray's fixture, its
-# modules). A group runs whole, in a row, in one process, so the Ray starts once per process;
-# three_nodes has two groups of about equal time, which two processes can run side by side. Listed
+# modules). A group runs whole, in a row, in one process, so the Ray starts once per process. Listed
 # here, not found from the fixtures, because xdist's scheduler sees node ids alone; collection
 # checks that every module using a shared Ray is in one of its groups.
 SHARED_RAY_GROUPS = {
-    "three_nodes/ep": ("three_nodes", ("tests/actors/test_cache_agents.py", "tests/actors/test_ep.py",
-                                       "tests/actors/test_tidal_ep.py")),
-    "three_nodes/tidal": ("three_nodes", ("tests/actors/test_faults.py", "tests/actors/test_tidal.py",
-                                          "tests/actors/test_tidal_pd.py")),
+    "three_nodes": ("three_nodes", ("tests/actors/test_cache_agents.py", "tests/actors/test_ep.py",
+                                    "tests/actors/test_tidal_ep.py", "tests/actors/test_faults.py",
+                                    "tests/actors/test_tidal.py", "tests/actors/test_tidal_pd.py")),
     "local_ray": ("local_ray", ("tests/actors/test_cache_agent_secure_redis.py", "tests/actors/test_pd_handoff.py",
                                 "tests/deploy/test_api_fuzz.py", "tests/deploy/test_deepseek_api.py",
                                 "tests/deploy/test_openai_app.py", "tests/deploy/test_pd_app.py")),
