@@ -138,7 +138,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``-n N``: whole groups (``_group``) to a worker, in the order collection left them
-    (the longest first). xdist's own ``loadgroup`` would need marks it cannot read on pytest 9."""
+    (the longest first). xdist's own ``loadgroup`` needs marks it cannot read on pytest 9.2."""
     if config.getoption("dist") not in ("load", "loadgroup"):
         return None  # --dist loadfile, each, ...: xdist's own
     from xdist.scheduler import LoadScopeScheduling
@@ -215,4 +215,3 @@ def _stop_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-
