@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh; quick when nothing changed) and runs the test suite in
-# TIDE_TEST_PROCESSES pytest processes (pytest-xdist; default 2 for --fast, 0 = this one for
-# everything), each group of tests (a module, or
-# the modules on one shared Ray: tests/conftest.py) whole in one, the longest groups first. Extra
-# arguments go to pytest (`-n 0`: all in this process).
+# TIDE_TEST_PROCESSES pytest processes (pytest-xdist; default 2; 0 = all in this one), each group
+# of tests (a module, or the modules on one shared Ray: tests/conftest.py) whole in one, the
+# longest groups first. Extra arguments go to pytest.
 #   scripts/test.sh           everything (what CI runs)
 #   scripts/test.sh --fast    the inner loop: tests that need no Ray cluster and are not marked slow
 set -euo pipefail
@@ -21,6 +20,4 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/python -m pytest -n "${TIDE_TEST_PROCESSES:-2}" -m "not ray and not slow" "$@"
 fi
-# the whole suite in one process until a job driver beside another Ray finds its own cluster
-# (the k8s night test's drain job reached a benchmark's Ray under -n 2)
-exec .venv/bin/python -m pytest -n "${TIDE_TEST_PROCESSES:-0}" "$@"
+exec .venv/bin/python -m pytest -n "${TIDE_TEST_PROCESSES:-2}" "$@"

@@ -5,8 +5,6 @@ module that needs another Ray or at the end of the run. Starting a Ray costs 10-
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,6 @@ class SharedRay:
         self.home, self.nodes = home, nodes
         self.cluster = None
         self._workers: dict = {}  # i -> the worker node with resource node{i}
-        self._temp_dir: str | None = None  # the three nodes' Ray temp dir
         self.address: str | None = None
 
     def running(self) -> bool:
@@ -44,17 +41,9 @@ class SharedRay:
         if self.nodes == 1:
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
         else:
-            from ray.cluster_utils import Cluster
+            from deploy.sim_cluster import SimulatedCluster
 
-            from deploy.redis_proc import free_port
-
-            # its own temp dir (a Ray job's driver finds its cluster there: in the shared
-            # /tmp/ray it would find the newest Ray on the machine), dashboard and dashboard-agent
-            # ports (the Jobs API submits through a node's agent): another Ray may run beside it
-            self._temp_dir = tempfile.mkdtemp(prefix="tide-t3-")  # short: Ray's socket paths
-            c = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 1, "resources": {"node0": 1}, "env_vars": {"RAY_CLOUD_INSTANCE_ID": pod_name(0)},
-                "temp_dir": self._temp_dir, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port()})
+            c = SimulatedCluster(num_cpus=1, resources={"node0": 1}, env_vars={"RAY_CLOUD_INSTANCE_ID": pod_name(0)})
             self.cluster = c
             try:
                 self._workers = {i: self._add_worker(i) for i in range(1, self.nodes)}
@@ -107,10 +96,7 @@ class SharedRay:
             self.cluster.wait_for_nodes()
 
     def _add_worker(self, i: int):
-        from deploy.redis_proc import free_port
-
-        return self.cluster.add_node(num_cpus=1, resources={f"node{i}": 1}, env_vars={"RAY_CLOUD_INSTANCE_ID": pod_name(i)},
-                                     temp_dir=self._temp_dir, dashboard_agent_listen_port=free_port())
+        return self.cluster.add_node(num_cpus=1, resources={f"node{i}": 1}, env_vars={"RAY_CLOUD_INSTANCE_ID": pod_name(i)})
 
     def stop(self) -> None:
         import ray
@@ -121,9 +107,6 @@ class SharedRay:
             self.cluster.shutdown()
             self.cluster = None
             self._workers = {}
-        if self._temp_dir is not None:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
-            self._temp_dir = None
         self.address = None
         if self in _ACTIVE:
             _ACTIVE.remove(self)

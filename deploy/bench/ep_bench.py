@@ -133,18 +133,17 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
 def run_ep_bench(nodes: int = 3, batch: int = 32, context: int = 256, steps: int = 8,
                  config: str = "bench", repeats: int = 3) -> dict[str, Any]:
     import ray
-    from ray.cluster_utils import Cluster
 
     from actors.ep_control import ep_control_actor
     from actors.ep_group import expert_shard_actor
+    from deploy.sim_cluster import SimulatedCluster
 
     cfg = named_config(config)
     slots = cfg.n_routed_experts + (-cfg.n_routed_experts) % nodes + nodes  # one redundant copy per shard
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = save_checkpoint(tmp, cfg, random_state_dict(cfg, seed=0))
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1},
-                                                               "include_dashboard": False})
+        cluster = SimulatedCluster(num_cpus=1, resources={"node0": 1}, include_dashboard=False)
         try:
             for i in range(1, nodes):
                 cluster.add_node(num_cpus=1, resources={f"node{i}": 1})

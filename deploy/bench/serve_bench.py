@@ -75,13 +75,12 @@ def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]
     listening on a free loopback port: yields (redis, url); everything stops on exit."""
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
+
+    from deploy.sim_cluster import SimulatedCluster
 
     port = free_port()
     redis = RedisServer(tmp / "redis").start()
-    # its own dashboard port: the state API (the soak's memory and fault picks) goes through the
-    # dashboard, and Ray's default port may be another cluster's on this machine
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_port": free_port()})
+    cluster = SimulatedCluster(num_cpus=1)  # its own ports and temp dir: other Rays may run here
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=1)
     try:
