@@ -187,3 +187,14 @@ def dashboard_url(target: Target) -> str | None:
     if url and not url.startswith("http"):
         url = "http://" + url
     return url or None
+
+
+def alive_actors(detail: bool = False) -> list:
+    """The live actors of the Ray this process is connected to (``ray.util.state``, asked of
+    its GCS: without an address the state API takes the newest Ray on the machine, which may be
+    another one)."""
+    import ray
+    from ray.util.state import list_actors
+
+    return list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
+                       limit=10000, detail=detail)

@@ -5,7 +5,7 @@ benchmarks and the tests, that keeps to itself beside other Rays.
 driver looks up "its" cluster, and where ``Cluster`` marks itself as the machine's current
 one), the dashboard port and the head's dashboard-agent port (through which the Jobs API
 submits). A ``SimulatedCluster`` has its own of each and leaves the machine's current-cluster
-mark as it found it.
+mark as it found it. It runs no autoscaler: its nodes are the ones added.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class SimulatedCluster:
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="tide-sim-")  # short: Ray's socket paths live in it
+        # no autoscaler monitor: nothing here adds nodes on demand
         head_args = {"temp_dir": self.temp_dir, "dashboard_port": free_port(),
-                     "dashboard_agent_listen_port": free_port(), **head_args}
+                     "dashboard_agent_listen_port": free_port(), "no_monitor": True, **head_args}
         machine_current = ray_utils.read_ray_address()
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=head_args)

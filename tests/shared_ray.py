@@ -125,16 +125,16 @@ def stop_shared() -> None:
 
 
 @contextlib.contextmanager
-def serving(app, within_s: float = 300, proxy_location: str = "EveryNode") -> Iterator[str]:
+def serving(app, within_s: float = 300) -> Iterator[str]:
     """Serve ``app`` (a bound ``build_app``) on the connected Ray at a free port until the block
-    ends: yields the base URL once ``/health`` answers. ``proxy_location="HeadOnly"``: one HTTP
-    proxy, on the head (the simulated nodes share 127.0.0.1, so their proxies share the port)."""
+    ends: yields the base URL once ``/health`` answers. One HTTP proxy, on the head (never lent
+    at night): the simulated nodes share 127.0.0.1, where more proxies would share the port."""
     from ray import serve
 
     from deploy.redis_proc import free_port, wait_healthy
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location=proxy_location)
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     try:
         serve.run(app, name="tideserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"

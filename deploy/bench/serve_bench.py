@@ -71,8 +71,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]]:
-    """A redis-server and a ``ray.cluster_utils.Cluster`` of ``nodes`` one-CPU nodes with Serve
-    listening on a free loopback port: yields (redis, url); everything stops on exit."""
+    """A redis-server and a simulated cluster of ``nodes`` one-CPU nodes with Serve listening on
+    a free loopback port (one HTTP proxy, on the head: the nodes share 127.0.0.1): yields
+    (redis, url); everything stops on exit."""
     import ray
     from ray import serve
 
@@ -85,7 +86,7 @@ def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]
         cluster.add_node(num_cpus=1)
     try:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         yield redis, f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

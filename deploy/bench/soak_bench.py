@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
+from deploy.connect import alive_actors
 from deploy.redis_proc import RedisServer, wait_healthy
 
 __all__ = ["run_soak"]
@@ -76,20 +77,10 @@ class _Workload:
         return tuple(self._ids(self.rng.randrange(UNIT, 4 * UNIT)))
 
 
-def _alive_actors() -> list:
-    """The connected cluster's live actors (the state API, asked of this cluster's GCS: without
-    an address it takes the newest Ray on the machine, which may be another one)."""
-    import ray
-    from ray.util.state import list_actors
-
-    return list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
-                       limit=10000, detail=True)
-
-
 def _rss_mb() -> float:
     """Resident memory of the serving processes (replicas, ingress, HTTP proxy), in MB."""
     total = 0
-    for a in _alive_actors():
+    for a in alive_actors(detail=True):
         if any(c in (a.class_name or "") for c in SERVING_CLASSES) and a.pid:
             try:
                 with open(f"/proc/{a.pid}/status") as f:
@@ -100,7 +91,7 @@ def _rss_mb() -> float:
 
 
 def _agent_pids() -> dict[str, int]:
-    return {a.node_id: a.pid for a in _alive_actors()
+    return {a.node_id: a.pid for a in alive_actors(detail=True)
             if "CacheAgent" in (a.class_name or "") and a.pid}
 
 

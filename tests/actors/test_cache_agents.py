@@ -258,7 +258,7 @@ def test_serve_routes_a_cached_prefix_to_the_node_that_holds_it(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     app = build_app({
         "checkpoint": str(checkpoint), "replicas": 2, "replica_cpus": 0.5, "max_replicas_per_node": 1,
         "num_pages": 256, "cache_dir": agent_cfg.store.cache_dir, "directory_url": redis_server.url,

@@ -21,10 +21,10 @@ import time
 import httpx
 import pytest
 
+from deploy.connect import alive_actors
 from model.checkpoint import load_model
 from model.generate import generate
 from tests.actors.tidal_streams import ClientThreads
-from tests.ray_state import alive_actors
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow, pytest.mark.fault]
 CHECKPOINT_SEED = 17  # the weights of the `checkpoint` fixture (tests/actors/conftest.py)
@@ -64,7 +64,7 @@ def app(three_nodes, redis_server, checkpoint, tmp_path_factory):
     # on every node would share the port and a removed node's dying proxy would answer some
     # requests; an ingress on the removed node would take its requests down with it. The fault
     # under test is losing a serving node (its replica and cache agent).
-    with serving(build_app(args), 300, proxy_location="HeadOnly") as url:
+    with serving(build_app(args), 300) as url:
         yield url, three_nodes.cluster, list(three_nodes.cluster.worker_nodes), home
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deploy.connect import alive_actors
 from tests.actors.tidal_streams import ClientThreads, day_after_a_failure
-from tests.ray_state import alive_actors
 from tests.waiting import until
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
@@ -33,7 +33,7 @@ def serving(three_nodes, redis_server, tmp_path_factory):
     # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
     # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
     # serve Service does
-    with serving(build_app(args), 300, proxy_location="HeadOnly") as url:
+    with serving(build_app(args), 300) as url:
         yield url, args, home, three_nodes.cluster
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -65,14 +66,16 @@ def _ray_head(tmp: Path, env: dict[str, str]) -> tuple[str, str]:
     return f"127.0.0.1:{port}", marker
 
 
-@pytest.fixture(scope="module")
-def other_cluster(tmp_path_factory, fresh_home):
+@pytest.fixture
+def other_cluster(fresh_home):
     """A Ray cluster someone else runs on this machine (no authentication, as `ray start` makes
-    one on a HOME without a token); `tide down` must leave it running."""
+    one on a HOME without a token); `tide down` must leave it running. Stopped (with its temp
+    dir) when the test ends."""
     tmp = Path(f"/tmp/tide-other-{uuid.uuid4().hex[:8]}")  # short: Ray's socket paths
     address, marker = _ray_head(tmp, _env(None, fresh_home, RAY_AUTH_MODE="disabled"))
     yield address, marker
     stop_marked(marker)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluster):
@@ -275,7 +278,8 @@ def test_serve_run_on_a_token_cluster_and_the_admin_commands_reach_it(tmp_path, 
         token.write_text(uuid.uuid4().hex * 2)
         token.chmod(0o600)
     env = _env(tmp_path, fresh_home, RAY_AUTH_MODE="token")
-    address, marker = _ray_head(Path(f"/tmp/tide-serve-{uuid.uuid4().hex[:8]}"), env)
+    ray_tmp = Path(f"/tmp/tide-serve-{uuid.uuid4().hex[:8]}")
+    address, marker = _ray_head(ray_tmp, env)
     try:
         cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
         port = free_port()
@@ -305,6 +309,7 @@ def test_serve_run_on_a_token_cluster_and_the_admin_commands_reach_it(tmp_path, 
         assert none.returncode == 1 and "no cluster is running" in none.stderr
     finally:
         stop_marked(marker)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_up_config_file_fields_are_checked_and_used(tmp_path):
