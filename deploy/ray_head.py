@@ -25,6 +25,7 @@ __all__ = [
     "CLUSTER_ID_ENV",
     "ChildFailed",
     "HeadProcess",
+    "SERVE_ENV",
     "auth_token_source",
     "ensure_auth_token",
     "loopback_env",
@@ -135,6 +136,12 @@ def _ray_cli() -> str:
     return str(exe) if exe.exists() else "ray"
 
 
+# Serve kills an HTTP proxy that is not ready 5 s after its actor was created (and starts
+# another), failing the ``serve.start`` that waits for it: on a busy node starting a worker
+# process alone can take longer. Given to every Ray this project starts; the environment wins.
+SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+
+
 def start_head(
     cluster_id: str, temp_dir: Path, ports: dict[str, int], loopback: bool, num_cpus: int | None,
     timeout_s: float = 180.0,
@@ -153,7 +160,7 @@ def start_head(
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    env = {**os.environ, CLUSTER_ID_ENV: cluster_id, "RAY_AUTH_MODE": "token", **loopback_env(loopback)}
+    env = {**SERVE_ENV, **os.environ, CLUSTER_ID_ENV: cluster_id, "RAY_AUTH_MODE": "token", **loopback_env(loopback)}
     try:
         # its own session: a Ctrl-C at the terminal reaches `tide up`, which tears down in order
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,

@@ -11,10 +11,12 @@ mark as it found it. It runs no autoscaler: its nodes are the ones added.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from typing import Any
 
+from deploy.ray_head import SERVE_ENV
 from deploy.redis_proc import free_port
 
 __all__ = ["SimulatedCluster"]
@@ -32,7 +34,8 @@ class SimulatedCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="tide-sim-")  # short: Ray's socket paths live in it
         # no autoscaler monitor: nothing here adds nodes on demand
         head_args = {"temp_dir": self.temp_dir, "dashboard_port": free_port(),
-                     "dashboard_agent_listen_port": free_port(), "no_monitor": True, **head_args}
+                     "dashboard_agent_listen_port": free_port(), "no_monitor": True, **head_args,
+                     "env_vars": _env(head_args)}
         machine_current = ray_utils.read_ray_address()
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
@@ -51,7 +54,8 @@ class SimulatedCluster:
 
     def add_node(self, **args: Any):
         """A worker node (``Cluster.add_node`` arguments), in this cluster's temp dir."""
-        return self.cluster.add_node(**{"temp_dir": self.temp_dir, "dashboard_agent_listen_port": free_port(), **args})
+        return self.cluster.add_node(**{"temp_dir": self.temp_dir, "dashboard_agent_listen_port": free_port(), **args,
+                                        "env_vars": _env(args)})
 
     def remove_node(self, node, allow_graceful: bool = True) -> None:
         self.cluster.remove_node(node, allow_graceful=allow_graceful)
@@ -66,6 +70,11 @@ class SimulatedCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def _env(node_args: dict[str, Any]) -> dict[str, str]:
+    """A node's environment: ``SERVE_ENV`` under the process's own and ``node_args``'."""
+    return {**{k: v for k, v in SERVE_ENV.items() if k not in os.environ}, **node_args.get("env_vars", {})}
+
+
 def _restore_current(before: str | None, ours: str) -> None:
     """``Cluster`` writes its address as the machine's current Ray (``/tmp/ray``); put back what
     was there, unless another Ray wrote it meanwhile."""
@@ -77,8 +86,6 @@ def _restore_current(before: str | None, ours: str) -> None:
     path = common.get_ray_address_file(None)
     if before is None:
         with contextlib.suppress(FileNotFoundError):
-            import os
-
             os.remove(path)
     else:
         with open(path, "w") as f:

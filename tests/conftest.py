@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from deploy.ray_head import SERVE_ENV
+
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Triton kernels run in Triton's CPU interpreter when there is no GPU. The flag is read when a
@@ -26,6 +28,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # On a GPU, tuning every kernel for every test shape would compile each config for each of them
 # (minutes); tests run the first config, and the kernel tests check every config separately.
 os.environ.setdefault("TIDE_AUTOTUNE", "0")
+for _k, _v in SERVE_ENV.items():  # the Rays the tests start in this process (tide up gives its own)
+    os.environ.setdefault(_k, _v)
 
 
 def require(condition: bool, why: str) -> None:

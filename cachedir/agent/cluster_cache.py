@@ -73,7 +73,9 @@ class ClusterCache:
         self._live: tuple[float, dict[str, str]] = (-1e18, {})
         self._live_ttl_s = live_ttl_s
         self._suspect_s = suspect_s
-        self._suspects: dict[str, float] = {}  # node -> monotonic time until which it is avoided
+        # node -> (monotonic time until which it is avoided, the agent address that failed; None:
+        # it sent a unit that failed verification, whatever address it has)
+        self._suspects: dict[str, tuple[float, str | None]] = {}
         self.counters = {"lookups": 0, "directory_errors": 0, "agent_errors": 0, "remote_units": 0,
                          "local_units": 0, "verify_failures": 0, "retried_units": 0, "persisted_units": 0,
                          "suspected_holders": 0}
@@ -97,23 +99,30 @@ class ClusterCache:
         if self.counters["agent_errors"] % 100 == 1:
             log.warning("cache agent call failed (a cache miss; %d so far): %s", self.counters["agent_errors"], e)
 
-    def _live_nodes(self) -> dict[str, str]:
+    def _live_nodes(self, fresh: bool = False) -> dict[str, str]:
+        """Live node -> its agent's address (the directory's, at most ``live_ttl_s`` old unless
+        ``fresh``)."""
         at, live = self._live
-        if time.monotonic() - at > self._live_ttl_s:
+        if fresh or time.monotonic() - at > self._live_ttl_s:
             live = self.directory.live_nodes()
             self._live = (time.monotonic(), live)
         return live
 
-    def _suspect(self, node: str) -> None:
+    def _suspect(self, node: str, address: str | None = None) -> None:
+        """Avoid ``node`` as a holder for ``suspect_s``: its agent at ``address`` failed (an agent
+        restarted since, at another address, is trusted again), or it sent a unit that failed
+        verification (``address`` None: avoided wherever its agent listens)."""
         with self._lock:
-            if self._suspects.get(node, 0.0) < time.monotonic():
+            if self._suspects.get(node, (0.0, None))[0] < time.monotonic():
                 self.counters["suspected_holders"] += 1
-            self._suspects[node] = time.monotonic() + self._suspect_s
+            self._suspects[node] = (time.monotonic() + self._suspect_s, address)
 
-    def _trusted(self, nodes: list[str]) -> list[str]:
+    def _trusted(self, nodes: list[str], live: dict[str, str]) -> list[str]:
         now = time.monotonic()
         with self._lock:
-            return [n for n in nodes if self._suspects.get(n, 0.0) < now]
+            suspects = {n: self._suspects.get(n, (0.0, None)) for n in nodes}
+        return [n for n, (until, address) in suspects.items()
+                if until < now or (address is not None and live.get(n) != address)]
 
     def holds(self, key: bytes) -> bool:
         """Cached on some node as far as this replica knows (so persisting it again is a waste)."""
@@ -158,7 +167,7 @@ class ClusterCache:
             try:
                 match = self.directory.longest_prefix(keys)
                 live = self._live_nodes()
-                remote = [self._trusted([h.node_id for h in hs if h.node_id != self.node_id and h.node_id in live])
+                remote = [self._trusted([h.node_id for h in hs if h.node_id != self.node_id and h.node_id in live], live)
                           for hs in match.holders]
             except DirectoryUnavailable:
                 self._count("directory_errors")
@@ -172,7 +181,7 @@ class ClusterCache:
             self._count("directory_errors")
             live = {}
         local = ["local" if self.node_id in hs else "" for hs in holders]
-        return local, [self._trusted([n for n in hs if n != self.node_id and n in live]) for hs in holders]
+        return local, [self._trusted([n for n in hs if n != self.node_id and n in live], live) for hs in holders]
 
     def _record_hits(self, keys: list[bytes]) -> None:
         try:
@@ -228,19 +237,28 @@ class ClusterCache:
         """Fetch ``idx`` from ``node`` (None: this node's agent); verified units by index."""
         got: dict[int, LoadedUnit | None] = dict.fromkeys(idx)
         t0 = time.perf_counter()
+        wanted = [keys[i] for i in idx]
+        address = None
         try:
             if node is None:
-                client = self.local
+                found = self.local.fetch(wanted, requester=self.node_id)
             else:
                 address = self._live_nodes().get(node)
                 if address is None:
                     return node, got
-                client = self._client_for(address)
-            found = client.fetch([keys[i] for i in idx], requester=self.node_id)
+                try:
+                    found = self._client_for(address).fetch(wanted, requester=self.node_id)
+                except AgentError:
+                    # its agent may have restarted since the directory was read: a new port
+                    moved = self._live_nodes(fresh=True).get(node)
+                    if moved is None or moved == address:
+                        raise
+                    address = moved
+                    found = self._client_for(address).fetch(wanted, requester=self.node_id)
         except AgentError as e:
             self._agent_error(e)
             if node is not None:
-                self._suspect(node)
+                self._suspect(node, address)
             return node, got
         except DirectoryUnavailable:
             self._count("directory_errors")

@@ -217,7 +217,8 @@ def test_a_cache_agent_crash_under_a_stream(app, directory, unit_keys, reference
           "the restarted agent's units in the directory again")
     # every replica hits again, the one beside the restarted agent too (it listens on a new port,
     # which that replica's client finds again: actors.cache_agent.NodeAgentClient)
-    assert [_warm(url, warm, reference)["prompt_cache_hit_tokens"] for _ in range(3)] == [3 * 64] * 3
+    usages = [_warm(url, warm, reference) for _ in range(3)]
+    assert [u["prompt_cache_hit_tokens"] for u in usages] == [3 * 64] * 3, [u["prompt_cache_accounting"] for u in usages]
 
 
 def _agent_stats(node_id: str) -> dict:

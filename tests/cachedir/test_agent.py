@@ -288,6 +288,40 @@ def test_dead_agent_and_dead_directory_degrade_to_misses(pair, monkeypatch):
     cache.close()
 
 
+def test_a_holder_whose_agent_restarted_elsewhere_is_fetched_from_at_once(tmp_path):
+    """A dead holder is avoided (suspected) while its agent stays where it failed; restarted
+    (Ray restarts a killed agent, on a new port, with its units from disk) it is trusted again,
+    and a fetch that meets the old address follows the node to the new one."""
+    d = MemoryDirectory("restart")
+    a, b = _agent(tmp_path, "node-a", d), _agent(tmp_path, "node-b", d)
+    units = make_units(TOKENS)
+    keys, toks = [u.key for u in units], [u.token_ids for u in units]
+    _store(a, units)
+    cache = ClusterCache(b.node_id, AgentClient(b.address), d, AgentClient, live_ttl_s=0.0)
+    try:
+        assert cache.lookup(keys) == ["remote"] * 4
+        a.close()  # killed between lookup and load, still listed live at its old address
+        assert cache.load_async(keys, NS.seed, toks).result(timeout=30) == [None] * 4
+        assert cache.stats()["suspected_holders"] == 1 and cache.lookup(keys) == []  # avoided
+        a = _agent(tmp_path, "node-a", d)  # restarted: a new port, its units found on disk
+        a.sync_once()
+        assert cache.lookup(keys) == ["remote"] * 4  # the new agent is not the one that failed
+        loaded = cache.load_async(keys, NS.seed, toks).result(timeout=30)
+        assert [x.tier for x in loaded] == ["remote"] * 4 and cache.stats()["suspected_holders"] == 1
+        # restarted again after this replica read the directory (its copy of the addresses is old)
+        cache._live_ttl_s = 3600.0
+        assert cache.lookup(keys) == ["remote"] * 4
+        a.close()
+        a = _agent(tmp_path, "node-a", d)
+        a.sync_once()
+        loaded = cache.load_async(keys, NS.seed, toks).result(timeout=30)
+        assert [x.tier for x in loaded] == ["remote"] * 4 and cache.stats()["suspected_holders"] == 1
+    finally:
+        cache.close()
+        a.close()
+        b.close()
+
+
 def test_heartbeat_ttl_hides_a_stopped_agents_units(tmp_path):
     from tests.cachedir.conftest import FakeClock
 

@@ -34,3 +34,13 @@ def test_its_nodes_live_in_its_own_temp_dir_where_a_jobs_driver_finds_it(three_n
     assert ray_utils.read_ray_address() != c.address  # not the machine's current Ray
     nodes = [n for n in ray.nodes() if n["Alive"]]
     assert len(nodes) == 3 and all(n["ObjectStoreSocketName"].startswith(c.temp_dir) for n in nodes)
+
+
+def test_every_node_gives_serves_proxy_time_to_start_unless_the_environment_says(monkeypatch):
+    from deploy.ray_head import SERVE_ENV
+    from deploy.sim_cluster import _env
+
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    assert _env({"env_vars": {"RAY_CLOUD_INSTANCE_ID": "pod-1"}}) == {**SERVE_ENV, "RAY_CLOUD_INSTANCE_ID": "pod-1"}
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "7")  # inherited by the node as it is
+    assert _env({}) == {}
