@@ -29,6 +29,7 @@ __all__ = [
     "auth_token_source",
     "ensure_auth_token",
     "loopback_env",
+    "serve_env",
     "configure_driver",
     "marked_processes",
     "start_head",
@@ -138,8 +139,14 @@ def _ray_cli() -> str:
 
 # Serve kills an HTTP proxy that is not ready 5 s after its actor was created (and starts
 # another), failing the ``serve.start`` that waits for it: on a busy node starting a worker
-# process alone can take longer. Given to every Ray this project starts; the environment wins.
+# process alone can take longer. Given to every Ray this project starts (``serve_env``).
 SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+
+
+def serve_env() -> dict[str, str]:
+    """What a Ray started now adds to this process's environment: ``SERVE_ENV``'s variables the
+    environment does not set (a value set there wins)."""
+    return {k: v for k, v in SERVE_ENV.items() if k not in os.environ}
 
 
 def start_head(
@@ -160,7 +167,7 @@ def start_head(
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    env = {**SERVE_ENV, **os.environ, CLUSTER_ID_ENV: cluster_id, "RAY_AUTH_MODE": "token", **loopback_env(loopback)}
+    env = {**os.environ, **serve_env(), CLUSTER_ID_ENV: cluster_id, "RAY_AUTH_MODE": "token", **loopback_env(loopback)}
     try:
         # its own session: a Ctrl-C at the terminal reaches `tide up`, which tears down in order
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from deploy.ray_head import SERVE_ENV
+from deploy.ray_head import serve_env
 from deploy.redis_proc import free_port
 
 __all__ = ["SimulatedCluster"]
@@ -71,8 +71,8 @@ class SimulatedCluster:
 
 
 def _env(node_args: dict[str, Any]) -> dict[str, str]:
-    """A node's environment: ``SERVE_ENV`` under the process's own and ``node_args``'."""
-    return {**{k: v for k, v in SERVE_ENV.items() if k not in os.environ}, **node_args.get("env_vars", {})}
+    """A node's environment beside the one it inherits: ``serve_env()`` and ``node_args``'."""
+    return {**serve_env(), **node_args.get("env_vars", {})}
 
 
 def _restore_current(before: str | None, ours: str) -> None:

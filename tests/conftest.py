@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.ray_head import SERVE_ENV
+from deploy.ray_head import serve_env
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -28,8 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # On a GPU, tuning every kernel for every test shape would compile each config for each of them
 # (minutes); tests run the first config, and the kernel tests check every config separately.
 os.environ.setdefault("TIDE_AUTOTUNE", "0")
-for _k, _v in SERVE_ENV.items():  # the Rays the tests start in this process (tide up gives its own)
-    os.environ.setdefault(_k, _v)
+os.environ.update(serve_env())  # the Rays the tests start in this process (tide up gives its own)
 
 
 def require(condition: bool, why: str) -> None:
@@ -104,11 +103,14 @@ GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
 _GUESS_S = {"ray": 15.0, "slow": 5.0}
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def _group(nodeid: str) -> str:
     """The tests that run together, in a row and in one process: a module's, or all the modules'
     on one shared Ray (so it starts once per process)."""
-    module = nodeid.split("::")[0]
-    return _GROUP_OF.get(module, module)
+    return _GROUP_OF.get(_module(nodeid), _module(nodeid))
 
 
 def _guess(item) -> float:
@@ -120,7 +122,7 @@ def pytest_collection_modifyitems(config, items):
     Ray's modules in a row, and under pytest-xdist (``-n N``, as ``scripts/test.sh`` runs) a
     group goes to one worker whole while the long ones start early."""
     for item in items:
-        module = item.nodeid.split("::")[0]
+        module = _module(item.nodeid)
         for name in {ray for ray, _ in SHARED_RAY_GROUPS.values()}:
             if name in item.fixturenames and _ON_SHARED_RAY.get(module) != name:
                 raise pytest.UsageError(f"{module} uses the shared Ray {name!r}: list it in a group of that "
@@ -160,7 +162,8 @@ _SPENT: dict[str, float] = {}  # group -> seconds its tests took in this run
 
 
 def pytest_runtest_logreport(report):
-    _SPENT[_group(report.nodeid)] = _SPENT.get(_group(report.nodeid), 0.0) + report.duration
+    group = _group(report.nodeid)
+    _SPENT[group] = _SPENT.get(group, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session):
@@ -205,7 +208,7 @@ def _no_ray_left_initialized(request):
     """A module whose Ray fixture failed half-way must not leave Ray initialized in this process:
     every later module's ``ray.init`` would fail with "called ray.init twice". A module that
     starts its own Ray (or none) begins without a shared one."""
-    own = request.node.nodeid.split("::")[0] not in _ON_SHARED_RAY
+    own = _module(request.node.nodeid) not in _ON_SHARED_RAY
     if own:
         _stop_ray()
     yield
