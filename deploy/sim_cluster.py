@@ -37,6 +37,8 @@ class SimulatedCluster:
                      "dashboard_agent_listen_port": free_port(), "no_monitor": True, **head_args,
                      "env_vars": _env(head_args)}
         machine_current = ray_utils.read_ray_address()
+        # Cluster writes its address there, and a fresh machine has no /tmp/ray yet
+        os.makedirs(os.path.dirname(ray_utils.get_ray_address_file(None)), exist_ok=True)
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
         except BaseException:

@@ -24,6 +24,33 @@ def test_the_machines_current_ray_is_put_back_unless_another_wrote_it(tmp_path, 
     assert ray_utils.read_ray_address() == "127.0.0.1:5000"
 
 
+def test_it_starts_on_a_fresh_machine_that_has_no_default_ray_temp_dir_yet(tmp_path, monkeypatch):
+    """``Cluster`` marks itself in ``/tmp/ray``, which nothing has made on a fresh machine (CI
+    failed there); the mark is made and then put back as it was: absent."""
+    import ray._common.utils as common
+    import ray._private.utils as ray_utils
+    import ray.cluster_utils
+
+    from deploy import sim_cluster
+
+    class MarkingCluster:  # what Cluster does to the machine's mark, without starting a Ray
+        def __init__(self, initialize_head, head_node_args):
+            self.address = "127.0.0.1:4000"
+            ray_utils.write_ray_address(self.address)
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(common, "get_default_ray_temp_dir", lambda: str(tmp_path / "ray"))
+    monkeypatch.setattr(ray.cluster_utils, "Cluster", MarkingCluster)
+    c = sim_cluster.SimulatedCluster(num_cpus=1)
+    try:
+        assert ray_utils.read_ray_address() is None
+        assert ray_utils.read_ray_address(c.temp_dir) == "127.0.0.1:4000"
+    finally:
+        c.shutdown()
+
+
 @pytest.mark.ray
 def test_its_nodes_live_in_its_own_temp_dir_where_a_jobs_driver_finds_it(three_nodes):
     import ray
