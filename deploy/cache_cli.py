@@ -17,10 +17,16 @@ TOTALS = ("ssd_units", "ssd_bytes", "ssd_pinned", "ram_units", "ram_bytes", "ssd
           "push_refused", "replication_pushed")
 
 
-def _connect(address: str | None):
-    from deploy.connect import find_target, serve_handle
+def _connect(address: str | None, server: bool = False):
+    """Connect this process to the cluster that runs the app; ``server``: return a handle to
+    its replicas too (which imports Ray Serve: only where a prompt must be hashed as they do)."""
+    from deploy.connect import find_target, require_app, serve_handle
 
-    return serve_handle(find_target(address))  # connects this process to the cluster
+    target = find_target(address)
+    if server:
+        return serve_handle(target)
+    require_app(target)
+    return None
 
 
 def cache_stats() -> dict:
@@ -53,7 +59,7 @@ def _which(key: list[str] | None, prompt: str | None, prompt_ids: str | None) ->
 
 
 def _keys(server, key: list[str] | None, prompt: str | None, ids: list[int] | None, tenant: str) -> list[str]:
-    """The unit keys the options name (a prompt's, as the replicas hash it)."""
+    """The unit keys the options name (a prompt's, as the replicas hash it: ``server``)."""
     if key:
         return list(key)
     keys = server.unit_keys.remote(ids, tenant=tenant, text=prompt).result(timeout_s=60)
@@ -120,7 +126,8 @@ def evict(
     if all_units and (key or prompt is not None or prompt_ids is not None):
         raise typer.BadParameter("--all takes no --key, --prompt or --prompt-ids")
     ids = None if all_units else _which(key, prompt, prompt_ids)
-    server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
+    # before `import ray`: it sets the cluster's auth mode
+    server = _connect(address, server=not all_units and not key)
     import ray
 
     from actors.cache_agent import agent_handles
@@ -147,7 +154,7 @@ def pin(
     """Keep units on every node that holds them, whatever the eviction policy (also across
     restarts). A prompt's units exist once it has been served."""
     ids = _which(key, prompt, prompt_ids)
-    server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
+    server = _connect(address, server=not key)  # before `import ray`: it sets the cluster's auth mode
     import ray
 
     from actors.cache_agent import agent_handles
@@ -211,7 +218,7 @@ def explain(
     before its last token, what the directory lists for it, which nodes hold it, and its class
     (found, stale, unlisted, evicted, removed, damaged, never seen)."""
     ids = _which(None, prompt, prompt_ids)
-    server = _connect(address)  # before `import ray`: it sets the cluster's auth mode
+    server = _connect(address, server=True)  # before `import ray`: it sets the cluster's auth mode
     import ray
 
     from actors.cache_agent import agent_handles

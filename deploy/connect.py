@@ -29,6 +29,7 @@ __all__ = [
     "connect",
     "find_target",
     "read_state",
+    "require_app",
     "serve_handle",
     "state_path",
     "write_state",
@@ -142,6 +143,20 @@ def _load_redis_password(target: Target) -> None:
     path = cache_root() / "run" / "redis.password"
     if target.local is not None and REDIS_PASSWORD_ENV not in os.environ and path.is_file():
         os.environ[REDIS_PASSWORD_ENV] = path.read_text().strip()
+
+
+def require_app(target: Target) -> None:
+    """Connect this process to the cluster; ``TideError`` unless the tideserve app runs there
+    (Serve's controller and a replica of the app are alive: Serve names them
+    ``SERVE_CONTROLLER_ACTOR`` and ``SERVE_REPLICA::<app>#...`` in namespace ``serve``). For the
+    commands that then talk to the app's own actors: it imports no ``ray.serve``, about a second
+    of a command's start."""
+    ray = connect(target)
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"}
+    if "SERVE_CONTROLLER_ACTOR" not in names:
+        raise TideError(f"the cluster at {target.address} runs no Ray Serve")
+    if not any(n.startswith(f"SERVE_REPLICA::{APP_NAME}#") for n in names):
+        raise TideError(f"the cluster at {target.address} runs no {APP_NAME!r} app")
 
 
 def serve_handle(target: Target, deployment: str = "LLMServer"):

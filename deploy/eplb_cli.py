@@ -92,10 +92,10 @@ def eplb_plan(
 def _control(address: str | None):
     """The running cluster's ``EPControl`` (connects to the cluster; call it before importing
     ray: the connection sets Ray's auth mode first)."""
-    from deploy.connect import find_target, serve_handle
+    from deploy.connect import find_target, require_app
     from deploy.ep_admin import find_ep_control
 
-    serve_handle(find_target(address))  # connects
+    require_app(find_target(address))  # connects
     control = find_ep_control()
     if control is None:
         raise TideError("this cluster does not use expert parallelism (tide up --expert-shards N)")

@@ -137,13 +137,13 @@ def drain(
     """Drain COUNT of the PODS' Ray nodes and stop their replicas, for a Kubernetes night
     (`tide scale night --k8s` runs this on the serving cluster as a Ray job, then lowers
     serveConfigV2's counts and deletes the pods it names)."""
-    from deploy.connect import app_args, find_target, serve_handle
+    from deploy.connect import app_args, find_target, require_app
 
     names = [p for p in pods.split(",") if p]
     if not names:
         raise typer.BadParameter("--pods names no pod")
     cluster = find_target(address)
-    serve_handle(cluster)
+    require_app(cluster)
     from deploy.tidal import lend_pods
 
     try:
@@ -175,11 +175,11 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
                  deadline_s, reload, as_json, address) -> None:
     """Lend nodes of a Ray cluster (``tide up``'s plus nodes joined with ``ray start``, or the
     one ``--address`` names)."""
-    from deploy.connect import app_args, dashboard_url, find_target, serve_handle, write_state
+    from deploy.connect import app_args, dashboard_url, find_target, require_app, write_state
     from deploy.local import record_serving_nodes
 
     cluster = find_target(address)
-    serve_handle(cluster)  # connects to the cluster
+    require_app(cluster)  # connects to the cluster
     import ray
 
     from actors.tidal import tidal_state

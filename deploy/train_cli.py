@@ -106,10 +106,10 @@ def train_export(
 
 def _cluster(address: str | None):
     """(the cluster's dashboard URL, its day/night state actor, the ray module); connects."""
-    from deploy.connect import dashboard_url, find_target, serve_handle
+    from deploy.connect import dashboard_url, find_target, require_app
 
     target = find_target(address)
-    serve_handle(target)  # connects this process to the cluster
+    require_app(target)  # connects this process to the cluster
     import ray
 
     from actors.tidal import tidal_state
