@@ -5,7 +5,8 @@ benchmarks and the tests, that keeps to itself beside other Rays.
 driver looks up "its" cluster, and where ``Cluster`` marks itself as the machine's current
 one), the dashboard port and the head's dashboard-agent port (through which the Jobs API
 submits). A ``SimulatedCluster`` has its own of each and leaves the machine's current-cluster
-mark as it found it. It runs no autoscaler: its nodes are the ones added.
+mark as it found it. It runs no autoscaler (its nodes are the ones added) and no log monitor (its
+drivers connect with ``log_to_driver=False``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ class SimulatedCluster:
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="tide-sim-")  # short: Ray's socket paths live in it
-        # no autoscaler monitor: nothing here adds nodes on demand
+        # no autoscaler monitor: nothing here adds nodes on demand; no log monitor: its drivers
+        # take no worker logs (log_to_driver=False), and each node's log files stay as they are
         head_args = {"temp_dir": self.temp_dir, "dashboard_port": free_port(),
-                     "dashboard_agent_listen_port": free_port(), "no_monitor": True, **head_args,
+                     "dashboard_agent_listen_port": free_port(), "no_monitor": True, "include_log_monitor": False,
+                     **head_args,
                      "env_vars": _env(head_args)}
         machine_current = ray_utils.read_ray_address()
         # Cluster writes its address there, and a fresh machine has no /tmp/ray yet

@@ -13,9 +13,9 @@ _ACTIVE: list[SharedRay] = []  # the shared Ray that is running, if any (one at 
 
 
 class SharedRay:
-    """A Ray shared by the test modules of one shape: one node with 2 CPUs (``ray.init``), or
-    ``nodes`` simulated nodes of one CPU each with resource ``node{i}`` and pod name
-    ``pod_name(i)`` (a ``Cluster``, in ``.cluster``). Every job's workers get ``TIDE_HOME=home``."""
+    """A Ray shared by the test modules of one shape (a ``deploy.sim_cluster.SimulatedCluster``,
+    in ``.cluster``): one node with 2 CPUs, or ``nodes`` simulated nodes of one CPU each with
+    resource ``node{i}`` and pod name ``pod_name(i)``. Every job's workers get ``TIDE_HOME=home``."""
 
     def __init__(self, home: Path, nodes: int = 1) -> None:
         self.home, self.nodes = home, nodes
@@ -37,22 +37,22 @@ class SharedRay:
         stop_shared()
         if ray.is_initialized():
             ray.shutdown()
-        runtime_env = {"env_vars": {"TIDE_HOME": str(self.home)}}
-        if self.nodes == 1:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
-        else:
-            from deploy.sim_cluster import SimulatedCluster
+        from deploy.sim_cluster import SimulatedCluster
 
+        runtime_env = {"env_vars": {"TIDE_HOME": str(self.home)}}
+        if self.nodes == 1:  # no dashboard: no module of this shape submits a job
+            c = SimulatedCluster(num_cpus=2, include_dashboard=False)
+        else:
             c = SimulatedCluster(num_cpus=1, resources={"node0": 1}, env_vars={"RAY_CLOUD_INSTANCE_ID": pod_name(0)})
-            self.cluster = c
-            try:
-                self._workers = {i: self._add_worker(i) for i in range(1, self.nodes)}
-                c.wait_for_nodes()
-                ray.init(address=c.address, log_to_driver=False, runtime_env=runtime_env)
-            except BaseException:
-                self.cluster = None
-                c.shutdown()
-                raise
+        self.cluster = c
+        try:
+            self._workers = {i: self._add_worker(i) for i in range(1, self.nodes)}
+            c.wait_for_nodes()
+            ray.init(address=c.address, log_to_driver=False, runtime_env=runtime_env)
+        except BaseException:
+            self.cluster = None
+            c.shutdown()
+            raise
         self.address = ray.get_runtime_context().gcs_address
         _ACTIVE.append(self)
 
