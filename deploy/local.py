@@ -194,7 +194,7 @@ def _teardown(state: dict[str, Any]) -> None:
         except Exception as e:  # noqa: BLE001 - tearing down as much as possible
             print(f"warning: serve shutdown: {e}", file=sys.stderr)
     if state.get("cluster_id"):
-        stop_marked(state["cluster_id"])
+        stop_marked(state["cluster_id"], temp_dir=state.get("ray_temp_dir"))
     pid = state.get("redis_pid")
     if pid:
         stop_process(pid)

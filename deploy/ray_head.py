@@ -10,6 +10,7 @@ attaches to. On loopback every Ray listener binds to 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -182,9 +183,13 @@ def start_head(
 
 
 # -- stopping exactly what we started ---------------------------------------------------------
-def marked_processes(cluster_id: str) -> list[int]:
-    """Pids of the live processes whose environment carries ``TIDE_CLUSTER_ID=cluster_id``."""
+def marked_processes(cluster_id: str, temp_dir: str | Path | None = None) -> list[int]:
+    """Pids of the live processes of cluster ``cluster_id``: those whose environment carries
+    ``TIDE_CLUSTER_ID=cluster_id`` and, given the cluster's ``temp_dir``, Ray's renamed
+    processes (``ray::...``) that hold a file open under it. A Ray agent renaming itself writes
+    its title over the environment ``/proc`` shows, marker included."""
     marker = f"{CLUSTER_ID_ENV}={cluster_id}".encode()
+    under = str(temp_dir).rstrip("/") + "/" if temp_dir else None
     own = os.getpid()
     pids = []
     for entry in os.scandir("/proc"):
@@ -192,12 +197,25 @@ def marked_processes(cluster_id: str) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
+                ours = marker in f.read().split(b"\0")
+            if not ours and under is not None:
+                ours = _renamed_ray_process_under(int(entry.name), under)
         except OSError:  # gone, or not ours to read
             continue
-        if marker in env and _alive(int(entry.name)):
+        if ours and _alive(int(entry.name)):
             pids.append(int(entry.name))
     return pids
+
+
+def _renamed_ray_process_under(pid: int, under: str) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if not f.read().startswith(b"ray::"):
+            return False
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(under):
+                return True
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -221,12 +239,12 @@ def _deaf_to_sigterm(pid: int) -> bool:
     return any(os.path.basename(a.decode(errors="replace")) in _DEAF_TO_SIGTERM for a in argv[:3])
 
 
-def stop_marked(cluster_id: str, timeout_s: float = 3.0) -> int:
-    """SIGTERM every process of the cluster and SIGKILL what is left once only Ray's daemons
-    that ignore SIGTERM (gcs_server, raylet, the autoscaler monitor) remain, or after
-    ``timeout_s`` (Serve was shut down in order before); returns how many there were. Processes
-    of other clusters are never signalled."""
-    pids = marked_processes(cluster_id)
+def stop_marked(cluster_id: str, timeout_s: float = 3.0, temp_dir: str | Path | None = None) -> int:
+    """SIGTERM every process of the cluster (``marked_processes``) and SIGKILL what is left once
+    only Ray's daemons that ignore SIGTERM (gcs_server, raylet, the autoscaler monitor) remain,
+    or after ``timeout_s`` (Serve was shut down in order before); returns how many there were.
+    Processes of other clusters are never signalled."""
+    pids = marked_processes(cluster_id, temp_dir)
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
@@ -235,7 +253,7 @@ def stop_marked(cluster_id: str, timeout_s: float = 3.0) -> int:
         if all(_deaf_to_sigterm(p) for p in left):
             break
         time.sleep(0.1)
-    for pid in marked_processes(cluster_id):  # stragglers, and anything started meanwhile
+    for pid in marked_processes(cluster_id, temp_dir):  # stragglers, and anything started meanwhile
         _signal(pid, signal.SIGKILL)
     return len(pids)
 

@@ -93,7 +93,7 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
         assert (tmp_path / "run" / "state.json").stat().st_mode & 0o777 == 0o600
         # every listener of the cluster (Ray, Serve, replicas, cache agent, expert-parallel
         # store and gloo, Redis) is on loopback
-        ours = marked_processes(state["cluster_id"]) + [state["redis_pid"]]
+        ours = marked_processes(state["cluster_id"], state["ray_temp_dir"]) + [state["redis_pid"]]
         sockets = listening(ours)
         assert len(sockets) >= 10 and any(p == port for _, _, p in sockets)
         assert [s for s in sockets if not is_loopback(s[1])] == []
@@ -191,7 +191,8 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
     assert not process_alive(state["redis_pid"])
-    assert marked_processes(state["cluster_id"]) == []  # every process it started is gone...
+    # every process it started is gone (Ray's agents too, whose titles hide the marker)...
+    assert marked_processes(state["cluster_id"], state["ray_temp_dir"]) == []
     assert marked_processes(other_cluster[1])  # ... and the other cluster on this machine still runs
     assert _tide("down", home=tmp_path, fresh_home=fresh_home).returncode == 1  # nothing left to stop
     gone = _tide("status", home=tmp_path, fresh_home=fresh_home)

@@ -73,6 +73,38 @@ def test_stop_signals_exactly_the_marked_processes():
             p.wait()
 
 
+def test_rays_renamed_agents_are_found_by_the_files_they_hold_in_the_clusters_temp_dir(tmp_path):
+    """A Ray agent's title overwrites the environment /proc shows, marker included: it is the
+    cluster's when it is a ``ray::`` process holding a file under the cluster's temp dir. A
+    ``ray::`` process of another temp dir, and any other process reading a file there (a user's
+    ``tail -f`` of a log), are not."""
+    ours_dir, other_dir = tmp_path / "tide-0-ours", tmp_path / "tide-0-other"
+    for d in (ours_dir, other_dir):
+        (d / "logs").mkdir(parents=True)
+        (d / "logs" / "dashboard_agent.out").write_text("")
+
+    def renamed(title: str, holding: Path) -> subprocess.Popen:
+        return subprocess.Popen(["bash", "-c", f"exec -a {title} sleep 600 < {holding}"], env={"PATH": os.environ["PATH"]})
+
+    agent = renamed("ray::DashboardAgent", ours_dir / "logs" / "dashboard_agent.out")
+    others = [renamed("ray::DashboardAgent", other_dir / "logs" / "dashboard_agent.out"),
+              renamed("tail", ours_dir / "logs" / "dashboard_agent.out")]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith((b"ray::", b"tail"))
+                      for p in (agent, *others)):  # bash has exec'd them
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert marked_processes("c4", ours_dir) == [agent.pid]
+        assert marked_processes("c4") == []  # without the temp dir: the environment alone
+        assert stop_marked("c4", timeout_s=10, temp_dir=ours_dir) == 1
+        assert agent.wait(10) == -signal.SIGTERM and all(p.poll() is None for p in others)
+    finally:
+        for p in (agent, *others):
+            p.kill()
+            p.wait()
+
+
 def test_a_daemon_deaf_to_sigterm_is_killed_once_the_rest_has_exited():
     """Ray's raylet and gcs_server ignore SIGTERM: when only they are left, they are killed then,
     not at the (here hour-long) timeout."""
