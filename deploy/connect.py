@@ -160,18 +160,11 @@ def require_app(target: Target) -> None:
 
 
 def serve_handle(target: Target, deployment: str = "LLMServer"):
-    """A handle to a deployment of the running app (connects this process); ``TideError`` when
-    the cluster runs no tideserve app."""
-    connect(target)
+    """A handle to a deployment of the running app (connects this process; ``require_app``'s
+    ``TideError`` when the cluster runs no tideserve app)."""
+    require_app(target)
     from ray import serve
 
-    try:
-        status = serve.status()
-    except Exception as e:  # noqa: BLE001 - Serve not started on that cluster
-        raise TideError(f"the cluster at {target.address} runs no Ray Serve ({type(e).__name__}: {e})") from None
-    if APP_NAME not in status.applications:
-        raise TideError(f"the cluster at {target.address} runs no {APP_NAME!r} app "
-                        f"(its apps: {sorted(status.applications) or 'none'})")
     return serve.get_deployment_handle(deployment, app_name=APP_NAME)
 
 

@@ -208,6 +208,7 @@ def marked_processes(cluster_id: str, temp_dir: str | Path | None = None) -> lis
 
 
 def _renamed_ray_process_under(pid: int, under: str) -> bool:
+    """Whether ``pid`` is a ``ray::`` process with a file open under the directory ``under``."""
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         if not f.read().startswith(b"ray::"):
             return False
