@@ -29,14 +29,21 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// Asks for the n cache lines at p + 16 * i, i < n (a stretch of the group a kernel dots later).
+inline void prefetch_lines(const float* p, int n) {
+  for (int i = 0; i < n; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
+}
+
 // 1 input row x 4 weight rows, k unrolled twice: 8 independent accumulators, one x load per four
-// weight loads. Requires K % 16 == 0.
-inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4]) {
+// weight loads. ``ahead`` (or null) is a later group of 4 rows, asked for a slice per step.
+// Requires K % 16 == 0.
+inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4], const float* ahead) {
   const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
          a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
          b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
+    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 4);
     const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
     a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w0 + k), a0);
     a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w1 + k), a1);
@@ -53,13 +60,16 @@ inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4]) {
   out[3] = hsum(_mm256_add_ps(a3, b3));
 }
 
-// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs. Requires K % 8 == 0.
-inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, float out[2][4]) {
+// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs; ``ahead`` as in dot_1x4.
+// Requires K % 16 == 0.
+inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, float out[2][4],
+                    const float* ahead) {
   const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
          a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(),
          c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
+    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 2);
     const __m256 xa = _mm256_loadu_ps(x0 + k), xc = _mm256_loadu_ps(x1 + k);
     const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
     const __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
@@ -77,24 +87,16 @@ inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K,
 }
 
 #if defined(__AVX512F__)
-// Asks for the cache lines at column k of the 4 weight rows at ``next`` (the group a kernel
-// dots after this one; none when null): with the next group in flight while this one is
-// computed, a batch of 4+ rows stays near memory bandwidth instead of alternating the two.
-inline void prefetch_group(const float* next, int64_t K, int64_t k) {
-  if (next == nullptr) return;
-  for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
-}
-
 // 4 input rows x 4 weight rows in 512-bit registers: 16 accumulators, 8 loads per 16 FMAs (the
-// 2x4 block needs 6 per 8), which keeps a decode batch of 8-16 rows from being compute-bound.
-// Requires K % 16 == 0.
-inline void dot_4x4(const float* x, const float* w, int64_t K, float out[4][4], const float* next) {
+// 2x4 block needs 6 per 8), which keeps a decode batch of 8-16 rows from being compute-bound;
+// ``ahead`` as in dot_1x4. Requires K % 16 == 0.
+inline void dot_4x4(const float* x, const float* w, int64_t K, float out[4][4], const float* ahead) {
   __m512 acc[4][4];
   for (int r = 0; r < 4; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     __m512 wv[4];
-    prefetch_group(next, K, k);
+    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 4);
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
     for (int r = 0; r < 4; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
@@ -136,37 +138,45 @@ inline void dot_q8_1x4(const float* x, const int8_t* w, const float* scale, int6
 
 #endif
 
+// How far ahead of the group of 4 weight rows it dots a kernel asks for the next ones: about
+// 8 KB, and at least one group. Rows of 1-2 KB (an expert's 256- or 512-wide rows) are streams too
+// short for the hardware prefetcher to follow; asked for ahead, a batch of 1-2 rows per expert
+// streams them near memory bandwidth. Much further ahead, the lines leave L1 before their turn.
+constexpr int64_t kAheadBytes = 8192;
+
 // y[r, n] = sum_k x[r, k] * w[n, k] for r < m, n in [n0, n1); y has leading dimension ldy.
-// Groups of 4 weight rows are the outer loop: each is read from memory once (the next one
-// prefetched meanwhile with AVX-512) and stays in L1 while every input row (four, two or one at
-// a time) is dotted with it.
+// Groups of 4 weight rows are the outer loop: each is read from memory once (a later one asked
+// for meanwhile, up to row pf_end) and stays in L1 while every input row (four, two or one at a
+// time) is dotted with it.
 void dot_rows(const float* x, int64_t m, int64_t K, const float* w, int64_t n0, int64_t n1,
-              float* y, int64_t ldy) {
+              float* y, int64_t ldy, int64_t pf_end = -1) {
   int64_t n = n0;
+  if (pf_end < 0) pf_end = n1;
 #if defined(__AVX2__) && defined(__FMA__)
   if (K % 16 == 0) {
     float o1[4], o2[2][4];
+    const int64_t ahead_rows = 4 * std::max<int64_t>(1, kAheadBytes / (16 * K));
     for (; n + 3 < n1; n += 4) {
       const float* wn = w + n * K;
+      const float* ahead = n + ahead_rows + 3 < pf_end ? wn + ahead_rows * K : nullptr;
       int64_t r = 0;
 #if defined(__AVX512F__)
-      const float* next = n + 7 < n1 ? wn + 4 * K : nullptr;  // prefetched by the first pass
       float o4[4][4];
-      for (; r + 3 < m; r += 4) {
-        dot_4x4(x + r * K, wn, K, o4, r == 0 ? next : nullptr);
+      for (; r + 3 < m; r += 4, ahead = nullptr) {
+        dot_4x4(x + r * K, wn, K, o4, ahead);
         for (int i = 0; i < 4; ++i)
           for (int j = 0; j < 4; ++j) y[(r + i) * ldy + n + j] = o4[i][j];
       }
 #endif
-      for (; r + 1 < m; r += 2) {
-        dot_2x4(x + r * K, x + (r + 1) * K, wn, K, o2);
+      for (; r + 1 < m; r += 2, ahead = nullptr) {
+        dot_2x4(x + r * K, x + (r + 1) * K, wn, K, o2, ahead);
         for (int j = 0; j < 4; ++j) {
           y[r * ldy + n + j] = o2[0][j];
           y[(r + 1) * ldy + n + j] = o2[1][j];
         }
       }
       if (r < m) {
-        dot_1x4(x + r * K, wn, K, o1);
+        dot_1x4(x + r * K, wn, K, o1, ahead);
         for (int j = 0; j < 4; ++j) y[r * ldy + n + j] = o1[j];
       }
     }
@@ -289,7 +299,7 @@ struct ExpertMats {
     if (q8 != nullptr)
       dot_rows_q8(in, m, K, q8 + e * N * K, scale + e * N * (K / G), G, n0, n1, out, ldy);
     else
-      dot_rows(in, m, K, f32 + e * N * K, n0, n1, out, ldy);
+      dot_rows(in, m, K, f32 + e * N * K, n0, n1, out, ldy, N);
   }
 };
 
@@ -514,7 +524,7 @@ torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch:
 #if defined(__AVX2__) && defined(__FMA__)
         for (; D % 16 == 0 && h + 4 <= nh; h += 4) {  // four heads per read of the row
           float four[4];
-          dot_1x4(row, qf.data() + h * D, D, four);
+          dot_1x4(row, qf.data() + h * D, D, four, nullptr);
           for (int64_t j = 0; j < 4; ++j) p[(h + j) * n + s] = four[j] * sc;
         }
 #endif
