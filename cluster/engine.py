@@ -26,6 +26,7 @@ cache's I/O threads: persistence never blocks decode.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import deque
@@ -41,6 +42,7 @@ from cachedir.unit import Unit
 from cluster.constraints import Constraints
 from cluster.kv_manager import KVManager
 from cluster.output import TextStream
+from cluster.prefill_lb import CostModel, fit_compute
 from cluster.request import (
     UNIT_TOKENS,
     FinishReason,
@@ -56,11 +58,22 @@ from model.sampling import TokenLogprob, sample, token_logprobs
 
 __all__ = ["Engine", "EngineConfig"]
 
-MIN_CHUNK = 8  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
+MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
+CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
 
 
 def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
     return x if avg is None else (1 - weight) * avg + weight * x
+
+
+def chunk_within(seconds: float, start: int, token_s: float, attn_s: float, cap: int) -> int:
+    """The most prompt tokens n <= ``cap`` from position ``start`` with
+    ``token_s * n + attn_s * n * (start + n) <= seconds`` (0 when not even one fits)."""
+    if seconds <= 0:
+        return 0
+    lin = token_s + attn_s * start  # the cost is attn_s n^2 + lin n
+    root = lin + math.sqrt(lin * lin + 4 * attn_s * seconds)  # the root 2 s / root, without cancellation
+    return cap if root <= 0 else min(cap, int(2 * seconds / root))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +87,7 @@ class EngineConfig:
     prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
     micro_batches: int = 1  # 2: decode in two pipelined halves (hides expert-parallel rounds)
     # While sequences decode, a prefill chunk is sized from measured speeds so that a step takes
-    # at most this many decode steps' time (their inter-token latency stays bounded); 0: every
+    # about this many decode steps' time (their inter-token latency stays bounded); 0: every
     # chunk is max_prefill_tokens long
     itl_factor: float = 0.0
     # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
@@ -128,8 +141,9 @@ class Engine:
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step
         self._clock = clock
-        self._decode_s: float | None = None  # moving averages: a decode step's seconds, and
-        self._prefill_token_s: float | None = None  # a prefill chunk's, per token
+        self._decode_s: float | None = None  # moving average of a decode step's seconds
+        # (new, cached, seconds) of the latest prefill chunks, their own share of a mixed pass
+        self._chunk_costs: deque[tuple[int, int, float]] = deque(maxlen=CHUNK_COST_SAMPLES)
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -242,26 +256,31 @@ class Engine:
         self.running.remove(seq)
         self.kv.free_row(seq)
 
-    def prefill_budget(self) -> int:
-        """Prompt tokens this step may prefill: ``max_prefill_tokens``, or while sequences
-        decode (and ``itl_factor`` is on) as many as take (itl_factor - 1) decode steps' time
-        at the measured speeds (at least ``MIN_CHUNK``). Until a decode step was timed, none
-        (this step decodes alone, and is timed); until a prefill chunk was, ``MIN_CHUNK``."""
+    def prefill_budget(self, start: int = 0) -> int:
+        """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
+        while sequences decode (and ``itl_factor`` is on) as many as take (itl_factor - 1)
+        decode steps' time, at least ``MIN_CHUNK``. A chunk's time is fitted to the latest
+        chunks as ``token_s * new + attn_s * new * (start + new)``: its queries attend over the
+        whole prefix, so a chunk shrinks as its prompt's context grows. Until a decode step was
+        timed, none (this step decodes alone, and is timed); until a chunk was, ``MIN_CHUNK``."""
         cap = self.cfg.max_prefill_tokens
         if not self.running or not self.cfg.itl_factor:
             return cap
         if self._decode_s is None:
             return 0
-        if not self._prefill_token_s:
+        if not self._chunk_costs:
             return min(cap, MIN_CHUNK)
-        return max(MIN_CHUNK, min(cap, int((self.cfg.itl_factor - 1) * self._decode_s / self._prefill_token_s)))
+        per_token = sum(n * secs for n, _, secs in self._chunk_costs) / sum(n * n for n, _, _ in self._chunk_costs)
+        token_s, attn_s = fit_compute(self._chunk_costs, CostModel(token_s=per_token, attn_s=0.0))
+        allowed_s = (self.cfg.itl_factor - 1) * self._decode_s
+        return max(MIN_CHUNK, min(cap, chunk_within(allowed_s, start, token_s, attn_s, cap)))
 
     def _schedule_prefill(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
         """The prompt chunks this step computes, oldest first: (sequence, end), each from the
         sequence's ``num_computed``, within ``prefill_budget()`` tokens; a chunk that does not
         finish its prompt is the last. Admits what it schedules (pages, cached units); a
         sequence prefilled elsewhere joins ``batch`` at once."""
-        budget = self.prefill_budget()
+        budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
         chunks: list[tuple[Sequence, int]] = []
         seats = self.cfg.max_num_seqs - len(self.running)
         i = 0
@@ -306,8 +325,7 @@ class Engine:
         self.prefill_samples.append((n_new, start, took))
         if batch and self._decode_s is not None:
             took = max(took - self._decode_s, took / 2)  # the chunk's own share of a mixed pass
-        if n_new >= MIN_CHUNK:  # the latest chunks weigh most: a prompt's cost per token grows with its context
-            self._prefill_token_s = _moving(self._prefill_token_s, took / n_new, weight=0.5)
+        self._chunk_costs.append((n_new, start, took))
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         return logits, decode_logits

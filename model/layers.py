@@ -16,7 +16,7 @@ from model.quant import Fp8Weight, Q8Weight
 __all__ = ["linear", "needs_grad", "rms_norm", "SwiGLU"]
 
 # Up to this many rows a linear layer is a (multi-row) GEMV: see kernels.cpu_gemv.
-SMALL_ROWS = 16
+SMALL_ROWS = 32
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

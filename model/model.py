@@ -18,7 +18,7 @@ from kernels.cpu_gemv import cpu_kernels
 from model.config import ModelConfig
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
-from model.mla import MLA, absorbed_pays
+from model.mla import MLA, MQA_MAX_QUERIES, absorbed_pays
 from model.moe import MoE
 from model.rope import RotaryEmbedding
 
@@ -270,7 +270,10 @@ class _Chunk:
     cos: torch.Tensor
     sin: torch.Tensor
     attn: str  # "naive" | "absorbed"
-    mask: torch.Tensor | None = None  # [1, T, S] (absorbed path, built on first use)
+    block_table: torch.Tensor  # [pages]
+    paged: str | None  # absorbed chunk read in place, one kernel row per query: "triton" | "cpu"
+    mask: torch.Tensor | None = None  # [1, T, S] (absorbed path over a gather, built on first use)
+    row_tables: torch.Tensor | None = None  # [T, pages] (paged path, built on first use)
 
     @classmethod
     def build(cls, model: DeepseekModel, token_ids, block_table, start: int, page_size: int, attn: AttnPath) -> _Chunk:
@@ -289,10 +292,18 @@ class _Chunk:
         span = torch.arange(start + t, device=dev)
         all_slots = slots_for(block_table, span, page_size)
         cos, sin = model.rope.cos_sin(span[start:], model.dtype, top=start + t)
-        return cls(model.embed[token_ids], t, start, span[start:], span, all_slots, all_slots[start:], cos, sin, attn)
+        paged = model.paged_kernel if attn == "absorbed" and t <= MQA_MAX_QUERIES else None
+        return cls(model.embed[token_ids], t, start, span[start:], span, all_slots, all_slots[start:], cos, sin,
+                   attn, block_table, paged)
 
     def attend(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool) -> torch.Tensor:
         """[T, H, V]: the chunk's queries over its sequence's latents in layer ``i`` (written)."""
+        if self.paged:
+            # each query is a decode row of its own length: no gather of the prefix, no [T, S] mask
+            if self.row_tables is None:
+                self.row_tables = self.block_table[None].expand(self.t, -1).contiguous()
+            return attn.attend_paged(q_nope, q_rope, pool.data[i], self.row_tables, self.positions + 1,
+                                     pool.page_size, self.paged)
         latents = latent if self.start == 0 else pool.read(i, self.all_slots)  # [S, D]
         if self.attn == "naive":
             return attn.attend_naive(q_nope, q_rope, latents, self.start)

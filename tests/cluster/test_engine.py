@@ -426,29 +426,35 @@ def test_the_text_of_each_step_decodes_a_few_tokens_not_the_whole_output():
 
 
 class _TimedNull:
-    """The null model on a fake clock: a decode step takes 50 ms, a prefill token 1 ms (a mixed
-    pass the sum)."""
+    """The null model on a fake clock: a decode step takes 50 ms, a prefill token 1 ms plus
+    ``attn_s`` per (token x attended token) (a mixed pass the sum)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attn_s: float = 0.0) -> None:
         from deploy.bench.engine_bench import NullModel
 
         self.now = 0.0
+        self.attn_s = attn_s
+        self.chunks: list[tuple[int, int]] = []  # (new, start) of every prefill chunk
         self.inner = NullModel(8192, token=ord("a"))
         self.cfg = self.inner.cfg
 
     def new_pool(self, *a, **k):
         return self.inner.new_pool(*a, **k)
 
-    def prefill(self, token_ids, *a, **k):
-        self.now += 0.001 * token_ids.shape[0]
-        return self.inner.prefill(token_ids, *a, **k)
+    def _chunk_s(self, n: int, start: int) -> float:
+        self.chunks.append((n, start))
+        return 0.001 * n + self.attn_s * n * (start + n)
+
+    def prefill(self, token_ids, pool, block_table, start=0, **k):
+        self.now += self._chunk_s(token_ids.shape[0], start)
+        return self.inner.prefill(token_ids, pool, block_table, start=start, **k)
 
     def decode(self, tokens, *a, **k):
         self.now += 0.05
         return self.inner.decode(tokens, *a, **k)
 
     def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):  # the two passes' cost
-        self.now += 0.05 + 0.001 * chunk_ids.shape[0]
+        self.now += 0.05 + self._chunk_s(chunk_ids.shape[0], chunk_start)
         return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
 
 
@@ -478,6 +484,36 @@ def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bou
     assert chunks and set(chunks[:-1]) <= {49, 50}, chunks  # (50 less rounding); the last is what was left
     steps = tokens
     assert steps == len(chunks) + 1 and (model.now - t0) / steps <= 2 * 0.05 + 1e-9  # a token a step, <= 2 decode steps each
+    engine.run_to_completion()
+    engine.check_integrity()
+
+
+def test_prefill_chunks_shrink_as_the_prompt_context_grows_and_steps_stay_within_the_bound():
+    """A chunk's queries attend over its whole prefix, so a prompt token costs more the later it
+    is: the chunk size is fitted to ``token_s * new + attn_s * new * (start + new)`` and shrinks
+    along the prompt, keeping every step of the running request within itl_factor (2) decode
+    steps, where a size fitted per token alone would overrun late in the prompt."""
+    from cachedir.hashing import Namespace
+
+    model = _TimedNull(attn_s=4e-7)
+    cfg = EngineConfig(num_pages=1024, max_num_seqs=4, max_prefill_tokens=512, itl_factor=2.0)
+    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
+                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
+    engine.add_request(GenerationRequest("first", tuple(range(1, 65)), 400))
+    while engine.waiting:
+        engine.step()
+    engine.step()  # a decode alone: timed
+    engine.add_request(GenerationRequest("long", tuple(1 + i % 250 for i in range(6000)), 1))
+    model.chunks.clear()
+    steps = []
+    while engine.waiting:
+        t0 = model.now
+        engine.step()
+        steps.append(model.now - t0)
+    chunks = model.chunks[1:-1]  # the long prompt's but its last (what was left)
+    assert chunks[0][0] > 40 and chunks[-1][0] < 15, chunks  # ~49 tokens at the start, ~14 at 5.9K
+    assert all(a[0] >= b[0] for a, b in zip(chunks[:-1], chunks[1:], strict=True)), chunks
+    assert max(steps[3:]) <= 2 * 0.05 * 1.01, max(steps)  # once two chunks separate the terms
     engine.run_to_completion()
     engine.check_integrity()
 

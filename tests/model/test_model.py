@@ -148,6 +148,26 @@ def test_a_chunked_prefill_equals_one_prefill(model):
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_short_chunks_after_a_prefix_read_the_pool_in_place_and_equal_one_prefill(model, t, monkeypatch):
+    """A short chunk after a prefix attends absorbed, each query as a decode row of its own
+    length over the pages in place (the decode kernel: no gather of the prefix, no [T, S]
+    mask), with the logits of the whole prompt at once."""
+    from model.mla import MLA
+
+    calls = []
+    real = MLA.attend_paged
+    monkeypatch.setattr(MLA, "attend_paged", lambda self, q, *a, **k: calls.append(q.shape[0]) or real(self, q, *a, **k))
+    ids = _ids(150, seed=t)
+    whole = model.prefill(ids, model.new_pool(16, 16), torch.arange(16), all_logits=True)
+    pool, table = model.new_pool(16, 16), torch.tensor([5, 0, 9, 2, 14, 7, 1, 11, 3, 15])
+    model.prefill(ids[:100], pool, table)
+    got = [model.prefill(ids[lo : lo + t], pool, table, start=lo, all_logits=True) for lo in range(100, 150, t)]
+    torch.testing.assert_close(torch.cat(got)[:50], whole[100:], atol=1e-4, rtol=1e-4)
+    if model.paged_kernel is not None:
+        assert calls and set(calls) <= {t, 50 % t}, calls  # one kernel row per query
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("chunk_start", [0, 64])
 def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start, micro_batches):
