@@ -465,6 +465,96 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // Heads attended together by one task: they share every latent row read.
 constexpr int64_t kHeadBlock = 16;
 
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores less their maximum), to float precision: x = k ln2 + g with |g| <= ln2/2
+// (ln2 in two parts), e^g by its Taylor series to g^7, times 2^k.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 g = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  g = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), g);
+  __m512 y = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(y, k);
+}
+#endif
+
+// p[i] = e^(p[i] - m) for i < n; returns their sum.
+inline float exp_shifted(float* p, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p + i), vm));
+    _mm512_storeu_ps(p + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) total += (p[i] = std::exp(p[i] - m));
+  return total;
+}
+
+#if defined(__AVX512F__)
+// o[j] += sum_s w[j * n + s] * row(s)[r0, r0 + 64) for NH heads j: 4 x NH accumulators held over
+// a tile of rows, each row slice read once for all NH heads.
+template <int NH>
+inline void add_weighted_tile(const float* w, int64_t n, const float* const* rows, int64_t s0, int64_t s1,
+                              int64_t r0, int64_t R, float* o) {
+  __m512 acc[NH][4];
+  for (int j = 0; j < NH; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_loadu_ps(o + j * R + r0 + 16 * c);
+  for (int64_t s = s0; s < s1; ++s) {
+    const float* row = rows[s - s0] + r0;
+    const __m512 v0 = _mm512_loadu_ps(row), v1 = _mm512_loadu_ps(row + 16), v2 = _mm512_loadu_ps(row + 32),
+                 v3 = _mm512_loadu_ps(row + 48);
+    for (int j = 0; j < NH; ++j) {
+      const __m512 x = _mm512_set1_ps(w[j * n + s]);
+      acc[j][0] = _mm512_fmadd_ps(x, v0, acc[j][0]);
+      acc[j][1] = _mm512_fmadd_ps(x, v1, acc[j][1]);
+      acc[j][2] = _mm512_fmadd_ps(x, v2, acc[j][2]);
+      acc[j][3] = _mm512_fmadd_ps(x, v3, acc[j][3]);
+    }
+  }
+  for (int j = 0; j < NH; ++j)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + j * R + r0 + 16 * c, acc[j][c]);
+}
+#endif
+
+// o[h * R + r] += sum_s w[h * n + s] * row(s)[r] for heads h < nh, rows s < n (row(s): the first
+// R floats of latent s). Vectorized in tiles of rows that stay in L1 while every head reads them.
+template <typename RowOf>
+inline void add_weighted_rows(const float* w, int64_t n, int64_t nh, RowOf row_of, int64_t R, float* o) {
+#if defined(__AVX512F__)
+  if (R % 64 == 0) {
+    constexpr int64_t kTile = 64;
+    const float* rows[kTile];
+    for (int64_t s0 = 0; s0 < n; s0 += kTile) {
+      const int64_t s1 = std::min(n, s0 + kTile);
+      for (int64_t s = s0; s < s1; ++s) rows[s - s0] = row_of(s);
+      for (int64_t r0 = 0; r0 < R; r0 += 64) {
+        int64_t h = 0;
+        for (; h + 4 <= nh; h += 4) add_weighted_tile<4>(w + h * n, n, rows, s0, s1, r0, R, o + h * R);
+        for (; h < nh; ++h) add_weighted_tile<1>(w + h * n, n, rows, s0, s1, r0, R, o + h * R);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < n; ++s) {
+    const float* row = row_of(s);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float x = w[h * n + s];
+      for (int64_t r = 0; r < R; ++r) o[h * R + r] += x * row[r];
+    }
+  }
+}
+
 }  // namespace
 
 // Absorbed MLA decode over one layer of the paged latent pool, the contract of
@@ -531,24 +621,14 @@ torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch:
         for (; h < nh; ++h) p[h * n + s] = dot(qf.data() + h * D, row, D) * sc;
         for (int64_t j = 0; j < nh; ++j) mx[j] = std::max(mx[j], p[j * n + s]);
       }
+      float* o = op + (b * H + h0) * R;  // the block's nh heads' outputs, R each
+      for (int64_t h = 0; h < nh; ++h) sum[h] = exp_shifted(p.data() + h * n, n, mx[h]);
+      std::fill(o, o + nh * R, 0.0f);
+      add_weighted_rows(p.data(), n, nh, [&](int64_t s) { return cache + (tab[b * X + s / Z] * Z + s % Z) * D; },
+                        R, o);
       for (int64_t h = 0; h < nh; ++h) {
-        float total = 0.0f;
-        for (int64_t s = 0; s < n; ++s) total += (p[h * n + s] = std::exp(p[h * n + s] - mx[h]));
-        sum[h] = total;
-        std::fill(op + (b * H + h0 + h) * R, op + (b * H + h0 + h + 1) * R, 0.0f);
-      }
-      for (int64_t s = 0; s < n; ++s) {
-        const float* row = cache + (tab[b * X + s / Z] * Z + s % Z) * D;
-        for (int64_t h = 0; h < nh; ++h) {
-          const float w = p[h * n + s];
-          float* o = op + (b * H + h0 + h) * R;
-          for (int64_t r = 0; r < R; ++r) o[r] += w * row[r];
-        }
-      }
-      for (int64_t h = 0; h < nh; ++h) {
-        float* o = op + (b * H + h0 + h) * R;
         const float inv = 1.0f / sum[h];
-        for (int64_t r = 0; r < R; ++r) o[r] *= inv;
+        for (int64_t r = 0; r < R; ++r) o[h * R + r] *= inv;
       }
     }
   });
