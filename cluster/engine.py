@@ -26,7 +26,6 @@ cache's I/O threads: persistence never blocks decode.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from collections import deque
@@ -39,10 +38,10 @@ from cachedir.admission import make_admission
 from cachedir.hashing import Namespace, chain_keys
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
+from cluster.chunk_sizing import ChunkCost
 from cluster.constraints import Constraints
 from cluster.kv_manager import KVManager
 from cluster.output import TextStream
-from cluster.prefill_lb import CostModel, fit_compute
 from cluster.request import (
     UNIT_TOKENS,
     FinishReason,
@@ -64,16 +63,6 @@ CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (
 
 def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
     return x if avg is None else (1 - weight) * avg + weight * x
-
-
-def chunk_within(seconds: float, start: int, token_s: float, attn_s: float, cap: int) -> int:
-    """The most prompt tokens n <= ``cap`` from position ``start`` with
-    ``token_s * n + attn_s * n * (start + n) <= seconds`` (0 when not even one fits)."""
-    if seconds <= 0:
-        return 0
-    lin = token_s + attn_s * start  # the cost is attn_s n^2 + lin n
-    root = lin + math.sqrt(lin * lin + 4 * attn_s * seconds)  # the root 2 s / root, without cancellation
-    return cap if root <= 0 else min(cap, int(2 * seconds / root))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +131,7 @@ class Engine:
         self._aborted = False  # an abort arrived since the last step
         self._clock = clock
         self._decode_s: float | None = None  # moving average of a decode step's seconds
-        # (new, cached, seconds) of the latest prefill chunks, their own share of a mixed pass
-        self._chunk_costs: deque[tuple[int, int, float]] = deque(maxlen=CHUNK_COST_SAMPLES)
+        self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -260,20 +248,16 @@ class Engine:
         """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
         while sequences decode (and ``itl_factor`` is on) as many as take (itl_factor - 1)
         decode steps' time, at least ``MIN_CHUNK``. A chunk's time is fitted to the latest
-        chunks as ``token_s * new + attn_s * new * (start + new)``: its queries attend over the
-        whole prefix, so a chunk shrinks as its prompt's context grows. Until a decode step was
-        timed, none (this step decodes alone, and is timed); until a chunk was, ``MIN_CHUNK``."""
+        chunks (``cluster.chunk_sizing``): its queries attend over the whole prefix, so a chunk
+        shrinks as its prompt's context grows. Until a decode step was timed, none (this step
+        decodes alone, and is timed); until a chunk was, ``MIN_CHUNK``."""
         cap = self.cfg.max_prefill_tokens
         if not self.running or not self.cfg.itl_factor:
             return cap
         if self._decode_s is None:
             return 0
-        if not self._chunk_costs:
-            return min(cap, MIN_CHUNK)
-        per_token = sum(n * secs for n, _, secs in self._chunk_costs) / sum(n * n for n, _, _ in self._chunk_costs)
-        token_s, attn_s = fit_compute(self._chunk_costs, CostModel(token_s=per_token, attn_s=0.0))
-        allowed_s = (self.cfg.itl_factor - 1) * self._decode_s
-        return max(MIN_CHUNK, min(cap, chunk_within(allowed_s, start, token_s, attn_s, cap)))
+        fits = self._chunk_cost.longest_within((self.cfg.itl_factor - 1) * self._decode_s, start, cap)
+        return min(cap, MIN_CHUNK) if fits is None else max(MIN_CHUNK, fits)
 
     def _schedule_prefill(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
         """The prompt chunks this step computes, oldest first: (sequence, end), each from the
@@ -325,7 +309,7 @@ class Engine:
         self.prefill_samples.append((n_new, start, took))
         if batch and self._decode_s is not None:
             took = max(took - self._decode_s, took / 2)  # the chunk's own share of a mixed pass
-        self._chunk_costs.append((n_new, start, took))
+        self._chunk_cost.observe(n_new, start, took)
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         return logits, decode_logits
