@@ -8,7 +8,9 @@ bandwidth on many CPUs. ``small_linear`` and ``moe_experts`` stream each weight 
 ``small_linear_q8`` and ``moe_routed_q8`` do the same over int8 weights with a float32 scale per
 row and group of G columns (``quantize_q8``; G divides K), reading a quarter of the bytes.
 ``mla_decode_paged`` is the absorbed MLA decode of ``kernels.mla_decode`` reading the paged pool
-in place: no gathered copy of the context, and work in proportion to each row's own length.
+in place: no gathered copy of the context, and work in proportion to each row's own length;
+``mla_chunk_paged`` does the same for a prefill chunk's queries, reading each latent once for all
+of them; both cut a long context over the threads.
 ``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
 costs a dozen small torch ops, whose dispatch dominates at decode sizes.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
@@ -37,12 +39,14 @@ __all__ = [
     "cpu_kernels",
     "dequantize_q8",
     "kernel_state",
+    "mla_chunk_paged",
     "mla_decode_paged",
     "moe_experts",
     "moe_route",
     "moe_routed",
     "moe_routed_q8",
     "quantize_q8",
+    "ref_mla_chunk_paged",
     "ref_moe_experts",
     "ref_moe_route",
     "ref_moe_routed",
@@ -60,7 +64,8 @@ Q8_GROUP = 128  # columns per int8 scale (the 128-wide blocks of DeepSeek's FP8 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = (_CSRC / "cpu_gemv.cpp", _CSRC / "cpu_mla.cpp")  # with the headers beside them
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
 
@@ -70,7 +75,7 @@ def build_dir() -> Path:
     prefix (the virtual environment), else the user's cache, in a folder named by a hash of
     everything the binary depends on."""
     key = hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
+        *(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h")), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
         sys.executable.encode(), (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
     ])).hexdigest()[:16]
     if os.environ.get("TIDE_KERNEL_BUILD_DIR"):
@@ -106,7 +111,7 @@ def cpu_kernels():
                 out.mkdir(parents=True, exist_ok=True)
                 mod = load(
                     name="tide_cpu_gemv",
-                    sources=[str(_SOURCE)],
+                    sources=[str(f) for f in _SOURCES],
                     extra_cflags=list(_CFLAGS),
                     extra_ldflags=list(_LDFLAGS),
                     build_directory=str(out),
@@ -245,6 +250,34 @@ def mla_decode_paged(
         return ref_mla_decode(q_lat, q_rope, kv, block_table, seq_lens, scale, page_size)
     return mod.mla_decode_paged(q_lat.contiguous(), q_rope.contiguous(), kv, block_table.long(), seq_lens.long(),
                                 scale, page_size)
+
+
+def ref_mla_chunk_paged(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, start: int,
+    scale: float, page_size: int,
+) -> torch.Tensor:
+    """A prefill chunk's absorbed attention over its sequence in the paged pool: q_lat [T, H, R]
+    and q_rope [T, H, P] of the tokens at positions ``start .. start + T - 1``, whose latents and
+    those of every earlier token are in ``kv`` [slots, R + P] at ``block_table`` [X]; query t
+    attends tokens ``0 .. start + t`` -> [T, H, R] (``ref_mla_decode`` with a row per query)."""
+    from kernels.mla_decode import ref_mla_decode
+
+    t = q_lat.shape[0]
+    lens = torch.arange(start + 1, start + t + 1, device=kv.device)
+    return ref_mla_decode(q_lat, q_rope, kv, block_table[None].expand(t, -1), lens, scale, page_size)
+
+
+def mla_chunk_paged(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, start: int,
+    scale: float, page_size: int,
+) -> torch.Tensor:
+    """Same contract as ``ref_mla_chunk_paged`` for fp32 CPU tensors: each latent row is read once
+    for every query and head of the chunk."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_mla_chunk_paged(q_lat, q_rope, kv, block_table, start, scale, page_size)
+    return mod.mla_chunk_paged(q_lat.contiguous(), q_rope.contiguous(), kv, block_table.long(), start, scale,
+                               page_size)
 
 
 def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

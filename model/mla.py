@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import mla_decode_paged
+from kernels.cpu_gemv import mla_chunk_paged, mla_decode_paged
 from kernels.mla_decode import mla_decode
 from model.config import ModelConfig
 from model.layers import linear, rms_norm
@@ -184,6 +184,21 @@ class MLA:
         )  # [B, H, R]
         out = torch.bmm(o_lat.transpose(0, 1).to(self.w_uv_t.dtype), self.w_uv_t)  # [H, B, V]
         return out.transpose(0, 1)  # [B, H, V]
+
+
+    def attend_chunk_paged(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+        start: int, page_size: int,
+    ) -> torch.Tensor:
+        """Absorbed attention of a prefill chunk's T queries (positions ``start .. start+T-1``) over
+        their sequence's latents in one layer of the paged pool, each latent read once for every
+        query and head (the C++ kernel of ``kernels.cpu_gemv``, fp32).
+
+        q_nope [T, H, N], q_rope [T, H, P], kv [slots, D], block_table [X]. Returns [T, H, V]."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
+        o_lat = mla_chunk_paged(q_lat.contiguous(), q_rope.contiguous(), kv, block_table, start, self.scale,
+                                page_size)  # [T, H, R]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, V]
 
 
 def _causal_mask(t: int, start: int, device: torch.device) -> torch.Tensor:

@@ -271,7 +271,7 @@ class _Chunk:
     sin: torch.Tensor
     attn: str  # "naive" | "absorbed"
     block_table: torch.Tensor  # [pages]
-    paged: str | None  # absorbed chunk read in place, one kernel row per query: "triton" | "cpu"
+    paged: str | None  # absorbed chunk read in place: "cpu" (all queries at once) | "triton" (a row per query)
     mask: torch.Tensor | None = None  # [1, T, S] (absorbed path over a gather, built on first use)
     row_tables: torch.Tensor | None = None  # [T, pages] (paged path, built on first use)
 
@@ -292,12 +292,19 @@ class _Chunk:
         span = torch.arange(start + t, device=dev)
         all_slots = slots_for(block_table, span, page_size)
         cos, sin = model.rope.cos_sin(span[start:], model.dtype, top=start + t)
-        paged = model.paged_kernel if attn == "absorbed" and t <= MQA_MAX_QUERIES else None
+        # an absorbed chunk attends in place: on the CPU all its queries at once (the kernel reads
+        # each latent once for all of them), with Triton a short chunk's queries as decode rows
+        paged = model.paged_kernel if attn == "absorbed" else None
+        if paged == "triton" and t > MQA_MAX_QUERIES:
+            paged = None
         return cls(model.embed[token_ids], t, start, span[start:], span, all_slots, all_slots[start:], cos, sin,
                    attn, block_table, paged)
 
     def attend(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool) -> torch.Tensor:
         """[T, H, V]: the chunk's queries over its sequence's latents in layer ``i`` (written)."""
+        if self.paged == "cpu":  # every latent read once for all the chunk's queries, in place
+            return attn.attend_chunk_paged(q_nope, q_rope, pool.data[i], self.block_table, self.start,
+                                           pool.page_size)
         if self.paged:
             # each query is a decode row of its own length: no gather of the prefix, no [T, S] mask
             if self.row_tables is None:

@@ -15,99 +15,15 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_mla.h"
+#include "vec.h"
+
+using namespace tide;
+
 namespace {
 
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
-// Asks for the n cache lines at p + 16 * i, i < n (a stretch of the group a kernel dots later).
-inline void prefetch_lines(const float* p, int n) {
-  for (int i = 0; i < n; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
-}
-
-// 1 input row x 4 weight rows, k unrolled twice: 8 independent accumulators, one x load per four
-// weight loads. ``ahead`` (or null) is a later group of 4 rows, asked for a slice per step.
-// Requires K % 16 == 0.
-inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4], const float* ahead) {
-  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-         a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
-         b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 4);
-    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-    a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w0 + k), a0);
-    a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w1 + k), a1);
-    a2 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w2 + k), a2);
-    a3 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w3 + k), a3);
-    b0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k + 8), b0);
-    b1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k + 8), b1);
-    b2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k + 8), b2);
-    b3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k + 8), b3);
-  }
-  out[0] = hsum(_mm256_add_ps(a0, b0));
-  out[1] = hsum(_mm256_add_ps(a1, b1));
-  out[2] = hsum(_mm256_add_ps(a2, b2));
-  out[3] = hsum(_mm256_add_ps(a3, b3));
-}
-
-// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs; ``ahead`` as in dot_1x4.
-// Requires K % 16 == 0.
-inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, float out[2][4],
-                    const float* ahead) {
-  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-         a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(),
-         c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 2);
-    const __m256 xa = _mm256_loadu_ps(x0 + k), xc = _mm256_loadu_ps(x1 + k);
-    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-    const __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
-    a0 = _mm256_fmadd_ps(xa, v0, a0);
-    a1 = _mm256_fmadd_ps(xa, v1, a1);
-    a2 = _mm256_fmadd_ps(xa, v2, a2);
-    a3 = _mm256_fmadd_ps(xa, v3, a3);
-    c0 = _mm256_fmadd_ps(xc, v0, c0);
-    c1 = _mm256_fmadd_ps(xc, v1, c1);
-    c2 = _mm256_fmadd_ps(xc, v2, c2);
-    c3 = _mm256_fmadd_ps(xc, v3, c3);
-  }
-  out[0][0] = hsum(a0); out[0][1] = hsum(a1); out[0][2] = hsum(a2); out[0][3] = hsum(a3);
-  out[1][0] = hsum(c0); out[1][1] = hsum(c1); out[1][2] = hsum(c2); out[1][3] = hsum(c3);
-}
-
-#if defined(__AVX512F__)
-// 4 input rows x 4 weight rows in 512-bit registers: 16 accumulators, 8 loads per 16 FMAs (the
-// 2x4 block needs 6 per 8), which keeps a decode batch of 8-16 rows from being compute-bound;
-// ``ahead`` as in dot_1x4. Requires K % 16 == 0.
-inline void dot_4x4(const float* x, const float* w, int64_t K, float out[4][4], const float* ahead) {
-  __m512 acc[4][4];
-  for (int r = 0; r < 4; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[4];
-    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 4);
-    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
-    for (int r = 0; r < 4; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int j = 0; j < 4; ++j) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);
-}
-#endif
-
 // 8 int8 weights -> 8 floats.
 inline __m256 load_q8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -231,11 +147,6 @@ void dot_rows_q8(const float* x, int64_t m, int64_t K, const int8_t* q, const fl
   }
 }
 
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-}
 
 }  // namespace
 
@@ -444,197 +355,6 @@ torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor we
                 q8_mats(down_q, down_scale));
 }
 
-namespace {
-
-// a . b over n floats.
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
-    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
-  }
-  acc = hsum(_mm256_add_ps(v0, v1));
-#endif
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-// Heads attended together by one task: they share every latent row read.
-constexpr int64_t kHeadBlock = 16;
-
-
-#if defined(__AVX512F__)
-// e^x for x <= 0 (scores less their maximum), to float precision: x = k ln2 + g with |g| <= ln2/2
-// (ln2 in two parts), e^g by its Taylor series to g^7, times 2^k.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 g = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  g = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), g);
-  __m512 y = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(y, k);
-}
-#endif
-
-// p[i] = e^(p[i] - m) for i < n; returns their sum.
-inline float exp_shifted(float* p, int64_t n, float m) {
-  int64_t i = 0;
-  float total = 0.0f;
-#if defined(__AVX512F__)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p + i), vm));
-    _mm512_storeu_ps(p + i, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) total += (p[i] = std::exp(p[i] - m));
-  return total;
-}
-
-#if defined(__AVX512F__)
-// o[j] += sum_s w[j * n + s] * row(s)[r0, r0 + 64) for NH heads j: 4 x NH accumulators held over
-// a tile of rows, each row slice read once for all NH heads.
-template <int NH>
-inline void add_weighted_tile(const float* w, int64_t n, const float* const* rows, int64_t s0, int64_t s1,
-                              int64_t r0, int64_t R, float* o) {
-  __m512 acc[NH][4];
-  for (int j = 0; j < NH; ++j)
-    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_loadu_ps(o + j * R + r0 + 16 * c);
-  for (int64_t s = s0; s < s1; ++s) {
-    const float* row = rows[s - s0] + r0;
-    const __m512 v0 = _mm512_loadu_ps(row), v1 = _mm512_loadu_ps(row + 16), v2 = _mm512_loadu_ps(row + 32),
-                 v3 = _mm512_loadu_ps(row + 48);
-    for (int j = 0; j < NH; ++j) {
-      const __m512 x = _mm512_set1_ps(w[j * n + s]);
-      acc[j][0] = _mm512_fmadd_ps(x, v0, acc[j][0]);
-      acc[j][1] = _mm512_fmadd_ps(x, v1, acc[j][1]);
-      acc[j][2] = _mm512_fmadd_ps(x, v2, acc[j][2]);
-      acc[j][3] = _mm512_fmadd_ps(x, v3, acc[j][3]);
-    }
-  }
-  for (int j = 0; j < NH; ++j)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + j * R + r0 + 16 * c, acc[j][c]);
-}
-#endif
-
-// o[h * R + r] += sum_s w[h * n + s] * row(s)[r] for heads h < nh, rows s < n (row(s): the first
-// R floats of latent s). Vectorized in tiles of rows that stay in L1 while every head reads them.
-template <typename RowOf>
-inline void add_weighted_rows(const float* w, int64_t n, int64_t nh, RowOf row_of, int64_t R, float* o) {
-#if defined(__AVX512F__)
-  if (R % 64 == 0) {
-    constexpr int64_t kTile = 64;
-    const float* rows[kTile];
-    for (int64_t s0 = 0; s0 < n; s0 += kTile) {
-      const int64_t s1 = std::min(n, s0 + kTile);
-      for (int64_t s = s0; s < s1; ++s) rows[s - s0] = row_of(s);
-      for (int64_t r0 = 0; r0 < R; r0 += 64) {
-        int64_t h = 0;
-        for (; h + 4 <= nh; h += 4) add_weighted_tile<4>(w + h * n, n, rows, s0, s1, r0, R, o + h * R);
-        for (; h < nh; ++h) add_weighted_tile<1>(w + h * n, n, rows, s0, s1, r0, R, o + h * R);
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t s = 0; s < n; ++s) {
-    const float* row = row_of(s);
-    for (int64_t h = 0; h < nh; ++h) {
-      const float x = w[h * n + s];
-      for (int64_t r = 0; r < R; ++r) o[h * R + r] += x * row[r];
-    }
-  }
-}
-
-}  // namespace
-
-// Absorbed MLA decode over one layer of the paged latent pool, the contract of
-// kernels.mla_decode.mla_decode (fp32): q_lat [B, H, R], q_rope [B, H, P], kv [slots, R + P],
-// block_table [B, X] int64, seq_lens [B] int64 (each in 1..X*Z) -> out [B, H, R] =
-// softmax_s((q_lat . c_s + q_rope . k_s) * scale) @ c. Token s of row b is in slot
-// block_table[b, s / Z] * Z + s % Z; only s < seq_lens[b] is read. A task takes one row and a
-// block of heads: each latent is read once for the block's scores and once for its output.
-torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv,
-                               torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                               int64_t page_size) {
-  check_f32(q_lat, "q_lat");
-  check_f32(q_rope, "q_rope");
-  check_f32(kv, "kv");
-  TORCH_CHECK(q_lat.dim() == 3 && q_rope.dim() == 3 && kv.dim() == 2, "q_lat, q_rope must be 3-D, kv 2-D");
-  const int64_t B = q_lat.size(0), H = q_lat.size(1), R = q_lat.size(2), P = q_rope.size(2);
-  TORCH_CHECK(q_rope.size(0) == B && q_rope.size(1) == H, "q_rope must be [B, H, P] like q_lat");
-  TORCH_CHECK(kv.size(1) == R + P, "kv rows hold ", kv.size(1), " values, need R + P = ", R + P);
-  TORCH_CHECK(page_size >= 1 && kv.size(0) % page_size == 0, "kv slots must be whole pages");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == B,
-              "block_table must be int64 [B, X]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == B, "seq_lens must be int64 [B]");
-  auto bt = block_table.contiguous();
-  auto lens = seq_lens.contiguous();
-  const int64_t X = bt.size(1), Z = page_size, pages = kv.size(0) / Z, D = R + P;
-  const int64_t* tab = bt.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= X * Z, "seq_lens[", b, "] = ", len[b], " outside [1, ", X * Z, "]");
-    for (int64_t x = 0; x < (len[b] + Z - 1) / Z; ++x)
-      TORCH_CHECK(tab[b * X + x] >= 0 && tab[b * X + x] < pages, "block_table[", b, ", ", x, "] = ",
-                  tab[b * X + x], " outside the pool's ", pages, " pages");
-    longest = std::max(longest, len[b]);
-  }
-  auto out = torch::empty({B, H, R}, q_lat.options());
-  const float *ql = q_lat.data_ptr<float>(), *qr = q_rope.data_ptr<float>(), *cache = kv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t blocks = (H + kHeadBlock - 1) / kHeadBlock;
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> p(kHeadBlock * longest), qf(kHeadBlock * D);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / blocks, h0 = (task % blocks) * kHeadBlock, nh = std::min(kHeadBlock, H - h0);
-      const int64_t n = len[b];
-      float mx[kHeadBlock], sum[kHeadBlock];
-      std::fill(mx, mx + nh, -INFINITY);
-      // each head's query as one [R + P] row, the layout of a latent: a score is one dot product
-      for (int64_t h = 0; h < nh; ++h) {
-        const int64_t q = b * H + h0 + h;
-        std::copy(ql + q * R, ql + (q + 1) * R, qf.data() + h * D);
-        std::copy(qr + q * P, qr + (q + 1) * P, qf.data() + h * D + R);
-      }
-      for (int64_t s = 0; s < n; ++s) {
-        const float* row = cache + (tab[b * X + s / Z] * Z + s % Z) * D;
-        int64_t h = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        for (; D % 16 == 0 && h + 4 <= nh; h += 4) {  // four heads per read of the row
-          float four[4];
-          dot_1x4(row, qf.data() + h * D, D, four, nullptr);
-          for (int64_t j = 0; j < 4; ++j) p[(h + j) * n + s] = four[j] * sc;
-        }
-#endif
-        for (; h < nh; ++h) p[h * n + s] = dot(qf.data() + h * D, row, D) * sc;
-        for (int64_t j = 0; j < nh; ++j) mx[j] = std::max(mx[j], p[j * n + s]);
-      }
-      float* o = op + (b * H + h0) * R;  // the block's nh heads' outputs, R each
-      for (int64_t h = 0; h < nh; ++h) sum[h] = exp_shifted(p.data() + h * n, n, mx[h]);
-      std::fill(o, o + nh * R, 0.0f);
-      add_weighted_rows(p.data(), n, nh, [&](int64_t s) { return cache + (tab[b * X + s / Z] * Z + s % Z) * D; },
-                        R, o);
-      for (int64_t h = 0; h < nh; ++h) {
-        const float inv = 1.0f / sum[h];
-        for (int64_t r = 0; r < R; ++r) o[h * R + r] *= inv;
-      }
-    }
-  });
-  return out;
-}
-
 // RMSNorm of each row of x [M, H] (fp32): y = x * rsqrt(mean(x^2) + eps) * w, w [H]. One
 // call in place of the half-dozen ops (and their dispatch) a decode-sized norm costs in torch.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -746,6 +466,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
   m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
   m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
+  m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -145,6 +147,29 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
     assert cpu_gemv.build_dir().parent == tmp_path
 
 
+@contextlib.contextmanager
+def _threads(n):
+    """torch (and the kernels) on ``n`` threads meanwhile (a test process may have fewer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _paged_pool(lens, rank, rope, page, gen):
+    """Block tables [B, X] of scattered pages and a pool that holds each row's ``lens[b]``
+    latents there and NaN in every slot no row attends."""
+    b, width = len(lens), -(-max(lens) // page) + 2
+    pages = torch.randperm(b * width, generator=gen).view(b, width)
+    kv = torch.full((b * width * page, rank + rope), float("nan"))
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        kv[pages[i, pos // page] * page + pos % page] = torch.randn(n, rank + rope, generator=gen)
+    return pages, kv
+
+
 @pytest.mark.parametrize("heads, rank, rope, page", [(8, 128, 32, 16), (20, 60, 12, 4), (1, 16, 8, 1)])
 @pytest.mark.parametrize("lens", [[1], [16, 17, 3], [100, 1, 64, 33, 48]])
 def test_mla_decode_paged_matches_reference_and_reads_only_each_rows_tokens(heads, rank, rope, page, lens):
@@ -152,18 +177,60 @@ def test_mla_decode_paged_matches_reference_and_reads_only_each_rows_tokens(head
     from kernels.mla_decode import ref_mla_decode
 
     gen = torch.Generator().manual_seed(len(lens) * heads)
-    b, width = len(lens), -(-max(lens) // page) + 2
-    pages = torch.randperm(b * width, generator=gen).view(b, width)  # scattered, like a pool's
-    kv = torch.full((b * width * page, rank + rope), float("nan"))  # what no row attends stays NaN
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        kv[pages[i, pos // page] * page + pos % page] = torch.randn(n, rank + rope, generator=gen)
+    b = len(lens)
+    pages, kv = _paged_pool(lens, rank, rope, page, gen)  # scattered pages; what no row attends is NaN
     q_lat, q_rope = torch.randn(b, heads, rank, generator=gen), torch.randn(b, heads, rope, generator=gen)
     seq_lens = torch.tensor(lens)
     got = mla_decode_paged(q_lat, q_rope, kv, pages, seq_lens, 0.125, page)
     want = ref_mla_decode(q_lat, q_rope, kv, pages, seq_lens, 0.125, page)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[3000], [2500, 1, 700, 64]])
+def test_mla_decode_paged_cuts_long_rows_over_the_threads_and_merges_them(lens, threads):
+    """Rows longer than a task's span are attended in several spans (by both threads) and
+    merged by their log-sum-exp; one thread takes each row whole. Both equal the reference."""
+    from kernels.cpu_gemv import mla_decode_paged
+    from kernels.mla_decode import ref_mla_decode
+
+    gen = torch.Generator().manual_seed(len(lens))
+    pages, kv = _paged_pool(lens, 64, 16, 16, gen)
+    q_lat, q_rope = torch.randn(len(lens), 6, 64, generator=gen), torch.randn(len(lens), 6, 16, generator=gen)
+    with _threads(threads):
+        got = mla_decode_paged(q_lat, q_rope, kv, pages, torch.tensor(lens), 0.3, 16)
+    torch.testing.assert_close(got, ref_mla_decode(q_lat, q_rope, kv, pages, torch.tensor(lens), 0.3, 16),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, rank, rope, page", [(8, 128, 32, 16), (5, 60, 12, 4), (1, 16, 7, 1)])
+@pytest.mark.parametrize("start, t", [(0, 1), (0, 33), (130, 1), (63, 17), (2900, 40)])
+def test_mla_chunk_paged_matches_reference_and_reads_only_the_prefix(heads, rank, rope, page, start, t):
+    """A chunk's queries attend causally (query i over tokens 0 .. start + i) over scattered
+    pages, with NaN in every slot past the chunk: odd head counts, ranks and rope dims (the
+    vector and scalar paths), one query and many, contexts cut in spans and not."""
+    from kernels.cpu_gemv import mla_chunk_paged, ref_mla_chunk_paged
+
+    gen = torch.Generator().manual_seed(start + t + heads)
+    pages, kv = _paged_pool([start + t], rank, rope, page, gen)
+    q_lat, q_rope = torch.randn(t, heads, rank, generator=gen), torch.randn(t, heads, rope, generator=gen)
+    with _threads(2):  # a long context is cut in spans, one per thread at least
+        got = mla_chunk_paged(q_lat, q_rope, kv, pages[0], start, 0.125, page)
+    want = ref_mla_chunk_paged(q_lat, q_rope, kv, pages[0], start, 0.125, page)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_chunk_paged_rejects_a_chunk_past_its_table_or_pool():
+    mod = cpu_kernels()
+    q_lat, q_rope, kv = torch.ones(3, 2, 8), torch.ones(3, 2, 4), torch.ones(4 * 16, 12)
+    with pytest.raises(RuntimeError, match="a chunk of 3 tokens from 30 does not fit a block table of 2 pages"):
+        mod.mla_chunk_paged(q_lat, q_rope, kv, torch.tensor([0, 1]), 30, 1.0, 16)
+    with pytest.raises(RuntimeError, match=r"block_table\[0, 1\] = 7 outside the pool's 4 pages"):
+        mod.mla_chunk_paged(q_lat, q_rope, kv, torch.tensor([0, 7]), 20, 1.0, 16)
+    with pytest.raises(RuntimeError, match="block_table must be int64 \\[X\\]"):
+        mod.mla_chunk_paged(q_lat, q_rope, kv, torch.tensor([[0, 1]]), 0, 1.0, 16)
 
 
 def test_mla_decode_paged_rejects_a_length_or_page_outside_the_pool():

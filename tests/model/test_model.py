@@ -148,24 +148,29 @@ def test_a_chunked_prefill_equals_one_prefill(model):
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("t", [1, 5, 16])
-def test_short_chunks_after_a_prefix_read_the_pool_in_place_and_equal_one_prefill(model, t, monkeypatch):
-    """A short chunk after a prefix attends absorbed, each query as a decode row of its own
-    length over the pages in place (the decode kernel: no gather of the prefix, no [T, S]
-    mask), with the logits of the whole prompt at once."""
-    from model.mla import MLA
+@pytest.mark.parametrize("t", [1, 5, 16, 40])
+def test_chunks_after_a_prefix_read_the_pool_in_place_and_equal_one_prefill(model, t, monkeypatch):
+    """An absorbed chunk after a prefix attends over the pages in place (no gather of the
+    prefix, no [T, S] mask): on the CPU all its queries in one call of the chunk kernel, with
+    Triton a short chunk's queries as decode rows of their own lengths; the logits are those of
+    the whole prompt at once."""
+    from model.mla import MLA, MQA_MAX_QUERIES
 
     calls = []
-    real = MLA.attend_paged
-    monkeypatch.setattr(MLA, "attend_paged", lambda self, q, *a, **k: calls.append(q.shape[0]) or real(self, q, *a, **k))
+    for name in ("attend_paged", "attend_chunk_paged"):
+        real = getattr(MLA, name)
+        monkeypatch.setattr(MLA, name, lambda self, q, *a, _real=real, _name=name, **k:
+                            calls.append((_name, q.shape[0])) or _real(self, q, *a, **k))
     ids = _ids(150, seed=t)
     whole = model.prefill(ids, model.new_pool(16, 16), torch.arange(16), all_logits=True)
     pool, table = model.new_pool(16, 16), torch.tensor([5, 0, 9, 2, 14, 7, 1, 11, 3, 15])
     model.prefill(ids[:100], pool, table)
     got = [model.prefill(ids[lo : lo + t], pool, table, start=lo, all_logits=True) for lo in range(100, 150, t)]
     torch.testing.assert_close(torch.cat(got)[:50], whole[100:], atol=1e-4, rtol=1e-4)
-    if model.paged_kernel is not None:
-        assert calls and set(calls) <= {t, 50 % t}, calls  # one kernel row per query
+    if model.paged_kernel == "cpu":
+        assert calls and set(calls) <= {("attend_chunk_paged", t), ("attend_chunk_paged", 50 % t)}, calls
+    elif model.paged_kernel == "triton" and t <= MQA_MAX_QUERIES:
+        assert calls and set(calls) <= {("attend_paged", t), ("attend_paged", 50 % t)}, calls  # a row per query
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

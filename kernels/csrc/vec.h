@@ -1,0 +1,127 @@
+// Helpers shared by the CPU kernels: dot products in AVX2 registers (AVX-512 where built for it)
+// and the checks every entry point makes of its tensors.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace tide {
+
+inline void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+// Asks for the n cache lines at p + 16 * i, i < n (a stretch of the group a kernel dots later).
+inline void prefetch_lines(const float* p, int n) {
+  for (int i = 0; i < n; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
+}
+
+// 1 input row x 4 weight rows, k unrolled twice: 8 independent accumulators, one x load per four
+// weight loads. ``ahead`` (or null) is a later group of 4 rows, asked for a slice per step.
+// Requires K % 16 == 0.
+inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4], const float* ahead) {
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+         a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+         b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 4);
+    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+    a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w0 + k), a0);
+    a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w1 + k), a1);
+    a2 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w2 + k), a2);
+    a3 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(w3 + k), a3);
+    b0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k + 8), b0);
+    b1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k + 8), b1);
+    b2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k + 8), b2);
+    b3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k + 8), b3);
+  }
+  out[0] = hsum(_mm256_add_ps(a0, b0));
+  out[1] = hsum(_mm256_add_ps(a1, b1));
+  out[2] = hsum(_mm256_add_ps(a2, b2));
+  out[3] = hsum(_mm256_add_ps(a3, b3));
+}
+
+// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs; ``ahead`` as in dot_1x4.
+// Requires K % 8 == 0.
+inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, float out[2][4],
+                    const float* ahead) {
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+         a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(),
+         c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 2);
+    const __m256 xa = _mm256_loadu_ps(x0 + k), xc = _mm256_loadu_ps(x1 + k);
+    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
+    const __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
+    a0 = _mm256_fmadd_ps(xa, v0, a0);
+    a1 = _mm256_fmadd_ps(xa, v1, a1);
+    a2 = _mm256_fmadd_ps(xa, v2, a2);
+    a3 = _mm256_fmadd_ps(xa, v3, a3);
+    c0 = _mm256_fmadd_ps(xc, v0, c0);
+    c1 = _mm256_fmadd_ps(xc, v1, c1);
+    c2 = _mm256_fmadd_ps(xc, v2, c2);
+    c3 = _mm256_fmadd_ps(xc, v3, c3);
+  }
+  out[0][0] = hsum(a0); out[0][1] = hsum(a1); out[0][2] = hsum(a2); out[0][3] = hsum(a3);
+  out[1][0] = hsum(c0); out[1][1] = hsum(c1); out[1][2] = hsum(c2); out[1][3] = hsum(c3);
+}
+
+#if defined(__AVX512F__)
+// 4 input rows x 4 weight rows in 512-bit registers: 16 accumulators, 8 loads per 16 FMAs (the
+// 2x4 block needs 6 per 8), which keeps a decode batch of 8-16 rows from being compute-bound;
+// ``ahead`` as in dot_1x4. Requires K % 16 == 0.
+inline void dot_4x4(const float* x, const float* w, int64_t K, float out[4][4], const float* ahead) {
+  __m512 acc[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[4];
+    if (ahead != nullptr) prefetch_lines(ahead + 4 * k, 4);
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 4; ++j) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#endif
+
+#endif  // __AVX2__
+
+// a . b over n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
+  }
+  acc = hsum(_mm256_add_ps(v0, v1));
+#endif
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+}  // namespace tide
