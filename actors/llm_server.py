@@ -64,7 +64,7 @@ bind_replica_grpc_to_node()  # a replica imports this module before Serve opens 
 def _for_caller(o: RequestOutput) -> RequestOutput:
     """An output as it crosses to the caller: a handoff's KV tensor stays here (it is the
     stream's next item, ``actors/pd_handoff.py``)."""
-    return o if o.handoff is None else dataclasses.replace(o, handoff=dataclasses.replace(o.handoff, kv=None))
+    return o if o.handoff is None else o._replace(handoff=dataclasses.replace(o.handoff, kv=None))
 
 
 def _actor_name() -> str | None:

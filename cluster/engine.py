@@ -40,7 +40,7 @@ from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.chunk_sizing import ChunkCost
 from cluster.constraints import Constraints
-from cluster.kv_manager import KVManager
+from cluster.kv_manager import KVManager, long_tensor
 from cluster.output import TextStream
 from cluster.request import (
     UNIT_TOKENS,
@@ -295,7 +295,7 @@ class Engine:
         """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode tokens in the same
         forward pass when given: (the chunk's last logits [V], the batch's [B, V] or None)."""
         start, n_new = seq.num_computed, end - seq.num_computed
-        ids, table = torch.tensor(seq.ids(start, end)), torch.tensor(seq.pages)
+        ids, table = long_tensor(seq.ids(start, end)), long_tensor(seq.pages)
         t0 = self._clock()
         decode_logits = None
         if batch:
@@ -425,7 +425,9 @@ class Engine:
 
     def _decode_inputs(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block tables [B, W] (gathered rows), tokens [B] and positions [B] of a decode batch."""
-        return self.kv.tables(batch), torch.tensor([s.last_token for s in batch]), torch.tensor([s.length - 1 for s in batch])
+        # a running sequence has an output token, and its KV up to the one before (num_computed)
+        return (self.kv.tables(batch), long_tensor([s.output_ids[-1] for s in batch]),
+                long_tensor([s.num_computed for s in batch]))
 
     def _decode(self, batch: list[Sequence], logits: torch.Tensor | None, outputs: list[RequestOutput]) -> None:
         """One token for every sequence of ``batch``, from ``logits`` when its decode rode in a
@@ -464,14 +466,16 @@ class Engine:
         seq.output_logprobs.append(lp)
         if seq.token_counts is not None:
             seq.token_counts[tok] += 1
-        self.constraints.feed(seq, tok)
-        eos = tok == self.eos_id and not seq.req.ignore_eos
+        req, constrained = seq.req, seq.json_masks is not None
+        if constrained:
+            self.constraints.feed(seq, tok)
+        eos = tok == self.eos_id and not req.ignore_eos
         reason = None
-        if eos or self.constraints.done(seq):
+        if eos or (constrained and self.constraints.done(seq)):
             reason = FinishReason.STOP
-        elif len(seq.output_ids) >= seq.req.max_tokens:
+        elif len(seq.output_ids) >= req.max_tokens:
             reason = FinishReason.LENGTH
-        if reason is None and seq.req.handoff:
+        if reason is None and req.handoff:
             reason = FinishReason.HANDOFF
         if not eos and seq.text.feed(tok):  # the EOS token has no text
             reason = FinishReason.STOP  # a stop string: the text ends before it
@@ -546,7 +550,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Every page's refcount equals its holders (sequences, prefix entries): no leak, no
-        double free; every request is running, waiting or reported finished."""
+        double free; every running sequence holds the KV of all its tokens but the last; every
+        request is running, waiting or reported finished."""
         self.kv.check_integrity(list(self.waiting) + self.running, self.running)
+        for seq in self.running:  # a decode step's position is num_computed: the KV of all but the last token
+            assert seq.output_ids and seq.num_computed == seq.length - 1, (seq.req.request_id, seq.num_computed, seq.length)
         live = {s.req.request_id for s in list(self.waiting) + self.running}
         assert live == set(self._by_id), (live, set(self._by_id))

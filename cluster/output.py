@@ -1,8 +1,9 @@
 """A request's output text as it is generated: incremental detokenization and stop strings.
 
-``TextStream`` decodes only a window of the last few tokens per step (the window starts where
-the previous step's text became stable), so the host work per token does not grow with the
-output; the text equals decoding every token at once. Stop strings are searched only in text not
+``TextStream`` decodes only a window of the last few tokens per step, once (the window grows
+from a point where the text was stable, and starts again at the last such point every few
+tokens), so the host work per token does not grow with the output; the text equals decoding
+every token at once. Stop strings are searched only in text not
 yet sent: text that may be the start of a stop string is held back, so an occurrence can never
 begin in text already sent. A trailing U+FFFD (the first bytes of a character whose next token
 completes it) is held back until the request finishes.
@@ -17,6 +18,7 @@ __all__ = ["TextStream"]
 _REPLACEMENT = "\ufffd"
 _BACK = 8  # tokens a window may reach back to find a character boundary (UTF-8: 4 bytes)
 _CONTEXT = 5  # tokens before the new ones a continued request's first window decodes with
+WINDOW = 8  # tokens a window grows to before it starts again at the last boundary
 
 
 class TextStream:
@@ -68,19 +70,26 @@ class TextStream:
 
     def _decode_window(self) -> None:
         full = self._detok(self._ids[self._prefix :])
-        if not full.startswith(self._prefix_text):  # a tokenizer whose windows do not concatenate
+        joined = full.startswith(self._prefix_text)
+        if not joined:  # a tokenizer whose windows do not concatenate
             full = self._prefix_text + self._detok(self._ids[self._read :])
         new = full[len(self._prefix_text) :]
         if new.endswith(_REPLACEMENT):  # may be the first bytes of a character: wait for the rest
             self._unstable = new
             return
-        self._add(new)
+        if self._skip:
+            self._add(new)
+        else:
+            self._pending += new
         self._unstable = ""
-        start = self._read
-        text = self._detok(self._ids[start:])
+        start, self._read = self._read, len(self._ids)
+        if joined and self._read - self._prefix <= WINDOW:  # the window grows: one decode a token
+            self._prefix_text = full
+            return
+        text = self._detok(self._ids[start:])  # the window starts again at the last boundary
         if not text:  # e.g. only special tokens: the next window keeps text before them, so that a
             start, text = self._prefix, full  # decoder that drops the first token's space drops it there
-        self._prefix, self._read, self._prefix_text = start, len(self._ids), text
+        self._prefix, self._prefix_text = start, text
 
     def _match_stop(self) -> bool:
         if not self.stops:

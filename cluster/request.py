@@ -6,7 +6,7 @@ import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cachedir.hashing import Namespace
 from model.sampling_params import SamplingParams, TokenLogprob
@@ -170,8 +170,11 @@ class Prefilled:
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """What a step reports of one request: its new tokens and text since the last output and,
+    when it finishes, why, with its usage and timings. A named tuple: immutable, and cheap to
+    build once per running request per step."""
+
     request_id: str
     new_token_ids: list[int]
     text: str  # new text since the previous output

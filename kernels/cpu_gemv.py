@@ -12,7 +12,8 @@ in place: no gathered copy of the context, and work in proportion to each row's 
 ``mla_chunk_paged`` does the same for a prefill chunk's queries, reading each latent once for all
 of them; both cut a long context over the threads.
 ``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
-costs a dozen small torch ops, whose dispatch dominates at decode sizes.
+costs a dozen small torch ops, whose dispatch dominates at decode sizes; ``argmax_rows`` is a
+greedy step's choice, vectorized.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
 flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "Q8_GROUP",
+    "argmax_rows",
     "ROUTE_METHODS",
     "build_dir",
     "cpu_kernels",
@@ -46,6 +48,7 @@ __all__ = [
     "moe_routed",
     "moe_routed_q8",
     "quantize_q8",
+    "ref_argmax_rows",
     "ref_mla_chunk_paged",
     "ref_moe_experts",
     "ref_moe_route",
@@ -278,6 +281,21 @@ def mla_chunk_paged(
         return ref_mla_chunk_paged(q_lat, q_rope, kv, block_table, start, scale, page_size)
     return mod.mla_chunk_paged(q_lat.contiguous(), q_rope.contiguous(), kv, block_table.long(), start, scale,
                                page_size)
+
+
+def ref_argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, V] -> [M] int64: the index of each row's largest value (the first of equal ones; a
+    NaN counts as the largest)."""
+    return x.argmax(dim=-1)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``ref_argmax_rows``; fp32 contiguous CPU tensors (torch's CPU argmax is
+    not vectorized: a greedy step's choice over a 129K vocabulary costs milliseconds there)."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_argmax_rows(x)
+    return mod.argmax_rows(x)
 
 
 def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

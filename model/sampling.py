@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_gemv import argmax_rows
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "sample", "token_logprobs"]
@@ -27,6 +28,8 @@ def sample(
     The sampled rows are processed together on the logits' device: temperature, top-k and top-p
     as batched tensor ops (top-p sorts only the ``NUCLEUS_CANDIDATES`` most likely tokens when
     they hold the nucleus, else the whole vocabulary), then one inverse-CDF draw per row."""
+    if all(p.plain_greedy for p in params):  # the common case: one argmax, nothing else
+        return _argmax(logits).cpu()
     if any(p.logit_bias for p in params):
         logits = biased(logits, params)
     if outputs is not None and any(p.penalized for p in params):
@@ -34,10 +37,17 @@ def sample(
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):  # every row samples: no argmax, no copy of the rows
         return _sample_rows(logits, params, generators).cpu()
-    out = logits.argmax(dim=-1)  # [B]
+    out = _argmax(logits)  # [B]
     if rows:
         out[rows] = _sample_rows(logits[rows], [params[b] for b in rows], [generators[b] for b in rows])
     return out.cpu()
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B]: the greedy choices (a vectorized kernel for fp32 CPU logits)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        return argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -4,7 +4,7 @@ admin commands use them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams", "TokenLogprob"]
 
@@ -26,6 +26,8 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits at every step
     # (+100 all but forces a token, -100 all but bans it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # greedy, with no bias or penalty: the token is the logits' argmax (set from the above)
+    plain_greedy: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         for token, bias in self.logit_bias:
@@ -44,6 +46,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        object.__setattr__(self, "plain_greedy", self.greedy and not self.logit_bias and not self.penalized)
 
     @property
     def penalized(self) -> bool:

@@ -355,6 +355,63 @@ torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor we
                 q8_mats(down_q, down_scale));
 }
 
+namespace {
+
+// The index of the first largest of x[0..n), a NaN counting as the largest (torch.argmax's rule):
+// one pass, each lane keeping its first largest and where it stands.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = -INFINITY;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 vtop = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    __m256i vidx = _mm256_setzero_si256(), cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (; i + 8 <= n; i += 8, cur = _mm256_add_epi32(cur, eight)) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, vtop, _CMP_GT_OQ);
+      vtop = _mm256_blendv_ps(vtop, v, gt);
+      vidx = _mm256_blendv_epi8(vidx, cur, _mm256_castps_si256(gt));
+    }
+    if (_mm256_movemask_ps(nan) != 0) {
+      for (int64_t j = 0;; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    alignas(32) float lanes[8];
+    alignas(32) int32_t where[8];
+    _mm256_store_ps(lanes, vtop);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(where), vidx);
+    top = lanes[0], best = where[0];
+    for (int c = 1; c < 8; ++c)
+      if (lanes[c] > top || (lanes[c] == top && where[c] < best)) top = lanes[c], best = where[c];
+  }
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top) top = x[i], best = i;
+  }
+  return best;
+}
+
+}  // namespace
+
+// The index of the largest value of each row of x [M, V] (fp32) -> [M] int64, the first of equal
+// ones and a NaN counting as the largest, as torch.argmax: vectorized, which torch's CPU
+// reduction is not (a greedy decode step's argmax over a 129K vocabulary is milliseconds there).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, "x must be [M, V] with V >= 1, got ", x.sizes());
+  const int64_t M = x.size(0), V = x.size(1);
+  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / V), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) op[m] = argmax_row(xp + m * V, V);
+  });
+  return out;
+}
+
 // RMSNorm of each row of x [M, H] (fp32): y = x * rsqrt(mean(x^2) + eps) * w, w [H]. One
 // call in place of the half-dozen ops (and their dispatch) a decode-sized norm costs in torch.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -468,5 +525,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
   m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
+  m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");
   m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
 }

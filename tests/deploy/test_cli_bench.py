@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from tests.cli import tide, tide_here
+from tests.conftest import require
 
 
 def test_bench_trace_json(tmp_path):
@@ -63,6 +65,7 @@ def test_bench_directory_json(tmp_path):
 def test_bench_unit_io_json(tmp_path):
     """Each layout beside fio's raw figure for the block that layout reads (one unit; a
     segment's coalesced run, up to 4 MiB or one unit)."""
+    require(shutil.which("fio") is not None, "fio is not installed (scripts/test.sh installs it; --fast does not)")
     r = tide_here("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

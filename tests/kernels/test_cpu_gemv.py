@@ -290,3 +290,23 @@ def test_moe_route_rejects_what_the_gate_cannot_do():
         moe_route(logits, None, 12, 4, 2, "noaux_tc", False, True, 1.0)  # 2 groups of 4 hold 8 experts
     with pytest.raises(RuntimeError, match="K = 20"):
         moe_route(logits, None, 20, 1, 1, "greedy", True, True, 1.0)
+
+
+@pytest.mark.parametrize("m, v", [(1, 1), (3, 7), (64, 512), (5, 129_280), (2, 33)])
+def test_argmax_rows_matches_torch_on_ties_nan_and_masked_rows(m, v):
+    """The first of equal largest values, a NaN counting as the largest, a row masked to -inf
+    everywhere giving 0: as torch.argmax."""
+    from kernels.cpu_gemv import argmax_rows, ref_argmax_rows
+
+    gen = torch.Generator().manual_seed(m * v)
+    x = torch.randn(m, v, generator=gen)
+    rows = [x[i] for i in range(m)]
+    rows[0][v // 2 :] = 1e9  # ties: the first of them
+    if m > 1:
+        rows[1][:] = float("-inf")
+    if m > 2:
+        rows[2][v - 1] = float("nan")
+        rows[2][0] = float("inf")
+    assert torch.equal(argmax_rows(x), ref_argmax_rows(x))
+    with pytest.raises(RuntimeError, match="V >= 1"):
+        cpu_kernels().argmax_rows(torch.ones(2, 0))
