@@ -16,7 +16,7 @@ logits shaped like a language model's (a few likely tokens, a long tail).
 prefilled; their inter-token latency (p50, p99) against their median without it, and the
 prompt's prefill time, with prefill chunks sized by ``itl_factor`` 2.5 (the serving default) and
 3 and with fixed 2,048-token chunks (the decode tokens ride in each chunk's forward pass).
-Target: p99 at most 3x (``targets``, per chunking).
+Target: the serving default's p99 at most 3x (``targets``); the other two are for comparison.
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps:
             "prefill_s": round(prefill_s, 2), "steps": len(under) // running}
 
 
-ITL_FACTORS = (2.5, 3.0)
+SERVING_ITL_FACTOR = 2.5  # AppArgs.itl_factor's default (a test ties them)
+ITL_FACTORS = (SERVING_ITL_FACTOR, 3.0)
 
 
 def run_itl_bench(running: int = 16, prompt_tokens: int = 8000, warm_steps: int = 20,
@@ -212,5 +213,7 @@ def run_itl_bench(running: int = 16, prompt_tokens: int = 8000, warm_steps: int 
     runs = {f"sized_chunks_{f:g}": f for f in factors} | {"fixed_2048_chunks": 0.0}
     for name, f in runs.items():
         out[name] = _itl(model, f, running, prompt_tokens, warm_steps)
-    out["targets"] = {f"{name}_p99_at_most_3x": out[name]["p99_over_alone_p50"] <= 3.0 for name in runs}
+    if SERVING_ITL_FACTOR in factors:  # the target is the serving default's; the others compare
+        out["targets"] = {"serving_default_p99_at_most_3x":
+                          out[f"sized_chunks_{SERVING_ITL_FACTOR:g}"]["p99_over_alone_p50"] <= 3.0}
     return out

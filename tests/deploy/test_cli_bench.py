@@ -366,6 +366,14 @@ def test_itl_bench_measures_both_chunkings_on_the_same_work():
     assert sized["itl_factor"] == 2.0 and fixed["itl_factor"] == 0.0
     assert fixed["steps"] == 1  # the whole 300-token prompt in one chunk
     assert sized["steps"] >= 1 and all(v > 0 for v in (sized["alone_p50_ms"], fixed["under_prefill_p99_ms"]))
+    assert "targets" not in out  # judged only at the serving default
+
+
+def test_the_itl_target_is_judged_at_the_serving_default():
+    from deploy.app import AppArgs
+    from deploy.bench.engine_bench import ITL_FACTORS, SERVING_ITL_FACTOR
+
+    assert AppArgs().itl_factor == SERVING_ITL_FACTOR in ITL_FACTORS
 
 
 def test_bench_ep_wire_only_counts_bytes_per_round_and_step():
