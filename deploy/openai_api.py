@@ -348,8 +348,8 @@ class OpenAIIngress:
                     emitted += item.new_token_ids
                     chars += len(item.text)
                     if item.finished and attempt:
-                        item = dataclasses.replace(item, prompt_tokens=prompt_len, completion_tokens=len(emitted),
-                                                   cached_tokens=min(cached, prompt_len))
+                        item = item._replace(prompt_tokens=prompt_len, completion_tokens=len(emitted),
+                                             cached_tokens=min(cached, prompt_len))
                     yield item
                 return
             except Exception as e:

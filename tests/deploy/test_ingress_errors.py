@@ -107,6 +107,44 @@ def test_a_lost_handoff_kv_is_continued_and_a_user_error_is_not():
     assert not _continuable(RayTaskError("generate", "tb", ValueError("bad request")).as_instanceof_cause())
 
 
+class _DiesOnce(_DyingHandle):
+    """The first call streams two tokens and loses its replica; the next finishes the request."""
+
+    def __init__(self) -> None:
+        super().__init__(tokens=2)
+        self.requests = []
+
+    async def _generate(self, req):
+        from cluster.request import FinishReason, RequestOutput, TokenSources
+
+        self.requests.append(req)
+        if len(self.requests) == 1:
+            async for o in super()._generate(req):
+                yield o
+            return
+        yield _output(2)
+        prompt = len(req.prompt_ids)
+        yield RequestOutput("r", [3], "y", True, FinishReason.LENGTH, prompt, 2, prompt, TokenSources(ram=prompt))
+
+
+def test_a_request_whose_replica_dies_is_continued_with_the_client_requests_usage():
+    """The continuation starts from the prompt and the tokens streamed; its last output reports
+    the client's prompt, every token streamed and the first attempt's cache hit (not the longer
+    prompt of the continuation, nor its hit on the tokens it was handed)."""
+    handle = _DiesOnce()
+
+    async def run():
+        return [o async for o in _ingress(handle)._continued(_req())]
+
+    outs = asyncio.run(run())
+    assert [t for o in outs for t in o.new_token_ids] == [0, 1, 2, 3]
+    again = handle.requests[1]
+    assert again.prompt_ids == (1, 2, 3, 0, 1) and again.continued_ids == (0, 1) and again.max_tokens == 6
+    assert again.continued_chars == 2  # the text streamed before ("x" twice)
+    last = outs[-1]
+    assert last.finished and (last.prompt_tokens, last.completion_tokens, last.cached_tokens) == (3, 4, 0)
+
+
 class _OneChoiceFails:
     """n = 2: the call with the request's seed fails at once (an error of the request, not
     retried); the other streams slowly until cancelled."""
