@@ -241,6 +241,12 @@ void attend(const Problem& pb, const Task& t, float* o, float* m, float* l, std:
   }
 }
 
+// A sequence's block-table row, its queries [q0, q1) and the most rows any of them attends.
+struct SeqRows {
+  const int64_t* pages;
+  int64_t q0, q1, len;
+};
+
 // The attention of every query-head: query-head j = (query q, head h) = q * H + h sees
 // lim[j] rows of the sequence whose block-table row is pages_of(q); queries [q0, q1) of one
 // sequence are contiguous. Returns [N, H, R].
@@ -252,10 +258,10 @@ torch::Tensor attend_all(const Problem& pb, int64_t N, int64_t H, int64_t num_se
   const int64_t threads = at::get_num_threads();
   const int64_t block = std::max<int64_t>(1, kOutBytes / (4 * pb.R));  // query-heads per task, at most
   // spans: long enough to amortize a merge, short enough that threads get kTasksPerThread each
-  int64_t work = 0;
+  int64_t work = 0;  // rows to read, once per block of query-heads
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const auto [pages, q0, q1, len] = seq_of(s);
-    work += len * ((q1 - q0) * H + block - 1) / block;
+    const SeqRows seq = seq_of(s);
+    work += seq.len * (((seq.q1 - seq.q0) * H + block - 1) / block);
   }
   int64_t span = threads > 1 ? std::max(kMinSpan, (work + kTasksPerThread * threads - 1) / (kTasksPerThread * threads))
                              : INT64_MAX / 2;
@@ -349,11 +355,6 @@ Problem problem(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const t
   return {q_lat.data_ptr<float>(), q_rope.data_ptr<float>(), kv.data_ptr<float>(), R, P, R + P, page_size,
           static_cast<float>(scale), lim};
 }
-
-struct SeqRows {
-  const int64_t* pages;
-  int64_t q0, q1, len;
-};
 
 }  // namespace
 
