@@ -42,6 +42,7 @@ __all__ = [
     "dequantize_q8",
     "kernel_state",
     "mla_chunk_paged",
+    "mla_decode_fused",
     "mla_decode_paged",
     "moe_experts",
     "moe_route",
@@ -50,6 +51,7 @@ __all__ = [
     "quantize_q8",
     "ref_argmax_rows",
     "ref_mla_chunk_paged",
+    "ref_mla_decode_fused",
     "ref_moe_experts",
     "ref_moe_route",
     "ref_moe_routed",
@@ -296,6 +298,50 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if mod is None:
         return ref_argmax_rows(x)
     return mod.argmax_rows(x)
+
+
+def ref_mla_decode_fused(
+    q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    interleave: bool, w_uk: torch.Tensor, w_uv_t: torch.Tensor, kv: torch.Tensor, new_slots: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, page_size: int,
+) -> torch.Tensor:
+    """A layer's absorbed MLA decode from its projections: q [B, H*(N+P)] (each head [q_nope,
+    q_rope]), kv_a [B, R+P] (kv_a_proj_with_mqa's output), cos/sin [B, P/2], w_uk [H, N, R],
+    w_uv_t [H, R, V], kv [slots, R+P] -> [B, H*V]. Writes row b's latent [RMSNorm(c_kv) *
+    kv_norm, RoPE(k_rope)] into ``kv`` at ``new_slots[b]``, then attends with q_lat = q_nope @
+    W_UK over ``block_table``/``seq_lens`` (``ref_mla_decode``) and returns o_lat @ W_UV."""
+    from kernels.mla_decode import ref_mla_decode
+
+    def apply_rope(x, cos, sin, interleave):  # x [B, ..., P] -> [rotated firsts, rotated seconds]
+        cos, sin = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), -1), sin.view(sin.shape[0], *([1] * (x.dim() - 2)), -1)
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    b, (h, n, r) = q.shape[0], w_uk.shape
+    p = kv.shape[1] - r
+    q = q.view(b, h, n + p)
+    c_kv = F.rms_norm(kv_a[:, :r], (r,), kv_norm, eps)
+    kv.index_copy_(0, new_slots, torch.cat((c_kv, apply_rope(kv_a[:, r:], cos, sin, interleave)), dim=-1))
+    q_lat = torch.bmm(q[..., :n].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, R]
+    o_lat = ref_mla_decode(q_lat.contiguous(), apply_rope(q[..., n:], cos, sin, interleave).contiguous(), kv,
+                           block_table, seq_lens, scale, page_size)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(b, -1)
+
+
+def mla_decode_fused(
+    q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    interleave: bool, w_uk: torch.Tensor, w_uv_t: torch.Tensor, kv: torch.Tensor, new_slots: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, page_size: int,
+) -> torch.Tensor:
+    """Same contract as ``ref_mla_decode_fused`` for fp32 CPU tensors: one call for what is a
+    dozen small ops per layer in torch."""
+    mod = cpu_kernels()
+    if mod is None:
+        return ref_mla_decode_fused(q, kv_a, kv_norm, eps, cos, sin, interleave, w_uk, w_uv_t, kv, new_slots,
+                                    block_table, seq_lens, scale, page_size)
+    return mod.mla_decode_fused(q.contiguous(), kv_a.contiguous(), kv_norm.contiguous(), eps, cos.contiguous(),
+                                sin.contiguous(), interleave, w_uk, w_uv_t, kv, new_slots.long(), block_table.long(),
+                                seq_lens.long(), scale, page_size)
 
 
 def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import mla_chunk_paged, mla_decode_paged
+from kernels.cpu_gemv import mla_chunk_paged, mla_decode_fused, mla_decode_paged
 from kernels.mla_decode import mla_decode
 from model.config import ModelConfig
 from model.layers import linear, rms_norm
@@ -78,11 +78,7 @@ class MLA:
         """x [T, M] -> (q_nope [T, H, N], q_rope [T, H, P], latent [T, D]) with RoPE applied."""
         cfg, w = self.cfg, self.w
         t = x.shape[0]
-        if w.q is not None:
-            q = linear(x, w.q)
-        else:
-            q = linear(rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
-        q = q.view(t, cfg.num_attention_heads, cfg.qk_head_dim)  # [T, H, N+P]
+        q = self._queries(x).view(t, cfg.num_attention_heads, cfg.qk_head_dim)  # [T, H, N+P]
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = linear(x, w.kv_a, w.kv_a_bias)  # [T, D]
         c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -90,6 +86,29 @@ class MLA:
         q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)  # [T, H, P]
         k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)  # [T, P]
         return q_nope, q_rope, torch.cat((c_kv, k_rope), dim=-1)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, M] -> the heads' queries [T, H*(N+P)], before RoPE."""
+        w = self.w
+        if w.q is not None:
+            return linear(x, w.q)
+        return linear(rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.cfg.rms_norm_eps), w.q_b)
+
+    def decode_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, new_slots: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+    ) -> torch.Tensor:
+        """A decode batch's whole attention on a float32 CPU model: x [B, M] -> [B, M], as
+        ``output(attend_paged(*project(x)))`` after writing the new latents to ``kv`` [slots, D]
+        at ``new_slots`` [B] (block_tables [B, X], seq_lens [B] with the new token). The
+        projections are the GEMV kernels; the rest (RoPE, the latent's norm and write, W_UK,
+        the paged attention, W_UV) is one C++ call (``kernels.cpu_gemv.mla_decode_fused``)."""
+        w = self.w
+        kv_a = linear(x, w.kv_a, w.kv_a_bias)  # [B, D]
+        o = mla_decode_fused(self._queries(x), kv_a, w.kv_a_norm, self.cfg.rms_norm_eps, cos, sin,
+                             self.cfg.rope_interleave, self.w_uk, self.w_uv_t, kv, new_slots, block_tables, seq_lens,
+                             self.scale, page_size)  # [B, H*V]
+        return linear(o, w.o, w.o_bias)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o [T, H, V] -> [T, M]."""

@@ -211,6 +211,9 @@ class DeepseekModel:
         t = chunk.t if chunk is not None else 0
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+            if chunk is None and batch.paged == "cpu":  # a decode pass of its own: one call past the projections
+                h = self._ffn(layer, h + batch.attend_fused(i, layer.attn, x, pool))
+                continue
             q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
             pool.write(i, new_slots, latent)
             outs = []
@@ -249,6 +252,8 @@ class DeepseekModel:
                    pool: LatentKVPool) -> torch.Tensor:
         """Attention output [rows, M] of layer ``i`` for one part (writes its new latents)."""
         x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+        if isinstance(part, _DecodeBatch) and part.paged == "cpu":
+            return part.attend_fused(i, layer.attn, x, pool)
         q_nope, q_rope, latent = layer.attn.project(x, part.cos, part.sin)
         pool.write(i, part.new_slots, latent)
         if isinstance(part, _Chunk):
@@ -331,6 +336,7 @@ class _DecodeBatch:
     sin: torch.Tensor
     attn: str  # "absorbed" | "naive"
     paged: str | None  # a kernel that reads the pool in place: "triton" | "cpu"; None: gather (torch)
+    seq_lens: torch.Tensor | None = None  # [B] positions + 1 (paged paths, built on first use)
     read_slots: torch.Tensor | None = None  # [B, S] (torch path)
     mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
 
@@ -357,10 +363,20 @@ class _DecodeBatch:
             batch.mask = (span[None, :] <= positions[:, None])[:, None, :]
         return batch
 
+    def attend_fused(self, i: int, attn: MLA, x: torch.Tensor, pool: LatentKVPool) -> torch.Tensor:
+        """[B, M]: layer ``i``'s attention output for the batch's normed inputs ``x`` [B, M],
+        its new latents written (the C++ kernel's path: ``paged == "cpu"``)."""
+        if self.seq_lens is None:
+            self.seq_lens = self.positions + 1
+        return attn.decode_fused(x, self.cos, self.sin, pool.data[i], self.new_slots, self.block_tables,
+                                 self.seq_lens, pool.page_size)
+
     def attend(self, i: int, attn: MLA, q_nope, q_rope, pool: LatentKVPool) -> torch.Tensor:
         """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written)."""
         if self.paged:
-            return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.positions + 1,
+            if self.seq_lens is None:
+                self.seq_lens = self.positions + 1
+            return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.seq_lens,
                                      pool.page_size, self.paged)
         latents = pool.read(i, self.read_slots)  # [B, S, D]
         if self.attn == "absorbed":

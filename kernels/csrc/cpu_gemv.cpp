@@ -424,12 +424,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* row = xp + m * H;
-      const float inv = 1.0f / std::sqrt(dot(row, row, H) / static_cast<float>(H) + static_cast<float>(eps));
-      float* out = yp + m * H;
-      for (int64_t h = 0; h < H; ++h) out[h] = row[h] * inv * wp[h];
-    }
+    for (int64_t m = m0; m < m1; ++m) rms_norm_row(xp + m * H, wp, H, static_cast<float>(eps), yp + m * H);
   });
   return y;
 }
@@ -523,6 +518,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
   m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
   m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
+  m.def("mla_decode_fused", &mla_decode_fused, "a layer's absorbed MLA decode from its projections (fp32)");
   m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");

@@ -405,3 +405,67 @@ torch::Tensor mla_chunk_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch::
   const int64_t* tab = bt.data_ptr<int64_t>();
   return attend_all(pb, T, H, 1, [&](int64_t) { return SeqRows{tab, 0, T, len}; }, q_lat);
 }
+
+namespace {
+
+// RoPE of one head's rope part x [P] by angles cos, sin [P / 2] into out [P], in the de-interleaved
+// layout [rotated firsts, rotated seconds] (model.rope.apply_rope): firsts x[2i] (interleave) or
+// x[i], seconds x[2i + 1] or x[P/2 + i]. Products and differences rounded one at a time, as the
+// torch ops round them (no fused multiply-add), so the latents equal the unfused path's.
+__attribute__((optimize("fp-contract=off"))) void rope_row(const float* x, const float* cos, const float* sin,
+                                                          int64_t P, bool interleave, float* out) {
+  const int64_t half = P / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = interleave ? x[2 * i] : x[i], x2 = interleave ? x[2 * i + 1] : x[half + i];
+    const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+    out[i] = a - b;
+    out[half + i] = c + d;
+  }
+}
+
+}  // namespace
+
+// The absorbed MLA decode of one layer, from its projections to its heads' values: q [B, H*(N+P)]
+// (the query projection's output, each head [q_nope, q_rope]), kv_a [B, R+P] (kv_a_proj_with_mqa's
+// output), kv_norm [R], cos/sin [B, P/2] (each row's angles), w_uk [H, N, R], w_uv_t [H, R, V],
+// kv [slots, R+P] one layer of the pool -> [B, H*V]. Writes row b's latent [RMSNorm(c_kv) * kv_norm,
+// rope(k_rope)] into kv at new_slots[b], then attends as mla_decode_paged with q_lat = q_nope @
+// W_UK and returns o_lat @ W_UV: one call for what is a dozen small ops per layer in torch.
+torch::Tensor mla_decode_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps,
+                               torch::Tensor cos, torch::Tensor sin, bool interleave, torch::Tensor w_uk,
+                               torch::Tensor w_uv_t, torch::Tensor kv, torch::Tensor new_slots,
+                               torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t page_size) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&kv_a, "kv_a"}, {&kv_norm, "kv_norm"}, {&cos, "cos"},
+                                {&sin, "sin"}, {&w_uk, "w_uk"}, {&w_uv_t, "w_uv_t"}, {&kv, "kv"}})
+    check_f32(*t, name);
+  TORCH_CHECK(w_uk.dim() == 3 && w_uv_t.dim() == 3 && w_uv_t.size(0) == w_uk.size(0) && w_uv_t.size(1) == w_uk.size(2),
+              "w_uk must be [H, N, R] and w_uv_t [H, R, V]");
+  const int64_t B = q.size(0), H = w_uk.size(0), N = w_uk.size(1), R = w_uk.size(2), D = kv.size(1), P = D - R;
+  TORCH_CHECK(P > 0 && P % 2 == 0 && kv_norm.numel() == R, "kv rows of ", D, " values do not fit rank ", R,
+              " and an even rope part");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == H * (N + P), "q must be [B, H * (N + P)] = [B, ", H * (N + P), "]");
+  TORCH_CHECK(kv_a.dim() == 2 && kv_a.size(0) == B && kv_a.size(1) == D, "kv_a must be [B, ", D, "]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == P / 2,
+              "cos and sin must be [B, P / 2]");
+  TORCH_CHECK(new_slots.scalar_type() == torch::kInt64 && new_slots.numel() == B, "new_slots must be int64 [B]");
+  auto slots = new_slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < kv.size(0), "new_slots[", b, "] = ", sp[b], " outside the pool's ", kv.size(0),
+                " slots");
+  auto q_rope = torch::empty({B, H, P}, q.options());
+  const float *qp = q.data_ptr<float>(), *ap = kv_a.data_ptr<float>(), *cp = cos.data_ptr<float>(),
+              *snp = sin.data_ptr<float>(), *np = kv_norm.data_ptr<float>();
+  float *rp = q_rope.data_ptr<float>(), *kvp = kv.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float *c = cp + b * (P / 2), *s = snp + b * (P / 2);
+    for (int64_t h = 0; h < H; ++h) rope_row(qp + (b * H + h) * (N + P) + N, c, s, P, interleave, rp + (b * H + h) * P);
+    float* row = kvp + sp[b] * D;  // the new token's latent, in place
+    rms_norm_row(ap + b * D, np, R, static_cast<float>(eps), row);
+    rope_row(ap + b * D + R, c, s, P, interleave, row + R);
+  }
+  auto q_nope = q.view({B, H, N + P}).narrow(2, 0, N).transpose(0, 1);  // [H, B, N]
+  auto q_lat = at::bmm(q_nope, w_uk).transpose(0, 1).contiguous();      // [B, H, R]
+  auto o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, seq_lens, scale, page_size);  // [B, H, R]
+  return at::bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape({B, -1});  // [B, H * V]
+}

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -122,6 +123,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #endif
   for (; i < n; ++i) acc += a[i] * b[i];
   return acc;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w over n values (RMSNorm of one row).
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
 }  // namespace tide

@@ -59,7 +59,7 @@ def test_coefficients_never_go_negative_on_noisy_samples():
 
     rnd = random.Random(0)
     cost = ChunkCost()
-    for i in range(40):
+    for _ in range(40):
         n, start = rnd.randint(1, 64), rnd.randint(0, 8000)
         cost.observe(n, start, max(0.0, 0.002 * n + rnd.gauss(0, 0.02)))
         assert all(c >= 0 for c in cost.coefficients())

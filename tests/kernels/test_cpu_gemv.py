@@ -310,3 +310,31 @@ def test_argmax_rows_matches_torch_on_ties_nan_and_masked_rows(m, v):
     assert torch.equal(argmax_rows(x), ref_argmax_rows(x))
     with pytest.raises(RuntimeError, match="V >= 1"):
         cpu_kernels().argmax_rows(torch.ones(2, 0))
+
+
+@pytest.mark.parametrize("heads, nope, rank, rope, v, page, interleave",
+                         [(8, 64, 128, 32, 64, 16, False), (5, 12, 60, 12, 20, 4, True), (1, 8, 16, 8, 8, 1, True)])
+def test_mla_decode_fused_matches_reference_and_writes_the_new_latents(heads, nope, rank, rope, v, page, interleave):
+    """From a layer's projections: the rows' latents normed, rotated and written at their new
+    slots (only there), and the heads' values as the op-by-op reference gives them."""
+    from kernels.cpu_gemv import mla_decode_fused, ref_mla_decode_fused
+
+    gen = torch.Generator().manual_seed(heads * rank)
+    lens = [1, 40, 17, 3]
+    pages, kv = _paged_pool(lens, rank, rope, page, gen)
+    b = len(lens)
+    lens_t = torch.tensor(lens)
+    new_slots = pages[torch.arange(b), (lens_t - 1) // page] * page + (lens_t - 1) % page
+    kv[new_slots] = float("nan")  # the new tokens' latents: written by the call
+    args = [torch.randn(b, heads * (nope + rope), generator=gen), torch.randn(b, rank + rope, generator=gen),
+            torch.randn(rank, generator=gen), 1e-6, torch.randn(b, rope // 2, generator=gen),
+            torch.randn(b, rope // 2, generator=gen), interleave, torch.randn(heads, nope, rank, generator=gen) / 8,
+            torch.randn(heads, rank, v, generator=gen) / 8]
+    got_kv, want_kv = kv.clone(), kv.clone()
+    got = mla_decode_fused(*args, got_kv, new_slots, pages, lens_t, 0.125, page)
+    want = ref_mla_decode_fused(*args, want_kv, new_slots, pages, lens_t, 0.125, page)
+    assert got.shape == (b, heads * v) and not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5, equal_nan=True)
+    with pytest.raises(RuntimeError, match="outside the pool's"):
+        mla_decode_fused(*args, got_kv, new_slots + kv.shape[0], pages, lens_t, 0.125, page)

@@ -7,6 +7,7 @@ import torch
 
 from model.checkpoint import build_model, random_state_dict
 from model.config import ModelConfig, named_config
+from model.model import DeepseekModel
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +200,51 @@ def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start, micro_ba
     torch.testing.assert_close(got_chunk, want_chunk, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_batch, want_batch, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool.data, want_pool, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_cpu_decode_pass_is_one_fused_call_per_layer_and_equals_the_unfused_path(interleave, monkeypatch):
+    """On a float32 CPU model a decode pass of its own runs each layer's attention past its
+    projections as one C++ call (RoPE, the latent's norm and write, W_UK, paged attention,
+    W_UV): the logits and the latents it writes equal those of the op-by-op paged path."""
+    import dataclasses
+
+    from model.mla import MLA
+
+    cfg = dataclasses.replace(named_config("tiny"), rope_interleave=interleave)
+    m = build_model(cfg, random_state_dict(cfg, seed=5, std=0.08))
+    if m.paged_kernel != "cpu":
+        pytest.skip("the CPU kernels are not built")
+    lengths = [1, 17, 64, 90]
+    pool, tables = m.new_pool(48, 16), torch.arange(28).view(4, 7)
+    for j, n in enumerate(lengths):
+        m.prefill(_ids(n, seed=60 + j), pool, tables[j])
+    snapshot = pool.data.clone()
+    calls = []
+    real = MLA.decode_fused
+    monkeypatch.setattr(MLA, "decode_fused", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    tokens, positions = torch.tensor([3, 4, 5, 6]), torch.tensor(lengths)
+    got = m.decode(tokens, pool, tables, positions)
+    got_pool = pool.data.clone()
+    assert len(calls) == cfg.num_hidden_layers
+    pool.data.copy_(snapshot)
+    monkeypatch.setattr(DeepseekModel, "_forward", _unfused_forward)
+    want = m.decode(tokens, pool, tables, positions)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_pool, pool.data, atol=1e-6, rtol=0)
+
+
+def _unfused_forward(self, pool, chunk, batch):
+    """``DeepseekModel._forward`` of a decode batch op by op (as a mixed pass takes it)."""
+    from model.layers import rms_norm
+
+    h = batch.h
+    for i, layer in enumerate(self.layers):
+        x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+        q_nope, q_rope, latent = layer.attn.project(x, batch.cos, batch.sin)
+        pool.write(i, batch.new_slots, latent)
+        h = self._ffn(layer, h + layer.attn.output(batch.attend(i, layer.attn, q_nope, q_rope, pool)))
+    return h
 
 
 def test_small_ops_keep_their_gradients():
