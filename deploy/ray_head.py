@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -44,6 +45,11 @@ CLUSTER_ID_ENV = "TIDE_CLUSTER_ID"
 # keeps the node on 127.0.0.1 and binds every gRPC server, agent and worker there.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS; a start on a busy machine
+# can miss that, and only that failure (Ray's words for it) is tried again
+RAYLET_LATE = "timed out during startup"
+RAY_START_TRIES = 2
+log = logging.getLogger(__name__)
 
 
 class ChildFailed(RuntimeError):
@@ -156,8 +162,9 @@ def start_head(
 ) -> HeadProcess:
     """``ray start --head`` with token authentication, marked with ``cluster_id``. ``ports``:
     gcs, dashboard, client (Ray client server), agent (dashboard agent's HTTP port); fixed ports
-    so that two clusters on one machine do not both take Ray's defaults. ``ChildFailed`` with
-    Ray's own last lines when it fails."""
+    so that two clusters on one machine do not both take Ray's defaults. A start whose raylet
+    registered too late (``RAYLET_LATE``) is stopped and tried again; ``ChildFailed`` with Ray's
+    own last lines when it fails otherwise, or again."""
     temp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     host = "127.0.0.1"
     cmd = [
@@ -169,15 +176,22 @@ def start_head(
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     env = {**os.environ, **serve_env(), CLUSTER_ID_ENV: cluster_id, "RAY_AUTH_MODE": "token", **loopback_env(loopback)}
-    try:
-        # its own session: a Ctrl-C at the terminal reaches `tide up`, which tears down in order
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
-                           start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        raise ChildFailed("ray start (timed out)", -1, out) from None
-    if r.returncode != 0:
-        raise ChildFailed("ray start", r.returncode, r.stdout + r.stderr)
+    for attempt in range(RAY_START_TRIES):
+        try:
+            # its own session: a Ctrl-C at the terminal reaches `tide up`, which tears down in order
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                               start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            raise ChildFailed("ray start (timed out)", -1, out) from None
+        if r.returncode == 0:
+            break
+        out = r.stdout + r.stderr
+        if RAYLET_LATE not in out or attempt + 1 == RAY_START_TRIES:
+            raise ChildFailed("ray start", r.returncode, out)
+        # what the failed start left running (its GCS, the raylet) goes before the next try
+        log.warning("ray start: the raylet did not register within Ray's 30 s (a busy machine?); trying again")
+        stop_marked(cluster_id, temp_dir=temp_dir)
     # the GCS listens on loopback in either mode: drivers on this machine connect there
     return HeadProcess(cluster_id, f"{host}:{ports['gcs']}", f"http://{host}:{ports['dashboard']}", str(temp_dir))
 

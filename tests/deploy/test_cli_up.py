@@ -54,14 +54,19 @@ def _tide_here(*args, home):
 def _ray_head(tmp: Path, env: dict[str, str]) -> tuple[str, str]:
     """Another Ray cluster (its own temp dir, marked so the test can stop exactly it): its
     address and marker."""
+    from deploy.ray_head import RAY_START_TRIES, RAYLET_LATE, stop_marked
+
     marker, port = uuid.uuid4().hex, free_port()
-    r = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
-                        "--disable-usage-stats", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                        f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                        f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=1",
-                        f"--temp-dir={tmp / 'ray'}"],
-                       env={**env, "TIDE_CLUSTER_ID": marker}, capture_output=True, text=True, timeout=180,
-                       start_new_session=True)
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
+           "--disable-usage-stats", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+           f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=1", f"--temp-dir={tmp / 'ray'}"]
+    for _ in range(RAY_START_TRIES):  # as `tide up` does: a raylet late on a busy machine is tried again
+        r = subprocess.run(cmd, env={**env, "TIDE_CLUSTER_ID": marker}, capture_output=True, text=True, timeout=180,
+                           start_new_session=True)
+        if r.returncode == 0 or RAYLET_LATE not in r.stderr + r.stdout:
+            break
+        stop_marked(marker, temp_dir=tmp / "ray")
     assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
     return f"127.0.0.1:{port}", marker
 

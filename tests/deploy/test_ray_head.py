@@ -140,6 +140,33 @@ def test_a_failing_ray_start_is_one_error_with_rays_own_last_lines(home, tmp_pat
     assert marked_processes("t-fail") == []  # nothing left running
 
 
+_LATE = subprocess.CompletedProcess([], 1, "", "Exception: The current node timed out during startup. ...")
+_OTHER = subprocess.CompletedProcess([], 1, "", "ValueError: port 10500 is taken")
+_OK = subprocess.CompletedProcess([], 0, "started", "")
+
+
+@pytest.mark.parametrize("answers, fails", [([_LATE, _OK], False), ([_LATE, _LATE], True), ([_OTHER, _OK], True)])
+def test_a_ray_start_whose_raylet_registered_late_is_stopped_and_tried_again_once(answers, fails, monkeypatch,
+                                                                                   tmp_path):
+    """Ray gives a raylet a fixed 30 s to register; on a busy machine `ray start` can fail so.
+    What that start left is stopped (by the cluster's mark) and it is tried once more; another
+    failure, or a second late one, is the error."""
+    from deploy import ray_head
+
+    runs, stops = list(answers), []
+    monkeypatch.setattr(ray_head.subprocess, "run", lambda cmd, **kw: runs.pop(0))
+    monkeypatch.setattr(ray_head, "stop_marked", lambda cid, **kw: stops.append((cid, kw["temp_dir"])) or 0)
+    ports = {"gcs": 1, "dashboard": 2, "client": 3, "agent": 4}
+    if fails:
+        with pytest.raises(ChildFailed):
+            start_head("c1", tmp_path, ports, True, 1)
+    else:
+        assert start_head("c1", tmp_path, ports, True, 1).gcs_address == "127.0.0.1:1"
+    late = answers[0] is _LATE
+    assert runs == ([] if late else [_OK])  # a failure of another kind is not tried again
+    assert stops == ([("c1", tmp_path)] if late else [])
+
+
 def test_the_driver_settings_reach_ray_even_when_it_was_imported_first():
     """`tide up` imports Ray (checking GPUs) before it connects: token authentication and the
     loopback switch must still take effect (127.0.0.1 rewritten to the machine's address, where
