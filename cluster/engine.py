@@ -14,8 +14,9 @@ One engine drives one model replica. Each ``step`` does both of:
 The decode tokens ride in the first prefill chunk's forward pass (``model.mixed``), so running
 sequences do not wait for a pass of their own behind a prompt's; with ``micro_batches=2`` the
 chunk and the decode batch are that pass's two pipelined micro-batches (one's expert round hides
-behind the other's attention). On a CUDA model a decode pass of its own replays the CUDA graph of its batch bucket (``model.fixed_decode``) unless
-``enforce_eager``.
+behind the other's attention). A decode pass of its own replays, on a CUDA model, the CUDA graph
+of its batch bucket (``model.fixed_decode``) unless ``enforce_eager``; on a float32 CPU model it
+is one C++ call (``model.cpu_step``).
 
 When the pool is full, cached prefix entries are dropped first, then the newest running sequence
 is preempted (its pages freed; it is recomputed later from its tokens, which stay the same).

@@ -13,7 +13,8 @@ in place: no gathered copy of the context, and work in proportion to each row's 
 of them; both cut a long context over the threads.
 ``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
 costs a dozen small torch ops, whose dispatch dominates at decode sizes; ``argmax_rows`` is a
-greedy step's choice, vectorized.
+greedy step's choice, vectorized. ``DecodeStep`` (``csrc/cpu_decode.cpp``, built by ``model.cpu_step``)
+chains them into a model's whole decode step.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
 flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
@@ -70,7 +71,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "cpu_gemv.cpp", _CSRC / "cpu_mla.cpp")  # with the headers beside them
+_SOURCES = (_CSRC / "cpu_gemv.cpp", _CSRC / "cpu_mla.cpp", _CSRC / "cpu_decode.cpp")  # with the headers beside them
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
 

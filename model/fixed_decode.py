@@ -13,7 +13,8 @@ On CUDA each bucket's step is captured once as a CUDA graph (``capture``) and re
 copies its inputs into the buffers and launches every kernel of every layer with no Python in
 between, which at small batches is most of a decode step's time. A capture that fails (a kernel
 that reads a value back to the host) leaves that bucket eager, with a warning: outputs never
-depend on whether a step was captured. Without CUDA the same step runs eagerly.
+depend on whether a step was captured. Without CUDA the same step runs eagerly (on a float32
+CPU model as one C++ call: ``model.cpu_step``).
 """
 
 from __future__ import annotations

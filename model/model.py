@@ -16,6 +16,7 @@ import torch
 from kernels import Impl
 from kernels.cpu_gemv import cpu_kernels
 from model.config import ModelConfig
+from model.cpu_step import CpuStep
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
 from model.mla import MLA, MQA_MAX_QUERIES, absorbed_pays
@@ -55,6 +56,10 @@ class DeepseekModel:
         # "triton": decode attends over the paged pool with kernels.mla_decode and the pool copies
         # units with kernels.unit_copy (MoE layers carry their own impl); "ref": pure torch.
         self.impl = impl
+        # a decode pass of its own on a float32 CPU model runs as one C++ call (model.cpu_step)
+        # where the model allows; False keeps it layer by layer in Python
+        self.cpu_step = True
+        self._cpu_step: CpuStep | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,10 +160,16 @@ class DeepseekModel:
 
         ``max_len``: a bound on every sequence's length (the new token included) when the caller
         knows it; the step then never reads the positions back to the host (CUDA graphs).
+
+        A float32 CPU model runs the absorbed step as one C++ call where it can (``model.cpu_step``:
+        the same kernels in the same order, so the same logits).
         """
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
         b = token_ids.shape[0]
+        step = self._whole_cpu_step(b) if attn != "naive" else None
+        if step is not None:  # one C++ call (its experts are local: nothing to pipeline)
+            return step(self, token_ids, pool, block_tables.long(), positions.long(), max_len)
         if micro_batches == 2 and b >= 2:
             half = (b + 1) // 2
             parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn,
@@ -166,6 +177,13 @@ class DeepseekModel:
             return torch.cat([self._logits(h) for h in self._pipelined(parts, pool)])
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, attn, max_len)
         return self._logits(self._forward(pool, None, batch))
+
+    def _whole_cpu_step(self, rows: int) -> CpuStep | None:
+        """The C++ decode step (``model.cpu_step``) when it can run a pass of ``rows`` rows."""
+        if not self.cpu_step or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        self._cpu_step = CpuStep.of(self, self._cpu_step)
+        return self._cpu_step if self._cpu_step is not None and self._cpu_step.takes(rows) else None
 
     @torch.inference_mode()
     def mixed(

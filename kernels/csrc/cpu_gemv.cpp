@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_gemv.h"
 #include "cpu_mla.h"
 #include "vec.h"
 
@@ -523,4 +524,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");
   m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
+  bind_decode_step(m);
 }

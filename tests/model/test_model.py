@@ -204,9 +204,10 @@ def test_a_mixed_step_equals_a_prefill_and_a_decode(model, chunk_start, micro_ba
 
 @pytest.mark.parametrize("interleave", [False, True])
 def test_a_cpu_decode_pass_is_one_fused_call_per_layer_and_equals_the_unfused_path(interleave, monkeypatch):
-    """On a float32 CPU model a decode pass of its own runs each layer's attention past its
-    projections as one C++ call (RoPE, the latent's norm and write, W_UK, paged attention,
-    W_UV): the logits and the latents it writes equal those of the op-by-op paged path."""
+    """On a float32 CPU model a decode pass of its own, layer by layer in Python (the whole C++
+    step off: tests/model/test_cpu_step.py), runs each layer's attention past its projections as
+    one C++ call (RoPE, the latent's norm and write, W_UK, paged attention, W_UV): the logits and
+    the latents it writes equal those of the op-by-op paged path."""
     import dataclasses
 
     from model.mla import MLA
@@ -215,6 +216,7 @@ def test_a_cpu_decode_pass_is_one_fused_call_per_layer_and_equals_the_unfused_pa
     m = build_model(cfg, random_state_dict(cfg, seed=5, std=0.08))
     if m.paged_kernel != "cpu":
         pytest.skip("the CPU kernels are not built")
+    m.cpu_step = False
     lengths = [1, 17, 64, 90]
     pool, tables = m.new_pool(48, 16), torch.arange(28).view(4, 7)
     for j, n in enumerate(lengths):

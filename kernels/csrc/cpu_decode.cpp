@@ -1,0 +1,170 @@
+// A whole decode step of a float32 CPU model in one call: every layer's norms, projections,
+// attention (mla_decode_fused) and MLP or MoE, then the final norm and the LM head.
+//
+// At decode sizes a layer is a few dozen small ops, and in Python each costs its dispatch on top
+// of its work; here the same kernels run back to back with no interpreter between them. Every op
+// is the one the Python path (model.model.DeepseekModel._forward) runs for a batch of at most
+// SMALL_ROWS rows, in the same order, so the logits are the same bits.
+//
+// Legend: B rows, M hidden, L layers, D latent values per token.
+#include <torch/extension.h>
+
+#include <utility>
+#include <vector>
+
+#include "cpu_gemv.h"
+#include "cpu_mla.h"
+
+namespace {
+
+// y = x @ w^T (+ bias) for a weight held as float32 ``w`` [N, K] or int8 ``q`` with ``scale``:
+// the GEMV kernels, or torch's linear when there is a bias (as model.layers.linear does).
+struct Linear {
+  c10::optional<torch::Tensor> w, q, scale, bias;
+
+  Linear(c10::optional<torch::Tensor> w_, c10::optional<torch::Tensor> q_, c10::optional<torch::Tensor> scale_,
+         c10::optional<torch::Tensor> bias_)
+      : w(std::move(w_)), q(std::move(q_)), scale(std::move(scale_)), bias(std::move(bias_)) {
+    TORCH_CHECK(w.has_value() != q.has_value(), "a Linear is float32 (w) or int8 (q, scale), exactly one");
+    TORCH_CHECK(q.has_value() == scale.has_value(), "an int8 Linear needs its scale");
+    TORCH_CHECK(!(bias.has_value() && q.has_value()), "an int8 Linear has no bias here");
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (bias.has_value()) return at::linear(x, *w, *bias);
+    if (q.has_value()) return small_linear_q8(x.contiguous(), *q, *scale);
+    return small_linear(x.contiguous(), *w);
+  }
+};
+
+// down(silu(gate(x)) * up(x)), gate and up fused in one [2I, M] weight (model.layers.SwiGLU).
+struct Mlp {
+  Linear gate_up, down;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    auto gu = gate_up(x).chunk(2, -1);
+    return down(at::silu(gu[0]) * gu[1]);
+  }
+};
+
+// The gate, routed experts (all in this process) and shared experts of one MoE layer
+// (model.moe.MoE with a LocalExpertExecutor); routing arguments as moe_route's.
+struct Moe {
+  torch::Tensor gate;  // [E, M]
+  c10::optional<torch::Tensor> bias;
+  int64_t top_k, groups, topk_groups, method;
+  bool softmax, norm;
+  double scaling;
+  torch::Tensor gate_up, down;  // [E, 2I, M], [E, M, I]: float32, or int8 with the scales below
+  c10::optional<torch::Tensor> gate_up_scale, down_scale;
+  c10::optional<Mlp> shared;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    auto [ids, weights] = moe_route(at::linear(x, gate), bias, top_k, groups, topk_groups, method, softmax, norm,
+                                    scaling);
+    auto y = gate_up_scale.has_value()
+                 ? moe_routed_q8(x, ids, weights, gate_up, *gate_up_scale, down, *down_scale)
+                 : moe_routed(x, ids, weights, gate_up, down);
+    return shared.has_value() ? y + (*shared)(x) : y;
+  }
+};
+
+// One decoder layer: MLA (queries straight from x, or through the q_a low-rank path) and its FFN.
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  c10::optional<Linear> q, q_a, q_b;
+  c10::optional<torch::Tensor> q_a_norm;
+  Linear kv_a;
+  torch::Tensor kv_a_norm, w_uk, w_uv_t;  // [R], [H, N, R], [H, R, V]
+  Linear o;
+  double scale;
+  c10::optional<Mlp> mlp;
+  c10::optional<Moe> moe;
+};
+
+class DecodeStep {
+ public:
+  DecodeStep(double eps, bool interleave, torch::Tensor norm, Linear lm_head)
+      : eps_(eps), interleave_(interleave), norm_(std::move(norm)), lm_head_(std::move(lm_head)) {}
+
+  void add_layer(torch::Tensor input_norm, c10::optional<Linear> q, c10::optional<Linear> q_a,
+                 c10::optional<torch::Tensor> q_a_norm, c10::optional<Linear> q_b, Linear kv_a,
+                 torch::Tensor kv_a_norm, torch::Tensor w_uk, torch::Tensor w_uv_t, Linear o, double scale,
+                 torch::Tensor post_norm, c10::optional<Mlp> mlp, c10::optional<Moe> moe) {
+    TORCH_CHECK(q.has_value() != q_a.has_value(), "layer ", layers_.size(), ": queries come from q or q_a, one");
+    TORCH_CHECK(!q_a.has_value() || (q_a_norm.has_value() && q_b.has_value()),
+                "layer ", layers_.size(), ": q_a needs q_a_norm and q_b");
+    TORCH_CHECK(mlp.has_value() != moe.has_value(), "layer ", layers_.size(), ": an MLP or an MoE, one");
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q), std::move(q_a), std::move(q_b),
+                            std::move(q_a_norm), std::move(kv_a), std::move(kv_a_norm), std::move(w_uk),
+                            std::move(w_uv_t), std::move(o), scale, std::move(mlp), std::move(moe)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h [B, M] the tokens' embeddings, cos/sin [B, P/2] their angles, kv [L, slots, D] the pool,
+  // new_slots [B], block_tables [B, X], seq_lens [B] (the new token included) -> fp32 logits
+  // [B, V]; the new latents are written into kv.
+  torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
+                        torch::Tensor new_slots, torch::Tensor block_tables, torch::Tensor seq_lens,
+                        int64_t page_size) const {
+    TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "kv must be [", num_layers(), ", slots, D], got ",
+                kv.sizes());
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& l = layers_[i];
+      auto x = rms_norm(h.contiguous(), l.input_norm, eps_);
+      auto queries = l.q.has_value() ? (*l.q)(x) : (*l.q_b)(rms_norm((*l.q_a)(x), *l.q_a_norm, eps_));
+      auto attn = mla_decode_fused(queries, l.kv_a(x), l.kv_a_norm, eps_, cos, sin, interleave_, l.w_uk, l.w_uv_t,
+                                   kv.select(0, i), new_slots, block_tables, seq_lens, l.scale, page_size);
+      h = h + l.o(attn);
+      x = rms_norm(h, l.post_norm, eps_);
+      h = h + (l.mlp.has_value() ? (*l.mlp)(x) : (*l.moe)(x));
+    }
+    return lm_head_(rms_norm(h, norm_, eps_));
+  }
+
+ private:
+  double eps_;
+  bool interleave_;
+  torch::Tensor norm_;
+  Linear lm_head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void bind_decode_step(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<Linear>(m, "Linear", "a projection: float32 w [N, K] (and bias), or int8 q [N, K] with scale")
+      .def(py::init<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>>(),
+           py::arg("w") = py::none(), py::arg("q") = py::none(), py::arg("scale") = py::none(),
+           py::arg("bias") = py::none());
+  py::class_<Mlp>(m, "Mlp", "down(silu(gate(x)) * up(x)), gate and up in one [2I, M] Linear")
+      .def(py::init([](Linear gate_up, Linear down) { return Mlp{std::move(gate_up), std::move(down)}; }),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<Moe>(m, "Moe", "an MoE layer's gate (moe_route's arguments), local experts and shared experts")
+      .def(py::init([](torch::Tensor gate, c10::optional<torch::Tensor> bias, int64_t top_k, int64_t groups,
+                       int64_t topk_groups, int64_t method, bool softmax, bool norm, double scaling,
+                       torch::Tensor gate_up, torch::Tensor down, c10::optional<torch::Tensor> gate_up_scale,
+                       c10::optional<torch::Tensor> down_scale, c10::optional<Mlp> shared) {
+             TORCH_CHECK(gate_up_scale.has_value() == down_scale.has_value(), "int8 experts need both scales");
+             return Moe{std::move(gate), std::move(bias), top_k, groups, topk_groups, method, softmax, norm,
+                        scaling, std::move(gate_up), std::move(down), std::move(gate_up_scale),
+                        std::move(down_scale), std::move(shared)};
+           }),
+           py::arg("gate"), py::arg("bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
+           py::arg("method"), py::arg("softmax"), py::arg("norm"), py::arg("scaling"), py::arg("gate_up"),
+           py::arg("down"), py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none(),
+           py::arg("shared") = py::none());
+  py::class_<DecodeStep>(m, "DecodeStep", "a float32 CPU model's whole decode step, layer by layer in C++")
+      .def(py::init<double, bool, torch::Tensor, Linear>(), py::arg("eps"), py::arg("interleave"), py::arg("norm"),
+           py::arg("lm_head"))
+      .def("add_layer", &DecodeStep::add_layer, py::arg("input_norm"), py::arg("q"), py::arg("q_a"),
+           py::arg("q_a_norm"), py::arg("q_b"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),
+           py::arg("w_uv_t"), py::arg("o"), py::arg("scale"), py::arg("post_norm"), py::arg("mlp"), py::arg("moe"))
+      .def_property_readonly("num_layers", &DecodeStep::num_layers)
+      .def("forward", &DecodeStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
+           py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
+           py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,156 @@
+"""A float32 CPU model's decode step as one C++ call (``kernels/csrc/cpu_decode.cpp``).
+
+Legend: B rows, M hidden, K experts per token, E expert slots.
+
+``DeepseekModel.decode`` hands a decode pass of its own here when the model can take it: float32
+on the CPU with the kernels built, projections float32 or int8 (``model.quant``), routed experts
+in this process (a ``LocalExpertExecutor`` not running Triton), and no routing hook. The C++ step
+runs every layer's kernels back to back, the same kernels in the same order as the Python path
+for a batch of up to ``max_rows`` rows, so its logits are the same bits; larger batches (where
+BLAS takes over the projections) and anything it cannot hold take the Python path.
+
+The step holds references to the weights it was built from; it is rebuilt when any of them is
+replaced (``quantize_model``, a new expert executor): ``CpuStep.of`` compares their identities.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.cpu_gemv import ROUTE_METHODS, cpu_kernels
+from model.kv_cache import LatentKVPool, slots_for
+from model.layers import SMALL_ROWS, SwiGLU
+from model.mla import MLAWeights
+from model.moe import _GEMV_ROWS_PER_EXPERT, LocalExpertExecutor, MoE
+from model.quant import Q8Weight
+
+if TYPE_CHECKING:
+    from model.model import DeepseekModel
+
+__all__ = ["CpuStep"]
+
+
+class _Ineligible(Exception):
+    """A weight or setting the C++ step does not take."""
+
+
+class CpuStep:
+    def __init__(self, model: DeepseekModel, key: list) -> None:
+        """Raises ``_Ineligible`` when the model has something the C++ step cannot run."""
+        mod = cpu_kernels()
+        if mod is None or model.paged_kernel != "cpu":
+            raise _Ineligible("no C++ kernels for this model")
+        cfg = model.cfg
+        self.key = key
+        self.max_rows = SMALL_ROWS
+        self.step = mod.DecodeStep(cfg.rms_norm_eps, cfg.rope_interleave, model.norm, _linear(mod, model.lm_head))
+        for layer in model.layers:
+            attn, w = layer.attn, layer.attn.w
+            mlp = moe = None
+            if isinstance(layer.mlp, MoE):
+                moe = self._moe(mod, layer.mlp)
+            else:
+                mlp = _mlp(mod, layer.mlp)
+            self.step.add_layer(
+                layer.input_norm, _linear(mod, w.q), _linear(mod, w.q_a, w.q_a_bias), w.q_a_norm, _linear(mod, w.q_b),
+                _linear(mod, w.kv_a, w.kv_a_bias), w.kv_a_norm, attn.w_uk, attn.w_uv_t, _linear(mod, w.o, w.o_bias),
+                attn.scale, layer.post_attn_norm, mlp, moe,
+            )
+
+    @classmethod
+    def of(cls, model: DeepseekModel, cached: CpuStep | None) -> CpuStep | None:
+        """The step for ``model`` as its weights are now: ``cached`` when none was replaced since
+        it was built, a new one, or None when the model has something it cannot run."""
+        key = _weights_key(model)
+        if cached is not None and _same(cached.key, key):
+            return cached
+        try:
+            return cls(model, key)
+        except _Ineligible:
+            return None
+
+    def takes(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def __call__(self, model: DeepseekModel, token_ids: torch.Tensor, pool: LatentKVPool, block_tables: torch.Tensor,
+                 positions: torch.Tensor, max_len: int | None) -> torch.Tensor:
+        """``DeepseekModel.decode``'s contract for B <= ``max_rows`` rows -> fp32 logits [B, V]."""
+        if max_len is None:
+            max_len = int(positions.max()) + 1
+        z = pool.page_size
+        if block_tables.shape[1] * z < max_len:
+            raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
+        cos, sin = model.rope.cos_sin(positions, model.dtype, top=max_len)
+        new_slots = slots_for(block_tables, positions[:, None], z)[:, 0]
+        return self.step.forward(model.embed[token_ids], cos, sin, pool.data, new_slots, block_tables, positions + 1, z)
+
+    def _moe(self, mod, moe: MoE):
+        executor = moe.executor
+        if type(executor) is not LocalExpertExecutor or executor.impl == "triton" or moe.impl == "triton" \
+                or moe.on_route is not None:
+            raise _Ineligible("routed experts outside this process, on Triton, or a routing hook")
+        cfg, experts = moe.cfg, executor.layers[moe.layer_idx]
+        slots = experts.gate_up.shape[0]
+        # past this many rows the Python path runs the experts as a grouped GEMM
+        self.max_rows = min(self.max_rows, _GEMV_ROWS_PER_EXPERT * slots // cfg.num_experts_per_tok)
+        if isinstance(experts.gate_up, Q8Weight) and isinstance(experts.down, Q8Weight):
+            gate_up, gate_up_scale, down, down_scale = experts.gate_up.q, experts.gate_up.scale, experts.down.q, \
+                experts.down.scale
+        elif isinstance(experts.gate_up, torch.Tensor) and isinstance(experts.down, torch.Tensor):
+            gate_up, gate_up_scale, down, down_scale = experts.gate_up, None, experts.down, None
+            _check_f32(gate_up, down)
+        else:
+            raise _Ineligible("experts neither float32 nor int8")
+        bias = moe.gate.e_score_correction_bias
+        bias = bias.float().contiguous() if bias is not None and cfg.topk_method == "noaux_tc" else None
+        return mod.Moe(moe.gate.weight.float(), bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                       ROUTE_METHODS.index(cfg.topk_method), cfg.scoring_func == "softmax", cfg.norm_topk_prob,
+                       cfg.routed_scaling_factor, gate_up.contiguous(), down.contiguous(), gate_up_scale, down_scale,
+                       _mlp(mod, moe.shared) if moe.shared is not None else None)
+
+
+def _check_f32(*tensors: torch.Tensor) -> None:
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad for t in tensors):
+        raise _Ineligible("a weight that is not a float32 CPU tensor")
+
+
+def _linear(mod, w, bias: torch.Tensor | None = None):
+    """The C++ ``Linear`` of a weight as ``model.layers.linear`` takes it (None for no weight)."""
+    if w is None:
+        return None
+    if isinstance(w, Q8Weight):
+        if bias is not None:
+            raise _Ineligible("an int8 weight with a bias")
+        return mod.Linear(q=w.q, scale=w.scale)
+    if not isinstance(w, torch.Tensor):
+        raise _Ineligible(f"a {type(w).__name__} weight")
+    _check_f32(w, *([bias] if bias is not None else []))
+    return mod.Linear(w=w.contiguous(), bias=bias)
+
+
+def _mlp(mod, mlp: SwiGLU):
+    return mod.Mlp(_linear(mod, mlp.gate_up), _linear(mod, mlp.down))
+
+
+def _weights_key(model: DeepseekModel) -> list:
+    """Every object the step is built from, held (so no identity is reused while the step lives):
+    a replaced weight, expert table, executor or routing hook differs in identity."""
+    key: list = [model.norm, model.lm_head]
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        key += (layer.input_norm, layer.post_attn_norm, attn.w_uk, attn.w_uv_t)
+        key += (getattr(attn.w, f) for f in MLAWeights.__slots__)
+        if isinstance(mlp, MoE):
+            tables = getattr(mlp.executor, "layers", None)
+            experts = tables.get(mlp.layer_idx) if isinstance(tables, dict) else None
+            key += (mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.executor, mlp.on_route, experts,
+                    getattr(experts, "gate_up", None), getattr(experts, "down", None))
+            mlp = mlp.shared
+        key += (mlp, getattr(mlp, "gate_up", None), getattr(mlp, "down", None))
+    return key
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
