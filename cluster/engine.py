@@ -18,9 +18,11 @@ behind the other's attention). A decode pass of its own replays, on a CUDA model
 of its batch bucket (``model.fixed_decode``) unless ``enforce_eager``; on a float32 CPU model it
 is one C++ call (``model.cpu_step``).
 
-When the pool is full, cached prefix entries are dropped first, then the newest running sequence
-is preempted (its pages freed; it is recomputed later from its tokens, which stay the same).
-New units are persisted per the admission policy after the input and after the output, on the
+Which sequences run and how much of each prompt is the scheduler's (``cluster.scheduler``); the
+pages, the KV manager's (``cluster.kv_manager``); the output's text, ``cluster.output``'s; JSON
+masks, ``cluster.constraints``'. When the pool is full, cached prefix entries are dropped first,
+then the newest running sequence is preempted (its pages freed; it is recomputed later from its
+tokens, which stay the same). New units are persisted per the admission policy after the input and after the output, on the
 cache's I/O threads: persistence never blocks decode.
 """
 
@@ -39,7 +41,6 @@ from cachedir.admission import make_admission
 from cachedir.hashing import Namespace, chain_keys
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
-from cluster.chunk_sizing import ChunkCost
 from cluster.constraints import Constraints
 from cluster.kv_manager import KVManager, long_tensor
 from cluster.output import TextStream
@@ -51,20 +52,13 @@ from cluster.request import (
     RequestOutput,
     Sequence,
 )
+from cluster.scheduler import Scheduler
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.model import DeepseekModel
 from model.moe import LocalExpertExecutor
 from model.sampling import TokenLogprob, sample, token_logprobs
 
 __all__ = ["Engine", "EngineConfig"]
-
-MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
-CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
-
-
-def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
-    return x if avg is None else (1 - weight) * avg + weight * x
-
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -124,16 +118,28 @@ class Engine:
         self.admission = make_admission(cfg.admission)
         self.kv = KVManager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS)
         self.fixed_decode = self._fixed_decode()
-        self.waiting: deque[Sequence] = deque()
-        self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
-        self.running: list[Sequence] = []
+        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
+                                   self._admit_prefilled, self.stats)
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step
         self._clock = clock
-        self._decode_s: float | None = None  # moving average of a decode step's seconds
-        self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
-        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        """Sequences waiting for (the rest of) their prefill, oldest first (``scheduler``'s)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Sequences that decode (``scheduler``'s)."""
+        return self.scheduler.running
+
+    @property
+    def prefill_samples(self) -> deque[tuple[int, int, float]]:
+        """(new, cached, seconds) of the latest prefill passes (``scheduler``'s)."""
+        return self.scheduler.prefill_samples
 
     # -- requests ------------------------------------------------------------------------
     def namespace_for(self, tenant: str) -> Namespace:
@@ -179,7 +185,7 @@ class Engine:
             if req.request_id in self._by_id:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._by_id[req.request_id] = seq
-            self.waiting.append(seq)
+            self.scheduler.waiting.append(seq)
 
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
@@ -197,14 +203,10 @@ class Engine:
 
     def queue_state(self, limit: int = 256) -> list[tuple[int, int]]:
         """(new, cached) prompt tokens of the waiting requests, oldest first (prefill LB input)."""
-        out = []
-        for seq in list(self.waiting)[:limit]:
-            cached = max(seq.num_computed, seq.expected_cached)
-            out.append((max(0, seq.length - cached), cached))
-        return out
+        return self.scheduler.queue_state(limit)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -214,8 +216,8 @@ class Engine:
         outputs: list[RequestOutput] = []
         with self._lock:
             self._reap_aborted(outputs)
-        batch = self._decode_batch()
-        chunks = self._schedule_prefill(batch)
+        batch = self.scheduler.decode_batch()
+        chunks = self.scheduler.prefill_chunks(batch)
         decode_logits = None
         for k, (seq, end) in enumerate(chunks):
             logits, rode = self._run_chunk(seq, end, batch if k == 0 else None)  # the decode rides in the first
@@ -231,66 +233,14 @@ class Engine:
         self._aborted = False
         for seq in [s for s in list(self.waiting) + self.running if s.finished == FinishReason.ABORT]:
             if seq.row is not None:
-                self._leave_running(seq)
+                self.scheduler.leave_running(seq)
             else:
                 self.waiting.remove(seq)
             self._finish(seq, FinishReason.ABORT, outputs)
 
-    def _join_running(self, seq: Sequence) -> None:
-        """``seq`` joins the decode batch: it gets a row of the block tables."""
-        self.kv.claim_row(seq)
-        self.running.append(seq)
-
-    def _leave_running(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.kv.free_row(seq)
-
     def prefill_budget(self, start: int = 0) -> int:
-        """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
-        while sequences decode (and ``itl_factor`` is on) as many as take (itl_factor - 1)
-        decode steps' time, at least ``MIN_CHUNK``. A chunk's time is fitted to the latest
-        chunks (``cluster.chunk_sizing``): its queries attend over the whole prefix, so a chunk
-        shrinks as its prompt's context grows. Until a decode step was timed, none (this step
-        decodes alone, and is timed); until a chunk was, ``MIN_CHUNK``."""
-        cap = self.cfg.max_prefill_tokens
-        if not self.running or not self.cfg.itl_factor:
-            return cap
-        if self._decode_s is None:
-            return 0
-        fits = self._chunk_cost.longest_within((self.cfg.itl_factor - 1) * self._decode_s, start, cap)
-        return min(cap, MIN_CHUNK) if fits is None else max(MIN_CHUNK, fits)
-
-    def _schedule_prefill(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """The prompt chunks this step computes, oldest first: (sequence, end), each from the
-        sequence's ``num_computed``, within ``prefill_budget()`` tokens; a chunk that does not
-        finish its prompt is the last. Admits what it schedules (pages, cached units); a
-        sequence prefilled elsewhere joins ``batch`` at once."""
-        budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
-        chunks: list[tuple[Sequence, int]] = []
-        seats = self.cfg.max_num_seqs - len(self.running)
-        i = 0
-        while budget > 0 and i < len(self.waiting) and seats > 0:
-            seq = self.waiting[i]
-            if seq.req.prefilled is not None and not seq.output_ids:
-                if not self._admit_prefilled(seq):
-                    break
-                seq.scheduled_s = seq.scheduled_s or time.monotonic()
-                del self.waiting[i]
-                self._join_running(seq)
-                batch.append(seq)
-                seats -= 1
-                continue
-            if not seq.pages and not self._admit(seq):
-                break  # not enough pages yet: wait for running sequences to finish
-            seq.scheduled_s = seq.scheduled_s or time.monotonic()
-            end = min(seq.length, seq.num_computed + budget)
-            chunks.append((seq, end))
-            budget -= end - seq.num_computed
-            if end < seq.length:
-                break  # the rest of this prompt in the next step (chunked prefill)
-            seats -= 1
-            i += 1
-        return chunks
+        """Prompt tokens this step may prefill from position ``start`` (``Scheduler.prefill_budget``)."""
+        return self.scheduler.prefill_budget(start)
 
     def _run_chunk(self, seq: Sequence, end: int, batch: list[Sequence] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode tokens in the same
@@ -306,11 +256,7 @@ class Engine:
             self.stats["mixed_steps"] += 1
         else:
             logits = self.model.prefill(ids, self.kv.pool, table, start=start)
-        took = self._clock() - t0
-        self.prefill_samples.append((n_new, start, took))
-        if batch and self._decode_s is not None:
-            took = max(took - self._decode_s, took / 2)  # the chunk's own share of a mixed pass
-        self._chunk_cost.observe(n_new, start, took)
+        self.scheduler.observe_chunk(n_new, start, self._clock() - t0, mixed=bool(batch))
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         return logits, decode_logits
@@ -319,8 +265,7 @@ class Engine:
         """After a chunk: a finished prompt joins the running sequences with its first token."""
         if end < seq.length:
             return
-        self.waiting.remove(seq)
-        self._join_running(seq)
+        self.scheduler.prefilled(seq)
         if not seq.input_persisted:
             seq.input_persisted = True
             self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
@@ -406,24 +351,6 @@ class Engine:
         return FixedShapeDecode(m, self.kv.pool, self.kv.scratch_page, self.kv.max_pages,
                                 buckets_up_to(self.cfg.max_num_seqs), capture=True)
 
-    def _decode_batch(self) -> list[Sequence]:
-        """The running sequences that decode this step, each with a page for its next token
-        (the newest are preempted when the pool runs out). O(batch): a new page goes into the
-        sequence's table row."""
-        batch = []
-        for seq in list(self.running):
-            if seq.row is None:
-                continue  # preempted while making room for another
-            while not self.kv.grow(seq):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.row is not None:
-                batch.append(seq)
-        batch.sort(key=lambda s: s.row)  # in row order: the block tables are a view of their rows
-        return batch
-
     def _decode_inputs(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block tables [B, W] (gathered rows), tokens [B] and positions [B] of a decode batch."""
         # a running sequence has an output token, and its KV up to the one before (num_computed)
@@ -441,7 +368,7 @@ class Engine:
             else:
                 logits = self.model.decode(tokens, self.kv.pool, tables, positions,
                                            micro_batches=self.cfg.micro_batches)
-            self._decode_s = _moving(self._decode_s, self._clock() - t0)
+            self.scheduler.observe_decode(self._clock() - t0)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
@@ -450,14 +377,6 @@ class Engine:
         for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
             self._append(seq, tok, outputs, lp)
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
-        self._leave_running(seq)
-        self.kv.release(seq)
-        seq.num_computed = 0
-        self.waiting.appendleft(seq)
-        self.stats["preemptions"] += 1
 
     # -- tokens out ----------------------------------------------------------------------
     def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput], lp: TokenLogprob | None = None) -> None:
@@ -481,7 +400,7 @@ class Engine:
         if not eos and seq.text.feed(tok):  # the EOS token has no text
             reason = FinishReason.STOP  # a stop string: the text ends before it
         if reason is not None:
-            self._leave_running(seq)
+            self.scheduler.leave_running(seq)
             self._finish(seq, reason, outputs)
         else:
             outputs.append(self._output(seq))

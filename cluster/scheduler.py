@@ -1,0 +1,167 @@
+"""The engine's scheduler: which sequences run each step and how much of a prompt is computed.
+
+It holds the waiting queue (oldest first) and the running sequences (each with a block-table
+row), and decides per step:
+
+* the **decode batch**: every running sequence, each given a page for its next token; when the
+  pool runs out the newest running sequence is **preempted** (its pages freed, queued first to
+  be recomputed from its tokens);
+* the **prefill chunks**: waiting prompts in order, admitted while pages and seats allow, within
+  a token budget: ``max_prefill_tokens``, or while sequences decode (``itl_factor``) a chunk sized
+  from measured speeds so that the mixed pass takes about ``itl_factor`` decode steps' time
+  (``cluster.chunk_sizing``). A chunk that does not finish its prompt is the step's last.
+
+What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
+engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
+passes and reports their times back (``observe_decode``, ``observe_chunk``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from cluster.chunk_sizing import ChunkCost
+from cluster.kv_manager import KVManager
+from cluster.request import Sequence
+
+__all__ = ["CHUNK_COST_SAMPLES", "MIN_CHUNK", "Scheduler"]
+
+MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
+CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
+
+
+def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
+    return x if avg is None else (1 - weight) * avg + weight * x
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_prefill_tokens: int, itl_factor: float,
+                 admit: Callable[[Sequence], bool], admit_prefilled: Callable[[Sequence], bool],
+                 stats: dict[str, int]) -> None:
+        """``admit(seq)``: give a waiting sequence its pages (False: not enough yet);
+        ``admit_prefilled(seq)``: the same for a prompt prefilled on another replica, which then
+        decodes at once; ``stats``: counters it adds to (``preemptions``)."""
+        self.kv = kv
+        self.max_num_seqs, self.max_prefill_tokens, self.itl_factor = max_num_seqs, max_prefill_tokens, itl_factor
+        self._admit, self._admit_prefilled = admit, admit_prefilled
+        self.stats = stats
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
+        self.decode_s: float | None = None  # moving average of a decode pass's seconds
+        self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
+
+    # -- queues --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def queue_state(self, limit: int = 256) -> list[tuple[int, int]]:
+        """(new, cached) prompt tokens of the waiting requests, oldest first (prefill LB input)."""
+        out = []
+        for seq in list(self.waiting)[:limit]:
+            cached = max(seq.num_computed, seq.expected_cached)
+            out.append((max(0, seq.length - cached), cached))
+        return out
+
+    def join_running(self, seq: Sequence) -> None:
+        """``seq`` joins the decode batch: it gets a row of the block tables."""
+        self.kv.claim_row(seq)
+        self.running.append(seq)
+
+    def leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free_row(seq)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """``seq``'s prompt is computed: it leaves the queue and decodes."""
+        self.waiting.remove(seq)
+        self.join_running(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
+        self.leave_running(seq)
+        self.kv.release(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    # -- a step's work -------------------------------------------------------------------
+    def decode_batch(self) -> list[Sequence]:
+        """The running sequences that decode this step, each with a page for its next token
+        (the newest are preempted when the pool runs out), in block-table row order. O(batch):
+        a new page goes into the sequence's table row."""
+        batch = []
+        for seq in list(self.running):
+            if seq.row is None:
+                continue  # preempted while making room for another
+            while not self.kv.grow(seq):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.row is not None:
+                batch.append(seq)
+        batch.sort(key=lambda s: s.row)  # in row order: the block tables are a view of their rows
+        return batch
+
+    def prefill_budget(self, start: int = 0) -> int:
+        """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
+        while sequences decode (and ``itl_factor`` is on) as many as take (itl_factor - 1)
+        decode steps' time, at least ``MIN_CHUNK``. A chunk's time is fitted to the latest
+        chunks (``cluster.chunk_sizing``): its queries attend over the whole prefix, so a chunk
+        shrinks as its prompt's context grows. Until a decode step was timed, none (this step
+        decodes alone, and is timed); until a chunk was, ``MIN_CHUNK``."""
+        cap = self.max_prefill_tokens
+        if not self.running or not self.itl_factor:
+            return cap
+        if self.decode_s is None:
+            return 0
+        fits = self._chunk_cost.longest_within((self.itl_factor - 1) * self.decode_s, start, cap)
+        return min(cap, MIN_CHUNK) if fits is None else max(MIN_CHUNK, fits)
+
+    def prefill_chunks(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """The prompt chunks this step computes, oldest first: (sequence, end), each from the
+        sequence's ``num_computed``, within ``prefill_budget()`` tokens; a chunk that does not
+        finish its prompt is the last. Admits what it schedules; a sequence prefilled elsewhere
+        joins ``batch`` at once."""
+        budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
+        chunks: list[tuple[Sequence, int]] = []
+        seats = self.max_num_seqs - len(self.running)
+        i = 0
+        while budget > 0 and i < len(self.waiting) and seats > 0:
+            seq = self.waiting[i]
+            if seq.req.prefilled is not None and not seq.output_ids:
+                if not self._admit_prefilled(seq):
+                    break
+                seq.scheduled_s = seq.scheduled_s or time.monotonic()
+                del self.waiting[i]
+                self.join_running(seq)
+                batch.append(seq)
+                seats -= 1
+                continue
+            if not seq.pages and not self._admit(seq):
+                break  # not enough pages yet: wait for running sequences to finish
+            seq.scheduled_s = seq.scheduled_s or time.monotonic()
+            end = min(seq.length, seq.num_computed + budget)
+            chunks.append((seq, end))
+            budget -= end - seq.num_computed
+            if end < seq.length:
+                break  # the rest of this prompt in the next step (chunked prefill)
+            seats -= 1
+            i += 1
+        return chunks
+
+    # -- measured speeds -----------------------------------------------------------------
+    def observe_decode(self, seconds: float) -> None:
+        """A decode pass of its own took ``seconds``."""
+        self.decode_s = _moving(self.decode_s, seconds)
+
+    def observe_chunk(self, new: int, start: int, seconds: float, mixed: bool) -> None:
+        """A pass computed ``new`` prompt tokens from position ``start`` in ``seconds``, with a
+        decode batch riding in it when ``mixed``."""
+        self.prefill_samples.append((new, start, seconds))
+        if mixed and self.decode_s is not None:
+            seconds = max(seconds - self.decode_s, seconds / 2)  # the chunk's own share of a mixed pass
+        self._chunk_cost.observe(new, start, seconds)

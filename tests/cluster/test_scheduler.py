@@ -1,0 +1,107 @@
+"""The scheduler alone: admission order, chunks within a budget, seats, preemption of the newest,
+and chunk sizes from measured speeds. No forward pass: the tests play the engine's part."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.kv_manager import KVManager
+from cluster.request import GenerationRequest, Sequence
+from cluster.scheduler import MIN_CHUNK, Scheduler
+from model.checkpoint import build_model, random_state_dict
+from model.config import named_config
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = named_config("tiny")
+    return build_model(cfg, random_state_dict(cfg, seed=0))
+
+
+def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_factor=0.0):
+    kv = KVManager(model, num_pages, PAGE, max_num_seqs, 64)
+    stats = {"preemptions": 0}
+    admitted: list[str] = []
+
+    def admit(seq: Sequence) -> bool:
+        if not kv.admit(seq, [], seq.length + 1):
+            return False
+        admitted.append(seq.req.request_id)
+        return True
+
+    sched = Scheduler(kv, max_num_seqs, max_prefill_tokens, itl_factor, admit, lambda seq: False, stats)
+    return sched, admitted
+
+
+def _queue(sched: Scheduler, name: str, prompt: int) -> Sequence:
+    seq = Sequence(GenerationRequest(name, tuple(range(prompt)), max_tokens=8), [])
+    sched.waiting.append(seq)
+    return seq
+
+
+def _prefill(sched: Scheduler, chunks) -> None:
+    """What the engine does after a chunk: its tokens are computed; a whole prompt decodes."""
+    for seq, end in chunks:
+        seq.num_computed = end
+        if end == seq.length:
+            sched.prefilled(seq)
+            seq.output_ids.append(1)
+
+
+def test_prompts_are_chunked_oldest_first_within_the_budget(model):
+    sched, admitted = _sched(model, max_prefill_tokens=100)
+    a, b, c = _queue(sched, "a", 30), _queue(sched, "b", 150), _queue(sched, "c", 10)
+    chunks = sched.prefill_chunks([])
+    assert [(s.req.request_id, end) for s, end in chunks] == [("a", 30), ("b", 70)]  # b's rest waits: the last
+    assert admitted == ["a", "b"] and a.scheduled_s is not None and c.scheduled_s is None
+    _prefill(sched, chunks)
+    assert sched.running == [a] and list(sched.waiting) == [b, c]
+    chunks = sched.prefill_chunks(sched.decode_batch())
+    assert [(s.req.request_id, end) for s, end in chunks] == [("b", 150), ("c", 10)]
+
+
+def test_no_more_prompts_than_seats(model):
+    sched, _ = _sched(model, max_num_seqs=2, max_prefill_tokens=1000)
+    for name in "abc":
+        _queue(sched, name, 5)
+    chunks = sched.prefill_chunks([])
+    assert [s.req.request_id for s, _ in chunks] == ["a", "b"]
+    _prefill(sched, chunks)
+    assert sched.prefill_chunks(sched.decode_batch()) == []  # c waits for a seat
+
+
+def test_a_prompt_without_pages_waits_and_blocks_the_ones_behind(model):
+    sched, admitted = _sched(model, num_pages=4, max_prefill_tokens=1000)
+    _queue(sched, "big", 100)  # 7 pages: more than the pool
+    _queue(sched, "small", 5)
+    assert sched.prefill_chunks([]) == [] and admitted == []  # first come, first served
+
+
+def test_the_newest_running_sequence_is_preempted_when_pages_run_out(model):
+    sched, _ = _sched(model, num_pages=4, max_prefill_tokens=1000)
+    old, new = _queue(sched, "old", 2 * PAGE - 2), _queue(sched, "new", PAGE - 2)
+    _prefill(sched, sched.prefill_chunks([]))  # old holds 2 pages, new 1, one is free
+    for _ in range(2):
+        old.output_ids.append(1)
+        new.output_ids.append(1)
+        old.num_computed, new.num_computed = old.length - 1, new.length - 1
+        batch = sched.decode_batch()
+    assert batch == [old] and sched.stats["preemptions"] == 1
+    assert list(sched.waiting) == [new] and new.num_computed == 0 and new.pages == [] and new.row is None
+    assert len(old.pages) == 3  # grew into the freed page
+
+
+def test_chunks_are_sized_from_measured_speeds_while_sequences_decode(model):
+    sched, _ = _sched(model, max_prefill_tokens=4096, itl_factor=3.0)
+    assert sched.prefill_budget() == 4096  # nothing decodes: a whole chunk
+    _queue(sched, "a", 8)
+    _prefill(sched, sched.prefill_chunks([]))
+    assert sched.running and sched.prefill_budget() == 0  # a decode step not timed yet: it decodes alone
+    sched.observe_decode(0.010)
+    assert sched.prefill_budget() == MIN_CHUNK  # no chunk timed yet
+    for n in (64, 128, 256, 512):  # 0.1 ms a token, on top of the 10 ms decode riding along
+        sched.observe_chunk(n, 0, 0.010 + n * 1e-4, mixed=True)
+    assert sched.prefill_samples[-1] == (512, 0, pytest.approx(0.0612))
+    assert sched.prefill_budget() == pytest.approx(200, abs=8)  # (3 - 1) x 10 ms of chunk time
