@@ -38,14 +38,23 @@ class _Ineligible(Exception):
 
 class CpuStep:
     def __init__(self, model: DeepseekModel, key: list) -> None:
-        """Raises ``_Ineligible`` when the model has something the C++ step cannot run."""
+        """The step of ``model`` as it is now; ``step`` is None (and ``why_not`` says why) when
+        the model has something the C++ step cannot run: that answer is kept as long as the
+        weights are (``of``), so such a model pays one check per pass, not a build."""
+        self.key = key
+        self.max_rows = SMALL_ROWS
+        self.step, self.why_not = None, ""
+        try:
+            self.step = self._build(model)
+        except _Ineligible as e:
+            self.why_not = str(e)
+
+    def _build(self, model: DeepseekModel):
         mod = cpu_kernels()
         if mod is None or model.paged_kernel != "cpu":
             raise _Ineligible("no C++ kernels for this model")
         cfg = model.cfg
-        self.key = key
-        self.max_rows = SMALL_ROWS
-        self.step = mod.DecodeStep(cfg.rms_norm_eps, cfg.rope_interleave, model.norm, _linear(mod, model.lm_head))
+        step = mod.DecodeStep(cfg.rms_norm_eps, cfg.rope_interleave, model.norm, _linear(mod, model.lm_head))
         for layer in model.layers:
             attn, w = layer.attn, layer.attn.w
             mlp = moe = None
@@ -53,26 +62,25 @@ class CpuStep:
                 moe = self._moe(mod, layer.mlp)
             else:
                 mlp = _mlp(mod, layer.mlp)
-            self.step.add_layer(
+            step.add_layer(
                 layer.input_norm, _linear(mod, w.q), _linear(mod, w.q_a, w.q_a_bias), w.q_a_norm, _linear(mod, w.q_b),
                 _linear(mod, w.kv_a, w.kv_a_bias), w.kv_a_norm, attn.w_uk, attn.w_uv_t, _linear(mod, w.o, w.o_bias),
                 attn.scale, layer.post_attn_norm, mlp, moe,
             )
+        return step
 
     @classmethod
-    def of(cls, model: DeepseekModel, cached: CpuStep | None) -> CpuStep | None:
+    def of(cls, model: DeepseekModel, cached: CpuStep | None) -> CpuStep:
         """The step for ``model`` as its weights are now: ``cached`` when none was replaced since
-        it was built, a new one, or None when the model has something it cannot run."""
+        it was built, else a new one."""
         key = _weights_key(model)
         if cached is not None and _same(cached.key, key):
             return cached
-        try:
-            return cls(model, key)
-        except _Ineligible:
-            return None
+        return cls(model, key)
 
     def takes(self, rows: int) -> bool:
-        return rows <= self.max_rows
+        """Whether the C++ step runs a pass of ``rows`` rows."""
+        return self.step is not None and rows <= self.max_rows
 
     def __call__(self, model: DeepseekModel, token_ids: torch.Tensor, pool: LatentKVPool, block_tables: torch.Tensor,
                  positions: torch.Tensor, max_len: int | None) -> torch.Tensor:

@@ -183,7 +183,7 @@ class DeepseekModel:
         if not self.cpu_step or self.device.type != "cpu" or self.dtype != torch.float32:
             return None
         self._cpu_step = CpuStep.of(self, self._cpu_step)
-        return self._cpu_step if self._cpu_step is not None and self._cpu_step.takes(rows) else None
+        return self._cpu_step if self._cpu_step.takes(rows) else None
 
     @torch.inference_mode()
     def mixed(

@@ -77,7 +77,7 @@ def test_the_whole_step_gives_the_python_paths_logits_and_latents_bit_for_bit(sh
         (got, got_pool), (want, want_pool) = _both_paths(m, pool, tables, rows)
         assert calls.count("decode_fused") == m.cfg.num_hidden_layers  # the Python path's, not the step's
         assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
-    assert m._cpu_step is not None
+    assert m._cpu_step.step is not None
 
 
 def test_a_pass_runs_no_python_per_layer(monkeypatch):
@@ -129,16 +129,19 @@ def test_experts_outside_the_process_or_a_routing_hook_take_the_python_path(monk
 
     m.set_expert_executor(Remote())
     (got, _), _ = _both_paths(m, pool, tables, 3)
-    assert m._cpu_step is None and len(seen) == 2 * len(m.moe_layers())
-    assert torch.equal(got, want)
+    refused = m._cpu_step
+    assert refused.step is None and "outside this process" in refused.why_not
+    assert len(seen) == 2 * len(m.moe_layers()) and torch.equal(got, want)
+    m.decode(torch.arange(1), pool, tables[:1], torch.tensor(LENGTHS[:1]))
+    assert m._cpu_step is refused  # the answer is kept while nothing changes: no build per pass
     m.set_expert_executor(local)
     routes = []
     m.moe_layers()[0].on_route = lambda layer, ids: routes.append(layer)
     (got, _), _ = _both_paths(m, pool, tables, 3)
-    assert m._cpu_step is None and routes and torch.equal(got, want)
+    assert m._cpu_step.step is None and routes and torch.equal(got, want)
     m.moe_layers()[0].on_route = None
     m.decode(torch.arange(1), pool, tables[:1], torch.tensor(LENGTHS[:1]))
-    assert m._cpu_step is not None  # both put back: the step again
+    assert m._cpu_step.step is not None  # both put back: the step again
 
 
 def test_block_tables_too_narrow_for_a_position_are_refused():
