@@ -13,8 +13,10 @@ in place: no gathered copy of the context, and work in proportion to each row's 
 of them; both cut a long context over the threads.
 ``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
 costs a dozen small torch ops, whose dispatch dominates at decode sizes; ``argmax_rows`` is a
-greedy step's choice, vectorized. ``DecodeStep`` (``csrc/cpu_decode.cpp``, built by ``model.cpu_step``)
-chains them into a model's whole decode step.
+greedy step's choice, vectorized; ``sample_rows`` a sampled one (temperature, top-k, top-p and the
+draw, one pass or two over each row; ``model.sampling`` holds its torch reference).
+``DecodeStep`` (``csrc/cpu_decode.cpp``, built by ``model.cpu_step``) chains the kernels into a
+model's whole decode step.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
 flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
@@ -61,6 +63,7 @@ __all__ = [
     "ref_small_linear",
     "ref_small_linear_q8",
     "rms_norm",
+    "sample_rows",
     "small_linear",
     "small_linear_q8",
 ]
@@ -71,7 +74,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "cpu_gemv.cpp", _CSRC / "cpu_mla.cpp", _CSRC / "cpu_decode.cpp")  # with the headers beside them
+_SOURCES = tuple(_CSRC / f for f in ("cpu_gemv.cpp", "cpu_mla.cpp", "cpu_decode.cpp", "cpu_sample.cpp"))  # with the headers beside them
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
 
@@ -411,6 +414,18 @@ def moe_route(
     bias = bias.float().contiguous() if bias is not None and method == "noaux_tc" else None
     return mod.moe_route(logits, bias, top_k, num_groups, topk_group, ROUTE_METHODS.index(method), softmax, norm,
                          scaling)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                u: torch.Tensor) -> torch.Tensor | None:
+    """logits [R, V] fp32 CPU, temperature [R] (> 0), top_k [R] int64 (0: off), top_p [R] (1: off),
+    u [R] float64 in (0, 1] -> a token per row [R] int64 (``model.sampling``'s contract); None
+    when the kernels are unavailable (the caller takes its torch path)."""
+    mod = cpu_kernels()
+    if mod is None:
+        return None
+    return mod.sample_rows(logits.contiguous(), temperature.float().contiguous(), top_k.long().contiguous(),
+                           top_p.float().contiguous(), u.double().contiguous())
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at install time

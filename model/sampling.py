@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_gemv import argmax_rows
+from kernels.cpu_gemv import argmax_rows, sample_rows
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "sample", "token_logprobs"]
@@ -27,7 +27,9 @@ def sample(
 
     The sampled rows are processed together on the logits' device: temperature, top-k and top-p
     as batched tensor ops (top-p sorts only the ``NUCLEUS_CANDIDATES`` most likely tokens when
-    they hold the nucleus, else the whole vocabulary), then one inverse-CDF draw per row."""
+    they hold the nucleus, else the whole vocabulary), then one inverse-CDF draw per row; fp32
+    CPU logits take the C++ kernel with the same contract (``kernels.cpu_gemv.sample_rows``), each
+    row's uniform drawn the same way."""
     if all(p.plain_greedy for p in params):  # the common case: one argmax, nothing else
         return _argmax(logits).cpu()
     if any(p.logit_bias for p in params):
@@ -52,6 +54,19 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [R, V] of rows that sample -> their tokens [R] (on the logits' device)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        vocab = logits.shape[-1]
+        out = sample_rows(logits, torch.tensor([p.temperature for p in params]),
+                          torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
+                          torch.tensor([p.top_p for p in params]), _uniforms(len(params), generators, logits.device))
+        if out is not None:
+            return out
+    return _sample_rows_torch(logits, params, generators)
+
+
+def _sample_rows_torch(logits: torch.Tensor, params: list[SamplingParams],
+                       generators: list[torch.Generator | None]) -> torch.Tensor:
+    """``_sample_rows`` in batched torch ops (any device; the C++ kernel's reference)."""
     dev, vocab = logits.device, logits.shape[-1]
     temp = torch.tensor([p.temperature for p in params], device=dev)
     scaled = logits.float() / temp[:, None]  # [R, V]
@@ -102,10 +117,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     (129k float32 terms would bias the rare tokens), so only one block is cumulated per row. A
     seeded row takes its uniform from its own generator, so its draw does not depend on its
     batch; the others share one draw on the device."""
-    u = 1.0 - torch.rand(probs.shape[0], 1, device=probs.device, dtype=torch.float64)
-    for r, g in enumerate(generators):
-        if g is not None:
-            u[r, 0] = 1.0 - float(torch.rand(1, generator=g, dtype=torch.float64))
+    u = _uniforms(probs.shape[0], generators, probs.device)[:, None]  # [R, 1]
     rows, n = probs.shape
     if n <= DRAW_BLOCK:
         cdf = probs.double().cumsum(-1)  # [R, N]
@@ -127,6 +139,16 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     left = torch.minimum(target - (cdf.gather(-1, block) - mass.gather(-1, block)), inner[:, -1:])
     token = block * DRAW_BLOCK + torch.searchsorted(inner, left)
     return token.clamp_(max=n - 1)[:, 0]
+
+
+def _uniforms(rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """A uniform in (0, 1] per row, float64 [R]: a seeded row's from its own generator (so its
+    draw does not depend on its batch), the others' from one draw on the device."""
+    u = 1.0 - torch.rand(rows, device=device, dtype=torch.float64)
+    for r, g in enumerate(generators):
+        if g is not None:
+            u[r] = 1.0 - float(torch.rand(1, generator=g, dtype=torch.float64))
+    return u
 
 
 def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

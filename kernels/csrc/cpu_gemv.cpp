@@ -524,5 +524,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");
   m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
+  m.def("sample_rows", &sample_rows, "one token per row: temperature, top-k, top-p, an inverse-CDF draw (fp32)");
   bind_decode_step(m);
 }

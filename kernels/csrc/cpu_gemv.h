@@ -22,5 +22,9 @@ torch::Tensor moe_routed(torch::Tensor x, torch::Tensor ids, torch::Tensor weigh
 torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up_q,
                             torch::Tensor gate_up_scale, torch::Tensor down_q, torch::Tensor down_scale);
 
+// cpu_sample.cpp: one token per row of float32 logits [R, V] (model.sampling's contract).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor u);
+
 // Binds cpu_decode.cpp's DecodeStep (and the weight types it is built from) into the module.
 void bind_decode_step(pybind11::module_& m);

@@ -131,4 +131,66 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores less their maximum), to float precision: x = k ln2 + g with |g| <= ln2/2
+// (ln2 in two parts), e^g by its Taylor series to g^7, times 2^k; 0 below -87 (-inf included:
+// a masked logit's probability is exactly 0).
+inline __m512 exp512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 g = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  g = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), g);
+  __m512 y = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(c));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, k));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp512 in 256-bit registers; 2^k is built in the exponent bits (k >= -126 after the clamp).
+inline __m256 exp256(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 g = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  g = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), g);
+  __m256 y = _mm256_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    y = _mm256_fmadd_ps(y, g, _mm256_set1_ps(c));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(two_k)));
+}
+#endif
+
+// p[i] = e^(p[i] - m) for i < n; returns their sum.
+inline float exp_shifted(float* p, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p + i), vm));
+    _mm512_storeu_ps(p + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) total += (p[i] = std::exp(p[i] - m));
+  return total;
+}
+
 }  // namespace tide

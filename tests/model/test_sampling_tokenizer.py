@@ -195,3 +195,59 @@ def test_the_two_level_draw_inverts_the_whole_cumulative_sum():
     assert torch.equal(got, want)
     assert (probs[torch.arange(64), got] > 0).all()
     assert got[0] >= vocab - 5 and got[1] in (DRAW_BLOCK - 1, DRAW_BLOCK)
+
+
+def _cpu_sampler():
+    from kernels.cpu_gemv import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels are not built")
+
+
+SAMPLER_MODES = {
+    "temperature": [SamplingParams(temperature=0.7)],
+    "top_k": [SamplingParams(temperature=1.0, top_k=40)],
+    "top_p_peaked": [SamplingParams(temperature=0.8, top_p=0.9)],
+    "top_p_flat": [SamplingParams(temperature=1.0, top_p=0.97)],  # the nucleus is past the candidates
+    "top_k_and_p": [SamplingParams(temperature=0.9, top_k=200, top_p=0.8)],
+    "mixed": [SamplingParams(temperature=0.7), SamplingParams(temperature=1.2, top_k=5),
+              SamplingParams(temperature=0.6, top_p=0.5), SamplingParams(temperature=1.0, top_k=4999, top_p=0.99)],
+}
+
+
+@pytest.mark.parametrize("mode", list(SAMPLER_MODES))
+def test_the_cpu_sampler_draws_the_torch_references_tokens(mode):
+    """fp32 CPU logits take the C++ sampler; with the same uniforms (seeded rows) it draws the
+    tokens the batched torch path draws, over a vocabulary of several draw blocks with masked
+    tokens, and never a masked one."""
+    from model.sampling import _sample_rows, _sample_rows_torch
+
+    _cpu_sampler()
+    rows, vocab = 96, 5000
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(rows, vocab, generator=gen) * (0.05 if mode == "top_p_flat" else 3.0)
+    logits[:, ::11] = float("-inf")
+    params = (SAMPLER_MODES[mode] * rows)[:rows]
+    got = _sample_rows(logits, params, [torch.Generator().manual_seed(r) for r in range(rows)])
+    want = _sample_rows_torch(logits, params, [torch.Generator().manual_seed(r) for r in range(rows)])
+    assert (got == want).sum() >= rows - 1  # a uniform within rounding of a boundary may differ
+    assert torch.isfinite(logits[torch.arange(rows), got]).all()
+    if mode == "top_p_flat":
+        rank = logits.argsort(dim=-1, descending=True).argsort(dim=-1)
+        assert int(rank[torch.arange(rows), got].max()) >= 1024  # drawn from past the candidate window
+
+
+def test_the_cpu_sampler_at_the_top_of_the_cumulative_sum_and_its_errors():
+    from kernels.cpu_gemv import sample_rows
+
+    _cpu_sampler()
+    logits = torch.full((2, 3000), float("-inf"))
+    logits[0, :2500] = 0.0  # u = 1: the last token with any mass, not a masked one after it
+    logits[1, 10] = 5.0
+    one = torch.ones(2, dtype=torch.float64)
+    args = (torch.tensor([1.0, 0.5]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    assert sample_rows(logits, *args, one).tolist() == [2499, 10]
+    with pytest.raises(RuntimeError, match="row 1: .* u 0"):
+        sample_rows(logits, *args, torch.tensor([0.5, 0.0], dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="row 0: temperature 0"):
+        sample_rows(logits, torch.tensor([0.0, 1.0]), *args[1:], one)
