@@ -18,6 +18,7 @@ passes and reports their times back (``observe_decode``, ``observe_chunk``).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,14 +27,11 @@ from cluster.chunk_sizing import ChunkCost
 from cluster.kv_manager import KVManager
 from cluster.request import Sequence
 
-__all__ = ["CHUNK_COST_SAMPLES", "MIN_CHUNK", "Scheduler"]
+__all__ = ["CHUNK_COST_SAMPLES", "DECODE_SAMPLES", "MIN_CHUNK", "Scheduler"]
 
 MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
-
-
-def _moving(avg: float | None, x: float, weight: float = 0.2) -> float:
-    return x if avg is None else (1 - weight) * avg + weight * x
+DECODE_SAMPLES = 16  # the latest decode passes whose median is a decode step's time
 
 
 class Scheduler:
@@ -50,7 +48,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
-        self.decode_s: float | None = None  # moving average of a decode pass's seconds
+        self._decode_times: deque[float] = deque(maxlen=DECODE_SAMPLES)
+        self.decode_s: float | None = None  # the median of the latest decode passes' seconds
         self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
 
     # -- queues --------------------------------------------------------------------------
@@ -155,8 +154,11 @@ class Scheduler:
 
     # -- measured speeds -----------------------------------------------------------------
     def observe_decode(self, seconds: float) -> None:
-        """A decode pass of its own took ``seconds``."""
-        self.decode_s = _moving(self.decode_s, seconds)
+        """A decode pass of its own took ``seconds``. Its time is their median: on a busy machine a
+        pass now and then takes a quarter longer, which would lift a mean, and with it every
+        chunk's budget, above the typical step that inter-token latency is measured against."""
+        self._decode_times.append(seconds)
+        self.decode_s = statistics.median(self._decode_times)
 
     def observe_chunk(self, new: int, start: int, seconds: float, mixed: bool) -> None:
         """A pass computed ``new`` prompt tokens from position ``start`` in ``seconds``, with a

@@ -7,7 +7,7 @@ import pytest
 
 from cluster.kv_manager import KVManager
 from cluster.request import GenerationRequest, Sequence
-from cluster.scheduler import MIN_CHUNK, Scheduler
+from cluster.scheduler import DECODE_SAMPLES, MIN_CHUNK, Scheduler
 from model.checkpoint import build_model, random_state_dict
 from model.config import named_config
 
@@ -105,3 +105,14 @@ def test_chunks_are_sized_from_measured_speeds_while_sequences_decode(model):
         sched.observe_chunk(n, 0, 0.010 + n * 1e-4, mixed=True)
     assert sched.prefill_samples[-1] == (512, 0, pytest.approx(0.0612))
     assert sched.prefill_budget() == pytest.approx(200, abs=8)  # (3 - 1) x 10 ms of chunk time
+
+
+def test_a_decode_steps_time_is_the_median_of_the_latest_passes(model):
+    """A pass slowed now and then (a busy machine) does not lift the time chunks are sized by."""
+    sched, _ = _sched(model)
+    for seconds in (0.010, 0.011, 0.030, 0.010, 0.012):
+        sched.observe_decode(seconds)
+    assert sched.decode_s == 0.011
+    for _ in range(DECODE_SAMPLES):
+        sched.observe_decode(0.020)
+    assert sched.decode_s == 0.020  # the older passes are forgotten
