@@ -153,7 +153,9 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
     from deploy.tidal import _running_replicas, _serve_replicas
 
     url, _, _, _ = serving
-    body = {"model": "tiny", "prompt": "a long answer about the sea: ", "max_tokens": 160, "temperature": 0,
+    # long enough that its replica reports it running (twice a second) while it streams: a decode
+    # step of the tiny model is a millisecond or two
+    body = {"model": "tiny", "prompt": "a long answer about the sea: ", "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True}
     ref = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     assert ref.status_code == 200, ref.text
@@ -227,9 +229,10 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
     for pod in lendable_pods:
         kube.put("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels}})
     dashboard = f"http://{ray._private.worker.get_dashboard_url()}"
-    marker = tmp_path / "checkpointed"
+    marker, ready = tmp_path / "checkpointed", tmp_path / "training"
     run = (f"{sys.executable} -c \"import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: "
-           f"(pathlib.Path('{marker}').write_text('ok'), sys.exit(0))); time.sleep(900)\"")
+           f"(pathlib.Path('{marker}').write_text('ok'), sys.exit(0))); pathlib.Path('{ready}').touch(); "
+           f"time.sleep(900)\"")
 
     def created(pod: dict) -> None:  # a pod comes up: a Ray node joins
         name = pod["metadata"]["name"]
@@ -286,6 +289,7 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
                     60, "the training run")
             served_at_night = stream.done
             waiting(lambda: stream.done > served_at_night + 2, 60, "requests served at night")
+            waiting(ready.exists, 60, "the training run to listen for SIGTERM")  # it checkpoints on it
 
             morning = tide("day", "--deadline", "60")
             assert morning["training"]["run"] == "STOPPED" and marker.read_text() == "ok"  # it checkpointed
