@@ -22,8 +22,8 @@ Which sequences run and how much of each prompt is the scheduler's (``cluster.sc
 pages, the KV manager's (``cluster.kv_manager``); the output's text, ``cluster.output``'s; JSON
 masks, ``cluster.constraints``'. When the pool is full, cached prefix entries are dropped first,
 then the newest running sequence is preempted (its pages freed; it is recomputed later from its
-tokens, which stay the same). New units are persisted per the admission policy after the input and after the output, on the
-cache's I/O threads: persistence never blocks decode.
+tokens, which stay the same). New units are persisted per the admission policy after the input
+and after the output, on the cache's I/O threads: persistence never blocks decode.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Engine:
             if req.request_id in self._by_id:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._by_id[req.request_id] = seq
-            self.scheduler.waiting.append(seq)
+            self.scheduler.add(seq)
 
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
@@ -232,15 +232,8 @@ class Engine:
             return
         self._aborted = False
         for seq in [s for s in list(self.waiting) + self.running if s.finished == FinishReason.ABORT]:
-            if seq.row is not None:
-                self.scheduler.leave_running(seq)
-            else:
-                self.waiting.remove(seq)
+            self.scheduler.remove(seq)
             self._finish(seq, FinishReason.ABORT, outputs)
-
-    def prefill_budget(self, start: int = 0) -> int:
-        """Prompt tokens this step may prefill from position ``start`` (``Scheduler.prefill_budget``)."""
-        return self.scheduler.prefill_budget(start)
 
     def _run_chunk(self, seq: Sequence, end: int, batch: list[Sequence] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode tokens in the same

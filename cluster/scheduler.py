@@ -49,7 +49,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
         self._decode_times: deque[float] = deque(maxlen=DECODE_SAMPLES)
-        self.decode_s: float | None = None  # the median of the latest decode passes' seconds
         self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
 
     # -- queues --------------------------------------------------------------------------
@@ -63,6 +62,17 @@ class Scheduler:
             cached = max(seq.num_computed, seq.expected_cached)
             out.append((max(0, seq.length - cached), cached))
         return out
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` last."""
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """``seq`` leaves whichever it is in, the queue or the running batch (an abort)."""
+        if seq.row is not None:
+            self.leave_running(seq)
+        else:
+            self.waiting.remove(seq)
 
     def join_running(self, seq: Sequence) -> None:
         """``seq`` joins the decode batch: it gets a row of the block tables."""
@@ -115,9 +125,10 @@ class Scheduler:
         cap = self.max_prefill_tokens
         if not self.running or not self.itl_factor:
             return cap
-        if self.decode_s is None:
+        decode_s = self.decode_s
+        if decode_s is None:
             return 0
-        fits = self._chunk_cost.longest_within((self.itl_factor - 1) * self.decode_s, start, cap)
+        fits = self._chunk_cost.longest_within((self.itl_factor - 1) * decode_s, start, cap)
         return min(cap, MIN_CHUNK) if fits is None else max(MIN_CHUNK, fits)
 
     def prefill_chunks(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -158,12 +169,18 @@ class Scheduler:
         pass now and then takes a quarter longer, which would lift a mean, and with it every
         chunk's budget, above the typical step that inter-token latency is measured against."""
         self._decode_times.append(seconds)
-        self.decode_s = statistics.median(self._decode_times)
+
+    @property
+    def decode_s(self) -> float | None:
+        """A decode step's seconds: the median of the latest ``DECODE_SAMPLES`` passes (None
+        before any)."""
+        return statistics.median(self._decode_times) if self._decode_times else None
 
     def observe_chunk(self, new: int, start: int, seconds: float, mixed: bool) -> None:
         """A pass computed ``new`` prompt tokens from position ``start`` in ``seconds``, with a
         decode batch riding in it when ``mixed``."""
         self.prefill_samples.append((new, start, seconds))
-        if mixed and self.decode_s is not None:
-            seconds = max(seconds - self.decode_s, seconds / 2)  # the chunk's own share of a mixed pass
+        decode_s = self.decode_s
+        if mixed and decode_s is not None:
+            seconds = max(seconds - decode_s, seconds / 2)  # the chunk's own share of a mixed pass
         self._chunk_cost.observe(new, start, seconds)

@@ -74,7 +74,8 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = tuple(_CSRC / f for f in ("cpu_gemv.cpp", "cpu_mla.cpp", "cpu_decode.cpp", "cpu_sample.cpp"))  # with the headers beside them
+# with the headers beside them
+_SOURCES = tuple(_CSRC / f for f in ("cpu_gemv.cpp", "cpu_mla.cpp", "cpu_decode.cpp", "cpu_sample.cpp"))
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
 

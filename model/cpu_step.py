@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.cpu_gemv import ROUTE_METHODS, cpu_kernels
-from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SMALL_ROWS, SwiGLU
 from model.mla import MLAWeights
 from model.moe import _GEMV_ROWS_PER_EXPERT, LocalExpertExecutor, MoE
 from model.quant import Q8Weight
 
 if TYPE_CHECKING:
-    from model.model import DeepseekModel
+    from model.kv_cache import LatentKVPool
+    from model.model import DeepseekModel, _DecodeBatch
 
 __all__ = ["CpuStep"]
 
@@ -82,17 +82,11 @@ class CpuStep:
         """Whether the C++ step runs a pass of ``rows`` rows."""
         return self.step is not None and rows <= self.max_rows
 
-    def __call__(self, model: DeepseekModel, token_ids: torch.Tensor, pool: LatentKVPool, block_tables: torch.Tensor,
-                 positions: torch.Tensor, max_len: int | None) -> torch.Tensor:
-        """``DeepseekModel.decode``'s contract for B <= ``max_rows`` rows -> fp32 logits [B, V]."""
-        if max_len is None:
-            max_len = int(positions.max()) + 1
-        z = pool.page_size
-        if block_tables.shape[1] * z < max_len:
-            raise ValueError(f"block tables hold {block_tables.shape[1] * z} tokens, need {max_len}")
-        cos, sin = model.rope.cos_sin(positions, model.dtype, top=max_len)
-        new_slots = slots_for(block_tables, positions[:, None], z)[:, 0]
-        return self.step.forward(model.embed[token_ids], cos, sin, pool.data, new_slots, block_tables, positions + 1, z)
+    def __call__(self, batch: _DecodeBatch, pool: LatentKVPool) -> torch.Tensor:
+        """The decode pass of ``batch`` (``DeepseekModel.decode``'s inputs as the Python path
+        takes them, at most ``max_rows`` rows) -> fp32 logits [B, V]; writes the new latents."""
+        return self.step.forward(batch.h, batch.cos, batch.sin, pool.data, batch.new_slots, batch.block_tables,
+                                 batch.positions + 1, pool.page_size)
 
     def _moe(self, mod, moe: MoE):
         executor = moe.executor

@@ -169,7 +169,8 @@ class DeepseekModel:
         b = token_ids.shape[0]
         step = self._whole_cpu_step(b) if attn != "naive" else None
         if step is not None:  # one C++ call (its experts are local: nothing to pipeline)
-            return step(self, token_ids, pool, block_tables.long(), positions.long(), max_len)
+            return step(_DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, "absorbed",
+                                           max_len), pool)
         if micro_batches == 2 and b >= 2:
             half = (b + 1) // 2
             parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn,
