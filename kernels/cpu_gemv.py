@@ -10,7 +10,9 @@ row and group of G columns (``quantize_q8``; G divides K), reading a quarter of 
 ``mla_decode_paged`` is the absorbed MLA decode of ``kernels.mla_decode`` reading the paged pool
 in place: no gathered copy of the context, and work in proportion to each row's own length;
 ``mla_chunk_paged`` does the same for a prefill chunk's queries, reading each latent once for all
-of them; both cut a long context over the threads.
+of them; both cut a long context over the threads. ``mla_fused`` is a layer's whole absorbed
+attention past its projections (RoPE, the latents' norm and write, W_UK, the paged attention of a
+prefill chunk's rows and decode rows together, W_UV) in one call.
 ``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
 costs a dozen small torch ops, whose dispatch dominates at decode sizes; ``argmax_rows`` is a
 greedy step's choice, vectorized; ``sample_rows`` a sampled one (temperature, top-k, top-p and the
@@ -45,7 +47,7 @@ __all__ = [
     "dequantize_q8",
     "kernel_state",
     "mla_chunk_paged",
-    "mla_decode_fused",
+    "mla_fused",
     "mla_decode_paged",
     "moe_experts",
     "moe_route",
@@ -54,7 +56,7 @@ __all__ = [
     "quantize_q8",
     "ref_argmax_rows",
     "ref_mla_chunk_paged",
-    "ref_mla_decode_fused",
+    "ref_mla_fused",
     "ref_moe_experts",
     "ref_moe_route",
     "ref_moe_routed",
@@ -305,48 +307,57 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return mod.argmax_rows(x)
 
 
-def ref_mla_decode_fused(
+def ref_mla_fused(
     q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
     interleave: bool, w_uk: torch.Tensor, w_uv_t: torch.Tensor, kv: torch.Tensor, new_slots: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, page_size: int,
+    chunk_table: torch.Tensor | None = None, chunk_start: int = 0,
 ) -> torch.Tensor:
-    """A layer's absorbed MLA decode from its projections: q [B, H*(N+P)] (each head [q_nope,
-    q_rope]), kv_a [B, R+P] (kv_a_proj_with_mqa's output), cos/sin [B, P/2], w_uk [H, N, R],
-    w_uv_t [H, R, V], kv [slots, R+P] -> [B, H*V]. Writes row b's latent [RMSNorm(c_kv) *
-    kv_norm, RoPE(k_rope)] into ``kv`` at ``new_slots[b]``, then attends with q_lat = q_nope @
-    W_UK over ``block_table``/``seq_lens`` (``ref_mla_decode``) and returns o_lat @ W_UV."""
+    """A layer's absorbed MLA attention from its projections, for a pass of a prefill chunk's T
+    rows (positions ``chunk_start ..`` of the sequence at ``chunk_table``; none without it) and
+    then B decode rows (``block_table`` [B, X], ``seq_lens`` [B]): q [T+B, H*(N+P)] (each head
+    [q_nope, q_rope]), kv_a [T+B, R+P] (kv_a_proj_with_mqa's output), cos/sin [T+B, P/2], w_uk
+    [H, N, R], w_uv_t [H, R, V], kv [slots, R+P] -> [T+B, H*V]. Writes row i's latent
+    [RMSNorm(c_kv) * kv_norm, RoPE(k_rope)] into ``kv`` at ``new_slots[i]``, then attends with
+    q_lat = q_nope @ W_UK (``ref_mla_chunk_paged``, ``ref_mla_decode``) and returns o_lat @ W_UV."""
     from kernels.mla_decode import ref_mla_decode
 
-    def apply_rope(x, cos, sin, interleave):  # x [B, ..., P] -> [rotated firsts, rotated seconds]
+    def apply_rope(x, cos, sin, interleave):  # x [rows, ..., P] -> [rotated firsts, rotated seconds]
         cos, sin = cos.view(cos.shape[0], *([1] * (x.dim() - 2)), -1), sin.view(sin.shape[0], *([1] * (x.dim() - 2)), -1)
         x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    b, (h, n, r) = q.shape[0], w_uk.shape
+    rows, (h, n, r) = q.shape[0], w_uk.shape
+    t = rows - block_table.shape[0]
     p = kv.shape[1] - r
-    q = q.view(b, h, n + p)
+    q = q.view(rows, h, n + p)
     c_kv = F.rms_norm(kv_a[:, :r], (r,), kv_norm, eps)
     kv.index_copy_(0, new_slots, torch.cat((c_kv, apply_rope(kv_a[:, r:], cos, sin, interleave)), dim=-1))
-    q_lat = torch.bmm(q[..., :n].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, R]
-    o_lat = ref_mla_decode(q_lat.contiguous(), apply_rope(q[..., n:], cos, sin, interleave).contiguous(), kv,
-                           block_table, seq_lens, scale, page_size)
-    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(b, -1)
+    q_lat = torch.bmm(q[..., :n].transpose(0, 1), w_uk).transpose(0, 1).contiguous()  # [rows, H, R]
+    q_rope = apply_rope(q[..., n:], cos, sin, interleave).contiguous()
+    parts = [] if t == 0 else [ref_mla_chunk_paged(q_lat[:t], q_rope[:t], kv, chunk_table, chunk_start, scale, page_size)]
+    if t < rows:
+        parts.append(ref_mla_decode(q_lat[t:], q_rope[t:], kv, block_table, seq_lens, scale, page_size))
+    o_lat = torch.cat(parts)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(rows, -1)
 
 
-def mla_decode_fused(
+def mla_fused(
     q: torch.Tensor, kv_a: torch.Tensor, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
     interleave: bool, w_uk: torch.Tensor, w_uv_t: torch.Tensor, kv: torch.Tensor, new_slots: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, page_size: int,
+    chunk_table: torch.Tensor | None = None, chunk_start: int = 0,
 ) -> torch.Tensor:
-    """Same contract as ``ref_mla_decode_fused`` for fp32 CPU tensors: one call for what is a
-    dozen small ops per layer in torch."""
+    """Same contract as ``ref_mla_fused`` for fp32 CPU tensors: one call for what is a dozen
+    small ops per layer in torch, the chunk's and the batch's attention in one parallel pass."""
     mod = cpu_kernels()
     if mod is None:
-        return ref_mla_decode_fused(q, kv_a, kv_norm, eps, cos, sin, interleave, w_uk, w_uv_t, kv, new_slots,
-                                    block_table, seq_lens, scale, page_size)
-    return mod.mla_decode_fused(q.contiguous(), kv_a.contiguous(), kv_norm.contiguous(), eps, cos.contiguous(),
-                                sin.contiguous(), interleave, w_uk, w_uv_t, kv, new_slots.long(), block_table.long(),
-                                seq_lens.long(), scale, page_size)
+        return ref_mla_fused(q, kv_a, kv_norm, eps, cos, sin, interleave, w_uk, w_uv_t, kv, new_slots, block_table,
+                             seq_lens, scale, page_size, chunk_table, chunk_start)
+    return mod.mla_fused(q.contiguous(), kv_a.contiguous(), kv_norm.contiguous(), eps, cos.contiguous(),
+                         sin.contiguous(), interleave, w_uk, w_uv_t, kv, new_slots.long(), block_table.long(),
+                         seq_lens.long(), None if chunk_table is None else chunk_table.long(), chunk_start, scale,
+                         page_size)
 
 
 def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -86,7 +86,7 @@ class CpuStep:
         """The decode pass of ``batch`` (``DeepseekModel.decode``'s inputs as the Python path
         takes them, at most ``max_rows`` rows) -> fp32 logits [B, V]; writes the new latents."""
         return self.step.forward(batch.h, batch.cos, batch.sin, pool.data, batch.new_slots, batch.block_tables,
-                                 batch.positions + 1, pool.page_size)
+                                 batch.lens(), pool.page_size)
 
     def _moe(self, mod, moe: MoE):
         executor = moe.executor

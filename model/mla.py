@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import mla_chunk_paged, mla_decode_fused, mla_decode_paged
+from kernels.cpu_gemv import mla_chunk_paged, mla_decode_paged, mla_fused
 from kernels.mla_decode import mla_decode
 from model.config import ModelConfig
 from model.layers import linear, rms_norm
@@ -94,20 +94,23 @@ class MLA:
             return linear(x, w.q)
         return linear(rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.cfg.rms_norm_eps), w.q_b)
 
-    def decode_fused(
+    def attend_fused(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, new_slots: torch.Tensor,
-        block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, chunk_table: torch.Tensor | None = None,
+        chunk_start: int = 0,
     ) -> torch.Tensor:
-        """A decode batch's whole attention on a float32 CPU model: x [B, M] -> [B, M], as
-        ``output(attend_paged(*project(x)))`` after writing the new latents to ``kv`` [slots, D]
-        at ``new_slots`` [B] (block_tables [B, X], seq_lens [B] with the new token). The
-        projections are the GEMV kernels; the rest (RoPE, the latent's norm and write, W_UK,
-        the paged attention, W_UV) is one C++ call (``kernels.cpu_gemv.mla_decode_fused``)."""
+        """The whole absorbed attention of a float32 CPU model's pass: x [T+B, M] -> [T+B, M] for
+        a prefill chunk's T rows (positions ``chunk_start ..`` of the sequence at
+        ``chunk_table``; none without it) and then B decode rows (block_tables [B, X], seq_lens
+        [B] with the new token), as ``output(attend_...(*project(x)))`` after writing the new
+        latents to ``kv`` [slots, D] at ``new_slots`` [T+B]. The projections are the GEMV
+        kernels; the rest (RoPE, the latents' norm and write, W_UK, the paged attention of every
+        row, W_UV) is one C++ call (``kernels.cpu_gemv.mla_fused``)."""
         w = self.w
-        kv_a = linear(x, w.kv_a, w.kv_a_bias)  # [B, D]
-        o = mla_decode_fused(self._queries(x), kv_a, w.kv_a_norm, self.cfg.rms_norm_eps, cos, sin,
-                             self.cfg.rope_interleave, self.w_uk, self.w_uv_t, kv, new_slots, block_tables, seq_lens,
-                             self.scale, page_size)  # [B, H*V]
+        kv_a = linear(x, w.kv_a, w.kv_a_bias)  # [T+B, D]
+        o = mla_fused(self._queries(x), kv_a, w.kv_a_norm, self.cfg.rms_norm_eps, cos, sin, self.cfg.rope_interleave,
+                      self.w_uk, self.w_uv_t, kv, new_slots, block_tables, seq_lens, self.scale, page_size,
+                      chunk_table, chunk_start)  # [T+B, H*V]
         return linear(o, w.o, w.o_bias)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:

@@ -221,17 +221,19 @@ class DeepseekModel:
 
     def _forward(self, pool: LatentKVPool, chunk: _Chunk | None, batch: _DecodeBatch | None) -> torch.Tensor:
         """Hidden states [T + B, M] after the last layer: the chunk's T rows, then the batch's B.
-        Projections and FFNs run over all rows at once; each part attends over its own KV."""
+        Projections and FFNs run over all rows at once; each part attends over its own KV (on a
+        float32 CPU model, where every part is read in place, all of them in one C++ call)."""
         parts = [p for p in (chunk, batch) if p is not None]
         if len(parts) == 1:
             h, cos, sin, new_slots = parts[0].h, parts[0].cos, parts[0].sin, parts[0].new_slots
         else:
             h, cos, sin, new_slots = (torch.cat([getattr(p, f) for p in parts]) for f in ("h", "cos", "sin", "new_slots"))
+        fused = all(p.paged == "cpu" for p in parts)
         t = chunk.t if chunk is not None else 0
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-            if chunk is None and batch.paged == "cpu":  # a decode pass of its own: one call past the projections
-                h = self._ffn(layer, h + batch.attend_fused(i, layer.attn, x, pool))
+            if fused:  # one call past the projections
+                h = self._ffn(layer, h + _attend_fused(layer.attn, x, cos, sin, pool, i, new_slots, chunk, batch))
                 continue
             q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
             pool.write(i, new_slots, latent)
@@ -271,13 +273,27 @@ class DeepseekModel:
                    pool: LatentKVPool) -> torch.Tensor:
         """Attention output [rows, M] of layer ``i`` for one part (writes its new latents)."""
         x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-        if isinstance(part, _DecodeBatch) and part.paged == "cpu":
-            return part.attend_fused(i, layer.attn, x, pool)
+        if part.paged == "cpu":
+            chunk, batch = (part, None) if isinstance(part, _Chunk) else (None, part)
+            return _attend_fused(layer.attn, x, part.cos, part.sin, pool, i, part.new_slots, chunk, batch)
         q_nope, q_rope, latent = layer.attn.project(x, part.cos, part.sin)
         pool.write(i, part.new_slots, latent)
         if isinstance(part, _Chunk):
             return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, latent, pool))
         return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, pool))
+
+
+_NO_TABLES, _NO_LENS = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # a pass with no decode rows
+
+
+def _attend_fused(attn: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: LatentKVPool, i: int,
+                  new_slots: torch.Tensor, chunk: _Chunk | None, batch: _DecodeBatch | None) -> torch.Tensor:
+    """[T + B, M]: layer ``i``'s attention output for the normed inputs ``x`` of a chunk's T rows
+    and a batch's B rows (either may be absent), their new latents written: one C++ call past the
+    projections (``MLA.attend_fused``; every part's ``paged == "cpu"``)."""
+    tables, lens = (_NO_TABLES, _NO_LENS) if batch is None else (batch.block_tables, batch.lens())
+    chunk_table, start = (None, 0) if chunk is None else (chunk.block_table, chunk.start)
+    return attn.attend_fused(x, cos, sin, pool.data[i], new_slots, tables, lens, pool.page_size, chunk_table, start)
 
 
 @dataclass(slots=True)
@@ -382,21 +398,17 @@ class _DecodeBatch:
             batch.mask = (span[None, :] <= positions[:, None])[:, None, :]
         return batch
 
-    def attend_fused(self, i: int, attn: MLA, x: torch.Tensor, pool: LatentKVPool) -> torch.Tensor:
-        """[B, M]: layer ``i``'s attention output for the batch's normed inputs ``x`` [B, M],
-        its new latents written (the C++ kernel's path: ``paged == "cpu"``)."""
+    def lens(self) -> torch.Tensor:
+        """[B]: each row's length with its new token (the paged paths' ``seq_lens``)."""
         if self.seq_lens is None:
             self.seq_lens = self.positions + 1
-        return attn.decode_fused(x, self.cos, self.sin, pool.data[i], self.new_slots, self.block_tables,
-                                 self.seq_lens, pool.page_size)
+        return self.seq_lens
 
     def attend(self, i: int, attn: MLA, q_nope, q_rope, pool: LatentKVPool) -> torch.Tensor:
         """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written)."""
         if self.paged:
-            if self.seq_lens is None:
-                self.seq_lens = self.positions + 1
-            return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.seq_lens,
-                                     pool.page_size, self.paged)
+            return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.lens(), pool.page_size,
+                                     self.paged)
         latents = pool.read(i, self.read_slots)  # [B, S, D]
         if self.attn == "absorbed":
             return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, self.mask)[:, 0]

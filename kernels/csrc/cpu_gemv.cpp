@@ -71,7 +71,8 @@ void dot_rows(const float* x, int64_t m, int64_t K, const float* w, int64_t n0, 
   if (pf_end < 0) pf_end = n1;
 #if defined(__AVX2__) && defined(__FMA__)
   if (K % 16 == 0) {
-    float o1[4], o2[2][4];
+    float o1[4];
+    __m128 o2[2];
     const int64_t ahead_rows = 4 * std::max<int64_t>(1, kAheadBytes / (16 * K));
     for (; n + 3 < n1; n += 4) {
       const float* wn = w + n * K;
@@ -87,10 +88,8 @@ void dot_rows(const float* x, int64_t m, int64_t K, const float* w, int64_t n0, 
 #endif
       for (; r + 1 < m; r += 2, ahead = nullptr) {
         dot_2x4(x + r * K, x + (r + 1) * K, wn, K, o2, ahead);
-        for (int j = 0; j < 4; ++j) {
-          y[r * ldy + n + j] = o2[0][j];
-          y[(r + 1) * ldy + n + j] = o2[1][j];
-        }
+        _mm_storeu_ps(y + r * ldy + n, o2[0]);
+        _mm_storeu_ps(y + (r + 1) * ldy + n, o2[1]);
       }
       if (r < m) {
         dot_1x4(x + r * K, wn, K, o1, ahead);
@@ -519,7 +518,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
   m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
   m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
-  m.def("mla_decode_fused", &mla_decode_fused, "a layer's absorbed MLA decode from its projections (fp32)");
+  m.def("mla_fused", &mla_fused,
+        "a layer's absorbed MLA attention of a prefill chunk and decode rows from their projections (fp32)");
   m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");

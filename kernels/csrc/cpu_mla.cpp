@@ -87,10 +87,25 @@ inline void add_weighted_rows(const float* w, int64_t n, int64_t nh, const float
                               float* o) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (R % kCols == 0) {
+    // heads in groups of at most kHeads, as even as they come (8 heads: 4 + 4, not 6 + 1 + 1)
+    const int64_t groups = (nh + kHeads - 1) / kHeads;
     for (int64_t r0 = 0; r0 < R; r0 += kCols) {
-      int64_t j = 0;
-      for (; j + kHeads <= nh; j += kHeads) add_weighted_cols<kHeads>(w + j * n, n, rows, r0, R, o + j * R);
-      for (; j < nh; ++j) add_weighted_cols<1>(w + j * n, n, rows, r0, R, o + j * R);
+      for (int64_t g = 0, j = 0; g < groups; ++g) {
+        const int64_t size = nh / groups + (g < nh % groups ? 1 : 0);
+        const float* wj = w + j * n;
+        float* oj = o + j * R;
+        switch (size) {
+          case 1: add_weighted_cols<1>(wj, n, rows, r0, R, oj); break;
+          case 2: add_weighted_cols<2>(wj, n, rows, r0, R, oj); break;
+          case 3: add_weighted_cols<3>(wj, n, rows, r0, R, oj); break;
+          case 4: add_weighted_cols<4>(wj, n, rows, r0, R, oj); break;
+#if !defined(__AVX512F__)
+          case 5: add_weighted_cols<5>(wj, n, rows, r0, R, oj); break;
+          case 6: add_weighted_cols<6>(wj, n, rows, r0, R, oj); break;
+#endif
+        }
+        j += size;
+      }
     }
     return;
   }
@@ -104,20 +119,36 @@ inline void add_weighted_rows(const float* w, int64_t n, int64_t nh, const float
   }
 }
 
+// Asks for the D floats of each of rows[0 .. n - 1] (into L2).
+inline void prefetch_rows(const float* const* rows, int64_t n, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + b), _MM_HINT_T1);
+#endif
+}
+
 // p[j * n + i] = sc * (q_j . rows[i]) for query-heads j < nq (rows of q [nq, D]) and rows i < n:
-// four query-heads (in L1) against two latent rows at a time.
-inline void scores(const float* q, int64_t nq, const float* const* rows, int64_t n, int64_t D, float sc, float* p) {
+// four query-heads (in L1) against two latent rows at a time. Meanwhile asks for the next tile's
+// rows ``ahead`` [n_ahead], two with each pair of rows scored: they sit in scattered pages, where
+// the hardware prefetcher starts late, and a burst of requests would overflow its queue.
+inline void scores(const float* q, int64_t nq, const float* const* rows, int64_t n, int64_t D, float sc, float* p,
+                   const float* const* ahead, int64_t n_ahead) {
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0) {
-    float o2[2][4];
+    const __m128 vsc = _mm_set1_ps(sc);
+    alignas(16) float o0[4], o1[4];
     for (; j + 4 <= nq; j += 4) {
       int64_t i = 0;
       for (; i + 2 <= n; i += 2) {
-        dot_2x4(rows[i], rows[i + 1], q + j * D, D, o2, nullptr);
+        if (j == 0 && i < n_ahead) prefetch_rows(ahead + i, std::min<int64_t>(2, n_ahead - i), D);
+        __m128 s[2];
+        dot_2x4(rows[i], rows[i + 1], q + j * D, D, s, nullptr);
+        _mm_store_ps(o0, _mm_mul_ps(s[0], vsc));
+        _mm_store_ps(o1, _mm_mul_ps(s[1], vsc));
         for (int c = 0; c < 4; ++c) {
-          p[(j + c) * n + i] = o2[0][c] * sc;
-          p[(j + c) * n + i + 1] = o2[1][c] * sc;
+          p[(j + c) * n + i] = o0[c];
+          p[(j + c) * n + i + 1] = o1[c];
         }
       }
       for (; i < n; ++i)
@@ -127,6 +158,24 @@ inline void scores(const float* q, int64_t nq, const float* const* rows, int64_t
 #endif
   for (; j < nq; ++j)
     for (int64_t i = 0; i < n; ++i) p[j * n + i] = dot(q + j * D, rows[i], D) * sc;
+}
+
+// The largest of p[0 .. n - 1], n >= 1.
+inline float max_of(const float* p, int64_t n) {
+  int64_t i = 0;
+  float top = p[0];
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(p);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    top = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; i < n; ++i) top = std::max(top, p[i]);
+  return top;
 }
 
 // What every task reads: the queries, the pool, and for each query-head how many rows it sees.
@@ -158,16 +207,22 @@ void attend(const Problem& pb, const Task& t, float* o, float* m, float* l, std:
   std::fill(m, m + nq, -INFINITY);
   std::fill(l, l + nq, 0.0f);
   std::fill(o, o + nq * R, 0.0f);
-  const float* rows[kTile];
-  for (int64_t t0 = t.s0; t0 < t.s1; t0 += kTile) {
-    const int64_t n = std::min(kTile, t.s1 - t0);
+  const float* tiles[2][kTile];  // this tile's rows and the next one's
+  auto fill = [&](int64_t t0, const float** rows) {
+    const int64_t n = std::max<int64_t>(0, std::min(kTile, t.s1 - t0));
     for (int64_t i = 0; i < n; ++i) rows[i] = pb.kv + (t.pages[(t0 + i) / Z] * Z + (t0 + i) % Z) * D;
-    scores(q.data(), nq, rows, n, D, pb.scale, p.data());
+    return n;
+  };
+  fill(t.s0, tiles[0]);
+  for (int64_t t0 = t.s0, k = 0; t0 < t.s1; t0 += kTile, k ^= 1) {
+    const float** rows = tiles[k];
+    const int64_t n = std::min(kTile, t.s1 - t0), n_next = fill(t0 + kTile, tiles[k ^ 1]);
+    scores(q.data(), nq, rows, n, D, pb.scale, p.data(), tiles[k ^ 1], n_next);
     for (int64_t j = 0; j < nq; ++j) {
       float* pj = p.data() + j * n;
       const int64_t seen = std::clamp<int64_t>(pb.lim[t.h0 + j] - t0, 0, n);  // causal: a prefix of the tile
       if (seen > 0) {
-        const float top = *std::max_element(pj, pj + seen);
+        const float top = max_of(pj, seen);
         if (top > m[j]) {  // rescale what was summed under the old max
           const float alpha = std::exp(m[j] - top);
           for (int64_t r = 0; r < R; ++r) o[j * R + r] *= alpha;
@@ -297,6 +352,63 @@ Problem problem(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const t
           static_cast<float>(scale), lim};
 }
 
+// A chunk's T queries (positions start .. start + T - 1 of the sequence at chunk_table [Xc]) and
+// then B decode rows (row b: seq_lens[b] tokens at block_table [B, X]); T or B may be 0.
+struct Rows {
+  int64_t T = 0, start = 0, B = 0, X = 0;
+  const int64_t *chunk_tab = nullptr, *tab = nullptr, *len = nullptr;
+  torch::Tensor keep_chunk, keep_tab, keep_len;  // contiguous copies the pointers read
+};
+
+Rows chunk_rows(const torch::Tensor& chunk_table, int64_t start, int64_t T, int64_t Z, int64_t pages, Rows rows = {}) {
+  TORCH_CHECK(chunk_table.scalar_type() == torch::kInt64 && chunk_table.dim() == 1, "block_table must be int64 [X]");
+  rows.keep_chunk = chunk_table.contiguous();
+  TORCH_CHECK(T >= 1 && start >= 0 && start + T <= rows.keep_chunk.size(0) * Z, "a chunk of ", T, " tokens from ",
+              start, " does not fit a block table of ", rows.keep_chunk.size(0), " pages of ", Z);
+  rows.chunk_tab = rows.keep_chunk.data_ptr<int64_t>();
+  check_pages(rows.chunk_tab, 0, start + T, Z, pages);
+  rows.T = T;
+  rows.start = start;
+  return rows;
+}
+
+Rows decode_rows(const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t B, int64_t Z, int64_t pages,
+                 Rows rows = {}) {
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == B,
+              "block_table must be int64 [B, X]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == B, "seq_lens must be int64 [B]");
+  rows.keep_tab = block_table.contiguous();
+  rows.keep_len = seq_lens.contiguous();
+  rows.B = B;
+  rows.X = rows.keep_tab.size(1);
+  rows.tab = rows.keep_tab.data_ptr<int64_t>();
+  rows.len = rows.keep_len.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(rows.len[b] >= 1 && rows.len[b] <= rows.X * Z, "seq_lens[", b, "] = ", rows.len[b], " outside [1, ",
+                rows.X * Z, "]");
+    check_pages(rows.tab + b * rows.X, b, rows.len[b], Z, pages);
+  }
+  return rows;
+}
+
+// The attention of every row's heads in one parallel pass (the chunk's queries first):
+// q_lat [T + B, H, R], q_rope [T + B, H, P] -> [T + B, H, R].
+torch::Tensor attend_rows(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const torch::Tensor& kv,
+                          const Rows& rows, double scale, int64_t page_size) {
+  const int64_t H = q_lat.size(1), T = rows.T, B = rows.B;
+  TORCH_CHECK(q_lat.size(0) == T + B, "q_lat holds ", q_lat.size(0), " rows, the chunk and the batch ", T + B);
+  std::vector<int64_t> lim((T + B) * H);
+  for (int64_t t = 0; t < T; ++t) std::fill_n(lim.data() + t * H, H, rows.start + t + 1);
+  for (int64_t b = 0; b < B; ++b) std::fill_n(lim.data() + (T + b) * H, H, rows.len[b]);
+  const Problem pb = problem(q_lat, q_rope, kv, scale, page_size, lim.data());
+  const int64_t first = T > 0 ? 1 : 0;  // the chunk is sequence 0 when there is one
+  return attend_all(pb, T + B, H, first + B, [&](int64_t s) {
+    if (s < first) return SeqRows{rows.chunk_tab, 0, T, rows.start + T};
+    const int64_t b = s - first;
+    return SeqRows{rows.tab + b * rows.X, T + b, T + b + 1, rows.len[b]};
+  }, q_lat);
+}
+
 }  // namespace
 
 // Absorbed MLA decode, the contract of kernels.mla_decode.mla_decode (fp32): q_lat [B, H, R],
@@ -307,23 +419,8 @@ torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch:
                                torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                int64_t page_size) {
   check_queries(q_lat, q_rope, kv, page_size);
-  const int64_t B = q_lat.size(0), H = q_lat.size(1);
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == B,
-              "block_table must be int64 [B, X]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == B, "seq_lens must be int64 [B]");
-  auto bt = block_table.contiguous();
-  auto lens = seq_lens.contiguous();
-  const int64_t X = bt.size(1), Z = page_size, pages = kv.size(0) / Z;
-  const int64_t* tab = bt.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  std::vector<int64_t> lim(B * H);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= X * Z, "seq_lens[", b, "] = ", len[b], " outside [1, ", X * Z, "]");
-    check_pages(tab + b * X, b, len[b], Z, pages);
-    std::fill_n(lim.data() + b * H, H, len[b]);
-  }
-  const Problem pb = problem(q_lat, q_rope, kv, scale, page_size, lim.data());
-  return attend_all(pb, B, H, B, [&](int64_t b) { return SeqRows{tab + b * X, b, b + 1, len[b]}; }, q_lat);
+  const Rows rows = decode_rows(block_table, seq_lens, q_lat.size(0), page_size, kv.size(0) / page_size);
+  return attend_rows(q_lat, q_rope, kv, rows, scale, page_size);
 }
 
 // A prefill chunk's absorbed attention over its sequence in the pool: q_lat [T, H, R],
@@ -333,18 +430,8 @@ torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch:
 torch::Tensor mla_chunk_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv,
                               torch::Tensor block_table, int64_t start, double scale, int64_t page_size) {
   check_queries(q_lat, q_rope, kv, page_size);
-  const int64_t T = q_lat.size(0), H = q_lat.size(1);
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1, "block_table must be int64 [X]");
-  auto bt = block_table.contiguous();
-  const int64_t Z = page_size, len = start + T;
-  TORCH_CHECK(T >= 1 && start >= 0 && len <= bt.size(0) * Z, "a chunk of ", T, " tokens from ", start,
-              " does not fit a block table of ", bt.size(0), " pages of ", Z);
-  check_pages(bt.data_ptr<int64_t>(), 0, len, Z, kv.size(0) / Z);
-  std::vector<int64_t> lim(T * H);
-  for (int64_t t = 0; t < T; ++t) std::fill_n(lim.data() + t * H, H, start + t + 1);
-  const Problem pb = problem(q_lat, q_rope, kv, scale, page_size, lim.data());
-  const int64_t* tab = bt.data_ptr<int64_t>();
-  return attend_all(pb, T, H, 1, [&](int64_t) { return SeqRows{tab, 0, T, len}; }, q_lat);
+  const Rows rows = chunk_rows(block_table, start, q_lat.size(0), page_size, kv.size(0) / page_size);
+  return attend_rows(q_lat, q_rope, kv, rows, scale, page_size);
 }
 
 namespace {
@@ -366,47 +453,67 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const float* x, const
 
 }  // namespace
 
-// The absorbed MLA decode of one layer, from its projections to its heads' values: q [B, H*(N+P)]
-// (the query projection's output, each head [q_nope, q_rope]), kv_a [B, R+P] (kv_a_proj_with_mqa's
-// output), kv_norm [R], cos/sin [B, P/2] (each row's angles), w_uk [H, N, R], w_uv_t [H, R, V],
-// kv [slots, R+P] one layer of the pool -> [B, H*V]. Writes row b's latent [RMSNorm(c_kv) * kv_norm,
-// rope(k_rope)] into kv at new_slots[b], then attends as mla_decode_paged with q_lat = q_nope @
-// W_UK and returns o_lat @ W_UV: one call for what is a dozen small ops per layer in torch.
-torch::Tensor mla_decode_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps,
-                               torch::Tensor cos, torch::Tensor sin, bool interleave, torch::Tensor w_uk,
-                               torch::Tensor w_uv_t, torch::Tensor kv, torch::Tensor new_slots,
-                               torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t page_size) {
+// A layer's absorbed MLA attention from its projections to its heads' values, for a pass of a
+// prefill chunk's T rows (positions chunk_start .. chunk_start + T - 1 of the sequence at
+// chunk_table [X'], none when it is absent) and then B decode rows (block_table [B, X], seq_lens
+// [B]): q [T+B, H*(N+P)] (the query projection's output, each head [q_nope, q_rope]), kv_a
+// [T+B, R+P] (kv_a_proj_with_mqa's output), kv_norm [R], cos/sin [T+B, P/2] (each row's angles),
+// w_uk [H, N, R], w_uv_t [H, R, V], kv [slots, R+P] one layer of the pool -> [T+B, H*V]. Writes
+// row i's latent [RMSNorm(c_kv) * kv_norm, rope(k_rope)] into kv at new_slots[i], then attends as
+// mla_chunk_paged and mla_decode_paged do (all rows in one parallel pass) with q_lat = q_nope @
+// W_UK, and returns o_lat @ W_UV: one call for what is a dozen small ops per layer in torch.
+torch::Tensor mla_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps, torch::Tensor cos,
+                        torch::Tensor sin, bool interleave, torch::Tensor w_uk, torch::Tensor w_uv_t, torch::Tensor kv,
+                        torch::Tensor new_slots, torch::Tensor block_table, torch::Tensor seq_lens,
+                        c10::optional<torch::Tensor> chunk_table, int64_t chunk_start, double scale,
+                        int64_t page_size) {
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&kv_a, "kv_a"}, {&kv_norm, "kv_norm"}, {&cos, "cos"},
                                 {&sin, "sin"}, {&w_uk, "w_uk"}, {&w_uv_t, "w_uv_t"}, {&kv, "kv"}})
     check_f32(*t, name);
   TORCH_CHECK(w_uk.dim() == 3 && w_uv_t.dim() == 3 && w_uv_t.size(0) == w_uk.size(0) && w_uv_t.size(1) == w_uk.size(2),
               "w_uk must be [H, N, R] and w_uv_t [H, R, V]");
-  const int64_t B = q.size(0), H = w_uk.size(0), N = w_uk.size(1), R = w_uk.size(2), D = kv.size(1), P = D - R;
+  const int64_t n = q.size(0), H = w_uk.size(0), N = w_uk.size(1), R = w_uk.size(2), D = kv.size(1), P = D - R;
   TORCH_CHECK(P > 0 && P % 2 == 0 && kv_norm.numel() == R, "kv rows of ", D, " values do not fit rank ", R,
               " and an even rope part");
-  TORCH_CHECK(q.dim() == 2 && q.size(1) == H * (N + P), "q must be [B, H * (N + P)] = [B, ", H * (N + P), "]");
-  TORCH_CHECK(kv_a.dim() == 2 && kv_a.size(0) == B && kv_a.size(1) == D, "kv_a must be [B, ", D, "]");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == P / 2,
-              "cos and sin must be [B, P / 2]");
-  TORCH_CHECK(new_slots.scalar_type() == torch::kInt64 && new_slots.numel() == B, "new_slots must be int64 [B]");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == H * (N + P), "q must be [rows, H * (N + P)] = [rows, ", H * (N + P), "]");
+  TORCH_CHECK(kv_a.dim() == 2 && kv_a.size(0) == n && kv_a.size(1) == D, "kv_a must be [rows, ", D, "]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == n && cos.size(1) == P / 2,
+              "cos and sin must be [rows, P / 2]");
+  TORCH_CHECK(new_slots.scalar_type() == torch::kInt64 && new_slots.numel() == n, "new_slots must be int64 [rows]");
+  TORCH_CHECK(page_size >= 1 && kv.size(0) % page_size == 0, "kv slots must be whole pages");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) <= n, "block_table must be [B, X] with B <= rows");
+  const int64_t B = block_table.size(0), T = n - B, pages = kv.size(0) / page_size;
+  TORCH_CHECK(T == 0 || chunk_table.has_value(), "q holds ", T, " rows more than the batch and there is no chunk");
+  Rows rows = decode_rows(block_table, seq_lens, B, page_size, pages);
+  if (T > 0) rows = chunk_rows(*chunk_table, chunk_start, T, page_size, pages, std::move(rows));
   auto slots = new_slots.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < kv.size(0), "new_slots[", b, "] = ", sp[b], " outside the pool's ", kv.size(0),
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < kv.size(0), "new_slots[", i, "] = ", sp[i], " outside the pool's ", kv.size(0),
                 " slots");
-  auto q_rope = torch::empty({B, H, P}, q.options());
+  auto q_rope = torch::empty({n, H, P}, q.options());
   const float *qp = q.data_ptr<float>(), *ap = kv_a.data_ptr<float>(), *cp = cos.data_ptr<float>(),
               *snp = sin.data_ptr<float>(), *np = kv_norm.data_ptr<float>();
   float *rp = q_rope.data_ptr<float>(), *kvp = kv.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    const float *c = cp + b * (P / 2), *s = snp + b * (P / 2);
-    for (int64_t h = 0; h < H; ++h) rope_row(qp + (b * H + h) * (N + P) + N, c, s, P, interleave, rp + (b * H + h) * P);
-    float* row = kvp + sp[b] * D;  // the new token's latent, in place
-    rms_norm_row(ap + b * D, np, R, static_cast<float>(eps), row);
-    rope_row(ap + b * D + R, c, s, P, interleave, row + R);
+  for (int64_t i = 0; i < n; ++i) {
+    const float *c = cp + i * (P / 2), *s = snp + i * (P / 2);
+    for (int64_t h = 0; h < H; ++h) rope_row(qp + (i * H + h) * (N + P) + N, c, s, P, interleave, rp + (i * H + h) * P);
+    float* row = kvp + sp[i] * D;  // the new token's latent, in place
+    rms_norm_row(ap + i * D, np, R, static_cast<float>(eps), row);
+    rope_row(ap + i * D + R, c, s, P, interleave, row + R);
   }
-  auto q_nope = q.view({B, H, N + P}).narrow(2, 0, N).transpose(0, 1);  // [H, B, N]
-  auto q_lat = at::bmm(q_nope, w_uk).transpose(0, 1).contiguous();      // [B, H, R]
-  auto o_lat = mla_decode_paged(q_lat, q_rope, kv, block_table, seq_lens, scale, page_size);  // [B, H, R]
-  return at::bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape({B, -1});  // [B, H * V]
+  auto q_nope = q.view({n, H, N + P}).narrow(2, 0, N).transpose(0, 1);  // [H, rows, N]
+  auto q_lat = at::bmm(q_nope, w_uk).transpose(0, 1).contiguous();      // [rows, H, R]
+  auto o_lat = attend_rows(q_lat, q_rope, kv, rows, scale, page_size);  // [rows, H, R]
+  return at::bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape({n, -1});  // [rows, H * V]
+}
+
+// mla_fused for a decode pass (no chunk rows).
+torch::Tensor mla_decode_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps,
+                               torch::Tensor cos, torch::Tensor sin, bool interleave, torch::Tensor w_uk,
+                               torch::Tensor w_uv_t, torch::Tensor kv, torch::Tensor new_slots,
+                               torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t page_size) {
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0), "block_table must be [B, X] for B rows");
+  return mla_fused(q, kv_a, kv_norm, eps, cos, sin, interleave, w_uk, w_uv_t, kv, new_slots, block_table, seq_lens,
+                   c10::nullopt, 0, scale, page_size);
 }

@@ -14,3 +14,9 @@ torch::Tensor mla_decode_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tenso
                                torch::Tensor cos, torch::Tensor sin, bool interleave, torch::Tensor w_uk,
                                torch::Tensor w_uv_t, torch::Tensor kv, torch::Tensor new_slots,
                                torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t page_size);
+
+torch::Tensor mla_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps, torch::Tensor cos,
+                        torch::Tensor sin, bool interleave, torch::Tensor w_uk, torch::Tensor w_uv_t, torch::Tensor kv,
+                        torch::Tensor new_slots, torch::Tensor block_table, torch::Tensor seq_lens,
+                        c10::optional<torch::Tensor> chunk_table, int64_t chunk_start, double scale,
+                        int64_t page_size);

@@ -28,6 +28,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// [sum a, sum b, sum c, sum d] of four vectors' lanes.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
 // Asks for the n cache lines at p + 16 * i, i < n (a stretch of the group a kernel dots later).
 inline void prefetch_lines(const float* p, int n) {
   for (int i = 0; i < n; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 16 * i), _MM_HINT_T0);
@@ -59,10 +65,9 @@ inline void dot_1x4(const float* x, const float* w, int64_t K, float out[4], con
   out[3] = hsum(_mm256_add_ps(a3, b3));
 }
 
-// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs; ``ahead`` as in dot_1x4.
-// Requires K % 8 == 0.
-inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, float out[2][4],
-                    const float* ahead) {
+// 2 input rows x 4 weight rows: 8 accumulators, 6 loads per 8 FMAs; out[i] holds input row i's
+// four dot products; ``ahead`` as in dot_1x4. Requires K % 8 == 0.
+inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K, __m128 out[2], const float* ahead) {
   const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
          a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(),
@@ -81,8 +86,8 @@ inline void dot_2x4(const float* x0, const float* x1, const float* w, int64_t K,
     c2 = _mm256_fmadd_ps(xc, v2, c2);
     c3 = _mm256_fmadd_ps(xc, v3, c3);
   }
-  out[0][0] = hsum(a0); out[0][1] = hsum(a1); out[0][2] = hsum(a2); out[0][3] = hsum(a3);
-  out[1][0] = hsum(c0); out[1][1] = hsum(c1); out[1][2] = hsum(c2); out[1][3] = hsum(c3);
+  out[0] = hsum4(a0, a1, a2, a3);
+  out[1] = hsum4(c0, c1, c2, c3);
 }
 
 #if defined(__AVX512F__)

@@ -314,27 +314,39 @@ def test_argmax_rows_matches_torch_on_ties_nan_and_masked_rows(m, v):
 
 @pytest.mark.parametrize("heads, nope, rank, rope, v, page, interleave",
                          [(8, 64, 128, 32, 64, 16, False), (5, 12, 60, 12, 20, 4, True), (1, 8, 16, 8, 8, 1, True)])
-def test_mla_decode_fused_matches_reference_and_writes_the_new_latents(heads, nope, rank, rope, v, page, interleave):
-    """From a layer's projections: the rows' latents normed, rotated and written at their new
-    slots (only there), and the heads' values as the op-by-op reference gives them."""
-    from kernels.cpu_gemv import mla_decode_fused, ref_mla_decode_fused
+@pytest.mark.parametrize("chunk, decode", [(None, 4), ((0, 9), 0), ((30, 7), 4), ((5, 1), 2)])
+def test_mla_fused_matches_reference_and_writes_the_new_latents(heads, nope, rank, rope, v, page, interleave, chunk,
+                                                                 decode):
+    """From a layer's projections, for a prefill chunk's rows ((start, tokens), or none) and
+    decode rows: every row's latent normed, rotated and written at its new slot (only there; a
+    chunk's queries see its own), and the heads' values as the op-by-op reference gives them."""
+    from kernels.cpu_gemv import mla_fused, ref_mla_fused
 
-    gen = torch.Generator().manual_seed(heads * rank)
-    lens = [1, 40, 17, 3]
+    gen = torch.Generator().manual_seed(heads * rank + decode)
+    lens = [1, 40, 17, 3][:decode] + ([sum(chunk)] if chunk else [])  # the chunk's sequence last in the pool
     pages, kv = _paged_pool(lens, rank, rope, page, gen)
-    b = len(lens)
-    lens_t = torch.tensor(lens)
-    new_slots = pages[torch.arange(b), (lens_t - 1) // page] * page + (lens_t - 1) % page
+    tables, lens_t = pages[:decode], torch.tensor(lens[:decode], dtype=torch.long)
+    new_slots = tables[torch.arange(decode), (lens_t - 1) // page] * page + (lens_t - 1) % page
+    chunk_table, start, t = (None, 0, 0) if chunk is None else (pages[decode], *chunk)
+    if chunk:
+        pos = torch.arange(start, start + t)
+        new_slots = torch.cat((chunk_table[pos // page] * page + pos % page, new_slots))
     kv[new_slots] = float("nan")  # the new tokens' latents: written by the call
-    args = [torch.randn(b, heads * (nope + rope), generator=gen), torch.randn(b, rank + rope, generator=gen),
-            torch.randn(rank, generator=gen), 1e-6, torch.randn(b, rope // 2, generator=gen),
-            torch.randn(b, rope // 2, generator=gen), interleave, torch.randn(heads, nope, rank, generator=gen) / 8,
+    rows = t + decode
+    args = [torch.randn(rows, heads * (nope + rope), generator=gen), torch.randn(rows, rank + rope, generator=gen),
+            torch.randn(rank, generator=gen), 1e-6, torch.randn(rows, rope // 2, generator=gen),
+            torch.randn(rows, rope // 2, generator=gen), interleave, torch.randn(heads, nope, rank, generator=gen) / 8,
             torch.randn(heads, rank, v, generator=gen) / 8]
     got_kv, want_kv = kv.clone(), kv.clone()
-    got = mla_decode_fused(*args, got_kv, new_slots, pages, lens_t, 0.125, page)
-    want = ref_mla_decode_fused(*args, want_kv, new_slots, pages, lens_t, 0.125, page)
-    assert got.shape == (b, heads * v) and not got.isnan().any()
+    got = mla_fused(*args, got_kv, new_slots, tables, lens_t, 0.125, page, chunk_table, start)
+    want = ref_mla_fused(*args, want_kv, new_slots, tables, lens_t, 0.125, page, chunk_table, start)
+    assert got.shape == (rows, heads * v) and not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5, equal_nan=True)
     with pytest.raises(RuntimeError, match="outside the pool's"):
-        mla_decode_fused(*args, got_kv, new_slots + kv.shape[0], pages, lens_t, 0.125, page)
+        mla_fused(*args, got_kv, new_slots + kv.shape[0], tables, lens_t, 0.125, page, chunk_table, start)
+    if chunk:
+        with pytest.raises(RuntimeError, match="no chunk"):
+            mla_fused(*args, got_kv, new_slots, tables, lens_t, 0.125, page)
+        with pytest.raises(RuntimeError, match="does not fit a block table"):
+            mla_fused(*args, got_kv, new_slots, tables, lens_t, 0.125, page, chunk_table[:1], start + page)

@@ -60,7 +60,7 @@ def _both_paths(m, pool, tables, rows: int):
 def _no_python_layers(monkeypatch) -> list[str]:
     """Records every per-layer Python call of a decode pass (attention, MoE)."""
     calls: list[str] = []
-    for cls, name in ((MLA, "decode_fused"), (MLA, "project"), (MoE, "submit")):
+    for cls, name in ((MLA, "attend_fused"), (MLA, "project"), (MoE, "submit")):
         real = getattr(cls, name)
         monkeypatch.setattr(cls, name, lambda self, *a, _r=real, _n=name, **k: calls.append(_n) or _r(self, *a, **k))
     return calls
@@ -75,7 +75,7 @@ def test_the_whole_step_gives_the_python_paths_logits_and_latents_bit_for_bit(sh
     for rows in (1, 2, len(LENGTHS)):
         calls.clear()
         (got, got_pool), (want, want_pool) = _both_paths(m, pool, tables, rows)
-        assert calls.count("decode_fused") == m.cfg.num_hidden_layers  # the Python path's, not the step's
+        assert calls.count("attend_fused") == m.cfg.num_hidden_layers  # the Python path's, not the step's
         assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
     assert m._cpu_step.step is not None
 
@@ -95,7 +95,7 @@ def test_larger_batches_than_the_step_takes_run_in_python(monkeypatch):
     m._cpu_step.max_rows = 2  # past it the Python path runs (BLAS and the grouped GEMM at full size)
     calls = _no_python_layers(monkeypatch)
     (got, got_pool), (want, want_pool) = _both_paths(m, pool, tables, 3)
-    assert calls.count("decode_fused") == 2 * m.cfg.num_hidden_layers
+    assert calls.count("attend_fused") == 2 * m.cfg.num_hidden_layers
     assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
 
 

@@ -152,13 +152,13 @@ def test_a_chunked_prefill_equals_one_prefill(model):
 @pytest.mark.parametrize("t", [1, 5, 16, 40])
 def test_chunks_after_a_prefix_read_the_pool_in_place_and_equal_one_prefill(model, t, monkeypatch):
     """An absorbed chunk after a prefix attends over the pages in place (no gather of the
-    prefix, no [T, S] mask): on the CPU all its queries in one call of the chunk kernel, with
-    Triton a short chunk's queries as decode rows of their own lengths; the logits are those of
-    the whole prompt at once."""
+    prefix, no [T, S] mask): on the CPU all its queries in the layer's one fused call (the
+    chunk's rows only), with Triton a short chunk's queries as decode rows of their own lengths;
+    the logits are those of the whole prompt at once."""
     from model.mla import MLA, MQA_MAX_QUERIES
 
     calls = []
-    for name in ("attend_paged", "attend_chunk_paged"):
+    for name in ("attend_paged", "attend_fused"):
         real = getattr(MLA, name)
         monkeypatch.setattr(MLA, name, lambda self, q, *a, _real=real, _name=name, **k:
                             calls.append((_name, q.shape[0])) or _real(self, q, *a, **k))
@@ -169,7 +169,7 @@ def test_chunks_after_a_prefix_read_the_pool_in_place_and_equal_one_prefill(mode
     got = [model.prefill(ids[lo : lo + t], pool, table, start=lo, all_logits=True) for lo in range(100, 150, t)]
     torch.testing.assert_close(torch.cat(got)[:50], whole[100:], atol=1e-4, rtol=1e-4)
     if model.paged_kernel == "cpu":
-        assert calls and set(calls) <= {("attend_chunk_paged", t), ("attend_chunk_paged", 50 % t)}, calls
+        assert calls and set(calls) <= {("attend_fused", t), ("attend_fused", 50 % t)}, calls
     elif model.paged_kernel == "triton" and t <= MQA_MAX_QUERIES:
         assert calls and set(calls) <= {("attend_paged", t), ("attend_paged", 50 % t)}, calls  # a row per query
 
@@ -223,8 +223,8 @@ def test_a_cpu_decode_pass_is_one_fused_call_per_layer_and_equals_the_unfused_pa
         m.prefill(_ids(n, seed=60 + j), pool, tables[j])
     snapshot = pool.data.clone()
     calls = []
-    real = MLA.decode_fused
-    monkeypatch.setattr(MLA, "decode_fused", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = MLA.attend_fused
+    monkeypatch.setattr(MLA, "attend_fused", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     tokens, positions = torch.tensor([3, 4, 5, 6]), torch.tensor(lengths)
     got = m.decode(tokens, pool, tables, positions)
     got_pool = pool.data.clone()
