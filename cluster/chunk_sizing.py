@@ -88,6 +88,13 @@ class ChunkCost:
             self._coef = tuple(float(c) for c in best / scale)
         return self._coef
 
+    def predict(self, new: int, start: int) -> float | None:
+        """The fitted seconds of a chunk of ``new`` tokens from ``start`` (None before any sample)."""
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        return sum(c * f for c, f in zip(coef, _features(new, start), strict=True))
+
     def longest_within(self, seconds: float, start: int, cap: int) -> int | None:
         """The most tokens from ``start`` (at most ``cap``) whose chunk fits ``seconds``, and at
         most ``GROWTH`` times the longest chunk observed (a fit to chunks of like sizes may split

@@ -4,7 +4,7 @@ One engine drives one model replica. Each ``step`` does both of:
 
 1. **Decode**: one token for every running sequence.
 2. **Prefill** (chunked, at most ``max_prefill_tokens`` per step, or with ``itl_factor`` a chunk
-   sized so the step stays within that many decode steps' time): the oldest waiting sequences
+   sized so the step keeps within that many decode steps' time): the oldest waiting sequences
    are admitted when pages allow. A prompt's leading units come, in order of preference, from
    pages this replica already holds (prefix sharing), then from the prompt cache (this node's
    RAM or SSD, or with a cluster cache another node's agent), whose load started when the
@@ -70,9 +70,9 @@ class EngineConfig:
     admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
     prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
     micro_batches: int = 1  # 2: decode in two pipelined halves (hides expert-parallel rounds)
-    # While sequences decode, a prefill chunk is sized from measured speeds so that a step takes
-    # about this many decode steps' time (their inter-token latency stays bounded); 0: every
-    # chunk is max_prefill_tokens long
+    # While sequences decode, a prefill chunk is sized from measured speeds so that nine in ten
+    # steps take at most this many decode steps' time (their inter-token latency stays bounded);
+    # 0: every chunk is max_prefill_tokens long
     itl_factor: float = 0.0
     # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
     # steps without a prefill chunk replay a CUDA graph captured per batch bucket (model.fixed_decode)

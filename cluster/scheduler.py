@@ -8,8 +8,9 @@ row), and decides per step:
   be recomputed from its tokens);
 * the **prefill chunks**: waiting prompts in order, admitted while pages and seats allow, within
   a token budget: ``max_prefill_tokens``, or while sequences decode (``itl_factor``) a chunk sized
-  from measured speeds so that the mixed pass takes about ``itl_factor`` decode steps' time
-  (``cluster.chunk_sizing``). A chunk that does not finish its prompt is the step's last.
+  from measured speeds so that nine in ten mixed passes take at most ``itl_factor`` decode steps'
+  time (``cluster.chunk_sizing`` predicts a chunk's cost; how far the latest passes ran past
+  their prediction is the margin). A chunk that does not finish its prompt is the step's last.
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -27,11 +28,15 @@ from cluster.chunk_sizing import ChunkCost
 from cluster.kv_manager import KVManager
 from cluster.request import Sequence
 
-__all__ = ["CHUNK_COST_SAMPLES", "DECODE_SAMPLES", "MIN_CHUNK", "Scheduler"]
+__all__ = ["CHUNK_COST_SAMPLES", "DECODE_SAMPLES", "MIN_CHUNK", "MIXED_SAMPLES", "OVERRUN_QUANTILE", "Scheduler"]
 
 MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
 DECODE_SAMPLES = 16  # the latest decode passes whose median is a decode step's time
+MIXED_SAMPLES = 64  # the latest mixed passes whose overrun of their prediction sets the margin
+OVERRUN_QUANTILE = 0.9  # the share of mixed passes kept within itl_factor decode steps
+MIN_OVERRUN_SAMPLES = 8  # until this many mixed passes were timed, no margin
+MAX_OVERRUN = 1.25  # the largest margin: past it the prediction has lost track, and a prefill would crawl
 
 
 class Scheduler:
@@ -50,6 +55,7 @@ class Scheduler:
         self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
         self._decode_times: deque[float] = deque(maxlen=DECODE_SAMPLES)
         self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
+        self._overruns: deque[float] = deque(maxlen=MIXED_SAMPLES)  # a mixed pass's time / its prediction
 
     # -- queues --------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -117,18 +123,20 @@ class Scheduler:
 
     def prefill_budget(self, start: int = 0) -> int:
         """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
-        while sequences decode (and ``itl_factor`` is on) as many as take (itl_factor - 1)
-        decode steps' time, at least ``MIN_CHUNK``. A chunk's time is fitted to the latest
-        chunks (``cluster.chunk_sizing``): its queries attend over the whole prefix, so a chunk
-        shrinks as its prompt's context grows. Until a decode step was timed, none (this step
-        decodes alone, and is timed); until a chunk was, ``MIN_CHUNK``."""
+        while sequences decode (and ``itl_factor`` is on) as many as keep the mixed pass within
+        itl_factor decode steps' time with the margin of ``overrun``, at least ``MIN_CHUNK``. A
+        chunk's time is fitted to the latest chunks (``cluster.chunk_sizing``): its queries
+        attend over the whole prefix, so a chunk shrinks as its prompt's context grows. Until a
+        decode step was timed, none (this step decodes alone, and is timed); until a chunk was,
+        ``MIN_CHUNK``."""
         cap = self.max_prefill_tokens
         if not self.running or not self.itl_factor:
             return cap
         decode_s = self.decode_s
         if decode_s is None:
             return 0
-        fits = self._chunk_cost.longest_within((self.itl_factor - 1) * decode_s, start, cap)
+        chunk_s = self.itl_factor * decode_s / self.overrun - decode_s
+        fits = self._chunk_cost.longest_within(chunk_s, start, cap)
         return min(cap, MIN_CHUNK) if fits is None else max(MIN_CHUNK, fits)
 
     def prefill_chunks(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
@@ -176,11 +184,26 @@ class Scheduler:
         before any)."""
         return statistics.median(self._decode_times) if self._decode_times else None
 
+    @property
+    def overrun(self) -> float:
+        """How far mixed passes run past their prediction (a decode step and the chunk's fitted
+        cost): the ``OVERRUN_QUANTILE`` of the latest ``MIXED_SAMPLES`` passes' time over it,
+        within [1, ``MAX_OVERRUN``]; 1 before ``MIN_OVERRUN_SAMPLES``. Chunks are sized for the
+        prediction times this, so that on a machine whose passes jitter most of them still keep
+        within ``itl_factor`` (on a steady one it is about 1: chunks as long as the budget allows)."""
+        if len(self._overruns) < MIN_OVERRUN_SAMPLES:
+            return 1.0
+        ranked = sorted(self._overruns)
+        return min(MAX_OVERRUN, max(1.0, ranked[min(len(ranked) - 1, int(OVERRUN_QUANTILE * len(ranked)))]))
+
     def observe_chunk(self, new: int, start: int, seconds: float, mixed: bool) -> None:
         """A pass computed ``new`` prompt tokens from position ``start`` in ``seconds``, with a
         decode batch riding in it when ``mixed``."""
         self.prefill_samples.append((new, start, seconds))
         decode_s = self.decode_s
         if mixed and decode_s is not None:
+            predicted = self._chunk_cost.predict(new, start)
+            if predicted is not None:
+                self._overruns.append(seconds / (decode_s + predicted))
             seconds = max(seconds - decode_s, seconds / 2)  # the chunk's own share of a mixed pass
         self._chunk_cost.observe(new, start, seconds)

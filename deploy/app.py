@@ -74,11 +74,11 @@ class AppArgs(BaseModel):
     num_pages: int = Field(default=4096, ge=16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_prefill_tokens: int = Field(default=2048, ge=64)
-    # >1: while requests decode, prefill chunks are sized so a step (the decode tokens ride in
-    # the chunk's forward pass) takes at most this many decode steps' time: bounded inter-token
-    # latency under long prompts, at some cost to the long prompt's time to first token;
-    # 0: every chunk is max_prefill_tokens. Steps average about the factor, so 2.5 keeps their
-    # p99 within 3 decode steps (tide bench engine's itl)
+    # >1: while requests decode, prefill chunks are sized so that nine in ten steps (the decode
+    # tokens ride in the chunk's forward pass) take at most this many decode steps' time, with
+    # a margin for how far recent steps ran past their prediction: bounded inter-token latency
+    # under long prompts, at some cost to the long prompt's time to first token; 0: every chunk
+    # is max_prefill_tokens. 2.5 keeps their p99 within 3 decode steps (tide bench engine's itl)
     itl_factor: float = Field(default=2.5, ge=0)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely

@@ -16,6 +16,8 @@ def test_the_three_terms_are_recovered_from_chunks_of_a_growing_prompt():
         start += n * 40
     got = cost.coefficients()
     assert got == pytest.approx((fixed_s, token_s, attn_s), rel=1e-6)
+    assert cost.predict(100, 5000) == pytest.approx(fixed_s + token_s * 100 + attn_s * 100 * 5100, rel=1e-6)
+    assert ChunkCost().predict(100, 0) is None  # nothing observed
     # the longest chunk at 8K context fits the budget and one more token would not
     n = cost.longest_within(0.02, 8000, 2048)
     assert fixed_s + token_s * n + attn_s * n * (8000 + n) <= 0.02
