@@ -249,7 +249,7 @@ class Engine:
             self.stats["mixed_steps"] += 1
         else:
             logits = self.model.prefill(ids, self.kv.pool, table, start=start)
-        self.scheduler.observe_chunk(n_new, start, self._clock() - t0, mixed=bool(batch))
+        self.scheduler.observe_chunk(n_new, start, self._clock() - t0, len(batch) if batch else 0)
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         return logits, decode_logits
@@ -361,7 +361,7 @@ class Engine:
             else:
                 logits = self.model.decode(tokens, self.kv.pool, tables, positions,
                                            micro_batches=self.cfg.micro_batches)
-            self.scheduler.observe_decode(self._clock() - t0)
+            self.scheduler.observe_decode(self._clock() - t0, len(batch))
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]

@@ -9,8 +9,10 @@ row), and decides per step:
 * the **prefill chunks**: waiting prompts in order, admitted while pages and seats allow, within
   a token budget: ``max_prefill_tokens``, or while sequences decode (``itl_factor``) a chunk sized
   from measured speeds so that nine in ten mixed passes take at most ``itl_factor`` decode steps'
-  time (``cluster.chunk_sizing`` predicts a chunk's cost; how far the latest passes ran past
-  their prediction is the margin). A chunk that does not finish its prompt is the step's last.
+  time (a decode step of a batch the size of the running one, timed again when the batch has
+  grown or shrunk; ``cluster.chunk_sizing`` predicts a chunk's cost; how far the latest passes
+  ran past their prediction is the margin). A chunk that does not finish its prompt is the
+  step's last.
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -28,11 +30,13 @@ from cluster.chunk_sizing import ChunkCost
 from cluster.kv_manager import KVManager
 from cluster.request import Sequence
 
-__all__ = ["CHUNK_COST_SAMPLES", "DECODE_SAMPLES", "MIN_CHUNK", "MIXED_SAMPLES", "OVERRUN_QUANTILE", "Scheduler"]
+__all__ = ["CHUNK_COST_SAMPLES", "DECODE_SAMPLES", "LIKE_ROWS", "MIN_CHUNK", "MIXED_SAMPLES", "OVERRUN_QUANTILE",
+           "Scheduler"]
 
 MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
-DECODE_SAMPLES = 16  # the latest decode passes whose median is a decode step's time
+DECODE_SAMPLES = 16  # the latest decode passes of a batch's size whose median is its step's time
+LIKE_ROWS = 1.25  # a decode pass of r rows times batches of r / LIKE_ROWS .. r * LIKE_ROWS rows
 MIXED_SAMPLES = 64  # the latest mixed passes whose overrun of their prediction sets the margin
 OVERRUN_QUANTILE = 0.9  # the share of mixed passes kept within itl_factor decode steps
 MIN_OVERRUN_SAMPLES = 8  # until this many mixed passes were timed, no margin
@@ -53,7 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefill_samples: deque[tuple[int, int, float]] = deque(maxlen=64)  # (new, cached, seconds)
-        self._decode_times: deque[float] = deque(maxlen=DECODE_SAMPLES)
+        self._decode_times: deque[tuple[int, float]] = deque(maxlen=8 * DECODE_SAMPLES)  # (rows, seconds)
         self._chunk_cost = ChunkCost(CHUNK_COST_SAMPLES)  # of a chunk's own share of a mixed pass
         self._overruns: deque[float] = deque(maxlen=MIXED_SAMPLES)  # a mixed pass's time / its prediction
 
@@ -127,12 +131,14 @@ class Scheduler:
         itl_factor decode steps' time with the margin of ``overrun``, at least ``MIN_CHUNK``. A
         chunk's time is fitted to the latest chunks (``cluster.chunk_sizing``): its queries
         attend over the whole prefix, so a chunk shrinks as its prompt's context grows. Until a
-        decode step was timed, none (this step decodes alone, and is timed); until a chunk was,
+        decode step of a batch like the running one was timed, none (this step decodes alone,
+        and is timed: a batch that grew as prompts joined it is timed again, or its chunks would
+        be sized by a smaller batch's step and shrink to nothing); until a chunk was,
         ``MIN_CHUNK``."""
         cap = self.max_prefill_tokens
         if not self.running or not self.itl_factor:
             return cap
-        decode_s = self.decode_s
+        decode_s = self.decode_s(len(self.running))
         if decode_s is None:
             return 0
         chunk_s = self.itl_factor * decode_s / self.overrun - decode_s
@@ -172,17 +178,18 @@ class Scheduler:
         return chunks
 
     # -- measured speeds -----------------------------------------------------------------
-    def observe_decode(self, seconds: float) -> None:
-        """A decode pass of its own took ``seconds``. Its time is their median: on a busy machine a
-        pass now and then takes a quarter longer, which would lift a mean, and with it every
-        chunk's budget, above the typical step that inter-token latency is measured against."""
-        self._decode_times.append(seconds)
+    def observe_decode(self, seconds: float, rows: int) -> None:
+        """A decode pass of its own of ``rows`` sequences took ``seconds``."""
+        self._decode_times.append((rows, seconds))
 
-    @property
-    def decode_s(self) -> float | None:
-        """A decode step's seconds: the median of the latest ``DECODE_SAMPLES`` passes (None
-        before any)."""
-        return statistics.median(self._decode_times) if self._decode_times else None
+    def decode_s(self, rows: int) -> float | None:
+        """A decode step's seconds for a batch of ``rows``: the median of the latest
+        ``DECODE_SAMPLES`` passes of batches within ``LIKE_ROWS`` of it (None before any). A
+        median: on a busy machine a pass now and then takes a quarter longer, which would lift a
+        mean, and with it every chunk's budget, above the typical step that inter-token latency
+        is measured against."""
+        like = [s for r, s in reversed(self._decode_times) if rows / LIKE_ROWS <= r <= rows * LIKE_ROWS]
+        return statistics.median(like[:DECODE_SAMPLES]) if like else None
 
     @property
     def overrun(self) -> float:
@@ -196,12 +203,12 @@ class Scheduler:
         ranked = sorted(self._overruns)
         return min(MAX_OVERRUN, max(1.0, ranked[min(len(ranked) - 1, int(OVERRUN_QUANTILE * len(ranked)))]))
 
-    def observe_chunk(self, new: int, start: int, seconds: float, mixed: bool) -> None:
-        """A pass computed ``new`` prompt tokens from position ``start`` in ``seconds``, with a
-        decode batch riding in it when ``mixed``."""
+    def observe_chunk(self, new: int, start: int, seconds: float, rows: int) -> None:
+        """A pass computed ``new`` prompt tokens from position ``start`` in ``seconds``, with the
+        decode tokens of ``rows`` sequences riding in it (0: none)."""
         self.prefill_samples.append((new, start, seconds))
-        decode_s = self.decode_s
-        if mixed and decode_s is not None:
+        decode_s = self.decode_s(rows) if rows else None
+        if decode_s is not None:
             predicted = self._chunk_cost.predict(new, start)
             if predicted is not None:
                 self._overruns.append(seconds / (decode_s + predicted))

@@ -429,14 +429,14 @@ def test_the_text_of_each_step_decodes_a_few_tokens_not_the_whole_output():
 
 
 class _TimedNull:
-    """The null model on a fake clock: a decode step takes 50 ms, a prefill token 1 ms plus
-    ``attn_s`` per (token x attended token) (a mixed pass the sum)."""
+    """The null model on a fake clock: a decode step takes 50 ms plus ``row_s`` per row, a
+    prefill token 1 ms plus ``attn_s`` per (token x attended token) (a mixed pass the sum)."""
 
-    def __init__(self, attn_s: float = 0.0) -> None:
+    def __init__(self, attn_s: float = 0.0, row_s: float = 0.0) -> None:
         from deploy.bench.engine_bench import NullModel
 
         self.now = 0.0
-        self.attn_s = attn_s
+        self.attn_s, self.row_s = attn_s, row_s
         self.chunks: list[tuple[int, int]] = []  # (new, start) of every prefill chunk
         self.inner = NullModel(8192, token=ord("a"))
         self.cfg = self.inner.cfg
@@ -453,11 +453,11 @@ class _TimedNull:
         return self.inner.prefill(token_ids, pool, block_table, start=start, **k)
 
     def decode(self, tokens, *a, **k):
-        self.now += 0.05
+        self.now += 0.05 + self.row_s * tokens.shape[0]
         return self.inner.decode(tokens, *a, **k)
 
     def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):  # the two passes' cost
-        self.now += 0.05 + self._chunk_s(chunk_ids.shape[0], chunk_start)
+        self.now += 0.05 + self.row_s * tokens.shape[0] + self._chunk_s(chunk_ids.shape[0], chunk_start)
         return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
 
 
@@ -517,6 +517,36 @@ def test_prefill_chunks_shrink_as_the_prompt_context_grows_and_steps_stay_within
     assert chunks[0][0] > 40 and chunks[-1][0] < 15, chunks  # ~49 tokens at the start, ~14 at 5.9K
     assert all(a[0] >= b[0] for a, b in zip(chunks[:-1], chunks[1:], strict=True)), chunks
     assert max(steps[3:]) <= 2 * 0.05 * 1.01, max(steps)  # once two chunks separate the terms
+    engine.run_to_completion()
+    engine.check_integrity()
+
+
+def test_chunks_are_sized_by_the_batch_that_runs_as_a_burst_of_prompts_joins_it():
+    """A burst of prompts arrives while one request decodes, and each joins the decode batch
+    when it is prefilled: when the batch has grown past LIKE_ROWS of the one whose step was
+    timed, a step decodes alone and is timed, so the chunks riding in the bigger batch's passes
+    are sized by its step. Sized by the one-row step, every mixed pass would overrun the budget
+    by the rows that joined, and the chunks would shrink to a few tokens each."""
+    from cachedir.hashing import Namespace
+
+    model = _TimedNull(row_s=0.02)  # 70 ms for one row, 190 ms for seven
+    cfg = EngineConfig(num_pages=1024, max_num_seqs=8, max_prefill_tokens=512, itl_factor=2.0)
+    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
+                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
+    engine.add_request(GenerationRequest("first", tuple(range(1, 65)), 400))
+    while engine.waiting:
+        engine.step()
+    engine.step()  # a decode alone: timed
+    for i in range(6):
+        engine.add_request(GenerationRequest(f"p{i}", tuple(1 + (i + j) % 250 for j in range(300)), 100))
+    model.chunks.clear()
+    steps = 0
+    while engine.waiting:
+        engine.step()
+        steps += 1
+    assert len(engine.running) == 7 and steps <= 40, steps  # 1,800 prompt tokens, 70-190 a step
+    firsts = [k for k, (_, start) in enumerate(model.chunks) if start == 0]  # where each prompt's chunks begin
+    assert max(b - a for a, b in zip(firsts, [*firsts[1:], len(model.chunks)], strict=True)) <= 6, model.chunks
     engine.run_to_completion()
     engine.check_integrity()
 

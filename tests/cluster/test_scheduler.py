@@ -7,7 +7,14 @@ import pytest
 
 from cluster.kv_manager import KVManager
 from cluster.request import GenerationRequest, Sequence
-from cluster.scheduler import DECODE_SAMPLES, MAX_OVERRUN, MIN_CHUNK, MIXED_SAMPLES, Scheduler
+from cluster.scheduler import (
+    DECODE_SAMPLES,
+    LIKE_ROWS,
+    MAX_OVERRUN,
+    MIN_CHUNK,
+    MIXED_SAMPLES,
+    Scheduler,
+)
 from model.checkpoint import build_model, random_state_dict
 from model.config import named_config
 
@@ -99,10 +106,10 @@ def test_chunks_are_sized_from_measured_speeds_while_sequences_decode(model):
     _queue(sched, "a", 8)
     _prefill(sched, sched.prefill_chunks([]))
     assert sched.running and sched.prefill_budget() == 0  # a decode step not timed yet: it decodes alone
-    sched.observe_decode(0.010)
+    sched.observe_decode(0.010, 1)
     assert sched.prefill_budget() == MIN_CHUNK  # no chunk timed yet
     for n in (64, 128, 256, 512):  # 0.1 ms a token, on top of the 10 ms decode riding along
-        sched.observe_chunk(n, 0, 0.010 + n * 1e-4, mixed=True)
+        sched.observe_chunk(n, 0, 0.010 + n * 1e-4, rows=1)
     assert sched.prefill_samples[-1] == (512, 0, pytest.approx(0.0612))
     assert sched.prefill_budget() == pytest.approx(200, abs=8)  # (3 - 1) x 10 ms of chunk time
 
@@ -111,11 +118,33 @@ def test_a_decode_steps_time_is_the_median_of_the_latest_passes(model):
     """A pass slowed now and then (a busy machine) does not lift the time chunks are sized by."""
     sched, _ = _sched(model)
     for seconds in (0.010, 0.011, 0.030, 0.010, 0.012):
-        sched.observe_decode(seconds)
-    assert sched.decode_s == 0.011
+        sched.observe_decode(seconds, 4)
+    assert sched.decode_s(4) == 0.011
     for _ in range(DECODE_SAMPLES):
-        sched.observe_decode(0.020)
-    assert sched.decode_s == 0.020  # the older passes are forgotten
+        sched.observe_decode(0.020, 4)
+    assert sched.decode_s(4) == 0.020  # the older passes are forgotten
+
+
+def test_a_batch_that_grew_is_timed_again_before_chunks_ride_in_it(model):
+    """A decode step's time stands for batches within LIKE_ROWS of the one timed: when prompts
+    join the batch past that, the next step decodes alone (and is timed), and then chunks are
+    sized by the bigger batch's step."""
+    sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=4096, itl_factor=3.0)
+    for name in "ab":
+        _queue(sched, name, 8)
+    _prefill(sched, sched.prefill_chunks([]))
+    sched.observe_decode(0.010, 2)
+    for n in (64, 128, 256, 512):  # 0.1 ms a token beside the two rows' 10 ms
+        sched.observe_chunk(n, 0, 0.010 + n * 1e-4, rows=2)
+    assert sched.prefill_budget() == pytest.approx(200, abs=8)  # (3 - 1) x 10 ms of chunk time
+    for name in "cd":
+        _queue(sched, name, 8)
+    _prefill(sched, sched.prefill_chunks(sched.decode_batch()))
+    assert len(sched.running) == 4 and 4 > 2 * LIKE_ROWS
+    assert sched.decode_s(4) is None and sched.prefill_budget() == 0  # this step decodes alone
+    sched.observe_decode(0.020, 4)
+    assert sched.prefill_budget() == pytest.approx(400, abs=16)  # (3 - 1) x 20 ms
+    assert sched.decode_s(5) == 0.020 and sched.decode_s(2) == 0.010  # each batch size by its like
 
 
 def _timed(model, slow_every: int, slow: float) -> Scheduler:
@@ -124,11 +153,11 @@ def _timed(model, slow_every: int, slow: float) -> Scheduler:
     sched, _ = _sched(model, max_prefill_tokens=4096, itl_factor=3.0)
     _queue(sched, "a", 8)
     _prefill(sched, sched.prefill_chunks([]))
-    sched.observe_decode(0.010)
+    sched.observe_decode(0.010, 1)
     for k in range(MIXED_SAMPLES):
         n = (64, 128, 256, 512)[k % 4]
         late = slow if slow_every and k % slow_every == 0 else 1.0
-        sched.observe_chunk(n, 0, late * (0.010 + n * 1e-4), mixed=True)
+        sched.observe_chunk(n, 0, late * (0.010 + n * 1e-4), rows=1)
     return sched
 
 
