@@ -461,18 +461,30 @@ class _TimedNull:
         return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
 
 
+def _timed_engine(model: _TimedNull, num_pages: int, max_num_seqs: int, decoding: bool = False) -> Engine:
+    """An engine with itl_factor 2 on ``model``'s fake clock; ``decoding``: with a request
+    "first" (64-token prompt, 400 tokens) decoding and its decode step timed."""
+    from cachedir.hashing import Namespace
+
+    cfg = EngineConfig(num_pages=num_pages, max_num_seqs=max_num_seqs, max_prefill_tokens=512, itl_factor=2.0)
+    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
+                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
+    if decoding:
+        engine.add_request(GenerationRequest("first", tuple(range(1, 65)), 400))
+        while engine.waiting:
+            engine.step()
+        engine.step()  # a decode alone: timed
+    return engine
+
+
 def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bound_their_latency():
     """itl_factor 2: with a decode step at 50 ms and a prefill token at 1 ms, a step prefills
     (2 - 1) x 50 / 1 = 50 prompt tokens while others decode (their tokens in the same pass), so
     each of them still gets a token every step taking at most ~2 decode steps; alone, a prompt
     goes in max_prefill_tokens chunks. The first step after the first prompt is a decode alone,
     which times the decode."""
-    from cachedir.hashing import Namespace
-
     model = _TimedNull()
-    cfg = EngineConfig(num_pages=512, max_num_seqs=4, max_prefill_tokens=512, itl_factor=2.0)
-    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
-                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
+    engine = _timed_engine(model, 512, 4)
     engine.add_request(GenerationRequest("first", tuple(range(1, 1025)), 200))
     engine.step()
     assert [n for n, _, _ in engine.prefill_samples] == [512]  # nothing decodes yet: a whole chunk
@@ -496,16 +508,8 @@ def test_prefill_chunks_shrink_as_the_prompt_context_grows_and_steps_stay_within
     is: the chunk size is fitted to ``token_s * new + attn_s * new * (start + new)`` and shrinks
     along the prompt, keeping every step of the running request within itl_factor (2) decode
     steps, where a size fitted per token alone would overrun late in the prompt."""
-    from cachedir.hashing import Namespace
-
     model = _TimedNull(attn_s=4e-7)
-    cfg = EngineConfig(num_pages=1024, max_num_seqs=4, max_prefill_tokens=512, itl_factor=2.0)
-    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
-                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
-    engine.add_request(GenerationRequest("first", tuple(range(1, 65)), 400))
-    while engine.waiting:
-        engine.step()
-    engine.step()  # a decode alone: timed
+    engine = _timed_engine(model, 1024, 4, decoding=True)
     engine.add_request(GenerationRequest("long", tuple(1 + i % 250 for i in range(6000)), 1))
     model.chunks.clear()
     steps = []
@@ -527,16 +531,8 @@ def test_chunks_are_sized_by_the_batch_that_runs_as_a_burst_of_prompts_joins_it(
     timed, a step decodes alone and is timed, so the chunks riding in the bigger batch's passes
     are sized by its step. Sized by the one-row step, every mixed pass would overrun the budget
     by the rows that joined, and the chunks would shrink to a few tokens each."""
-    from cachedir.hashing import Namespace
-
     model = _TimedNull(row_s=0.02)  # 70 ms for one row, 190 ms for seven
-    cfg = EngineConfig(num_pages=1024, max_num_seqs=8, max_prefill_tokens=512, itl_factor=2.0)
-    engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
-                    ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
-    engine.add_request(GenerationRequest("first", tuple(range(1, 65)), 400))
-    while engine.waiting:
-        engine.step()
-    engine.step()  # a decode alone: timed
+    engine = _timed_engine(model, 1024, 8, decoding=True)
     for i in range(6):
         engine.add_request(GenerationRequest(f"p{i}", tuple(1 + (i + j) % 250 for j in range(300)), 100))
     model.chunks.clear()
