@@ -1,13 +1,15 @@
-"""A float32 CPU model's decode step as one C++ call (``kernels/csrc/cpu_decode.cpp``).
+"""A float32 CPU model's decode step, or mixed pass, as one C++ call (``kernels/csrc/cpu_decode.cpp``).
 
 Legend: B rows, M hidden, K experts per token, E expert slots.
 
-``DeepseekModel.decode`` hands a decode pass of its own here when the model can take it: float32
-on the CPU with the kernels built, projections float32 or int8 (``model.quant``), routed experts
-in this process (a ``LocalExpertExecutor`` not running Triton), and no routing hook. The C++ step
-runs every layer's kernels back to back, the same kernels in the same order as the Python path
-for a batch of up to ``max_rows`` rows, so its logits are the same bits; larger batches (where
-BLAS takes over the projections) and anything it cannot hold take the Python path.
+``DeepseekModel.decode`` hands a decode pass of its own here, and ``DeepseekModel.mixed`` a mixed
+pass whose prefill chunk attends absorbed (its rows beside the decode rows), when the model can
+take it: float32 on the CPU with the kernels built, projections float32 or int8
+(``model.quant``), routed experts in this process (a ``LocalExpertExecutor`` not running
+Triton), and no routing hook. The C++ step runs every layer's kernels back to back, the same
+kernels in the same order as the Python path for up to ``max_rows`` rows, so its logits are the
+same bits; more rows (where BLAS takes over the projections) and anything it cannot hold take
+the Python path.
 
 The step holds references to the weights it was built from; it is rebuilt when any of them is
 replaced (``quantize_model``, a new expert executor): ``CpuStep.of`` compares their identities.
@@ -27,7 +29,7 @@ from model.quant import Q8Weight
 
 if TYPE_CHECKING:
     from model.kv_cache import LatentKVPool
-    from model.model import DeepseekModel, _DecodeBatch
+    from model.model import DeepseekModel, _Chunk, _DecodeBatch
 
 __all__ = ["CpuStep"]
 
@@ -87,6 +89,16 @@ class CpuStep:
         takes them, at most ``max_rows`` rows) -> fp32 logits [B, V]; writes the new latents."""
         return self.step.forward(batch.h, batch.cos, batch.sin, pool.data, batch.new_slots, batch.block_tables,
                                  batch.lens(), pool.page_size)
+
+    def mixed(self, chunk: _Chunk, batch: _DecodeBatch, pool: LatentKVPool) -> torch.Tensor:
+        """The mixed pass of an absorbed prefill ``chunk`` (T rows) and a decode ``batch`` (B rows,
+        T + B at most ``max_rows``) -> fp32 logits [1 + B, V] of the chunk's last token and the
+        batch's rows; writes the new latents."""
+        rows = (chunk.h, batch.h), (chunk.cos, batch.cos), (chunk.sin, batch.sin), (chunk.new_slots, batch.new_slots)
+        h, cos, sin, new_slots = (torch.cat(pair) for pair in rows)
+        keep = torch.arange(chunk.t - 1, chunk.t + batch.h.shape[0])
+        return self.step.forward(h, cos, sin, pool.data, new_slots, batch.block_tables, batch.lens(), pool.page_size,
+                                 chunk.block_table, chunk.start, keep)
 
     def _moe(self, mod, moe: MoE):
         executor = moe.executor

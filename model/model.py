@@ -211,6 +211,10 @@ class DeepseekModel:
             raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
         chunk = _Chunk.build(self, chunk_ids, chunk_table, chunk_start, pool.page_size, "auto")
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, decode_attn)
+        step = self._whole_cpu_step(chunk.t + batch.h.shape[0]) if micro_batches == 1 else None
+        if step is not None and chunk.paged == batch.paged == "cpu":  # one C++ call
+            logits = step.mixed(chunk, batch, pool)
+            return logits[0], logits[1:]
         if micro_batches == 2:
             h_chunk, h_batch = self._pipelined([chunk, batch], pool)
             logits = self._logits(torch.cat((h_chunk[-1:], h_batch)))

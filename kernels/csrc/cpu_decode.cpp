@@ -1,5 +1,6 @@
 // A whole decode step of a float32 CPU model in one call: every layer's norms, projections,
-// attention (mla_decode_fused) and MLP or MoE, then the final norm and the LM head.
+// attention (mla_fused) and MLP or MoE, then the final norm and the LM head; or a mixed pass, a
+// prefill chunk's rows beside the decode rows.
 //
 // At decode sizes a layer is a few dozen small ops, and in Python each costs its dispatch on top
 // of its work; here the same kernels run back to back with no interpreter between them. Every op
@@ -104,22 +105,27 @@ class DecodeStep {
 
   // h [B, M] the tokens' embeddings, cos/sin [B, P/2] their angles, kv [L, slots, D] the pool,
   // new_slots [B], block_tables [B, X], seq_lens [B] (the new token included) -> fp32 logits
-  // [B, V]; the new latents are written into kv.
+  // [B, V]; the new latents are written into kv. A mixed pass: the first T of the rows (h, cos,
+  // sin, new_slots hold T + B) are a prefill chunk at positions chunk_start .. of the sequence
+  // at chunk_table (mla_fused's), and only the rows ``keep`` get logits.
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
                         torch::Tensor new_slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        int64_t page_size) const {
+                        int64_t page_size, c10::optional<torch::Tensor> chunk_table, int64_t chunk_start,
+                        c10::optional<torch::Tensor> keep) const {
     TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "kv must be [", num_layers(), ", slots, D], got ",
                 kv.sizes());
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& l = layers_[i];
       auto x = rms_norm(h.contiguous(), l.input_norm, eps_);
       auto queries = l.q.has_value() ? (*l.q)(x) : (*l.q_b)(rms_norm((*l.q_a)(x), *l.q_a_norm, eps_));
-      auto attn = mla_decode_fused(queries, l.kv_a(x), l.kv_a_norm, eps_, cos, sin, interleave_, l.w_uk, l.w_uv_t,
-                                   kv.select(0, i), new_slots, block_tables, seq_lens, l.scale, page_size);
+      auto attn = mla_fused(queries, l.kv_a(x), l.kv_a_norm, eps_, cos, sin, interleave_, l.w_uk, l.w_uv_t,
+                            kv.select(0, i), new_slots, block_tables, seq_lens, chunk_table, chunk_start, l.scale,
+                            page_size);
       h = h + l.o(attn);
       x = rms_norm(h, l.post_norm, eps_);
       h = h + (l.mlp.has_value() ? (*l.mlp)(x) : (*l.moe)(x));
     }
+    if (keep.has_value()) h = h.index_select(0, *keep);
     return lm_head_(rms_norm(h, norm_, eps_));
   }
 
@@ -166,5 +172,6 @@ void bind_decode_step(pybind11::module_& m) {
       .def_property_readonly("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
            py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
+           py::arg("chunk_table") = py::none(), py::arg("chunk_start") = 0, py::arg("keep") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }

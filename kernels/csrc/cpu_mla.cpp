@@ -507,13 +507,3 @@ torch::Tensor mla_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_no
   auto o_lat = attend_rows(q_lat, q_rope, kv, rows, scale, page_size);  // [rows, H, R]
   return at::bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1).reshape({n, -1});  // [rows, H * V]
 }
-
-// mla_fused for a decode pass (no chunk rows).
-torch::Tensor mla_decode_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps,
-                               torch::Tensor cos, torch::Tensor sin, bool interleave, torch::Tensor w_uk,
-                               torch::Tensor w_uv_t, torch::Tensor kv, torch::Tensor new_slots,
-                               torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t page_size) {
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0), "block_table must be [B, X] for B rows");
-  return mla_fused(q, kv_a, kv_norm, eps, cos, sin, interleave, w_uk, w_uv_t, kv, new_slots, block_table, seq_lens,
-                   c10::nullopt, 0, scale, page_size);
-}

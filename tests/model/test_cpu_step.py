@@ -33,8 +33,8 @@ def _model(shape: str = "v3", int8: bool = False):
     return m
 
 
-def _prefilled(m, lengths=LENGTHS):
-    pool, tables = m.new_pool(len(lengths) * 8, 16), torch.arange(len(lengths) * 8).view(len(lengths), 8)
+def _prefilled(m, lengths=LENGTHS, spare_pages: int = 0):
+    pool, tables = m.new_pool(len(lengths) * 8 + spare_pages, 16), torch.arange(len(lengths) * 8).view(len(lengths), 8)
     gen = torch.Generator().manual_seed(1)
     for row, n in zip(tables, lengths, strict=True):
         m.prefill(torch.randint(0, m.cfg.vocab_size, (n,), generator=gen), pool, row)
@@ -97,6 +97,30 @@ def test_larger_batches_than_the_step_takes_run_in_python(monkeypatch):
     (got, got_pool), (want, want_pool) = _both_paths(m, pool, tables, 3)
     assert calls.count("attend_fused") == 2 * m.cfg.num_hidden_layers
     assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_mixed_pass_in_the_step_gives_the_python_paths_logits_and_latents_bit_for_bit(shape, int8, monkeypatch):
+    """A prefill chunk after a prefix (absorbed) beside the decode rows: the chunk's last logits,
+    the rows' logits and every latent written as the Python path gives them, in one call."""
+    m = _model(shape, int8)
+    pool, tables = _prefilled(m, spare_pages=6)
+    gen = torch.Generator().manual_seed(7)
+    chunk_table = torch.arange(tables.numel(), tables.numel() + 6)
+    prompt = torch.randint(0, m.cfg.vocab_size, (60,), generator=gen)
+    m.prefill(prompt[:50], pool, chunk_table)
+    rows = len(LENGTHS)
+    args = (prompt[50:], chunk_table, 50, torch.arange(3, 3 + rows), tables[:rows], torch.tensor(LENGTHS[:rows]), pool)
+    snapshot = pool.data.clone()
+    calls = _no_python_layers(monkeypatch)
+    got = (*m.mixed(*args), pool.data.clone())
+    assert calls == []  # one C++ call
+    pool.data.copy_(snapshot)
+    m.cpu_step = False
+    want = (*m.mixed(*args), pool.data.clone())
+    assert calls.count("attend_fused") == m.cfg.num_hidden_layers
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_the_step_is_rebuilt_when_weights_are_replaced():
