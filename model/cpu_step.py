@@ -29,7 +29,7 @@ from model.quant import Q8Weight
 
 if TYPE_CHECKING:
     from model.kv_cache import LatentKVPool
-    from model.model import DeepseekModel, _Chunk, _DecodeBatch
+    from model.model import DeepseekModel, _Chunk, _DecodeBatch, _Rows
 
 __all__ = ["CpuStep"]
 
@@ -90,15 +90,12 @@ class CpuStep:
         return self.step.forward(batch.h, batch.cos, batch.sin, pool.data, batch.new_slots, batch.block_tables,
                                  batch.lens(), pool.page_size)
 
-    def mixed(self, chunk: _Chunk, batch: _DecodeBatch, pool: LatentKVPool) -> torch.Tensor:
+    def mixed(self, chunk: _Chunk, batch: _DecodeBatch, rows: _Rows, pool: LatentKVPool) -> torch.Tensor:
         """The mixed pass of an absorbed prefill ``chunk`` (T rows) and a decode ``batch`` (B rows,
-        T + B at most ``max_rows``) -> fp32 logits [1 + B, V] of the chunk's last token and the
-        batch's rows; writes the new latents."""
-        rows = (chunk.h, batch.h), (chunk.cos, batch.cos), (chunk.sin, batch.sin), (chunk.new_slots, batch.new_slots)
-        h, cos, sin, new_slots = (torch.cat(pair) for pair in rows)
-        keep = torch.arange(chunk.t - 1, chunk.t + batch.h.shape[0])
-        return self.step.forward(h, cos, sin, pool.data, new_slots, batch.block_tables, batch.lens(), pool.page_size,
-                                 chunk.block_table, chunk.start, keep)
+        T + B at most ``max_rows``; ``rows`` their inputs joined) -> fp32 logits [1 + B, V] of the
+        chunk's last token and the batch's rows; writes the new latents."""
+        return self.step.forward(rows.h, rows.cos, rows.sin, pool.data, rows.new_slots, batch.block_tables,
+                                 batch.lens(), pool.page_size, chunk.block_table, chunk.start, chunk.t - 1)
 
     def _moe(self, mod, moe: MoE):
         executor = moe.executor

@@ -9,7 +9,7 @@ tables; this module reads and writes latents where it is told to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -213,7 +213,7 @@ class DeepseekModel:
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, decode_attn)
         step = self._whole_cpu_step(chunk.t + batch.h.shape[0]) if micro_batches == 1 else None
         if step is not None and chunk.paged == batch.paged == "cpu":  # one C++ call
-            logits = step.mixed(chunk, batch, pool)
+            logits = step.mixed(chunk, batch, _Rows.of(chunk, batch), pool)
             return logits[0], logits[1:]
         if micro_batches == 2:
             h_chunk, h_batch = self._pipelined([chunk, batch], pool)
@@ -228,10 +228,7 @@ class DeepseekModel:
         Projections and FFNs run over all rows at once; each part attends over its own KV (on a
         float32 CPU model, where every part is read in place, all of them in one C++ call)."""
         parts = [p for p in (chunk, batch) if p is not None]
-        if len(parts) == 1:
-            h, cos, sin, new_slots = parts[0].h, parts[0].cos, parts[0].sin, parts[0].new_slots
-        else:
-            h, cos, sin, new_slots = (torch.cat([getattr(p, f) for p in parts]) for f in ("h", "cos", "sin", "new_slots"))
+        h, cos, sin, new_slots = _Rows.of(*parts)
         fused = all(p.paged == "cpu" for p in parts)
         t = chunk.t if chunk is not None else 0
         for i, layer in enumerate(self.layers):
@@ -285,6 +282,21 @@ class DeepseekModel:
         if isinstance(part, _Chunk):
             return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, latent, pool))
         return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, pool))
+
+
+class _Rows(NamedTuple):
+    """The per-row inputs of a pass's parts (a chunk's rows, then a batch's) joined."""
+
+    h: torch.Tensor  # [rows, M] embeddings
+    cos: torch.Tensor
+    sin: torch.Tensor
+    new_slots: torch.Tensor  # [rows]
+
+    @classmethod
+    def of(cls, *parts: _Chunk | _DecodeBatch) -> _Rows:
+        if len(parts) == 1:
+            return cls(parts[0].h, parts[0].cos, parts[0].sin, parts[0].new_slots)
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in cls._fields))
 
 
 _NO_TABLES, _NO_LENS = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # a pass with no decode rows

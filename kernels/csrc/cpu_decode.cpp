@@ -107,11 +107,11 @@ class DecodeStep {
   // new_slots [B], block_tables [B, X], seq_lens [B] (the new token included) -> fp32 logits
   // [B, V]; the new latents are written into kv. A mixed pass: the first T of the rows (h, cos,
   // sin, new_slots hold T + B) are a prefill chunk at positions chunk_start .. of the sequence
-  // at chunk_table (mla_fused's), and only the rows ``keep`` get logits.
+  // at chunk_table (mla_fused's), and only the rows from ``logits_from`` on get logits.
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
                         torch::Tensor new_slots, torch::Tensor block_tables, torch::Tensor seq_lens,
                         int64_t page_size, c10::optional<torch::Tensor> chunk_table, int64_t chunk_start,
-                        c10::optional<torch::Tensor> keep) const {
+                        int64_t logits_from) const {
     TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "kv must be [", num_layers(), ", slots, D], got ",
                 kv.sizes());
     for (int64_t i = 0; i < num_layers(); ++i) {
@@ -125,8 +125,7 @@ class DecodeStep {
       x = rms_norm(h, l.post_norm, eps_);
       h = h + (l.mlp.has_value() ? (*l.mlp)(x) : (*l.moe)(x));
     }
-    if (keep.has_value()) h = h.index_select(0, *keep);
-    return lm_head_(rms_norm(h, norm_, eps_));
+    return lm_head_(rms_norm(h.narrow(0, logits_from, h.size(0) - logits_from), norm_, eps_));
   }
 
  private:
@@ -172,6 +171,6 @@ void bind_decode_step(pybind11::module_& m) {
       .def_property_readonly("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
            py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
-           py::arg("chunk_table") = py::none(), py::arg("chunk_start") = 0, py::arg("keep") = py::none(),
+           py::arg("chunk_table") = py::none(), py::arg("chunk_start") = 0, py::arg("logits_from") = 0,
            py::call_guard<py::gil_scoped_release>());
 }
