@@ -113,7 +113,8 @@ def test_a_daemon_deaf_to_sigterm_is_killed_once_the_rest_has_exited():
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
     try:
         deadline = time.monotonic() + 60
-        while b"raylet" not in Path(f"/proc/{deaf.pid}/cmdline").read_bytes():  # bash has exec'd it
+        # bash has exec'd it (its own command line names the raylet too, before the trap is set)
+        while not Path(f"/proc/{deaf.pid}/cmdline").read_bytes().startswith(b"/opt/ray/raylet/raylet"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         stopper = threading.Thread(target=stop_marked, args=("c3", 3600.0), daemon=True)
