@@ -43,6 +43,7 @@ __all__ = [
     "argmax_rows",
     "ROUTE_METHODS",
     "build_dir",
+    "prune_other_builds",
     "cpu_kernels",
     "dequantize_q8",
     "kernel_state",
@@ -85,10 +86,12 @@ _LDFLAGS = ("-fopenmp",)
 def build_dir() -> Path:
     """Where the extension is built: ``$TIDE_KERNEL_BUILD_DIR``, else under this interpreter's
     prefix (the virtual environment), else the user's cache, in a folder named by a hash of
-    everything the binary depends on."""
+    everything the binary depends on: the sources, the flags, torch and the install
+    (``sys.prefix``, one for every name its interpreter is run by: Ray's workers run
+    ``bin/python3`` where setup ran ``bin/python``)."""
     key = hashlib.sha256(b"\0".join([
         *(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h")), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-        sys.executable.encode(), (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
+        sys.prefix.encode(), (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
     ])).hexdigest()[:16]
     if os.environ.get("TIDE_KERNEL_BUILD_DIR"):
         root = Path(os.environ["TIDE_KERNEL_BUILD_DIR"])
@@ -97,6 +100,33 @@ def build_dir() -> Path:
     else:
         root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tideserve" / "kernels"
     return root / f"cpu_gemv-{key}"
+
+
+STALE_BUILD_S = 3600  # another build untouched this long is no install's current one
+
+
+def prune_other_builds(now: float | None = None) -> list[Path]:
+    """Remove this virtual environment's other ``cpu_gemv-*`` builds (one is left per source
+    change) that nothing wrote to in ``STALE_BUILD_S``: a build under way is kept, and a process
+    that loaded an older one keeps its mapped copy. Builds outside ``sys.prefix`` (a shared
+    cache, ``$TIDE_KERNEL_BUILD_DIR``) may be other installs' and are left alone. Returns the
+    removed directories."""
+    import shutil
+    import time
+
+    now = time.time() if now is None else now
+    keep = build_dir()
+    if not keep.is_relative_to(sys.prefix):
+        return []
+    removed = []
+    for other in keep.parent.glob("cpu_gemv-*") if keep.parent.is_dir() else ():
+        try:
+            if other != keep and other.is_dir() and now - other.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(other)
+                removed.append(other)
+        except OSError as e:  # not ours to remove, or gone meanwhile
+            log.info("old kernel build %s kept: %s", other, e)
+    return removed
 
 
 def kernel_state() -> str:
@@ -446,3 +476,5 @@ if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at ins
         print("CPU decode kernels could not be built; the torch references will be used", file=sys.stderr)
     else:
         print(f"CPU decode kernels built in {build_dir()}")
+        for old in prune_other_builds():
+            print(f"removed an older build, {old}")

@@ -18,7 +18,7 @@ fi
 
 # What the install depends on: when none of it changed since the last setup, there is nothing to do.
 stamp="$VENV/.tide-setup"
-want=$(cat pyproject.toml scripts/setup.sh kernels/csrc/*.cpp kernels/csrc/*.h | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh kernels/cpu_gemv.py kernels/csrc/*.cpp kernels/csrc/*.h | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/tide" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "== $VENV is up to date (scripts/setup.sh: nothing changed since the last setup)"
   exit 0

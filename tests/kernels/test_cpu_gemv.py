@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from kernels.cpu_gemv import (
     small_linear,
 )
 from tests.conftest import require
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,8 +136,11 @@ def test_q8_bad_inputs_are_rejected_with_the_reason():
 
 
 def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path):
-    """Two installs (interpreters) on one machine build into different folders, so neither
-    rebuilds the other's copy; the same install finds its own again."""
+    """Two installs (virtual environments) on one machine build into different folders, so
+    neither rebuilds the other's copy; the same install finds its own again, whichever name its
+    interpreter is run by (setup runs ``bin/python``, a Ray worker started by ``bin/ray``
+    ``bin/python3``: one build, not a second one at the first ``tide up``)."""
+    import subprocess
     import sys
 
     from kernels import cpu_gemv
@@ -141,10 +148,45 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
     monkeypatch.delenv("TIDE_KERNEL_BUILD_DIR", raising=False)
     mine = cpu_gemv.build_dir()
     assert mine == cpu_gemv.build_dir() and (mine / "tide_cpu_gemv.so").is_file()  # built by setup or above
-    monkeypatch.setattr(sys, "executable", "/another/venv/bin/python")
+    names = [p for p in (Path(sys.prefix) / "bin" / n for n in ("python", "python3", Path(sys.executable).name))
+             if p.exists()]
+    assert len({p.name for p in names}) >= 2  # a venv has both
+    for python in names:
+        found = subprocess.run([str(python), "-c", "from kernels.cpu_gemv import build_dir; print(build_dir())"],
+                               capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert found.stdout.strip() == str(mine), python
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
     assert cpu_gemv.build_dir().name != mine.name
     monkeypatch.setenv("TIDE_KERNEL_BUILD_DIR", str(tmp_path))
     assert cpu_gemv.build_dir().parent == tmp_path
+
+
+def test_setup_removes_the_venvs_older_builds_but_not_one_under_way(monkeypatch, tmp_path):
+    import os
+    import sys
+    import time
+
+    from kernels import cpu_gemv
+
+    monkeypatch.setenv("TIDE_KERNEL_BUILD_DIR", str(tmp_path / "shared"))
+    (tmp_path / "shared" / "cpu_gemv-0ther").mkdir(parents=True)
+    assert cpu_gemv.prune_other_builds(time.time() + 10**6) == []  # a folder other installs may share
+    monkeypatch.delenv("TIDE_KERNEL_BUILD_DIR")
+    (tmp_path / "venv").mkdir()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    now = time.time()
+    mine = cpu_gemv.build_dir()
+    assert mine.parent == tmp_path / "venv" / "share" / "tideserve" / "kernels"
+    old, recent, other = (mine.parent / "cpu_gemv-0ld", mine.parent / "cpu_gemv-n3w", mine.parent / "not-a-build")
+    for d in (mine, old, recent, other):
+        d.mkdir(parents=True)
+        (d / "tide_cpu_gemv.so").write_bytes(b"")
+    for d in (mine, old, other):
+        os.utime(d, (now - 2 * cpu_gemv.STALE_BUILD_S,) * 2)
+    assert cpu_gemv.prune_other_builds(now) == [old]
+    assert sorted(p.name for p in mine.parent.iterdir()) == sorted([mine.name, recent.name, other.name])
+    assert cpu_gemv.prune_other_builds(now + 2 * cpu_gemv.STALE_BUILD_S) == [recent]  # left alone an hour
+    assert (mine / "tide_cpu_gemv.so").exists()
 
 
 @contextlib.contextmanager
