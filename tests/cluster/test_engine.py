@@ -662,3 +662,98 @@ def test_on_cuda_decode_steps_replay_graphs_and_give_the_eager_engines_tokens():
                 outs.setdefault(o.request_id, []).append(o)
         runs[eager] = {rid: _tokens(o) for rid, o in outs.items()}
     assert runs[False] == runs[True]
+
+
+class _Clocked:
+    """``model`` on a fake clock, a pass costing by its shape (a decode pass 20 ms and 2 ms a
+    row, a prompt token 1 ms), so that itl_factor sizes the same chunks on every run."""
+
+    def __init__(self, model) -> None:
+        self.inner, self.cfg, self.now = model, model.cfg, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def prefill(self, token_ids, *a, **k):
+        self.now += 0.001 * token_ids.shape[0]
+        return self.inner.prefill(token_ids, *a, **k)
+
+    def decode(self, tokens, *a, **k):
+        self.now += 0.02 + 0.002 * tokens.shape[0]
+        return self.inner.decode(tokens, *a, **k)
+
+    def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):
+        self.now += 0.02 + 0.002 * tokens.shape[0] + 0.001 * chunk_ids.shape[0]
+        return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token(model, tmp_path, seed):
+    """Everything at once, as traffic brings it: requests arrive at random steps, share two
+    system prompts or repeat a whole prompt (pages shared in the pool, units from the node's
+    cache), greedy beside seeded sampling, a pool too small for all of them (preemption and
+    recomputation), chunks sized by itl_factor with decode tokens riding in their passes (one
+    or two micro-batches), and two requests aborted midway. Every request that ran to its end
+    has the tokens it has alone; an aborted one a prefix of them; the pages add up every step."""
+    rng = random.Random(seed)
+    clocked = _Clocked(model)
+    tok = ByteTokenizer()
+    cfg = EngineConfig(num_pages=32, max_num_seqs=5, max_prefill_tokens=64, itl_factor=2.0,
+                       micro_batches=1 + seed % 2)
+    eng = Engine(clocked, cfg, _ns(model), tok.decode, None, _cache(tmp_path), token_bytes=tok.token_bytes,
+                 clock=lambda: clocked.now)
+    systems = [_prompt(rng.randint(128, 200), 1000 + seed), _prompt(rng.randint(128, 160), 2000 + seed)]
+    requests, prompts = [], []
+    for i in range(10):
+        kind = ("unique", "system", "system", "repeat")[i % 4]
+        if kind == "unique":
+            prompt = _prompt(rng.randint(20, 140), 100 * seed + i)
+        elif kind == "system":
+            prompt = rng.choice(systems) + _prompt(rng.randint(1, 40), 100 * seed + i)
+        else:
+            prompt = rng.choice(prompts)
+        prompts.append(prompt)
+        sampling = SamplingParams() if rng.random() < 0.6 else SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=rng.choice([0, 20]), seed=rng.randrange(1000))
+        requests.append((rng.randint(0, 10), GenerationRequest(f"r{i}", prompt, rng.randint(16, 64), sampling)))
+    by_id = {req.request_id: (at, req) for at, req in requests}
+    aborts = {rid: by_id[rid][0] + rng.randint(1, 12) for rid in rng.sample(sorted(by_id), 2)}  # step of each abort
+    requests.sort(key=lambda r: r[0])
+    outs: dict[str, list] = {}
+    step = 0
+    while requests or eng.has_work():
+        while requests and requests[0][0] <= step:
+            eng.add_request(requests.pop(0)[1])
+        for rid, at in aborts.items():
+            if at == step:
+                eng.abort(rid)
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+        eng.check_integrity()
+        step += 1
+    assert eng.stats["mixed_steps"] > 0 and eng.stats["preemptions"] > 0, eng.stats
+    assert any(o.cached_tokens for out in outs.values() for o in out)  # a shared system prompt or a repeat
+    for rid, (_, req) in by_id.items():
+        if req.sampling.temperature == 0:
+            alone = _ref(model, req.prompt_ids, req.max_tokens)
+        else:  # the same request in an engine of its own
+            solo = _engine(model)
+            solo.add_request(req)
+            alone = _tokens(solo.run_to_completion()[rid])
+        got = _tokens(outs[rid])
+        if outs[rid][-1].finish_reason == FinishReason.ABORT:
+            assert rid in aborts and got == alone[: len(got)], rid
+        else:
+            assert outs[rid][-1].finish_reason == FinishReason.LENGTH and got == alone, rid
+
+
+
+
+
+
+
+
+
+
+
+
