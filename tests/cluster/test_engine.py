@@ -3,6 +3,7 @@ to a single sequence computed alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -687,14 +688,23 @@ class _Clocked:
         return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
 
 
+def _alone(model, req: GenerationRequest) -> list:
+    """``req``'s outputs in an engine of its own."""
+    solo = _engine(model)
+    solo.add_request(req)
+    return solo.run_to_completion()[req.request_id]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token(model, tmp_path, seed):
     """Everything at once, as traffic brings it: requests arrive at random steps, share two
     system prompts or repeat a whole prompt (pages shared in the pool, units from the node's
     cache), greedy beside seeded sampling, a pool too small for all of them (preemption and
     recomputation), chunks sized by itl_factor with decode tokens riding in their passes (one
-    or two micro-batches), and two requests aborted midway. Every request that ran to its end
-    has the tokens it has alone; an aborted one a prefix of them; the pages add up every step."""
+    or two micro-batches), penalties and logit biases, stop strings, and two requests aborted
+    midway. Every request that ran to its end has the tokens, text and finish reason it has in
+    an engine of its own (a plain greedy one the model's ``generate``); an aborted one a prefix
+    of them; the pages add up every step."""
     rng = random.Random(seed)
     clocked = _Clocked(model)
     tok = ByteTokenizer()
@@ -713,9 +723,15 @@ def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token
         else:
             prompt = rng.choice(prompts)
         prompts.append(prompt)
-        sampling = SamplingParams() if rng.random() < 0.6 else SamplingParams(
-            temperature=0.8, top_p=0.9, top_k=rng.choice([0, 20]), seed=rng.randrange(1000))
-        requests.append((rng.randint(0, 10), GenerationRequest(f"r{i}", prompt, rng.randint(16, 64), sampling)))
+        sampling = rng.choice([
+            SamplingParams(), SamplingParams(),
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=rng.choice([0, 20]), seed=rng.randrange(1000)),
+            SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, logit_bias=((rng.randrange(256), 5.0),))])
+        req = GenerationRequest(f"r{i}", prompt, rng.randint(16, 64), sampling)
+        text = "".join(o.text for o in _alone(model, req)) if rng.random() < 0.3 else ""
+        if len(text) > 2:  # a stop string: a character of its output from the third on
+            req = dataclasses.replace(req, stop=(text[rng.randrange(2, len(text))],))
+        requests.append((rng.randint(0, 10), req))
     by_id = {req.request_id: (at, req) for at, req in requests}
     aborts = {rid: by_id[rid][0] + rng.randint(1, 12) for rid in rng.sample(sorted(by_id), 2)}  # step of each abort
     requests.sort(key=lambda r: r[0])
@@ -734,17 +750,15 @@ def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token
     assert eng.stats["mixed_steps"] > 0 and eng.stats["preemptions"] > 0, eng.stats
     assert any(o.cached_tokens for out in outs.values() for o in out)  # a shared system prompt or a repeat
     for rid, (_, req) in by_id.items():
-        if req.sampling.temperature == 0:
-            alone = _ref(model, req.prompt_ids, req.max_tokens)
-        else:  # the same request in an engine of its own
-            solo = _engine(model)
-            solo.add_request(req)
-            alone = _tokens(solo.run_to_completion()[rid])
-        got = _tokens(outs[rid])
-        if outs[rid][-1].finish_reason == FinishReason.ABORT:
-            assert rid in aborts and got == alone[: len(got)], rid
+        alone = _alone(model, req)
+        if req.sampling.plain_greedy and not req.stop:
+            assert _tokens(alone) == _ref(model, req.prompt_ids, req.max_tokens)
+        got, reason = _tokens(outs[rid]), outs[rid][-1].finish_reason
+        if reason == FinishReason.ABORT:
+            assert rid in aborts and got == _tokens(alone)[: len(got)], rid
         else:
-            assert outs[rid][-1].finish_reason == FinishReason.LENGTH and got == alone, rid
+            assert (got, reason) == (_tokens(alone), alone[-1].finish_reason), rid
+            assert "".join(o.text for o in outs[rid]) == "".join(o.text for o in alone), rid
 
 
 
