@@ -15,6 +15,7 @@ from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.store import StoreConfig
 from cluster.engine import Engine, EngineConfig
 from cluster.request import FinishReason, GenerationRequest
+from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
@@ -695,21 +696,25 @@ def _alone(model, req: GenerationRequest) -> list:
     return solo.run_to_completion()[req.request_id]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token(model, tmp_path, seed):
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token(model, tmp_path, seed, monkeypatch):
     """Everything at once, as traffic brings it: requests arrive at random steps, share two
     system prompts or repeat a whole prompt (pages shared in the pool, units from the node's
     cache), greedy beside seeded sampling, a pool too small for all of them (preemption and
     recomputation), chunks sized by itl_factor with decode tokens riding in their passes (one
     or two micro-batches), penalties and logit biases, stop strings, and two requests aborted
-    midway. Every request that ran to its end has the tokens, text and finish reason it has in
+    midway; with seeds 2 and 3 decode passes of their own run the fixed-shape step a CUDA engine
+    captures as graphs (padded to a bucket, the block tables as wide as the pool). Every request that ran to its end has the tokens, text and finish reason it has in
     an engine of its own (a plain greedy one the model's ``generate``); an aborted one a prefix
     of them; the pages add up every step."""
     rng = random.Random(seed)
     clocked = _Clocked(model)
     tok = ByteTokenizer()
     cfg = EngineConfig(num_pages=32, max_num_seqs=5, max_prefill_tokens=64, itl_factor=2.0,
-                       micro_batches=1 + seed % 2)
+                       micro_batches=2 if seed == 1 else 1)
+    if seed >= 2:  # as on CUDA, but eager: the steps a graph would replay
+        monkeypatch.setattr(Engine, "_fixed_decode", lambda e: FixedShapeDecode(
+            e.model, e.kv.pool, e.kv.scratch_page, e.kv.max_pages, buckets_up_to(e.cfg.max_num_seqs)))
     eng = Engine(clocked, cfg, _ns(model), tok.decode, None, _cache(tmp_path), token_bytes=tok.token_bytes,
                  clock=lambda: clocked.now)
     systems = [_prompt(rng.randint(128, 200), 1000 + seed), _prompt(rng.randint(128, 160), 2000 + seed)]
@@ -748,6 +753,7 @@ def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token
         eng.check_integrity()
         step += 1
     assert eng.stats["mixed_steps"] > 0 and eng.stats["preemptions"] > 0, eng.stats
+    assert (eng.fixed_decode is not None) == (seed >= 2)
     assert any(o.cached_tokens for out in outs.values() for o in out)  # a shared system prompt or a repeat
     for rid, (_, req) in by_id.items():
         alone = _alone(model, req)
