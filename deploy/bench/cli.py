@@ -183,8 +183,8 @@ def bench_kernels(
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Triton kernels on CUDA: MLA decode GB/s and fraction of peak bandwidth (batch 64/128,
-    context 4K/32K, bf16, DeepSeek-V3 dims), MoE grouped GEMM TFLOP/s. Without CUDA it says so
-    and exits 0."""
+    context 4K/32K, bf16, DeepSeek-V3 dims), MoE grouped GEMM TFLOP/s, FP8 GEMMs, and the engine's
+    decode step eager vs replayed as a CUDA graph. Without CUDA it says so and exits 0."""
     from deploy.bench.kernel_bench import run_kernel_bench
 
     _emit(run_kernel_bench(peak_gbps))

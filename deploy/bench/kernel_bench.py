@@ -16,6 +16,9 @@ FP8 (DeepSeek-V3's weights as published, ``kernels.fp8_gemm``): a dense projecti
 grouped experts with e4m3 weights in 128x128 blocks, TFLOP/s against the device's FP8 peak
 (``FP8_PEAK_TFLOPS``) and the error against the same product in BF16.
 
+Decode step (``decode_step``): the engine's decode pass of its own, a whole step of a small
+DeepSeek-shaped model, eager and replayed as its bucket's CUDA graph: what the graphs save.
+
 MoE: prefill-sized batches (thousands of tokens: bound by tensor FLOP/s) and decode-sized ones
 (64-256 tokens over a shard's 32 experts: bound by reading the experts' weights, so GB/s of the
 weights touched and their fraction of the peak bandwidth are reported beside TFLOP/s).
@@ -223,6 +226,43 @@ def bench_moe_grouped_fp8(tokens: int, experts: int, shapes: Shapes = V3, device
             "max_rel_err_vs_bf16": round(err, 4)}
 
 
+def bench_decode_step(batches: tuple[int, ...] = (1, 8, 32, 64), context: int = 1024, config: str = "bench",
+                      device: str = "cuda") -> dict[str, Any]:
+    """A whole decode step of a small DeepSeek-shaped model (``config``'s dims, random weights,
+    every row's latents ``context`` tokens long) as the engine runs a decode pass of its own
+    (``model.fixed_decode``): eager, and replayed as its bucket's CUDA graph (CUDA only; elsewhere
+    both run eagerly), ms per step by batch, and the replayed logits against the eager step's.
+    What a graph saves is the host's launching, which a small batch's step is mostly made of."""
+    from model.checkpoint import build_model, random_state_dict
+    from model.config import named_config
+    from model.fixed_decode import FixedShapeDecode, buckets_up_to
+
+    cfg = named_config(config)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(cfg, {k: v.to(device, dtype) for k, v in random_state_dict(cfg, seed=0).items()})
+    page = 16
+    width = -(-(context + 1) // page)
+    rows = max(batches)
+    pool = model.new_pool(rows * width + 1, page)  # the last page is the padding rows' scratch page
+    pool.data.normal_()
+    tables = torch.arange(rows * width, device=device).view(rows, width)
+    eager = FixedShapeDecode(model, pool, rows * width, width, buckets_up_to(rows))
+    graphs = FixedShapeDecode(model, pool, rows * width, width, buckets_up_to(rows), capture=device == "cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.full((rows,), context, device=device)
+    out = []
+    for b in batches:
+        def step(fixed: FixedShapeDecode, b: int = b) -> torch.Tensor:
+            return fixed(tokens[:b], tables[:b], positions[:b])
+
+        err = float((step(eager).float() - step(graphs).float()).abs().max())
+        eager_ms, graph_ms = _time_ms(lambda: step(eager), device), _time_ms(lambda: step(graphs), device)
+        out.append({"batch": b, "eager_ms": round(eager_ms, 3), "graph_ms": round(graph_ms, 3),
+                    "speedup": round(eager_ms / graph_ms, 2), "max_abs_err": round(err, 5)})
+    return {"config": config, "dtype": str(dtype).removeprefix("torch."), "context": context,
+            "captured": graphs.captured, "steps": out}
+
+
 def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "tide bench kernels needs CUDA; no CUDA device here"}
@@ -243,4 +283,6 @@ def run_kernel_bench(peak_gbps: float | None = None) -> dict[str, Any]:
         "peak_fp8_tflop_per_s": fp8_peak,
         "fp8_linear": [bench_fp8_linear(t, 7168, 16384, fp8_peak) for t in (4096, 64)],
         "moe_grouped_gemm_fp8": [bench_moe_grouped_fp8(t, e, peak_tflops=fp8_peak) for t, e in ((4096, 32), (64, 32))],
+        # the engine's decode pass of its own, eager and as a replayed CUDA graph
+        "decode_step": bench_decode_step(),
     }

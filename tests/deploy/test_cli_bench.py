@@ -123,6 +123,13 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     fp8_moe = bench_moe_grouped_fp8(24, 4, small, device, peak_tflops=100.0)
     assert 0 < fp8_moe["max_rel_err_vs_bf16"] < 0.1 and fp8_moe["ms"] > 0
     assert peak_fp8_tflops("NVIDIA H200") == 1979.0 and peak_fp8_tflops("NVIDIA A100-SXM4-80GB") is None
+    from deploy.bench.kernel_bench import bench_decode_step
+
+    step = bench_decode_step((1, 3), context=40, config="tiny", device=device)
+    assert step["captured"] == ([1, 2, 3] if device == "cuda" else [])  # every bucket up to the largest batch
+    assert [s["batch"] for s in step["steps"]] == [1, 3]
+    assert all(s["eager_ms"] > 0 and s["graph_ms"] > 0 and s["speedup"] > 0 for s in step["steps"])
+    assert all(s["max_abs_err"] < (0.05 if device == "cuda" else 1e-6) for s in step["steps"])
 
 
 @pytest.mark.parametrize("args, message", [
