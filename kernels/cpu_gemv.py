@@ -474,7 +474,7 @@ if __name__ == "__main__":  # scripts/setup.sh: build the extension once, at ins
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if cpu_kernels() is None:
         print("CPU decode kernels could not be built; the torch references will be used", file=sys.stderr)
-    else:
-        print(f"CPU decode kernels built in {build_dir()}")
-        for old in prune_other_builds():
-            print(f"removed an older build, {old}")
+        sys.exit(1)
+    print(f"CPU decode kernels built in {build_dir()}")
+    for old in prune_other_builds():
+        print(f"removed an older build, {old}")

@@ -138,8 +138,24 @@ class DecodeStep {
 
 }  // namespace
 
-void bind_decode_step(pybind11::module_& m) {
+// The module: the kernels of cpu_gemv.cpp, cpu_mla.cpp and cpu_sample.cpp, and DecodeStep with the
+// weight types it is built from. The one source that includes torch/extension.h (pybind11 and
+// torch's Python bindings take ~20 s to compile; the others include torch/types.h).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
+  m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
+  m.def("moe_routed", &moe_routed, "group by expert, run, and combine weighted outputs (fp32)");
+  m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
+  m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
+  m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
+  m.def("mla_fused", &mla_fused,
+        "a layer's absorbed MLA attention of a prefill chunk and decode rows from their projections (fp32)");
+  m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
+  m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");
+  m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
+  m.def("sample_rows", &sample_rows, "one token per row: temperature, top-k, top-p, an inverse-CDF draw (fp32)");
   py::class_<Linear>(m, "Linear", "a projection: float32 w [N, K] (and bias), or int8 q [N, K] with scale")
       .def(py::init<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>>(),

@@ -8,7 +8,7 @@
 // Int8 weights (the "q8" kernels) carry a float32 scale per row and group of G consecutive
 // columns (w[n, k] = q[n, k] * scale[n, k / G]): a quarter of the bytes per step, which is what
 // bounds decode here. Each group's dot product is summed in float32 and scaled once.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -509,21 +509,4 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, c10::op
     for (int64_t j = 0; j < K; ++j) wp[t * K + j] = wp[t * K + j] / d * static_cast<float>(scaling);
   }
   return {ids, weights};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
-  m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
-  m.def("moe_routed", &moe_routed, "group by expert, run, and combine weighted outputs (fp32)");
-  m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
-  m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
-  m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");
-  m.def("mla_fused", &mla_fused,
-        "a layer's absorbed MLA attention of a prefill chunk and decode rows from their projections (fp32)");
-  m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
-  m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");
-  m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
-  m.def("sample_rows", &sample_rows, "one token per row: temperature, top-k, top-p, an inverse-CDF draw (fp32)");
-  bind_decode_step(m);
 }

@@ -1,12 +1,17 @@
 // The small-batch kernels of cpu_gemv.cpp, for the other sources of the module (cpu_decode.cpp
-// chains them into a whole decode step). Contracts as documented where they are defined.
+// chains them into a whole decode step and binds them). Contracts as documented where they are
+// defined.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <tuple>
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
+
+torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down);
+
+torch::Tensor argmax_rows(torch::Tensor x);
 
 torch::Tensor small_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
 
@@ -26,5 +31,3 @@ torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor we
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                           torch::Tensor u);
 
-// Binds cpu_decode.cpp's DecodeStep (and the weight types it is built from) into the module.
-void bind_decode_step(pybind11::module_& m);

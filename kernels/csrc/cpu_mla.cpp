@@ -12,7 +12,7 @@
 // into several spans so that every thread has work even for one decode row or one prefill chunk;
 // the spans' partial results are merged by their log-sum-exp at the end (flash-decoding).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <atomic>

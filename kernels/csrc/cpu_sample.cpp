@@ -8,7 +8,7 @@
 // probability found by bisection); then the token where the row's uniform u in (0, 1] falls in
 // the cumulative sum of the kept probabilities (in double, by blocks of kBlock tokens, so that
 // 129k float terms do not bias the rare tokens).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -2,7 +2,7 @@
 // and the checks every entry point makes of its tensors.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cmath>
 #include <cstdint>
