@@ -46,12 +46,23 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
+# The CPU decode kernels are built here, once per install (not inside the first replica while
+# `tide up` already answers). They need only torch and ninja (pyproject.toml's pin), so they
+# compile while the rest installs.
+"$PIP" install -q "ninja>=1.11"
+echo "== building the CPU decode kernels (while the rest installs)"
+"$VENV/bin/python" -m kernels.cpu_gemv >"$VENV/.tide-kernels.log" 2>&1 &
+kernels=$!
+
 # TIDE_EXTRAS: the optional dependencies (default: test; the image takes none)
 EXTRAS=${TIDE_EXTRAS-test}
 echo "== installing tideserve${EXTRAS:+ and its $EXTRAS dependencies}"
 "$PIP" install -q -e ".${EXTRAS:+[$EXTRAS]}"
-# Built here, once per install (not inside the first replica while `tide up` already answers).
-echo "== building the CPU decode kernels"
-"$VENV/bin/python" -m kernels.cpu_gemv
+if wait "$kernels"; then  # what it did (torch, imported before numpy was installed, warns about it)
+  grep -E "^(CPU decode kernels|removed an older build)" "$VENV/.tide-kernels.log" || true
+else  # tried again with everything installed; without them the torch references are used
+  echo "== building the CPU decode kernels again (the first try failed: $VENV/.tide-kernels.log)"
+  "$VENV/bin/python" -m kernels.cpu_gemv || true
+fi
 echo "$want" >"$stamp"
 echo "== done: $VENV/bin/tide --help"
