@@ -161,6 +161,17 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
     assert cpu_gemv.build_dir().parent == tmp_path
 
 
+def test_the_build_command_fails_when_the_kernels_cannot_be_built():
+    """``python -m kernels.cpu_gemv`` (setup.sh's build) exits 1 and says what is used instead, so
+    setup can try again; here the kernels are turned off, as a failed build leaves them."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kernels.cpu_gemv"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "TIDE_CPU_KERNELS": "0"})
+    assert r.returncode == 1 and "the torch references will be used" in r.stderr, r.stderr
+
+
 def test_setup_removes_the_venvs_older_builds_but_not_one_under_way(monkeypatch, tmp_path):
     import os
     import sys
