@@ -21,7 +21,7 @@ draw, one pass or two over each row; ``model.sampling`` holds its torch referenc
 model's whole decode step.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
 builds it: ``python -m kernels.cpu_gemv``) into a directory of this install keyed by the source, the
-flags, torch and the interpreter (``build_dir``), so installs on one machine never rebuild each
+flags, torch and the install (``build_dir``), so installs on one machine never rebuild each
 other's copy; if that fails, or ``TIDE_CPU_KERNELS=0``, callers use the references.
 """
 
