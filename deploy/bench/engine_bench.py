@@ -4,8 +4,10 @@ inter-token latency of running requests while a long prompt is prefilled.
 The engine drives a model that costs nothing (``NullModel``: its forward returns ready logits,
 its KV pool holds nothing), so a step's time is the engine's own work: scheduling, block tables,
 sampling bookkeeping, detokenization, stop strings, outputs. Measured at batch 1/16/64/256 and
-contexts 1K/8K/32K (every sequence holds that many tokens), as the median and p90 of timed
-decode steps after a warm-up. The engine-core targets: at most 1 ms at batch 64, and at most
+contexts 1K/8K/32K (every sequence holds that many tokens), after a warm-up: the lowest median
+of three rounds of timed decode steps (a step's host work is a fraction of a millisecond, which
+another process's burst of work on the machine would lift for a whole round) and the p90 of
+all of them. The engine-core targets: at most 1 ms at batch 64, and at most
 1.2x from 1K to 32K context at every batch.
 
 ``sampling``: the sampler alone (``model.sampling.sample``) on DeepSeek-V3's 129,280-token
@@ -75,12 +77,17 @@ class NullModel:
         return self._logits[0], self._logits[: tokens.shape[0]]
 
 
+ROUNDS = 3  # timed rounds of a case: its median is the lowest round's (the machine's noise only adds time)
+
+
 def host_ms_per_step(batch: int, context: int, steps: int = 30, warmup: int = 5,
                      stop: tuple[str, ...] = ("\n\n",)) -> dict[str, float]:
-    """The median and p90 milliseconds of ``steps`` decode steps of ``batch`` sequences that
-    each hold ``context`` tokens (each request has a stop string, as chat clients send)."""
+    """Milliseconds of a decode step of ``batch`` sequences that each hold ``context`` tokens
+    (each request has a stop string, as chat clients send): the lowest of ``ROUNDS`` medians of
+    ``steps`` steps (a burst of another process's work lifts one round, not the figure) and the
+    p90 of all of them."""
     page = 16
-    total = context + warmup + steps + 2
+    total = context + warmup + ROUNDS * steps + 2
     model = NullModel(total + 1)
     cfg = EngineConfig(num_pages=batch * -(-(total + 1) // page), page_size=page, max_num_seqs=batch,
                        max_prefill_tokens=context * batch)
@@ -89,19 +96,23 @@ def host_ms_per_step(batch: int, context: int, steps: int = 30, warmup: int = 5,
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
         prompt = tuple(torch.randint(0, VOCAB, (context,), generator=gen).tolist())
-        engine.add_request(GenerationRequest(f"r{i}", prompt, warmup + steps + 2, SamplingParams(), stop=stop))
+        engine.add_request(GenerationRequest(f"r{i}", prompt, warmup + ROUNDS * steps + 2, SamplingParams(), stop=stop))
     while engine.waiting:  # every prompt admitted (the null model's prefill costs nothing)
         engine.step()
     assert len(engine.running) == batch, (len(engine.running), batch)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
+    for _ in range(warmup):
         engine.step()
-        if i >= warmup:
+    rounds = []
+    for _ in range(ROUNDS):
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
             times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return {"median_ms": round(statistics.median(times), 4), "p90_ms": round(times[int(0.9 * (len(times) - 1))], 4),
-            "steps": steps}
+        rounds.append(times)
+    every = sorted(t for times in rounds for t in times)
+    return {"median_ms": round(min(statistics.median(times) for times in rounds), 4),
+            "p90_ms": round(every[int(0.9 * (len(every) - 1))], 4), "steps": steps, "rounds": ROUNDS}
 
 
 SAMPLING_VOCAB = 129_280  # DeepSeek-V3's

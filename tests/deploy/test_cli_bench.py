@@ -359,7 +359,7 @@ def test_bench_engine_json(tmp_path):
     assert (tmp_path / "engine.svg").read_text().lstrip().startswith("<?xml") and out["plot"].endswith("engine.svg")
     grid = out["host_ms_per_step"]
     assert set(grid) == {"batch_1", "batch_4"} and all(set(row) == {"ctx_64", "ctx_256"} for row in grid.values())
-    assert all(c["steps"] == 5 and c["p90_ms"] >= c["median_ms"] for row in grid.values() for c in row.values())
+    assert all(c["steps"] == 5 and c["rounds"] == 3 and c["p90_ms"] >= c["median_ms"] for row in grid.values() for c in row.values())
     assert set(out["context_growth"]) == {"batch_1", "batch_4"} and "targets" not in out  # no batch 64 asked
     bad = tide_here("bench", "engine", "--batches", "0")
     assert bad.returncode == 2 and "--batches" in bad.stderr
