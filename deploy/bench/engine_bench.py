@@ -204,12 +204,16 @@ def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps:
         step()
     prefill_s = time.perf_counter() - t0
     under = sorted(gaps)
-    return {"itl_factor": itl_factor, "alone_p50_ms": round(statistics.median(alone), 2),
-            "alone_p90_ms": round(alone[min(len(alone) - 1, int(0.9 * len(alone)))], 2),
-            "alone_p99_ms": round(alone[min(len(alone) - 1, int(0.99 * len(alone)))], 2),
+
+    def q(ranked: list[float], f: float) -> float:  # the f-quantile of sorted values
+        return ranked[min(len(ranked) - 1, int(f * len(ranked)))]
+
+    alone_p50 = statistics.median(alone)
+    return {"itl_factor": itl_factor, "alone_p50_ms": round(alone_p50, 2),
+            "alone_p90_ms": round(q(alone, 0.9), 2), "alone_p99_ms": round(q(alone, 0.99), 2),
             "under_prefill_p50_ms": round(statistics.median(under), 2),
-            "under_prefill_p99_ms": round(under[min(len(under) - 1, int(0.99 * len(under)))], 2),
-            "p99_over_alone_p50": round(under[min(len(under) - 1, int(0.99 * len(under)))] / statistics.median(alone), 2),
+            "under_prefill_p99_ms": round(q(under, 0.99), 2),
+            "p99_over_alone_p50": round(q(under, 0.99) / alone_p50, 2),
             "prefill_s": round(prefill_s, 2), "steps": len(under) // running}
 
 

@@ -1,4 +1,4 @@
-// The paged MLA attention kernels (cpu_mla.cpp); cpu_gemv.cpp binds them into the module.
+// The paged MLA attention kernels (cpu_mla.cpp); cpu_decode.cpp binds them into the module.
 #pragma once
 
 #include <torch/types.h>

@@ -430,40 +430,46 @@ def test_the_text_of_each_step_decodes_a_few_tokens_not_the_whole_output():
     engine.check_integrity()
 
 
-class _TimedNull:
-    """The null model on a fake clock: a decode step takes 50 ms plus ``row_s`` per row, a
-    prefill token 1 ms plus ``attn_s`` per (token x attended token) (a mixed pass the sum)."""
+class _Clocked:
+    """``model`` on a fake clock, a pass costing by its shape: a decode pass ``decode_s`` plus
+    ``row_s`` per row, a prefill token ``token_s`` plus ``attn_s`` per (token x attended token)
+    (a mixed pass the sum); ``chunks`` records (new, start) of every prefill chunk."""
 
-    def __init__(self, attn_s: float = 0.0, row_s: float = 0.0) -> None:
-        from deploy.bench.engine_bench import NullModel
+    def __init__(self, model, decode_s: float, row_s: float = 0.0, token_s: float = 0.001,
+                 attn_s: float = 0.0) -> None:
+        self.inner, self.cfg, self.now = model, model.cfg, 0.0
+        self.decode_s, self.row_s, self.token_s, self.attn_s = decode_s, row_s, token_s, attn_s
+        self.chunks: list[tuple[int, int]] = []
 
-        self.now = 0.0
-        self.attn_s, self.row_s = attn_s, row_s
-        self.chunks: list[tuple[int, int]] = []  # (new, start) of every prefill chunk
-        self.inner = NullModel(8192, token=ord("a"))
-        self.cfg = self.inner.cfg
-
-    def new_pool(self, *a, **k):
-        return self.inner.new_pool(*a, **k)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
     def _chunk_s(self, n: int, start: int) -> float:
         self.chunks.append((n, start))
-        return 0.001 * n + self.attn_s * n * (start + n)
+        return self.token_s * n + self.attn_s * n * (start + n)
 
     def prefill(self, token_ids, pool, block_table, start=0, **k):
         self.now += self._chunk_s(token_ids.shape[0], start)
         return self.inner.prefill(token_ids, pool, block_table, start=start, **k)
 
     def decode(self, tokens, *a, **k):
-        self.now += 0.05 + self.row_s * tokens.shape[0]
+        self.now += self.decode_s + self.row_s * tokens.shape[0]
         return self.inner.decode(tokens, *a, **k)
 
     def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):  # the two passes' cost
-        self.now += 0.05 + self.row_s * tokens.shape[0] + self._chunk_s(chunk_ids.shape[0], chunk_start)
+        self.now += self.decode_s + self.row_s * tokens.shape[0] + self._chunk_s(chunk_ids.shape[0], chunk_start)
         return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
 
 
-def _timed_engine(model: _TimedNull, num_pages: int, max_num_seqs: int, decoding: bool = False) -> Engine:
+def _timed_null(attn_s: float = 0.0, row_s: float = 0.0) -> _Clocked:
+    """The null model on a fake clock: a decode step 50 ms plus ``row_s`` a row, a prefill token
+    1 ms plus ``attn_s`` per (token x attended token)."""
+    from deploy.bench.engine_bench import NullModel
+
+    return _Clocked(NullModel(8192, token=ord("a")), decode_s=0.05, row_s=row_s, attn_s=attn_s)
+
+
+def _timed_engine(model: _Clocked, num_pages: int, max_num_seqs: int, decoding: bool = False) -> Engine:
     """An engine with itl_factor 2 on ``model``'s fake clock; ``decoding``: with a request
     "first" (64-token prompt, 400 tokens) decoding and its decode step timed."""
     from cachedir.hashing import Namespace
@@ -485,7 +491,7 @@ def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bou
     each of them still gets a token every step taking at most ~2 decode steps; alone, a prompt
     goes in max_prefill_tokens chunks. The first step after the first prompt is a decode alone,
     which times the decode."""
-    model = _TimedNull()
+    model = _timed_null()
     engine = _timed_engine(model, 512, 4)
     engine.add_request(GenerationRequest("first", tuple(range(1, 1025)), 200))
     engine.step()
@@ -510,7 +516,7 @@ def test_prefill_chunks_shrink_as_the_prompt_context_grows_and_steps_stay_within
     is: the chunk size is fitted to ``token_s * new + attn_s * new * (start + new)`` and shrinks
     along the prompt, keeping every step of the running request within itl_factor (2) decode
     steps, where a size fitted per token alone would overrun late in the prompt."""
-    model = _TimedNull(attn_s=4e-7)
+    model = _timed_null(attn_s=4e-7)
     engine = _timed_engine(model, 1024, 4, decoding=True)
     engine.add_request(GenerationRequest("long", tuple(1 + i % 250 for i in range(6000)), 1))
     model.chunks.clear()
@@ -533,7 +539,7 @@ def test_chunks_are_sized_by_the_batch_that_runs_as_a_burst_of_prompts_joins_it(
     timed, a step decodes alone and is timed, so the chunks riding in the bigger batch's passes
     are sized by its step. Sized by the one-row step, every mixed pass would overrun the budget
     by the rows that joined, and the chunks would shrink to a few tokens each."""
-    model = _TimedNull(row_s=0.02)  # 70 ms for one row, 190 ms for seven
+    model = _timed_null(row_s=0.02)  # 70 ms for one row, 190 ms for seven
     engine = _timed_engine(model, 1024, 8, decoding=True)
     for i in range(6):
         engine.add_request(GenerationRequest(f"p{i}", tuple(1 + (i + j) % 250 for j in range(300)), 100))
@@ -666,29 +672,6 @@ def test_on_cuda_decode_steps_replay_graphs_and_give_the_eager_engines_tokens():
     assert runs[False] == runs[True]
 
 
-class _Clocked:
-    """``model`` on a fake clock, a pass costing by its shape (a decode pass 20 ms and 2 ms a
-    row, a prompt token 1 ms), so that itl_factor sizes the same chunks on every run."""
-
-    def __init__(self, model) -> None:
-        self.inner, self.cfg, self.now = model, model.cfg, 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def prefill(self, token_ids, *a, **k):
-        self.now += 0.001 * token_ids.shape[0]
-        return self.inner.prefill(token_ids, *a, **k)
-
-    def decode(self, tokens, *a, **k):
-        self.now += 0.02 + 0.002 * tokens.shape[0]
-        return self.inner.decode(tokens, *a, **k)
-
-    def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):
-        self.now += 0.02 + 0.002 * tokens.shape[0] + 0.001 * chunk_ids.shape[0]
-        return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)
-
-
 def _alone(model, req: GenerationRequest) -> list:
     """``req``'s outputs in an engine of its own."""
     solo = _engine(model)
@@ -708,7 +691,7 @@ def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token
     an engine of its own (a plain greedy one the model's ``generate``); an aborted one a prefix
     of them; the pages add up every step."""
     rng = random.Random(seed)
-    clocked = _Clocked(model)
+    clocked = _Clocked(model, decode_s=0.02, row_s=0.002)
     tok = ByteTokenizer()
     cfg = EngineConfig(num_pages=32, max_num_seqs=5, max_prefill_tokens=64, itl_factor=2.0,
                        micro_batches=2 if seed == 1 else 1)

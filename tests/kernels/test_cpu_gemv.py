@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,9 +143,6 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
     neither rebuilds the other's copy; the same install finds its own again, whichever name its
     interpreter is run by (setup runs ``bin/python``, a Ray worker started by ``bin/ray``
     ``bin/python3``: one build, not a second one at the first ``tide up``)."""
-    import subprocess
-    import sys
-
     from kernels import cpu_gemv
 
     monkeypatch.delenv("TIDE_KERNEL_BUILD_DIR", raising=False)
@@ -164,19 +164,12 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
 def test_the_build_command_fails_when_the_kernels_cannot_be_built():
     """``python -m kernels.cpu_gemv`` (setup.sh's build) exits 1 and says what is used instead, so
     setup can try again; here the kernels are turned off, as a failed build leaves them."""
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-m", "kernels.cpu_gemv"], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "TIDE_CPU_KERNELS": "0"})
     assert r.returncode == 1 and "the torch references will be used" in r.stderr, r.stderr
 
 
 def test_setup_removes_the_venvs_older_builds_but_not_one_under_way(monkeypatch, tmp_path):
-    import os
-    import sys
-    import time
-
     from kernels import cpu_gemv
 
     monkeypatch.setenv("TIDE_KERNEL_BUILD_DIR", str(tmp_path / "shared"))
