@@ -254,11 +254,15 @@ def _deaf_to_sigterm(pid: int) -> bool:
     return any(os.path.basename(a.decode(errors="replace")) in _DEAF_TO_SIGTERM for a in argv[:3])
 
 
+KILL_WAIT_S = 10.0  # how long SIGKILL is repeated while processes of the cluster are left
+
+
 def stop_marked(cluster_id: str, timeout_s: float = 3.0, temp_dir: str | Path | None = None) -> int:
     """SIGTERM every process of the cluster (``marked_processes``) and SIGKILL what is left once
     only Ray's daemons that ignore SIGTERM (gcs_server, raylet, the autoscaler monitor) remain,
-    or after ``timeout_s`` (Serve was shut down in order before); returns how many there were.
-    Processes of other clusters are never signalled."""
+    or after ``timeout_s`` (Serve was shut down in order before), again until none is left (a
+    process may start another until it is killed; at most ``KILL_WAIT_S``); returns how many
+    there were. Processes of other clusters are never signalled."""
     pids = marked_processes(cluster_id, temp_dir)
     for pid in pids:
         _signal(pid, signal.SIGTERM)
@@ -268,8 +272,11 @@ def stop_marked(cluster_id: str, timeout_s: float = 3.0, temp_dir: str | Path | 
         if all(_deaf_to_sigterm(p) for p in left):
             break
         time.sleep(0.1)
-    for pid in marked_processes(cluster_id, temp_dir):  # stragglers, and anything started meanwhile
-        _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while (left := marked_processes(cluster_id, temp_dir)) and time.monotonic() < deadline:
+        for pid in left:  # stragglers, and anything started meanwhile
+            _signal(pid, signal.SIGKILL)
+        time.sleep(0.02)
     return len(pids)
 
 

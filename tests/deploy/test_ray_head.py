@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -185,3 +186,23 @@ def test_the_driver_settings_reach_ray_even_when_it_was_imported_first():
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "127.0.0.1 True"
+
+
+def test_nothing_of_the_cluster_is_left_when_stop_returns_even_what_a_dying_process_forked():
+    """A process that ignores SIGTERM and keeps starting children (as a raylet starts workers)
+    until it is killed: a child forked after the last look would outlive a single SIGKILL round;
+    stop returns only once no process of the cluster is left."""
+    env = {**os.environ, CLUSTER_ID_ENV: "c5"}
+    spawner = subprocess.Popen(["bash", "-c", "trap '' TERM; while true; do sleep 600 & sleep 0.002; done"], env=env,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(marked_processes("c5")) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stop_marked("c5", timeout_s=0.5)
+        assert marked_processes("c5") == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(spawner.pid, signal.SIGKILL)
+        spawner.wait()
