@@ -353,13 +353,15 @@ def main(argv: list[str] | None = None) -> None:
     """The ``tide`` console entry (``argv``: the arguments, default ``sys.argv[1:]``): runtime
     conditions (no cluster, a dead head, nothing to lend) are one line and exit status 1; usage
     errors exit 2."""
-    from deploy.connect import TideError
+    from deploy.connect import TideError, disconnect
 
     try:
         app(args=argv)
     except TideError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(1) from None
+    finally:
+        disconnect()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ __all__ = [
     "Target",
     "TideError",
     "connect",
+    "disconnect",
     "find_target",
     "read_state",
     "require_app",
@@ -136,6 +137,16 @@ def connect(target: Target):
 
 
 _context: list = []  # the RayContext of this process's connection
+
+
+def disconnect() -> None:
+    """Leave the cluster ``connect`` joined, if it did: at once, where Ray's exit hook would first
+    wait half a second for log lines that a command never forwards (``log_to_driver=False``)."""
+    if _context:
+        import ray
+
+        _context.clear()
+        ray.shutdown()
 
 
 def _load_redis_password(target: Target) -> None:
