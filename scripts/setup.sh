@@ -29,27 +29,43 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip"
-"$PIP" install -q --upgrade pip
+"$PIP" install -q --upgrade pip uv
+
+# Packages install with uv (parallel downloads: the dependencies in seconds where pip takes a
+# minute) told pip's settings (indexes, picked from as pip does, find-links, constraints), and
+# with pip where uv fails.
+pip_setting() {  # $1: a pip setting; its value from the environment (PIP_*), else pip's config
+  local var="PIP_$(echo "$1" | tr a-z- A-Z_)"
+  if [ -n "${!var:-}" ]; then echo "${!var}"; else "$PIP" config get "global.$1" 2>/dev/null || true; fi
+}
+uv_args=(--python "$VENV/bin/python" --index-strategy unsafe-best-match)
+for v in $(pip_setting index-url); do uv_args+=(--index-url "$v"); done
+for v in $(pip_setting extra-index-url); do uv_args+=(--extra-index-url "$v"); done
+for v in $(pip_setting find-links); do uv_args+=(--find-links "$v"); done
+for v in $(pip_setting constraint); do uv_args+=(--constraint "$v"); done
+install() {
+  "$VENV/bin/uv" pip install -q "${uv_args[@]}" "$@" || { echo "== uv failed; pip instead"; "$PIP" install -q "$@"; }
+}
 
 # TORCH_BUILD=cuda|cpu chooses the torch build (an image is built where no GPU is); default: by nvidia-smi
 TORCH_BUILD=${TORCH_BUILD:-$(command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)}
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   if [ "$TORCH_BUILD" = cuda ]; then
     echo "== installing torch (CUDA build)"
-    "$PIP" install -q "torch>=2.6,<3"
+    install "torch>=2.6,<3"
   else
     # An unpinned torch would pull a multi-GB CUDA build; 2.13.0 is the CPU build we test with.
     # Triton is pinned too: tests/kernels/test_hopper_compile.py checks the kernels' tile configs
     # against what this compiler makes of them.
     echo "== installing torch==2.13.0 (CPU build) and triton==3.9.0"
-    "$PIP" install -q "torch==2.13.0" "triton==3.9.0"
+    install "torch==2.13.0" "triton==3.9.0"
   fi
 fi
 
 # The CPU decode kernels are built here, once per install (not inside the first replica while
 # `tide up` already answers). They need only torch and ninja (pyproject.toml's pin), so they
 # compile while the rest installs.
-"$PIP" install -q "ninja>=1.11"
+install "ninja>=1.11"
 echo "== building the CPU decode kernels (while the rest installs)"
 "$VENV/bin/python" -m kernels.cpu_gemv >"$VENV/.tide-kernels.log" 2>&1 &
 kernels=$!
@@ -57,7 +73,7 @@ kernels=$!
 # TIDE_EXTRAS: the optional dependencies (default: test; the image takes none)
 EXTRAS=${TIDE_EXTRAS-test}
 echo "== installing tideserve${EXTRAS:+ and its $EXTRAS dependencies}"
-"$PIP" install -q -e ".${EXTRAS:+[$EXTRAS]}"
+install -e ".${EXTRAS:+[$EXTRAS]}"
 if wait "$kernels"; then  # what it did (torch, imported before numpy was installed, warns about it)
   grep -E "^(CPU decode kernels|removed an older build)" "$VENV/.tide-kernels.log" || true
 else  # tried again with everything installed; without them the torch references are used
