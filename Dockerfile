@@ -6,8 +6,8 @@
 FROM python:3.11-slim-bookworm
 
 ARG TORCH_BUILD=cpu
-# no package caches in the image; its modules compiled once here, not in every pod
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1 UV_COMPILE_BYTECODE=1 \
+# no package caches in the image
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1 \
     TORCH_BUILD=${TORCH_BUILD} TIDE_EXTRAS=
 # g++: setup.sh builds the CPU decode kernels; wget: KubeRay's health probes
 RUN apt-get update && apt-get install -y --no-install-recommends g++ wget \

@@ -43,8 +43,8 @@ for v in $(pip_setting index-url); do uv_args+=(--index-url "$v"); done
 for v in $(pip_setting extra-index-url); do uv_args+=(--extra-index-url "$v"); done
 for v in $(pip_setting find-links); do uv_args+=(--find-links "$v"); done
 for v in $(pip_setting constraint); do uv_args+=(--constraint "$v"); done
-install() {
-  "$VENV/bin/uv" pip install -q "${uv_args[@]}" "$@" || { echo "== uv failed; pip instead"; "$PIP" install -q "$@"; }
+install() {  # compiled to bytecode as pip does: else the first `tide up`'s processes compile what they import
+  "$VENV/bin/uv" pip install -q --compile-bytecode "${uv_args[@]}" "$@" || { echo "== uv failed; pip instead"; "$PIP" install -q "$@"; }
 }
 
 # TORCH_BUILD=cuda|cpu chooses the torch build (an image is built where no GPU is); default: by nvidia-smi
