@@ -43,7 +43,8 @@ for v in $(pip_setting index-url); do uv_args+=(--index-url "$v"); done
 for v in $(pip_setting extra-index-url); do uv_args+=(--extra-index-url "$v"); done
 for v in $(pip_setting find-links); do uv_args+=(--find-links "$v"); done
 for v in $(pip_setting constraint); do uv_args+=(--constraint "$v"); done
-install() {  # compiled to bytecode as pip does: else the first `tide up`'s processes compile what they import
+install() {  # compiled to bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set, every process
+  # would otherwise compile each module it imports, every time
   "$VENV/bin/uv" pip install -q --compile-bytecode "${uv_args[@]}" "$@" || { echo "== uv failed; pip instead"; "$PIP" install -q "$@"; }
 }
 
