@@ -34,9 +34,16 @@ PIP="$VENV/bin/pip"
 # Packages install with uv (parallel downloads: the dependencies in seconds where pip takes a
 # minute) told pip's settings (indexes, picked from as pip does, find-links, constraints), and
 # with pip where uv fails.
-pip_setting() {  # $1: a pip setting; its value from the environment (PIP_*), else pip's config
-  local var="PIP_$(echo "$1" | tr a-z- A-Z_)"
-  if [ -n "${!var:-}" ]; then echo "${!var}"; else "$PIP" config get "global.$1" 2>/dev/null || true; fi
+pip_setting() {  # $1: a pip setting's value as `pip config list` shows it: the environment's
+  # (PIP_*) before an [install] section's before a [global] one's
+  "$PIP" config list 2>/dev/null | "$PYTHON" -c '
+import sys
+key, found = sys.argv[1], {}
+for line in sys.stdin:
+    name, _, value = line.rstrip("\n").partition("=")
+    found[name] = value.strip("\x27")
+print(next((found[f"{section}.{key}"] for section in (":env:", "install", "global") if f"{section}.{key}" in found), ""))
+' "$1"
 }
 uv_args=(--python "$VENV/bin/python" --index-strategy unsafe-best-match)
 for v in $(pip_setting index-url); do uv_args+=(--index-url "$v"); done
