@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def test_uv_gets_pips_indexes_find_links_and_constraints_in_pips_order(tmp_path)
     args = uv.split()
     assert args[:3] == ["uv", "pip", "install"] and args[-2:] == ["-e", ".[test]"]
     assert "--compile-bytecode" in args  # as pip does: modules are not compiled again in every process
-    pairs = list(zip(args, args[1:]))
+    pairs = list(pairwise(args))
     assert ("--index-strategy", "unsafe-best-match") in pairs  # the best version over all indexes, as pip
     assert [v for k, v in pairs if k == "--extra-index-url"] == ["file:///opt/a/simple", "file:///opt/b/simple"]
     assert [v for k, v in pairs if k == "--find-links"] == ["/opt/from-env"]  # PIP_* before the files
@@ -71,4 +72,4 @@ def test_an_install_sections_setting_comes_before_the_global_one(tmp_path):
     config = "".join(line + "\n" for line in CONFIG_LIST.splitlines() if not line.startswith(":env:.find-links"))
     (uv,) = _run(tmp_path, uv_exit=0, config=config)
     args = uv.split()
-    assert [v for k, v in zip(args, args[1:]) if k == "--find-links"] == ["/opt/from-install"]
+    assert [v for k, v in pairwise(args) if k == "--find-links"] == ["/opt/from-install"]
