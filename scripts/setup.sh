@@ -29,11 +29,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip"
-"$PIP" install -q --upgrade pip uv
-
 # Packages install with uv (parallel downloads: the dependencies in seconds where pip takes a
 # minute) told pip's settings (indexes, picked from as pip does, find-links, constraints), and
-# with pip where uv fails.
+# with pip where uv fails or has no build for the machine.
+"$PIP" install -q --upgrade pip uv || "$PIP" install -q --upgrade pip
 pip_setting() {  # $1: a pip setting's value as `pip config list` shows it: the environment's
   # (PIP_*) before an [install] section's before a [global] one's
   "$PIP" config list 2>/dev/null | "$PYTHON" -c '

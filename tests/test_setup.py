@@ -31,7 +31,8 @@ def _install_helpers() -> str:
     return found.group(0)
 
 
-def _run(tmp_path: Path, uv_exit: int, config: str = CONFIG_LIST) -> list[str]:
+def _run(tmp_path: Path, uv_exit: int | None, config: str = CONFIG_LIST) -> list[str]:
+    """The calls of ``install -e .[test]``; ``uv_exit`` None: no uv (it has no build for the machine)."""
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
     log = tmp_path / "calls"
@@ -40,9 +41,10 @@ if [ "$1 $2" = "config list" ]; then cat <<'EOF'
 {config}EOF
 else echo "pip $*" >>{log}; fi
 """)
-    (venv / "uv").write_text(f'#!/bin/sh\necho "uv $*" >>{log}\nexit {uv_exit}\n')
-    for tool in ("pip", "uv"):
-        (venv / tool).chmod(0o755)
+    (venv / "pip").chmod(0o755)
+    if uv_exit is not None:
+        (venv / "uv").write_text(f'#!/bin/sh\necho "uv $*" >>{log}\nexit {uv_exit}\n')
+        (venv / "uv").chmod(0o755)
     script = (f'set -euo pipefail\nPYTHON={sys.executable}\nVENV={tmp_path / "venv"}\nPIP="$VENV/bin/pip"\n'
               + _install_helpers() + 'install -e ".[test]"\n')
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
@@ -66,6 +68,10 @@ def test_uv_gets_pips_indexes_find_links_and_constraints_in_pips_order(tmp_path)
 def test_pip_installs_what_uv_could_not(tmp_path):
     uv, pip = _run(tmp_path, uv_exit=1)
     assert uv.startswith("uv pip install") and pip == "pip install -q -e .[test]"
+
+
+def test_pip_installs_everything_without_uv(tmp_path):
+    assert _run(tmp_path, uv_exit=None) == ["pip install -q -e .[test]"]
 
 
 def test_an_install_sections_setting_comes_before_the_global_one(tmp_path):
