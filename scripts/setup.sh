@@ -81,6 +81,9 @@ kernels=$!
 EXTRAS=${TIDE_EXTRAS-test}
 echo "== installing tideserve${EXTRAS:+ and its $EXTRAS dependencies}"
 install -e ".${EXTRAS:+[$EXTRAS]}"
+# An editable install leaves the package's own modules uncompiled: compiled here once, for the
+# same reason as install()'s --compile-bytecode (every Ray worker and command imports them)
+"$VENV/bin/python" -m compileall -q -j 0 model kernels cachedir cluster actors deploy >/dev/null
 if wait "$kernels"; then  # what it did (torch, imported before numpy was installed, warns about it)
   grep -E "^(CPU decode kernels|removed an older build)" "$VENV/.tide-kernels.log" || true
 else  # tried again with everything installed; without them the torch references are used
