@@ -235,9 +235,10 @@ def down() -> bool:
     return True
 
 
-def _replica_stats(state_actor, handle, pd: bool) -> list[dict]:
+def _replica_stats(state_actor, target: Target, pd: bool) -> list[dict]:
     """Every replica's stats from its heartbeat (prefill pool first under P/D, marked ``pool``);
-    one replica's, asked through the app, when none has reported yet."""
+    one replica's, asked through the app (a Serve handle: ``ray.serve``'s import, ~0.6 s), when
+    none has reported yet."""
     import ray
 
     reports = ray.get(state_actor.replica_reports.remote(), timeout=30)
@@ -249,14 +250,18 @@ def _replica_stats(state_actor, handle, pd: bool) -> list[dict]:
         if pd:
             entry["pool"] = "decode" if "LLMDecode" in name else "prefill"
         out.append(entry)
-    return out or [handle.stats.remote().result(timeout_s=30)]
+    if out:
+        return out
+    from deploy.connect import serve_handle
+
+    return [serve_handle(target).stats.remote().result(timeout_s=30)]
 
 
 def cluster_status(target: Target) -> dict[str, Any]:
     """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
-    from deploy.connect import app_args, serve_handle
+    from deploy.connect import app_args, require_app
 
-    handle = serve_handle(target)
+    require_app(target)
     import ray
 
     from actors.tidal import tidal_state
@@ -264,7 +269,7 @@ def cluster_status(target: Target) -> dict[str, Any]:
 
     state_actor = tidal_state()
     roles, reports = ray.get(state_actor.roles.remote()), ray.get(state_actor.reports.remote())
-    replicas = _replica_stats(state_actor, handle, bool(app_args(target).get("decode_replicas")))
+    replicas = _replica_stats(state_actor, target, bool(app_args(target).get("decode_replicas")))
     control = find_ep_control()
     ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
     serving = {n for n, r in reports.items() if time.time() - r["time"] < 10}
