@@ -29,8 +29,11 @@ from deploy.connect import (
     ClusterUnreachable,
     Target,
     TideError,
+    app_args,
     connect,
     read_state,
+    require_app,
+    serve_handle,
     state_path,
     write_state,
 )
@@ -250,17 +253,11 @@ def _replica_stats(state_actor, target: Target, pd: bool) -> list[dict]:
         if pd:
             entry["pool"] = "decode" if "LLMDecode" in name else "prefill"
         out.append(entry)
-    if out:
-        return out
-    from deploy.connect import serve_handle
-
-    return [serve_handle(target).stats.remote().result(timeout_s=30)]
+    return out or [serve_handle(target).stats.remote().result(timeout_s=30)]
 
 
 def cluster_status(target: Target) -> dict[str, Any]:
     """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
-    from deploy.connect import app_args, require_app
-
     require_app(target)
     import ray
 

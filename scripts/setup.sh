@@ -33,9 +33,9 @@ PIP="$VENV/bin/pip"
 # minute) told pip's settings (indexes, picked from as pip does, find-links, constraints), and
 # with pip where uv fails or has no build for the machine.
 "$PIP" install -q --upgrade pip uv || "$PIP" install -q --upgrade pip
-pip_setting() {  # $1: a pip setting's value as `pip config list` shows it: the environment's
+pip_setting() {  # $1: a pip setting's value as `pip config list` showed it: the environment's
   # (PIP_*) before an [install] section's before a [global] one's
-  "$PIP" config list 2>/dev/null | "$PYTHON" -c '
+  echo "$pip_config" | "$PYTHON" -c '
 import sys
 key, found = sys.argv[1], {}
 for line in sys.stdin:
@@ -44,6 +44,7 @@ for line in sys.stdin:
 print(next((found[f"{section}.{key}"] for section in (":env:", "install", "global") if f"{section}.{key}" in found), ""))
 ' "$1"
 }
+pip_config=$("$PIP" config list 2>/dev/null || true)
 uv_args=(--python "$VENV/bin/python" --index-strategy unsafe-best-match)
 for v in $(pip_setting index-url); do uv_args+=(--index-url "$v"); done
 for v in $(pip_setting extra-index-url); do uv_args+=(--extra-index-url "$v"); done
@@ -81,8 +82,9 @@ kernels=$!
 EXTRAS=${TIDE_EXTRAS-test}
 echo "== installing tideserve${EXTRAS:+ and its $EXTRAS dependencies}"
 install -e ".${EXTRAS:+[$EXTRAS]}"
-# An editable install leaves the package's own modules uncompiled: compiled here once, for the
-# same reason as install()'s --compile-bytecode (every Ray worker and command imports them)
+# An editable install leaves the package's own modules (pyproject.toml's packages) uncompiled:
+# compiled here once, for the same reason as install()'s --compile-bytecode (every Ray worker and
+# command imports them)
 "$VENV/bin/python" -m compileall -q -j 0 model kernels cachedir cluster actors deploy >/dev/null
 if wait "$kernels"; then  # what it did (torch, imported before numpy was installed, warns about it)
   grep -E "^(CPU decode kernels|removed an older build)" "$VENV/.tide-kernels.log" || true
