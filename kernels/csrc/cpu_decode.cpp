@@ -8,7 +8,11 @@
 // SMALL_ROWS rows, in the same order, so the logits are the same bits.
 //
 // Legend: B rows, M hidden, L layers, D latent values per token.
-#include <torch/extension.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <utility>
 #include <vector>
@@ -21,17 +25,17 @@ namespace {
 // y = x @ w^T (+ bias) for a weight held as float32 ``w`` [N, K] or int8 ``q`` with ``scale``:
 // the GEMV kernels, or torch's linear when there is a bias (as model.layers.linear does).
 struct Linear {
-  c10::optional<torch::Tensor> w, q, scale, bias;
+  c10::optional<at::Tensor> w, q, scale, bias;
 
-  Linear(c10::optional<torch::Tensor> w_, c10::optional<torch::Tensor> q_, c10::optional<torch::Tensor> scale_,
-         c10::optional<torch::Tensor> bias_)
+  Linear(c10::optional<at::Tensor> w_, c10::optional<at::Tensor> q_, c10::optional<at::Tensor> scale_,
+         c10::optional<at::Tensor> bias_)
       : w(std::move(w_)), q(std::move(q_)), scale(std::move(scale_)), bias(std::move(bias_)) {
     TORCH_CHECK(w.has_value() != q.has_value(), "a Linear is float32 (w) or int8 (q, scale), exactly one");
     TORCH_CHECK(q.has_value() == scale.has_value(), "an int8 Linear needs its scale");
     TORCH_CHECK(!(bias.has_value() && q.has_value()), "an int8 Linear has no bias here");
   }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (bias.has_value()) return at::linear(x, *w, *bias);
     if (q.has_value()) return small_linear_q8(x.contiguous(), *q, *scale);
     return small_linear(x.contiguous(), *w);
@@ -42,7 +46,7 @@ struct Linear {
 struct Mlp {
   Linear gate_up, down;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     auto gu = gate_up(x).chunk(2, -1);
     return down(at::silu(gu[0]) * gu[1]);
   }
@@ -51,16 +55,16 @@ struct Mlp {
 // The gate, routed experts (all in this process) and shared experts of one MoE layer
 // (model.moe.MoE with a LocalExpertExecutor); routing arguments as moe_route's.
 struct Moe {
-  torch::Tensor gate;  // [E, M]
-  c10::optional<torch::Tensor> bias;
+  at::Tensor gate;  // [E, M]
+  c10::optional<at::Tensor> bias;
   int64_t top_k, groups, topk_groups, method;
   bool softmax, norm;
   double scaling;
-  torch::Tensor gate_up, down;  // [E, 2I, M], [E, M, I]: float32, or int8 with the scales below
-  c10::optional<torch::Tensor> gate_up_scale, down_scale;
+  at::Tensor gate_up, down;  // [E, 2I, M], [E, M, I]: float32, or int8 with the scales below
+  c10::optional<at::Tensor> gate_up_scale, down_scale;
   c10::optional<Mlp> shared;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     auto [ids, weights] = moe_route(at::linear(x, gate), bias, top_k, groups, topk_groups, method, softmax, norm,
                                     scaling);
     auto y = gate_up_scale.has_value()
@@ -72,11 +76,11 @@ struct Moe {
 
 // One decoder layer: MLA (queries straight from x, or through the q_a low-rank path) and its FFN.
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   c10::optional<Linear> q, q_a, q_b;
-  c10::optional<torch::Tensor> q_a_norm;
+  c10::optional<at::Tensor> q_a_norm;
   Linear kv_a;
-  torch::Tensor kv_a_norm, w_uk, w_uv_t;  // [R], [H, N, R], [H, R, V]
+  at::Tensor kv_a_norm, w_uk, w_uv_t;  // [R], [H, N, R], [H, R, V]
   Linear o;
   double scale;
   c10::optional<Mlp> mlp;
@@ -85,13 +89,13 @@ struct Layer {
 
 class DecodeStep {
  public:
-  DecodeStep(double eps, bool interleave, torch::Tensor norm, Linear lm_head)
+  DecodeStep(double eps, bool interleave, at::Tensor norm, Linear lm_head)
       : eps_(eps), interleave_(interleave), norm_(std::move(norm)), lm_head_(std::move(lm_head)) {}
 
-  void add_layer(torch::Tensor input_norm, c10::optional<Linear> q, c10::optional<Linear> q_a,
-                 c10::optional<torch::Tensor> q_a_norm, c10::optional<Linear> q_b, Linear kv_a,
-                 torch::Tensor kv_a_norm, torch::Tensor w_uk, torch::Tensor w_uv_t, Linear o, double scale,
-                 torch::Tensor post_norm, c10::optional<Mlp> mlp, c10::optional<Moe> moe) {
+  void add_layer(at::Tensor input_norm, c10::optional<Linear> q, c10::optional<Linear> q_a,
+                 c10::optional<at::Tensor> q_a_norm, c10::optional<Linear> q_b, Linear kv_a,
+                 at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, Linear o, double scale,
+                 at::Tensor post_norm, c10::optional<Mlp> mlp, c10::optional<Moe> moe) {
     TORCH_CHECK(q.has_value() != q_a.has_value(), "layer ", layers_.size(), ": queries come from q or q_a, one");
     TORCH_CHECK(!q_a.has_value() || (q_a_norm.has_value() && q_b.has_value()),
                 "layer ", layers_.size(), ": q_a needs q_a_norm and q_b");
@@ -108,9 +112,9 @@ class DecodeStep {
   // [B, V]; the new latents are written into kv. A mixed pass: the first T of the rows (h, cos,
   // sin, new_slots hold T + B) are a prefill chunk at positions chunk_start .. of the sequence
   // at chunk_table (mla_fused's), and only the rows from ``logits_from`` on get logits.
-  torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
-                        torch::Tensor new_slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        int64_t page_size, c10::optional<torch::Tensor> chunk_table, int64_t chunk_start,
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv,
+                        at::Tensor new_slots, at::Tensor block_tables, at::Tensor seq_lens,
+                        int64_t page_size, c10::optional<at::Tensor> chunk_table, int64_t chunk_start,
                         int64_t logits_from) const {
     TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "kv must be [", num_layers(), ", slots, D], got ",
                 kv.sizes());
@@ -131,7 +135,7 @@ class DecodeStep {
  private:
   double eps_;
   bool interleave_;
-  torch::Tensor norm_;
+  at::Tensor norm_;
   Linear lm_head_;
   std::vector<Layer> layers_;
 };
@@ -139,8 +143,8 @@ class DecodeStep {
 }  // namespace
 
 // The module: the kernels of cpu_gemv.cpp, cpu_mla.cpp and cpu_sample.cpp, and DecodeStep with the
-// weight types it is built from. The one source that includes torch/extension.h (pybind11 and
-// torch's Python bindings take ~20 s to compile; the others include torch/types.h).
+// weight types it is built from. The one source with pybind11 and torch's tensor caster (the
+// slowest to compile); the bindings need nothing else of torch/extension.h.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
@@ -157,18 +161,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
   m.def("sample_rows", &sample_rows, "one token per row: temperature, top-k, top-p, an inverse-CDF draw (fp32)");
   py::class_<Linear>(m, "Linear", "a projection: float32 w [N, K] (and bias), or int8 q [N, K] with scale")
-      .def(py::init<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>>(),
+      .def(py::init<c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>>(),
            py::arg("w") = py::none(), py::arg("q") = py::none(), py::arg("scale") = py::none(),
            py::arg("bias") = py::none());
   py::class_<Mlp>(m, "Mlp", "down(silu(gate(x)) * up(x)), gate and up in one [2I, M] Linear")
       .def(py::init([](Linear gate_up, Linear down) { return Mlp{std::move(gate_up), std::move(down)}; }),
            py::arg("gate_up"), py::arg("down"));
   py::class_<Moe>(m, "Moe", "an MoE layer's gate (moe_route's arguments), local experts and shared experts")
-      .def(py::init([](torch::Tensor gate, c10::optional<torch::Tensor> bias, int64_t top_k, int64_t groups,
+      .def(py::init([](at::Tensor gate, c10::optional<at::Tensor> bias, int64_t top_k, int64_t groups,
                        int64_t topk_groups, int64_t method, bool softmax, bool norm, double scaling,
-                       torch::Tensor gate_up, torch::Tensor down, c10::optional<torch::Tensor> gate_up_scale,
-                       c10::optional<torch::Tensor> down_scale, c10::optional<Mlp> shared) {
+                       at::Tensor gate_up, at::Tensor down, c10::optional<at::Tensor> gate_up_scale,
+                       c10::optional<at::Tensor> down_scale, c10::optional<Mlp> shared) {
              TORCH_CHECK(gate_up_scale.has_value() == down_scale.has_value(), "int8 experts need both scales");
              return Moe{std::move(gate), std::move(bias), top_k, groups, topk_groups, method, softmax, norm,
                         scaling, std::move(gate_up), std::move(down), std::move(gate_up_scale),
@@ -179,7 +183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("down"), py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none(),
            py::arg("shared") = py::none());
   py::class_<DecodeStep>(m, "DecodeStep", "a float32 CPU model's whole decode step, layer by layer in C++")
-      .def(py::init<double, bool, torch::Tensor, Linear>(), py::arg("eps"), py::arg("interleave"), py::arg("norm"),
+      .def(py::init<double, bool, at::Tensor, Linear>(), py::arg("eps"), py::arg("interleave"), py::arg("norm"),
            py::arg("lm_head"))
       .def("add_layer", &DecodeStep::add_layer, py::arg("input_norm"), py::arg("q"), py::arg("q_a"),
            py::arg("q_a_norm"), py::arg("q_b"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),

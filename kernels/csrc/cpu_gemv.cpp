@@ -8,8 +8,11 @@
 // Int8 weights (the "q8" kernels) carry a float32 scale per row and group of G consecutive
 // columns (w[n, k] = q[n, k] * scale[n, k / G]): a quarter of the bytes per step, which is what
 // bounds decode here. Each group's dot product is summed in float32 and scaled once.
-#include <torch/types.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -151,13 +154,13 @@ void dot_rows_q8(const float* x, int64_t m, int64_t K, const int8_t* q, const fl
 }  // namespace
 
 // x [M, K], w [N, K] -> [M, N]
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor small_linear(at::Tensor x, at::Tensor w) {
   check_f32(x, "x");
   check_f32(w, "w");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "shape mismatch: x ", x.sizes(), " w ", w.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -167,8 +170,8 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w) {
 
 namespace {
 
-void check_q8(const torch::Tensor& q, const torch::Tensor& scale, const char* name) {
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.device().is_cpu(), name,
+void check_q8(const at::Tensor& q, const at::Tensor& scale, const char* name) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu(), name,
               " must be contiguous int8 on the CPU, got ", q.scalar_type());
   check_f32(scale, "scale");
   TORCH_CHECK(scale.dim() == q.dim() && scale.sizes().slice(0, q.dim() - 1) == q.sizes().slice(0, q.dim() - 1),
@@ -180,13 +183,13 @@ void check_q8(const torch::Tensor& q, const torch::Tensor& scale, const char* na
 }  // namespace
 
 // x [M, K] float32, q [N, K] int8, scale [N, K / G] float32 -> [M, N] = x @ (q * scale)^T
-torch::Tensor small_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+at::Tensor small_linear_q8(at::Tensor x, at::Tensor q, at::Tensor scale) {
   check_f32(x, "x");
   check_q8(q, scale, "q");
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1),
               "shape mismatch: x ", x.sizes(), " q ", q.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / scale.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -246,7 +249,7 @@ void run_experts(const float* xp, const int64_t* s, int64_t A, int64_t R, int64_
   per_expert_linear(act.data(), s, A, I, down, H, yp);
 }
 
-void check_expert_shapes(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t H) {
+void check_expert_shapes(const at::Tensor& gate_up, const at::Tensor& down, int64_t H) {
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(2) == H && down.size(0) == E &&
                   down.size(1) == H && down.size(2) == I,
@@ -254,7 +257,7 @@ void check_expert_shapes(const torch::Tensor& gate_up, const torch::Tensor& down
               " do not fit hidden size ", H);
 }
 
-void check_experts(const torch::Tensor& gate_up, const torch::Tensor& down, int64_t H) {
+void check_experts(const at::Tensor& gate_up, const at::Tensor& down, int64_t H) {
   check_f32(gate_up, "gate_up");
   check_f32(down, "down");
   check_expert_shapes(gate_up, down, H);
@@ -262,11 +265,11 @@ void check_experts(const torch::Tensor& gate_up, const torch::Tensor& down, int6
 
 // The whole routed-expert step for a few tokens: group (token, k) pairs by expert (counting
 // sort), run each active expert once, and sum the weighted outputs per token.
-torch::Tensor routed(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights, int64_t E,
+at::Tensor routed(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, int64_t E,
                      int64_t I, const ExpertMats& gate_up, const ExpertMats& down) {
   check_f32(x, "x");
   check_f32(weights, "weights");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous(), "ids must be contiguous int64");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
   TORCH_CHECK(ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == x.size(0),
               "ids ", ids.sizes(), " and weights ", weights.sizes(), " must be [T, K] for x ", x.sizes());
   const int64_t T = x.size(0), H = x.size(1), K = ids.size(1), R = T * K;
@@ -286,7 +289,7 @@ torch::Tensor routed(const torch::Tensor& x, const torch::Tensor& ids, const tor
   const float* xp = x.data_ptr<float>();
   for (int64_t j = 0; j < R; ++j) std::copy_n(xp + (j / K) * H, H, xs.data() + row_of[j] * H);
   run_experts(xs.data(), spans.data(), static_cast<int64_t>(spans.size() / 3), R, H, I, gate_up, down, ys.data());
-  auto out = torch::zeros({T, H}, x.options());
+  auto out = at::zeros({T, H}, x.options());
   float* op = out.data_ptr<float>();
   const float* wp = weights.data_ptr<float>();
   for (int64_t j = 0; j < R; ++j) {
@@ -298,13 +301,13 @@ torch::Tensor routed(const torch::Tensor& x, const torch::Tensor& ids, const tor
   return out;
 }
 
-ExpertMats f32_mats(const torch::Tensor& w) {
+ExpertMats f32_mats(const at::Tensor& w) {
   ExpertMats m;
   m.f32 = w.data_ptr<float>();
   return m;
 }
 
-ExpertMats q8_mats(const torch::Tensor& q, const torch::Tensor& scale) {
+ExpertMats q8_mats(const at::Tensor& q, const at::Tensor& scale) {
   ExpertMats m;
   m.q8 = q.data_ptr<int8_t>();
   m.scale = scale.data_ptr<float>();
@@ -317,10 +320,10 @@ ExpertMats q8_mats(const torch::Tensor& q, const torch::Tensor& scale) {
 // Routed experts for rows already sorted by expert.
 // xs [R, H]; spans [A, 3] int64 rows (expert, lo, hi); gate_up [E, 2I, H]; down [E, H, I]
 // -> ys [R, H] with ys[lo:hi] = down_e(silu(gate_e(xs)) * up_e(xs)).
-torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor gate_up,
-                          torch::Tensor down) {
+at::Tensor moe_experts(at::Tensor xs, at::Tensor spans, at::Tensor gate_up,
+                          at::Tensor down) {
   check_f32(xs, "xs");
-  TORCH_CHECK(spans.scalar_type() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 3,
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 3,
               "spans must be int64 [A, 3]");
   const int64_t R = xs.size(0), H = xs.size(1), E = gate_up.size(0);
   check_experts(gate_up, down, H);
@@ -331,23 +334,23 @@ torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor g
     TORCH_CHECK(s[3 * a] >= 0 && s[3 * a] < E, "expert id ", s[3 * a], " outside [0, ", E, ")");
     TORCH_CHECK(0 <= s[3 * a + 1] && s[3 * a + 1] <= s[3 * a + 2] && s[3 * a + 2] <= R, "bad span");
   }
-  auto ys = torch::empty({R, H}, xs.options());
+  auto ys = at::empty({R, H}, xs.options());
   run_experts(xs.data_ptr<float>(), s, A, R, H, gate_up.size(1) / 2, f32_mats(gate_up), f32_mats(down),
               ys.data_ptr<float>());
   return ys;
 }
 
 // x [T, H]; ids [T, K] int64; weights [T, K] float32; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
-torch::Tensor moe_routed(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
-                         torch::Tensor gate_up, torch::Tensor down) {
+at::Tensor moe_routed(at::Tensor x, at::Tensor ids, at::Tensor weights,
+                         at::Tensor gate_up, at::Tensor down) {
   check_experts(gate_up, down, x.size(1));
   return routed(x, ids, weights, gate_up.size(0), gate_up.size(1) / 2, f32_mats(gate_up), f32_mats(down));
 }
 
 // The same with int8 experts: gate_up_q [E, 2I, H] with scales [E, 2I, H / G1], down_q [E, H, I]
 // with scales [E, H, I / G2].
-torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up_q,
-                            torch::Tensor gate_up_scale, torch::Tensor down_q, torch::Tensor down_scale) {
+at::Tensor moe_routed_q8(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up_q,
+                            at::Tensor gate_up_scale, at::Tensor down_q, at::Tensor down_scale) {
   check_q8(gate_up_q, gate_up_scale, "gate_up");
   check_q8(down_q, down_scale, "down");
   check_expert_shapes(gate_up_q, down_q, x.size(1));
@@ -399,11 +402,11 @@ int64_t argmax_row(const float* x, int64_t n) {
 // The index of the largest value of each row of x [M, V] (fp32) -> [M] int64, the first of equal
 // ones and a NaN counting as the largest, as torch.argmax: vectorized, which torch's CPU
 // reduction is not (a greedy decode step's argmax over a 129K vocabulary is milliseconds there).
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, "x must be [M, V] with V >= 1, got ", x.sizes());
   const int64_t M = x.size(0), V = x.size(1);
-  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / V), [&](int64_t m0, int64_t m1) {
@@ -414,13 +417,13 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 // RMSNorm of each row of x [M, H] (fp32): y = x * rsqrt(mean(x^2) + eps) * w, w [H]. One
 // call in place of the half-dozen ops (and their dispatch) a decode-sized norm costs in torch.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_f32(x, "x");
   check_f32(w, "w");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "shape mismatch: x ", x.sizes(), " w ",
               w.sizes());
   const int64_t M = x.size(0), H = x.size(1);
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
@@ -449,7 +452,7 @@ void top_k(const float* values, int64_t n, int64_t k, int64_t* out, std::vector<
 // bias, groups ranked by the sum of their best two, the others excluded); the K best choices,
 // weighted by their unbiased scores (normalised to sum 1 when ``norm`` and K > 1) times
 // ``scaling``. Returns (ids [T, K] int64, best first; weights [T, K] fp32).
-std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, c10::optional<torch::Tensor> bias,
+std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor logits, c10::optional<at::Tensor> bias,
                                                    int64_t K, int64_t G, int64_t KG, int64_t method,
                                                    bool softmax, bool norm, double scaling) {
   check_f32(logits, "logits");
@@ -466,8 +469,8 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, c10::op
     TORCH_CHECK(bias->numel() == E, "bias must have E = ", E, " values");
     bp = bias->data_ptr<float>();
   }
-  auto ids = torch::empty({T, K}, logits.options().dtype(torch::kInt64));
-  auto weights = torch::empty({T, K}, logits.options());
+  auto ids = at::empty({T, K}, logits.options().dtype(at::kLong));
+  auto weights = at::empty({T, K}, logits.options());
   const float* lp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = weights.data_ptr<float>();

@@ -3,31 +3,31 @@
 // defined.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w);
+at::Tensor small_linear(at::Tensor x, at::Tensor w);
 
-torch::Tensor moe_experts(torch::Tensor xs, torch::Tensor spans, torch::Tensor gate_up, torch::Tensor down);
+at::Tensor moe_experts(at::Tensor xs, at::Tensor spans, at::Tensor gate_up, at::Tensor down);
 
-torch::Tensor argmax_rows(torch::Tensor x);
+at::Tensor argmax_rows(at::Tensor x);
 
-torch::Tensor small_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
+at::Tensor small_linear_q8(at::Tensor x, at::Tensor q, at::Tensor scale);
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 
-std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, c10::optional<torch::Tensor> bias,
+std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor logits, c10::optional<at::Tensor> bias,
                                                    int64_t K, int64_t G, int64_t KG, int64_t method,
                                                    bool softmax, bool norm, double scaling);
 
-torch::Tensor moe_routed(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up,
-                         torch::Tensor down);
+at::Tensor moe_routed(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up,
+                         at::Tensor down);
 
-torch::Tensor moe_routed_q8(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up_q,
-                            torch::Tensor gate_up_scale, torch::Tensor down_q, torch::Tensor down_scale);
+at::Tensor moe_routed_q8(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up_q,
+                            at::Tensor gate_up_scale, at::Tensor down_q, at::Tensor down_scale);
 
 // cpu_sample.cpp: one token per row of float32 logits [R, V] (model.sampling's contract).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor u);
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                          at::Tensor u);
 

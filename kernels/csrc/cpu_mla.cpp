@@ -12,7 +12,9 @@
 // into several spans so that every thread has work even for one decode row or one prefill chunk;
 // the spans' partial results are merged by their log-sum-exp at the end (flash-decoding).
 #include <ATen/Parallel.h>
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>
@@ -247,9 +249,9 @@ struct SeqRows {
 // lim[j] rows of the sequence whose block-table row is pages_of(q); queries [q0, q1) of one
 // sequence are contiguous. Returns [N, H, R].
 template <typename SeqOf>
-torch::Tensor attend_all(const Problem& pb, int64_t N, int64_t H, int64_t num_seqs, SeqOf seq_of,
-                         const torch::Tensor& like) {
-  auto out = torch::empty({N, H, pb.R}, like.options());
+at::Tensor attend_all(const Problem& pb, int64_t N, int64_t H, int64_t num_seqs, SeqOf seq_of,
+                         const at::Tensor& like) {
+  auto out = at::empty({N, H, pb.R}, like.options());
   float* op = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t block = std::max<int64_t>(1, kOutBytes / (4 * pb.R));  // query-heads per task, at most
@@ -326,7 +328,7 @@ torch::Tensor attend_all(const Problem& pb, int64_t N, int64_t H, int64_t num_se
   return out;
 }
 
-void check_queries(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const torch::Tensor& kv,
+void check_queries(const at::Tensor& q_lat, const at::Tensor& q_rope, const at::Tensor& kv,
                    int64_t page_size) {
   check_f32(q_lat, "q_lat");
   check_f32(q_rope, "q_rope");
@@ -345,7 +347,7 @@ void check_pages(const int64_t* row, int64_t row_idx, int64_t len, int64_t Z, in
                 " outside the pool's ", pages, " pages");
 }
 
-Problem problem(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const torch::Tensor& kv, double scale,
+Problem problem(const at::Tensor& q_lat, const at::Tensor& q_rope, const at::Tensor& kv, double scale,
                 int64_t page_size, const int64_t* lim) {
   const int64_t R = q_lat.size(2), P = q_rope.size(2);
   return {q_lat.data_ptr<float>(), q_rope.data_ptr<float>(), kv.data_ptr<float>(), R, P, R + P, page_size,
@@ -357,11 +359,11 @@ Problem problem(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const t
 struct Rows {
   int64_t T = 0, start = 0, B = 0, X = 0;
   const int64_t *chunk_tab = nullptr, *tab = nullptr, *len = nullptr;
-  torch::Tensor keep_chunk, keep_tab, keep_len;  // contiguous copies the pointers read
+  at::Tensor keep_chunk, keep_tab, keep_len;  // contiguous copies the pointers read
 };
 
-Rows chunk_rows(const torch::Tensor& chunk_table, int64_t start, int64_t T, int64_t Z, int64_t pages, Rows rows = {}) {
-  TORCH_CHECK(chunk_table.scalar_type() == torch::kInt64 && chunk_table.dim() == 1, "block_table must be int64 [X]");
+Rows chunk_rows(const at::Tensor& chunk_table, int64_t start, int64_t T, int64_t Z, int64_t pages, Rows rows = {}) {
+  TORCH_CHECK(chunk_table.scalar_type() == at::kLong && chunk_table.dim() == 1, "block_table must be int64 [X]");
   rows.keep_chunk = chunk_table.contiguous();
   TORCH_CHECK(T >= 1 && start >= 0 && start + T <= rows.keep_chunk.size(0) * Z, "a chunk of ", T, " tokens from ",
               start, " does not fit a block table of ", rows.keep_chunk.size(0), " pages of ", Z);
@@ -372,11 +374,11 @@ Rows chunk_rows(const torch::Tensor& chunk_table, int64_t start, int64_t T, int6
   return rows;
 }
 
-Rows decode_rows(const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t B, int64_t Z, int64_t pages,
+Rows decode_rows(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t B, int64_t Z, int64_t pages,
                  Rows rows = {}) {
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == B,
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == B,
               "block_table must be int64 [B, X]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == B, "seq_lens must be int64 [B]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.numel() == B, "seq_lens must be int64 [B]");
   rows.keep_tab = block_table.contiguous();
   rows.keep_len = seq_lens.contiguous();
   rows.B = B;
@@ -393,7 +395,7 @@ Rows decode_rows(const torch::Tensor& block_table, const torch::Tensor& seq_lens
 
 // The attention of every row's heads in one parallel pass (the chunk's queries first):
 // q_lat [T + B, H, R], q_rope [T + B, H, P] -> [T + B, H, R].
-torch::Tensor attend_rows(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const torch::Tensor& kv,
+at::Tensor attend_rows(const at::Tensor& q_lat, const at::Tensor& q_rope, const at::Tensor& kv,
                           const Rows& rows, double scale, int64_t page_size) {
   const int64_t H = q_lat.size(1), T = rows.T, B = rows.B;
   TORCH_CHECK(q_lat.size(0) == T + B, "q_lat holds ", q_lat.size(0), " rows, the chunk and the batch ", T + B);
@@ -415,8 +417,8 @@ torch::Tensor attend_rows(const torch::Tensor& q_lat, const torch::Tensor& q_rop
 // q_rope [B, H, P], kv [slots, R + P], block_table [B, X] int64, seq_lens [B] int64 (each in
 // 1..X*Z) -> out [B, H, R] = softmax_s((q_lat . c_s + q_rope . k_s) * scale) @ c. Token s of row
 // b is in slot block_table[b, s / Z] * Z + s % Z; only s < seq_lens[b] is read.
-torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv,
-                               torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+at::Tensor mla_decode_paged(at::Tensor q_lat, at::Tensor q_rope, at::Tensor kv,
+                               at::Tensor block_table, at::Tensor seq_lens, double scale,
                                int64_t page_size) {
   check_queries(q_lat, q_rope, kv, page_size);
   const Rows rows = decode_rows(block_table, seq_lens, q_lat.size(0), page_size, kv.size(0) / page_size);
@@ -427,8 +429,8 @@ torch::Tensor mla_decode_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch:
 // q_rope [T, H, P] of the tokens at positions start .. start + T - 1, whose latents (and those of
 // every earlier token) are in the pool at block_table [X] int64; query t attends tokens
 // 0 .. start + t (causal). -> [T, H, R], as mla_decode_paged with T rows of that table.
-torch::Tensor mla_chunk_paged(torch::Tensor q_lat, torch::Tensor q_rope, torch::Tensor kv,
-                              torch::Tensor block_table, int64_t start, double scale, int64_t page_size) {
+at::Tensor mla_chunk_paged(at::Tensor q_lat, at::Tensor q_rope, at::Tensor kv,
+                              at::Tensor block_table, int64_t start, double scale, int64_t page_size) {
   check_queries(q_lat, q_rope, kv, page_size);
   const Rows rows = chunk_rows(block_table, start, q_lat.size(0), page_size, kv.size(0) / page_size);
   return attend_rows(q_lat, q_rope, kv, rows, scale, page_size);
@@ -462,10 +464,10 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const float* x, const
 // row i's latent [RMSNorm(c_kv) * kv_norm, rope(k_rope)] into kv at new_slots[i], then attends as
 // mla_chunk_paged and mla_decode_paged do (all rows in one parallel pass) with q_lat = q_nope @
 // W_UK, and returns o_lat @ W_UV: one call for what is a dozen small ops per layer in torch.
-torch::Tensor mla_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_norm, double eps, torch::Tensor cos,
-                        torch::Tensor sin, bool interleave, torch::Tensor w_uk, torch::Tensor w_uv_t, torch::Tensor kv,
-                        torch::Tensor new_slots, torch::Tensor block_table, torch::Tensor seq_lens,
-                        c10::optional<torch::Tensor> chunk_table, int64_t chunk_start, double scale,
+at::Tensor mla_fused(at::Tensor q, at::Tensor kv_a, at::Tensor kv_norm, double eps, at::Tensor cos,
+                        at::Tensor sin, bool interleave, at::Tensor w_uk, at::Tensor w_uv_t, at::Tensor kv,
+                        at::Tensor new_slots, at::Tensor block_table, at::Tensor seq_lens,
+                        c10::optional<at::Tensor> chunk_table, int64_t chunk_start, double scale,
                         int64_t page_size) {
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&kv_a, "kv_a"}, {&kv_norm, "kv_norm"}, {&cos, "cos"},
                                 {&sin, "sin"}, {&w_uk, "w_uk"}, {&w_uv_t, "w_uv_t"}, {&kv, "kv"}})
@@ -479,7 +481,7 @@ torch::Tensor mla_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_no
   TORCH_CHECK(kv_a.dim() == 2 && kv_a.size(0) == n && kv_a.size(1) == D, "kv_a must be [rows, ", D, "]");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == n && cos.size(1) == P / 2,
               "cos and sin must be [rows, P / 2]");
-  TORCH_CHECK(new_slots.scalar_type() == torch::kInt64 && new_slots.numel() == n, "new_slots must be int64 [rows]");
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.numel() == n, "new_slots must be int64 [rows]");
   TORCH_CHECK(page_size >= 1 && kv.size(0) % page_size == 0, "kv slots must be whole pages");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) <= n, "block_table must be [B, X] with B <= rows");
   const int64_t B = block_table.size(0), T = n - B, pages = kv.size(0) / page_size;
@@ -491,7 +493,7 @@ torch::Tensor mla_fused(torch::Tensor q, torch::Tensor kv_a, torch::Tensor kv_no
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < kv.size(0), "new_slots[", i, "] = ", sp[i], " outside the pool's ", kv.size(0),
                 " slots");
-  auto q_rope = torch::empty({n, H, P}, q.options());
+  auto q_rope = at::empty({n, H, P}, q.options());
   const float *qp = q.data_ptr<float>(), *ap = kv_a.data_ptr<float>(), *cp = cos.data_ptr<float>(),
               *snp = sin.data_ptr<float>(), *np = kv_norm.data_ptr<float>();
   float *rp = q_rope.data_ptr<float>(), *kvp = kv.data_ptr<float>();

@@ -8,8 +8,9 @@
 // probability found by bisection); then the token where the row's uniform u in (0, 1] falls in
 // the cumulative sum of the kept probabilities (in double, by blocks of kBlock tokens, so that
 // 129k float terms do not bias the rare tokens).
-#include <torch/types.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -202,8 +203,8 @@ int64_t sample_row(const float* l, int64_t V, float temperature, int64_t top_k, 
 
 // logits [R, V] float32; temperature [R] (> 0), top_k [R] int64 (0: off), top_p [R] float32
 // (1: off), u [R] float64 in (0, 1] -> tokens [R] int64.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor u) {
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                          at::Tensor u) {
   check_f32(logits, "logits");
   check_f32(temperature, "temperature");
   check_f32(top_p, "top_p");
@@ -211,9 +212,9 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V < (int64_t{1} << 31), "a vocabulary of ", V, " tokens is too large");
   TORCH_CHECK(temperature.numel() == R && top_p.numel() == R, "temperature and top_p must have R = ", R, " values");
-  TORCH_CHECK(top_k.scalar_type() == torch::kInt64 && top_k.is_contiguous() && top_k.numel() == R,
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == R,
               "top_k must be contiguous int64 [R]");
-  TORCH_CHECK(u.scalar_type() == torch::kFloat64 && u.is_contiguous() && u.numel() == R,
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == R,
               "u must be contiguous float64 [R]");
   const float *lp = logits.data_ptr<float>(), *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
@@ -222,7 +223,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
     TORCH_CHECK(tp[r] > 0.0f && pp[r] > 0.0f && pp[r] <= 1.0f && kp[r] >= 0 && up[r] > 0.0 && up[r] <= 1.0,
                 "row ", r, ": temperature ", tp[r], ", top_k ", kp[r], ", top_p ", pp[r], ", u ", up[r],
                 " (need temperature > 0, top_k >= 0, 0 < top_p <= 1, 0 < u <= 1)");
-  auto out = torch::empty({R}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> p(V);

@@ -2,7 +2,7 @@
 // and the checks every entry point makes of its tensors.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstdint>
@@ -13,8 +13,8 @@
 
 namespace tide {
 
-inline void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+inline void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
