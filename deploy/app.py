@@ -13,9 +13,8 @@ import hashlib
 import json
 import os
 import secrets
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -29,131 +28,13 @@ from actors.replica_config import (
 )
 from cachedir.hashing import read_secret
 from cluster.engine import EngineConfig
+from deploy.app_args import AppArgs, gpus_per_actor
 from deploy.ep_admin import ep_control_name
-from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
 from deploy.openai_api import OpenAIIngress
-from deploy.protocol import KeyGrant, Limits
+from deploy.protocol import KeyGrant
 from model.config import check_checkpoint_dir
 
 __all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes", "recorded_app_args"]
-
-
-class AppArgs(BaseModel):
-    """Arguments of the app (``args:`` in a Serve config). Unset paths get local defaults;
-    unknown fields are an error (a typo must not silently fall back to a default)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    checkpoint: str | None = None  # default: the built-in 'tiny' model
-    model_name: str = "tiny"
-    dtype: str = "float32"
-    # "cuda": each replica takes one GPU (Ray's num_gpus) and runs the model there with the Triton
-    # kernels; use dtype bfloat16 for real models
-    device: Literal["cpu", "cuda"] = "cpu"
-    # "int8": a CPU replica holds its projections and routed experts as int8 with a scale per 128
-    # columns (model.quant): a quarter of the bytes a decode step streams; float32 CPU models only
-    cpu_weights: Literal["fp32", "int8"] = "fp32"
-    # an fp8 checkpoint's (DeepSeek-V3/R1 as published) projections and experts: auto keeps them
-    # in fp8 on CUDA (the block-scaled fp8 GEMMs) and dequantizes them on the CPU; keep | dequantize
-    fp8_weights: Literal["auto", "keep", "dequantize"] = "auto"
-    replicas: int = Field(default=1, ge=1)
-    # >0: P/D disaggregation: `replicas` prefill replicas hand each prompt's KV to this many decode
-    # replicas (deployment LLMDecode, placed by free KV); 0: every replica does both
-    decode_replicas: int = Field(default=0, ge=0)
-    replica_cpus: float = Field(default=1.0, gt=0)
-    max_replicas_per_node: int | None = Field(default=None, ge=1)  # 1: one DP replica per node
-    cache_dir: str | None = None  # default: $TIDE_HOME/cache
-    ssd_gb: float = Field(default=8.0, gt=0)
-    cache_layout: Literal["unit", "segment"] = "segment"  # unit files on disk: one per unit, or per write batch
-    ram_mb: int = Field(default=512, ge=0)
-    admission: str = "all"
-    enable_cache: bool = True  # False: no unit store, no prefix sharing (benchmarks' baseline)
-    # False: a replica keeps no finished prompt's pages for reuse, so every prefix hit comes from
-    # the prompt cache (RAM/SSD/other nodes): the disk cache measured alone, as DeepSeek serves
-    prefix_sharing: bool = True
-    num_pages: int = Field(default=4096, ge=16)
-    max_num_seqs: int = Field(default=16, ge=1)
-    max_prefill_tokens: int = Field(default=2048, ge=64)
-    # >1: while requests decode, prefill chunks are sized so that nine in ten steps (the decode
-    # tokens ride in the chunk's forward pass) take at most this many decode steps' time, with
-    # a margin for how far recent steps ran past their prediction: bounded inter-token latency
-    # under long prompts, at some cost to the long prompt's time to first token; 0: every chunk
-    # is max_prefill_tokens. 2.5 keeps their p99 within 3 decode steps (tide bench engine's itl)
-    itl_factor: float = Field(default=2.5, ge=0)
-    directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
-    directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
-    cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
-    cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
-    # the cache agents' token, read on each node from a 0600 file (default: $TIDE_AGENT_TOKEN_FILE;
-    # `tide up` makes one in $TIDE_HOME/run) or an env var; with neither, one made by the app and kept
-    # in Ray's internal KV (readable by every Ray job). Calls are signed with it, it is never sent
-    agent_token_file: str | None = None
-    agent_token_env: str | None = None
-    # a file (mode 0600, on every node) holding the cluster's cache secret: unit keys are hashed
-    # and units authenticated under it, so a unit forged by anyone holding the agent token is a
-    # miss; replicas and the ingress read it, cache agents never do. Default: $TIDE_CACHE_SECRET_FILE
-    # (`tide up` makes one in $TIDE_HOME/run); unset: units are checked for damage only
-    cache_secret_file: str | None = None
-    agent_tls_cert_file: str | None = None  # PEM files on every node: agents serve gRPC over TLS
-    agent_tls_key_file: str | None = None  # (the certificate must name the node's IP)
-    agent_tls_ca_file: str | None = None
-    agent_tls_mutual: bool = False  # agents require a node certificate signed by agent_tls_ca_file (and present theirs)
-    router: Literal["cache-aware", "round-robin", "prefix-affinity", "power-of-two"] = "cache-aware"
-    directory_password_env: str | None = None  # name of the env var holding the Redis password
-    directory_tls_ca_file: str | None = None  # PEM CA of the Redis server's certificate (rediss:// URLs)
-    usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
-    expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
-    expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
-    expert_rebalance_s: float = Field(default=0.0, ge=0)  # re-plan placement this often (0: `tide eplb rebalance`)
-    micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
-    # True: no CUDA graphs; every decode step runs eagerly (as vLLM's --enforce-eager)
-    enforce_eager: bool = False
-    # how expert-parallel rows travel: fp8 dispatch + bf16 combine (DeepSeek's), the model's dtype
-    # (native), or auto: fp8 for a bfloat16 model, else native
-    ep_wire: Literal["auto", "native", "fp8"] = "auto"
-    # key -> "TENANT" or "TENANT:MODEL[+MODEL...]" (the models it may use; default all);
-    # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
-    api_keys: dict[str, str] | None = None
-    # with keys, only /health and /version answer without one; list any of /metrics, /docs,
-    # /redoc, /openapi.json here to serve them without a key too (e.g. a Prometheus without one)
-    public_paths: list[str] = Field(default_factory=list)
-    limits: dict[str, int] | None = None
-    # the HTTP ingress runs on the head node (beside its proxy), so losing or lending a worker node
-    # never loses a request's ingress — only its replica, and the request continues elsewhere;
-    # False: anywhere Serve places it
-    ingress_on_head: bool = True
-
-
-    @field_validator("itl_factor")
-    @classmethod
-    def _itl(cls, v: float) -> float:
-        if v != 0 and v <= 1:
-            raise ValueError(f"itl_factor must be 0 (off) or > 1, got {v}")
-        return v
-
-    @field_validator("limits")
-    @classmethod
-    def _limits(cls, limits: dict[str, int] | None) -> dict[str, int] | None:
-        if limits:
-            Limits(**limits)  # ValueError naming a misspelled or out-of-range limit
-        return limits
-
-    @field_validator("public_paths")
-    @classmethod
-    def _public(cls, paths: list[str]) -> list[str]:
-        bad = sorted(set(paths) - OPTIONAL_PUBLIC_PATHS)
-        if bad:
-            raise ValueError(f"public_paths may name {', '.join(sorted(OPTIONAL_PUBLIC_PATHS))}; not {', '.join(bad)}")
-        return paths
-
-    @field_validator("api_keys")
-    @classmethod
-    def _grants(cls, keys: dict[str, str] | None) -> dict[str, str] | None:
-        for key, grant in (keys or {}).items():
-            if not key:
-                raise ValueError("api_keys has an empty key")
-            KeyGrant.parse(grant)  # ValueError naming the bad grant
-        return keys
 
 
 def key_tenant(key: str) -> str:
@@ -225,21 +106,10 @@ def _agent_token_source(a: AppArgs) -> dict[str, str]:  # AgentSection's token f
     return {"token": _cluster_agent_token()}
 
 
-def _gpus_per_actor(device: str) -> int:
-    """Each replica and each expert shard takes one GPU of its own under ``device="cuda"``."""
-    return 1 if device == "cuda" else 0
-
-
 def shard_actor_options(device: str) -> dict[str, Any]:
     """Ray resources of one expert-shard actor: no CPU (it waits in collectives between rounds;
     its gloo threads are not Ray tasks), and its GPU under ``device="cuda"``."""
-    return {"num_cpus": 0, "num_gpus": _gpus_per_actor(device)}
-
-
-def gpus_needed(a: AppArgs) -> int:
-    """GPUs the app takes: one per (prefill or decode) replica and one per expert shard under
-    ``device="cuda"``."""
-    return (a.replicas + a.decode_replicas + a.expert_shards) * _gpus_per_actor(a.device)
+    return {"num_cpus": 0, "num_gpus": gpus_per_actor(device)}
 
 
 def _expert_shards(checkpoint: str, a: AppArgs) -> EPSection:
@@ -336,7 +206,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router, request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
     replica_options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": _gpus_per_actor(a.device)},
+        "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": gpus_per_actor(a.device)},
         "max_ongoing_requests": 64, "health_check_period_s": 10, "max_replicas_per_node": a.max_replicas_per_node,
         "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     }

@@ -176,12 +176,12 @@ UP_ONLY = ("host", "port", "redis_url", "num_cpus")  # `tide up --config` keys t
 
 
 def _read_config(path: Path) -> dict:
-    """A `tide up --config` file: a YAML mapping of ``deploy.app.AppArgs`` fields (and host,
+    """A `tide up --config` file: a YAML mapping of ``deploy.app_args.AppArgs`` fields (and host,
     port, redis_url, num_cpus); a bad one is a usage error naming the field."""
     import yaml
     from pydantic import ValidationError
 
-    from deploy.app import AppArgs
+    from deploy.app_args import AppArgs
 
     try:
         raw = yaml.safe_load(path.read_text())
@@ -228,7 +228,7 @@ def _startup_view(console):
 @app.command()
 def up(
     ctx: typer.Context,
-    config: Path = typer.Option(None, "--config", help="YAML file of deploy.app.AppArgs fields (and host, port, redis_url, num_cpus); options given here win"),
+    config: Path = typer.Option(None, "--config", help="YAML file of deploy.app_args.AppArgs fields (and host, port, redis_url, num_cpus); options given here win"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     model_name: str = typer.Option("tiny", "--model-name", help="the model id clients ask for"),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address (loopback by default: then every Ray, cache-agent and expert-parallel listener binds to loopback too)"),

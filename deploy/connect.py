@@ -180,7 +180,7 @@ def serve_handle(target: Target, deployment: str = "LLMServer"):
 
 
 def app_args(target: Target, redeploy: bool = False) -> dict[str, Any]:
-    """The args the running app was built from (``deploy.app.AppArgs`` fields): ``tide up``'s
+    """The args the running app was built from (``deploy.app_args.AppArgs`` fields): ``tide up``'s
     state, else what ``build_app`` recorded in the cluster. ``redeploy``: they will build the
     app again, so an app with API keys (which the cluster never stores) cannot be redeployed
     from there."""

@@ -12,11 +12,13 @@ binds to loopback.
 
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -96,6 +98,9 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
     _check_gpus(app_args)
     loopback = is_loopback(host)
     state: dict[str, Any] = {"cluster_id": uuid.uuid4().hex, "loopback": loopback}
+    # the app's modules (torch, Ray Serve, the replica: ~2 s) load while Redis and the Ray head start
+    preload = threading.Thread(target=_preload, args=("deploy.app",), name="tide-up-preload", daemon=True)
+    preload.start()
     try:
         ensure_auth_token()
         if redis_url is None:
@@ -114,7 +119,8 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         from ray import serve
 
         from actors.startup import clear_startup, read_startup
-        from deploy.app import AppArgs, build_app, gpus_needed
+        from deploy.app import build_app
+        from deploy.app_args import AppArgs, gpus_needed
 
         # A replica or shard asking for a GPU the cluster lacks would wait forever (no autoscaler here)
         need, have = gpus_needed(AppArgs(**app_args)), int(ray.cluster_resources().get("GPU", 0))
@@ -142,6 +148,16 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         _teardown(state)
         state_path().unlink(missing_ok=True)
         raise
+    finally:
+        preload.join()  # not left importing while the interpreter exits
+
+
+def _preload(module: str) -> None:
+    """Import ``module`` ahead of its use; a failure is left to the import where it is used."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001, S110 - raised again, with its traceback, where it is imported
+        pass
 
 
 def _watch(serve, show: Callable[[], None]) -> Callable[[], None]:
@@ -162,7 +178,7 @@ def _check_gpus(app_args: dict[str, Any]) -> None:
     """Fail before starting anything when this machine has fewer GPUs than the app takes (a
     replica or shard asking for a GPU the cluster lacks would wait forever: no autoscaler here)."""
     from actors.gpu import gpu_telemetry
-    from deploy.app import AppArgs, gpus_needed
+    from deploy.app_args import AppArgs, gpus_needed
 
     need = gpus_needed(AppArgs(**app_args))
     if need:

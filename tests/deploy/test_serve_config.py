@@ -77,6 +77,7 @@ def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeyp
     import deploy.app
     from actors.replica_config import EPSection
     from deploy.app import build_app, shard_actor_options
+    from deploy.app_args import AppArgs, gpus_needed
 
     assert shard_actor_options("cuda") == {"num_cpus": 0, "num_gpus": 1}
     assert shard_actor_options("cpu") == {"num_cpus": 0, "num_gpus": 0}
@@ -87,7 +88,7 @@ def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeyp
     assert asked == ["cuda"] and server._bound_deployment.init_args[0].device == "cuda"
     # data-parallel attention replicas over the shared shards: a GPU for each replica and each shard
     assert server._bound_deployment.num_replicas == 3
-    assert deploy.app.gpus_needed(deploy.app.AppArgs(device="cuda", expert_shards=2, replicas=3)) == 5
+    assert gpus_needed(AppArgs(device="cuda", expert_shards=2, replicas=3)) == 5
 
 
 def test_deployment_versions_change_with_what_replicas_are_built_from_not_with_counts(tmp_path, monkeypatch):
