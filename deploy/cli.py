@@ -201,14 +201,22 @@ def _read_config(path: Path) -> dict:
 
 
 def _startup_view(console):
-    """Render replicas' start-up progress (``actors.startup``) as a live table on stderr."""
+    """Render replicas' start-up progress (``actors.startup``) as a live table on stderr, or, where
+    stderr is no terminal (a log file, CI), as a line for each stage a replica enters."""
     from rich.live import Live
     from rich.table import Table
 
     live = Live(console=console, transient=True, refresh_per_second=4)
+    logged: dict[str, str] = {}  # replica -> the stage last logged (no terminal)
 
     def show(replicas: dict[str, dict]) -> None:
         if not replicas:
+            return
+        if not console.is_terminal:
+            for name, r in sorted(replicas.items()):
+                if logged.get(name) != r.get("stage"):
+                    logged[name] = r.get("stage", "?")
+                    console.log(f"replica {_replica_id(name)}: {logged[name]}")
             return
         table = Table(box=None, show_header=False, pad_edge=False)
         for name, r in sorted(replicas.items()):
@@ -217,12 +225,17 @@ def _startup_view(console):
                 detail = (f"shard {min(r['shards'] + 1, r['total_shards'])}/{r['total_shards']}  "
                           f"{r['bytes'] / 1e6:,.1f}/{r['total_bytes'] / 1e6:,.1f} MB "
                           f"({100 * r['bytes'] / r['total_bytes']:.0f}%)")
-            table.add_row(f"  {name.split('#')[-1] if '#' in name else name}", r.get("stage", "?"), detail)
+            table.add_row(f"  {_replica_id(name)}", r.get("stage", "?"), detail)
         if not live.is_started:
             live.start()
         live.update(table)
 
     return live, show
+
+
+def _replica_id(name: str) -> str:
+    """A Serve replica's actor name (SERVE_REPLICA::app#Deployment#id) without its app: Deployment#id."""
+    return name.split("#", 1)[-1]
 
 
 @app.command()

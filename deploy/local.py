@@ -136,7 +136,10 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
             app_args["directory_password_env"] = REDIS_PASSWORD_ENV
         state["app_args"] = app_args  # `tide scale` redeploys with another replica count
         clear_startup()
-        serve.run(build_app(app_args), name="tideserve", route_prefix="/", blocking=False)
+        # deployed without waiting for it to run: the wait below shows the replicas' progress
+        # (loading a real checkpoint takes minutes) and gives up at once on a failed deploy
+        serve.run_many([serve.RunTarget(build_app(app_args), name="tideserve", route_prefix="/")],
+                       wait_for_applications_running=False)
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         step("waiting for the replicas")
         wait_healthy(url, timeout_s=1800, on_wait=_watch(serve, lambda: startup(read_startup())))

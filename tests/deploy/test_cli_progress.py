@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
 from importlib.metadata import version
@@ -29,3 +31,17 @@ def test_startup_view_shows_each_replicas_shard_bytes_and_stage():
 def test_version():
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"tideserve {version('tideserve')}"
+
+
+def test_without_a_terminal_each_stage_a_replica_enters_is_one_line():
+    console = Console(file=io.StringIO(), width=120, force_terminal=False)
+    live, show = _startup_view(console)
+    a, b = "SERVE_REPLICA::tideserve#LLMServer#ab12", "SERVE_REPLICA::tideserve#LLMDecode#cd34"
+    show({a: {"stage": "loading weights", "bytes": 1, "total_bytes": 3, "shards": 0, "total_shards": 1}})
+    show({a: {"stage": "loading weights", "bytes": 2, "total_bytes": 3, "shards": 0, "total_shards": 1},
+          b: {"stage": "warming up"}})
+    show({a: {"stage": "ready"}, b: {"stage": "warming up"}})
+    assert not live.is_started
+    lines = re.findall(r"replica \S+: \w+(?: \w+)*", console.file.getvalue())
+    assert lines == ["replica LLMServer#ab12: loading weights", "replica LLMDecode#cd34: warming up",
+                     "replica LLMServer#ab12: ready"], lines

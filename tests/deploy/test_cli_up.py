@@ -258,6 +258,37 @@ def test_a_dead_ray_head_is_a_clear_error_and_down_still_cleans_up(tmp_path):
         leftover.kill()
 
 
+def _processes_with(env_entry: str) -> list[int]:
+    """The processes whose environment holds ``env_entry`` (NAME=value)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and env_entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+def test_a_checkpoint_whose_weights_do_not_load_is_a_clear_error_and_leaves_nothing_running(tmp_path, fresh_home):
+    """config.json is fine (checked before anything starts) but the weights are not a safetensors
+    file: the replica fails while `tide up` waits for it, which gives up with Serve's reason and
+    stops what it started."""
+    from model.checkpoint import save_checkpoint
+    from model.config import named_config
+
+    ckpt = tmp_path / "broken"
+    save_checkpoint(ckpt, named_config("tiny"), {})
+    (ckpt / "model.safetensors").write_bytes(b"these are not weights")
+    # Serve gives up on the replica after its first failure (its default: three tries a replica)
+    env = _env(tmp_path, fresh_home, RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT="1")
+    r = _tide("up", "--port", str(free_port()), "--num-cpus", "1", "--checkpoint", str(ckpt), home=tmp_path,
+              env=env, timeout=300)
+    assert r.returncode == 1 and "the app failed to deploy" in r.stderr, r.stderr[-3000:]
+    assert "safetensors" in r.stderr.lower() and "Traceback (most recent call last)" not in r.stderr.split("failed to deploy")[0]
+    assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
+    assert _processes_with(f"TIDE_HOME={tmp_path}") == []
+
 def test_a_taken_port_is_a_clear_error_and_starts_nothing(tmp_path):
     import socket
 
