@@ -241,8 +241,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-# Ray's daemons that do not exit on SIGTERM: once the rest of a cluster has, they are killed.
-_DEAF_TO_SIGTERM = ("gcs_server", "raylet", "monitor.py")
+# Ray's daemons that do not exit on SIGTERM: once the rest of a cluster has, they are killed. The
+# runtime-env agent leaves only with its raylet (tide down waited out its whole SIGTERM timeout).
+_DEAF_TO_SIGTERM = ("gcs_server", "raylet", "monitor.py", "ray::RuntimeEnvAgent")
 
 
 def _deaf_to_sigterm(pid: int) -> bool:

@@ -106,16 +106,17 @@ def test_rays_renamed_agents_are_found_by_the_files_they_hold_in_the_clusters_te
             p.wait()
 
 
-def test_a_daemon_deaf_to_sigterm_is_killed_once_the_rest_has_exited():
-    """Ray's raylet and gcs_server ignore SIGTERM: when only they are left, they are killed then,
-    not at the (here hour-long) timeout."""
+@pytest.mark.parametrize("title", ["/opt/ray/raylet/raylet", "ray::RuntimeEnvAgent"])
+def test_a_daemon_deaf_to_sigterm_is_killed_once_the_rest_has_exited(title):
+    """Ray's raylet and gcs_server ignore SIGTERM, and its runtime-env agent leaves only with its
+    raylet: when only they are left, they are killed then, not at the (here hour-long) timeout."""
     env = {**os.environ, CLUSTER_ID_ENV: "c3"}
-    deaf = subprocess.Popen(["bash", "-c", "trap '' TERM; exec -a /opt/ray/raylet/raylet sleep 600"], env=env)
+    deaf = subprocess.Popen(["bash", "-c", f"trap '' TERM; exec -a {title} sleep 600"], env=env)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
     try:
         deadline = time.monotonic() + 60
-        # bash has exec'd it (its own command line names the raylet too, before the trap is set)
-        while not Path(f"/proc/{deaf.pid}/cmdline").read_bytes().startswith(b"/opt/ray/raylet/raylet"):
+        # bash has exec'd it (its own command line names the daemon too, before the trap is set)
+        while not Path(f"/proc/{deaf.pid}/cmdline").read_bytes().startswith(title.encode()):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         stopper = threading.Thread(target=stop_marked, args=("c3", 3600.0), daemon=True)
