@@ -396,3 +396,18 @@ def test_mla_fused_matches_reference_and_writes_the_new_latents(heads, nope, ran
             mla_fused(*args, got_kv, new_slots, tables, lens_t, 0.125, page)
         with pytest.raises(RuntimeError, match="does not fit a block table"):
             mla_fused(*args, got_kv, new_slots, tables, lens_t, 0.125, page, chunk_table[:1], start + page)
+
+
+# umbrella headers that pull in all of ATen (torch/types.h ~10 s of every source's build,
+# torch/extension.h ~27 s): the sources include ATen/core/Tensor.h and the ATen/ops/<op>.h they call
+WHOLE_TORCH_HEADERS = ("torch/extension.h", "torch/types.h", "torch/all.h", "torch/torch.h", "ATen/ATen.h",
+                       "ATen/Functions.h")
+
+
+def test_the_kernel_sources_include_no_umbrella_header():
+    csrc = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+    sources = sorted(csrc.glob("*.cpp")) + sorted(csrc.glob("*.h"))
+    assert len(sources) >= 4
+    found = [(f.name, h) for f in sources for line in f.read_text().splitlines() if line.startswith("#include")
+             for h in WHOLE_TORCH_HEADERS if f"<{h}>" in line]
+    assert found == []
