@@ -34,6 +34,7 @@ __all__ = [
     "serve_env",
     "configure_driver",
     "marked_processes",
+    "processes_with",
     "start_head",
     "stop_marked",
     "temp_dir_for",
@@ -198,11 +199,16 @@ def start_head(
 
 # -- stopping exactly what we started ---------------------------------------------------------
 def marked_processes(cluster_id: str, temp_dir: str | Path | None = None) -> list[int]:
-    """Pids of the live processes of cluster ``cluster_id``: those whose environment carries
-    ``TIDE_CLUSTER_ID=cluster_id`` and, given the cluster's ``temp_dir``, Ray's renamed
-    processes (``ray::...``) that hold a file open under it. A Ray agent renaming itself writes
-    its title over the environment ``/proc`` shows, marker included."""
-    marker = f"{CLUSTER_ID_ENV}={cluster_id}".encode()
+    """Pids of the live processes of cluster ``cluster_id``: ``processes_with`` its marker,
+    ``TIDE_CLUSTER_ID=cluster_id``."""
+    return processes_with(f"{CLUSTER_ID_ENV}={cluster_id}", temp_dir)
+
+
+def processes_with(env_entry: str, temp_dir: str | Path | None = None) -> list[int]:
+    """Pids of the live processes whose environment carries ``env_entry`` (NAME=value) and, given
+    a cluster's ``temp_dir``, of Ray's renamed processes (``ray::...``) that hold a file open
+    under it. A Ray agent renaming itself writes its title over the environment ``/proc`` shows."""
+    marker = env_entry.encode()
     under = str(temp_dir).rstrip("/") + "/" if temp_dir else None
     own = os.getpid()
     pids = []

@@ -16,4 +16,3 @@ def test_the_args_and_their_gpus_come_without_torch_or_ray():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
-

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from deploy.local import process_alive
-from deploy.ray_head import marked_processes, stop_marked
+from deploy.ray_head import marked_processes, processes_with, stop_marked, temp_dir_for
 from deploy.redis_proc import free_port
 from tests.cli import tide, tide_here
 from tests.listeners import is_loopback, listening
@@ -258,18 +258,6 @@ def test_a_dead_ray_head_is_a_clear_error_and_down_still_cleans_up(tmp_path):
         leftover.kill()
 
 
-def _processes_with(env_entry: str) -> list[int]:
-    """The processes whose environment holds ``env_entry`` (NAME=value)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and env_entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return found
-
-
 def test_a_checkpoint_whose_weights_do_not_load_is_a_clear_error_and_leaves_nothing_running(tmp_path, fresh_home):
     """config.json is fine (checked before anything starts) but the weights are not a safetensors
     file: the replica fails while `tide up` waits for it, which gives up with Serve's reason and
@@ -287,7 +275,8 @@ def test_a_checkpoint_whose_weights_do_not_load_is_a_clear_error_and_leaves_noth
     assert r.returncode == 1 and "the app failed to deploy" in r.stderr, r.stderr[-3000:]
     assert "safetensors" in r.stderr.lower() and "Traceback (most recent call last)" not in r.stderr.split("failed to deploy")[0]
     assert not (tmp_path / "run" / "state.json").exists() and not (tmp_path / "run" / "redis.password").exists()
-    assert _processes_with(f"TIDE_HOME={tmp_path}") == []
+    assert processes_with(f"TIDE_HOME={tmp_path}", temp_dir_for(tmp_path)) == []
+
 
 def test_a_taken_port_is_a_clear_error_and_starts_nothing(tmp_path):
     import socket
