@@ -4,7 +4,7 @@ One engine drives one model replica. Each ``step`` does both of:
 
 1. **Decode**: one token for every running sequence.
 2. **Prefill** (chunked, at most ``max_prefill_tokens`` per step, or with ``itl_factor`` a chunk
-   sized so the step keeps within that many decode steps' time): the oldest waiting sequences
+   sized so the step keeps within that many decode steps' time, or ``itl_floor_ms``): the oldest waiting sequences
    are admitted when pages allow. A prompt's leading units come, in order of preference, from
    pages this replica already holds (prefix sharing), then from the prompt cache (this node's
    RAM or SSD, or with a cluster cache another node's agent), whose load started when the
@@ -74,6 +74,10 @@ class EngineConfig:
     # steps take at most this many decode steps' time (their inter-token latency stays bounded);
     # 0: every chunk is max_prefill_tokens long
     itl_factor: float = 0.0
+    # with itl_factor on, a step with a prefill chunk may always take this long (ms), where
+    # itl_factor decode steps are shorter: decode steps of a millisecond would otherwise cut a
+    # prompt into chunks of a few tokens, each paying a pass's overhead (0: no floor)
+    itl_floor_ms: float = 0.0
     # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
     # steps without a prefill chunk replay a CUDA graph captured per batch bucket (model.fixed_decode)
     enforce_eager: bool = False
@@ -92,6 +96,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.itl_factor != 0 and self.itl_factor <= 1:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
+        if not self.itl_floor_ms >= 0:
+            raise ValueError(f"itl_floor_ms must be >= 0, got {self.itl_floor_ms}")
 
 
 class Engine:
@@ -120,7 +126,7 @@ class Engine:
         self.fixed_decode = self._fixed_decode()
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
-                                   self._admit_prefilled, self.stats)
+                                   self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3)
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step

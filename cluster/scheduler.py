@@ -11,8 +11,10 @@ row), and decides per step:
   from measured speeds so that nine in ten mixed passes take at most ``itl_factor`` decode steps'
   time (a decode step of a batch the size of the running one, timed again when the batch has
   grown or shrunk; ``cluster.chunk_sizing`` predicts a chunk's cost; how far the latest passes
-  ran past their prediction is the margin). A chunk that does not finish its prompt is the
-  step's last.
+  ran past their prediction is the margin), or ``itl_floor_s`` where that is longer (a pass
+  that short is no latency anyone streaming notices, and decode steps far shorter would cut a
+  prompt into chunks whose per-pass overhead outweighs their tokens). A chunk that does not
+  finish its prompt is the step's last.
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -46,12 +48,14 @@ MAX_OVERRUN = 1.25  # the largest margin: past it the prediction has lost track,
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_prefill_tokens: int, itl_factor: float,
                  admit: Callable[[Sequence], bool], admit_prefilled: Callable[[Sequence], bool],
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], itl_floor_s: float = 0.0) -> None:
         """``admit(seq)``: give a waiting sequence its pages (False: not enough yet);
         ``admit_prefilled(seq)``: the same for a prompt prefilled on another replica, which then
-        decodes at once; ``stats``: counters it adds to (``preemptions``)."""
+        decodes at once; ``stats``: counters it adds to (``preemptions``); ``itl_floor_s``: the
+        time a mixed pass may always take (with ``itl_factor`` on)."""
         self.kv = kv
         self.max_num_seqs, self.max_prefill_tokens, self.itl_factor = max_num_seqs, max_prefill_tokens, itl_factor
+        self.itl_floor_s = itl_floor_s
         self._admit, self._admit_prefilled = admit, admit_prefilled
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
@@ -128,7 +132,8 @@ class Scheduler:
     def prefill_budget(self, start: int = 0) -> int:
         """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
         while sequences decode (and ``itl_factor`` is on) as many as keep the mixed pass within
-        itl_factor decode steps' time with the margin of ``overrun``, at least ``MIN_CHUNK``. A
+        itl_factor decode steps' time with the margin of ``overrun`` (or within ``itl_floor_s``,
+        where that is longer), at least ``MIN_CHUNK``. A
         chunk's time is fitted to the latest chunks (``cluster.chunk_sizing``): its queries
         attend over the whole prefix, so a chunk shrinks as its prompt's context grows. Until a
         decode step of a batch like the running one was timed, none (this step decodes alone,
@@ -141,7 +146,7 @@ class Scheduler:
         decode_s = self.decode_s(len(self.running))
         if decode_s is None:
             return 0
-        chunk_s = self.itl_factor * decode_s / self.overrun - decode_s
+        chunk_s = max(self.itl_factor * decode_s / self.overrun, self.itl_floor_s) - decode_s
         fits = self._chunk_cost.longest_within(chunk_s, start, cap)
         return min(cap, MIN_CHUNK) if fits is None else max(MIN_CHUNK, fits)
 

@@ -191,7 +191,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
                               tls_mutual=a.agent_tls_mutual, replicas=a.cache_replicas)
     engine = EngineConfig(num_pages=a.num_pages, max_num_seqs=a.max_num_seqs, max_prefill_tokens=a.max_prefill_tokens,
                           admission=a.admission, prefix_sharing=a.enable_cache and a.prefix_sharing,
-                          micro_batches=a.micro_batches, itl_factor=a.itl_factor, enforce_eager=a.enforce_eager)
+                          micro_batches=a.micro_batches, itl_factor=a.itl_factor, itl_floor_ms=a.itl_floor_ms,
+                          enforce_eager=a.enforce_eager)
     server_cfg = ReplicaConfig(
         checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, engine=engine, enable_cache=a.enable_cache,
         directory=directory,

@@ -57,6 +57,11 @@ class AppArgs(BaseModel):
     # under long prompts, at some cost to the long prompt's time to first token; 0: every chunk
     # is max_prefill_tokens. 2.5 keeps their p99 within 3 decode steps (tide bench engine's itl)
     itl_factor: float = Field(default=2.5, ge=0)
+    # with itl_factor on, a step that carries a prefill chunk may always take this long: where
+    # decode steps take a millisecond or two (a small model), itl_factor of them would cut a long
+    # prompt into chunks of a few tokens and multiply its time to first token; a pass of 10 ms is
+    # no latency a reader of the stream notices. 0: itl_factor alone
+    itl_floor_ms: float = Field(default=10.0, ge=0)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store

@@ -80,7 +80,7 @@ def bench_engine(
     batches: str = typer.Option("1,16,64,256", "--batches", help="running sequences, comma-separated"),
     contexts: str = typer.Option("1024,8192,32768", "--contexts", help="tokens each sequence holds, comma-separated"),
     steps: int = typer.Option(30, "--steps", min=5, help="timed decode steps per round of a case (3 rounds, after 5 untimed steps; the lowest round median counts)"),
-    itl: bool = typer.Option(True, "--itl/--no-itl", help="also the inter-token latency of 16 decoding requests while a long prompt is prefilled, with sized and fixed chunks (bench config, a few minutes)"),
+    itl: bool = typer.Option(True, "--itl/--no-itl", help="also the inter-token latency of 16 decoding requests while a long prompt is prefilled, with sized and fixed chunks (bench config, a few minutes), and of one request beside a 2K prompt on the tiny config, with and without the itl floor"),
     itl_prompt_tokens: int = typer.Option(8000, "--itl-prompt-tokens", min=64, max=8000),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),

@@ -20,6 +20,9 @@ before it came; their p90 and p99 show the machine's own jitter, which the p99 u
 carries too), and the prompt's prefill time, with prefill chunks sized by ``itl_factor`` 2.5 (the serving default) and
 3 and with fixed 2,048-token chunks (the decode tokens ride in each chunk's forward pass).
 Target: the serving default's p99 at most 3x (``targets``); the other two are for comparison.
+``small_model``: the same with one request decoding on the tiny config (the default model's)
+and a 2,048-token prompt, with the serving default's ``itl_floor_ms`` and without it: a decode
+step of a millisecond would cut the prompt into chunks of a few tokens.
 """
 
 from __future__ import annotations
@@ -169,11 +172,12 @@ def run_engine_bench(batches: tuple[int, ...] = BATCHES, contexts: tuple[int, ..
     return out
 
 
-def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps: int) -> dict[str, Any]:
+def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps: int,
+         itl_floor_ms: float = 0.0) -> dict[str, Any]:
     """Inter-token latencies (ms) of ``running`` decoding requests before and while a
     ``prompt_tokens`` prompt is prefilled."""
     cfg = EngineConfig(num_pages=(running + 1) * -(-(prompt_tokens + 4096) // 16), max_num_seqs=running + 1,
-                       itl_factor=itl_factor)
+                       itl_factor=itl_factor, itl_floor_ms=itl_floor_ms)
     engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "bench", "float32", "latent", 64),
                     lambda ids: "", eos_id=None)
     gen = torch.Generator().manual_seed(0)
@@ -209,7 +213,7 @@ def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps:
         return ranked[min(len(ranked) - 1, int(f * len(ranked)))]
 
     alone_p50 = statistics.median(alone)
-    return {"itl_factor": itl_factor, "alone_p50_ms": round(alone_p50, 2),
+    return {"itl_factor": itl_factor, "itl_floor_ms": itl_floor_ms, "alone_p50_ms": round(alone_p50, 2),
             "alone_p90_ms": round(q(alone, 0.9), 2), "alone_p99_ms": round(q(alone, 0.99), 2),
             "under_prefill_p50_ms": round(statistics.median(under), 2),
             "under_prefill_p99_ms": round(q(under, 0.99), 2),
@@ -218,11 +222,12 @@ def _itl(model, itl_factor: float, running: int, prompt_tokens: int, warm_steps:
 
 
 SERVING_ITL_FACTOR = 2.5  # AppArgs.itl_factor's default (a test ties them)
+SERVING_ITL_FLOOR_MS = 10.0  # AppArgs.itl_floor_ms's default (likewise)
 ITL_FACTORS = (SERVING_ITL_FACTOR, 3.0)
 
 
 def run_itl_bench(running: int = 16, prompt_tokens: int = 8000, warm_steps: int = 60,
-                  factors: tuple[float, ...] = ITL_FACTORS) -> dict[str, Any]:
+                  factors: tuple[float, ...] = ITL_FACTORS, small_prompt_tokens: int = 2048) -> dict[str, Any]:
     from model.checkpoint import build_model, random_state_dict
 
     cfg = named_config("bench")
@@ -230,8 +235,14 @@ def run_itl_bench(running: int = 16, prompt_tokens: int = 8000, warm_steps: int 
     out: dict[str, Any] = {"running": running, "prompt_tokens": prompt_tokens, "config": "bench"}
     runs = {f"sized_chunks_{f:g}": f for f in factors} | {"fixed_2048_chunks": 0.0}
     for name, f in runs.items():
-        out[name] = _itl(model, f, running, prompt_tokens, warm_steps)
+        out[name] = _itl(model, f, running, prompt_tokens, warm_steps, SERVING_ITL_FLOOR_MS if f else 0.0)
     if SERVING_ITL_FACTOR in factors:  # the target is the serving default's; the others compare
         out["targets"] = {"serving_default_p99_at_most_3x":
                           out[f"sized_chunks_{SERVING_ITL_FACTOR:g}"]["p99_over_alone_p50"] <= 3.0}
+    tiny = named_config("tiny")
+    small = build_model(tiny, random_state_dict(tiny, seed=0))
+    out["small_model"] = {"config": "tiny", "running": 1, "prompt_tokens": small_prompt_tokens} | {
+        name: _itl(small, factor, 1, small_prompt_tokens, warm_steps, floor)
+        for name, factor, floor in (("serving_default", SERVING_ITL_FACTOR, SERVING_ITL_FLOOR_MS),
+                                    ("no_floor", SERVING_ITL_FACTOR, 0.0), ("fixed_2048_chunks", 0.0, 0.0))}
     return out

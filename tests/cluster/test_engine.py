@@ -343,6 +343,8 @@ def test_bad_requests_are_rejected(model):
         GenerationRequest("e", (), 5)
     with pytest.raises(ValueError, match="admission"):
         EngineConfig(admission="deepseek")
+    with pytest.raises(ValueError, match="itl_floor_ms"):
+        EngineConfig(itl_factor=2.0, itl_floor_ms=-1)
     torch.manual_seed(0)
 
 
@@ -469,12 +471,14 @@ def _timed_null(attn_s: float = 0.0, row_s: float = 0.0) -> _Clocked:
     return _Clocked(NullModel(8192, token=ord("a")), decode_s=0.05, row_s=row_s, attn_s=attn_s)
 
 
-def _timed_engine(model: _Clocked, num_pages: int, max_num_seqs: int, decoding: bool = False) -> Engine:
+def _timed_engine(model: _Clocked, num_pages: int, max_num_seqs: int, decoding: bool = False,
+                  itl_floor_ms: float = 0.0) -> Engine:
     """An engine with itl_factor 2 on ``model``'s fake clock; ``decoding``: with a request
     "first" (64-token prompt, 400 tokens) decoding and its decode step timed."""
     from cachedir.hashing import Namespace
 
-    cfg = EngineConfig(num_pages=num_pages, max_num_seqs=max_num_seqs, max_prefill_tokens=512, itl_factor=2.0)
+    cfg = EngineConfig(num_pages=num_pages, max_num_seqs=max_num_seqs, max_prefill_tokens=512, itl_factor=2.0,
+                       itl_floor_ms=itl_floor_ms)
     engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "t", "float32", "latent", 64),
                     ByteTokenizer().decode, eos_id=None, clock=lambda: model.now)
     if decoding:
@@ -511,6 +515,36 @@ def test_while_requests_decode_a_long_prompt_is_prefilled_in_chunks_sized_to_bou
     engine.check_integrity()
 
 
+def _prefill_long_prompt(engine: Engine, model: _Clocked, tokens: int) -> list[float]:
+    """Queue a ``tokens`` prompt "long" and step until it is prefilled: each step's time on the
+    fake clock (``model.chunks`` then holds the chunks of those steps alone)."""
+    engine.add_request(GenerationRequest("long", tuple(1 + i % 250 for i in range(tokens)), 1))
+    model.chunks.clear()
+    steps = []
+    while engine.waiting:
+        t0 = model.now
+        engine.step()
+        steps.append(model.now - t0)
+    return steps
+
+
+@pytest.mark.parametrize("floor_ms, chunk", [(0.0, 10), (10.0, 90)])
+def test_beside_a_millisecond_decode_step_chunks_fill_the_itl_floor(floor_ms, chunk):
+    """A decode step of 1 ms and a prompt token of 0.1 ms: itl_factor 2 alone leaves 1 ms a pass
+    for the chunk (10 tokens), the 10 ms floor 9 ms (90 tokens); every step stays within the
+    longer of the two, and the prompt needs a ninth of the steps."""
+    from deploy.bench.engine_bench import NullModel
+
+    model = _Clocked(NullModel(8192, token=ord("a")), decode_s=0.001, token_s=1e-4)
+    engine = _timed_engine(model, 512, 4, decoding=True, itl_floor_ms=floor_ms)
+    steps = _prefill_long_prompt(engine, model, 2000)
+    sizes = [n for n, _ in model.chunks[2:-1]]  # past the first two, whose sizes the fit starts from
+    assert sizes and all(abs(n - chunk) <= 1 for n in sizes), sizes
+    assert max(steps) <= max(2 * 0.001, floor_ms / 1e3) + 1e-9
+    engine.run_to_completion()
+    engine.check_integrity()
+
+
 def test_prefill_chunks_shrink_as_the_prompt_context_grows_and_steps_stay_within_the_bound():
     """A chunk's queries attend over its whole prefix, so a prompt token costs more the later it
     is: the chunk size is fitted to ``token_s * new + attn_s * new * (start + new)`` and shrinks
@@ -518,13 +552,7 @@ def test_prefill_chunks_shrink_as_the_prompt_context_grows_and_steps_stay_within
     steps, where a size fitted per token alone would overrun late in the prompt."""
     model = _timed_null(attn_s=4e-7)
     engine = _timed_engine(model, 1024, 4, decoding=True)
-    engine.add_request(GenerationRequest("long", tuple(1 + i % 250 for i in range(6000)), 1))
-    model.chunks.clear()
-    steps = []
-    while engine.waiting:
-        t0 = model.now
-        engine.step()
-        steps.append(model.now - t0)
+    steps = _prefill_long_prompt(engine, model, 6000)
     chunks = model.chunks[1:-1]  # the long prompt's but its last (what was left)
     assert chunks[0][0] > 40 and chunks[-1][0] < 15, chunks  # ~49 tokens at the start, ~14 at 5.9K
     assert all(a[0] >= b[0] for a, b in zip(chunks[:-1], chunks[1:], strict=True)), chunks

@@ -27,7 +27,7 @@ def model():
     return build_model(cfg, random_state_dict(cfg, seed=0))
 
 
-def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_factor=0.0):
+def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_factor=0.0, itl_floor_s=0.0):
     kv = KVManager(model, num_pages, PAGE, max_num_seqs, 64)
     stats = {"preemptions": 0}
     admitted: list[str] = []
@@ -38,7 +38,8 @@ def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_fact
         admitted.append(seq.req.request_id)
         return True
 
-    sched = Scheduler(kv, max_num_seqs, max_prefill_tokens, itl_factor, admit, lambda seq: False, stats)
+    sched = Scheduler(kv, max_num_seqs, max_prefill_tokens, itl_factor, admit, lambda seq: False, stats,
+                      itl_floor_s=itl_floor_s)
     return sched, admitted
 
 
@@ -112,6 +113,23 @@ def test_chunks_are_sized_from_measured_speeds_while_sequences_decode(model):
         sched.observe_chunk(n, 0, 0.010 + n * 1e-4, rows=1)
     assert sched.prefill_samples[-1] == (512, 0, pytest.approx(0.0612))
     assert sched.prefill_budget() == pytest.approx(200, abs=8)  # (3 - 1) x 10 ms of chunk time
+
+
+@pytest.mark.parametrize("floor_s", [0.0, 0.010])
+def test_a_pass_may_always_take_the_floor_where_itl_factor_steps_are_shorter(model, floor_s):
+    """A small model's decode step of a millisecond leaves a chunk 1.5 ms beside it at
+    itl_factor 2.5, a few tokens once the pass's overhead is paid; the floor gives the mixed pass
+    10 ms. A slower step's own budget is longer than the floor, which then changes nothing."""
+    sched, _ = _sched(model, max_prefill_tokens=4096, itl_factor=2.5, itl_floor_s=floor_s)
+    _queue(sched, "a", 8)
+    _prefill(sched, sched.prefill_chunks([]))
+    for n in (64, 128, 256, 512):  # 0.5 ms a pass and 0.05 ms a token, beside a 1 ms decode
+        sched.observe_chunk(n, 0, 0.0005 + n * 5e-5, rows=0)
+    sched.observe_decode(0.001, 1)
+    expected = 170 if floor_s else 20  # (10 - 1 - 0.5) / 0.05, else (2.5 x 1 - 1 - 0.5) / 0.05
+    assert sched.prefill_budget() == pytest.approx(expected, abs=2)
+    sched.observe_decode(0.010, 1)  # a slower step (its median with the 1 ms one: 5.5 ms)
+    assert sched.prefill_budget() == pytest.approx((2.5 * 0.0055 - 0.0055 - 0.0005) / 5e-5, abs=2)
 
 
 def test_a_decode_steps_time_is_the_median_of_the_latest_passes(model):

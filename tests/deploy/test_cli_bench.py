@@ -368,9 +368,13 @@ def test_bench_engine_json(tmp_path):
 def test_itl_bench_measures_both_chunkings_on_the_same_work():
     from deploy.bench.engine_bench import run_itl_bench
 
-    out = run_itl_bench(running=2, prompt_tokens=300, warm_steps=4, factors=(2.0,))
+    out = run_itl_bench(running=2, prompt_tokens=300, warm_steps=4, factors=(2.0,), small_prompt_tokens=200)
     sized, fixed = out["sized_chunks_2"], out["fixed_2048_chunks"]
     assert sized["itl_factor"] == 2.0 and fixed["itl_factor"] == 0.0
+    small = out["small_model"]
+    assert (small["config"], small["running"], small["prompt_tokens"]) == ("tiny", 1, 200)
+    assert small["serving_default"]["itl_floor_ms"] > 0 and small["no_floor"]["itl_floor_ms"] == 0
+    assert small["fixed_2048_chunks"]["steps"] == 1 and small["no_floor"]["prefill_s"] > 0
     assert fixed["steps"] == 1  # the whole 300-token prompt in one chunk
     assert sized["steps"] >= 1 and all(v > 0 for v in (sized["alone_p50_ms"], fixed["under_prefill_p99_ms"]))
     assert sized["alone_p99_ms"] >= sized["alone_p90_ms"] >= sized["alone_p50_ms"]
@@ -379,9 +383,10 @@ def test_itl_bench_measures_both_chunkings_on_the_same_work():
 
 def test_the_itl_target_is_judged_at_the_serving_default():
     from deploy.app import AppArgs
-    from deploy.bench.engine_bench import ITL_FACTORS, SERVING_ITL_FACTOR
+    from deploy.bench.engine_bench import ITL_FACTORS, SERVING_ITL_FACTOR, SERVING_ITL_FLOOR_MS
 
     assert AppArgs().itl_factor == SERVING_ITL_FACTOR in ITL_FACTORS
+    assert AppArgs().itl_floor_ms == SERVING_ITL_FLOOR_MS
 
 
 def test_bench_ep_wire_only_counts_bytes_per_round_and_step():

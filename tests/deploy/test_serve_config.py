@@ -128,16 +128,16 @@ def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypa
     from deploy.app import build_app
 
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
-    args = {"num_pages": 96, "max_num_seqs": 3, "max_prefill_tokens": 128, "itl_factor": 2.5, "micro_batches": 2,
-            "admission": "second-sight", "ssd_gb": 2.0, "ram_mb": 7, "cache_layout": "unit", "cache_replicas": 3,
+    args = {"num_pages": 96, "max_num_seqs": 3, "max_prefill_tokens": 128, "itl_factor": 2.5, "itl_floor_ms": 7.5,
+            "micro_batches": 2, "admission": "second-sight", "ssd_gb": 2.0, "ram_mb": 7, "cache_layout": "unit", "cache_replicas": 3,
             "directory_url": "redis://127.0.0.1:1/0", "directory_namespace": "ns-7", "decode_replicas": 1,
             "cpu_weights": "int8"}
     ingress = build_app(args)._bound_deployment
     server, decode = ingress.init_args[0]._bound_deployment.init_args[0], ingress.init_args[2]._bound_deployment.init_args[0]
     assert isinstance(server, ReplicaConfig) and decode == server
     e = server.engine
-    assert (e.num_pages, e.max_num_seqs, e.max_prefill_tokens, e.itl_factor, e.micro_batches, e.admission) == (
-        96, 3, 128, 2.5, 2, "second-sight")
+    assert (e.num_pages, e.max_num_seqs, e.max_prefill_tokens, e.itl_factor, e.itl_floor_ms, e.micro_batches,
+            e.admission) == (96, 3, 128, 2.5, 7.5, 2, "second-sight")
     st = server.store
     assert (st.ssd_bytes, st.ram_bytes, st.layout, st.admission) == (2_000_000_000, 7 << 20, "unit", "second-sight")
     assert server.agents.store == st and server.agents.replicas == 3 and server.agents.directory == server.directory
