@@ -163,7 +163,8 @@ class LLMServer:
         if cfg.tidal and ray.is_initialized():
             threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
         self._last_sync = self._last_agents = time.monotonic()
-        self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep).start()
+        self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep,
+                               threads=cfg.cpu_threads if cfg.device == "cpu" else None).start()
         startup.update("ready", force=True)
 
     def _cluster_cache(self, agents: AgentSection) -> ClusterCache:
@@ -315,6 +316,7 @@ class LLMServer:
         """Engine counters, queue, cache per tier; the node's GPUs (``gpus``, an NVML read)."""
         out = {"node_id": self.node_id, "replica_id": self.replica_id, "engine": dict(self.engine.stats),
                "running": len(self.engine.running), "waiting": len(self.engine.waiting), "cpu_kernels": kernel_state(),
+               "threads": self.loop.threads_used,
                "kv_usage": 1.0 - self.engine.kv.pages.num_free / self.engine.kv.num_pages,
                "cache": self.cache.stats() if self.cache is not None else {}}
         if gpus:

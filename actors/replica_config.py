@@ -127,6 +127,7 @@ class ReplicaConfig:
     device: str = "cpu"
     cpu_weights: str = "fp32"  # "int8": a CPU replica holds its projections and experts in 8 bits
     fp8_weights: str = "auto"  # an fp8 checkpoint's weights: auto (kept on CUDA) | keep | dequantize
+    cpu_threads: int | None = None  # a CPU replica's torch threads (None: Ray's, one per CPU it reserves)
     warmup: bool | None = None
     engine: EngineConfig = field(default_factory=_engine_config)
     enable_cache: bool = True
@@ -142,6 +143,8 @@ class ReplicaConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.cpu_weights not in ("fp32", "int8"):
             raise ValueError(f"cpu_weights must be fp32 or int8, got {self.cpu_weights!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_weights == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"cpu_weights int8 needs device cpu and dtype float32, got {self.device} {self.dtype}")
         if self.fp8_weights not in ("auto", "keep", "dequantize"):

@@ -16,6 +16,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from cluster.engine import Engine
 from cluster.request import GenerationRequest, RequestOutput
 
@@ -33,11 +35,16 @@ class PromptKV:
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None,
-                 tick: Callable[[], None] | None = None, idle_wait_s: float = 1.0) -> None:
+                 tick: Callable[[], None] | None = None, idle_wait_s: float = 1.0,
+                 threads: int | None = None) -> None:
         """``on_output``: called on the loop's thread with every output (usage records);
         ``tick``: called after every step and at least every ``idle_wait_s`` while idle
-        (periodic upkeep: directory sync, agent checks). Neither may block for long."""
+        (periodic upkeep: directory sync, agent checks). Neither may block for long.
+        ``threads``: the torch and OpenMP threads the steps compute with (they are per thread:
+        the loop's thread sets them); None: the process's (``threads_used`` says which)."""
         self.engine = engine
+        self.threads = threads
+        self.threads_used: int | None = None  # set by the loop's thread as it starts
         self.on_output = on_output
         self.tick = tick
         self.idle_wait_s = idle_wait_s
@@ -97,6 +104,9 @@ class EngineLoop:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        self.threads_used = torch.get_num_threads()
         while not self._stopped:
             if not self.engine.has_work():
                 self._wake.wait(timeout=self.idle_wait_s)

@@ -194,9 +194,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
                           micro_batches=a.micro_batches, itl_factor=a.itl_factor, itl_floor_ms=a.itl_floor_ms,
                           enforce_eager=a.enforce_eager)
     server_cfg = ReplicaConfig(
-        checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, engine=engine, enable_cache=a.enable_cache,
-        directory=directory,
-        agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None,
+        checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, cpu_threads=a.cpu_threads, engine=engine,
+        enable_cache=a.enable_cache, directory=directory, agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None,
         usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
     )
     router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",

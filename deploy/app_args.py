@@ -30,6 +30,10 @@ class AppArgs(BaseModel):
     # "int8": a CPU replica holds its projections and routed experts as int8 with a scale per 128
     # columns (model.quant): a quarter of the bytes a decode step streams; float32 CPU models only
     cpu_weights: Literal["fp32", "int8"] = "fp32"
+    # a CPU replica's torch (and CPU kernel) threads; default: Ray's, one per CPU the replica
+    # reserves (replica_cpus), or OMP_NUM_THREADS where set. `tide up` shares its machine's CPUs
+    # but one among its replicas unless replica_cpus, cpu_threads or OMP_NUM_THREADS says otherwise
+    cpu_threads: int | None = Field(default=None, ge=1)
     # an fp8 checkpoint's (DeepSeek-V3/R1 as published) projections and experts: auto keeps them
     # in fp8 on CUDA (the block-scaled fp8 GEMMs) and dequantizes them on the CPU; keep | dequantize
     fp8_weights: Literal["auto", "keep", "dequantize"] = "auto"

@@ -128,7 +128,8 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
             raise ValueError(f"--device cuda needs {need} GPU(s) (one per replica, one per expert shard); "
                              f"this machine's Ray cluster has {have}")
         serve.start(http_options={"host": host, "port": port})
-        app_args = {**app_args, "directory_url": app_args.get("directory_url") or redis_url,
+        app_args = {**app_args, "cpu_threads": shared_cpu_threads(ray.cluster_resources().get("CPU", 1.0), app_args),
+                    "directory_url": app_args.get("directory_url") or redis_url,
                     "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
         if not (app_args.get("agent_token_file") or app_args.get("agent_token_env")):
             app_args["agent_token_file"] = _agent_token_file()
@@ -153,6 +154,22 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         raise
     finally:
         preload.join()  # not left importing while the interpreter exits
+
+
+def shared_cpu_threads(cpus: float, app_args: dict[str, Any]) -> int | None:
+    """The torch threads of each CPU replica on this one machine: its ``cpus`` but one, shared by
+    the replicas (decode replicas too), at least one each. The core left over runs the rest of
+    the serving path (the HTTP proxy, the ingress, Ray): streaming through them while every core
+    computes costs more than the core adds. Ray would give each replica one thread per CPU it
+    reserves (AppArgs' ``replica_cpus`` is 1), one core of the machine whatever its size. Where
+    ``cpu_threads``, ``replica_cpus`` or ``OMP_NUM_THREADS`` is set, or the replicas use GPUs,
+    that stands (the ``cpu_threads`` given, or None)."""
+    given = app_args.get("cpu_threads")
+    if (given is not None or "replica_cpus" in app_args or os.environ.get("OMP_NUM_THREADS")
+            or app_args.get("device", "cpu") != "cpu"):
+        return given
+    replicas = int(app_args.get("replicas", 1)) + int(app_args.get("decode_replicas", 0))
+    return max(1, (int(cpus) - 1) // replicas)
 
 
 def _preload(module: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 
@@ -18,7 +19,7 @@ MAX_TOKENS = 6
 PROMPT = [256] + [(j * 13) % 250 + 3 for j in range(37)]
 
 
-def _server(checkpoint, tmp_path_factory):
+def _server(checkpoint, tmp_path_factory, cpu_threads=None):
     import ray
 
     from actors.llm_server import LLMServer
@@ -27,7 +28,7 @@ def _server(checkpoint, tmp_path_factory):
 
     return ray.remote(num_cpus=0)(LLMServer).remote(ReplicaConfig(
         str(checkpoint), StoreSection(str(tmp_path_factory.mktemp("cache"))), enable_cache=False,
-        engine=EngineConfig(num_pages=64), tidal=False))
+        engine=EngineConfig(num_pages=64), tidal=False, cpu_threads=cpu_threads))
 
 
 def _dead(actor) -> bool:
@@ -50,8 +51,11 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
     from model.generate import generate
     from model.sampling import SamplingParams
 
-    prefill, decode = _server(checkpoint, tmp_path_factory), _server(checkpoint, tmp_path_factory)
+    # the decode replica computes with two threads (cpu_threads), the prefill replica with Ray's one
+    prefill, decode = _server(checkpoint, tmp_path_factory), _server(checkpoint, tmp_path_factory, cpu_threads=2)
     ray.get([prefill.check_health.remote(), decode.check_health.remote()], timeout=300)
+    threads = [ray.get(r.stats.remote(gpus=False), timeout=60)["threads"] for r in (prefill, decode)]
+    assert threads == [int(os.environ.get("OMP_NUM_THREADS") or 1), 2]
     req = GenerationRequest("", tuple(PROMPT), MAX_TOKENS, SamplingParams(logprobs=2), ignore_eos=True)
 
     async def colocated() -> list:

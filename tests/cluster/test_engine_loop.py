@@ -140,3 +140,23 @@ def test_tick_runs_while_idle_and_failing_callbacks_do_not_stop_the_loop(model):
     outs = _run(_collect(loop, GenerationRequest("x", _prompt(20, 6), 4)))
     assert _tokens(outs) == _ref(model, _prompt(20, 6), 4) and loop.alive
     loop.stop()
+
+
+@pytest.mark.parametrize("more", [False, True])
+def test_the_steps_compute_with_the_loops_threads(model, more):
+    """``threads`` sets torch's threads on the loop's thread alone (they are per thread), which
+    ``threads_used`` reports; the caller's are untouched. None: the process's."""
+    import torch
+
+    engine = _engine(model)
+    seen = []
+    step = engine.step
+    engine.step = lambda: seen.append(torch.get_num_threads()) or step()
+    mine = torch.get_num_threads()
+    want = mine + 1 if more else mine
+    loop = EngineLoop(engine, threads=want if more else None).start()
+    outs = _run(_collect(loop, GenerationRequest("r", _prompt(20, 3), 3)))
+    loop.stop()
+    assert _tokens(outs) == _ref(model, _prompt(20, 3), 3)
+    assert set(seen) == {want} and loop.threads_used == want
+    assert torch.get_num_threads() == mine

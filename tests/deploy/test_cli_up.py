@@ -34,7 +34,8 @@ def fresh_home(tmp_path_factory) -> Path:
 
 
 def _env(home: Path | None, fresh_home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TIDE_"))}
+    # as a newcomer's shell: no OMP_NUM_THREADS either (the suite's processes get one each)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TIDE_")) and k != "OMP_NUM_THREADS"}
     env.update(HOME=str(fresh_home), **extra)
     if home is not None:
         env["TIDE_HOME"] = str(home)
@@ -125,6 +126,8 @@ def test_up_serves_then_down_stops_everything(tmp_path, fresh_home, other_cluste
         assert report["url"] == state["url"] and report["nodes"][0]["role"] == "serving"
         assert [r.get("pool") for r in report["replicas"]] == ["prefill", "decode"]
         assert {r["cpu_kernels"] for r in report["replicas"]} == {"loaded"}  # built before the replica was ready
+        # the 2 CPUs but one shared by the two replicas: a thread each (at least), recorded for redeploys
+        assert state["app_args"]["cpu_threads"] == 1 and [r["threads"] for r in report["replicas"]] == [1, 1]
         assert report["replicas"][0]["engine"]["prefill_tokens"] >= 1
         assert report["replicas"][1]["engine"]["decode_tokens"] >= 1  # the decode replica generated
         assert report["gpus"]["available"] in (True, False) and "gpus" in report["gpus"]
