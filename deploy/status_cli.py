@@ -46,13 +46,13 @@ def print_report(console, report: dict) -> None:
     console.print(nodes)
 
     replicas = Table(title="replicas", title_justify="left", box=None)
-    for col in ("replica", "node", "pool", "running", "waiting", "prefill tok", "decode tok"):
+    for col in ("replica", "node", "pool", "threads", "running", "waiting", "prefill tok", "decode tok"):
         replicas.add_column(col, justify="right" if col not in ("replica", "node", "pool") else "left")
     for r in report["replicas"]:
         engine = r.get("engine", {})
         name = r.get("actor_name") or r.get("replica_id") or "?"
         replicas.add_row(name.split("#")[-1], str(r.get("node_id", "?"))[:12], r.get("pool", "both"),
-                         str(r.get("running", 0)), str(r.get("waiting", 0)), f"{engine.get('prefill_tokens', 0):,}",
+                         str(r.get("threads", "?")), str(r.get("running", 0)), str(r.get("waiting", 0)), f"{engine.get('prefill_tokens', 0):,}",
                          f"{engine.get('decode_tokens', 0):,}")
     console.print(replicas)
 
