@@ -164,7 +164,8 @@ class LLMServer:
             threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
         self._last_sync = self._last_agents = time.monotonic()
         self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep,
-                               threads=cfg.cpu_threads if cfg.device == "cpu" else None).start()
+                               threads=cfg.cpu_threads if cfg.device == "cpu" else None,
+                               stream_batching_interval_s=cfg.stream_batching_interval_ms / 1e3).start()
         startup.update("ready", force=True)
 
     def _cluster_cache(self, agents: AgentSection) -> ClusterCache:

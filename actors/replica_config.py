@@ -128,6 +128,7 @@ class ReplicaConfig:
     cpu_weights: str = "fp32"  # "int8": a CPU replica holds its projections and experts in 8 bits
     fp8_weights: str = "auto"  # an fp8 checkpoint's weights: auto (kept on CUDA) | keep | dequantize
     cpu_threads: int | None = None  # a CPU replica's torch threads (None: Ray's, one per CPU it reserves)
+    stream_batching_interval_ms: float = 0.0  # the least time between a stream's outputs (cluster.engine_loop)
     warmup: bool | None = None
     engine: EngineConfig = field(default_factory=_engine_config)
     enable_cache: bool = True
@@ -145,6 +146,8 @@ class ReplicaConfig:
             raise ValueError(f"cpu_weights must be fp32 or int8, got {self.cpu_weights!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if not self.stream_batching_interval_ms >= 0:
+            raise ValueError(f"stream_batching_interval_ms must be >= 0, got {self.stream_batching_interval_ms}")
         if self.cpu_weights == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"cpu_weights int8 needs device cpu and dtype float32, got {self.device} {self.dtype}")
         if self.fp8_weights not in ("auto", "keep", "dequantize"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -33,22 +34,59 @@ class PromptKV:
     kv: object
 
 
+class _Inbox:
+    """A stream's items, put by the engine's thread and taken on the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque = deque()
+        self.arrived = asyncio.Event()
+
+    def put(self, item) -> None:
+        """From any thread."""
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item) -> None:
+        self.items.append(item)
+        self.arrived.set()
+
+    async def get(self, deadline: float | None = None):
+        """The next item, waiting for it until ``deadline`` (the loop's time; None: however
+        long), or None when it passed first. The wait takes nothing, so a wait cut short by
+        the deadline loses no item."""
+        while not self.items:
+            self.arrived.clear()
+            if deadline is None:
+                await self.arrived.wait()
+                continue
+            left = deadline - self.loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                return None
+        return self.items.popleft()
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None,
                  tick: Callable[[], None] | None = None, idle_wait_s: float = 1.0,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, stream_batching_interval_s: float = 0.0) -> None:
         """``on_output``: called on the loop's thread with every output (usage records);
         ``tick``: called after every step and at least every ``idle_wait_s`` while idle
         (periodic upkeep: directory sync, agent checks). Neither may block for long.
         ``threads``: the torch and OpenMP threads the steps compute with (they are per thread:
-        the loop's thread sets them); None: the process's (``threads_used`` says which)."""
+        the loop's thread sets them); None: the process's (``threads_used`` says which).
+        ``stream_batching_interval_s``: the least time between two outputs of a stream (``stream``)."""
         self.engine = engine
+        self.stream_batching_interval_s = stream_batching_interval_s
         self.threads = threads
         self.threads_used: int | None = None  # set by the loop's thread as it starts
         self.on_output = on_output
         self.tick = tick
         self.idle_wait_s = idle_wait_s
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inboxes: dict[str, _Inbox] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -68,40 +106,56 @@ class EngineLoop:
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[RequestOutput | PromptKV]:
         """Queue ``req`` (its errors, a duplicate id included, raise here) and yield its outputs
-        as the engine makes them."""
+        as the engine makes them: the first at once, each later one ``stream_batching_interval_s``
+        at the earliest after the one before, with what came meanwhile joined to it
+        (``RequestOutput.then``: the same tokens and text in fewer, longer outputs; a finished
+        one goes at once). Every output costs its caller a hop (the Serve replica's, the
+        ingress's, the HTTP proxy's), however few tokens it holds: an engine that steps faster
+        than the interval pays them per interval, not per token."""
         rid = req.request_id
-        if rid in self._queues:
+        if rid in self._inboxes:
             raise ValueError(f"duplicate request id {rid!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+        inbox = self._inboxes[rid] = _Inbox(loop)
+        pending = None  # an item taken that could not join the output before it
+        sent = float("-inf")  # when the last output went
         try:
             self.engine.add_request(req)
             self._wake.set()
             while True:
-                item = await queue.get()
+                item, pending = (pending, None) if pending is not None else (await inbox.get(), None)
+                # join what comes until the interval since the last output is up (or it finishes)
+                while isinstance(item, RequestOutput) and not item.finished:
+                    later = await inbox.get(sent + self.stream_batching_interval_s)
+                    if later is None:
+                        break
+                    if not isinstance(later, RequestOutput):
+                        pending = later
+                        break
+                    item = item.then(later)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                sent = loop.time()
                 if isinstance(item, PromptKV) or (item.finished and item.handoff is None):
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._inboxes.pop(rid, None)
             self.engine.abort(rid)  # a no-op when it finished; frees its pages if the caller left
 
     def fail_all(self, error: BaseException) -> None:
         """Abort every request in flight; each stream raises ``error``."""
-        for rid in list(self._queues):
+        for rid in list(self._inboxes):
             self.engine.abort(rid)
             self._deliver(rid, error)
 
     def in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._inboxes)
 
     def _deliver(self, rid: str, item: RequestOutput | PromptKV | BaseException) -> None:
-        entry = self._queues.get(rid)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        inbox = self._inboxes.get(rid)
+        if inbox is not None:
+            inbox.put(item)
 
     def _run(self) -> None:
         if self.threads is not None:

@@ -189,6 +189,14 @@ class RequestOutput(NamedTuple):
     new_logprobs: list[TokenLogprob | None] | None = None  # one per new token, when the request asked
     queued_s: float = 0.0  # arrival to the first scheduled step, set when finished
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the ``later`` one of the same request as one: their new tokens, text
+        and logprobs in order, and the later one's state (counts, whether and why it finished)."""
+        logprobs = None if self.new_logprobs is None and later.new_logprobs is None else \
+            (self.new_logprobs or []) + (later.new_logprobs or [])
+        return later._replace(new_token_ids=self.new_token_ids + later.new_token_ids, text=self.text + later.text,
+                              new_logprobs=logprobs)
+
 
 @dataclass(slots=True)
 class Sequence:

@@ -195,8 +195,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
                           enforce_eager=a.enforce_eager)
     server_cfg = ReplicaConfig(
         checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, cpu_threads=a.cpu_threads, engine=engine,
-        enable_cache=a.enable_cache, directory=directory, agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None,
-        usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
+        stream_batching_interval_ms=a.stream_batching_interval_ms, enable_cache=a.enable_cache, directory=directory,
+        agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None, usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
     )
     router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
               "round-robin": "deploy.prefill_router:RoundRobinRouter",

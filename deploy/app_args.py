@@ -66,6 +66,12 @@ class AppArgs(BaseModel):
     # prompt into chunks of a few tokens and multiply its time to first token; a pass of 10 ms is
     # no latency a reader of the stream notices. 0: itl_factor alone
     itl_floor_ms: float = Field(default=10.0, ge=0)
+    # a stream's outputs go at most this often (the first at once): what the engine made meanwhile
+    # goes as one output, as Ray Serve LLM's setting of this name (and default) does. Each output
+    # is a hop through the replica, the ingress and the HTTP proxy (~1.5 ms of CPU), so an engine
+    # stepping faster would spend more sending tokens than making them; slower steps (a big
+    # model's) go as they come. 0: each step's tokens at once
+    stream_batching_interval_ms: float = Field(default=50.0, ge=0)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
     directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store

@@ -19,7 +19,7 @@ MAX_TOKENS = 6
 PROMPT = [256] + [(j * 13) % 250 + 3 for j in range(37)]
 
 
-def _server(checkpoint, tmp_path_factory, cpu_threads=None):
+def _server(checkpoint, tmp_path_factory, cpu_threads=None, stream_batching_interval_ms=0.0):
     import ray
 
     from actors.llm_server import LLMServer
@@ -28,7 +28,8 @@ def _server(checkpoint, tmp_path_factory, cpu_threads=None):
 
     return ray.remote(num_cpus=0)(LLMServer).remote(ReplicaConfig(
         str(checkpoint), StoreSection(str(tmp_path_factory.mktemp("cache"))), enable_cache=False,
-        engine=EngineConfig(num_pages=64), tidal=False, cpu_threads=cpu_threads))
+        engine=EngineConfig(num_pages=64), tidal=False, cpu_threads=cpu_threads,
+        stream_batching_interval_ms=stream_batching_interval_ms))
 
 
 def _dead(actor) -> bool:
@@ -51,8 +52,11 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
     from model.generate import generate
     from model.sampling import SamplingParams
 
-    # the decode replica computes with two threads (cpu_threads), the prefill replica with Ray's one
-    prefill, decode = _server(checkpoint, tmp_path_factory), _server(checkpoint, tmp_path_factory, cpu_threads=2)
+    # the decode replica computes with two threads (cpu_threads), the prefill replica with Ray's
+    # one; the decode replica's outputs after the first wait for the request's end (an interval
+    # longer than it), the prefill replica's go a step at a time
+    prefill = _server(checkpoint, tmp_path_factory)
+    decode = _server(checkpoint, tmp_path_factory, cpu_threads=2, stream_batching_interval_ms=60_000)
     ray.get([prefill.check_health.remote(), decode.check_health.remote()], timeout=300)
     threads = [ray.get(r.stats.remote(gpus=False), timeout=60)["threads"] for r in (prefill, decode)]
     assert threads == [int(os.environ.get("OMP_NUM_THREADS") or 1), 2]
@@ -74,6 +78,7 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
         return [await ref for ref in decode.generate.options(num_returns="streaming").remote(decode_req)]
 
     split = asyncio.run(run())
+    assert len(split) == 2 and split[-1].finished  # the first output, then the rest as one
     tokens = [t for item in split for t in item.new_token_ids]
     assert tokens == generate(load_model(checkpoint), PROMPT, MAX_TOKENS, eos_id=None)
     # logprobs too, the first token's computed on the prefill replica

@@ -160,3 +160,50 @@ def test_the_steps_compute_with_the_loops_threads(model, more):
     assert _tokens(outs) == _ref(model, _prompt(20, 3), 3)
     assert set(seen) == {want} and loop.threads_used == want
     assert torch.get_num_threads() == mine
+
+
+def test_a_streams_outputs_are_batched_within_the_interval_and_the_last_goes_at_once(model):
+    """With an interval far longer than the request: the first output at once, then everything
+    else as one output that goes when the request finishes, not when the interval is up; the
+    same tokens, text and logprobs as one output per step."""
+    import time
+
+    from model.sampling import SamplingParams
+
+    prompt = _prompt(30, 4)
+    req = GenerationRequest("r", prompt, 12, SamplingParams(logprobs=1), ignore_eos=True)
+    alone = EngineLoop(_engine(model)).start()
+    every = _run(_collect(alone, req))
+    alone.stop()
+    loop = EngineLoop(_engine(model), stream_batching_interval_s=60.0).start()
+    t0 = time.monotonic()
+    batched = _run(_collect(loop, req))
+    took = time.monotonic() - t0
+    loop.stop()
+    assert len(every) > 2 and len(batched) == 2 and took < 30  # the finished output did not wait the 60 s
+    assert _tokens(batched) == _tokens(every) == _ref(model, prompt, 12)
+    assert "".join(o.text for o in batched) == "".join(o.text for o in every)
+    lps = [lp for o in batched for lp in o.new_logprobs]
+    assert [lp.token for lp in lps] == _tokens(every)
+    assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for o in every for lp in o.new_logprobs])
+    assert batched[-1].finished and batched[-1].completion_tokens == 12
+
+
+def test_outputs_a_slow_caller_has_not_taken_go_as_one(model):
+    """No interval: a caller that comes back after the request finished gets the rest as one."""
+    engine = _engine(model)
+    loop = EngineLoop(engine).start()
+    prompt = _prompt(25, 5)
+
+    async def main():
+        stream = loop.stream(GenerationRequest("r", prompt, 10, ignore_eos=True))
+        first = await anext(stream)
+        for _ in range(500):  # the engine finishes the request while the caller is away
+            if not engine.has_work():
+                break
+            await asyncio.sleep(0.01)
+        return [first] + [o async for o in stream]
+
+    outs = _run(main())
+    loop.stop()
+    assert len(outs) == 2 and outs[-1].finished and _tokens(outs) == _ref(model, prompt, 10)

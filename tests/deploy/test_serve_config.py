@@ -129,12 +129,13 @@ def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypa
 
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
     args = {"num_pages": 96, "max_num_seqs": 3, "max_prefill_tokens": 128, "itl_factor": 2.5, "itl_floor_ms": 7.5,
-            "micro_batches": 2, "admission": "second-sight", "ssd_gb": 2.0, "ram_mb": 7, "cache_layout": "unit", "cache_replicas": 3,
-            "directory_url": "redis://127.0.0.1:1/0", "directory_namespace": "ns-7", "decode_replicas": 1,
-            "cpu_weights": "int8"}
+            "micro_batches": 2, "stream_batching_interval_ms": 20.0, "cpu_threads": 3, "admission": "second-sight",
+            "ssd_gb": 2.0, "ram_mb": 7, "cache_layout": "unit", "cache_replicas": 3, "directory_url": "redis://127.0.0.1:1/0",
+            "directory_namespace": "ns-7", "decode_replicas": 1, "cpu_weights": "int8"}
     ingress = build_app(args)._bound_deployment
     server, decode = ingress.init_args[0]._bound_deployment.init_args[0], ingress.init_args[2]._bound_deployment.init_args[0]
     assert isinstance(server, ReplicaConfig) and decode == server
+    assert (server.stream_batching_interval_ms, server.cpu_threads) == (20.0, 3)
     e = server.engine
     assert (e.num_pages, e.max_num_seqs, e.max_prefill_tokens, e.itl_factor, e.itl_floor_ms, e.micro_batches,
             e.admission) == (96, 3, 128, 2.5, 7.5, 2, "second-sight")
