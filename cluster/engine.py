@@ -4,11 +4,11 @@ One engine drives one model replica. Each ``step`` does both of:
 
 1. **Decode**: one token for every running sequence.
 2. **Prefill** (chunked, at most ``max_prefill_tokens`` per step, or with ``itl_factor`` a chunk
-   sized so the step keeps within that many decode steps' time, or ``itl_floor_ms``): the oldest waiting sequences
-   are admitted when pages allow. A prompt's leading units come, in order of preference, from
-   pages this replica already holds (prefix sharing), then from the prompt cache (this node's
-   RAM or SSD, or with a cluster cache another node's agent), whose load started when the
-   request arrived so it overlapped the queue wait. Only the rest is computed. A load that fails
+   sized so the step keeps within that many decode steps' time, or ``itl_floor_ms``): the oldest
+   waiting sequences are admitted when pages allow. A prompt's leading units come, in order of
+   preference, from pages this replica already holds (prefix sharing), then from the prompt cache
+   (this node's RAM or SSD, or with a cluster cache another node's agent), whose load started when
+   the request arrived so it overlapped the queue wait. Only the rest is computed. A load that fails
    or times out is simply computed; it never yields wrong tokens.
 
 The decode tokens ride in the first prefill chunk's forward pass (``model.mixed``), so running

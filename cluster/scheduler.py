@@ -133,13 +133,12 @@ class Scheduler:
         """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
         while sequences decode (and ``itl_factor`` is on) as many as keep the mixed pass within
         itl_factor decode steps' time with the margin of ``overrun`` (or within ``itl_floor_s``,
-        where that is longer), at least ``MIN_CHUNK``. A
-        chunk's time is fitted to the latest chunks (``cluster.chunk_sizing``): its queries
-        attend over the whole prefix, so a chunk shrinks as its prompt's context grows. Until a
-        decode step of a batch like the running one was timed, none (this step decodes alone,
-        and is timed: a batch that grew as prompts joined it is timed again, or its chunks would
-        be sized by a smaller batch's step and shrink to nothing); until a chunk was,
-        ``MIN_CHUNK``."""
+        where that is longer), at least ``MIN_CHUNK``. A chunk's time is fitted to the latest chunks
+        (``cluster.chunk_sizing``): its queries attend over the whole prefix, so a chunk shrinks as
+        its prompt's context grows. Until a decode step of a batch like the running one was timed,
+        none (this step decodes alone, and is timed: a batch that grew as prompts joined it is timed
+        again, or its chunks would be sized by a smaller batch's step and shrink to nothing); until
+        a chunk was, ``MIN_CHUNK``."""
         cap = self.max_prefill_tokens
         if not self.running or not self.itl_factor:
             return cap
