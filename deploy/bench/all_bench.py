@@ -73,6 +73,12 @@ def _serve() -> dict[str, Any]:
     return run_serve_bench(None)
 
 
+def _stream() -> dict[str, Any]:
+    from deploy.bench.stream_bench import run_stream_bench
+
+    return run_stream_bench(None)
+
+
 def _trace(path: Path) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
         from cachedir.admission import POLICIES
@@ -86,7 +92,7 @@ def _trace(path: Path) -> Callable[[], dict[str, Any]]:
 # cheapest first, so a short budget still reports the most benchmarks
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "eplb": _eplb, "structured": _structured, "directory": _directory, "unit-io": _unit_io,
-    "engine": _engine, "ttft": _ttft, "model": _model, "ep": _ep, "serve": _serve,
+    "engine": _engine, "ttft": _ttft, "model": _model, "ep": _ep, "serve": _serve, "stream": _stream,
 }
 
 

@@ -375,6 +375,26 @@ def bench_serve(
     _emit(result)
 
 
+@bench_app.command("stream")
+def bench_stream(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    streams: int = typer.Option(8, "--streams", min=1, help="concurrent streamed completions"),
+    max_tokens: int = typer.Option(400, "--max-tokens", min=2, help="tokens each stream generates (ignore_eos)"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Output tokens a second of concurrent streams through HTTP against a local Ray Serve app,
+    with the serving default's stream batching (stream_batching_interval_ms) and with an output
+    per engine step; the outputs a request took, time to first token, the p99 gap between
+    outputs."""
+    from deploy.bench.stream_bench import run_stream_bench
+
+    check_checkpoint(checkpoint)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_stream_bench(checkpoint, streams, max_tokens, repeats)
+    _emit(result)
+
+
 @bench_app.command("soak")
 def bench_soak(
     minutes: float = typer.Option(10.0, "--minutes", min=0.1, help="how long the load runs"),
@@ -409,7 +429,7 @@ def bench_all(
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """The CPU benchmarks one after another with their defaults (eplb, structured, directory,
-    unit-io, engine, ttft, model, ep, serve; trace with --trace), cheapest first, as one report;
+    unit-io, engine, ttft, model, ep, serve, stream; trace with --trace), cheapest first, as one report;
     those that would start after the budget is spent are listed as skipped."""
     from deploy.bench.all_bench import BENCHMARKS, run_all
 

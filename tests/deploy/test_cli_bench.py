@@ -432,6 +432,21 @@ def test_bench_serve_json():
     assert out["without_cache"]["token_hit_rate"] == 0 < out["with_cache"]["token_hit_rate"]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bench_stream_json():
+    """Both cases stream every token; the serving default's batching sends fewer outputs than
+    tokens (a tiny-model step takes a millisecond or two, the interval 50 ms), one per step without it."""
+    r = tide("bench", "stream", "--streams", "2", "--max-tokens", "24", "--repeats", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    batched, per_step = out["batched"], out["per_step"]
+    assert batched["errors"] == per_step["errors"] == 0 and out["stream_batching_interval_ms"]["per_step"] == 0
+    assert out["stream_batching_interval_ms"]["batched"] > 0 and out["speedup"] > 0
+    assert batched["outputs_per_request"] < per_step["outputs_per_request"] <= 24
+    assert all(case["tokens_per_s"] > 0 and case["ttft_p50_ms"] > 0 for case in (batched, per_step))
+
+
 def test_bench_all_runs_in_order_keeps_errors_and_skips_past_the_budget(monkeypatch):
     from deploy.bench import all_bench
 
