@@ -92,7 +92,7 @@ def _trace(path: Path) -> Callable[[], dict[str, Any]]:
 # cheapest first, so a short budget still reports the most benchmarks
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "eplb": _eplb, "structured": _structured, "directory": _directory, "unit-io": _unit_io,
-    "engine": _engine, "ttft": _ttft, "model": _model, "ep": _ep, "serve": _serve, "stream": _stream,
+    "engine": _engine, "ttft": _ttft, "model": _model, "ep": _ep, "stream": _stream, "serve": _serve,
 }
 
 

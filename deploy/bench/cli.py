@@ -429,7 +429,7 @@ def bench_all(
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """The CPU benchmarks one after another with their defaults (eplb, structured, directory,
-    unit-io, engine, ttft, model, ep, serve, stream; trace with --trace), cheapest first, as one report;
+    unit-io, engine, ttft, model, ep, stream, serve; trace with --trace), cheapest first, as one report;
     those that would start after the budget is spent are listed as skipped."""
     from deploy.bench.all_bench import BENCHMARKS, run_all
 
