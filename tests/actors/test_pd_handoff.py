@@ -52,14 +52,15 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
     from model.generate import generate
     from model.sampling import SamplingParams
 
-    # the decode replica computes with two threads (cpu_threads), the prefill replica with Ray's
-    # one; the decode replica's outputs after the first wait for the request's end (an interval
-    # longer than it), the prefill replica's go a step at a time
+    # the decode replica computes with one thread more (cpu_threads) than the prefill replica's
+    # (Ray's, or the suite's OMP_NUM_THREADS); the decode replica's outputs after the first wait
+    # for the request's end (an interval longer than it), the prefill replica's go a step at a time
+    ray_threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
     prefill = _server(checkpoint, tmp_path_factory)
-    decode = _server(checkpoint, tmp_path_factory, cpu_threads=2, stream_batching_interval_ms=60_000)
+    decode = _server(checkpoint, tmp_path_factory, cpu_threads=ray_threads + 1, stream_batching_interval_ms=60_000)
     ray.get([prefill.check_health.remote(), decode.check_health.remote()], timeout=300)
     threads = [ray.get(r.stats.remote(gpus=False), timeout=60)["threads"] for r in (prefill, decode)]
-    assert threads == [int(os.environ.get("OMP_NUM_THREADS") or 1), 2]
+    assert threads == [ray_threads, ray_threads + 1]
     req = GenerationRequest("", tuple(PROMPT), MAX_TOKENS, SamplingParams(logprobs=2), ignore_eos=True)
 
     async def colocated() -> list:
