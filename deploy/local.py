@@ -123,12 +123,13 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         from deploy.app_args import AppArgs, gpus_needed
 
         # A replica or shard asking for a GPU the cluster lacks would wait forever (no autoscaler here)
-        need, have = gpus_needed(AppArgs(**app_args)), int(ray.cluster_resources().get("GPU", 0))
+        resources = ray.cluster_resources()
+        need, have = gpus_needed(AppArgs(**app_args)), int(resources.get("GPU", 0))
         if need > have:
             raise ValueError(f"--device cuda needs {need} GPU(s) (one per replica, one per expert shard); "
                              f"this machine's Ray cluster has {have}")
         serve.start(http_options={"host": host, "port": port})
-        app_args = {**app_args, "cpu_threads": shared_cpu_threads(ray.cluster_resources().get("CPU", 1.0), app_args),
+        app_args = {**app_args, "cpu_threads": shared_cpu_threads(resources.get("CPU", 1.0), app_args),
                     "directory_url": app_args.get("directory_url") or redis_url,
                     "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
         if not (app_args.get("agent_token_file") or app_args.get("agent_token_env")):

@@ -126,15 +126,16 @@ CASES = (("with_cache", True), ("without_cache", False))
 FIGURES = ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "token_hit_rate")
 
 
-def case_orders(repeats: int) -> list[list[tuple[str, bool]]]:
-    """The cases of each run: with the cache first in even runs, without it first in odd ones."""
-    return [list(CASES) if r % 2 == 0 else list(reversed(CASES)) for r in range(repeats)]
+def case_orders(repeats: int, cases: tuple = CASES) -> list[list]:
+    """The cases of each run: in their order in even runs, reversed in odd ones (by default with
+    the cache first, then without it)."""
+    return [list(cases) if r % 2 == 0 else list(reversed(cases)) for r in range(repeats)]
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], figures: tuple[str, ...] = FIGURES) -> dict[str, Any]:
     """One case's runs: the median of each figure (None when a run had none), errors summed."""
     out: dict[str, Any] = {}
-    for key in FIGURES:
+    for key in figures:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = round(statistics.median(values), 4) if values else None
     out["errors"] = sum(r["errors"] for r in runs)
@@ -143,37 +144,54 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: int = 8,
-                    system_tokens: int = 2048, max_tokens: int = 16, repeats: int = 2) -> dict[str, Any]:
+@contextlib.contextmanager
+def local_serve() -> Iterator[str]:
+    """A Ray of its own on this machine (never a running cluster) with Serve on a free loopback
+    port: yields the URL; both stop on exit."""
     import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def deployed(url: str, app_args: dict[str, Any]) -> Iterator[str]:
+    """The app of ``app_args`` serving at ``url`` (``local_serve``'s) until the block ends:
+    yields the model id it serves."""
     from ray import serve
 
     from deploy.app import build_app
 
+    serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
+    try:
+        wait_healthy(url)
+        yield httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    finally:
+        serve.delete("bench")
+
+
+def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: int = 8,
+                    system_tokens: int = 2048, max_tokens: int = 16, repeats: int = 2) -> dict[str, Any]:
     out: dict[str, Any] = {**machine(), "requests": requests, "concurrency": concurrency, "repeats": repeats,
                            "shared_system_prompt_tokens": system_tokens, "max_tokens": max_tokens,
                            "statistic": "median over repeats (the order alternates)"}
     prompts = _prompts(requests, system_tokens)
-    port = free_port()
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in CASES}
-    with tempfile.TemporaryDirectory() as tmp:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            url = f"http://127.0.0.1:{port}"
-            for r, order in enumerate(case_orders(repeats)):
-                for label, enable in order:
-                    app = build_app({"checkpoint": str(checkpoint) if checkpoint else None,
-                                     "cache_dir": str(Path(tmp) / f"{label}-{r}"), "enable_cache": enable,
-                                     "replica_cpus": 1, "max_num_seqs": concurrency})
-                    serve.run(app, name="bench", route_prefix="/", blocking=False)
-                    wait_healthy(url)
-                    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as tmp, local_serve() as url:
+        for r, order in enumerate(case_orders(repeats)):
+            for label, enable in order:
+                args = {"checkpoint": str(checkpoint) if checkpoint else None,
+                        "cache_dir": str(Path(tmp) / f"{label}-{r}"), "enable_cache": enable,
+                        "replica_cpus": 1, "max_num_seqs": concurrency}
+                with deployed(url, args) as model:
                     runs[label].append({"order": order.index((label, enable)),
                                         **asyncio.run(_load(url, model, prompts, concurrency, max_tokens))})
-                    serve.delete("bench")
-        finally:
-            serve.shutdown()
-            ray.shutdown()
     out.update({label: summarize(case_runs) for label, case_runs in runs.items()})
     return out

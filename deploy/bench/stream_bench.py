@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from deploy.bench.machine import machine
-from deploy.redis_proc import free_port, wait_healthy
+from deploy.bench.serve_bench import case_orders, deployed, local_serve, summarize
 
 FIGURES = ("tokens_per_s", "outputs_per_request", "ttft_p50_ms", "gap_p99_ms")
 
@@ -66,10 +66,6 @@ async def _load(url: str, model: str, streams: int, max_tokens: int) -> dict[str
 
 def run_stream_bench(checkpoint: Path | None, streams: int = 8, max_tokens: int = 400,
                      repeats: int = 2) -> dict[str, Any]:
-    import ray
-    from ray import serve
-
-    from deploy.app import build_app
     from deploy.app_args import AppArgs
 
     cases = {"batched": AppArgs().stream_batching_interval_ms, "per_step": 0.0}
@@ -77,33 +73,15 @@ def run_stream_bench(checkpoint: Path | None, streams: int = 8, max_tokens: int 
                            "stream_batching_interval_ms": cases,
                            "statistic": "median over repeats (the order alternates)"}
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in cases}
-    port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = f"http://127.0.0.1:{port}"
-        for r in range(repeats):
-            order = list(cases) if r % 2 == 0 else list(reversed(cases))
+    with local_serve() as url:
+        for order in case_orders(repeats, tuple(cases)):
             for label in order:
-                app = build_app({"checkpoint": str(checkpoint) if checkpoint else None, "enable_cache": False,
-                                 "replica_cpus": 1, "max_num_seqs": streams,
-                                 "stream_batching_interval_ms": cases[label]})
-                serve.run(app, name="bench", route_prefix="/", blocking=False)
-                wait_healthy(url)
-                model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-                runs[label].append({"order": order.index(label), **asyncio.run(_load(url, model, streams, max_tokens))})
-                serve.delete("bench")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    for label, case_runs in runs.items():
-        summary: dict[str, Any] = {}
-        for key in FIGURES:
-            values = [run[key] for run in case_runs if run.get(key) is not None]
-            summary[key] = round(statistics.median(values), 1) if values else None
-        summary["errors"] = sum(run["errors"] for run in case_runs)
-        summary["runs"] = case_runs
-        out[label] = summary
+                args = {"checkpoint": str(checkpoint) if checkpoint else None, "enable_cache": False,
+                        "replica_cpus": 1, "max_num_seqs": streams, "stream_batching_interval_ms": cases[label]}
+                with deployed(url, args) as model:
+                    runs[label].append({"order": order.index(label),
+                                        **asyncio.run(_load(url, model, streams, max_tokens))})
+    out.update({label: summarize(case_runs, FIGURES) for label, case_runs in runs.items()})
     per_step = out["per_step"]["tokens_per_s"]
     out["speedup"] = round(out["batched"]["tokens_per_s"] / per_step, 2) if per_step else None
     return out
