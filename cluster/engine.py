@@ -56,7 +56,7 @@ from cluster.scheduler import Scheduler
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.model import DeepseekModel
 from model.moe import LocalExpertExecutor
-from model.sampling import TokenLogprob, sample, token_logprobs
+from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logprobs
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -173,11 +173,14 @@ class Engine:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.response_format is not None:
             self.constraints.start(seq)
+        scored = req.sampling.prompt_logprobs is not None and req.prefilled is None
+        if scored:  # every prompt position's logits are needed: computed whole, nothing loaded
+            seq.prompt_logprobs = [None]
         if req.prefilled is not None:
             self._check_prefilled(req)
             if seq.generator is not None and req.prefilled.generator_state is not None:
                 seq.generator.set_state(req.prefilled.generator_state)
-        usable = len(req.prompt_ids) // UNIT_TOKENS if req.prefilled is None else 0
+        usable = len(req.prompt_ids) // UNIT_TOKENS if req.prefilled is None and not scored else 0
         if plan is not None:  # load what the plan says (the router may have declined a slow load)
             usable = min(usable, plan.loadable)
         if self.cache is not None and usable:
@@ -226,7 +229,8 @@ class Engine:
         chunks = self.scheduler.prefill_chunks(batch)
         decode_logits = None
         for k, (seq, end) in enumerate(chunks):
-            logits, rode = self._run_chunk(seq, end, batch if k == 0 else None)  # the decode rides in the first
+            rides = k == 0 and seq.prompt_logprobs is None  # the decode rides in the first (not a scored one)
+            logits, rode = self._run_chunk(seq, end, batch if rides else None)
             decode_logits = rode if rode is not None else decode_logits
             self._chunk_done(seq, end, logits, outputs)
         if batch:
@@ -253,12 +257,27 @@ class Engine:
             logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool,
                                                      micro_batches=self.cfg.micro_batches)
             self.stats["mixed_steps"] += 1
+        elif seq.prompt_logprobs is not None:
+            every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True)  # [T, V]
+            self._score_prompt(seq, start, end, every)
+            logits = every[-1]
         else:
             logits = self.model.prefill(ids, self.kv.pool, table, start=start)
         self.scheduler.observe_chunk(n_new, start, self._clock() - t0, len(batch) if batch else 0)
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         return logits, decode_logits
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, start: int, end: int, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens after positions ``start..end-1`` (row r of
+        ``logits`` predicts token start + r + 1) not recorded before (a recompute after preemption
+        records nothing twice)."""
+        prompt = seq.req.prompt_ids
+        first, stop = max(start + 1, len(seq.prompt_logprobs)), min(end + 1, len(prompt))
+        if first < stop:
+            seq.prompt_logprobs += next_token_logprobs(logits[first - start - 1 :], list(prompt[first:stop]),
+                                                       seq.req.sampling.prompt_logprobs)
 
     def _chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """After a chunk: a finished prompt joins the running sequences with its first token."""
@@ -279,6 +298,8 @@ class Engine:
         # then recomputed into the sequence's own page.
         usable = len(seq.req.prompt_ids) // UNIT_TOKENS
         shareable = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS if self.cfg.prefix_sharing else 0
+        if seq.prompt_logprobs is not None:  # scored: every position computed
+            shareable = 0
         shared = self.kv.prefix.match(seq.unit_keys[:shareable])
         loaded: list = []
         if seq.load is not None and len(shared) < usable:
@@ -410,6 +431,7 @@ class Engine:
         text = seq.text.take(seq.finished is not None)
         new = seq.output_ids[seq.emitted_tokens :]
         logprobs = seq.output_logprobs[seq.emitted_tokens :] if seq.req.sampling.logprobs is not None else None
+        scored = seq.prompt_logprobs if seq.emitted_tokens == 0 and new else None  # with the first tokens
         seq.emitted_tokens = len(seq.output_ids)
         return RequestOutput(
             seq.req.request_id, new, text, seq.finished is not None, seq.finished,
@@ -417,6 +439,7 @@ class Engine:
             time.monotonic() - seq.first_token_s if seq.finished and seq.first_token_s is not None else 0.0,
             logprobs,
             seq.scheduled_s - seq.arrival_s if seq.finished and seq.scheduled_s is not None else 0.0,
+            scored,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:

@@ -188,6 +188,9 @@ class RequestOutput(NamedTuple):
     decode_s: float = 0.0  # first to last output token, set when finished
     new_logprobs: list[TokenLogprob | None] | None = None  # one per new token, when the request asked
     queued_s: float = 0.0  # arrival to the first scheduled step, set when finished
+    # with the first output, when the request asked (``SamplingParams.prompt_logprobs``): one per
+    # prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the ``later`` one of the same request as one: their new tokens, text
@@ -195,7 +198,7 @@ class RequestOutput(NamedTuple):
         logprobs = None if self.new_logprobs is None and later.new_logprobs is None else \
             (self.new_logprobs or []) + (later.new_logprobs or [])
         return later._replace(new_token_ids=self.new_token_ids + later.new_token_ids, text=self.text + later.text,
-                              new_logprobs=logprobs)
+                              new_logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -207,6 +210,7 @@ class Sequence:
     num_computed: int = 0  # prompt (+ recomputed output) tokens whose KV is in the pool
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per output token
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token computed, when asked
     text: object = None  # cluster.output.TextStream: the output's text, decoded as tokens come
     emitted_tokens: int = 0
     load: Future | None = None  # cache units being loaded while the request queues

@@ -14,7 +14,8 @@ row), and decides per step:
   ran past their prediction is the margin), or ``itl_floor_s`` where that is longer (a pass
   that short is no latency anyone streaming notices, and decode steps far shorter would cut a
   prompt into chunks whose per-pass overhead outweighs their tokens). A chunk that does not
-  finish its prompt is the step's last.
+  finish its prompt is the step's last; a prompt whose every position is scored (prompt
+  logprobs) goes at most ``SCORED_CHUNK`` tokens a chunk.
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -43,6 +44,7 @@ MIXED_SAMPLES = 64  # the latest mixed passes whose overrun of their prediction 
 OVERRUN_QUANTILE = 0.9  # the share of mixed passes kept within itl_factor decode steps
 MIN_OVERRUN_SAMPLES = 8  # until this many mixed passes were timed, no margin
 MAX_OVERRUN = 1.25  # the largest margin: past it the prediction has lost track, and a prefill would crawl
+SCORED_CHUNK = 512  # the longest chunk of a prompt scored whole (its logits [T, V] are all kept)
 
 
 class Scheduler:
@@ -173,6 +175,8 @@ class Scheduler:
                 break  # not enough pages yet: wait for running sequences to finish
             seq.scheduled_s = seq.scheduled_s or time.monotonic()
             end = min(seq.length, seq.num_computed + budget)
+            if seq.prompt_logprobs is not None:
+                end = min(end, seq.num_computed + SCORED_CHUNK)
             chunks.append((seq, end))
             budget -= end - seq.num_computed
             if end < seq.length:

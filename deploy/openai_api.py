@@ -58,7 +58,9 @@ from deploy.protocol import (
     Limits,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     error_body,
+    joined_logprobs,
 )
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
@@ -173,6 +175,23 @@ def _unavailable_error() -> APIError:
                     code="service_unavailable", retry_after_s=RETRY_AFTER_S)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Echo:
+    """A completion prompt as ``echo`` returns it: its text and its token ids."""
+
+    text: str
+    prompt_ids: list[int]
+
+
+def _add(total: dict, part: dict) -> None:
+    """Add ``part``'s numbers into ``total``'s, key by key (nested dicts too): a batch's usage."""
+    for key, value in part.items():
+        if isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0) + value
+
+
 @serve.ingress(api)
 class OpenAIIngress:
     health_timeout_s = HEALTH_TIMEOUT_S  # per instance: Serve's ingress decorator copies the module's globals
@@ -222,6 +241,8 @@ class OpenAIIngress:
         ns = self.namespace.for_tenant(req.tenant) if req.tenant else self.namespace
         keys = tuple(chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS))
         usable = (len(req.prompt_ids) - 1) // UNIT_TOKENS
+        if req.sampling.prompt_logprobs is not None:  # scored whole: nothing cached is used
+            usable = 0
         holders: tuple[tuple[str, ...], ...] = ()
         dropped = False
         if usable:
@@ -247,10 +268,12 @@ class OpenAIIngress:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
-    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant, prompt_param: str = "messages",
-                        **extra) -> GenerationRequest:
+    def _engine_request(self, body, prompt_ids: list[int], grant: KeyGrant, prompt_param: str = "messages", *,
+                        prompt_logprobs: int | None = None, scores_only: bool = False, **extra) -> GenerationRequest:
         """The engine's request for a validated body (``extra``: more ``GenerationRequest``
-        fields); the replica gives it its id."""
+        fields); the replica gives it its id. ``prompt_logprobs``: score the prompt's tokens
+        (echo); ``scores_only``: the caller keeps none of the output (echo with max_tokens 0),
+        so the engine stops at its first token."""
         self._check_model(body.model, grant)
         body.check_supported()
         if body.n > self.limits.max_n:
@@ -265,22 +288,38 @@ class OpenAIIngress:
         if room < 1:
             raise APIError(400, f"prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_len}",
                            param=prompt_param, code="context_length_exceeded")
-        max_tokens = body.requested_max_tokens()
+        max_tokens = 1 if scores_only else body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = min(room, self.limits.max_tokens)
         if not 1 <= max_tokens <= self.limits.max_tokens:
-            raise APIError(400, f"max_tokens={max_tokens} must be in [1, {self.limits.max_tokens}]", param="max_tokens")
+            zero = " (0 with echo: the prompt only)" if max_tokens == 0 and prompt_param == "prompt" else ""
+            raise APIError(400, f"max_tokens={max_tokens} must be in [1, {self.limits.max_tokens}]{zero}",
+                           param="max_tokens")
         if max_tokens > room:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
         bias = tuple(body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias))
         try:
             sampling = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.logprobs_k(),
-                                      body.presence_penalty, body.frequency_penalty, bias)
+                                      body.presence_penalty, body.frequency_penalty, bias, prompt_logprobs)
             return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
                                      grant.tenant, **(body.json_mode() | extra))
         except ValueError as e:  # a combination the field checks above let through
             raise APIError(400, str(e)) from None
+
+    @classmethod
+    def _batch_usage(cls, lasts: list[RequestOutput], n: int, reasoning: list[ReasoningTokens] | None = None,
+                     scores_only: bool = False) -> dict:
+        """Usage of a request of one prompt or a batch, whose prompt p's choices are ``lasts[p * n
+        : p * n + n]``: each prompt's usage, summed; ``scores_only``: no completion tokens (the
+        engine's one token was not returned)."""
+        total: dict = {}
+        for p in range(0, len(lasts), n):
+            group = lasts[p : p + n]
+            if scores_only:
+                group = [last._replace(completion_tokens=0) for last in group]
+            _add(total, cls._usage(group, reasoning[p : p + n] if reasoning is not None else None))
+        return total
 
     @staticmethod
     def _usage(lasts: list[RequestOutput], reasoning: list[ReasoningTokens] | None = None) -> dict:
@@ -327,7 +366,10 @@ class OpenAIIngress:
             yield last
             return
         self.metrics.handoffs.inc()
+        scored = last.prompt_logprobs  # the prompt was scored on the prefill replica
         async for item in _streamed(self.decode.options(stream=True).generate.remote(decode_request(req, last, kv))):
+            if scored is not None:
+                item, scored = item._replace(prompt_logprobs=scored), None
             yield item
 
     async def _continued(self, engine_req: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -345,6 +387,9 @@ class OpenAIIngress:
                 async for item in self._generate(req):
                     if cached is None:
                         cached = item.cached_tokens
+                    if item.prompt_logprobs is not None:  # sent: a continuation need not score the prompt again
+                        engine_req = dataclasses.replace(
+                            engine_req, sampling=dataclasses.replace(engine_req.sampling, prompt_logprobs=None))
                     emitted += item.new_token_ids
                     chars += len(item.text)
                     if item.finished and attempt:
@@ -394,12 +439,13 @@ class OpenAIIngress:
             if status == "ok":
                 self.metrics.e2e.observe(time.monotonic() - start)
 
-    async def _choices(self, engine_req: GenerationRequest, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The outputs of ``n`` choices of one request, as ``(index, output)`` in the order they
-        come. Each choice is its own engine request (a seeded request's choice i samples with
-        seed + i); the first failure ends them all."""
-        if n == 1:
-            async for item in self._stream(engine_req):
+    async def _choices(self, engine_reqs: list[GenerationRequest], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of ``n`` choices of each request (a batch's prompts), as ``(index, output)``
+        in the order they come; request p's choice j has index p * n + j. Each choice is its own
+        engine request (a seeded request's choice j samples with seed + j); the first failure ends
+        them all."""
+        if n == 1 and len(engine_reqs) == 1:
+            async for item in self._stream(engine_reqs[0]):
                 yield 0, item
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -407,9 +453,10 @@ class OpenAIIngress:
 
         async def pump(i: int) -> None:
             _own_request_id()
+            engine_req = engine_reqs[i // n]
             seed = engine_req.sampling.seed
             req = engine_req if seed is None else dataclasses.replace(
-                engine_req, sampling=dataclasses.replace(engine_req.sampling, seed=seed + i))
+                engine_req, sampling=dataclasses.replace(engine_req.sampling, seed=seed + i % n))
             try:
                 async for item in self._stream(req):
                     await queue.put((i, item))
@@ -417,9 +464,9 @@ class OpenAIIngress:
             except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
                 await queue.put((i, e))
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        tasks = [asyncio.create_task(pump(i)) for i in range(n * len(engine_reqs))]
         try:
-            left = n
+            left = len(tasks)
             while left:
                 i, item = await queue.get()
                 if item is done:
@@ -432,31 +479,41 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _respond(self, engine_req: GenerationRequest, body, kind: str, calls=None, tool_finish: str = "tool_calls",
-                       thought: bool | None = None):
-        """The HTTP response. ``calls``: the chat output may hold tool calls; a factory of the
-        splitter (``model.tool_calls``) that reads one choice's output into content and calls,
-        which go out as the message's ``tool_calls`` with finish_reason ``tool_finish`` (OpenAI
-        says ``stop`` for a function the request named). ``thought`` (a model that reasons, R1):
-        whether the prompt opened the thought; the output's thought goes out as
-        ``reasoning_content`` (DeepSeek's field), the rest as content (and calls)."""
+    async def _respond(self, engine_reqs: list[GenerationRequest], body, kind: str, calls=None,
+                       tool_finish: str = "tool_calls", thought: bool | None = None,
+                       echoes: list[Echo] | None = None, scores_only: bool = False):
+        """The HTTP response to one request (a chat, or a completion of one prompt or a batch:
+        ``engine_reqs``, each with ``body.n`` choices). ``calls``: the chat output may hold tool
+        calls; a factory of the splitter (``model.tool_calls``) that reads one choice's output
+        into content and calls, which go out as the message's ``tool_calls`` with finish_reason
+        ``tool_finish`` (OpenAI says ``stop`` for a function the request named). ``thought`` (a
+        model that reasons, R1): whether the prompt opened the thought; the output's thought goes
+        out as ``reasoning_content`` (DeepSeek's field), the rest as content (and calls).
+        ``echoes`` (completions' ``echo``): each prompt's text, which starts its choices' text
+        (and its scored tokens their logprobs); ``scores_only`` (echo with max_tokens 0): only
+        that comes back, none of the engine's output."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         n = body.n
-        want_logprobs = engine_req.sampling.logprobs is not None
-        text_offset = [0] * n  # completions' logprobs: where each choice's next token's text starts
+        total = n * len(engine_reqs)
+        want_logprobs = engine_reqs[0].sampling.logprobs is not None
+        text_offset = [0] * total  # completions' logprobs: where each choice's next token's text starts
         think = self.tokenizer.think_ids() if thought is not None else None
-        counts = [ReasoningTokens(thought, *think) for _ in range(n)] if think else None
+        counts = [ReasoningTokens(thought, *think) for _ in range(total)] if think else None
 
         def choice(i: int, text: str, finish: FinishReason | None, delta: bool, logprobs: list[TokenLogprob],
-                   tool_calls: list[ToolCall] | None = None, reasoning: str | None = None) -> dict:
+                   tool_calls: list[ToolCall] | None = None, reasoning: str | None = None,
+                   echo: dict | None = None) -> dict:
             lp = None
             if want_logprobs and kind == "chat":
                 lp = chat_logprobs(logprobs, self.tokenizer.token_bytes)
             elif want_logprobs:
+                if echo is not None:  # the prompt's scored tokens first
+                    text_offset[i] = echo["text_offset"][-1] + len(echo["tokens"][-1])
                 lp = completion_logprobs(logprobs, self._token_text, text_offset[i])
                 text_offset[i] += sum(len(t) for t in lp["tokens"])
+                lp = lp if echo is None else joined_logprobs(echo, lp)
             if kind == "chat":
                 key = "delta" if delta else "message"
                 msg = {"role": "assistant", "content": text} if not delta or text else {}
@@ -469,12 +526,33 @@ class OpenAIIngress:
                 return {"index": i, key: msg, "finish_reason": finish and str(finish), "logprobs": lp}
             return {"index": i, "text": text, "finish_reason": finish and str(finish), "logprobs": lp}
 
+        def echoed(i: int, first: RequestOutput) -> tuple[str, dict | None]:
+            """Choice i's echo: its prompt's text, and with logprobs its scored tokens (from the
+            choice's first output)."""
+            e = echoes[i // n]
+            if not want_logprobs:
+                return e.text, None
+            if first.prompt_logprobs is None:
+                raise RuntimeError("the replica's first output has no prompt logprobs")
+            return e.text, echo_logprobs(e.prompt_ids, first.prompt_logprobs, self._token_text)
+
+        def kept(item: RequestOutput) -> RequestOutput:
+            """What goes out of an output: with ``scores_only`` none of its tokens."""
+            if not scores_only:
+                return item
+            return item._replace(new_token_ids=[], text="", new_logprobs=[],
+                                 finish_reason=item.finish_reason and FinishReason.LENGTH)
+
         if not body.stream:
-            texts: list[list[str]] = [[] for _ in range(n)]
-            logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-            lasts: list[RequestOutput | None] = [None] * n
+            texts: list[list[str]] = [[] for _ in range(total)]
+            logprobs: list[list[TokenLogprob]] = [[] for _ in range(total)]
+            lasts: list[RequestOutput | None] = [None] * total
+            firsts: list[RequestOutput | None] = [None] * total
             try:
-                async for i, item in self._choices(engine_req, n):
+                async for i, item in self._choices(engine_reqs, n):
+                    item = kept(item)
+                    if firsts[i] is None:
+                        firsts[i] = item
                     texts[i].append(item.text)
                     logprobs[i] += item.new_logprobs or []
                     lasts[i] = item
@@ -485,8 +563,11 @@ class OpenAIIngress:
                     raise _unavailable_error() from None
                 raise
             choices = []
-            for i in range(n):
-                text, found, reasoning = "".join(texts[i]), [], None
+            for i in range(total):
+                text, found, reasoning, echo = "".join(texts[i]), [], None, None
+                if echoes is not None:
+                    prompt_text, echo = echoed(i, firsts[i])
+                    text = prompt_text + text
                 if think is not None:
                     split_r = ReasoningStream(thought)
                     reasoning, text = split_r.feed(text)
@@ -497,20 +578,24 @@ class OpenAIIngress:
                     text = split.feed(text)
                     rest, found = split.finish()
                     text += rest
-                choices.append(choice(i, text, lasts[i].finish_reason, False, logprobs[i], found, reasoning))
+                choices.append(choice(i, text, lasts[i].finish_reason, False, logprobs[i], found, reasoning, echo))
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": choices, "usage": self._usage(lasts, counts)})
+                                 "choices": choices, "usage": self._batch_usage(lasts, n, counts, scores_only)})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         async def sse() -> AsyncIterator[str]:
             # the status line is sent already: a failure mid-stream is an error event
-            lasts: list[RequestOutput | None] = [None] * n
-            splits = [calls() for _ in range(n)] if calls is not None else None
-            thoughts = [ReasoningStream(thought) for _ in range(n)] if think is not None else None
+            lasts: list[RequestOutput | None] = [None] * total
+            splits = [calls() for _ in range(total)] if calls is not None else None
+            thoughts = [ReasoningStream(thought) for _ in range(total)] if think is not None else None
             try:
-                async for i, item in self._choices(engine_req, n):
+                async for i, item in self._choices(engine_reqs, n):
+                    item, echo = kept(item), None
+                    if echoes is not None and lasts[i] is None:  # the choice's first chunk starts with its prompt
+                        prompt_text, echo = echoed(i, item)
+                        item = item._replace(text=prompt_text + item.text)
                     text, found, reasoning = item.text, None, None
                     if thoughts is not None:  # the thought as reasoning deltas, the rest as content
                         reasoning, text = thoughts[i].feed(text)
@@ -525,14 +610,14 @@ class OpenAIIngress:
                             text += rest
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
                              "choices": [choice(i, text, item.finish_reason, True, item.new_logprobs or [], found,
-                                                reasoning)]}
+                                                reasoning, echo)]}
                     if include_usage:
                         chunk["usage"] = None
                     yield f"data: {json.dumps(chunk)}\n\n"
                     lasts[i] = item
                 if include_usage:
                     usage = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                             "choices": [], "usage": self._usage(lasts, counts)}
+                             "choices": [], "usage": self._batch_usage(lasts, n, counts, scores_only)}
                     yield f"data: {json.dumps(usage)}\n\n"
             except Exception as e:
                 err = _unavailable_error() if _unavailable(e) else APIError(500, "the request failed", "server_error")
@@ -570,31 +655,52 @@ class OpenAIIngress:
             fields.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
         engine_req = self._engine_request(body, prompt_ids, grant, **fields)
         if forced is not None:
-            return await self._respond(engine_req, body, "chat", functools.partial(ForcedCall, forced), "stop",
+            return await self._respond([engine_req], body, "chat", functools.partial(ForcedCall, forced), "stop",
                                        thought=thought)
-        return await self._respond(engine_req, body, "chat", ToolCallStream if tools is not None else None,
+        return await self._respond([engine_req], body, "chat", ToolCallStream if tools is not None else None,
                                    thought=thought)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         grant = self._grant(request)
+        prompts = body.prompts()
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"a batch of {len(prompts)} prompts exceeds the limit of {self.limits.max_prompts}",
+                           param="prompt")
+        if body.echo and body.suffix is not None:
+            raise APIError(400, "echo and suffix (fill in the middle) do not go together", param="echo")
+        scored = body.logprobs if body.echo else None  # echo with logprobs scores the prompt
+        reqs, echoes = [], []
+        for p, prompt in enumerate(prompts):
+            try:
+                ids = self._completion_ids(body, prompt)
+                reqs.append(self._engine_request(body, ids, grant, "prompt", prompt_logprobs=scored,
+                                                 scores_only=body.scores_only()))
+            except APIError as e:
+                if len(prompts) > 1:  # which prompt of the batch
+                    e.message = f"prompt {p} of the batch: {e.message}"
+                raise
+            echoes.append(Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt), ids))
+        return await self._respond(reqs, body, "completion", echoes=echoes if body.echo else None,
+                                   scores_only=body.scores_only())
+
+    def _completion_ids(self, body: CompletionRequest, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids: a text's (after the BOS token, or in the fill-in-the-
+        middle form with ``suffix``), or the ids given, each in the vocabulary."""
         if body.suffix is not None:  # fill in the middle
-            if not isinstance(body.prompt, str):
+            if not isinstance(prompt, str):
                 raise APIError(400, "suffix (fill in the middle) needs a text prompt", param="suffix")
             try:
-                prompt_ids = self.tokenizer.fim_prompt(body.prompt, body.suffix)
+                return self.tokenizer.fim_prompt(prompt, body.suffix)
             except ValueError as e:
                 raise APIError(400, str(e), param="suffix") from None
-        elif isinstance(body.prompt, str):
+        if isinstance(prompt, str):
             bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-            prompt_ids = bos + self.tokenizer.encode(body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               param="prompt")
-        return await self._respond(self._engine_request(body, prompt_ids, grant, "prompt"), body, "completion")
+            return bos + self.tokenizer.encode(prompt)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        return list(prompt)
 
     @api.get("/v1/models")
     async def models(self, request: Request):

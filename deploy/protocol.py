@@ -12,7 +12,7 @@ from model.json_schema import SchemaError, SchemaGrammar
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprob
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
-           "completion_logprobs", "error_body"]
+           "completion_logprobs", "echo_logprobs", "error_body", "joined_logprobs"]
 
 
 class APIError(Exception):
@@ -72,6 +72,7 @@ class Limits(BaseModel):
     max_tokens: int = Field(default=4096, ge=1)
     max_stop: int = Field(default=4, ge=0)
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
+    max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
     # per tenant and ingress replica, 0: off; over either a request is a 429 with Retry-After
     tenant_requests_per_minute: int = Field(default=0, ge=0)
@@ -271,13 +272,23 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    # one prompt (text or token ids) or a batch of them; prompt p's choices are p * n .. p * n + n - 1
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # chosen token's + this many alternatives
+    # the choice's text starts with its prompt, and with logprobs so do its logprobs (each prompt
+    # token scored given those before it; the first has none); max_tokens 0 then scores the prompt only
     echo: bool = False
     suffix: str | None = None  # fill in the middle: the text after the completion (DeepSeek's FIM)
     best_of: int | None = None
 
-    UNSUPPORTED = (*_Sampling.UNSUPPORTED, ("echo", False))
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: the one prompt, or each of the batch."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
+
+    def scores_only(self) -> bool:
+        """Echo with max_tokens 0: the prompt comes back (scored with logprobs), nothing is generated."""
+        return self.echo and self.requested_max_tokens() == 0
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -291,8 +302,10 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
-        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
+        if not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and not isinstance(v[0], int) and not all(v):
+            raise ValueError(f"prompt {[bool(p) for p in v].index(False)} of the batch is empty")
         return v
 
 
@@ -307,6 +320,20 @@ def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{token_text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], token_text) -> dict:
+    """``choices[].logprobs`` of an echoed prompt (``echo`` with ``logprobs``): its tokens, each
+    scored given those before it (``scored``: the engine's prompt logprobs); the first has none."""
+    first = token_text(prompt_ids[0])
+    rest = completion_logprobs(scored[1:], token_text, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two ``completion_logprobs`` of consecutive text as one."""
+    return {k: first[k] + then[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_bytes) -> dict:

@@ -11,7 +11,7 @@ import torch
 from kernels.cpu_gemv import argmax_rows, sample_rows
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "sample", "token_logprobs"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "next_token_logprobs", "sample", "token_logprobs"]
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks here first: sorting a 129k vocabulary costs ~5 ms a row
 
@@ -191,13 +191,25 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
     ``params[b].logprobs`` asks for one, else None."""
     out: list[TokenLogprob | None] = [None] * len(params)
     rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
-        return out
-    lp = logits[rows].float().log_softmax(-1).cpu()  # [R, V]
-    k = max(params[b].logprobs for b in rows)
-    top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    for r, b in enumerate(rows):
-        n = params[b].logprobs
-        top = tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist(), strict=True))
-        out[b] = TokenLogprob(tokens[b], float(lp[r, tokens[b]]), top)
+    if rows:
+        found = _logprobs(logits[rows], [tokens[b] for b in rows], [params[b].logprobs for b in rows])
+        for b, lp in zip(rows, found, strict=True):
+            out[b] = lp
     return out
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """logits [R, V] -> row r's logprob of ``tokens[r]`` and its ``ks[r]`` most likely tokens."""
+    lp = logits.float().log_softmax(-1).cpu()  # [R, V]
+    k = max(ks)
+    top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    return [TokenLogprob(t, c, tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist(), strict=True)))
+            for r, (t, c, n) in enumerate(zip(tokens, chosen, ks, strict=True))]
+
+
+def next_token_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
+    """logits [T, V] of consecutive positions and the token that follows each (a prompt's own
+    next tokens, T' <= T of them) -> each such token's logprob with the ``k`` most likely there
+    (OpenAI's ``echo`` with ``logprobs``: the prompt scored by the model)."""
+    return _logprobs(logits[: len(next_ids)], next_ids, [k] * len(next_ids)) if next_ids else []

@@ -26,6 +26,9 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits at every step
     # (+100 all but forces a token, -100 all but bans it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: off; k: each prompt token's logprob given the tokens before it, and the k most likely
+    # there (the first token has none). The prompt is computed whole: no cached prefix is reused.
+    prompt_logprobs: int | None = None
     # greedy, with no bias or penalty: the token is the logits' argmax (set from the above)
     plain_greedy: bool = field(init=False, repr=False, compare=False, default=False)
 
@@ -38,8 +41,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

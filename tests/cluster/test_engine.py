@@ -20,7 +20,7 @@ from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from tests.cachedir.units import flip_byte
-from tests.model.reference import logprobs_alone
+from tests.model.reference import logprobs_alone, prompt_logprobs_alone
 
 
 def _ns(model):
@@ -163,6 +163,55 @@ def test_logprobs_of_batched_greedy_and_seeded_requests(model):
             assert [i for i, _ in lp.top] == ref.topk(params[rid].logprobs).indices.tolist()
         if rid == "greedy":
             assert all(lp.top[0][0] == lp.token for lp in lps)
+
+
+def _check_prompt_logprobs(model, prompt, scored, k):
+    assert len(scored) == len(prompt) and scored[0] is None
+    ref = prompt_logprobs_alone(model, prompt)
+    for i, lp in enumerate(scored[1:]):
+        assert lp.token == prompt[i + 1]
+        assert lp.logprob == pytest.approx(float(ref[i, lp.token]), abs=1e-4), i
+        assert [t for t, _ in lp.top] == ref[i].topk(k).indices.tolist()
+
+
+def test_prompt_logprobs_score_every_prompt_token_in_chunks_beside_decodes(model):
+    """A request asking for its prompt's logprobs gets one per prompt token with its first output,
+    equal to the model's on the whole prompt, though the prompt went in chunks while others
+    decoded and a cached copy of its prefix was there to reuse (it is computed whole); its
+    tokens and the others' are the model's own."""
+    eng = _engine(model, max_num_seqs=4, max_prefill_tokens=48)
+    shared = _prompt(150, 60)
+    eng.add_request(GenerationRequest("first", shared[:140], 4))
+    eng.run_to_completion()  # its whole units stay in the pool, shareable
+    prompts = {"scored": shared, "beside": _prompt(30, 61), "later": _prompt(100, 62)}
+    eng.add_request(GenerationRequest("beside", prompts["beside"], 20))
+    outs = {"beside": eng.step()}  # it decodes while the scored prompt goes in chunks
+    eng.add_request(GenerationRequest("scored", shared, 6, SamplingParams(prompt_logprobs=3)))
+    eng.add_request(GenerationRequest("later", prompts["later"], 6))
+    while eng.has_work():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+        eng.check_integrity()
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == _ref(model, p, 20 if rid == "beside" else 6), rid
+    scored = [o.prompt_logprobs for o in outs["scored"] if o.prompt_logprobs is not None]
+    assert len(scored) == 1 and outs["scored"][0].prompt_logprobs is scored[0]  # once, with the first token
+    _check_prompt_logprobs(model, shared, scored[0], 3)
+    assert outs["scored"][-1].cached_tokens == 0 and outs["later"][-1].cached_tokens == 0
+    assert all(o.prompt_logprobs is None for rid in ("beside", "later") for o in outs[rid])
+    assert eng.stats["mixed_steps"] > 0
+
+
+def test_prompt_logprobs_survive_a_preemption_without_repeats(model):
+    eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
+    prompts = {rid: _prompt(40 + 9 * i, 70 + i) for i, rid in enumerate(("a", "b", "c", "d"))}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 24, SamplingParams(prompt_logprobs=0)))
+    outs = eng.run_to_completion()
+    assert eng.stats["preemptions"] >= 1
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == _ref(model, p, 24), rid
+        _check_prompt_logprobs(model, p, outs[rid][0].prompt_logprobs, 0)
 
 
 def test_penalized_requests_in_a_batch_equal_the_model_alone(model):

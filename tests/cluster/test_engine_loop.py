@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from cluster.engine_loop import EngineLoop, PromptKV
-from cluster.request import FinishReason, GenerationRequest
+from cluster.request import FinishReason, GenerationRequest, RequestOutput, TokenSources
+from model.sampling_params import TokenLogprob
 from tests.cluster.test_engine import _engine, _prompt, _ref, _tokens
 
 
@@ -207,3 +208,13 @@ def test_outputs_a_slow_caller_has_not_taken_go_as_one(model):
     outs = _run(main())
     loop.stop()
     assert len(outs) == 2 and outs[-1].finished and _tokens(outs) == _ref(model, prompt, 10)
+
+
+
+def test_outputs_joined_as_one_keep_the_first_ones_prompt_logprobs():
+    scored = [None, TokenLogprob(7, -1.5)]
+    first = RequestOutput("r", [3], "a", False, None, 2, 1, 0, TokenSources(), prompt_logprobs=scored)
+    later = RequestOutput("r", [4, 5], "bc", True, FinishReason.LENGTH, 2, 3, 0, TokenSources())
+    one = first.then(later)
+    assert one.new_token_ids == [3, 4, 5] and one.text == "abc" and one.finished
+    assert one.prompt_logprobs is scored and later.then(later).prompt_logprobs is None

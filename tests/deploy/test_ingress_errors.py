@@ -74,7 +74,7 @@ def test_a_request_every_replica_drops_is_a_503_with_retry_after():
     handle = _DyingHandle(tokens=1)
     body = SimpleNamespace(stream=False, stream_options=None, n=1)
     with pytest.raises(APIError) as e:
-        asyncio.run(_ingress(handle)._respond(_req(), body, "completion"))
+        asyncio.run(_ingress(handle)._respond([_req()], body, "completion"))
     assert e.value.status == 503 and e.value.retry_after_s == RETRY_AFTER_S
     assert handle.calls == MAX_CONTINUATIONS + 1  # it was continued elsewhere before giving up
 
@@ -84,7 +84,7 @@ def test_mid_stream_the_503_is_an_error_event():
     body = SimpleNamespace(stream=True, stream_options=None, n=1)
 
     async def collect():
-        resp = await _ingress(handle)._respond(_req(), body, "chat")
+        resp = await _ingress(handle)._respond([_req()], body, "chat")
         return [c if isinstance(c, str) else c.decode() async for c in resp.body_iterator]
 
     events = [c.removeprefix("data: ").strip() for c in asyncio.run(collect())]
@@ -182,7 +182,7 @@ def test_when_one_choice_fails_the_others_are_cancelled():
 
     async def run():
         with pytest.raises(ValueError, match="bad request"):
-            await _ingress(handle)._respond(_req(seed=0), body, "completion")
+            await _ingress(handle)._respond([_req(seed=0)], body, "completion")
         for _ in range(10):  # the cancelled choice's task finishes
             await asyncio.sleep(0.01)
 

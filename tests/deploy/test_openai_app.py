@@ -142,6 +142,73 @@ def test_completion_logprobs_are_the_models(client):
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
 
 
+def test_echo_returns_the_prompt_scored_by_the_model(client):
+    """``echo`` with ``logprobs``, as evaluation harnesses score text (lm-eval's loglikelihood):
+    each prompt token's logprob is the model's on the whole prompt, the first has none, and
+    the completion's own tokens follow; ``max_tokens`` 0 returns the scored prompt alone; a
+    streamed echo sends the same."""
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.tokenizer import ByteTokenizer
+    from tests.model.reference import prompt_logprobs_alone
+
+    tok = ByteTokenizer()
+    prompt = "The tide comes in. " * 16  # several whole units: a cached copy is there, and is not used
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    ids = [tok.BOS, *tok.encode(prompt)]
+    ref = prompt_logprobs_alone(load_model(default_checkpoint()), ids)
+    kw = {"model": "tiny", "prompt": prompt, "temperature": 0, "echo": True, "logprobs": 2}
+    scored = client.completions.create(**kw, max_tokens=0)
+    only = scored.choices[0]
+    assert only.text == prompt and only.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert scored.usage.model_extra["prompt_cache_hit_tokens"] == 0
+    lp = only.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([float(ref[i, t]) for i, t in enumerate(ids[1:])], abs=1e-4)
+    assert [list(t) for t in lp.top_logprobs[1:]] == [
+        [tok.token_bytes(int(j)).decode("utf-8", errors="replace") for j in ref[i].topk(2).indices]
+        for i in range(len(ids) - 1)]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    # with a completion: the prompt's text and scores, then the completion's, offsets running on
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+    both = client.completions.create(**kw, max_tokens=3).choices[0]
+    assert both.text == prompt + plain.choices[0].text
+    assert both.logprobs.token_logprobs == pytest.approx(lp.token_logprobs + plain.choices[0].logprobs.token_logprobs,
+                                                         abs=1e-4)
+    assert both.logprobs.text_offset == [sum(len(t) for t in both.logprobs.tokens[:i]) for i in range(len(ids) + 3)]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, max_tokens=3, stream=True)]
+    assert "".join(c.text for c in chunks) == both.text
+    assert sum((c.logprobs.token_logprobs for c in chunks), []) == pytest.approx(both.logprobs.token_logprobs, abs=1e-4)
+    # echo without logprobs: the text only
+    assert client.completions.create(model="tiny", prompt="ab", max_tokens=0, echo=True).choices[0].text == "ab"
+
+
+def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(client):
+    """A list of prompts (texts or token ids) is a batch: prompt p's n choices are indexes p*n ..
+    p*n+n-1, each what that prompt alone gets (seeded choices with seed + j), and the usage
+    counts every prompt once."""
+    prompts = ["low tide", "high water mark", "ebb"]
+    kw = {"model": "tiny", "max_tokens": 5, "temperature": 0.9, "seed": 11, "n": 2}
+    batch = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for p, prompt in enumerate(prompts):
+        alone = client.completions.create(prompt=prompt, **kw)
+        assert [c.text for c in batch.choices[2 * p : 2 * p + 2]] == [c.text for c in alone.choices], prompt
+    singles = [client.completions.create(prompt=p, **kw).usage for p in prompts]
+    assert batch.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)
+    assert batch.usage.completion_tokens == sum(u.completion_tokens for u in singles)
+    ids = client.completions.create(model="tiny", prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
+    assert [c.text for c in ids.choices] == [
+        client.completions.create(model="tiny", prompt=p, max_tokens=2, temperature=0).choices[0].text
+        for p in ([1, 2, 3], [4, 5])]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, **kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(6)] == [c.text for c in batch.choices]
+
+
 def _alone(prompt: str | list[int], n: int, json_mode: bool | dict = False, **params) -> list[int]:
     """The default model's ``n`` tokens after ``prompt`` (a completion prompt's text, or ids),
     computed alone; ``json_mode``: under JSON mode's masks (a dict: that schema's)."""
@@ -338,7 +405,12 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed"),  # was a 500
     # accepted at their defaults, refused otherwise rather than silently ignored
-    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo=True is not supported"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "0 with echo"),
+    ({"model": "tiny", "prompt": ["x", "y" * 5000]}, 400, "prompt 1 of the batch"),
+    ({"model": "tiny", "prompt": ["x"] * 65}, 400, "batch of 65 prompts"),
+    ({"model": "tiny", "prompt": ["x", ""]}, 400, "prompt 1 of the batch is empty"),
+    ({"model": "tiny", "prompt": [[1], [2, 99999]]}, 400, "99999"),
+    ({"model": "tiny", "prompt": "x", "echo": True, "suffix": "y"}, 400, "echo and suffix"),
     ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"seven": 5}}, 400, "logit_bias key 'seven'"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias key '99999'"),

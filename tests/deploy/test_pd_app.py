@@ -135,3 +135,33 @@ def test_json_mode_and_logit_bias_go_through_the_handoff(base_url):
     choice = r.json()["choices"][0]
     assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "stop"
     assert isinstance(json.loads(choice["text"]), dict)
+
+
+def test_an_echoed_prompts_logprobs_come_back_through_the_handoff(base_url):
+    """Echo with logprobs: the prefill replica scores the prompt; the client gets those scores
+    ahead of the tokens the decode replica streams (stream or not)."""
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.tokenizer import load_tokenizer
+    from tests.model.reference import prompt_logprobs_alone
+
+    url, home = base_url
+    body = {"model": "tiny", "prompt": "score the tide", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1}
+    before = _handoffs(url)
+    whole = httpx.post(f"{url}/v1/completions", timeout=120, json=body)
+    assert whole.status_code == 200, whole.text
+    assert _handoffs(url) == before + 1
+    ckpt = default_checkpoint(home)
+    tok = load_tokenizer(ckpt)
+    ids = [tok.bos_id, *tok.encode("score the tide")]
+    ref = prompt_logprobs_alone(load_model(ckpt), ids)
+    lp = whole.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 4 and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx([float(ref[i, t]) for i, t in enumerate(ids[1:])],
+                                                               abs=1e-4)
+    events = httpx.post(f"{url}/v1/completions", timeout=120, json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert sum((s["token_logprobs"] for s in streamed), []) == pytest.approx(lp["token_logprobs"])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]

@@ -1,12 +1,22 @@
-"""Request bodies as the ingress reads them (no server): structured-output options."""
+"""Request bodies as the ingress reads them (no server): structured-output options, completion
+prompts (one or a batch) and echoed logprobs."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from pydantic import ValidationError
 
-from deploy.protocol import APIError, ChatCompletionRequest
+from deploy.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
+)
+from model.sampling_params import TokenLogprob
 
 MSGS = [{"role": "user", "content": "x"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -39,3 +49,36 @@ def test_response_formats():
         with pytest.raises(APIError) as e:
             mode(bad)
         assert e.value.status == 400 and needle in e.value.message
+
+
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("one", ["one"]), ([1, 2], [[1, 2]]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])])
+def test_a_completion_prompt_is_one_or_a_batch(prompt, prompts):
+    assert CompletionRequest(model="m", prompt=prompt).prompts() == prompts
+
+
+@pytest.mark.parametrize(("prompt", "needle"), [
+    ("", "must not be empty"), ([], "must not be empty"), (["a", ""], "prompt 1 of the batch is empty"),
+    ([[1], []], "prompt 1 of the batch is empty"), ([1, "a"], "prompt")])
+def test_an_empty_or_mixed_completion_prompt_is_refused(prompt, needle):
+    with pytest.raises(ValidationError, match=needle):
+        CompletionRequest(model="m", prompt=prompt)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only():
+    assert CompletionRequest(model="m", prompt="x", echo=True, max_tokens=0).scores_only()
+    assert not CompletionRequest(model="m", prompt="x", echo=True, max_tokens=1).scores_only()
+    assert not CompletionRequest(model="m", prompt="x", echo=True).scores_only()
+    assert not CompletionRequest(model="m", prompt="x", max_tokens=0).scores_only()
+
+
+def test_echoed_logprobs_score_every_prompt_token_but_the_first_and_join_the_completions():
+    text = {1: "ab", 2: "c", 3: "", 4: "de"}.__getitem__
+    prompt = echo_logprobs([1, 2, 3], [None, TokenLogprob(2, -0.5, ((2, -0.5), (4, -1.0))), TokenLogprob(3, -2.0)],
+                           text)
+    assert prompt == {"tokens": ["ab", "c", ""], "token_logprobs": [None, -0.5, -2.0],
+                      "top_logprobs": [None, {"c": -0.5, "de": -1.0}, {}], "text_offset": [0, 2, 3]}
+    after = completion_logprobs([TokenLogprob(4, -0.1)], text, 3)
+    assert joined_logprobs(prompt, after) == {"tokens": ["ab", "c", "", "de"], "token_logprobs": [None, -0.5, -2.0, -0.1],
+                                              "top_logprobs": [None, {"c": -0.5, "de": -1.0}, {}, {}],
+                                              "text_offset": [0, 2, 3, 3]}
