@@ -66,7 +66,7 @@ from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
 from model.sampling_params import SamplingParams, TokenLogprob
 from model.tokenizer import load_tokenizer
-from model.tool_calls import ForcedCall, ToolCall, ToolCallStream
+from model.tool_calls import ForcedCall, RequiredCall, ToolCall, ToolCallStream
 from model.weights_id import weights_digest, weights_form
 
 __all__ = ["OpenAIIngress", "api"]
@@ -633,7 +633,7 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         grant = self._grant(request)
         messages = [m.template_dict() for m in body.messages]
-        tools, forced = body.tool_functions(), body.forced_function()
+        tools, forced, required = body.tool_functions(), body.forced_function(), body.required_call()
         prefix = body.answer_prefix()  # chat prefix completion: the answer goes on from that text
         extra = body.chat_template_kwargs or {}
         try:
@@ -653,10 +653,14 @@ class OpenAIIngress:
         if forced is not None:  # the output is that function's arguments: per its schema, or any JSON object
             schema = body.forced_parameters(forced)
             fields.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
+        if required is not None:  # the output is one call, {NAME: ARGUMENTS}, of one of the tools
+            fields.update(response_format="json_schema", json_schema=required)
         engine_req = self._engine_request(body, prompt_ids, grant, **fields)
         if forced is not None:
             return await self._respond([engine_req], body, "chat", functools.partial(ForcedCall, forced), "stop",
                                        thought=thought)
+        if required is not None:
+            return await self._respond([engine_req], body, "chat", RequiredCall, thought=thought)
         return await self._respond([engine_req], body, "chat", ToolCallStream if tools is not None else None,
                                    thought=thought)
 

@@ -47,6 +47,38 @@ class KeyGrant:
         return self.models is None or model in self.models
 
 
+def _rerooted(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """``schema`` made a part of another one: (the schema, its definitions under names that
+    start with ``prefix``), its ``$ref``s (to ``#`` or its own ``$defs``/``definitions``) pointing
+    there."""
+    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+
+    def move(node: Any) -> Any:
+        if isinstance(node, list):
+            return [move(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: move(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        ref = node.get("$ref")
+        if ref == "#":
+            out["$ref"] = f"#/$defs/{prefix}"
+        elif isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+            out["$ref"] = f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
+        return out
+
+    defs = {f"{prefix}{name}": move(sub) for name, sub in own.items()}
+    moved = move(schema)
+    if _refers_to_root(schema):
+        defs[prefix] = moved
+    return moved, defs
+
+
+def _refers_to_root(node: Any) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == "#" or any(_refers_to_root(v) for v in node.values())
+    return isinstance(node, list) and any(_refers_to_root(v) for v in node)
+
+
 def schema_text(schema: dict, param: str) -> str:
     """A JSON schema the engine can enforce, as canonical JSON text (a 400 naming what it cannot)."""
     try:
@@ -221,7 +253,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
     tools: list[dict[str, Any]] | None = None  # functions the model may call
-    tool_choice: str | dict[str, Any] | None = None  # "auto" (with tools), "none" or a named function
+    # "auto" (with tools), "none", "required" (one call of any of the tools) or a named function
+    tool_choice: str | dict[str, Any] | None = None
 
     def forced_function(self) -> str | None:
         """The function ``tool_choice`` names ({"type": "function", "function": {"name": ...}}),
@@ -249,12 +282,36 @@ class ChatCompletionRequest(_Sampling):
         except APIError:
             return None  # a schema it cannot enforce: the arguments are still one JSON object
 
+    def required_call(self) -> str | None:
+        """With ``tool_choice`` required: the schema (canonical JSON text) of the one call the
+        output is, ``{NAME: ARGUMENTS}`` with exactly one of the tools' names, each tool's
+        arguments per its parameters (any JSON object where it has none, or one this server
+        cannot enforce); None otherwise."""
+        if self.tool_choice != "required":
+            return None
+        tools = self.tool_functions()
+        if not tools:
+            raise APIError(400, "tool_choice required needs tools", param="tool_choice")
+        calls: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False,
+                                 "minProperties": 1, "maxProperties": 1, "$defs": {}}
+        for tool in tools:
+            name, params = tool["function"]["name"], tool["function"].get("parameters")
+            params = params if isinstance(params, dict) and params else {"type": "object"}
+            moved, defs = _rerooted(params, f"{name}.")
+            try:
+                schema_text({**moved, "$defs": defs}, "tools")
+            except APIError:  # a schema it cannot enforce: the arguments are still one JSON object
+                moved, defs = {"type": "object"}, {}
+            calls["properties"][name] = moved
+            calls["$defs"].update(defs)
+        return schema_text(calls, "tools")
+
     def tool_functions(self) -> list[dict[str, Any]] | None:
         """The tools the model may call (None: it calls none, its output is all content)."""
         choice = self.tool_choice if self.tool_choice is not None else "auto"
-        if isinstance(choice, str) and choice not in ("auto", "none"):
-            raise APIError(400, f"tool_choice {choice!r} is not supported by this server (auto, none or a "
-                           "named function)", param="tool_choice", code="unsupported_parameter")
+        if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+            raise APIError(400, f"tool_choice {choice!r} is not supported by this server (auto, none, required "
+                           "or a named function)", param="tool_choice", code="unsupported_parameter")
         if not self.tools or choice == "none":
             return None
         for tool in self.tools:

@@ -6,7 +6,7 @@ every output is a prefix of a JSON text the schema accepts, and the request ends
 
 The schema subset is what structured-output APIs ask for: ``type`` (one or a list), ``properties``
 with ``required`` (only those keys, each at most once, in any order; ``}`` once the required ones
-are there), objects without ``properties`` (any keys, values per ``additionalProperties``),
+are there) and ``minProperties``/``maxProperties`` (how many of those keys), objects without ``properties`` (any keys, values per ``additionalProperties``),
 ``items``, ``enum``, ``const``, ``anyOf`` (options must differ in their first byte), and ``{}``
 for any value. Annotations (``title``, ``description``, ``format``, ...) are ignored; a keyword
 that would constrain the output in a way this grammar does not enforce (``pattern``,
@@ -44,7 +44,7 @@ _QUOTE = ord('"')
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
                          "deprecated", "readOnly", "writeOnly"})
 KNOWN = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                   "$ref", "$defs", "definitions"})
+                   "minProperties", "maxProperties", "$ref", "$defs", "definitions"})
 _FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
           "boolean": b"tf", "null": b"n"}
 
@@ -139,6 +139,8 @@ class SchemaGrammar:
     def _object(self, schema: dict[str, Any], where: str, depth: int) -> int:
         extra = schema.get("additionalProperties", "properties" not in schema)
         if "properties" not in schema:  # any keys; their values per additionalProperties
+            if "minProperties" in schema or "maxProperties" in schema:
+                raise SchemaError(f"{where}: minProperties/maxProperties are supported only beside properties")
             values = 0 if extra is True else self._compile(extra, f"{where}.additionalProperties", depth + 1) if extra else None
             if values is None:
                 raise SchemaError(f"{where}: an object with no properties and additionalProperties false is always {{}}")
@@ -153,7 +155,14 @@ class SchemaGrammar:
         required = frozenset(schema.get("required", ()))
         if not required <= set(props):
             raise SchemaError(f"{where}: required names {sorted(required - set(props))} that are not properties")
-        return self._add({"kind": "object", "props": props, "required": required})
+        least, most = schema.get("minProperties", 0), schema.get("maxProperties", len(props))
+        for name, n in (("minProperties", least), ("maxProperties", most)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise SchemaError(f"{where}: {name} must be a non-negative integer, got {n!r}")
+        if least > min(most, len(props)) or most < len(required):
+            raise SchemaError(f"{where}: no object has {least}..{most} of its {len(props)} properties with the "
+                              f"{len(required)} required ones")
+        return self._add({"kind": "object", "props": props, "required": required, "min": least, "max": most})
 
     def _first_bytes(self, node: int) -> bytes:
         n = self.nodes[node]
@@ -228,14 +237,17 @@ class SchemaGrammar:
 
     def _keys_left(self, frame) -> list[str] | None:
         """The keys an object may still take (None: any)."""
-        props = self.nodes[frame[1]].get("props") if frame[1] else None
-        if props is None:
+        node = self.nodes[frame[1]] if frame[1] else {}
+        if node.get("props") is None:
             return None
-        return [k for k in props if k not in frame[2]]
+        left = [k for k in node["props"] if k not in frame[2]]
+        missing = [k for k in left if k in node["required"]]
+        # the keys still allowed leave room for the required ones: past that, only those
+        return missing if node["max"] - len(frame[2]) <= len(missing) else left
 
     def _may_close(self, frame) -> bool:
         node = self.nodes[frame[1]]
-        return frame[1] == 0 or node["required"] <= set(frame[2])
+        return frame[1] == 0 or (node["required"] <= set(frame[2]) and len(frame[2]) >= node.get("min", 0))
 
     def _value_node(self, frame) -> int:
         """The schema of the value after the current key (objects) or of the items (arrays)."""

@@ -14,7 +14,8 @@ ordinary (not special) tokens of DeepSeek's tokenizer, so they are in the decode
 ``ToolCallStream`` splits a streamed text into the content a client may see at once and the
 calls, which are known when the output ends: text that may be the start of the calls marker is
 held back until it is clear. ``ForcedCall`` is the same interface for a request that names the
-function to call: the whole output (generated in JSON mode) is its arguments.
+function to call: the whole output (generated in JSON mode) is its arguments. ``RequiredCall`` is
+it for ``tool_choice`` required: the output (generated under a schema) is ``{NAME: ARGUMENTS}``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "ForcedCall", "ToolCall", "ToolCallStream",
-           "format_tool_calls", "parse_tool_calls"]
+__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "ForcedCall", "RequiredCall", "ToolCall",
+           "ToolCallStream", "format_tool_calls", "parse_tool_calls"]
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -119,3 +120,27 @@ class ForcedCall:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         return "", [ToolCall(self.name, self._text)]
+
+
+class RequiredCall:
+    """The output of a request whose ``tool_choice`` is required: one JSON object ``{NAME:
+    ARGUMENTS}`` (``ChatCompletionRequest.required_call``'s schema), the call of that function
+    with those arguments; no content. An output cut short (max_tokens) is no call: it stays the
+    message's content."""
+
+    def __init__(self) -> None:
+        self._text = ""
+
+    def feed(self, delta: str) -> str:
+        self._text += delta
+        return ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        try:
+            call = json.loads(self._text)
+        except ValueError:
+            return self._text, []
+        if not isinstance(call, dict) or len(call) != 1:
+            return self._text, []
+        (name, args), = call.items()
+        return "", [ToolCall(name, json.dumps(args, ensure_ascii=False))]

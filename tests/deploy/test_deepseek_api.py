@@ -122,7 +122,7 @@ def test_chat_prefix_completion_goes_on_from_the_prefix(client):
 
 
 @pytest.mark.parametrize("extra, status, needle", [
-    ({"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice 'required' is not supported"),
+    ({"tools": TOOLS, "tool_choice": "any"}, 400, "tool_choice 'any' is not supported"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, 400,
      "tool_choice names 'get_time', which is not one of the tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, 400, "tool_choice must be"),

@@ -300,6 +300,44 @@ def test_json_schema_output_is_valid_and_equals_the_model_alone(client):
     assert text == ByteTokenizer().decode(ids)
 
 
+CALLABLE = [{"type": "function", "function": {"name": "set_level", "parameters": {
+                 "type": "object", "properties": {"level": {"type": "integer"}}, "required": ["level"],
+                 "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "stop_all", "parameters": {
+                 "type": "object", "properties": {"now": {"type": "boolean"}}, "required": ["now"],
+                 "additionalProperties": False}}}]
+
+
+def test_tool_choice_required_is_one_call_of_one_of_the_tools(client):
+    """tool_choice required: the output is generated under a schema of one call ({NAME: ARGUMENTS},
+    each tool's arguments per its parameters) and comes back as that call, the same as the model
+    alone under that schema's masks, whole and streamed."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from deploy.protocol import ChatCompletionRequest
+    from model.tokenizer import ByteTokenizer
+
+    msgs = [{"role": "user", "content": "Call a tool"}]
+    bias = {str(ord(c)): -10 for c in " \n\t\r"} | {str(ord("}")): 2}  # compact, and this model closes its object
+    kw = {"model": "tiny", "messages": msgs, "tools": CALLABLE, "tool_choice": "required", "max_tokens": 64,
+          "temperature": 0, "logit_bias": bias}
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in CALLABLE}
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    schema = json.loads(ChatCompletionRequest(**kw).required_call())
+    chat_ids = ByteTokenizer().apply_chat_template(msgs, CALLABLE)
+    alone = ByteTokenizer().decode(_alone(chat_ids, 64, json_mode=schema,
+                                          logit_bias=tuple((int(t), float(b)) for t, b in bias.items())))
+    assert json.loads(alone) == {call.function.name: json.loads(call.function.arguments)}
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [(call.function.name,
+                                                                               call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_a_schema_it_cannot_enforce_is_a_400_naming_the_keyword(base_url):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a"}}}
     r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
@@ -472,8 +510,9 @@ def test_tokenize_detokenize_and_version(base_url, client):
 
 def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accepted(base_url, client):
     msgs = [{"role": "user", "content": "x"}]
-    for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-                           "tool_choice"),
+    for extra, needle in (({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"},
+                           "tool_choice 'any' is not supported"),
+                          ({"tool_choice": "required"}, "tool_choice required needs tools"),
                           ({"response_format": {"type": "xml"}}, "'xml' is not supported")):
         r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
                        json={"model": "tiny", "messages": msgs, **extra})

@@ -82,3 +82,44 @@ def test_echoed_logprobs_score_every_prompt_token_but_the_first_and_join_the_com
     assert joined_logprobs(prompt, after) == {"tokens": ["ab", "c", "", "de"], "token_logprobs": [None, -0.5, -2.0, -0.1],
                                               "top_logprobs": [None, {"c": -0.5, "de": -1.0}, {}, {}],
                                               "text_offset": [0, 2, 3, 3]}
+
+
+def _accepts(schema_text: str, value) -> bool:
+    from model.json_schema import SchemaGrammar
+
+    grammar = SchemaGrammar(json.loads(schema_text))
+    state = grammar.start
+    for b in json.dumps(value).encode():
+        state = grammar.step(state, b)
+        if state is None:
+            return False
+    return grammar.done(state)
+
+
+def test_tool_choice_required_is_a_schema_of_one_call_of_any_tool():
+    """The call's schema holds each tool's parameters, their own $defs and recursive $refs moved
+    under the tool's name; a tool without parameters, or with ones this server cannot enforce,
+    takes any JSON object."""
+    tree = {"type": "object", "properties": {"label": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                                             "tag": {"$ref": "#/$defs/Tag"}},
+            "required": ["label"], "additionalProperties": False,
+            "$defs": {"Tag": {"type": "object", "properties": {"v": {"enum": ["a", "b"]}}, "required": ["v"],
+                              "additionalProperties": False}}}
+    tools = [{"type": "function", "function": {"name": "plant", "parameters": tree}},
+             {"type": "function", "function": {"name": "ping"}},
+             {"type": "function", "function": {"name": "match", "parameters": {
+                 "type": "object", "properties": {"re": {"type": "string", "pattern": "^a"}}}}}]
+    schema = ChatCompletionRequest(model="m", messages=MSGS, tools=tools, tool_choice="required").required_call()
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(schema))
+    good = [{"plant": {"label": "x", "kids": [{"label": "y", "tag": {"v": "a"}}]}}, {"ping": {}},
+            {"ping": {"any": [1]}}, {"match": {"re": "zzz"}}]
+    bad = [{}, {"plant": {"label": "x"}, "ping": {}}, {"plant": {"kids": []}}, {"other": {}},
+           {"plant": {"label": "x", "kids": [{"label": "y", "tag": {"v": "c"}}]}}]
+    for value in good:
+        assert validator.is_valid(value) and _accepts(schema, value), value
+    for value in bad:
+        assert not validator.is_valid(value) and not _accepts(schema, value), value
+    assert ChatCompletionRequest(model="m", messages=MSGS, tools=tools).required_call() is None
+    with pytest.raises(APIError, match="needs tools"):
+        ChatCompletionRequest(model="m", messages=MSGS, tool_choice="required").required_call()

@@ -111,7 +111,39 @@ def test_sampled_outputs_under_the_masks_are_valid_and_masks_are_the_grammar():
         assert masks.allowed(state).tolist() == want
 
 
+ONE_OF_TWO = {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+    "f": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}, "g": {"type": "string"}}}
+TWO_WITH_A = {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "maxProperties": 2}
+
+
+@pytest.mark.parametrize(("schema", "text", "valid"), [
+    (ONE_OF_TWO, '{"f": {"x": 1}}', True), (ONE_OF_TWO, '{"g": "s"}', True), (ONE_OF_TWO, "{}", False),
+    (ONE_OF_TWO, '{"f": {"x": 1}, "g": "s"}', False), (ONE_OF_TWO, '{"f": "s"}', False),
+    (TWO_WITH_A, '{"a": 1}', True), (TWO_WITH_A, '{"c": 1, "a": 2}', True), (TWO_WITH_A, '{"a": 1, "b": 2, "c": 3}', False),
+    (TWO_WITH_A, '{"b": 1, "c": 2}', False), (TWO_WITH_A, '{"b": 1}', False)])
+def test_how_many_properties_an_object_has(schema, text, valid):
+    assert _accepts(SchemaGrammar(schema), text) == valid
+    assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == valid
+
+
+def test_past_the_room_that_required_keys_need_only_they_may_follow():
+    """Two keys at most, one of them "a": after "b" the next key can only be "a" (no dead end
+    where the object may neither close nor go on)."""
+    grammar, state = SchemaGrammar(TWO_WITH_A), None
+    for prefix, ok in (('{"b": 1, "a', True), ('{"b": 1, "c', False), ('{"b": 1}', False)):
+        state = grammar.start
+        for b in prefix.encode():
+            state = state and grammar.step(state, b)
+        assert (state is not None) == ok, prefix
+
+
 @pytest.mark.parametrize("schema, needle", [
+    ({"type": "object", "minProperties": 1}, "only beside properties"),
+    ({"type": "object", "properties": {"a": {}}, "minProperties": 2}, "no object has 2..1"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1},
+     "no object has 0..1"),
+    ({"type": "object", "properties": {"a": {}}, "maxProperties": -1}, "maxProperties must be a non-negative"),
+
     ({"type": "string", "pattern": "^a"}, "'pattern'"),
     ({"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}}, "$.properties.a: 'minLength'"),
     ({"$ref": "#/$defs/x"}, "names no definition"),

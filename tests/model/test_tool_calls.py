@@ -13,6 +13,7 @@ from model.tool_calls import (
     CALLS_BEGIN,
     CALLS_END,
     SEP,
+    RequiredCall,
     ToolCallStream,
     format_tool_calls,
     parse_tool_calls,
@@ -60,3 +61,13 @@ def test_streamed_content_is_the_whole_contents_and_never_shows_the_calls(text):
         content, want = parse_tool_calls(text)
         assert sent + rest == content and calls == want
         assert len(rest) < len(CALLS_BEGIN)  # only a possible marker start was held back
+
+
+def test_a_required_call_is_the_one_function_the_object_names():
+    split = RequiredCall()
+    assert split.feed('{"get_weather": {"ci') == "" and split.feed('ty": "Zürich"}}') == ""
+    content, calls = split.finish()
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Zürich"})]
+    cut = RequiredCall()
+    cut.feed('{"get_weather": {"ci')  # max_tokens came first: no call, the text stays content
+    assert cut.finish() == ('{"get_weather": {"ci', [])
