@@ -169,6 +169,9 @@ class Engine:
         if req.sampling.penalized:  # counted as tokens come: the penalties' cost does not grow with the output
             seq.token_counts = torch.bincount(torch.tensor(req.continued_ids, dtype=torch.long),
                                               minlength=self.model.cfg.vocab_size)[: self.model.cfg.vocab_size]
+        if req.sampling.repeats:  # the prompt's tokens once; the output's as they come
+            seq.seen = torch.zeros(self.model.cfg.vocab_size, dtype=torch.bool)
+            seq.seen[long_tensor([t for t in req.prompt_ids if t < len(seq.seen)])] = True
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.response_format is not None:
@@ -287,8 +290,8 @@ class Engine:
         if not seq.input_persisted:
             seq.input_persisted = True
             self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-        allowed = self.constraints.apply(logits[None], [seq])
-        tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts])[0])
+        allowed = self.constraints.apply(self._hold_stops(logits[None], [seq]), [seq])
+        tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts], [seq.seen])[0])
         self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
@@ -352,6 +355,8 @@ class Engine:
         seq.output_logprobs.append(pre.first_logprob)
         if seq.token_counts is not None:
             seq.token_counts[pre.first_token] += 1
+        if seq.seen is not None:
+            seq.seen[pre.first_token] = True
         seq.text.feed(pre.first_token)  # this replica streams it (the prefill replica's output was not sent)
         self.constraints.feed(seq, pre.first_token)
         seq.sources = dataclasses.replace(pre.sources)
@@ -392,8 +397,9 @@ class Engine:
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
-        allowed = self.constraints.apply(logits, batch)
-        toks = sample(allowed, params, [s.generator for s in batch], [s.token_counts for s in batch]).tolist()
+        allowed = self.constraints.apply(self._hold_stops(logits, batch), batch)
+        toks = sample(allowed, params, [s.generator for s in batch], [s.token_counts for s in batch],
+                      [s.seen for s in batch]).tolist()
         for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
             seq.num_computed = seq.length
             self._append(seq, tok, outputs, lp)
@@ -406,10 +412,13 @@ class Engine:
         seq.output_logprobs.append(lp)
         if seq.token_counts is not None:
             seq.token_counts[tok] += 1
+        if seq.seen is not None:
+            seq.seen[tok] = True
         req, constrained = seq.req, seq.json_masks is not None
         if constrained:
             self.constraints.feed(seq, tok)
-        eos = tok == self.eos_id and not req.ignore_eos
+        may_stop = self._produced(seq) >= req.min_tokens
+        eos = may_stop and ((tok == self.eos_id and not req.ignore_eos) or tok in req.stop_token_ids)
         reason = None
         if eos or (constrained and self.constraints.done(seq)):
             reason = FinishReason.STOP
@@ -417,13 +426,33 @@ class Engine:
             reason = FinishReason.LENGTH
         if reason is None and req.handoff:
             reason = FinishReason.HANDOFF
-        if not eos and seq.text.feed(tok):  # the EOS token has no text
+        if not eos and seq.text.feed(tok, stops=may_stop):  # the EOS (or stop) token has no text
             reason = FinishReason.STOP  # a stop string: the text ends before it
         if reason is not None:
             self.scheduler.leave_running(seq)
             self._finish(seq, reason, outputs)
         else:
             outputs.append(self._output(seq))
+
+    @staticmethod
+    def _produced(seq: Sequence) -> int:
+        """Output tokens so far, those another replica generated (a continued request) included."""
+        return len(seq.req.continued_ids) + len(seq.output_ids)
+
+    def _hold_stops(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
+        """``logits`` [B, V] with EOS and the stop tokens at -inf in the rows whose next token is
+        before their ``min_tokens`` (a copy when any is; rows under JSON masks keep theirs)."""
+        rows = [b for b, s in enumerate(batch) if self._produced(s) + 1 < s.req.min_tokens
+                and not (s.json_masks is not None and s.json_active)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for b in rows:
+            req = batch[b].req
+            held = [t for t in (*req.stop_token_ids, *(() if req.ignore_eos or self.eos_id is None else (self.eos_id,)))
+                    if t < logits.shape[-1]]
+            logits[b, held] = float("-inf")
+        return logits
 
     def _output(self, seq: Sequence, handoff: Prefilled | None = None) -> RequestOutput:
         """New tokens and text since the last output (``cluster.output.TextStream`` holds back

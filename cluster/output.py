@@ -62,10 +62,14 @@ class TextStream:
             text, self._skip = text[cut:], self._skip - cut
         self._pending += text
 
-    def feed(self, token: int) -> bool:
-        """Add one token's text; True when a stop string now appears (the text ends before it)."""
+    def feed(self, token: int, stops: bool = True) -> bool:
+        """Add one token's text; True when a stop string now appears (the text ends before it).
+        ``stops`` False: the text so far cannot stop the output (a request's ``min_tokens``)."""
         self._ids.append(token)
         self._decode_window()
+        if not stops:
+            self._searched = len(self._pending)
+            return False
         return self._match_stop()
 
     def _decode_window(self) -> None:

@@ -101,6 +101,11 @@ class GenerationRequest:
     plan: PrefixPlan | None = None  # the ingress's prefix plan (None: the engine hashes and looks up)
     # R1: the output is a thought until this token (``</think>``); JSON mode constrains the rest
     constrain_after: int | None = None
+    # vLLM's: these tokens end the output as EOS does (they are in its tokens, not its text)...
+    stop_token_ids: tuple[int, ...] = ()
+    # ... and until the output has this many tokens neither they, EOS nor a stop string end it
+    # (a JSON value, once whole, still does)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:
@@ -113,6 +118,8 @@ class GenerationRequest:
             raise ValueError("a request is either handed off (prefill) or prefilled (decode), not both")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.plan is not None and len(self.plan.unit_keys) != len(self.prompt_ids) // UNIT_TOKENS:
             raise ValueError(f"the prefix plan has {len(self.plan.unit_keys)} unit keys; the prompt has "
                              f"{len(self.prompt_ids) // UNIT_TOKENS} whole units")
@@ -225,6 +232,7 @@ class Sequence:
     json_state: object = None  # ... and its state after the output so far
     json_active: bool = True  # the masks apply (False while an R1 thought goes on: ``constrain_after``)
     token_counts: object = None  # penalized requests: torch.Tensor [V], times each token was generated
+    seen: object = None  # repetition-penalized requests: torch.Tensor [V], bool: in the prompt or output
     row: int | None = None  # its row of the engine's block tables while it runs (None: not running)
 
     @property

@@ -299,11 +299,17 @@ class OpenAIIngress:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
         bias = tuple(body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias))
+        stop_ids = body.stop_token_tuple(self.vocab_size, self.limits.max_stop_token_ids)
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
         try:
-            sampling = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed, body.logprobs_k(),
-                                      body.presence_penalty, body.frequency_penalty, bias, prompt_logprobs)
+            sampling = SamplingParams(
+                body.temperature, body.top_p, body.top_k, body.seed, body.logprobs_k(), body.presence_penalty,
+                body.frequency_penalty, bias, repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                prompt_logprobs=prompt_logprobs)
             return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
-                                     grant.tenant, **(body.json_mode() | extra))
+                                     grant.tenant, stop_token_ids=stop_ids, min_tokens=body.min_tokens,
+                                     **(body.json_mode() | extra))
         except ValueError as e:  # a combination the field checks above let through
             raise APIError(400, str(e)) from None
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.json_schema import SchemaError, SchemaGrammar
-from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprob
+from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, TokenLogprob
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
            "completion_logprobs", "echo_logprobs", "error_body", "joined_logprobs"]
@@ -103,6 +103,7 @@ class Limits(BaseModel):
     max_prompt_tokens: int = Field(default=32768, ge=1)
     max_tokens: int = Field(default=4096, ge=1)
     max_stop: int = Field(default=4, ge=0)
+    max_stop_token_ids: int = Field(default=64, ge=0)
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
     max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
@@ -138,6 +139,11 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    # vLLM's sampling extensions (model.sampling_params and cluster.request say what they do)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     parallel_tool_calls: bool | None = None
     store: bool | None = None
@@ -155,6 +161,17 @@ class _Sampling(BaseModel):
             if value not in (default, {}, []):
                 raise APIError(400, f"{name}={value!r} is not supported by this server", param=name,
                                code="unsupported_parameter")
+
+    def stop_token_tuple(self, vocab_size: int, limit: int) -> tuple[int, ...]:
+        """``stop_token_ids``, each in the vocabulary (a 400 naming the first that is not)."""
+        ids = self.stop_token_ids or []
+        if len(ids) > limit:
+            raise APIError(400, f"{len(ids)} stop_token_ids exceed the limit of {limit}", param="stop_token_ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                           param="stop_token_ids")
+        return tuple(ids)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

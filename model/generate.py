@@ -51,7 +51,7 @@ def generate(
     while True:
         if json_masks is not None and active:
             logits = json_masks.apply(logits, [0], [state], fallback=eos_id)
-        tok = int(sample(logits, [params], [gen], [out])[0])
+        tok = int(sample(logits, [params], [gen], [out], [list(prompt_ids) + out] if params.repeats else None)[0])
         out.append(tok)
         if json_masks is not None and active:
             state = json_masks.advance(state, tok)

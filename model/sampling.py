@@ -11,7 +11,8 @@ import torch
 from kernels.cpu_gemv import argmax_rows, sample_rows
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "next_token_logprobs", "sample", "token_logprobs"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "next_token_logprobs",
+           "repetition_penalized", "sample", "token_logprobs"]
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks here first: sorting a 129k vocabulary costs ~5 ms a row
 
@@ -19,23 +20,28 @@ NUCLEUS_CANDIDATES = 1024  # top-p looks here first: sorting a 129k vocabulary c
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     outputs: list[list[int] | torch.Tensor | None] | None = None,
+    seen: list[list[int] | torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32 (any device) -> token ids [B] on the CPU (one copy to the host).
     ``generators[b]`` (a CPU generator) makes row b reproducible, whatever rows share its batch;
     ``outputs[b]``: the tokens row b generated so far, as ids or as counts per token [V] (the
-    penalties count them). Each row's ``logit_bias`` is added first.
+    presence and frequency penalties count them); ``seen[b]``: the tokens of its prompt and
+    output, as ids or as a mask [V] (the repetition penalty). Each row's ``logit_bias`` is added
+    first, then the penalties apply.
 
-    The sampled rows are processed together on the logits' device: temperature, top-k and top-p
-    as batched tensor ops (top-p sorts only the ``NUCLEUS_CANDIDATES`` most likely tokens when
-    they hold the nucleus, else the whole vocabulary), then one inverse-CDF draw per row; fp32
-    CPU logits take the C++ kernel with the same contract (``kernels.cpu_gemv.sample_rows``), each
-    row's uniform drawn the same way."""
+    The sampled rows are processed together on the logits' device: temperature, top-k, top-p and
+    min-p as batched tensor ops (top-p and min-p sort only the ``NUCLEUS_CANDIDATES`` most likely
+    tokens when they hold what is kept, else the whole vocabulary), then one inverse-CDF draw per
+    row; fp32 CPU logits take the C++ kernel with the same contract (``kernels.cpu_gemv.sample_rows``,
+    rows without min-p), each row's uniform drawn the same way."""
     if all(p.plain_greedy for p in params):  # the common case: one argmax, nothing else
         return _argmax(logits).cpu()
     if any(p.logit_bias for p in params):
         logits = biased(logits, params)
     if outputs is not None and any(p.penalized for p in params):
         logits = penalized(logits, params, outputs)
+    if seen is not None and any(p.repeats for p in params):
+        logits = repetition_penalized(logits, params, seen)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):  # every row samples: no argmax, no copy of the rows
         return _sample_rows(logits, params, generators).cpu()
@@ -54,7 +60,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [R, V] of rows that sample -> their tokens [R] (on the logits' device)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and not any(p.min_p for p in params):
         vocab = logits.shape[-1]
         out = sample_rows(logits, torch.tensor([p.temperature for p in params]),
                           torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
@@ -71,7 +78,7 @@ def _sample_rows_torch(logits: torch.Tensor, params: list[SamplingParams],
     temp = torch.tensor([p.temperature for p in params], device=dev)
     scaled = logits.float() / temp[:, None]  # [R, V]
     out = torch.empty(len(params), dtype=torch.long, device=dev)
-    plain = [r for r, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    plain = [r for r, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0 and not p.min_p]
     if len(plain) == len(params):  # temperature alone: no candidates to choose, no sort
         return _draw(scaled.softmax(-1), generators)
     if plain:
@@ -83,19 +90,22 @@ def _sample_rows_torch(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _truncated(scaled: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Rows with top-k and/or top-p < 1. Each row's candidates are its most likely tokens, in
-    order: its top-k, else the ``NUCLEUS_CANDIDATES`` most likely when they hold its nucleus
-    (top_p of the mass), else the whole vocabulary sorted."""
+    """Rows with top-k, top-p < 1 and/or min-p. Each row's candidates are its most likely
+    tokens, in order: its top-k, else the ``NUCLEUS_CANDIDATES`` most likely when they hold all
+    that top-p or min-p keeps, else the whole vocabulary sorted."""
     dev, vocab = scaled.device, scaled.shape[-1]
     window = min(vocab, NUCLEUS_CANDIDATES)
     width = max(p.top_k if 0 < p.top_k < vocab else window for p in params)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
+    # min-p: a token is kept where its logit is at least the row's highest plus log(min_p)
+    floor = torch.tensor([p.min_p for p in params], device=dev).log()  # -inf where off
     lse = scaled.logsumexp(-1)  # [R]
     vals, idx = scaled.topk(width, dim=-1) if width < vocab else scaled.sort(dim=-1, descending=True)  # [R, N]
-    if width < vocab:  # does the window hold each top-p-only row's nucleus? (one host sync)
+    if width < vocab:  # does the window hold what each row keeps? (one host sync)
         mass = (vals - lse[:, None]).exp().sum(-1)
-        if bool(((top_k == vocab) & (mass < top_p)).any()):
+        held = (top_k < vocab) | (mass >= top_p) | (vals[:, -1] < vals[:, 0] + floor)
+        if not bool(held.all()):
             width = vocab
             vals, idx = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(width, device=dev)
@@ -104,6 +114,7 @@ def _truncated(scaled: torch.Tensor, params: list[SamplingParams], generators: l
     probs = (vals - torch.where(top_k < vocab, vals.logsumexp(-1), lse)[:, None]).exp()
     # top-p: keep the smallest prefix whose mass reaches top_p (always at least one token)
     probs = probs.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], 0.0)
+    probs = probs.masked_fill(vals < vals[:, :1] + floor[:, None], 0.0)  # min-p (the first always stays)
     return idx.gather(-1, _draw(probs, generators)[:, None])[:, 0]
 
 
@@ -183,6 +194,26 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams],
         else:
             continue
         logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def repetition_penalized(logits: torch.Tensor, params: list[SamplingParams],
+                         seen: list[list[int] | torch.Tensor | None]) -> torch.Tensor:
+    """``logits`` [B, V] with each row's repetition penalty applied (a copy): the logit of a
+    token of ``seen[b]`` (row b's prompt and output: ids, or a mask [V]) is divided by the
+    penalty when positive and multiplied by it when not."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for b, p in enumerate(params):
+        mask = seen[b]
+        if not p.repeats or mask is None:
+            continue
+        if not isinstance(mask, torch.Tensor):
+            ids = torch.tensor([t for t in mask if t < vocab], dtype=torch.long, device=logits.device)
+            mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
+        mask = mask[:vocab].to(logits.device)
+        row = logits[b]
+        logits[b] = torch.where(mask, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
     return logits
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams", "TokenLogprob"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_REPETITION_PENALTY", "SamplingParams", "TokenLogprob"]
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,11 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits at every step
     # (+100 all but forces a token, -100 all but bans it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's (and transformers'): a token of the prompt or the output so far has its logit divided
+    # by this when positive, multiplied when negative (1: off)
+    repetition_penalty: float = 1.0
+    # tokens less likely than min_p times the most likely token's probability are not drawn (0: off)
+    min_p: float = 0.0
     # None: off; k: each prompt token's logprob given the tokens before it, and the k most likely
     # there (the first token has none). The prompt is computed whole: no cached prefix is reused.
     prompt_logprobs: int | None = None
@@ -45,17 +51,27 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        object.__setattr__(self, "plain_greedy", self.greedy and not self.logit_bias and not self.penalized)
+        object.__setattr__(self, "plain_greedy",
+                           self.greedy and not self.logit_bias and not self.penalized and not self.repeats)
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def repeats(self) -> bool:
+        """The repetition penalty is on: the prompt's tokens count too."""
+        return self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -231,6 +231,50 @@ def test_penalized_requests_in_a_batch_equal_the_model_alone(model):
     assert eng.stats["preemptions"] >= 1
 
 
+def test_repetition_penalty_and_min_p_in_a_batch_equal_the_model_alone(model):
+    """The repetition penalty counts each request's own prompt and output (also across a
+    preemption), min-p its own draws; a batch with plain requests changes neither."""
+    eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
+    params = {"repeat": SamplingParams(repetition_penalty=1.8), "mild": SamplingParams(repetition_penalty=0.7),
+              "minp": SamplingParams(0.9, seed=8, min_p=0.2), "both": SamplingParams(1.1, seed=9, min_p=0.05,
+                                                                                   repetition_penalty=1.3),
+              "plain": SamplingParams()}
+    prompts = {rid: _prompt(36 + 7 * i, 90 + i) for i, rid in enumerate(params)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 20, params[rid]))
+    outs = eng.run_to_completion()
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == generate(model, list(p), 20, params[rid]), rid
+    assert _tokens(outs["repeat"]) != _ref(model, prompts["repeat"], 20)  # the penalty changed the answer
+    assert eng.stats["preemptions"] >= 1
+
+
+def test_stop_token_ids_end_the_output_and_min_tokens_holds_every_stop_back(model):
+    prompt = _prompt(40, 95)
+    ref = _ref(model, prompt, 12)
+    stop = ref[2]
+    assert stop not in ref[:2]
+    tok = ByteTokenizer()
+    eng = _engine(model)
+    eng.add_request(GenerationRequest("stops", prompt, 12, stop_token_ids=(stop, 1)))
+    eng.add_request(GenerationRequest("held", prompt, 12, stop_token_ids=(stop,), min_tokens=6))
+    other = _prompt(40, 98)  # its first token is a whole character, "("
+    first = _ref(model, other, 1)
+    eng.add_request(GenerationRequest("string", other, 12, stop=(tok.decode(first),)))
+    eng.add_request(GenerationRequest("string_held", other, 12, stop=(tok.decode(first),), min_tokens=3))
+    outs = eng.run_to_completion()
+    stops = outs["stops"]
+    assert _tokens(stops) == ref[:3] and stops[-1].finish_reason == FinishReason.STOP
+    assert "".join(o.text for o in stops) == tok.decode(ref[:2])  # the stop token has no text
+    held = _tokens(outs["held"])
+    assert held[:2] == ref[:2] and stop not in held[:5] and len(held) >= 6
+    assert outs["held"][-1].finish_reason == (FinishReason.STOP if held[-1] == stop else FinishReason.LENGTH)
+    assert _tokens(outs["string"]) == first and "".join(o.text for o in outs["string"]) == ""
+    assert len(_tokens(outs["string_held"])) >= 3
+    with pytest.raises(ValueError, match="min_tokens"):
+        GenerationRequest("bad", prompt, 4, min_tokens=5)
+
+
 def test_logit_biased_requests_in_a_batch_equal_the_model_alone(model):
     """Each request's logit_bias applies to its own rows only, at every step, also after a
     preemption; a banned greedy choice changes the answer."""

@@ -241,6 +241,31 @@ def test_penalties_equal_the_model_alone(client):
         assert ids != _alone("penalize me", 12), kw  # the penalty mattered
 
 
+def test_vllms_sampling_extensions_equal_the_model_alone(client):
+    """repetition_penalty and min_p (vLLM's extra parameters) sample what the model alone does;
+    stop_token_ids end the output at that token and min_tokens holds it back."""
+    from model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    for extra, sampled in (({"repetition_penalty": 1.6}, {"temperature": 0}),
+                           ({"min_p": 0.3}, {"temperature": 1.0, "seed": 3})):
+        r = client.completions.create(model="tiny", prompt="say it again", max_tokens=12,
+                                      extra_body={"ignore_eos": True, **extra}, **sampled)
+        assert r.choices[0].text == tok.decode(_alone("say it again", 12, **sampled, **extra)), extra
+    greedy = _alone("say it again", 12)
+    assert _alone("say it again", 12, repetition_penalty=1.6) != greedy  # each mattered
+    assert _alone("say it again", 12, temperature=1.0, seed=3, min_p=0.3) != _alone("say it again", 12, temperature=1.0,
+                                                                                   seed=3)
+    stop = greedy[3]
+    assert stop not in greedy[:3]
+    r = client.completions.create(model="tiny", prompt="say it again", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+    held = client.completions.create(model="tiny", prompt="say it again", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 8})
+    assert held.usage.completion_tokens >= 8
+
+
 def test_logit_bias_equals_the_model_alone(client):
     from model.tokenizer import ByteTokenizer
 
@@ -444,6 +469,10 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed"),  # was a 500
     # accepted at their defaults, refused otherwise rather than silently ignored
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "0 with echo"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [99999]}, 400, "stop token id 99999"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens=5 exceeds max_tokens=4"),
     ({"model": "tiny", "prompt": ["x", "y" * 5000]}, 400, "prompt 1 of the batch"),
     ({"model": "tiny", "prompt": ["x"] * 65}, 400, "batch of 65 prompts"),
     ({"model": "tiny", "prompt": ["x", ""]}, 400, "prompt 1 of the batch is empty"),

@@ -30,7 +30,8 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 @pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"logprobs": -1}, {"logprobs": 21},
-                                {"presence_penalty": 2.5}, {"frequency_penalty": -3}])
+                                {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0.0},
+                                {"repetition_penalty": 11.0}, {"min_p": 1.5}, {"prompt_logprobs": 21}])
 def test_bad_sampling_values_are_rejected(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
@@ -251,3 +252,39 @@ def test_the_cpu_sampler_at_the_top_of_the_cumulative_sum_and_its_errors():
         sample_rows(logits, *args, torch.tensor([0.5, 0.0], dtype=torch.float64))
     with pytest.raises(RuntimeError, match="row 0: temperature 0"):
         sample_rows(logits, torch.tensor([0.0, 1.0]), *args[1:], one)
+
+
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    from model.sampling import repetition_penalized
+
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5], [2.0, -1.0, 3.0, 0.5]])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = repetition_penalized(logits, [p, SamplingParams()], [[0, 1, 0], [0, 1]])
+    assert out[0].tolist() == [1.0, -2.0, 3.0, 0.5] and out[1].tolist() == logits[1].tolist()
+    mask = torch.tensor([True, True, False, False])
+    assert torch.equal(repetition_penalized(logits[:1], [p], [mask]), out[:1])
+    # greedy under the penalty: the argmax of the penalized logits (here no longer token 0)
+    strong = SamplingParams(repetition_penalty=4.0)
+    assert not strong.plain_greedy
+    assert int(sample(torch.tensor([[2.0, 1.0, -1.0]]), [strong], [None], seen=[[0]])[0]) == 1
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])  # kept tokens inside the candidate window / not
+def test_min_p_draws_only_tokens_that_likely_with_their_probabilities(shape):
+    from model.sampling import NUCLEUS_CANDIDATES
+
+    gen = torch.Generator().manual_seed(4)
+    vocab = 2 * NUCLEUS_CANDIDATES
+    logits = torch.randn(vocab, generator=gen) * (4.0 if shape == "peaked" else 0.05)
+    p = SamplingParams(temperature=0.7, min_p=0.1)
+    probs = (logits / 0.7).softmax(-1)
+    keep = (probs >= 0.1 * probs.max()).nonzero()[:, 0].tolist()
+    assert (len(keep) < NUCLEUS_CANDIDATES) == (shape == "peaked")
+    draws = sample(logits.repeat(4000, 1), [p] * 4000, [None] * 4000).tolist()
+    assert set(draws) <= set(keep)
+    if shape == "peaked":  # total variation from the kept tokens' renormalised distribution
+        want = {t: float(probs[t]) / float(probs[keep].sum()) for t in keep}
+        assert sum(abs(draws.count(t) / len(draws) - want[t]) for t in keep) / 2 < 0.05
+    else:  # kept tokens ranked past the window come out too
+        rank = {t: i for i, t in enumerate(logits.argsort(descending=True).tolist())}
+        assert max(rank[t] for t in draws) >= NUCLEUS_CANDIDATES
