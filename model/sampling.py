@@ -11,8 +11,8 @@ import torch
 from kernels.cpu_gemv import argmax_rows, sample_rows
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "penalized", "next_token_logprobs",
-           "repetition_penalized", "sample", "token_logprobs"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "NUCLEUS_CANDIDATES", "SamplingParams", "TokenLogprob", "biased", "next_token_logprobs",
+           "penalized", "sample", "token_logprobs"]
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks here first: sorting a 129k vocabulary costs ~5 ms a row
 
@@ -38,10 +38,8 @@ def sample(
         return _argmax(logits).cpu()
     if any(p.logit_bias for p in params):
         logits = biased(logits, params)
-    if outputs is not None and any(p.penalized for p in params):
-        logits = penalized(logits, params, outputs)
-    if seen is not None and any(p.repeats for p in params):
-        logits = repetition_penalized(logits, params, seen)
+    if any(p.penalized or p.repeats for p in params):
+        logits = penalized(logits, params, outputs, seen)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if len(rows) == len(params):  # every row samples: no argmax, no copy of the rows
         return _sample_rows(logits, params, generators).cpu()
@@ -176,45 +174,32 @@ def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
-def penalized(logits: torch.Tensor, params: list[SamplingParams],
-              outputs: list[list[int] | torch.Tensor | None]) -> torch.Tensor:
-    """``logits`` [B, V] with each row's presence and frequency penalties applied (a copy).
-    ``outputs[b]``: row b's generated token ids, or its counts per token [V] (the engine keeps
-    those, so the cost does not grow with the output)."""
+def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int] | torch.Tensor | None] | None,
+              seen: list[list[int] | torch.Tensor | None] | None = None) -> torch.Tensor:
+    """``logits`` [B, V] with each row's penalties applied (a copy): presence and frequency on
+    ``outputs[b]`` (row b's generated token ids, or its counts per token [V]: the engine keeps
+    those, so the cost does not grow with the output), then the repetition penalty on
+    ``seen[b]`` (its prompt's and output's ids, or a mask [V]): a seen token's logit is divided
+    by it when positive and multiplied by it when not."""
     logits = logits.clone()
-    vocab = logits.shape[-1]
     for b, p in enumerate(params):
-        out = outputs[b]
-        if not p.penalized or out is None:
-            continue
-        if isinstance(out, torch.Tensor):
-            counts = out[:vocab].to(logits.device, logits.dtype)  # [V]
-        elif out:
-            counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab]
-        else:
-            continue
-        logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.penalized and outputs is not None and outputs[b] is not None:
+            counts = _per_token(outputs[b], logits)
+            logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.repeats and seen is not None and seen[b] is not None:
+            row, r = logits[b], p.repetition_penalty
+            logits[b] = torch.where(_per_token(seen[b], logits) > 0, torch.where(row > 0, row / r, row * r), row)
     return logits
 
 
-def repetition_penalized(logits: torch.Tensor, params: list[SamplingParams],
-                         seen: list[list[int] | torch.Tensor | None]) -> torch.Tensor:
-    """``logits`` [B, V] with each row's repetition penalty applied (a copy): the logit of a
-    token of ``seen[b]`` (row b's prompt and output: ids, or a mask [V]) is divided by the
-    penalty when positive and multiplied by it when not."""
-    logits = logits.clone()
-    vocab = logits.shape[-1]
-    for b, p in enumerate(params):
-        mask = seen[b]
-        if not p.repeats or mask is None:
-            continue
-        if not isinstance(mask, torch.Tensor):
-            ids = torch.tensor([t for t in mask if t < vocab], dtype=torch.long, device=logits.device)
-            mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
-        mask = mask[:vocab].to(logits.device)
-        row = logits[b]
-        logits[b] = torch.where(mask, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
-    return logits
+def _per_token(tokens: list[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """How often each token of ``like``'s vocabulary occurs in ``tokens`` (ids, or counts or a
+    mask per token), as ``like``'s dtype on its device [V] (ids past V are ignored)."""
+    vocab = like.shape[-1]
+    if isinstance(tokens, torch.Tensor):
+        return tokens[:vocab].to(like.device, like.dtype)
+    ids = torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=like.device)
+    return torch.bincount(ids, minlength=vocab).to(like.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:

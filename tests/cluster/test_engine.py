@@ -214,38 +214,32 @@ def test_prompt_logprobs_survive_a_preemption_without_repeats(model):
         _check_prompt_logprobs(model, p, outs[rid][0].prompt_logprobs, 0)
 
 
-def test_penalized_requests_in_a_batch_equal_the_model_alone(model):
-    """Presence and frequency penalties count each request's own output, also across a
-    preemption (a small pool) and in a batch with unpenalized requests."""
+SAMPLED_BATCHES = {
+    # presence and frequency penalties count each request's own output
+    "penalties": ({"freq": SamplingParams(frequency_penalty=1.5), "pres": SamplingParams(presence_penalty=2.0),
+                   "both": SamplingParams(0.8, seed=3, presence_penalty=-0.5, frequency_penalty=0.7),
+                   "plain": SamplingParams()}, "freq"),
+    # the repetition penalty counts each request's own prompt and output, min-p its own draws
+    "repetition_min_p": ({"repeat": SamplingParams(repetition_penalty=1.8),
+                          "mild": SamplingParams(repetition_penalty=0.7), "minp": SamplingParams(0.9, seed=8, min_p=0.2),
+                          "both": SamplingParams(1.1, seed=9, min_p=0.05, repetition_penalty=1.3),
+                          "plain": SamplingParams()}, "repeat"),
+}
+
+
+@pytest.mark.parametrize("case", SAMPLED_BATCHES)
+def test_sampling_options_in_a_batch_equal_the_model_alone(model, case):
+    """Each request's sampling options apply to its own rows, also across a preemption (a small
+    pool), in a batch with requests without them."""
+    params, changed = SAMPLED_BATCHES[case]
     eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
-    params = {"freq": SamplingParams(frequency_penalty=1.5), "pres": SamplingParams(presence_penalty=2.0),
-              "both": SamplingParams(0.8, seed=3, presence_penalty=-0.5, frequency_penalty=0.7),
-              "plain": SamplingParams()}
     prompts = {rid: _prompt(40 + 9 * i, 30 + i) for i, rid in enumerate(params)}
     for rid, p in prompts.items():
         eng.add_request(GenerationRequest(rid, p, 24, params[rid]))
     outs = eng.run_to_completion()
     for rid, p in prompts.items():
         assert _tokens(outs[rid]) == generate(model, list(p), 24, params[rid]), rid
-    assert _tokens(outs["freq"]) != _ref(model, prompts["freq"], 24)  # the penalty changed the answer
-    assert eng.stats["preemptions"] >= 1
-
-
-def test_repetition_penalty_and_min_p_in_a_batch_equal_the_model_alone(model):
-    """The repetition penalty counts each request's own prompt and output (also across a
-    preemption), min-p its own draws; a batch with plain requests changes neither."""
-    eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
-    params = {"repeat": SamplingParams(repetition_penalty=1.8), "mild": SamplingParams(repetition_penalty=0.7),
-              "minp": SamplingParams(0.9, seed=8, min_p=0.2), "both": SamplingParams(1.1, seed=9, min_p=0.05,
-                                                                                   repetition_penalty=1.3),
-              "plain": SamplingParams()}
-    prompts = {rid: _prompt(36 + 7 * i, 90 + i) for i, rid in enumerate(params)}
-    for rid, p in prompts.items():
-        eng.add_request(GenerationRequest(rid, p, 20, params[rid]))
-    outs = eng.run_to_completion()
-    for rid, p in prompts.items():
-        assert _tokens(outs[rid]) == generate(model, list(p), 20, params[rid]), rid
-    assert _tokens(outs["repeat"]) != _ref(model, prompts["repeat"], 20)  # the penalty changed the answer
+    assert _tokens(outs[changed]) != _ref(model, prompts[changed], 24)  # the option changed the answer
     assert eng.stats["preemptions"] >= 1
 
 

@@ -255,14 +255,14 @@ def test_the_cpu_sampler_at_the_top_of_the_cumulative_sum_and_its_errors():
 
 
 def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
-    from model.sampling import repetition_penalized
+    from model.sampling import penalized
 
     logits = torch.tensor([[2.0, -1.0, 3.0, 0.5], [2.0, -1.0, 3.0, 0.5]])
     p = SamplingParams(repetition_penalty=2.0)
-    out = repetition_penalized(logits, [p, SamplingParams()], [[0, 1, 0], [0, 1]])
+    out = penalized(logits, [p, SamplingParams()], None, [[0, 1, 0], [0, 1]])
     assert out[0].tolist() == [1.0, -2.0, 3.0, 0.5] and out[1].tolist() == logits[1].tolist()
     mask = torch.tensor([True, True, False, False])
-    assert torch.equal(repetition_penalized(logits[:1], [p], [mask]), out[:1])
+    assert torch.equal(penalized(logits[:1], [p], None, [mask]), out[:1])
     # greedy under the penalty: the argmax of the penalized logits (here no longer token 0)
     strong = SamplingParams(repetition_penalty=4.0)
     assert not strong.plain_greedy
