@@ -215,11 +215,14 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """logits [R, V] -> row r's logprob of ``tokens[r]`` and its ``ks[r]`` most likely tokens."""
-    lp = logits.float().log_softmax(-1).cpu()  # [R, V]
+    """logits [R, V] -> row r's logprob of ``tokens[r]`` and its ``ks[r]`` most likely tokens
+    (computed on the logits' device; only those [R, 1 + k] values come to the host)."""
+    lp = logits.float().log_softmax(-1)  # [R, V]
     k = max(ks)
     top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    picked = torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
+    chosen = lp.gather(1, picked)[:, 0].tolist()
+    top_v, top_i = top_v.cpu(), top_i.cpu()
     return [TokenLogprob(t, c, tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist(), strict=True)))
             for r, (t, c, n) in enumerate(zip(tokens, chosen, ks, strict=True))]
 
