@@ -165,7 +165,8 @@ class Engine:
         ns = self.namespace_for(req.tenant)
         plan = req.plan  # the ingress hashed the prompt once: its keys are the prompt's keys
         keys = list(plan.unit_keys) if plan is not None else chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
-        seq = Sequence(req, keys, text=TextStream(self.detokenize, req.stop, req.continued_ids, req.continued_chars))
+        text = TextStream(self.detokenize, req.stop, req.continued_ids, req.continued_chars, req.include_stop)
+        seq = Sequence(req, keys, text=text)
         if req.sampling.penalized:  # counted as tokens come: the penalties' cost does not grow with the output
             seq.token_counts = torch.bincount(torch.tensor(req.continued_ids, dtype=torch.long),
                                               minlength=self.model.cfg.vocab_size)[: self.model.cfg.vocab_size]

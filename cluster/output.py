@@ -27,9 +27,11 @@ class TextStream:
     split across the move comes out whole."""
 
     def __init__(self, detokenize: Callable[[list[int]], str], stops: Sequence[str] = (),
-                 continued_ids: Sequence[int] = (), continued_chars: int = 0) -> None:
+                 continued_ids: Sequence[int] = (), continued_chars: int = 0, include_stop: bool = False) -> None:
+        """``include_stop``: the text ends with the stop string found, not before it."""
         self._detok = detokenize
         self.stops = tuple(stops)
+        self.include_stop = include_stop
         self.hold_back = max((len(s) for s in self.stops), default=1) - 1
         self._ids = list(continued_ids)
         # the window: tokens [prefix, read) decoded as ``_prefix_text`` form whole characters
@@ -98,15 +100,15 @@ class TextStream:
     def _match_stop(self) -> bool:
         if not self.stops:
             return False
-        hay, found = self._pending, -1
+        hay, found, end = self._pending, -1, -1
         for stop in self.stops:
             at = hay.find(stop, max(0, self._searched - len(stop) + 1))
             if at >= 0 and (found < 0 or at < found):
-                found = at
+                found, end = at, at + len(stop)
         self._searched = len(hay)
         if found < 0:
             return False
-        self._pending, self._unstable = hay[:found], ""
+        self._pending, self._unstable = hay[: end if self.include_stop else found], ""
         return True
 
     def take(self, finished: bool) -> str:

@@ -106,6 +106,7 @@ class GenerationRequest:
     # ... and until the output has this many tokens neither they, EOS nor a stop string end it
     # (a JSON value, once whole, still does)
     min_tokens: int = 0
+    include_stop: bool = False  # the text ends with the stop string found (vLLM's include_stop_str_in_output)
 
     def __post_init__(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:

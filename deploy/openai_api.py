@@ -115,6 +115,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # a text prompt starts with BOS, as completions do
+    add_generation_prompt: bool = True  # messages end where the assistant speaks, as chat does
 
 
 class DetokenizeRequest(BaseModel):
@@ -309,6 +310,7 @@ class OpenAIIngress:
                 prompt_logprobs=prompt_logprobs)
             return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
                                      grant.tenant, stop_token_ids=stop_ids, min_tokens=body.min_tokens,
+                                     include_stop=body.include_stop_str_in_output,
                                      **(body.json_mode() | extra))
         except ValueError as e:  # a combination the field checks above let through
             raise APIError(400, str(e)) from None
@@ -644,7 +646,8 @@ class OpenAIIngress:
         extra = body.chat_template_kwargs or {}
         try:
             if prefix is None:
-                prompt_ids = self.tokenizer.apply_chat_template(messages, tools, **extra)
+                prompt_ids = self.tokenizer.apply_chat_template(messages, tools, **extra,
+                                                                generation_prompt=body.add_generation_prompt)
             else:
                 prompt_ids = self.tokenizer.apply_chat_template(messages[:-1], tools, **extra) + self.tokenizer.encode(prefix)
         except ValueError as e:
@@ -719,6 +722,15 @@ class OpenAIIngress:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tideserve"}
                                             for m in models]}
 
+    @api.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str, request: Request):
+        """OpenAI's model retrieval: the served model, a 404 for any other name (and for a key
+        that may not use it, as ``/v1/models`` does not list it)."""
+        grant = self._grant(request)
+        if model != self.model_name or not grant.allows(model):
+            raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+        return {"id": model, "object": "model", "created": 0, "owned_by": "tideserve"}
+
     def _check_model(self, name: str | None, grant: KeyGrant) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"model {name!r} does not exist; available: {self.model_name!r}", param="model",
@@ -735,7 +747,8 @@ class OpenAIIngress:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             try:
-                ids = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages], None)
+                ids = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages], None,
+                                                         generation_prompt=body.add_generation_prompt)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
         else:

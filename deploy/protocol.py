@@ -144,6 +144,7 @@ class _Sampling(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     parallel_tool_calls: bool | None = None
     store: bool | None = None
@@ -261,12 +262,26 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (V3.1: thinking)
+    # vLLM's: the prompt ends where the assistant speaks (False: after the last message as it is),
+    # or the answer goes on from the last message, an assistant's (DeepSeek's ``prefix``)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def answer_prefix(self) -> str | None:
-        """The text the answer starts with (the last message, an assistant's with ``prefix``)."""
-        if any(m.prefix for m in self.messages[:-1]) or (self.messages[-1].prefix and self.messages[-1].role != "assistant"):
+        """The text the answer starts with (the last message, an assistant's with ``prefix`` or
+        under ``continue_final_message``)."""
+        last = self.messages[-1]
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError(400, "continue_final_message goes with add_generation_prompt false",
+                               param="continue_final_message")
+            if last.role != "assistant":
+                raise APIError(400, "continue_final_message needs the last message to be an assistant's",
+                               param="continue_final_message")
+        if any(m.prefix for m in self.messages[:-1]) or (last.prefix and last.role != "assistant"):
             raise APIError(400, "only the last message, an assistant's, may be a prefix", param="messages")
-        return self.messages[-1].text() if self.messages[-1].prefix else None
+        return last.text() if last.prefix or self.continue_final_message else None
+
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
     tools: list[dict[str, Any]] | None = None  # functions the model may call

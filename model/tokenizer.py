@@ -38,12 +38,13 @@ class Tokenizer(Protocol):
         after BOS); ValueError when the vocabulary lacks those tokens."""
         ...
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /,
-                            **template_kwargs) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /, *,
+                            generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """Messages (``role``, ``content``; an assistant's ``tool_calls``, a tool message's
         ``tool_call_id``) and the functions the model may call -> prompt ids ending where the
-        assistant speaks. ``template_kwargs``: more variables for the template (the API's
-        ``chat_template_kwargs``, e.g. DeepSeek-V3.1's ``thinking``)."""
+        assistant speaks (``generation_prompt`` False: after the last message). ``template_kwargs``:
+        more variables for the template (the API's ``chat_template_kwargs``, e.g. DeepSeek-V3.1's
+        ``thinking``)."""
         ...
 
     def think_ids(self) -> tuple[int, int] | None:
@@ -75,8 +76,8 @@ class ByteTokenizer:
     def think_ids(self) -> tuple[int, int] | None:
         return None
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /,
-                            **template_kwargs) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /, *,
+                            generation_prompt: bool = True, **template_kwargs) -> list[int]:
         ids = [self.BOS]
         if tools:  # the functions, as a system message of their own
             ids += [self.SYSTEM, *self.encode("functions: " + json.dumps(tools, ensure_ascii=False))]
@@ -93,8 +94,7 @@ class ByteTokenizer:
             ids.extend(self.encode(text))
             if role == "assistant":
                 ids.append(self.EOS)
-        ids.append(self.ASSISTANT)
-        return ids
+        return ids + [self.ASSISTANT] if generation_prompt else ids
 
 
 class HFTokenizer:
@@ -138,8 +138,8 @@ class HFTokenizer:
         ids = self._tok.token_to_id(THINK_OPEN), self._tok.token_to_id(THINK_CLOSE)
         return None if None in ids else ids
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /,
-                            **template_kwargs) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /, *,
+                            generation_prompt: bool = True, **template_kwargs) -> list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; use /v1/completions")
         if self._template is None:
@@ -148,7 +148,7 @@ class HFTokenizer:
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}")
         text = self._template(**{"bos_token": "", "eos_token": "", **self._special_tokens, **template_kwargs},
-                              messages=messages, tools=tools, add_generation_prompt=True)
+                              messages=messages, tools=tools, add_generation_prompt=generation_prompt)
         return self._tok.encode(text, add_special_tokens=False).ids
 
 

@@ -122,3 +122,21 @@ def test_a_stop_string_split_over_tokens_ends_the_text_before_it():
         sent.append(ts.take(False))
     assert "".join(sent) == "abc"  # "EN" waits: it may start the stop string
     assert ts.feed(ord("D")) and ts.take(True) == ""
+
+
+def test_the_stop_string_ends_the_text_when_it_is_included():
+    tok = ByteTokenizer()
+    ts = TextStream(tok.decode, ["END", "ND!"], include_stop=True)
+    sent = []
+    for b in b"abcEN":
+        assert not ts.feed(b)
+        sent.append(ts.take(False))
+    assert ts.feed(ord("D")) and "".join(sent) + ts.take(True) == "abcEND"  # the first stop found, whole
+
+
+def test_text_before_min_tokens_stops_nothing_even_later():
+    tok = ByteTokenizer()
+    ts = TextStream(tok.decode, ["ab"])
+    assert not ts.feed(ord("a"), stops=False) and not ts.feed(ord("b"), stops=False)
+    assert not ts.feed(ord("c"))  # "ab" was written before stops counted
+    assert not ts.feed(ord("a")) and ts.feed(ord("b")) and ts.take(True) == "abc"

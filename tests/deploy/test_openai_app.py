@@ -266,6 +266,33 @@ def test_vllms_sampling_extensions_equal_the_model_alone(client):
     assert held.usage.completion_tokens >= 8
 
 
+def test_vllms_chat_template_and_stop_string_options(client, base_url):
+    """continue_final_message goes on from the last (assistant's) message as DeepSeek's prefix
+    does; add_generation_prompt false ends the prompt after the last message (as /tokenize
+    then counts it); include_stop_str_in_output keeps the stop string in the text."""
+    msgs = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
+    kw = {"model": "tiny", "max_tokens": 6, "temperature": 0}
+    prefixed = client.chat.completions.create(messages=[msgs[0], {**msgs[1], "prefix": True}], **kw)
+    continued = client.chat.completions.create(messages=msgs, extra_body={"continue_final_message": True,
+                                                                          "add_generation_prompt": False}, **kw)
+    assert continued.choices[0].message.content == prefixed.choices[0].message.content
+    assert continued.usage.prompt_tokens == prefixed.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt false"):
+        client.chat.completions.create(messages=msgs, extra_body={"continue_final_message": True}, **kw)
+    bare = client.chat.completions.create(messages=msgs[:1], extra_body={"add_generation_prompt": False}, **kw)
+    usual = client.chat.completions.create(messages=msgs[:1], **kw)
+    assert bare.usage.prompt_tokens == usual.usage.prompt_tokens - 1  # the byte tokenizer's assistant marker
+    counted = httpx.post(base_url + "/tokenize", headers={"Authorization": "Bearer sk-alpha"}, timeout=30, json={
+        "model": "tiny", "messages": msgs[:1], "add_generation_prompt": False}).json()
+    assert counted["count"] == bare.usage.prompt_tokens
+    text = client.completions.create(model="tiny", prompt="stop here", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[2:4]
+    cut = client.completions.create(model="tiny", prompt="stop here", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert cut.choices[0].text == text[: text.index(stop) + 2] and cut.choices[0].finish_reason == "stop"
+
+
 def test_logit_bias_equals_the_model_alone(client):
     from model.tokenizer import ByteTokenizer
 
@@ -418,8 +445,13 @@ def test_a_key_without_access_to_the_model_gets_403(base_url):
     with pytest.raises(openai.PermissionDeniedError, match="no access to model 'tiny'"):
         gamma.completions.create(model="tiny", prompt="x", max_tokens=2)
     assert gamma.models.list().data == []  # it sees no model it may not use
+    with pytest.raises(openai.NotFoundError, match="model 'tiny' does not exist"):
+        gamma.models.retrieve("tiny")
     beta = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-beta", max_retries=0)
     assert [m.id for m in beta.models.list().data] == ["tiny"]
+    assert beta.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="model 'org/other' does not exist"):
+        beta.models.retrieve("org/other")
 
 
 @pytest.mark.security
