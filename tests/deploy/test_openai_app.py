@@ -192,10 +192,11 @@ def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(client):
     kw = {"model": "tiny", "max_tokens": 5, "temperature": 0.9, "seed": 11, "n": 2}
     batch = client.completions.create(prompt=prompts, **kw)
     assert [c.index for c in batch.choices] == list(range(6))
+    singles = []
     for p, prompt in enumerate(prompts):
         alone = client.completions.create(prompt=prompt, **kw)
         assert [c.text for c in batch.choices[2 * p : 2 * p + 2]] == [c.text for c in alone.choices], prompt
-    singles = [client.completions.create(prompt=p, **kw).usage for p in prompts]
+        singles.append(alone.usage)
     assert batch.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)
     assert batch.usage.completion_tokens == sum(u.completion_tokens for u in singles)
     ids = client.completions.create(model="tiny", prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
