@@ -61,6 +61,7 @@ from deploy.protocol import (
     echo_logprobs,
     error_body,
     joined_logprobs,
+    prompt_logprobs,
 )
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
@@ -277,6 +278,7 @@ class OpenAIIngress:
         so the engine stops at its first token."""
         self._check_model(body.model, grant)
         body.check_supported()
+        body.check_prompt_logprobs()
         if body.n > self.limits.max_n:
             raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", param="n")
         stops = body.stop_list()
@@ -489,7 +491,7 @@ class OpenAIIngress:
 
     async def _respond(self, engine_reqs: list[GenerationRequest], body, kind: str, calls=None,
                        tool_finish: str = "tool_calls", thought: bool | None = None,
-                       echoes: list[Echo] | None = None, scores_only: bool = False):
+                       echoes: list[Echo] | None = None, scores_only: bool = False, prompt_k: int | None = None):
         """The HTTP response to one request (a chat, or a completion of one prompt or a batch:
         ``engine_reqs``, each with ``body.n`` choices). ``calls``: the chat output may hold tool
         calls; a factory of the splitter (``model.tool_calls``) that reads one choice's output
@@ -499,7 +501,8 @@ class OpenAIIngress:
         out as ``reasoning_content`` (DeepSeek's field), the rest as content (and calls).
         ``echoes`` (completions' ``echo``): each prompt's text, which starts its choices' text
         (and its scored tokens their logprobs); ``scores_only`` (echo with max_tokens 0): only
-        that comes back, none of the engine's output."""
+        that comes back, none of the engine's output. ``prompt_k`` (vLLM's ``prompt_logprobs``,
+        not streamed): each choice's prompt scored (chat: once, for the response)."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -540,9 +543,12 @@ class OpenAIIngress:
             e = echoes[i // n]
             if not want_logprobs:
                 return e.text, None
+            return e.text, echo_logprobs(e.prompt_ids, scored(first), body.logprobs, self._token_text)
+
+        def scored(first: RequestOutput) -> list[TokenLogprob | None]:
             if first.prompt_logprobs is None:
                 raise RuntimeError("the replica's first output has no prompt logprobs")
-            return e.text, echo_logprobs(e.prompt_ids, first.prompt_logprobs, self._token_text)
+            return first.prompt_logprobs
 
         def kept(item: RequestOutput) -> RequestOutput:
             """What goes out of an output: with ``scores_only`` none of its tokens."""
@@ -587,8 +593,15 @@ class OpenAIIngress:
                     rest, found = split.finish()
                     text += rest
                 choices.append(choice(i, text, lasts[i].finish_reason, False, logprobs[i], found, reasoning, echo))
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": choices, "usage": self._batch_usage(lasts, n, counts, scores_only)})
+                if prompt_k is not None and kind == "completion":
+                    choices[i]["prompt_logprobs"] = prompt_logprobs(
+                        list(engine_reqs[i // n].prompt_ids), scored(firsts[i]), prompt_k, self._token_text)
+            out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices,
+                   "usage": self._batch_usage(lasts, n, counts, scores_only)}
+            if prompt_k is not None and kind == "chat":  # one prompt for every choice
+                out["prompt_logprobs"] = prompt_logprobs(list(engine_reqs[0].prompt_ids), scored(firsts[0]), prompt_k,
+                                                         self._token_text)
+            return JSONResponse(out)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -664,14 +677,15 @@ class OpenAIIngress:
             fields.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
         if required is not None:  # the output is one call, {NAME: ARGUMENTS}, of one of the tools
             fields.update(response_format="json_schema", json_schema=required)
-        engine_req = self._engine_request(body, prompt_ids, grant, **fields)
+        engine_req = self._engine_request(body, prompt_ids, grant, prompt_logprobs=body.prompt_logprobs, **fields)
+        k = body.prompt_logprobs
         if forced is not None:
             return await self._respond([engine_req], body, "chat", functools.partial(ForcedCall, forced), "stop",
-                                       thought=thought)
+                                       thought=thought, prompt_k=k)
         if required is not None:
-            return await self._respond([engine_req], body, "chat", RequiredCall, thought=thought)
+            return await self._respond([engine_req], body, "chat", RequiredCall, thought=thought, prompt_k=k)
         return await self._respond([engine_req], body, "chat", ToolCallStream if tools is not None else None,
-                                   thought=thought)
+                                   thought=thought, prompt_k=k)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -682,7 +696,8 @@ class OpenAIIngress:
                            param="prompt")
         if body.echo and body.suffix is not None:
             raise APIError(400, "echo and suffix (fill in the middle) do not go together", param="echo")
-        scored = body.logprobs if body.echo else None  # echo with logprobs scores the prompt
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        scored = max(asked, default=None)  # echo with logprobs and prompt_logprobs score the prompt
         reqs, echoes = [], []
         for p, prompt in enumerate(prompts):
             try:
@@ -695,7 +710,7 @@ class OpenAIIngress:
                 raise
             echoes.append(Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt), ids))
         return await self._respond(reqs, body, "completion", echoes=echoes if body.echo else None,
-                                   scores_only=body.scores_only())
+                                   scores_only=body.scores_only(), prompt_k=body.prompt_logprobs)
 
     def _completion_ids(self, body: CompletionRequest, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids: a text's (after the BOS token, or in the fill-in-the-

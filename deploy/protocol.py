@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -12,7 +13,7 @@ from model.json_schema import SchemaError, SchemaGrammar
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, TokenLogprob
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
-           "completion_logprobs", "echo_logprobs", "error_body", "joined_logprobs"]
+           "completion_logprobs", "echo_logprobs", "error_body", "joined_logprobs", "prompt_logprobs"]
 
 
 class APIError(Exception):
@@ -145,6 +146,12 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # each prompt token's logprob and rank with the k most likely there (the first has none)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def check_prompt_logprobs(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream (as in vLLM)", param="prompt_logprobs")
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     parallel_tool_calls: bool | None = None
     store: bool | None = None
@@ -411,13 +418,26 @@ def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0
             "top_logprobs": [{token_text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
 
 
-def echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], token_text) -> dict:
-    """``choices[].logprobs`` of an echoed prompt (``echo`` with ``logprobs``): its tokens, each
-    scored given those before it (``scored``: the engine's prompt logprobs); the first has none."""
+def echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], k: int, token_text) -> dict:
+    """``choices[].logprobs`` of an echoed prompt (``echo`` with ``logprobs`` k): its tokens, each
+    scored given those before it with the k most likely there (``scored``: the engine's prompt
+    logprobs); the first has none."""
     first = token_text(prompt_ids[0])
-    rest = completion_logprobs(scored[1:], token_text, len(first))
+    rest = completion_logprobs([dataclasses.replace(e, top=e.top[:k]) for e in scored[1:]], token_text, len(first))
     return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def prompt_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], k: int, token_text) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id: {logprob,
+    rank, decoded_token}} for the token and the ``k`` most likely there."""
+    out: list = [None]
+    for tok, e in zip(prompt_ids[1:], scored[1:], strict=True):
+        entry = {str(i): {"logprob": v, "rank": r, "decoded_token": token_text(i)}
+                 for r, (i, v) in enumerate(e.top[:k], start=1)}
+        entry[str(tok)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(tok)}
+        out.append(entry)
+    return out
 
 
 def joined_logprobs(first: dict, then: dict) -> dict:

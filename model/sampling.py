@@ -214,21 +214,22 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
     return out
 
 
-def _logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """logits [R, V] -> row r's logprob of ``tokens[r]`` and its ``ks[r]`` most likely tokens
-    (computed on the logits' device; only those [R, 1 + k] values come to the host)."""
+def _logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int], ranks: bool = False) -> list[TokenLogprob]:
+    """logits [R, V] -> row r's logprob of ``tokens[r]`` and its ``ks[r]`` most likely tokens,
+    with ``ranks`` the token's rank too (computed on the logits' device; only those values come
+    to the host)."""
     lp = logits.float().log_softmax(-1)  # [R, V]
     k = max(ks)
     top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    picked = torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
-    chosen = lp.gather(1, picked)[:, 0].tolist()
-    top_v, top_i = top_v.cpu(), top_i.cpu()
-    return [TokenLogprob(t, c, tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist(), strict=True)))
-            for r, (t, c, n) in enumerate(zip(tokens, chosen, ks, strict=True))]
+    picked = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])  # [R, 1]
+    place = ((lp > picked).sum(-1) + 1).tolist() if ranks else [0] * len(tokens)
+    chosen, top_v, top_i = picked[:, 0].tolist(), top_v.cpu(), top_i.cpu()
+    return [TokenLogprob(t, c, tuple(zip(top_i[r, :n].tolist(), top_v[r, :n].tolist(), strict=True)), rank)
+            for r, (t, c, n, rank) in enumerate(zip(tokens, chosen, ks, place, strict=True))]
 
 
 def next_token_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
     """logits [T, V] of consecutive positions and the token that follows each (a prompt's own
-    next tokens, T' <= T of them) -> each such token's logprob with the ``k`` most likely there
-    (OpenAI's ``echo`` with ``logprobs``: the prompt scored by the model)."""
-    return _logprobs(logits[: len(next_ids)], next_ids, [k] * len(next_ids)) if next_ids else []
+    next tokens, T' <= T of them) -> each such token's logprob and rank, with the ``k`` most
+    likely there (the prompt scored by the model: OpenAI's ``echo``, vLLM's ``prompt_logprobs``)."""
+    return _logprobs(logits[: len(next_ids)], next_ids, [k] * len(next_ids), ranks=True) if next_ids else []

@@ -87,3 +87,4 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # the token's place by likelihood (1: the most likely) where computed (a prompt's), else 0

@@ -172,6 +172,7 @@ def _check_prompt_logprobs(model, prompt, scored, k):
         assert lp.token == prompt[i + 1]
         assert lp.logprob == pytest.approx(float(ref[i, lp.token]), abs=1e-4), i
         assert [t for t, _ in lp.top] == ref[i].topk(k).indices.tolist()
+        assert lp.rank == 1 + int((ref[i] > ref[i, lp.token]).sum())
 
 
 def test_prompt_logprobs_score_every_prompt_token_in_chunks_beside_decodes(model):

@@ -184,6 +184,38 @@ def test_echo_returns_the_prompt_scored_by_the_model(client):
     assert client.completions.create(model="tiny", prompt="ab", max_tokens=0, echo=True).choices[0].text == "ab"
 
 
+def test_vllms_prompt_logprobs_score_the_prompt_of_completions_and_chats(client):
+    """prompt_logprobs k: per prompt token (the first has none) its logprob and rank, and the k
+    most likely tokens there, as the model alone gives them; per choice for completions (each
+    prompt of a batch its own), once for a chat; refused with stream, as vLLM does."""
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.tokenizer import ByteTokenizer
+    from tests.model.reference import prompt_logprobs_alone
+
+    tok, model = ByteTokenizer(), load_model(default_checkpoint())
+
+    def check(got: list, ids: list[int]) -> None:
+        ref = prompt_logprobs_alone(model, ids)
+        assert len(got) == len(ids) and got[0] is None
+        for i, (entry, t) in enumerate(zip(got[1:], ids[1:], strict=True)):
+            want = {t, *ref[i].topk(2).indices.tolist()}
+            assert {int(k) for k in entry} == want
+            assert entry[str(t)]["logprob"] == pytest.approx(float(ref[i, t]), abs=1e-4)
+            assert entry[str(t)]["rank"] == 1 + int((ref[i] > ref[i, t]).sum())
+
+    r = client.completions.create(model="tiny", prompt=["low tide", "ebb"], max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    for choice, prompt in zip(r.choices, ["low tide", "ebb"], strict=True):
+        check(choice.model_extra["prompt_logprobs"], [tok.BOS, *tok.encode(prompt)])
+    msgs = [{"role": "user", "content": "score me"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, n=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    check(chat.model_extra["prompt_logprobs"], tok.apply_chat_template(msgs))
+    with pytest.raises(openai.BadRequestError, match="not supported with stream"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(client):
     """A list of prompts (texts or token ids) is a batch: prompt p's n choices are indexes p*n ..
     p*n+n-1, each what that prompt alone gets (seeded choices with seed + j), and the usage

@@ -15,6 +15,7 @@ from deploy.protocol import (
     completion_logprobs,
     echo_logprobs,
     joined_logprobs,
+    prompt_logprobs,
 )
 from model.sampling_params import TokenLogprob
 
@@ -74,14 +75,19 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only():
 
 def test_echoed_logprobs_score_every_prompt_token_but_the_first_and_join_the_completions():
     text = {1: "ab", 2: "c", 3: "", 4: "de"}.__getitem__
-    prompt = echo_logprobs([1, 2, 3], [None, TokenLogprob(2, -0.5, ((2, -0.5), (4, -1.0))), TokenLogprob(3, -2.0)],
-                           text)
+    scored = [None, TokenLogprob(2, -0.5, ((2, -0.5), (4, -1.0), (1, -3.0)), rank=1), TokenLogprob(3, -2.0, rank=4)]
+    prompt = echo_logprobs([1, 2, 3], scored, 2, text)  # the engine scored 3 alternatives, echo asked 2
     assert prompt == {"tokens": ["ab", "c", ""], "token_logprobs": [None, -0.5, -2.0],
                       "top_logprobs": [None, {"c": -0.5, "de": -1.0}, {}], "text_offset": [0, 2, 3]}
     after = completion_logprobs([TokenLogprob(4, -0.1)], text, 3)
     assert joined_logprobs(prompt, after) == {"tokens": ["ab", "c", "", "de"], "token_logprobs": [None, -0.5, -2.0, -0.1],
                                               "top_logprobs": [None, {"c": -0.5, "de": -1.0}, {}, {}],
                                               "text_offset": [0, 2, 3, 3]}
+    # vLLM's prompt_logprobs: the token and the k most likely there, by token id (the second
+    # position's token is its most likely; the third's has no alternatives scored)
+    assert prompt_logprobs([1, 2, 3], scored, 1, text) == [
+        None, {"2": {"logprob": -0.5, "rank": 1, "decoded_token": "c"}},
+        {"3": {"logprob": -2.0, "rank": 4, "decoded_token": ""}}]
 
 
 def _accepts(schema_text: str, value) -> bool:
