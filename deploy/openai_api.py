@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP ingress (FastAPI) in front of the ``LLMServer`` replicas.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming or not), ``/v1/models``,
+Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming or not), ``/v1/responses``
+(OpenAI's Responses API as a chat: ``deploy.responses_api``), ``/v1/models``,
 ``/tokenize``, ``/detokenize``, ``/version`` (as vLLM and SGLang have them), ``/health`` (503
 while no replica can serve), ``/metrics``. API keys (each maps to a tenant whose salt isolates its
 cache), the content type and the body size are checked before the body is read
@@ -29,7 +30,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -63,6 +64,7 @@ from deploy.protocol import (
     joined_logprobs,
     prompt_logprobs,
 )
+from deploy.responses_api import ResponseEvents, ResponsesRequest, response_of
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
 from model.sampling_params import SamplingParams, TokenLogprob
@@ -686,6 +688,20 @@ class OpenAIIngress:
             return await self._respond([engine_req], body, "chat", RequiredCall, thought=thought, prompt_k=k)
         return await self._respond([engine_req], body, "chat", ToolCallStream if tools is not None else None,
                                    thought=thought, prompt_k=k)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, as a chat (``deploy.responses_api``)."""
+        try:
+            chat = ChatCompletionRequest(**body.chat_body())
+        except ValidationError as e:  # a value the chat route refuses, named as the chat names it
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc or None) from None
+        answer = await self.chat_completions(chat, request)
+        if not body.stream:
+            return JSONResponse(response_of(body, json.loads(answer.body)))
+        return StreamingResponse(ResponseEvents(body).of(answer.body_iterator), media_type="text/event-stream")
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

@@ -100,6 +100,46 @@ def test_a_conversation_with_the_tools_answer_goes_on(client):
     assert r.choices[0].finish_reason == "tool_calls"  # the script calls again
 
 
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's tools
+
+
+def test_the_responses_api_returns_the_message_and_the_call_as_items(client):
+    """POST /v1/responses (OpenAI's client): the content is a message item, the call a
+    function_call item, usage in the Responses names; a conversation carrying the call and its
+    output as input items goes on as the chat does."""
+    r = client.responses.create(model="scripted", input=ASK[0]["content"], tools=FLAT_TOOLS, max_output_tokens=20,
+                                temperature=0)
+    assert r.status == "completed" and r.output_text == "Checking"
+    message, call = r.output
+    assert message.type == "message" and message.content[0].text == "Checking"
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    chat = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, max_tokens=20, temperature=0)
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    again = client.responses.create(model="scripted", max_output_tokens=20, temperature=0, tools=FLAT_TOOLS, input=[
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert [o.type for o in again.output][-1] == "function_call"  # the script calls again, as in the chat
+    assert again.usage.input_tokens > r.usage.input_tokens
+    short = client.responses.create(model="scripted", input=ASK[0]["content"], max_output_tokens=1, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_the_responses_stream_is_typed_events_ending_with_the_response(client):
+    events = list(client.responses.create(model="scripted", input=ASK[0]["content"], tools=FLAT_TOOLS,
+                                          max_output_tokens=20, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == "Checking"
+    assert json.loads(final.output[-1].arguments) == {"city": "Paris"} and final.usage.output_tokens > 0
+
+
 def test_fill_in_the_middle(client):
     from model.tokenizer import load_tokenizer
 
@@ -136,6 +176,21 @@ def test_bad_requests_get_openai_errors(client, extra, status, needle):
     body = {"model": "scripted", "messages": ASK, "max_tokens": 4, **extra}
     r = httpx.post(f"{client.base_url}chat/completions", json=body, timeout=60)
     assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+    ({"tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input item type 'input_image' is not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "content part type 'input_image'"),
+    ({"temperature": 3}, "temperature"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice must be"),
+    ({"background": True}, "background responses are not supported"),
+])
+def test_bad_responses_requests_get_openai_errors(client, extra, needle):
+    r = httpx.post(str(client.base_url) + "responses", timeout=30,
+                   json={"model": "scripted", "input": "x", "max_output_tokens": 2, **extra})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_fill_in_the_middle_needs_a_text_prompt(client):
