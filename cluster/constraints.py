@@ -1,9 +1,10 @@
-"""Constrained decoding for the engine: JSON mode's and JSON schemas' token masks per request.
+"""Constrained decoding for the engine: the token masks of JSON mode, JSON schemas and choices
+among texts, per request.
 
 A constrained sequence carries its grammar's masks, the grammar's state after its output so far,
 and whether the masks apply yet (an R1 request is free while it thinks, until its
 ``constrain_after`` token). The masks of one grammar are built once per vocabulary and shared by
-every request using it; the schema grammars of the most recent schemas are kept.
+every request using it; the grammars of the most recent schemas and choice lists are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from cluster.request import GenerationRequest, Sequence
+from model.choice import ChoiceGrammar
 from model.json_schema import SchemaGrammar
 from model.structured import JsonMasks
 
@@ -51,14 +53,16 @@ class Constraints:
             raise ValueError("JSON mode needs the tokenizer's token bytes (Engine(token_bytes=...))")
         if self._json is None:
             self._json = JsonMasks(self.token_bytes, self.vocab_size)
-        if req.json_schema is None:
+        if req.response_format == "json_object":
             return self._json
-        masks = self._schemas.get(req.json_schema)
+        key = req.json_schema if req.response_format == "json_schema" else json.dumps(["choice", *req.choices])
+        masks = self._schemas.get(key)
         if masks is None:
             if len(self._schemas) >= MAX_SCHEMAS:
                 self._schemas.pop(next(iter(self._schemas)))
-            grammar = SchemaGrammar(json.loads(req.json_schema))  # SchemaError is a ValueError
-            masks = self._schemas[req.json_schema] = self._json.for_grammar(grammar)
+            # SchemaError and ChoiceError are ValueErrors
+            grammar = SchemaGrammar(json.loads(key)) if req.response_format == "json_schema" else ChoiceGrammar(req.choices)
+            masks = self._schemas[key] = self._json.for_grammar(grammar)
         return masks
 
     def apply(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:

@@ -20,7 +20,7 @@ __all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "cache_namespace",
            "RequestOutput", "Sequence", "TokenSources"]
 
 
-RESPONSE_FORMATS = (None, "json_object", "json_schema")
+RESPONSE_FORMATS = (None, "json_object", "json_schema", "choice")
 
 
 def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret: bytes = b"",
@@ -95,7 +95,8 @@ class GenerationRequest:
     continued_chars: int = 0
     # "json_object": every step keeps the output a prefix of one JSON object, and the request
     # ends when it closes (``model.structured``); "json_schema": one JSON value that
-    # ``json_schema`` (the schema as JSON text) accepts (``model.json_schema``)
+    # ``json_schema`` (the schema as JSON text) accepts (``model.json_schema``); "choice": one
+    # of ``choices`` (``model.choice``)
     response_format: str | None = None
     json_schema: str | None = None
     plan: PrefixPlan | None = None  # the ingress's prefix plan (None: the engine hashes and looks up)
@@ -107,12 +108,15 @@ class GenerationRequest:
     # (a JSON value, once whole, still does)
     min_tokens: int = 0
     include_stop: bool = False  # the text ends with the stop string found (vLLM's include_stop_str_in_output)
+    choices: tuple[str, ...] = ()  # response_format "choice": the output is one of these texts (model.choice)
 
     def __post_init__(self) -> None:
         if self.response_format not in RESPONSE_FORMATS:
             raise ValueError(f"response_format must be one of {RESPONSE_FORMATS}, got {self.response_format!r}")
         if (self.response_format == "json_schema") != (self.json_schema is not None):
             raise ValueError("response_format json_schema goes with a json_schema, and only it")
+        if (self.response_format == "choice") != bool(self.choices):
+            raise ValueError("response_format choice goes with choices, and only it")
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
         if self.handoff and self.prefilled is not None:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from model.choice import ChoiceError, ChoiceGrammar
 from model.json_schema import SchemaError, SchemaGrammar
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, TokenLogprob
 
@@ -153,6 +154,11 @@ class _Sampling(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream (as in vLLM)", param="prompt_logprobs")
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    # vLLM's structured outputs: {"json": schema} | {"json_object": true} | {"choice": [texts]}, and
+    # the older names guided_json and guided_choice
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -189,11 +195,17 @@ class _Sampling(BaseModel):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         return stops
 
-    def json_mode(self) -> dict[str, str | None]:
-        """The engine's ``response_format`` ("json_object", "json_schema" or None for text) and
-        ``json_schema`` (the schema as canonical JSON text; a 400 for one it cannot enforce)."""
+    def json_mode(self) -> dict[str, Any]:
+        """The engine's ``response_format`` ("json_object", "json_schema", "choice" or None for
+        text), ``json_schema`` (the schema as canonical JSON text; a 400 for one it cannot
+        enforce) and ``choices``, from ``response_format`` or vLLM's structured outputs."""
         fmt = self.response_format or {}
         kind = fmt.get("type", "text")
+        vllm = self._structured_outputs()
+        if vllm is not None:
+            if kind != "text":
+                raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+            return vllm
         if kind in ("text", "json_object"):
             return {"response_format": None if kind == "text" else kind, "json_schema": None}
         if kind != "json_schema":
@@ -203,6 +215,38 @@ class _Sampling(BaseModel):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise APIError(400, "response_format json_schema needs json_schema: {name, schema}", param="response_format")
         return {"response_format": "json_schema", "json_schema": schema_text(spec.get("schema", {}), "response_format")}
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        given = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None and v is not False}
+        for name, value in (("json", self.guided_json), ("choice", self.guided_choice)):
+            if value is not None:
+                given[name] = value
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, f"structured outputs take one of json, json_object and choice, got {sorted(given)}",
+                           param="structured_outputs")
+        (kind, value), = given.items()
+        if kind == "json":
+            try:
+                schema = json.loads(value) if isinstance(value, str) else value
+            except ValueError:
+                raise APIError(400, "structured_outputs json: not a JSON schema", param="structured_outputs") from None
+            if not isinstance(schema, dict):
+                raise APIError(400, "structured_outputs json: a schema is an object", param="structured_outputs")
+            return {"response_format": "json_schema", "json_schema": schema_text(schema, "structured_outputs")}
+        if kind == "json_object":
+            return {"response_format": "json_object", "json_schema": None}
+        if kind == "choice":
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise APIError(400, "structured_outputs choice: a list of texts", param="structured_outputs")
+            try:
+                ChoiceGrammar(value)
+            except ChoiceError as e:
+                raise APIError(400, f"structured_outputs choice: {e}", param="structured_outputs") from None
+            return {"response_format": "choice", "json_schema": None, "choices": tuple(value)}
+        raise APIError(400, f"structured_outputs {kind!r} is not supported by this server (json, json_object, "
+                       "choice)", param="structured_outputs", code="unsupported_parameter")
 
     def logit_bias_pairs(self, vocab_size: int, limit: int) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs, each id in the vocabulary and each bias in

@@ -423,6 +423,39 @@ def test_tool_choice_required_is_one_call_of_one_of_the_tools(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_vllms_structured_outputs_choose_among_texts_and_follow_schemas(client):
+    """structured_outputs choice (and guided_choice): the output is one of the texts, the same
+    as the model alone under the choice's masks; structured_outputs json is response_format's
+    json_schema by another name."""
+    from model.checkpoint import load_model
+    from model.choice import ChoiceGrammar
+    from model.default import default_checkpoint
+    from model.generate import generate
+    from model.structured import JsonMasks
+    from model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    choices = ["calm", "rough", "stormy sea"]
+    model = load_model(default_checkpoint())
+    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size).for_grammar(ChoiceGrammar(choices))
+    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        r = client.completions.create(model="tiny", prompt="The sea is", max_tokens=16, temperature=0, extra_body=extra)
+        alone = generate(model, [tok.BOS, *tok.encode("The sea is")], 16, eos_id=tok.EOS, json_masks=masks)
+        assert r.choices[0].text == tok.decode(alone) and r.choices[0].text in choices
+        assert r.choices[0].finish_reason == "stop"
+    sampled = {client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Sea?"}],
+                                              max_tokens=16, temperature=1.5, seed=s,
+                                              extra_body={"guided_choice": choices}).choices[0].message.content
+               for s in range(6)}
+    assert sampled <= set(choices)
+    bias = {str(ord(c)): -10 for c in " \n\t\r"} | {str(ord("}")): 2}
+    kw = {"model": "tiny", "prompt": "Reply in JSON", "max_tokens": 64, "temperature": 0, "logit_bias": bias}
+    by_vllm = client.completions.create(**kw, extra_body={"structured_outputs": {"json": ANSWER}})
+    by_openai = client.completions.create(**kw, extra_body={"response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}})
+    assert by_vllm.choices[0].text == by_openai.choices[0].text
+
+
 def test_a_schema_it_cannot_enforce_is_a_400_naming_the_keyword(base_url):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a"}}}
     r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
@@ -534,6 +567,10 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed"),  # was a 500
     # accepted at their defaults, refused otherwise rather than silently ignored
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "0 with echo"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a+"}}, 400, "'regex' is not supported"),
+    ({"model": "tiny", "prompt": "x", "guided_choice": ["yes", "yes!"]}, 400, "'yes' is the beginning of 'yes!'"),
+    ({"model": "tiny", "prompt": "x", "guided_choice": ["a"], "response_format": {"type": "json_object"}}, 400,
+     "response_format or structured_outputs"),
     ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"model": "tiny", "prompt": "x", "stop_token_ids": [99999]}, 400, "stop token id 99999"),
