@@ -193,7 +193,7 @@ def _call_item(call: dict) -> dict:
             "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-def _shell(req: ResponsesRequest, rid: str, created: float, status: str, output: list, usage: dict | None,
+def _shell(req: ResponsesRequest, rid: str, created: int, status: str, output: list, usage: dict | None,
            finish: str | None) -> dict:
     incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
     return {"id": rid, "object": "response", "created_at": created, "model": req.model,
@@ -225,7 +225,7 @@ class ResponseEvents:
     function call's arguments), then completed (or incomplete) with the whole Response."""
 
     def __init__(self, req: ResponsesRequest) -> None:
-        self.req, self.rid, self.created = req, _id("resp"), time.time()
+        self.req, self.rid, self.created = req, _id("resp"), int(time.time())
         self._seq = 0
         self.output: list[dict] = []
         self._open: dict | None = None  # the item whose deltas are coming: reasoning or message
