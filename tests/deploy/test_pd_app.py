@@ -109,9 +109,10 @@ def _text(url: str, body: dict) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def test_json_mode_and_logit_bias_go_through_the_handoff(base_url):
+def test_json_mode_logit_bias_and_a_choice_go_through_the_handoff(base_url):
     """The decode replica takes up JSON mode where the prefill replica's first token left it, and
-    applies the request's logit_bias too: the object equals the model alone under the same masks."""
+    applies the request's logit_bias too: the object equals the model alone under the same masks;
+    a choice among texts likewise."""
     from model.checkpoint import load_model
     from model.default import default_checkpoint
     from model.generate import generate
@@ -135,6 +136,17 @@ def test_json_mode_and_logit_bias_go_through_the_handoff(base_url):
     choice = r.json()["choices"][0]
     assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "stop"
     assert isinstance(json.loads(choice["text"]), dict)
+    # a choice among texts likewise: the decode replica goes on in the choice's grammar
+    from model.choice import ChoiceGrammar
+
+    texts = ["calm", "rough", "stormy sea"]
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "The sea is", "max_tokens": 16, "temperature": 0, "guided_choice": texts})
+    assert r.status_code == 200, r.text
+    assert _handoffs(url) == before + 2
+    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size).for_grammar(ChoiceGrammar(texts))
+    alone = generate(model, [tok.bos_id, *tok.encode("The sea is")], 16, eos_id=tok.eos_id, json_masks=masks)
+    assert r.json()["choices"][0]["text"] == tok.decode(alone) in texts
 
 
 def test_an_echoed_prompts_logprobs_come_back_through_the_handoff(base_url):
