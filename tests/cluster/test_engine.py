@@ -350,6 +350,28 @@ def test_schema_and_json_object_requests_share_a_batch_each_under_its_grammar(mo
     assert _tokens(outs["schema"]) != _tokens(outs["object"])
 
 
+def test_a_choice_among_texts_shares_a_batch_and_ends_at_its_text(model):
+    from model.choice import ChoiceGrammar
+    from model.structured import JsonMasks
+
+    tok = ByteTokenizer()
+    texts = ("north", "south", "east wind")
+    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size).for_grammar(ChoiceGrammar(texts))
+    eng = _engine(model, max_num_seqs=4)
+    prompts = {rid: _prompt(30, 80 + i) for i, rid in enumerate(("greedy", "sampled", "plain"))}
+    params = {"greedy": SamplingParams(), "sampled": SamplingParams(1.5, seed=2), "plain": SamplingParams()}
+    for rid, p in prompts.items():
+        fmt = {} if rid == "plain" else {"response_format": "choice", "choices": texts}
+        eng.add_request(GenerationRequest(rid, p, 20, params[rid], **fmt))
+    outs = eng.run_to_completion()
+    for rid in ("greedy", "sampled"):
+        assert _tokens(outs[rid]) == generate(model, list(prompts[rid]), 20, params[rid], json_masks=masks), rid
+        assert tok.decode(_tokens(outs[rid])) in texts and outs[rid][-1].finish_reason == FinishReason.STOP
+    assert _tokens(outs["plain"]) == _ref(model, prompts["plain"], 20)
+    with pytest.raises(ValueError, match="choice goes with choices"):
+        GenerationRequest("bad", (1, 2), 4, response_format="choice")
+
+
 def test_json_mode_needs_token_bytes_and_a_valid_continuation(model):
     eng = Engine(model, EngineConfig(num_pages=64), _ns(model), ByteTokenizer().decode, None)
     with pytest.raises(ValueError, match="token bytes"):
