@@ -21,7 +21,7 @@ from model.structured import JsonMasks
 
 __all__ = ["Constraints"]
 
-MAX_SCHEMAS = 32  # schema grammars kept (their masks share JsonMasks' byte budget)
+MAX_SCHEMAS = 32  # schema and choice grammars kept (their masks share JsonMasks' byte budget)
 
 
 class Constraints:
@@ -32,7 +32,7 @@ class Constraints:
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self._json: JsonMasks | None = None  # JSON mode's, built on the first constrained request
-        self._schemas: dict[str, JsonMasks] = {}  # by schema text, oldest first
+        self._grammars: dict[str, JsonMasks] = {}  # by schema text or choice list, oldest first
 
     def start(self, seq: Sequence) -> None:
         """Set up ``seq``'s masks, and their state after the tokens another replica already
@@ -56,13 +56,13 @@ class Constraints:
         if req.response_format == "json_object":
             return self._json
         key = req.json_schema if req.response_format == "json_schema" else json.dumps(["choice", *req.choices])
-        masks = self._schemas.get(key)
+        masks = self._grammars.get(key)
         if masks is None:
-            if len(self._schemas) >= MAX_SCHEMAS:
-                self._schemas.pop(next(iter(self._schemas)))
+            if len(self._grammars) >= MAX_SCHEMAS:
+                self._grammars.pop(next(iter(self._grammars)))
             # SchemaError and ChoiceError are ValueErrors
             grammar = SchemaGrammar(json.loads(key)) if req.response_format == "json_schema" else ChoiceGrammar(req.choices)
-            masks = self._schemas[key] = self._json.for_grammar(grammar)
+            masks = self._grammars[key] = self._json.for_grammar(grammar)
         return masks
 
     def apply(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:

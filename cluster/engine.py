@@ -450,9 +450,10 @@ class Engine:
         logits = logits.clone()
         for b in rows:
             req = batch[b].req
-            held = [t for t in (*req.stop_token_ids, *(() if req.ignore_eos or self.eos_id is None else (self.eos_id,)))
-                    if t < logits.shape[-1]]
-            logits[b, held] = float("-inf")
+            held = list(req.stop_token_ids)
+            if self.eos_id is not None and not req.ignore_eos:
+                held.append(self.eos_id)
+            logits[b, [t for t in held if t < logits.shape[-1]]] = float("-inf")
         return logits
 
     def _output(self, seq: Sequence, handoff: Prefilled | None = None) -> RequestOutput:

@@ -179,14 +179,6 @@ def _unavailable_error() -> APIError:
                     code="service_unavailable", retry_after_s=RETRY_AFTER_S)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Echo:
-    """A completion prompt as ``echo`` returns it: its text and its token ids."""
-
-    text: str
-    prompt_ids: list[int]
-
-
 def _add(total: dict, part: dict) -> None:
     """Add ``part``'s numbers into ``total``'s, key by key (nested dicts too): a batch's usage."""
     for key, value in part.items():
@@ -286,6 +278,24 @@ class OpenAIIngress:
         stops = body.stop_list()
         if len(stops) > self.limits.max_stop:
             raise APIError(400, f"{len(stops)} stop strings exceed the limit of {self.limits.max_stop}", param="stop")
+        max_tokens = self._max_tokens(body, prompt_ids, prompt_param, scores_only)
+        bias = tuple(body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias))
+        stop_ids = body.stop_token_tuple(self.vocab_size, self.limits.max_stop_token_ids)
+        try:
+            sampling = SamplingParams(
+                body.temperature, body.top_p, body.top_k, body.seed, body.logprobs_k(), body.presence_penalty,
+                body.frequency_penalty, bias, repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                prompt_logprobs=prompt_logprobs)
+            return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
+                                     grant.tenant, stop_token_ids=stop_ids, min_tokens=body.min_tokens,
+                                     include_stop=body.include_stop_str_in_output,
+                                     **(body.json_mode() | extra))
+        except ValueError as e:  # a combination the field checks above let through
+            raise APIError(400, str(e)) from None
+
+    def _max_tokens(self, body, prompt_ids: list[int], prompt_param: str, scores_only: bool) -> int:
+        """The engine's max_tokens for a prompt of this body (its checks against the limits and
+        the context length are the prompt's own; ``scores_only``: 1)."""
         if len(prompt_ids) > self.limits.max_prompt_tokens:
             raise APIError(400, f"prompt of {len(prompt_ids)} tokens exceeds the limit of {self.limits.max_prompt_tokens}",
                            param=prompt_param, code="context_length_exceeded")
@@ -303,21 +313,9 @@ class OpenAIIngress:
         if max_tokens > room:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                            f"length {self.context_len}", param="max_tokens", code="context_length_exceeded")
-        bias = tuple(body.logit_bias_pairs(self.vocab_size, self.limits.max_logit_bias))
-        stop_ids = body.stop_token_tuple(self.vocab_size, self.limits.max_stop_token_ids)
         if body.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
-        try:
-            sampling = SamplingParams(
-                body.temperature, body.top_p, body.top_k, body.seed, body.logprobs_k(), body.presence_penalty,
-                body.frequency_penalty, bias, repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                prompt_logprobs=prompt_logprobs)
-            return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
-                                     grant.tenant, stop_token_ids=stop_ids, min_tokens=body.min_tokens,
-                                     include_stop=body.include_stop_str_in_output,
-                                     **(body.json_mode() | extra))
-        except ValueError as e:  # a combination the field checks above let through
-            raise APIError(400, str(e)) from None
+        return max_tokens
 
     @classmethod
     def _batch_usage(cls, lasts: list[RequestOutput], n: int, reasoning: list[ReasoningTokens] | None = None,
@@ -493,7 +491,7 @@ class OpenAIIngress:
 
     async def _respond(self, engine_reqs: list[GenerationRequest], body, kind: str, calls=None,
                        tool_finish: str = "tool_calls", thought: bool | None = None,
-                       echoes: list[Echo] | None = None, scores_only: bool = False, prompt_k: int | None = None):
+                       echoes: list[str] | None = None, scores_only: bool = False, prompt_k: int | None = None):
         """The HTTP response to one request (a chat, or a completion of one prompt or a batch:
         ``engine_reqs``, each with ``body.n`` choices). ``calls``: the chat output may hold tool
         calls; a factory of the splitter (``model.tool_calls``) that reads one choice's output
@@ -542,10 +540,11 @@ class OpenAIIngress:
         def echoed(i: int, first: RequestOutput) -> tuple[str, dict | None]:
             """Choice i's echo: its prompt's text, and with logprobs its scored tokens (from the
             choice's first output)."""
-            e = echoes[i // n]
+            text = echoes[i // n]
             if not want_logprobs:
-                return e.text, None
-            return e.text, echo_logprobs(e.prompt_ids, scored(first), body.logprobs, self._token_text)
+                return text, None
+            return text, echo_logprobs(list(engine_reqs[i // n].prompt_ids), scored(first), body.logprobs,
+                                       self._token_text)
 
         def scored(first: RequestOutput) -> list[TokenLogprob | None]:
             if first.prompt_logprobs is None:
@@ -714,17 +713,23 @@ class OpenAIIngress:
             raise APIError(400, "echo and suffix (fill in the middle) do not go together", param="echo")
         asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
         scored = max(asked, default=None)  # echo with logprobs and prompt_logprobs score the prompt
-        reqs, echoes = [], []
+        reqs: list[GenerationRequest] = []
+        echoes = []  # each prompt's text, as echo returns it
         for p, prompt in enumerate(prompts):
             try:
                 ids = self._completion_ids(body, prompt)
-                reqs.append(self._engine_request(body, ids, grant, "prompt", prompt_logprobs=scored,
-                                                 scores_only=body.scores_only()))
+                if not reqs:
+                    reqs.append(self._engine_request(body, ids, grant, "prompt", prompt_logprobs=scored,
+                                                     scores_only=body.scores_only()))
+                else:  # the batch's other prompts: the first's request with their own ids and length
+                    reqs.append(dataclasses.replace(reqs[0], prompt_ids=tuple(ids),
+                                                    max_tokens=self._max_tokens(body, ids, "prompt", body.scores_only())))
             except APIError as e:
                 if len(prompts) > 1:  # which prompt of the batch
                     e.message = f"prompt {p} of the batch: {e.message}"
                 raise
-            echoes.append(Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt), ids))
+            if body.echo:
+                echoes.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt))
         return await self._respond(reqs, body, "completion", echoes=echoes if body.echo else None,
                                    scores_only=body.scores_only(), prompt_k=body.prompt_logprobs)
 

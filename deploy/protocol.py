@@ -54,8 +54,10 @@ def _rerooted(schema: dict, prefix: str) -> tuple[dict, dict]:
     start with ``prefix``), its ``$ref``s (to ``#`` or its own ``$defs``/``definitions``) pointing
     there."""
     own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    to_root = False  # a $ref to "#": the schema itself becomes a definition
 
     def move(node: Any) -> Any:
+        nonlocal to_root
         if isinstance(node, list):
             return [move(x) for x in node]
         if not isinstance(node, dict):
@@ -63,22 +65,16 @@ def _rerooted(schema: dict, prefix: str) -> tuple[dict, dict]:
         out = {k: move(v) for k, v in node.items() if k not in ("$defs", "definitions")}
         ref = node.get("$ref")
         if ref == "#":
-            out["$ref"] = f"#/$defs/{prefix}"
+            out["$ref"], to_root = f"#/$defs/{prefix}", True
         elif isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
             out["$ref"] = f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
         return out
 
     defs = {f"{prefix}{name}": move(sub) for name, sub in own.items()}
     moved = move(schema)
-    if _refers_to_root(schema):
+    if to_root:
         defs[prefix] = moved
     return moved, defs
-
-
-def _refers_to_root(node: Any) -> bool:
-    if isinstance(node, dict):
-        return node.get("$ref") == "#" or any(_refers_to_root(v) for v in node.values())
-    return isinstance(node, list) and any(_refers_to_root(v) for v in node)
 
 
 def schema_text(schema: dict, param: str) -> str:

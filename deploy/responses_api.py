@@ -250,12 +250,11 @@ class ResponseEvents:
         index = len(self.output)
         if kind == "reasoning":
             item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress", "content": []}
-            self._open = item
-            yield self._event("response.output_item.added", output_index=index, item=item)
         else:
             item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress", "content": []}
-            self._open = item
-            yield self._event("response.output_item.added", output_index=index, item=item)
+        self._open = item
+        yield self._event("response.output_item.added", output_index=index, item=item)
+        if kind == "message":
             yield self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                               part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         self._text = ""

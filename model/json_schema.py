@@ -6,7 +6,8 @@ every output is a prefix of a JSON text the schema accepts, and the request ends
 
 The schema subset is what structured-output APIs ask for: ``type`` (one or a list), ``properties``
 with ``required`` (only those keys, each at most once, in any order; ``}`` once the required ones
-are there) and ``minProperties``/``maxProperties`` (how many of those keys), objects without ``properties`` (any keys, values per ``additionalProperties``),
+are there) and ``minProperties``/``maxProperties`` (how many of those keys), objects without
+``properties`` (any keys, values per ``additionalProperties``),
 ``items``, ``enum``, ``const``, ``anyOf`` (options must differ in their first byte), and ``{}``
 for any value. Annotations (``title``, ``description``, ``format``, ...) are ignored; a keyword
 that would constrain the output in a way this grammar does not enforce (``pattern``,
