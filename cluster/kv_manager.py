@@ -121,7 +121,7 @@ class KVManager:
     # -- units and prompts in and out ----------------------------------------------------
     def fits(self, unit: Unit) -> bool:
         """Whether ``unit`` holds KV of this pool's shape and dtype."""
-        return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.latent_dim
+        return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.row_dim
                 and unit.dtype == str(self.pool.dtype).removeprefix("torch.")
                 and len(unit.token_ids) == self.unit_tokens)
 
@@ -133,19 +133,19 @@ class KVManager:
         self.pool.write_pages(self.unit_page_list(seq, index), flat.view(unit.num_layers, self.unit_tokens, unit.dim))
 
     def read_unit(self, seq: Sequence, index: int) -> torch.Tensor:
-        """The KV of ``seq``'s unit ``index``: [L, unit_tokens, D], a copy in host memory."""
+        """The KV rows of ``seq``'s unit ``index``: [L, unit_tokens, row_dim], a copy in host memory."""
         return self.pool.read_pages(self.unit_page_list(seq, index)).cpu().contiguous()
 
     def import_prompt(self, seq: Sequence, kv: torch.Tensor) -> None:
-        """A prompt's KV [L, P, D] computed elsewhere into ``seq``'s first P slots."""
+        """A prompt's KV rows [L, P, row_dim] computed elsewhere into ``seq``'s first P slots."""
         slots = slots_for(torch.tensor(seq.pages), torch.arange(kv.shape[1]), self.page_size)
         for layer in range(self.pool.num_layers):
-            self.pool.write(layer, slots, kv[layer])
+            self.pool.write_rows(layer, slots, kv[layer])
 
     def export_prompt(self, seq: Sequence) -> torch.Tensor:
-        """``seq``'s prompt KV [L, P, D] in host memory (handed to another replica)."""
+        """``seq``'s prompt KV rows [L, P, row_dim] in host memory (handed to another replica)."""
         slots = slots_for(torch.tensor(seq.pages), torch.arange(len(seq.req.prompt_ids)), self.page_size)
-        return torch.stack([self.pool.read(layer, slots) for layer in range(self.pool.num_layers)]).cpu()
+        return torch.stack([self.pool.read_rows(layer, slots) for layer in range(self.pool.num_layers)]).cpu()
 
     # -- checks --------------------------------------------------------------------------
     def check_integrity(self, seqs: Iterable[Sequence], running: list[Sequence]) -> None:

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from kernels import resolve_impl
 from kernels.fp8_gemm import dequantize_blocks
 from model.config import DTYPE_NAMES, WEIGHTS_FILE, WEIGHTS_INDEX, ModelConfig, load_config
+from model.dsa import Indexer, IndexerWeights
 from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
 from model.model import DecoderLayer, DeepseekModel
@@ -66,6 +67,8 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1
              "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+# the gates, and V3.2's indexer head weights, stay fp32 whatever the model's dtype (as in transformers)
+_FP32_TENSORS = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the per-block scales of an fp8 "<name>.weight"
 
 
@@ -109,6 +112,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.latent_dim,)
             shapes[a + "o_proj.bias"] = (m,)
+        if cfg.index_topk:  # V3.2's lightning indexer
+            g, d = cfg.index_n_heads, cfg.index_head_dim
+            shapes[a + "indexer.wq_b.weight"] = (g * d, cfg.q_lora_rank)
+            shapes[a + "indexer.wk.weight"] = (d, m)
+            shapes[a + "indexer.k_norm.weight"] = (d,)
+            shapes[a + "indexer.k_norm.bias"] = (d,)
+            shapes[a + "indexer.weights_proj.weight"] = (g, m)
         f = p + "mlp."
         if cfg.is_moe_layer(i):
             inter = cfg.moe_intermediate_size
@@ -197,7 +207,7 @@ def load_state_dict(
                     )
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {name!r} has non-float dtype {t.dtype}")
-                keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+                keep_fp32 = name.endswith(_FP32_TENSORS)
                 if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                     scale = _scales(name, t, where, block, path, f)
                     if keep_fp8 and t.dtype == torch.float8_e4m3fn and not name.endswith("kv_b_proj.weight"):
@@ -278,8 +288,13 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto
                 experts[i] = _stack_experts(sd, f, range(cfg.n_routed_experts))
         else:
             ffn = mlp(f)
+        indexer = None
+        if cfg.index_topk:
+            x = a + "indexer."
+            indexer = Indexer(cfg, IndexerWeights(sd[x + "wq_b.weight"], sd[x + "wk.weight"], sd[x + "k_norm.weight"],
+                                                  sd[x + "k_norm.bias"], sd[x + "weights_proj.weight"]))
         layers.append(DecoderLayer(
-            sd[p + "input_layernorm.weight"], MLA(cfg, w), sd[p + "post_attention_layernorm.weight"], ffn
+            sd[p + "input_layernorm.weight"], MLA(cfg, w), sd[p + "post_attention_layernorm.weight"], ffn, indexer
         ))
     embed = sd["model.embed_tokens.weight"]
     lm_head = embed if cfg.tie_word_embeddings else sd["lm_head.weight"]

@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face DeepSeek-V2/V3 ``config.json``.
+"""Model configuration read from a Hugging Face DeepSeek-V2/V3/V3.2 ``config.json``.
 
 ``ModelConfig`` is the single description of the architecture that every other part of
 tideserve uses (the cache fingerprint hashes it, the engine sizes its KV pool from it).
@@ -16,7 +16,8 @@ from typing import Any
 
 __all__ = ["DTYPE_NAMES", "ModelConfig", "check_checkpoint_dir", "RopeScaling", "load_config", "named_config", "NAMED_CONFIGS"]
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")  # ModelConfig's families
+SUPPORTED_MODEL_TYPES = (*MLA_MODEL_TYPES, "deepseek_v4")  # what a checkpoint may be (V4: model.v4)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the weight/KV dtypes a model loads in
 
 
@@ -77,9 +78,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # DeepSeek Sparse Attention (V3.2): a lightning indexer per layer keeps each query's top
+    # ``index_topk`` earlier tokens (0: every layer attends densely, V2/V3)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if self.model_type not in MLA_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
@@ -91,6 +97,14 @@ class ModelConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if (self.model_type == "deepseek_v32") != (self.index_topk > 0):
+            raise ValueError(f"index_topk={self.index_topk}: DeepSeek-V3.2 (and only it) needs an indexer")
+        if self.index_topk:
+            if self.index_n_heads <= 0 or self.index_head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"index_n_heads={self.index_n_heads} must be > 0 and index_head_dim="
+                                 f"{self.index_head_dim} >= qk_rope_head_dim={self.qk_rope_head_dim}")
+            if self.q_lora_rank is None:
+                raise ValueError("DeepSeek-V3.2's indexer reads the query's low-rank path: q_lora_rank is needed")
         if self.n_routed_experts:
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ValueError(
@@ -120,6 +134,12 @@ class ModelConfig:
         """Values per token per layer in the latent KV cache: ``c_kv`` then the RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def kv_dim(self) -> int:
+        """Values per token per layer that the KV pools hold: the latent, then the indexer key
+        (V3.2). A cache unit carries these rows for its 64 tokens."""
+        return self.latent_dim + self.index_head_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
             self.n_routed_experts > 0
@@ -139,33 +159,41 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """Stable digest of the architecture (part of the cache namespace)."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        blob = json.dumps(self._fields(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` content that Hugging Face and tideserve both read."""
-        d = dataclasses.asdict(self)
+        d = self._fields()
         d.pop("rope_scaling")
-        d["architectures"] = [
-            "DeepseekV3ForCausalLM" if self.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"
-        ]
+        d["architectures"] = [_ARCHITECTURES[self.model_type]]
         d["num_key_value_heads"] = self.num_attention_heads
         d["hidden_act"] = "silu"
         if self.rope_scaling is not None:
             d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.rope_scaling)}
         return d
 
+    def _fields(self) -> dict[str, Any]:
+        """The fields, without the indexer's where there is none (so a V2/V3 config reads, and
+        fingerprints, as it did before V3.2 was served)."""
+        d = dataclasses.asdict(self)
+        if not self.index_topk:
+            for name in ("index_topk", "index_n_heads", "index_head_dim"):
+                d.pop(name)
+        return d
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in MLA_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; DeepSeek models use 'silu'")
-        is_v3 = model_type == "deepseek_v3"
+        is_v3 = model_type in ("deepseek_v3", "deepseek_v32")
+        sparse = model_type == "deepseek_v32"
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -210,8 +238,8 @@ class ModelConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", is_v3)),
             routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
             rope_theta=float(rope_theta),
-            # DeepSeek-V2 always rotates interleaved pairs; V3 configs say which.
-            rope_interleave=bool(raw.get("rope_interleave", True)) if is_v3 else True,
+            # DeepSeek-V2 and V3.2 always rotate interleaved pairs; V3 configs say which.
+            rope_interleave=bool(raw.get("rope_interleave", True)) if model_type == "deepseek_v3" else True,
             rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -219,7 +247,14 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
+            index_topk=int(raw.get("index_topk", 2048)) if sparse else 0,
+            index_n_heads=int(raw.get("index_n_heads", 64)) if sparse else 0,
+            index_head_dim=int(raw.get("index_head_dim", 128)) if sparse else 0,
         )
+
+
+_ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -1,12 +1,15 @@
 """Paged latent KV pool.
 
 Legend: L layers, P pages, Z page size (tokens), D latent values per token
-(``kv_lora_rank + qk_rope_head_dim``), S tokens of one sequence.
+(``kv_lora_rank + qk_rope_head_dim``), I indexer key dims (V3.2), S tokens of one sequence.
 
-The pool holds ``[L, P*Z, D]`` values. A sequence owns a *block table*: the list of its pages in
-order; token at position ``p`` lives in slot ``block_table[p // Z] * Z + p % Z``. The page size
-divides the 64-token cache unit, so a unit maps to whole pages and can be copied in or out as
-``unit_pages = 64 // Z`` page rows. Page allocation belongs to the engine (``cluster/``).
+The pool holds ``[L, P*Z, D]`` values, and for V3.2 a second plane ``[L, P*Z, I]`` of indexer
+keys: both are per token, so one block table addresses both (pages are freed and shared for both
+at once). A sequence owns a *block table*: the list of its pages in order; token at position
+``p`` lives in slot ``block_table[p // Z] * Z + p % Z``. The page size divides the 64-token cache
+unit, so a unit maps to whole pages and can be copied in or out as ``unit_pages = 64 // Z`` page
+rows. A token's *row* is what units and handoffs carry: its latent, then its indexer key
+(``row_dim`` = D + I). Page allocation belongs to the engine (``cluster/``).
 """
 
 from __future__ import annotations
@@ -44,16 +47,20 @@ class LatentKVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.latent_dim = cfg.latent_dim
+        self.row_dim = cfg.kv_dim
         self.impl = impl
         self.data = torch.zeros(cfg.num_hidden_layers, num_pages * page_size, cfg.latent_dim, dtype=dtype,
                                 device=device)
+        self.index_k = None if not cfg.index_topk else torch.zeros(
+            cfg.num_hidden_layers, num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=device)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        planes = [self.data] if self.index_k is None else [self.data, self.index_k]
+        return sum(p.numel() * p.element_size() for p in planes)
 
     def write(self, layer_idx: int, slots: torch.Tensor, latents: torch.Tensor) -> None:
         """latents [T, D] into ``slots`` [T] (either may live on another device than the pool)."""
@@ -66,23 +73,48 @@ class LatentKVPool:
         flat = self.data[layer_idx].index_select(0, slots.reshape(-1).to(self.data.device))
         return flat.view(*slots.shape, self.latent_dim)
 
-    def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
-        """Whole pages for every layer, in order: -> [L, len(pages)*Z, D] (a copy)."""
-        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
-        if self.impl == "triton":
-            return gather_units(self.data, pages_t[None], self.page_size)[0]
-        view = self.data.view(self.num_layers, self.num_pages, self.page_size, self.latent_dim)
-        return view[:, pages_t].reshape(self.num_layers, -1, self.latent_dim)
+    def write_index(self, layer_idx: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """V3.2's indexer keys [T, I] into ``slots`` [T]."""
+        dev = self.index_k.device
+        self.index_k[layer_idx].index_copy_(0, slots.to(dev), keys.to(dev, self.index_k.dtype))
 
-    def write_pages(self, pages: list[int] | torch.Tensor, latents: torch.Tensor) -> None:
-        """Inverse of ``read_pages``: latents [L, len(pages)*Z, D]."""
+    def read_index(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots [...] -> V3.2's indexer keys [..., I]."""
+        flat = self.index_k[layer_idx].index_select(0, slots.reshape(-1).to(self.index_k.device))
+        return flat.view(*slots.shape, self.index_k.shape[-1])
+
+    def write_rows(self, layer_idx: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Whole rows [T, row_dim] (the latent, then any indexer key) into ``slots`` [T]."""
+        self.write(layer_idx, slots, rows[:, : self.latent_dim])
+        if self.index_k is not None:
+            self.write_index(layer_idx, slots, rows[:, self.latent_dim :])
+
+    def read_rows(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots [T] -> whole rows [T, row_dim]."""
+        if self.index_k is None:
+            return self.read(layer_idx, slots)
+        return torch.cat((self.read(layer_idx, slots), self.read_index(layer_idx, slots)), dim=-1)
+
+    def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
+        """Whole pages for every layer, in order: -> rows [L, len(pages)*Z, row_dim] (a copy)."""
         pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
-        expected = (self.num_layers, len(pages_t) * self.page_size, self.latent_dim)
-        if tuple(latents.shape) != expected:
-            raise ValueError(f"latents shape {tuple(latents.shape)} != expected {expected}")
-        if self.impl == "triton":
-            scatter_units(self.data, pages_t[None], latents[None].to(self.data.device, self.dtype), self.page_size)
+        if self.impl == "triton" and self.index_k is None:
+            return gather_units(self.data, pages_t[None], self.page_size)[0]
+        planes = [self.data] if self.index_k is None else [self.data, self.index_k]
+        out = [p.view(self.num_layers, self.num_pages, self.page_size, -1)[:, pages_t] for p in planes]
+        return (out[0] if len(out) == 1 else torch.cat(out, dim=-1)).reshape(self.num_layers, -1, self.row_dim)
+
+    def write_pages(self, pages: list[int] | torch.Tensor, rows: torch.Tensor) -> None:
+        """Inverse of ``read_pages``: rows [L, len(pages)*Z, row_dim]."""
+        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
+        expected = (self.num_layers, len(pages_t) * self.page_size, self.row_dim)
+        if tuple(rows.shape) != expected:
+            raise ValueError(f"KV rows of shape {tuple(rows.shape)} != expected {expected}")
+        if self.impl == "triton" and self.index_k is None:
+            scatter_units(self.data, pages_t[None], rows[None].to(self.data.device, self.dtype), self.page_size)
             return
-        view = self.data.view(self.num_layers, self.num_pages, self.page_size, self.latent_dim)
-        view[:, pages_t] = latents.view(self.num_layers, len(pages_t), self.page_size, -1).to(
-            self.data.device, self.dtype)
+        rows = rows.view(self.num_layers, len(pages_t), self.page_size, -1).to(self.data.device, self.dtype)
+        self.data.view(self.num_layers, self.num_pages, self.page_size, -1)[:, pages_t] = rows[..., : self.latent_dim]
+        if self.index_k is not None:
+            self.index_k.view(self.num_layers, self.num_pages, self.page_size, -1)[:, pages_t] = \
+                rows[..., self.latent_dim :]

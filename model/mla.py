@@ -74,18 +74,22 @@ class MLA:
     # -- projections -------------------------------------------------------------------
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, M] -> (q_nope [T, H, N], q_rope [T, H, P], latent [T, D]) with RoPE applied."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, M] -> (q_nope [T, H, N], q_rope [T, H, P], latent [T, D], q_resid [T, Q]) with
+        RoPE applied; q_resid is the normed low-rank query (None without ``q_lora_rank``), which
+        V3.2's indexer reads too."""
         cfg, w = self.cfg, self.w
         t = x.shape[0]
-        q = self._queries(x).view(t, cfg.num_attention_heads, cfg.qk_head_dim)  # [T, H, N+P]
+        q_resid = None if w.q is not None else rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, cfg.rms_norm_eps)
+        q = (linear(x, w.q) if q_resid is None else linear(q_resid, w.q_b)).view(t, cfg.num_attention_heads,
+                                                                                   cfg.qk_head_dim)  # [T, H, N+P]
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = linear(x, w.kv_a, w.kv_a_bias)  # [T, D]
         c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = rms_norm(c_kv, w.kv_a_norm, cfg.rms_norm_eps)  # [T, R]
         q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)  # [T, H, P]
         k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)  # [T, P]
-        return q_nope, q_rope, torch.cat((c_kv, k_rope), dim=-1)
+        return q_nope, q_rope, torch.cat((c_kv, k_rope), dim=-1), q_resid
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, M] -> the heads' queries [T, H*(N+P)], before RoPE."""
@@ -119,10 +123,12 @@ class MLA:
 
     # -- attention over the latent cache -----------------------------------------------
     def attend_naive(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor, start: int
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor, start: int,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of T queries at positions ``start..start+T-1`` over ``latents`` [S, D]
-        (positions 0..S-1, S = start + T). Returns [T, H, V]."""
+        (positions 0..S-1, S = start + T), or with ``mask`` [T, S] bool (True = attend) the keys
+        it keeps. Returns [T, H, V]."""
         cfg = self.cfg
         h, n, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         s, t = latents.shape[0], q_nope.shape[0]
@@ -135,10 +141,10 @@ class MLA:
         # The fused (flash) SDPA kernels want equal q/k/v head dims and 4-D inputs; pad V with
         # zeros up to N+P and drop the padding afterwards (zeros contribute nothing).
         v = F.pad(v, (0, k.shape[-1] - v.shape[-1])).transpose(0, 1)[None]  # [1, H, S, N+P]
-        if start == 0:
+        if mask is None and start == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            mask = _causal_mask(t, start, q.device)
+            mask = _causal_mask(t, start, q.device) if mask is None else mask
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         o = o[0, ..., : cfg.v_head_dim]  # [H, T, V]
         return o.transpose(0, 1)  # [T, H, V]

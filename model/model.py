@@ -17,6 +17,7 @@ from kernels import Impl
 from kernels.cpu_gemv import cpu_kernels
 from model.config import ModelConfig
 from model.cpu_step import CpuStep
+from model.dsa import Indexer
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
 from model.mla import MLA, MQA_MAX_QUERIES, absorbed_pays
@@ -34,6 +35,7 @@ class DecoderLayer:
     attn: MLA
     post_attn_norm: torch.Tensor  # [M]
     mlp: SwiGLU | MoE
+    indexer: Indexer | None = None  # V3.2's: the keys each query attends
 
 
 class DeepseekModel:
@@ -58,7 +60,7 @@ class DeepseekModel:
         self.impl = impl
         # a decode pass of its own on a float32 CPU model runs as one C++ call (model.cpu_step)
         # where the model allows; False keeps it layer by layer in Python
-        self.cpu_step = True
+        self.cpu_step = not cfg.index_topk
         self._cpu_step: CpuStep | None = None
 
     @property
@@ -75,6 +77,8 @@ class DeepseekModel:
     def paged_kernel(self) -> str | None:
         """The kernel that attends a decode batch over the paged pool in place: Triton's, or on a
         float32 CPU model the C++ one (``kernels.cpu_gemv``) when it is built; None: gather."""
+        if self.cfg.index_topk:  # V3.2: the indexer's selection runs over gathered keys
+            return None
         if self.impl == "triton":
             return "triton"
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
@@ -230,21 +234,12 @@ class DeepseekModel:
         parts = [p for p in (chunk, batch) if p is not None]
         h, cos, sin, new_slots = _Rows.of(*parts)
         fused = all(p.paged == "cpu" for p in parts)
-        t = chunk.t if chunk is not None else 0
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
             if fused:  # one call past the projections
                 h = self._ffn(layer, h + _attend_fused(layer.attn, x, cos, sin, pool, i, new_slots, chunk, batch))
                 continue
-            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
-            pool.write(i, new_slots, latent)
-            outs = []
-            if chunk is not None:
-                outs.append(chunk.attend(i, layer.attn, q_nope[:t], q_rope[:t], latent[:t], pool))
-            if batch is not None:
-                outs.append(batch.attend(i, layer.attn, q_nope[t:], q_rope[t:], pool))
-            o = outs[0] if len(outs) == 1 else torch.cat(outs)
-            h = self._ffn(layer, h + layer.attn.output(o))
+            h = self._ffn(layer, h + _attend_parts(i, layer, x, cos, sin, new_slots, pool, chunk, batch))
         return h
 
     def _pipelined(self, parts: list[_Chunk | _DecodeBatch], pool: LatentKVPool) -> list[torch.Tensor]:
@@ -277,11 +272,8 @@ class DeepseekModel:
         if part.paged == "cpu":
             chunk, batch = (part, None) if isinstance(part, _Chunk) else (None, part)
             return _attend_fused(layer.attn, x, part.cos, part.sin, pool, i, part.new_slots, chunk, batch)
-        q_nope, q_rope, latent = layer.attn.project(x, part.cos, part.sin)
-        pool.write(i, part.new_slots, latent)
-        if isinstance(part, _Chunk):
-            return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, latent, pool))
-        return layer.attn.output(part.attend(i, layer.attn, q_nope, q_rope, pool))
+        chunk, batch = (part, None) if isinstance(part, _Chunk) else (None, part)
+        return _attend_parts(i, layer, x, part.cos, part.sin, part.new_slots, pool, chunk, batch)
 
 
 class _Rows(NamedTuple):
@@ -297,6 +289,29 @@ class _Rows(NamedTuple):
         if len(parts) == 1:
             return cls(parts[0].h, parts[0].cos, parts[0].sin, parts[0].new_slots)
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in cls._fields))
+
+
+def _attend_parts(i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  new_slots: torch.Tensor, pool: LatentKVPool, chunk: _Chunk | None, batch: _DecodeBatch | None
+                  ) -> torch.Tensor:
+    """[T + B, M]: layer ``i``'s attention output for the normed inputs ``x`` of a chunk's T rows
+    and a batch's B rows (either may be absent), each part over its own sequences' KV, the new
+    latents (and V3.2's indexer keys) written first."""
+    attn, t = layer.attn, chunk.t if chunk is not None else 0
+    q_nope, q_rope, latent, q_resid = attn.project(x, cos, sin)
+    pool.write(i, new_slots, latent)
+    sparse = None
+    if layer.indexer is not None:
+        pool.write_index(i, new_slots, layer.indexer.keys(x, cos, sin))
+        sparse = layer.indexer, *layer.indexer.queries(x, q_resid, cos, sin)
+    outs = []
+    if chunk is not None:
+        part = None if sparse is None else (sparse[0], sparse[1][:t], sparse[2][:t])
+        outs.append(chunk.attend(i, attn, q_nope[:t], q_rope[:t], latent[:t], pool, part))
+    if batch is not None:
+        part = None if sparse is None else (sparse[0], sparse[1][t:], sparse[2][t:])
+        outs.append(batch.attend(i, attn, q_nope[t:], q_rope[t:], pool, part))
+    return attn.output(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 _NO_TABLES, _NO_LENS = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # a pass with no decode rows
@@ -356,8 +371,12 @@ class _Chunk:
         return cls(model.embed[token_ids], t, start, span[start:], span, all_slots, all_slots[start:], cos, sin,
                    attn, block_table, paged)
 
-    def attend(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool) -> torch.Tensor:
-        """[T, H, V]: the chunk's queries over its sequence's latents in layer ``i`` (written)."""
+    def attend(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool, sparse=None) -> torch.Tensor:
+        """[T, H, V]: the chunk's queries over its sequence's latents in layer ``i`` (written).
+        ``sparse``: (indexer, its queries [T, G, I], head weights [T, G]) of a V3.2 layer: each
+        query attends only to the keys the indexer selects."""
+        if sparse is not None and self.start + self.t > sparse[0].topk:
+            return self._attend_sparse(i, attn, q_nope, q_rope, latent, pool, *sparse)
         if self.paged == "cpu":  # every latent read once for all the chunk's queries, in place
             return attn.attend_chunk_paged(q_nope, q_rope, pool.data[i], self.block_table, self.start,
                                            pool.page_size)
@@ -373,6 +392,16 @@ class _Chunk:
         if self.mask is None:
             self.mask = (self.span[None, :] <= self.positions[:, None])[None]
         return attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], self.mask)[0]
+
+    def _attend_sparse(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool, indexer: Indexer,
+                       iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
+        """[T, H, V] over each query's top-K keys of the sequence (DeepSeek Sparse Attention)."""
+        latents = latent if self.start == 0 else pool.read(i, self.all_slots)  # [S, D]
+        visible = self.span[None, :] <= self.positions[:, None]  # [T, S]
+        keep = indexer.select(iq, iw, pool.read_index(i, self.all_slots), visible)  # [T, S]
+        if self.attn == "naive":
+            return attn.attend_naive(q_nope, q_rope, latents, self.start, mask=keep)
+        return attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], keep[None])[0]
 
 
 @dataclass(slots=True)
@@ -420,8 +449,14 @@ class _DecodeBatch:
             self.seq_lens = self.positions + 1
         return self.seq_lens
 
-    def attend(self, i: int, attn: MLA, q_nope, q_rope, pool: LatentKVPool) -> torch.Tensor:
-        """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written)."""
+    def attend(self, i: int, attn: MLA, q_nope, q_rope, pool: LatentKVPool, sparse=None) -> torch.Tensor:
+        """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written).
+        ``sparse``: as ``_Chunk.attend``'s, a row per query."""
+        if sparse is not None and self.read_slots is not None and self.read_slots.shape[1] > sparse[0].topk:
+            indexer, iq, iw = sparse
+            keep = indexer.select(iq, iw, pool.read_index(i, self.read_slots), self.mask[:, 0])  # [B, S]
+            latents = pool.read(i, self.read_slots)  # [B, S, D]
+            return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, keep[:, None])[:, 0]
         if self.paged:
             return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.lens(), pool.page_size,
                                      self.paged)

@@ -197,7 +197,7 @@ class Trainer:
         h = self.params["model.embed_tokens.weight"][batch[:, :-1].reshape(-1)]  # [B*T, M]
         for layer in model.layers:
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-            q_nope, q_rope, latent = layer.attn.project(x, cos, sin)
+            q_nope, q_rope, latent, _ = layer.attn.project(x, cos, sin)
             o = torch.cat([
                 layer.attn.attend_naive(q_nope[i * t : (i + 1) * t], q_rope[i * t : (i + 1) * t],
                                         latent[i * t : (i + 1) * t], 0)

@@ -56,6 +56,7 @@ class _NullPool:
 
     def __init__(self, num_layers: int, latent_dim: int) -> None:
         self.num_layers, self.latent_dim, self.dtype = num_layers, latent_dim, torch.float32
+        self.row_dim = latent_dim
 
 
 class NullModel:

@@ -1,4 +1,4 @@
-"""Small random DeepSeek-V2/V3 checkpoints written by ``transformers`` (the numerical reference)."""
+"""Small random DeepSeek-V2/V3/V3.2 checkpoints written by ``transformers`` (the numerical reference)."""
 
 from __future__ import annotations
 
@@ -29,24 +29,24 @@ SHAPES = {
     # V2 with q_lora_rank and group-limited greedy routing
     "v2_group_limited": ("v2", dict(q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
                                     topk_group=2, first_k_dense_replace=2, routed_scaling_factor=1.5)),
+    # V3.2: every layer's indexer keeps 16 keys a query (the tests' prompts run past it), YaRN;
+    # eight indexer heads make exact ties among the index scores unlikely
+    "v32_sparse_yarn": ("v32", dict(q_lora_rank=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                    rope_scaling=YARN, index_topk=16, index_head_dim=16, index_n_heads=8)),
 }
 
 
 def make_hf_checkpoint(name: str, out_dir: Path, seed: int = 0):
     """Write the named shape as an HF checkpoint; returns the transformers model (eval mode)."""
-    from transformers import (
-        DeepseekV2Config,
-        DeepseekV2ForCausalLM,
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-    )
+    import transformers
 
     family, extra = SHAPES[name]
     torch.manual_seed(seed)
-    if family == "v3":
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **extra))
-    else:
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(**BASE, **extra))
+    config_cls, model_cls = {
+        "v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"), "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+        "v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    }[family]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**BASE, **extra))
     with torch.no_grad():  # a non-zero correction bias exercises the V3 choice/weight split
         for buf_name, buf in model.named_buffers():
             if buf_name.endswith("e_score_correction_bias"):

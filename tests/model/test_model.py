@@ -243,7 +243,7 @@ def _unfused_forward(self, pool, chunk, batch):
     h = batch.h
     for i, layer in enumerate(self.layers):
         x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-        q_nope, q_rope, latent = layer.attn.project(x, batch.cos, batch.sin)
+        q_nope, q_rope, latent, _ = layer.attn.project(x, batch.cos, batch.sin)
         pool.write(i, batch.new_slots, latent)
         h = self._ffn(layer, h + layer.attn.output(batch.attend(i, layer.attn, q_nope, q_rope, pool)))
     return h

@@ -1,0 +1,87 @@
+"""DeepSeek Sparse Attention (V3.2): the lightning indexer that picks each query's keys.
+
+Legend: T queries, S keys (positions 0..S-1 of one sequence), B sequences, M hidden size,
+Q ``q_lora_rank``, G indexer heads (``index_n_heads``), I indexer head dim (``index_head_dim``),
+P rope dims (``qk_rope_head_dim``), K ``index_topk``.
+
+Each layer keeps one indexer key [I] per token beside its latent (a second plane of the KV pool).
+A query scores every earlier key with ``sum_g w[g] * relu(q[g] . k * I^-0.5)`` and attends only to
+its top K; a sequence of at most K tokens attends densely. The scores are what DeepSeek's
+reference computes in fp8 after a Hadamard rotation; the rotation is orthogonal (it preserves
+dot products), so they are computed here directly, in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.layers import linear
+from model.rope import apply_rope
+
+__all__ = ["Indexer", "IndexerWeights", "SCORE_ROWS"]
+
+SCORE_ROWS = 256  # queries scored at once: their [rows, G, S] scores bound the scratch memory
+
+
+@dataclass(slots=True)
+class IndexerWeights:
+    wq_b: torch.Tensor  # [G*I, Q]
+    wk: torch.Tensor  # [I, M]
+    k_norm: torch.Tensor  # [I] (LayerNorm weight)
+    k_norm_bias: torch.Tensor  # [I]
+    weights_proj: torch.Tensor  # [G, M]
+
+
+class Indexer:
+    def __init__(self, cfg: ModelConfig, w: IndexerWeights) -> None:
+        self.cfg, self.w = cfg, w
+        self.topk = cfg.index_topk
+        self.heads, self.dim = cfg.index_n_heads, cfg.index_head_dim
+        self.scale = self.dim**-0.5
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, M] -> the tokens' indexer keys [T, I] (LayerNorm, then half-split RoPE on the
+        first P dims, unlike the interleaved RoPE of the MLA latent)."""
+        k = F.layer_norm(linear(x, self.w.wk), (self.dim,), self.w.k_norm, self.w.k_norm_bias, 1e-6)  # [T, I]
+        p = self.cfg.qk_rope_head_dim
+        return torch.cat((apply_rope(k[:, :p], cos, sin, interleave=False), k[:, p:]), dim=-1)
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, M], q_resid [T, Q] (the normed low-rank query) -> (queries [T, G, I] fp32,
+        head weights [T, G] fp32, scale folded in)."""
+        t, p = x.shape[0], self.cfg.qk_rope_head_dim
+        q = linear(q_resid, self.w.wq_b).view(t, self.heads, self.dim)  # [T, G, I]
+        q = torch.cat((apply_rope(q[..., :p], cos, sin, interleave=False), q[..., p:]), dim=-1)
+        weights = F.linear(x.float(), self.w.weights_proj.float()) * self.heads**-0.5  # [T, G]
+        return q.float(), weights
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [T, G, I], weights [T, G], keys [..., S, I] (one sequence's, or [T, S, I] a key set
+        per query) -> index scores [T, S] fp32."""
+        k = keys.float()
+        if k.dim() == 2:
+            s = torch.einsum("tgi,si->tgs", q, k)  # [T, G, S]
+        else:
+            s = torch.einsum("tgi,tsi->tgs", q, k)
+        return torch.einsum("tg,tgs->ts", weights, s.mul_(self.scale).relu_())
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+               ) -> torch.Tensor:
+        """The top-K visible keys of each query as a mask: q [T, G, I], weights [T, G], keys
+        [S, I] or [T, S, I], visible [T, S] bool (causality, padding) -> [T, S] bool, True at the
+        keys each query attends (a subset of ``visible``; all of it where at most K are)."""
+        s_len = visible.shape[-1]
+        if s_len <= self.topk:
+            return visible
+        out = torch.zeros_like(visible)
+        for r in range(0, q.shape[0], SCORE_ROWS):
+            rows = slice(r, r + SCORE_ROWS)
+            ks = keys if keys.dim() == 2 else keys[rows]
+            sc = self.scores(q[rows], weights[rows], ks).masked_fill_(~visible[rows], float("-inf"))
+            out[rows].scatter_(-1, sc.topk(self.topk, dim=-1).indices, True)
+        return out & visible
