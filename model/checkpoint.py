@@ -378,6 +378,12 @@ def load_model(
     if keep_fp8 and cpu_weights != "fp32":
         raise ValueError(f"cpu_weights {cpu_weights!r} and fp8 weights kept as stored: choose one")
     cfg = load_config(ckpt_dir)
+    if not isinstance(cfg, ModelConfig):  # DeepSeek-V4: its own weights and pools
+        from model.v4.checkpoint import load_v4
+
+        if cpu_weights != "fp32":  # its fp8 and fp4 weights are dequantized: no V4 kernel takes them yet
+            raise ValueError(f"cpu_weights {cpu_weights!r}: DeepSeek-V4 loads its weights in the model's dtype")
+        return load_v4(ckpt_dir, cfg, dtype, impl, routed_experts, device)
     include = None if routed_experts else (lambda name: not is_routed_expert(name))
     sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include, keep_fp8=keep_fp8)
     for name in sd:  # one tensor at a time, so host memory holds at most one extra copy

@@ -12,7 +12,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from model.v4.config import V4Config
 
 __all__ = ["DTYPE_NAMES", "ModelConfig", "check_checkpoint_dir", "RopeScaling", "load_config", "named_config", "NAMED_CONFIGS"]
 
@@ -261,18 +264,24 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def load_config(checkpoint_dir: str | Path) -> ModelConfig:
+def load_config(checkpoint_dir: str | Path) -> ModelConfig | V4Config:
+    """The checkpoint's config: a ``ModelConfig`` (V2, V3, V3.2: MLA) or a ``model.v4.V4Config``."""
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint_dir}")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    raw = json.loads(path.read_text())
+    if isinstance(raw, dict) and raw.get("model_type") == "deepseek_v4":
+        from model.v4.config import V4Config  # V4's module imports this one
+
+        return V4Config.from_hf_dict(raw)
+    return ModelConfig.from_hf_dict(raw)
 
 
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint's weights: this file, or the index of its shards
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
-def check_checkpoint_dir(checkpoint_dir: str | Path) -> ModelConfig:
+def check_checkpoint_dir(checkpoint_dir: str | Path) -> ModelConfig | V4Config:
     """What a server checks before it starts replicas: the directory has a supported
     ``config.json`` and its weights (``model.safetensors`` or a sharded index). ``ValueError``
     naming the directory and the problem otherwise (cheap: no weights are read, no torch)."""

@@ -22,7 +22,7 @@ from model.config import ModelConfig
 from model.layers import linear
 from model.rope import apply_rope
 
-__all__ = ["Indexer", "IndexerWeights", "SCORE_ROWS"]
+__all__ = ["Indexer", "IndexerWeights", "SCORE_ROWS", "index_scores", "select_top_k"]
 
 SCORE_ROWS = 256  # queries scored at once: their [rows, G, S] scores bound the scratch memory
 
@@ -60,28 +60,34 @@ class Indexer:
         weights = F.linear(x.float(), self.w.weights_proj.float()) * self.heads**-0.5  # [T, G]
         return q.float(), weights
 
-    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """q [T, G, I], weights [T, G], keys [..., S, I] (one sequence's, or [T, S, I] a key set
-        per query) -> index scores [T, S] fp32."""
-        k = keys.float()
-        if k.dim() == 2:
-            s = torch.einsum("tgi,si->tgs", q, k)  # [T, G, S]
-        else:
-            s = torch.einsum("tgi,tsi->tgs", q, k)
-        return torch.einsum("tg,tgs->ts", weights, s.mul_(self.scale).relu_())
-
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                ) -> torch.Tensor:
-        """The top-K visible keys of each query as a mask: q [T, G, I], weights [T, G], keys
-        [S, I] or [T, S, I], visible [T, S] bool (causality, padding) -> [T, S] bool, True at the
-        keys each query attends (a subset of ``visible``; all of it where at most K are)."""
-        s_len = visible.shape[-1]
-        if s_len <= self.topk:
-            return visible
-        out = torch.zeros_like(visible)
-        for r in range(0, q.shape[0], SCORE_ROWS):
-            rows = slice(r, r + SCORE_ROWS)
-            ks = keys if keys.dim() == 2 else keys[rows]
-            sc = self.scores(q[rows], weights[rows], ks).masked_fill_(~visible[rows], float("-inf"))
-            out[rows].scatter_(-1, sc.topk(self.topk, dim=-1).indices, True)
-        return out & visible
+        """``select_top_k`` with this layer's K and scale."""
+        return select_top_k(q, weights, keys, visible, self.topk, self.scale)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, G, I], weights [T, G], keys [S, I] (one sequence's) or [T, S, I] (a key set per
+    query) -> the lightning indexer's scores [T, S] fp32: sum_g w[g] * relu(q[g] . k * scale)."""
+    k = keys.float()
+    if k.dim() == 2:
+        s = torch.einsum("tgi,si->tgs", q, k)  # [T, G, S]
+    else:
+        s = torch.einsum("tgi,tsi->tgs", q, k)
+    return torch.einsum("tg,tgs->ts", weights, s.mul_(scale).relu_())
+
+
+def select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, top_k: int,
+                 scale: float) -> torch.Tensor:
+    """The top-K visible keys of each query as a mask: q [T, G, I], weights [T, G], keys [S, I] or
+    [T, S, I], visible [T, S] bool (causality, padding) -> [T, S] bool, True at the keys each
+    query attends (a subset of ``visible``; all of it where at most K keys are)."""
+    if visible.shape[-1] <= top_k:
+        return visible
+    out = torch.zeros_like(visible)
+    for r in range(0, q.shape[0], SCORE_ROWS):
+        rows = slice(r, r + SCORE_ROWS)
+        ks = keys if keys.dim() == 2 else keys[rows]
+        sc = index_scores(q[rows], weights[rows], ks, scale).masked_fill_(~visible[rows], float("-inf"))
+        out[rows].scatter_(-1, sc.topk(top_k, dim=-1).indices, True)
+    return out & visible

@@ -13,7 +13,7 @@ from kernels.cpu_gemv import small_linear, small_linear_q8
 from kernels.fp8_gemm import fp8_linear
 from model.quant import Fp8Weight, Q8Weight
 
-__all__ = ["linear", "needs_grad", "rms_norm", "SwiGLU"]
+__all__ = ["linear", "needs_grad", "rms_norm", "swiglu", "SwiGLU"]
 
 # Up to this many rows a linear layer is a (multi-row) GEMV: see kernels.cpu_gemv.
 SMALL_ROWS = 32
@@ -55,13 +55,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class SwiGLU:
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one [2I, H] matrix."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one [2I, H] matrix; with
+    ``limit`` (DeepSeek-V4) gate is clipped above at it and up to [-limit, limit] first."""
 
-    def __init__(self, gate_up: torch.Tensor | Q8Weight | Fp8Weight, down: torch.Tensor | Q8Weight | Fp8Weight) -> None:
+    def __init__(self, gate_up: torch.Tensor | Q8Weight | Fp8Weight, down: torch.Tensor | Q8Weight | Fp8Weight,
+                 limit: float | None = None) -> None:
         assert gate_up.shape[0] == 2 * down.shape[1], (gate_up.shape, down.shape)
         self.gate_up = gate_up  # [2I, H]
         self.down = down  # [H, I]
+        self.limit = limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return linear(F.silu(g) * u, self.down)  # [T, H]
+        return linear(swiglu(g, u, self.limit), self.down)  # [T, H]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up, both clipped first where ``limit`` is given (gate above, up both ways)."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up

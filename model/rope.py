@@ -14,15 +14,18 @@ import math
 
 import torch
 
-from model.config import ModelConfig, yarn_mscale
+from model.config import ModelConfig, RopeScaling, yarn_mscale
 
-__all__ = ["RotaryEmbedding", "apply_rope"]
+__all__ = ["RotaryEmbedding", "apply_rope", "yarn_inv_freq"]
 
 
 def _yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    rs = cfg.rope_scaling
-    assert rs is not None
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    assert cfg.rope_scaling is not None
+    return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [dim/2] for ``dim`` rotated dims, and its attention factor."""
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (

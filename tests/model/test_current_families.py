@@ -13,7 +13,7 @@ from tests.model.hf_checkpoints import make_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["v32_sparse_yarn"]
+FAMILIES = ["v32_sparse_yarn", "v4_hybrid_yarn"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

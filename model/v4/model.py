@@ -1,0 +1,147 @@
+"""The DeepSeek-V4 decoder: prefill (after any computed prefix), batched decode, and both in one pass.
+
+Legend: N rows of a pass, T a chunk's tokens, B decode rows, M hidden, V vocab, S streams
+(``hc_mult``).
+
+The same calls as ``model.model.DeepseekModel`` (the engine drives either): the pool is a
+``HybridKVPool``, a sequence's pages address every plane of it. Every part of a pass (a prefill
+chunk, each decode row) is a ``Segment``: projections, hyper-connections and experts run over
+all rows at once, attention per segment over its own sequence's pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import Impl
+from model.layers import linear, rms_norm
+from model.v4.attention import Attention, Segment
+from model.v4.config import V4Config
+from model.v4.kv import HybridKVPool
+from model.v4.layers import HyperConnection, HyperHead, Rope
+from model.v4.moe import V4MoE
+
+__all__ = ["DeepseekV4Model", "V4Layer"]
+
+
+@dataclass(slots=True)
+class V4Layer:
+    attn_norm: torch.Tensor  # [M]
+    attn: Attention
+    ffn_norm: torch.Tensor  # [M]
+    mlp: V4MoE
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+
+
+class DeepseekV4Model:
+    def __init__(self, cfg: V4Config, embed: torch.Tensor, layers: list[V4Layer], norm: torch.Tensor,
+                 lm_head: torch.Tensor, hc_head: HyperHead, ropes: dict[str, Rope], impl: Impl = "ref") -> None:
+        assert len(layers) == cfg.num_hidden_layers, (len(layers), cfg.num_hidden_layers)
+        self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
+        self.hc_head, self.ropes, self.impl = hc_head, ropes, impl
+        self.cpu_step = False  # no fused C++ step: the engine reads it as DeepseekModel's
+        self.paged_kernel = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def moe_layers(self) -> list[V4MoE]:
+        return [layer.mlp for layer in self.layers]
+
+    def set_expert_executor(self, executor) -> None:
+        for moe in self.moe_layers():
+            moe.executor = executor
+
+    def new_pool(self, num_pages: int, page_size: int = 16) -> HybridKVPool:
+        return HybridKVPool(self.cfg, num_pages, page_size, self.dtype, self.device)
+
+    def warmup(self, prefill_tokens: int = 256, decode_batch: int = 1) -> None:
+        """One prefill and one decode step on a scratch pool (nothing is left behind)."""
+        n = max(1, min(prefill_tokens, self.cfg.max_position_embeddings - 1))
+        pages = -(-(n + 1) // 16)
+        pool = self.new_pool(pages * decode_batch, 16)
+        tables = torch.arange(pages * decode_batch).view(decode_batch, pages)
+        gen = torch.Generator().manual_seed(0)
+        for row in tables:
+            self.prefill(torch.randint(0, self.cfg.vocab_size, (n,), generator=gen), pool, row)
+        self.decode(torch.zeros(decode_batch, dtype=torch.long), pool, tables, torch.full((decode_batch,), n))
+
+    # -- the engine's calls ----------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, pool: HybridKVPool, block_table: torch.Tensor, start: int = 0,
+                attn: str = "auto", all_logits: bool = False) -> torch.Tensor:
+        """Run ``token_ids`` [T] at positions ``start..start+T-1`` of one sequence whose earlier
+        state is in ``pool`` at ``block_table``; returns fp32 logits, [V] for the last token or
+        [T, V] with ``all_logits``. ``attn`` is accepted for DeepseekModel's signature."""
+        seg = self._chunk(token_ids, block_table, start, pool.page_size, 0)
+        h = self._forward(token_ids.to(self.device), seg.positions, [seg], pool)
+        return self._logits(h if all_logits else h[-1])
+
+    @torch.inference_mode()
+    def decode(self, token_ids: torch.Tensor, pool: HybridKVPool, block_tables: torch.Tensor,
+               positions: torch.Tensor, attn: str = "absorbed", micro_batches: int = 1,
+               max_len: int | None = None) -> torch.Tensor:
+        """One token for each of B sequences: token_ids [B], block_tables [B, pages], positions
+        [B] (each sequence's length before the step) -> fp32 logits [B, V]."""
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
+        segs = self._rows(block_tables, positions, pool.page_size, 0)
+        h = self._forward(token_ids.to(self.device), positions.to(self.device), segs, pool)
+        return self._logits(h)
+
+    @torch.inference_mode()
+    def mixed(self, chunk_ids: torch.Tensor, chunk_table: torch.Tensor, chunk_start: int, token_ids: torch.Tensor,
+              block_tables: torch.Tensor, positions: torch.Tensor, pool: HybridKVPool, decode_attn: str = "absorbed",
+              micro_batches: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk and a decode batch in one pass: ([V] of the chunk's last token, [B, V])."""
+        chunk = self._chunk(chunk_ids, chunk_table, chunk_start, pool.page_size, 0)
+        t = chunk_ids.shape[0]
+        segs = [chunk, *self._rows(block_tables, positions, pool.page_size, t)]
+        ids = torch.cat((chunk_ids.to(self.device), token_ids.to(self.device)))
+        h = self._forward(ids, torch.cat((chunk.positions, positions.to(self.device))), segs, pool)
+        logits = self._logits(torch.cat((h[t - 1 : t], h[t:])))
+        return logits[0], logits[1:]
+
+    # -- the pass --------------------------------------------------------------------------
+    def _chunk(self, token_ids: torch.Tensor, table: torch.Tensor, start: int, page_size: int, row: int) -> Segment:
+        t = token_ids.shape[0]
+        if t == 0:
+            raise ValueError("prefill needs at least one token")
+        if table.shape[0] * page_size < start + t:
+            raise ValueError(f"block table of {table.shape[0]} pages holds {table.shape[0] * page_size} tokens, "
+                             f"sequence needs {start + t}")
+        positions = torch.arange(start, start + t, device=self.device)
+        return Segment(slice(row, row + t), start, table.to(self.device), positions)
+
+    def _rows(self, tables: torch.Tensor, positions: torch.Tensor, page_size: int, row: int) -> list[Segment]:
+        tables, pos = tables.to(self.device), positions.tolist()
+        if pos and tables.shape[1] * page_size < max(pos) + 1:
+            raise ValueError(f"block tables hold {tables.shape[1] * page_size} tokens, need {max(pos) + 1}")
+        return [Segment(slice(row + b, row + b + 1), p, tables[b], positions[b : b + 1].to(self.device))
+                for b, p in enumerate(pos)]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, segs: list[Segment], pool: HybridKVPool
+                 ) -> torch.Tensor:
+        """Hidden states [N, M] after the last layer and the streams' final collapse."""
+        cfg = self.cfg
+        streams = self.embed[ids].unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [N, S, M]
+        for layer in self.layers:
+            post, comb, x = layer.attn_hc(streams, cfg)
+            out = layer.attn(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, segs, pool,
+                             self.ropes["compress"])
+            streams = HyperConnection.merge(streams, out, post, comb)
+            post, comb, x = layer.ffn_hc(streams, cfg)
+            out = layer.mlp(rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps), ids)
+            streams = HyperConnection.merge(streams, out, post, comb)
+        return self.hc_head(streams, cfg)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
