@@ -33,6 +33,7 @@ from model.mla import MLA, MLAWeights
 from model.model import DecoderLayer, DeepseekModel
 from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
 from model.quant import Fp8Weight
+from model.v4.config import V4Config
 from model.weights_id import CheckpointError, fp8_block_size, keeps_fp8
 
 __all__ = [
@@ -418,7 +419,8 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dic
 
 
 def save_checkpoint(
-    ckpt_dir: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], extra_files: dict[str, str] | None = None
+    ckpt_dir: str | Path, cfg: ModelConfig | V4Config, sd: dict[str, torch.Tensor],
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (atomically: temp name, then rename)."""
     ckpt = Path(ckpt_dir)

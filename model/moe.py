@@ -197,14 +197,19 @@ class MoE:
         # Optional hook for load statistics (EPLB): called with expert ids [T, K].
         self.on_route = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.submit(x)()
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.submit(x, token_ids)()
 
-    def submit(self, x: torch.Tensor):
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, M] (and the rows' token ids [T], which V2/V3 do not read) -> (expert ids [T, K],
+        weights [T, K] fp32)."""
+        return route(self.cfg, self.gate, x, self.impl)
+
+    def submit(self, x: torch.Tensor, token_ids: torch.Tensor | None = None):
         """Start the routed experts (asynchronously when the executor has ``submit``) and compute
         the shared experts meanwhile; returns a function that waits and gives [T, M]."""
         assert self.executor is not None, "no expert executor set"
-        ids, weights = route(self.cfg, self.gate, x, self.impl)
+        ids, weights = self.route(x, token_ids)
         if self.on_route is not None:
             self.on_route(self.layer_idx, ids)
         submit = getattr(self.executor, "submit", None)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kernels import resolve_impl
 from model.config import WEIGHTS_FILE, WEIGHTS_INDEX
@@ -31,7 +30,7 @@ from model.v4.moe import V4Gate, V4MoE
 from model.weights_id import CheckpointError
 
 __all__ = ["build_v4", "canonical_name", "expected_shapes", "load_v4", "load_v4_state_dict",
-           "random_v4_state_dict", "save_v4_checkpoint"]
+           "random_v4_state_dict"]
 
 SCALE = ".scale"
 _RENAMES = [(re.compile(r"^model\."), ""), (re.compile(r"^embed_tokens\."), "embed."),
@@ -236,14 +235,3 @@ def random_v4_state_dict(cfg: V4Config, seed: int = 0, std: float = 0.02) -> dic
         else:
             sd[name] = torch.randn(shape, generator=gen) * std
     return sd
-
-
-def save_v4_checkpoint(ckpt_dir: str | Path, cfg: V4Config, sd: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (atomically: temp name, then rename)."""
-    ckpt = Path(ckpt_dir)
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / (WEIGHTS_FILE + ".tmp")
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(ckpt / WEIGHTS_FILE)
-    (ckpt / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    return ckpt

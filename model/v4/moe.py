@@ -50,27 +50,13 @@ def route_v4(cfg: V4Config, gate: V4Gate, x: torch.Tensor, token_ids: torch.Tens
 
 
 class V4MoE(MoE):
-    """V4's gate and shared expert around the routed experts' executor. ``submit`` takes the
-    rows' token ids (hash layers route by them)."""
+    """V4's gate and shared expert around the routed experts' executor; ``submit`` needs the rows'
+    token ids (hash layers route by them)."""
 
     def __init__(self, cfg: V4Config, layer_idx: int, gate: V4Gate, shared: SwiGLU | None, impl: Impl = "ref") -> None:
         super().__init__(cfg, layer_idx, Gate(gate.weight), shared, impl)  # type: ignore[arg-type]
         self.v4_gate = gate
 
-    def submit(self, x: torch.Tensor, token_ids: torch.Tensor | None = None):
-        assert self.executor is not None, "no expert executor set"
+    def route(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         assert token_ids is not None, "V4's MoE routes by token ids too"
-        ids, weights = route_v4(self.cfg, self.v4_gate, x, token_ids)
-        if self.on_route is not None:
-            self.on_route(self.layer_idx, ids)
-        submit = getattr(self.executor, "submit", None)
-        if submit is not None:
-            routed = submit(self.layer_idx, x, ids, weights)
-        else:
-            y = self.executor(self.layer_idx, x, ids, weights)  # [T, M]
-            routed = lambda: y  # noqa: E731
-        shared = self.shared(x) if self.shared is not None else None
-        return lambda: routed() if shared is None else routed() + shared
-
-    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.submit(x, token_ids)()
+        return route_v4(self.cfg, self.v4_gate, x, token_ids)
