@@ -202,7 +202,7 @@ class Engine:
 
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
-        want = (self.kv.pool.num_layers, len(req.prompt_ids), self.kv.pool.row_dim)
+        want = self.kv.pool.handoff_shape(len(req.prompt_ids))
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
             got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise ValueError(f"prefilled KV has shape {got}, this model needs {want}")

@@ -20,7 +20,6 @@ import torch
 from cachedir.unit import Unit
 from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import Sequence
-from model.kv_cache import slots_for
 from model.model import DeepseekModel
 
 __all__ = ["KVManager", "long_tensor"]
@@ -121,7 +120,7 @@ class KVManager:
     # -- units and prompts in and out ----------------------------------------------------
     def fits(self, unit: Unit) -> bool:
         """Whether ``unit`` holds KV of this pool's shape and dtype."""
-        return (unit.num_layers == self.pool.num_layers and unit.dim == self.pool.row_dim
+        return (unit.num_layers == self.pool.row_layers and unit.dim == self.pool.row_dim
                 and unit.dtype == str(self.pool.dtype).removeprefix("torch.")
                 and len(unit.token_ids) == self.unit_tokens)
 
@@ -130,22 +129,25 @@ class KVManager:
         with warnings.catch_warnings():  # the buffer is read-only; write_pages copies it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(unit.payload, dtype=self.pool.dtype)
-        self.pool.write_pages(self.unit_page_list(seq, index), flat.view(unit.num_layers, self.unit_tokens, unit.dim))
+        self.pool.write_unit(self.unit_page_list(seq, index), index,
+                             flat.view(unit.num_layers, self.unit_tokens, unit.dim))
+
+    def unit_bytes(self) -> int:
+        """Bytes of one cache unit of this pool's KV."""
+        return self.pool.row_layers * self.unit_tokens * self.pool.row_dim * self.pool.dtype.itemsize
 
     def read_unit(self, seq: Sequence, index: int) -> torch.Tensor:
-        """The KV rows of ``seq``'s unit ``index``: [L, unit_tokens, row_dim], a copy in host memory."""
-        return self.pool.read_pages(self.unit_page_list(seq, index)).cpu().contiguous()
+        """The KV of ``seq``'s unit ``index``: [row_layers, unit_tokens, row_dim], a copy in host
+        memory."""
+        return self.pool.read_unit(self.unit_page_list(seq, index), index).cpu().contiguous()
 
     def import_prompt(self, seq: Sequence, kv: torch.Tensor) -> None:
-        """A prompt's KV rows [L, P, row_dim] computed elsewhere into ``seq``'s first P slots."""
-        slots = slots_for(torch.tensor(seq.pages), torch.arange(kv.shape[1]), self.page_size)
-        for layer in range(self.pool.num_layers):
-            self.pool.write_rows(layer, slots, kv[layer])
+        """A prompt's KV computed elsewhere (``export_prompt``'s) into ``seq``'s pages."""
+        self.pool.import_tokens(long_tensor(seq.pages), kv)
 
     def export_prompt(self, seq: Sequence) -> torch.Tensor:
-        """``seq``'s prompt KV rows [L, P, row_dim] in host memory (handed to another replica)."""
-        slots = slots_for(torch.tensor(seq.pages), torch.arange(len(seq.req.prompt_ids)), self.page_size)
-        return torch.stack([self.pool.read_rows(layer, slots) for layer in range(self.pool.num_layers)]).cpu()
+        """``seq``'s prompt KV in host memory, handed to another replica (``pool.handoff_shape``)."""
+        return self.pool.export_tokens(long_tensor(seq.pages), len(seq.req.prompt_ids))
 
     # -- checks --------------------------------------------------------------------------
     def check_integrity(self, seqs: Iterable[Sequence], running: list[Sequence]) -> None:

@@ -31,8 +31,7 @@ def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret:
     ``dtype``: the model's dtype or its name ("bfloat16"). ``secret``: the cluster's cache secret
     (keys the unit hash and authenticates units)."""
     dtype_name = str(dtype).removeprefix("torch.") + ("" if weights == "fp32" else f"+{weights}-weights")
-    return Namespace(mcfg.fingerprint(), weights_digest, dtype_name,
-                     f"mla-latent:{mcfg.kv_lora_rank}+{mcfg.qk_rope_head_dim}", UNIT_TOKENS, secret=secret)
+    return Namespace(mcfg.fingerprint(), weights_digest, dtype_name, mcfg.kv_layout, UNIT_TOKENS, secret=secret)
 
 
 class RequestMigrated(RuntimeError):

@@ -249,11 +249,16 @@ def _stored_bytes(by_file: dict[Path, list[str]]) -> int:
     return total
 
 
-def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], impl: str = "auto") -> DeepseekModel:
+def build_model(cfg: ModelConfig | V4Config, sd: dict[str, torch.Tensor], impl: str = "auto") -> DeepseekModel:
     """Assemble a model from a validated HF-named state dict (tensors are used, not copied,
     except where experts are stacked). ``impl``: ``auto`` (Triton kernels on CUDA, torch
     elsewhere), ``ref`` or ``triton`` (see ``kernels.resolve_impl``). Without routed-expert
-    tensors in ``sd`` the model gets no expert executor: the caller sets one (expert parallelism)."""
+    tensors in ``sd`` the model gets no expert executor: the caller sets one (expert parallelism).
+    A V4 config builds ``model.v4.model.DeepseekV4Model`` from Hub-named tensors."""
+    if isinstance(cfg, V4Config):
+        from model.v4.checkpoint import build_v4
+
+        return build_v4(cfg, sd, impl)
     kernels_impl = resolve_impl(impl, sd["model.embed_tokens.weight"].device)
 
     def mlp(prefix: str) -> SwiGLU:
@@ -404,8 +409,12 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-def random_state_dict(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_state_dict(cfg: ModelConfig | V4Config, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """Deterministic random weights (norms at 1, biases at 0), same on every machine."""
+    if isinstance(cfg, V4Config):
+        from model.v4.checkpoint import random_v4_state_dict
+
+        return random_v4_state_dict(cfg, seed, std)
     gen = torch.Generator().manual_seed(seed)
     sd = {}
     for name, shape in expected_shapes(cfg).items():

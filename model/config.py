@@ -143,6 +143,12 @@ class ModelConfig:
         (V3.2). A cache unit carries these rows for its 64 tokens."""
         return self.latent_dim + self.index_head_dim
 
+    @property
+    def kv_layout(self) -> str:
+        """The KV a cache unit holds, named for the cache namespace."""
+        layout = f"mla-latent:{self.kv_lora_rank}+{self.qk_rope_head_dim}"
+        return layout if not self.index_topk else f"{layout}+index:{self.index_head_dim}"
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
             self.n_routed_experts > 0
@@ -313,11 +319,23 @@ _BENCH = ModelConfig(
     routed_scaling_factor=2.5, max_position_embeddings=8192, bos_token_id=0, eos_token_id=1,
 )
 
-NAMED_CONFIGS: dict[str, ModelConfig] = {"tiny": _TINY, "bench": _BENCH}
+# V3.2 configs: the V3 ones with an indexer whose top-k a long prompt passes
+_TINY_V32 = dataclasses.replace(_TINY, model_type="deepseek_v32", index_topk=64, index_n_heads=4, index_head_dim=32)
+_BENCH_V32 = dataclasses.replace(_BENCH, model_type="deepseek_v32", index_topk=512, index_n_heads=8,
+                                 index_head_dim=64)
+
+NAMED_CONFIGS: dict[str, ModelConfig | V4Config] = {"tiny": _TINY, "bench": _BENCH, "tiny-v3.2": _TINY_V32,
+                                                    "bench-v3.2": _BENCH_V32}
 
 
-def named_config(name: str) -> ModelConfig:
+def named_config(name: str) -> ModelConfig | V4Config:
     try:
         return NAMED_CONFIGS[name]
     except KeyError:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(NAMED_CONFIGS)}") from None
+
+
+# V4's configs live with V4 (whose module reads RopeScaling from this one, defined above)
+from model.v4.config import V4_NAMED_CONFIGS  # noqa: E402
+
+NAMED_CONFIGS.update(V4_NAMED_CONFIGS)

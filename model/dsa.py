@@ -89,5 +89,16 @@ def select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
         rows = slice(r, r + SCORE_ROWS)
         ks = keys if keys.dim() == 2 else keys[rows]
         sc = index_scores(q[rows], weights[rows], ks, scale).masked_fill_(~visible[rows], float("-inf"))
-        out[rows].scatter_(-1, sc.topk(top_k, dim=-1).indices, True)
+        out[rows] = _top_k_earliest(sc, top_k)
     return out & visible
+
+
+def _top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, S] -> bool [T, S]: each row's k best, ties at the k-th score broken towards earlier
+    keys. (``topk`` breaks ties by its own order, which changes with the row's length: a
+    sequence's selection, and its tokens, would then depend on the batch it is padded in.)"""
+    threshold = scores.topk(k, dim=-1).values[:, -1:]  # [T, 1]
+    above = scores > threshold
+    tied = scores == threshold
+    room = k - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=-1) <= room))

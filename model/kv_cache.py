@@ -58,6 +58,27 @@ class LatentKVPool:
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
+    @property
+    def row_layers(self) -> int:
+        """The first dim of ``read_pages``' rows (a unit's ``num_layers``)."""
+        return self.num_layers
+
+    def handoff_shape(self, tokens: int) -> tuple[int, int, int]:
+        """The shape of ``export_tokens``' KV for a prompt of ``tokens`` tokens."""
+        return (self.num_layers, tokens, self.row_dim)
+
+    def export_tokens(self, table: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The first ``tokens`` tokens' rows of the sequence at ``table`` [pages], for another
+        replica: [L, tokens, row_dim] in host memory."""
+        slots = slots_for(table, torch.arange(tokens), self.page_size)
+        return torch.stack([self.read_rows(layer, slots) for layer in range(self.num_layers)]).cpu()
+
+    def import_tokens(self, table: torch.Tensor, kv: torch.Tensor) -> None:
+        """Inverse of ``export_tokens``: ``kv`` into the sequence at ``table``."""
+        slots = slots_for(table, torch.arange(kv.shape[1]), self.page_size)
+        for layer in range(self.num_layers):
+            self.write_rows(layer, slots, kv[layer])
+
     def nbytes(self) -> int:
         planes = [self.data] if self.index_k is None else [self.data, self.index_k]
         return sum(p.numel() * p.element_size() for p in planes)
@@ -94,6 +115,13 @@ class LatentKVPool:
         if self.index_k is None:
             return self.read(layer_idx, slots)
         return torch.cat((self.read(layer_idx, slots), self.read_index(layer_idx, slots)), dim=-1)
+
+    def read_unit(self, pages: list[int] | torch.Tensor, unit_idx: int) -> torch.Tensor:
+        """A cache unit's rows (its pages' ``read_pages``; any unit reads alike)."""
+        return self.read_pages(pages)
+
+    def write_unit(self, pages: list[int] | torch.Tensor, unit_idx: int, rows: torch.Tensor) -> None:
+        self.write_pages(pages, rows)
 
     def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
         """Whole pages for every layer, in order: -> rows [L, len(pages)*Z, row_dim] (a copy)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from model.config import SUPPORTED_MODEL_TYPES, RopeScaling
 
-__all__ = ["LAYER_KINDS", "V4Config"]
+__all__ = ["LAYER_KINDS", "V4Config", "V4_NAMED_CONFIGS"]
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_KINDS = (SLIDING, CSA, HCA)
@@ -108,6 +108,13 @@ class V4Config:
     def first_k_dense_replace(self) -> int:
         return 0
 
+    @property
+    def kv_layout(self) -> str:
+        """The KV a cache unit holds, named for the cache namespace (``model.v4.kv``'s unit)."""
+        kinds = "".join({SLIDING: "s", CSA: "c", HCA: "h"}[t] for t in self.layer_types)
+        return (f"v4-hybrid:{kinds}:w{self.sliding_window}:c{self.csa_ratio}:h{self.hca_ratio}:"
+                f"d{self.head_dim}+i{self.index_head_dim}")
+
     def fingerprint(self) -> str:
         """Stable digest of the architecture (part of the cache namespace)."""
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -195,3 +202,24 @@ def _yarn(rope: dict[str, Any]) -> RopeScaling | None:
                        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
 
+
+
+def _named(vocab: int, hidden: int, layers: int, heads: int, head_dim: int, window: int, hca: int, experts: int,
+           **kw: Any) -> V4Config:
+    # V4-Pro's pattern (two HCA layers, then CSA and HCA in turn) after a sliding-only first layer,
+    # three hash-routed layers first
+    kinds = (SLIDING, HCA, *[CSA if i % 2 == 0 else HCA for i in range(layers - 2)])
+    return V4Config(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, head_dim=head_dim,
+        qk_rope_head_dim=head_dim // 4, q_lora_rank=hidden // 2, o_groups=2, o_lora_rank=head_dim,
+        layer_types=kinds[:layers], mlp_layer_types=tuple("hash_moe" if i < 3 else "moe" for i in range(layers)),
+        sliding_window=window, hca_ratio=hca, n_routed_experts=experts, moe_intermediate_size=hidden // 2,
+        max_position_embeddings=8192, bos_token_id=kw.pop("bos_token_id"), eos_token_id=kw.pop("eos_token_id"), **kw)
+
+
+V4_NAMED_CONFIGS = {
+    "tiny-v4": _named(512, 256, 4, 4, 64, window=32, hca=64, experts=16, num_experts_per_tok=2, index_n_heads=4,
+                      index_head_dim=32, index_topk=16, bos_token_id=256, eos_token_id=257),
+    "bench-v4": _named(4096, 512, 8, 8, 128, window=128, hca=128, experts=32, num_experts_per_tok=4,
+                       index_n_heads=8, index_head_dim=64, index_topk=128, bos_token_id=0, eos_token_id=1),
+}

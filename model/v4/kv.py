@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from model.kv_cache import slots_for
 from model.v4.config import CSA, HCA, V4Config
 
 __all__ = ["HybridKVPool", "entry_slots"]
+
+_COMPRESSED = ("csa_kv", "csa_ik", "hca_kv")
 
 
 def entry_slots(table: torch.Tensor, entries: torch.Tensor, ratio: int, page_size: int) -> torch.Tensor:
@@ -65,15 +68,47 @@ class HybridKVPool:
             "swa": plane(self.num_layers, slots, d), "csa_src": plane(lc, slots, 4 * d + 4 * ix),
             "hca_src": plane(lh, slots, 2 * d),
         }
-        per_page = sum(p.shape[0] * p.shape[2] * p.shape[1] // num_pages for p in self.planes.values())
-        if per_page % page_size:
-            raise ValueError(f"page_size {page_size}: a page's {per_page} values are not whole token rows")
-        self.row_dim = per_page // page_size  # a unit is [1, 64, row_dim]: its pages' bytes, not per-token rows
+        # a cache unit: each compressed plane's entries that close in its 64 tokens (one slot where
+        # a window spans units), then each window plane's 64 rows, padded to whole token rows
+        self._unit_parts = [(name, max(1, 64 // self._ratio(name)) if name in _COMPRESSED else 64)
+                            for name in self.planes]
+        values = sum(self.planes[name].shape[0] * n * self.planes[name].shape[2] for name, n in self._unit_parts)
+        self.row_dim = -(-values // 64)  # a unit is [1, 64, row_dim]: its sections' values, not per-token rows
         self.latent_dim = self.row_dim
+
+    def _ratio(self, name: str) -> int:
+        return self.cfg.csa_ratio if name.startswith("csa") else self.cfg.hca_ratio
 
     @property
     def dtype(self) -> torch.dtype:
         return self.planes["swa"].dtype
+
+    row_layers = 1  # a unit's rows are its pages' bytes, one "layer" of row_dim values a token
+
+    def handoff_shape(self, tokens: int) -> tuple[int, int]:
+        """The shape of ``export_tokens``' KV for a prompt of ``tokens`` tokens: its whole pages."""
+        return (-(-tokens // self.page_size), self._page_values())
+
+    def _page_values(self) -> int:
+        return sum(p.numel() // self.num_pages for p in self.planes.values())
+
+    def export_tokens(self, table: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The pages holding the first ``tokens`` tokens' state, for another replica with the same
+        page size: [pages, a page's values] in host memory."""
+        pages = table[: -(-tokens // self.page_size)].to(self.planes["swa"].device)
+        parts = [p.view(p.shape[0], self.num_pages, -1)[:, pages].transpose(0, 1).reshape(len(pages), -1)
+                 for p in self.planes.values()]
+        return torch.cat(parts, dim=1).cpu()
+
+    def import_tokens(self, table: torch.Tensor, kv: torch.Tensor) -> None:
+        """Inverse of ``export_tokens``."""
+        pages = table[: kv.shape[0]].to(self.planes["swa"].device)
+        flat, at = kv.to(pages.device, self.dtype), 0
+        for p in self.planes.values():
+            size = p.numel() // self.num_pages
+            part = flat[:, at : at + size].reshape(len(pages), p.shape[0], -1).transpose(0, 1)
+            p.view(p.shape[0], self.num_pages, -1)[:, pages] = part
+            at += size
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.planes.values())
@@ -84,24 +119,48 @@ class HybridKVPool:
         return {name: p.shape[0] * p.shape[2] * p.element_size() * (p.shape[1] // self.num_pages) / z
                 for name, p in self.planes.items()}
 
-    # -- pages in and out (cache units) ---------------------------------------------------
-    def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
-        """Whole pages of every plane, compressed planes first: -> [1, len(pages)*Z, row_dim]."""
-        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.planes["swa"].device)
-        parts = [p.view(p.shape[0], self.num_pages, -1)[:, pages_t].transpose(0, 1).reshape(len(pages_t), -1)
-                 for p in self.planes.values()]  # [pages, this plane's values per page]
-        return torch.cat(parts, dim=1).reshape(1, len(pages_t) * self.page_size, self.row_dim)
+    # -- cache units in and out -------------------------------------------------------------
+    def read_unit(self, pages: list[int] | torch.Tensor, unit_idx: int) -> torch.Tensor:
+        """Unit ``unit_idx`` of a sequence (tokens 64u .. 64u+63, on ``pages``): its compressed
+        entries, then its window rows -> [1, 64, row_dim] (a copy)."""
+        table = torch.as_tensor(pages, dtype=torch.long, device=self.planes["swa"].device)
+        parts = []
+        for name, n in self._unit_parts:
+            plane = self.planes[name]
+            at, valid = self._unit_slots(name, table, unit_idx, n)
+            part = plane.index_select(1, at)  # [layers, n, dim]
+            if valid is not None:
+                part = part * valid[None, :, None]
+            parts.append(part.reshape(-1))
+        flat = torch.cat(parts)
+        flat = torch.cat((flat, flat.new_zeros(64 * self.row_dim - flat.numel())))
+        return flat.view(1, 64, self.row_dim)
 
-    def write_pages(self, pages: list[int] | torch.Tensor, rows: torch.Tensor) -> None:
-        """Inverse of ``read_pages``."""
-        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.planes["swa"].device)
-        expected = (1, len(pages_t) * self.page_size, self.row_dim)
-        if tuple(rows.shape) != expected:
-            raise ValueError(f"KV rows of shape {tuple(rows.shape)} != expected {expected}")
-        flat = rows.reshape(len(pages_t), -1).to(pages_t.device, self.dtype)
-        at = 0
-        for p in self.planes.values():
-            per_page = p.shape[0] * (p.shape[1] // self.num_pages) * p.shape[2]
-            part = flat[:, at : at + per_page].view(len(pages_t), p.shape[0], -1).transpose(0, 1)
-            p.view(p.shape[0], self.num_pages, -1)[:, pages_t] = part
-            at += per_page
+    def write_unit(self, pages: list[int] | torch.Tensor, unit_idx: int, rows: torch.Tensor) -> None:
+        """Inverse of ``read_unit``."""
+        if tuple(rows.shape) != (1, 64, self.row_dim):
+            raise ValueError(f"unit of shape {tuple(rows.shape)} != expected {(1, 64, self.row_dim)}")
+        table = torch.as_tensor(pages, dtype=torch.long, device=self.planes["swa"].device)
+        flat, at_value = rows.reshape(-1).to(table.device, self.dtype), 0
+        for name, n in self._unit_parts:
+            plane = self.planes[name]
+            size = plane.shape[0] * n * plane.shape[2]
+            at, valid = self._unit_slots(name, table, unit_idx, n)
+            part = flat[at_value : at_value + size].view(plane.shape[0], n, plane.shape[2])
+            if valid is None or bool(valid.all()):
+                plane.index_copy_(1, at, part)
+            at_value += size
+
+    def _unit_slots(self, name: str, table: torch.Tensor, unit_idx: int, n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slots of a unit's ``n`` rows of plane ``name`` on its pages ``table``, and for an
+        entry that closes in a later unit (a window wider than a unit) a 0 mask."""
+        if name not in _COMPRESSED:
+            return slots_for(table, torch.arange(64, device=table.device), self.page_size), None
+        m = self._ratio(name)
+        if m <= 64:  # the unit's own entries k = 0 .. 64/m - 1 (its first page starts a window)
+            return entry_slots(table, torch.arange(n, device=table.device), m, self.page_size), None
+        # one entry slot per page (m > Z): the entry closing at the unit's last token, if one does
+        slot = table[-1:]
+        closes = (unit_idx + 1) * 64 % m == 0
+        return slot, torch.tensor([1.0 if closes else 0.0], device=table.device, dtype=self.dtype)

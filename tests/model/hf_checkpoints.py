@@ -31,9 +31,10 @@ SHAPES = {
     "v2_group_limited": ("v2", dict(q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
                                     topk_group=2, first_k_dense_replace=2, routed_scaling_factor=1.5)),
     # V3.2: every layer's indexer keeps 16 keys a query (the tests' prompts run past it), YaRN;
-    # eight indexer heads make exact ties among the index scores unlikely
+    # 32 indexer heads: with 8, scores of exactly 0 (every head's ReLU at 0) tied at the k-th
+    # place, where transformers' topk and ours keep different keys
     "v32_sparse_yarn": ("v32", dict(q_lora_rank=32, n_group=4, topk_group=2, first_k_dense_replace=1,
-                                    rope_scaling=YARN, index_topk=16, index_head_dim=16, index_n_heads=8)),
+                                    rope_scaling=YARN, index_topk=16, index_head_dim=16, index_n_heads=32)),
     # V4: a sliding layer (window 8), CSA (an entry per 4 tokens, the indexer keeps 4) and HCA (an
     # entry per 16) layers, a hash-routed first layer, YaRN on the compressed layers' RoPE
     "v4_hybrid_yarn": ("v4", dict(
