@@ -155,8 +155,7 @@ class LLMServer:
         self.publisher = None
         if cfg.directory.url and isinstance(self.cache, NodeCache):
             self.publisher = DirectoryPublisher(cfg.directory.open(), self.node_id, "", self.cache.holdings)
-        unit_bytes = mcfg.num_hidden_layers * 64 * (mcfg.kv_lora_rank + mcfg.qk_rope_head_dim) * self.model.dtype.itemsize
-        self._cost = CostModel(unit_bytes=unit_bytes)
+        self._cost = CostModel(unit_bytes=self.engine.kv.unit_bytes())
         self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}
         self._transfer_seen = {"local": (0, 0.0), "remote": (0, 0.0)}
         self.role = "serving"  # day/night: "draining" / "migrate" when its node is being lent

@@ -110,3 +110,19 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
         pytest.skip("this machine has CUDA")
     r = tide_here("generate", "--prompt-ids", "1,2", "--max-tokens", "2", "--device", "cuda", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 2 and "CUDA is not available" in r.stderr
+
+
+@pytest.mark.parametrize("shape", ["v32_sparse_yarn", "v4_hybrid_yarn"])
+def test_current_families_generate_transformers_greedy_tokens(shape, tmp_path):
+    """A V3.2 and a V4 checkpoint as transformers writes them: ``tide generate`` gives its greedy
+    tokens for a prompt past the indexer's top-k and the compression windows."""
+    ckpt = tmp_path / shape
+    hf = make_hf_checkpoint(shape, ckpt, seed=7)
+    prompt = torch.randint(0, hf.config.vocab_size, (90,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = hf.generate(prompt[None], attention_mask=torch.ones(1, 90, dtype=torch.long), max_new_tokens=24,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, 90:].tolist()
+    r = tide_here("generate", "--checkpoint", str(ckpt), "--prompt-ids", ",".join(map(str, prompt.tolist())),
+                  "--max-tokens", "24", "--json", env={"TIDE_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == want
