@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Namespace", "UnitKey", "chain_hash", "chain_keys", "num_units", "read_secret", "unit_mac_key"]
+__all__ = ["Namespace", "RESUME_TOKEN", "UnitKey", "chain_hash", "chain_keys", "num_units", "read_secret", "resume_key",
+           "unit_mac_key"]
 
 UnitKey = bytes  # 16 bytes
 KEY_BYTES = 16
@@ -95,6 +96,17 @@ def unit_mac_key(secret: bytes, seed: bytes) -> bytes | None:
 def chain_hash(seed: bytes, parent: bytes, tokens_raw: bytes) -> UnitKey:
     """The key of the unit with ``tokens_raw`` (little-endian u32) after the unit ``parent``."""
     return hashlib.blake2b(parent + tokens_raw, digest_size=KEY_BYTES, key=seed).digest()
+
+
+# The one "token" of a resume record: the state a model needs to go on after a unit, beyond the
+# unit itself (a chain of one sentinel token after the unit; no vocabulary has this id, and no
+# unit of 64 tokens hashes to the same key)
+RESUME_TOKEN = 0xFFFFFFFF
+
+
+def resume_key(seed: bytes, unit_key: UnitKey) -> UnitKey:
+    """The key of the resume record that follows the unit ``unit_key``."""
+    return chain_hash(seed, unit_key, RESUME_TOKEN.to_bytes(4, "little"))
 
 
 def num_units(num_tokens: int, unit_size: int) -> int:

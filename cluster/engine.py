@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedir.admission import make_admission
-from cachedir.hashing import Namespace, chain_keys
+from cachedir.hashing import RESUME_TOKEN, Namespace, chain_keys, resume_key
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.constraints import Constraints
@@ -189,16 +189,28 @@ class Engine:
             usable = min(usable, plan.loadable)
         if self.cache is not None and usable:
             tiers = self.cache.lookup(keys[:usable], plan.holders[:usable] if plan is not None else None)
-            if tiers:
-                n = len(tiers)
+            n = self._resumable(ns, keys, len(tiers)) if self.kv.resumable else len(tiers)
+            if n:
                 toks = [req.prompt_ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS] for i in range(n)]
-                seq.load = self.cache.load_async(keys[:n], ns.seed, toks)
+                load = list(keys[:n])
+                if self.kv.resumable:  # the units' entries, then the window state after the last
+                    load.append(resume_key(ns.seed, keys[n - 1]))
+                    toks.append((RESUME_TOKEN,))
+                seq.load = self.cache.load_async(load, ns.seed, toks)
                 seq.expected_cached = n * UNIT_TOKENS
         with self._lock:
             if req.request_id in self._by_id:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._by_id[req.request_id] = seq
             self.scheduler.add(seq)
+
+    def _resumable(self, ns: Namespace, keys: list[bytes], n: int) -> int:
+        """The longest of the first ``n`` units after which the cache holds a resume record (a
+        model whose KV is more than its units': only there can a loaded prefix go on)."""
+        for m in range(n, 0, -1):
+            if self.cache.lookup([resume_key(ns.seed, keys[m - 1])]):
+                return m
+        return 0
 
     def _check_prefilled(self, req: GenerationRequest) -> None:
         kv = req.prefilled.kv
@@ -312,16 +324,22 @@ class Engine:
             except Exception:  # noqa: BLE001 - any load failure is a cache miss, never an error
                 self.stats["load_failures"] += 1
                 results = []
+            resume = results.pop() if self.kv.resumable and results else None
             for r in results[len(shared) :]:
                 if r is None or not self.kv.fits(r.unit):
                     break
                 loaded.append(r)
+            if loaded and self.kv.resumable and (len(shared) + len(loaded) < len(results) or resume is None
+                                                 or not self.kv.fits_resume(resume.unit)):
+                loaded = []  # entries without the state to go on after them: computed instead
             seq.load = None
         n_cached_units = len(shared) + len(loaded)
         if not self.kv.admit(seq, shared, seq.length + 1):
             return False
         for i, r in enumerate(loaded):
             self.kv.write_unit(seq, len(shared) + i, r.unit)
+        if loaded and self.kv.resumable:
+            self.kv.write_resume(seq, n_cached_units * UNIT_TOKENS, resume.unit, len(shared) * UNIT_TOKENS)
         seq.num_computed = min(n_cached_units * UNIT_TOKENS, seq.length - 1)
         if not seq.input_persisted:  # first admission (not a recompute after preemption)
             src = seq.sources
@@ -510,6 +528,14 @@ class Engine:
             parent = keys[i - 1] if i else ns.seed
             units.append(Unit(ns.seed, keys[i], parent, tuple(seq.ids(i * UNIT_TOKENS, (i + 1) * UNIT_TOKENS)),
                               payload, data.shape[0], data.shape[2], str(data.dtype).removeprefix("torch.")))
+        done = [i for i in unit_idx if (i + 1) * UNIT_TOKENS <= seq.num_computed]
+        if self.kv.resumable and done:  # where this persist ends, a later prompt may go on
+            last = max(done)
+            key = resume_key(ns.seed, keys[last])
+            if not self.cache.holds(key):
+                data = self.kv.read_resume(seq, (last + 1) * UNIT_TOKENS)
+                units.append(Unit(ns.seed, key, keys[last], (RESUME_TOKEN,), data.view(torch.uint8).numpy().tobytes(),
+                                  1, data.shape[2], str(data.dtype).removeprefix("torch.")))
         self.cache.persist(units)
 
     # -- convenience ---------------------------------------------------------------------

@@ -132,6 +132,26 @@ class KVManager:
         self.pool.write_unit(self.unit_page_list(seq, index), index,
                              flat.view(unit.num_layers, self.unit_tokens, unit.dim))
 
+    @property
+    def resumable(self) -> bool:
+        """Whether going on after a cached unit needs a resume record too (``model.v4.kv``)."""
+        return hasattr(self.pool, "read_resume")
+
+    def fits_resume(self, unit: Unit) -> bool:
+        return (unit.num_layers == 1 and len(unit.token_ids) == 1 and unit.dim == self.pool.resume_dim
+                and unit.dtype == str(self.pool.dtype).removeprefix("torch."))
+
+    def read_resume(self, seq: Sequence, end: int) -> torch.Tensor:
+        """What going on after ``seq``'s first ``end`` tokens needs besides their units: [1, 1, dim]."""
+        return self.pool.read_resume(long_tensor(seq.pages), end).cpu().contiguous()
+
+    def write_resume(self, seq: Sequence, end: int, unit: Unit, start: int) -> None:
+        """A resume record (``read_resume``'s) into ``seq``'s pages from position ``start``."""
+        with warnings.catch_warnings():  # the buffer is read-only; the write copies it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(unit.payload, dtype=self.pool.dtype)
+        self.pool.write_resume(long_tensor(seq.pages), end, flat.view(1, 1, unit.dim), start)
+
     def unit_bytes(self) -> int:
         """Bytes of one cache unit of this pool's KV."""
         return self.pool.row_layers * self.unit_tokens * self.pool.row_dim * self.pool.dtype.itemsize

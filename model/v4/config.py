@@ -86,10 +86,11 @@ class V4Config:
             raise ValueError(f"compressed sparse attention needs index_topk > 0, index_n_heads > 0 and "
                              f"index_head_dim >= qk_rope_head_dim, got {self.index_topk}, "
                              f"{self.index_n_heads}, {self.index_head_dim}")
-        for name in ("csa_ratio", "hca_ratio"):
-            r = getattr(self, name)
-            if r < 1 or 64 % r and r % 64:  # a unit holds whole windows, or a window whole units
-                raise ValueError(f"{name} must divide 64 or be a multiple of it, got {r}")
+        # a unit holds whole CSA windows; whole HCA windows, or an HCA window whole units
+        if self.csa_ratio < 1 or 64 % self.csa_ratio:
+            raise ValueError(f"csa_ratio must divide 64, got {self.csa_ratio}")
+        if self.hca_ratio < 1 or 64 % self.hca_ratio and self.hca_ratio % 64:
+            raise ValueError(f"hca_ratio must divide 64 or be a multiple of it, got {self.hca_ratio}")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unsupported scoring_func {self.scoring_func!r}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:

@@ -13,8 +13,13 @@ Per compressed entry (``compressed`` planes, what a long sequence keeps):
 
 Entry e of a ratio-m compressor closes with token (e+1)*m - 1 and lives in that token's page, in
 slot e mod S of the page's S = max(1, Z // m) entry slots; so a page holds exactly the entries that
-close inside it, a complete page never changes again, and a 64-token cache unit is whole pages:
-its compressed entries, then its window rows (``read_pages``).
+close inside it, and a complete page never changes again.
+
+The prompt cache gets two kinds of records (both page-size independent): a 64-token unit's
+compressed entries (``read_unit``), for every unit; and a *resume* record of the window rows that
+going on after a unit needs (``read_resume``), only where a prefix is likely to end. A prefix load
+reads every unit's entries and the last unit's resume record: for a long prefix, a small share of
+what its per-token rows would be.
 """
 
 from __future__ import annotations
@@ -69,12 +74,16 @@ class HybridKVPool:
             "hca_src": plane(lh, slots, 2 * d),
         }
         # a cache unit: each compressed plane's entries that close in its 64 tokens (one slot where
-        # a window spans units), then each window plane's 64 rows, padded to whole token rows
-        self._unit_parts = [(name, max(1, 64 // self._ratio(name)) if name in _COMPRESSED else 64)
-                            for name in self.planes]
+        # a window spans units), padded to whole token rows
+        self._unit_parts = [(name, max(1, 64 // self._ratio(name))) for name in _COMPRESSED]
         values = sum(self.planes[name].shape[0] * n * self.planes[name].shape[2] for name, n in self._unit_parts)
-        self.row_dim = -(-values // 64)  # a unit is [1, 64, row_dim]: its sections' values, not per-token rows
+        self.row_dim = -(-values // 64)  # a unit is [1, 64, row_dim]: its entries' values, not per-token rows
         self.latent_dim = self.row_dim
+        # what going on at a unit's end needs besides the entries, the unit's last token (which the
+        # engine computes again, for its logits) included: that token's window of rows and the
+        # compressor inputs of the entries it closes (CSA: two windows, HCA: one) or leaves open
+        self._resume_rows = {"swa": cfg.sliding_window, "csa_src": 2 * cfg.csa_ratio, "hca_src": cfg.hca_ratio}
+        self.resume_dim = sum(self.planes[n].shape[0] * r * self.planes[n].shape[2] for n, r in self._resume_rows.items())
 
     def _ratio(self, name: str) -> int:
         return self.cfg.csa_ratio if name.startswith("csa") else self.cfg.hca_ratio
@@ -121,20 +130,17 @@ class HybridKVPool:
 
     # -- cache units in and out -------------------------------------------------------------
     def read_unit(self, pages: list[int] | torch.Tensor, unit_idx: int) -> torch.Tensor:
-        """Unit ``unit_idx`` of a sequence (tokens 64u .. 64u+63, on ``pages``): its compressed
-        entries, then its window rows -> [1, 64, row_dim] (a copy)."""
+        """The compressed entries that close in unit ``unit_idx`` of a sequence (tokens 64u ..
+        64u+63, on ``pages``) -> [1, 64, row_dim] (a copy). Resuming after it needs its resume
+        record too (``read_resume``)."""
         table = torch.as_tensor(pages, dtype=torch.long, device=self.planes["swa"].device)
         parts = []
         for name, n in self._unit_parts:
-            plane = self.planes[name]
             at, valid = self._unit_slots(name, table, unit_idx, n)
-            part = plane.index_select(1, at)  # [layers, n, dim]
-            if valid is not None:
-                part = part * valid[None, :, None]
-            parts.append(part.reshape(-1))
+            part = self.planes[name].index_select(1, at)  # [layers, n, dim]
+            parts.append((part if valid is None else part * valid[None, :, None]).reshape(-1))
         flat = torch.cat(parts)
-        flat = torch.cat((flat, flat.new_zeros(64 * self.row_dim - flat.numel())))
-        return flat.view(1, 64, self.row_dim)
+        return torch.cat((flat, flat.new_zeros(64 * self.row_dim - flat.numel()))).view(1, 64, self.row_dim)
 
     def write_unit(self, pages: list[int] | torch.Tensor, unit_idx: int, rows: torch.Tensor) -> None:
         """Inverse of ``read_unit``."""
@@ -146,21 +152,44 @@ class HybridKVPool:
             plane = self.planes[name]
             size = plane.shape[0] * n * plane.shape[2]
             at, valid = self._unit_slots(name, table, unit_idx, n)
-            part = flat[at_value : at_value + size].view(plane.shape[0], n, plane.shape[2])
             if valid is None or bool(valid.all()):
-                plane.index_copy_(1, at, part)
+                plane.index_copy_(1, at, flat[at_value : at_value + size].view(plane.shape[0], n, plane.shape[2]))
             at_value += size
+
+    def read_resume(self, table: torch.Tensor, end: int) -> torch.Tensor:
+        """What resuming a sequence (pages ``table``) at position ``end`` (a unit's end) needs
+        beside its compressed entries: its last window and compressor-input rows -> [1, 1,
+        resume_dim] (rows before position 0 are zeros)."""
+        parts = []
+        for name, rows in self._resume_rows.items():
+            plane = self.planes[name]
+            pos = torch.arange(end - rows, end, device=table.device)
+            got = plane.index_select(1, slots_for(table, pos.clamp(min=0), self.page_size))  # [layers, rows, dim]
+            parts.append((got * (pos >= 0).to(got.dtype)[None, :, None]).reshape(-1))
+        return torch.cat(parts).view(1, 1, self.resume_dim)
+
+    def write_resume(self, table: torch.Tensor, end: int, record: torch.Tensor, start: int = 0) -> None:
+        """Inverse of ``read_resume``: the rows of positions >= ``start`` (pages before it may be
+        shared, and hold them already) into the sequence's pages."""
+        if tuple(record.shape) != (1, 1, self.resume_dim):
+            raise ValueError(f"resume record of shape {tuple(record.shape)} != expected {(1, 1, self.resume_dim)}")
+        flat, at = record.reshape(-1).to(table.device, self.dtype), 0
+        for name, rows in self._resume_rows.items():
+            plane = self.planes[name]
+            size = plane.shape[0] * rows * plane.shape[2]
+            keep = min(rows, max(0, start - (end - rows)))  # rows before ``start`` (or position 0)
+            pos = torch.arange(end - rows + keep, end, device=table.device)
+            part = flat[at : at + size].view(plane.shape[0], rows, plane.shape[2])[:, keep:]
+            plane.index_copy_(1, slots_for(table, pos, self.page_size), part)
+            at += size
 
     def _unit_slots(self, name: str, table: torch.Tensor, unit_idx: int, n: int
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The slots of a unit's ``n`` rows of plane ``name`` on its pages ``table``, and for an
-        entry that closes in a later unit (a window wider than a unit) a 0 mask."""
-        if name not in _COMPRESSED:
-            return slots_for(table, torch.arange(64, device=table.device), self.page_size), None
+        """The slots of a unit's ``n`` entries of plane ``name`` on its pages ``table``, and for a
+        window wider than a unit, a 0 mask where none closes in this unit."""
         m = self._ratio(name)
         if m <= 64:  # the unit's own entries k = 0 .. 64/m - 1 (its first page starts a window)
             return entry_slots(table, torch.arange(n, device=table.device), m, self.page_size), None
         # one entry slot per page (m > Z): the entry closing at the unit's last token, if one does
-        slot = table[-1:]
         closes = (unit_idx + 1) * 64 % m == 0
-        return slot, torch.tensor([1.0 if closes else 0.0], device=table.device, dtype=self.dtype)
+        return table[-1:], torch.tensor([1.0 if closes else 0.0], device=table.device, dtype=self.dtype)

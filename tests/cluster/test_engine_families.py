@@ -90,3 +90,25 @@ def test_a_prompt_handed_from_prefill_to_decode_goes_on_as_one_engine(model):
     out = _run(decode, reqs)
     for rid, p in prompts.items():
         assert _tokens(out[rid]) == _ref(model, p, 12), rid
+
+
+def test_a_v4_prefix_goes_on_only_after_a_unit_with_a_resume_record(model, tmp_path):
+    """V4's units carry compressed entries only; the window state to go on after one comes in a
+    resume record, persisted where a prompt (or an output) ended. A prompt that shares only the
+    first three units of a cached one has no such record after them: it computes all (V3.2's
+    units are whole per-token rows and load as V3's)."""
+    cache = _cache(tmp_path)
+    first = _prompt(300, 5)
+    _run(_engine(model, cache), [GenerationRequest("a", first, 4)])
+    cache.flush()
+    second = first[:200] + _prompt(60, 6)  # units 0-2 are the first prompt's
+    eng = _engine(model, cache)
+    out = _run(eng, [GenerationRequest("b", second, 6)])["b"]
+    assert _tokens(out) == _ref(model, second, 6)
+    resumable = eng.kv.resumable
+    assert resumable == (model.cfg.model_type == "deepseek_v4")
+    assert out[-1].cached_tokens == (0 if resumable else 192)
+    cache.flush()
+    again = _run(_engine(model, cache), [GenerationRequest("c", second + _prompt(10, 7), 6)])["c"]
+    assert _tokens(again) == _ref(model, second + _prompt(10, 7), 6)
+    assert again[-1].cached_tokens == 256  # where the second prompt ended, a record now is
