@@ -52,17 +52,29 @@ def bench_model(
     repeats: int = typer.Option(5, "--repeats", min=1, help="timed repeats, tideserve and transformers taking turns (the median counts; range beside it)"),
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers comparison"),
     no_int8: bool = typer.Option(False, "--no-int8", help="skip the int8-weights cases"),
+    family: str = typer.Option("v3", "--family", help="without --checkpoint: the bench config of v3, v3.2 or v4"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Prefill (2,048-token prompt) and decode (batch 1/8/32, 256-token context) tokens/s,
     decode both of model.decode alone and through the engine's step, beside transformers on
     the same checkpoint and threads when it is installed; medians with their range. ``int8``:
     the same with the weights held in int8 (--cpu-weights int8), its speedups over fp32 and the
-    bytes of the weights."""
+    bytes of the weights (MLA families). ``kv``: the KV's bytes per token in a replica, per cache
+    unit, and what a 4K prefix hit loads."""
     from deploy.bench.model_bench import run_model_bench
 
     check_checkpoint(checkpoint)
-    _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf, with_int8=not no_int8))
+    _emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf, with_int8=not no_int8,
+                          family=_family(family)))
+
+
+FAMILIES = ("v3", "v3.2", "v4")
+
+
+def _family(family: str) -> str:
+    if family not in FAMILIES:
+        raise typer.BadParameter(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
+    return family
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -293,6 +305,7 @@ def bench_ttft(
     repeats: int = typer.Option(5, "--repeats", min=1),
     v3_prompt_tokens: int = typer.Option(4096, "--v3-prompt-tokens", min=64,
                                          help="prompt whose DeepSeek-V3-sized units are loaded"),
+    family: str = typer.Option("v3", "--family", help="without --checkpoint: the bench config of v3, v3.2 or v4"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Time to first token of a long prompt (medians of --repeats, with ranges): computed, and
@@ -300,11 +313,12 @@ def bench_ttft(
     SSD, page cache dropped) and through another node's agent; every run on a fresh engine with
     the same first token. Beside it the loads alone (GB/s, tokens/s, and whether they beat the
     prefill tokens/s measured here), and loads of DeepSeek-V3-sized units (~70 KB of KV per
-    token) against DeepSeek's prefill rate per H800 node."""
+    token) against DeepSeek's prefill rate per H800 node. ``prefix_load``: the bytes the hit
+    loaded per cached token, and the same for the published V3, V3.2, V4-Flash and V4-Pro."""
     from deploy.bench.ttft_bench import run_ttft
 
     check_checkpoint(checkpoint)
-    _emit(run_ttft(checkpoint, prompt_tokens, repeats, v3_prompt_tokens))
+    _emit(run_ttft(checkpoint, prompt_tokens, repeats, v3_prompt_tokens, family=_family(family)))
 
 
 @bench_app.command("cluster")

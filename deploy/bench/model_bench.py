@@ -35,8 +35,12 @@ from cluster.engine import Engine, EngineConfig
 from cluster.request import GenerationRequest
 from deploy.bench.engine_bench import byte_text
 from model.checkpoint import load_model, random_state_dict, save_checkpoint
-from model.config import load_config, named_config
+from model.config import ModelConfig, load_config, named_config
+from model.kv_sizes import kv_sizes
 from model.model import DeepseekModel
+from model.v4.config import CSA, HCA, V4Config
+
+BENCH_CONFIGS = {"v3": "bench", "v3.2": "bench-v3.2", "v4": "bench-v4"}  # --family: its bench config
 
 PREFILL_TOKENS = 2048
 DECODE_CONTEXT = 256
@@ -158,14 +162,24 @@ def decode_step_bytes(checkpoint: Path, batch: int, context: int, itemsize: int)
                 numel = 1
                 for d in f.get_slice(name).get_shape():
                     numel *= d
-                if name.endswith("embed_tokens.weight"):
+                if name.endswith(("embed_tokens.weight", "embed.weight")):
                     weights += batch * cfg.hidden_size
-                elif ".mlp.experts." in name:
+                elif ".mlp.experts." in name or ".ffn.experts." in name:
                     weights += numel * touched
                 else:
                     weights += numel
-    kv = batch * context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    return int((weights + kv) * itemsize)
+    return int((weights + batch * decode_kv_values(cfg, context)) * itemsize)
+
+
+def decode_kv_values(cfg: ModelConfig | V4Config, context: int) -> int:
+    """KV values a decode step reads for one sequence of ``context`` tokens: every latent (and
+    V3.2's indexer key) of every layer; V4's window rows and compressed entries."""
+    if isinstance(cfg, ModelConfig):
+        return context * cfg.num_hidden_layers * cfg.kv_dim
+    window = cfg.num_hidden_layers * min(context, cfg.sliding_window) * cfg.head_dim
+    csa = sum(t == CSA for t in cfg.layer_types) * (context // cfg.csa_ratio) * (cfg.head_dim + cfg.index_head_dim)
+    hca = sum(t == HCA for t in cfg.layer_types) * (context // cfg.hca_ratio) * cfg.head_dim
+    return window + csa + hca
 
 
 def _roofline(checkpoint: Path, rates: dict[str, Any], bandwidth: float, itemsize: int) -> dict[str, dict[str, float]]:
@@ -264,19 +278,22 @@ def _split(rates: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dic
 
 def run_model_bench(
     checkpoint: Path | None, steps: int = 16, repeats: int = 5, with_hf: bool = True, with_int8: bool = True,
+    family: str = "v3",
 ) -> dict[str, Any]:
     """``with_int8``: the same cases with the model's weights held in int8 (``cpu_weights``),
-    taking turns with fp32, under ``int8`` with their speedups and the weights' bytes."""
+    taking turns with fp32, under ``int8`` with their speedups and the weights' bytes (MLA
+    families). ``family``: the bench config of that family without a checkpoint."""
     from model.quant import weight_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
-            cfg = named_config("bench")
+            cfg = named_config(BENCH_CONFIGS[family])
             checkpoint = save_checkpoint(Path(tmp) / "bench", cfg, random_state_dict(cfg, seed=0))
         cfg = load_config(checkpoint)
         model = load_model(checkpoint)
         engines = [_our_cases(model, steps)]
-        q8 = load_model(checkpoint, cpu_weights="int8") if with_int8 and model.dtype == torch.float32 else None
+        int8_ok = with_int8 and model.dtype == torch.float32 and isinstance(cfg, ModelConfig)
+        q8 = load_model(checkpoint, cpu_weights="int8") if int8_ok else None
         if q8 is not None:
             engines.append(_our_cases(q8, steps))
         hf = _hf_cases(checkpoint, steps) if with_hf else None
@@ -321,4 +338,7 @@ def run_model_bench(
                                        for b in DECODE_BATCHES}
         result["roofline_fraction"] = _roofline(checkpoint, ours, bandwidth, model.dtype.itemsize)
         result["model_type"] = cfg.model_type
+        sizes = kv_sizes(cfg, model.dtype)
+        result["kv"] = {"pool_bytes_per_token": round(sizes.pool_bytes_per_token), "unit_bytes": sizes.unit_bytes,
+                        "resume_bytes": sizes.resume_bytes, "prefix_4k_load_bytes": sizes.prefix_load_bytes(4096)}
     return result

@@ -28,15 +28,17 @@ from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import ServerConfig
 from cachedir.directory import open_directory
-from cachedir.hashing import Namespace, chain_keys
+from cachedir.hashing import Namespace, chain_keys, resume_key
 from cachedir.node_cache import CacheConfig
 from cachedir.store import StoreConfig
 from cachedir.unit import Unit
 from cluster.engine import Engine, EngineConfig
 from cluster.request import GenerationRequest
 from deploy.bench.machine import machine
+from deploy.bench.model_bench import BENCH_CONFIGS
 from model.checkpoint import load_model, random_state_dict, save_checkpoint
 from model.config import named_config
+from model.kv_sizes import PUBLISHED, kv_sizes
 from model.tokenizer import ByteTokenizer
 from model.weights_id import weights_digest
 
@@ -121,7 +123,7 @@ def _v3_units(prompt_tokens: int) -> list[Unit]:
 
 
 def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: int = 5,
-             v3_prompt_tokens: int = 4096) -> dict[str, Any]:
+             v3_prompt_tokens: int = 4096, family: str = "v3") -> dict[str, Any]:
     from deploy.redis_proc import RedisServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,11 +133,11 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
         nodes: list[_Node] = []
         try:
             if checkpoint is None:
-                cfg = named_config("bench")
+                cfg = named_config(BENCH_CONFIGS[family])
                 checkpoint = save_checkpoint(root / "bench", cfg, random_state_dict(cfg, seed=0))
             model = load_model(checkpoint)
             mcfg = model.cfg
-            ns = Namespace(mcfg.fingerprint(), weights_digest(checkpoint), "float32", "latent", UNIT_TOKENS)
+            ns = Namespace(mcfg.fingerprint(), weights_digest(checkpoint), "float32", mcfg.kv_layout, UNIT_TOKENS)
             prompt = tuple(torch.randint(0, mcfg.vocab_size, (prompt_tokens,),
                                          generator=torch.Generator().manual_seed(0)).tolist())
             ecfg = EngineConfig(num_pages=-(-(prompt_tokens + 16) // 16) + 8, max_prefill_tokens=prompt_tokens)
@@ -176,10 +178,13 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
 
             # the loads alone, for this model's units and for DeepSeek-V3-sized ones
             keys = chain_keys(ns.seed, list(prompt), UNIT_TOKENS)
+            if resume_key(ns.seed, keys[-1]) in a.agent.cache.ssd:  # the record after the last unit (V4)
+                keys.append(resume_key(ns.seed, keys[-1]))
             units = [u for u in (a.agent.cache.ssd.get(k, ns.seed) for k in keys) if u is not None]
             unit_bytes = len(bytes(units[0].payload))
+            loaded_bytes = sum(len(bytes(u.payload)) for u in units)
             load = {path: _load_figures([_timed_load(node.cache, units, before) for _ in range(repeats)],
-                                        unit_bytes * len(units), UNIT_TOKENS * len(units))
+                                        loaded_bytes, cached)
                     for path, (node, before) in paths.items()}
             v3 = _v3_units(v3_prompt_tokens)
             c.agent.cache.persist(v3)
@@ -199,6 +204,10 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
     return {
         **machine(), "checkpoint": str(checkpoint), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
         "unit_bytes": unit_bytes, "repeats": repeats, "directory": "redis" if redis_server else "memory",
+        "prefix_load": {"bytes": loaded_bytes, "bytes_per_cached_token": round(loaded_bytes / cached, 1),
+                        "published_bytes_per_cached_token": {
+                            name: round(kv_sizes(c).prefix_load_bytes(prompt_tokens) / cached, 1)
+                            for name, c in PUBLISHED.items()}},
         "ttft_ms": {path: _median(ts) for path, ts in ttft.items()},
         "speedup": {path: round(statistics.median(cold) / statistics.median(ts), 2)
                     for path, ts in ttft.items() if path != "cold"},

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from tests.cli import tide, tide_here
 from tests.conftest import require
@@ -502,3 +503,26 @@ def test_bench_ttft_json():
     v3 = out["deepseek_v3"]
     assert v3["prompt_bytes"] == 2 * 64 * 61 * 576 * 2 and v3["break_even_gb_per_s"] == pytest.approx(5.18)
     assert set(v3["load"]) == {"local_agent_ssd", "remote_agent_ssd"}
+    assert out["prefix_load"]["bytes"] == 3 * out["unit_bytes"]  # whole units of latent rows, nothing else
+
+
+@pytest.mark.redis
+def test_bench_ttft_of_the_v4_family_loads_entries_and_one_resume_record():
+    """``--family v4``: the bench config of V4; its hit loads every unit's compressed entries and
+    the resume record after the last, far fewer bytes a token than V3's latent rows."""
+    r = tide("bench", "ttft", "--family", "v4", "--prompt-tokens", "200", "--repeats", "1", "--v3-prompt-tokens",
+             "64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    from model.config import named_config
+    from model.kv_sizes import PUBLISHED, kv_sizes
+
+    sizes = kv_sizes(named_config("bench-v4"), torch.float32)
+    assert out["cached_tokens"] == 192 and out["unit_bytes"] == sizes.unit_bytes
+    assert out["prefix_load"]["bytes"] == 3 * sizes.unit_bytes + sizes.resume_bytes
+    published = out["prefix_load"]["published_bytes_per_cached_token"]
+    assert published["deepseek-v3"] == 61 * 576 * 2
+    flash_4k = kv_sizes(PUBLISHED["deepseek-v4-flash"]).prefix_load_bytes(4096) / 4096
+    assert flash_4k < 0.15 * published["deepseek-v3"]  # a 4K V4-Flash prefix: under 15% of V3's bytes
+    bad = tide("bench", "ttft", "--family", "v5")
+    assert bad.returncode == 2 and "'v5'" in bad.stderr
