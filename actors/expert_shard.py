@@ -23,6 +23,7 @@ import ray
 from cluster.ep import ShardExperts, Wire
 from cluster.ep_gloo import form_group, serve_shard
 from model.checkpoint import DTYPES, load_expert_slots
+from model.config import load_config
 from model.moe import ExpertWeights
 from model.weights_id import keeps_fp8
 
@@ -90,10 +91,11 @@ class ExpertShard:
                 tensors[(layer, e)] = (stacked.gate_up[i], stacked.down[i])
                 counts["checkpoint"] += 1
         dev = self.device
+        limit = getattr(load_config(checkpoint), "swiglu_limit", None)  # V4's clipped SwiGLU
         weights = {
             moe_layers.index(layer): same.get(layer) or ExpertWeights.stack(
-                [tensors[(layer, e)][0].to(dev) for e in experts], [tensors[(layer, e)][1].to(dev) for e in experts]
-            )
+                [tensors[(layer, e)][0].to(dev) for e in experts], [tensors[(layer, e)][1].to(dev) for e in experts],
+                limit)
             for layer, experts in slot_map.items()
         }
         self.experts.put(version, weights)

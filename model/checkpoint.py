@@ -343,6 +343,16 @@ def load_expert_slots(
     ``keep_fp8``: an fp8 checkpoint's experts stay e4m3 as stored (``keeps_fp8``)."""
     dtype = _dtype(dtype)
     cfg = load_config(ckpt_dir)
+    if isinstance(cfg, V4Config):  # Hub names, the clipped SwiGLU
+        from model.v4.checkpoint import load_v4_state_dict
+
+        wanted = {f"layers.{layer}.ffn.experts.{e}.{w}.weight" for layer, experts in slot_experts.items()
+                  for e in experts for w in ("w1", "w2", "w3")}
+        sd = load_v4_state_dict(ckpt_dir, cfg, dtype, include=wanted.__contains__)
+        return {layer: ExpertWeights.stack(
+            [torch.cat((sd[f"layers.{layer}.ffn.experts.{e}.w1.weight"], sd[f"layers.{layer}.ffn.experts.{e}.w3.weight"]))
+             for e in experts], [sd[f"layers.{layer}.ffn.experts.{e}.w2.weight"] for e in experts], cfg.swiglu_limit)
+            for layer, experts in slot_experts.items()}
     names = {
         f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
         for layer, experts in slot_experts.items()

@@ -39,7 +39,7 @@ class InProcessTransport:
 
 
 def _slots_of(w: ExpertWeights, experts: torch.Tensor, device: str = "cpu") -> ExpertWeights:
-    return ExpertWeights(w.gate_up[experts].to(device), w.down[experts].to(device))
+    return ExpertWeights(w.gate_up[experts].to(device), w.down[experts].to(device), w.limit)
 
 
 @pytest.fixture
@@ -244,17 +244,19 @@ def test_the_gloo_transport_moves_a_rounds_bytes_as_the_in_process_one(setup):
     assert ended[1:] == ["stop"] * SHARDS
 
 
-@pytest.mark.parametrize("wire", [Wire(), Wire("fp8", "bf16")], ids=["native", "fp8"])
-def test_the_model_over_ep_shards_gives_the_local_models_logits(wire):
+@pytest.mark.parametrize("wire,config", [(Wire(), "tiny"), (Wire("fp8", "bf16"), "tiny"), (Wire(), "tiny-v4")],
+                         ids=["native", "fp8", "v4"])
+def test_the_model_over_ep_shards_gives_the_local_models_logits(wire, config):
     """The tiny V3 model (weights of std 0.02, as trained models have) with its routed experts on
     three in-process shards: with the model's dtype on the wire its logits equal the local
     model's (1e-4); with FP8 dispatch and BF16 combine they stay within 12% (norm: a random
     model amplifies rounding, BF16 combine alone costs it about 5%) and the greedy token is the
-    same at every position whose margin exceeds twice the largest logit difference."""
+    same at every position whose margin exceeds twice the largest logit difference. The tiny V4
+    model too: its hash-routed layers and clipped experts go over the shards like the others."""
     from model.checkpoint import build_model, random_state_dict
     from model.config import named_config
 
-    cfg = named_config("tiny")
+    cfg = named_config(config)
     model = build_model(cfg, random_state_dict(cfg, seed=5, std=0.02))
     local = model.moe_layers()[0].executor
     layers = sorted(local.layers)
@@ -267,8 +269,9 @@ def test_the_model_over_ep_shards_gives_the_local_models_logits(wire):
         return model.prefill(ids, pool, torch.arange(4), all_logits=True)
 
     want = logits()
-    model.set_expert_executor(EPExecutor(placement, layers, InProcessTransport(placement, local.layers, wire=wire),
-                                         wire=wire))
+    transport = InProcessTransport(placement, local.layers, wire=wire)
+    assert {s.layer(0, 0).limit for s in transport.shards} == {getattr(cfg, "swiglu_limit", None)}
+    model.set_expert_executor(EPExecutor(placement, layers, transport, wire=wire))
     try:
         got = logits()
     finally:

@@ -81,3 +81,16 @@ def test_a_model_type_not_served_names_those_that_are(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v5"}))
     with pytest.raises(ValueError, match="deepseek_v5.*deepseek_v2.*deepseek_v3.*deepseek_v32.*deepseek_v4"):
         load_config(tmp_path)
+
+
+def test_an_expert_shard_loads_v4_experts_with_their_clip(tmp_path):
+    """What an expert shard reads (``load_expert_slots``): a V4 layer's chosen experts, as the
+    model holds them, with the SwiGLU clip."""
+    from model.checkpoint import load_expert_slots
+
+    cfg = named_config("tiny-v4")
+    ckpt = save_checkpoint(tmp_path / "v4", cfg, random_state_dict(cfg, seed=2))
+    local = load_model(ckpt).moe_layers()[0].executor.layers[1]
+    got = load_expert_slots(ckpt, {1: [5, 0, 5]})[1]
+    assert got.limit == cfg.swiglu_limit
+    assert torch.equal(got.gate_up, local.gate_up[[5, 0, 5]]) and torch.equal(got.down, local.down[[5, 0, 5]])
