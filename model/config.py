@@ -183,8 +183,8 @@ class ModelConfig:
         return d
 
     def _fields(self) -> dict[str, Any]:
-        """The fields, without the indexer's where there is none (so a V2/V3 config reads, and
-        fingerprints, as it did before V3.2 was served)."""
+        """The fields, without the indexer's where there is none: a V2/V3 config's file and
+        fingerprint name no indexer."""
         d = dataclasses.asdict(self)
         if not self.index_topk:
             for name in ("index_topk", "index_n_heads", "index_head_dim"):
