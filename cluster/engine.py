@@ -42,7 +42,7 @@ from cachedir.hashing import RESUME_TOKEN, Namespace, chain_keys, resume_key
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.constraints import Constraints
-from cluster.kv_manager import KVManager, long_tensor
+from cluster.kv_manager import long_tensor
 from cluster.output import TextStream
 from cluster.request import (
     UNIT_TOKENS,
@@ -53,6 +53,7 @@ from cluster.request import (
     Sequence,
 )
 from cluster.scheduler import Scheduler
+from cluster.window_kv import kv_manager
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.model import DeepseekModel
 from model.moe import LocalExpertExecutor
@@ -122,7 +123,7 @@ class Engine:
         self.cache = cache
         self.constraints = Constraints(token_bytes, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
-        self.kv = KVManager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS)
+        self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens)
         self.fixed_decode = self._fixed_decode()
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
@@ -265,7 +266,8 @@ class Engine:
         """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode tokens in the same
         forward pass when given: (the chunk's last logits [V], the batch's [B, V] or None)."""
         start, n_new = seq.num_computed, end - seq.num_computed
-        ids, table = long_tensor(seq.ids(start, end)), long_tensor(seq.pages)
+        self.kv.prepare(seq, end)
+        ids, table = long_tensor(seq.ids(start, end)), self.kv.table(seq)
         t0 = self._clock()
         decode_logits = None
         if batch:
@@ -282,6 +284,7 @@ class Engine:
         self.scheduler.observe_chunk(n_new, start, self._clock() - t0, len(batch) if batch else 0)
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
+        self.kv.trim(seq)
         return logits, decode_logits
 
     @staticmethod
@@ -300,6 +303,8 @@ class Engine:
         if end < seq.length:
             return
         self.scheduler.prefilled(seq)
+        if self.cfg.prefix_sharing and self.kv.share_at_input and seq.prompt_logprobs is None:
+            self.kv.share(seq.unit_keys[: seq.num_computed // UNIT_TOKENS], seq)
         if not seq.input_persisted:
             seq.input_persisted = True
             self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
@@ -316,7 +321,7 @@ class Engine:
         shareable = (len(seq.req.prompt_ids) - 1) // UNIT_TOKENS if self.cfg.prefix_sharing else 0
         if seq.prompt_logprobs is not None:  # scored: every position computed
             shareable = 0
-        shared = self.kv.prefix.match(seq.unit_keys[:shareable])
+        shared = self.kv.match(seq.unit_keys[:shareable])
         loaded: list = []
         if seq.load is not None and len(shared) < usable:
             try:

@@ -36,7 +36,7 @@ class KVManager:
         if unit_tokens % page_size:
             raise ValueError(f"page_size {page_size} must divide the {unit_tokens}-token unit")
         # one page past the allocator's: the scratch page that a fixed-shape step's padding rows write
-        self.pool = model.new_pool(num_pages + 1, page_size)
+        self.pool = self._new_pool(model, num_pages + 1, page_size)
         self.scratch_page = num_pages
         self.pages = PageAllocator(num_pages)
         self.prefix = PrefixTable(self.pages)
@@ -45,6 +45,9 @@ class KVManager:
         self.max_pages = min(num_pages, -(-(model.cfg.max_position_embeddings + 1) // page_size))
         self._tables = torch.zeros(max_rows, self.max_pages, dtype=torch.long)  # [rows, pages]
         self._free_rows = list(range(max_rows))  # a heap: the lowest free row is taken first
+
+    def _new_pool(self, model: DeepseekModel, num_pages: int, page_size: int):
+        return model.new_pool(num_pages, page_size)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -87,6 +90,23 @@ class KVManager:
     def release(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)
         seq.pages = []
+
+    share_at_input = False  # units are shared when the sequence finishes (its pages are all held then)
+
+    def match(self, keys: list[bytes]) -> list:
+        """The pool's pages of the longest run of ``keys`` (the prefix table's) a prompt can go on
+        after, for ``admit``."""
+        return self.prefix.match(keys)
+
+    def table(self, seq: Sequence) -> torch.Tensor:
+        """``seq``'s block table for a prefill chunk."""
+        return long_tensor(seq.pages)
+
+    def prepare(self, seq: Sequence, end: int) -> None:
+        """Before a chunk computes ``seq`` up to ``end``: pages it needs beyond ``admit``'s (none here)."""
+
+    def trim(self, seq: Sequence) -> None:
+        """After a pass: give back what ``seq`` no longer needs (nothing here)."""
 
     def share(self, keys: list[bytes], seq: Sequence) -> None:
         """Keep ``seq``'s pages of its whole units ``keys`` for later prompts (prefix sharing)."""
@@ -143,14 +163,18 @@ class KVManager:
 
     def read_resume(self, seq: Sequence, end: int) -> torch.Tensor:
         """What going on after ``seq``'s first ``end`` tokens needs besides their units: [1, 1, dim]."""
-        return self.pool.read_resume(long_tensor(seq.pages), end).cpu().contiguous()
+        return self.pool.read_resume(self._window_table(seq), end).cpu().contiguous()
+
+    def _window_table(self, seq: Sequence) -> torch.Tensor:
+        """The pages of ``seq``'s per-token window rows (here: its pages)."""
+        return long_tensor(seq.pages)
 
     def write_resume(self, seq: Sequence, end: int, unit: Unit, start: int) -> None:
         """A resume record (``read_resume``'s) into ``seq``'s pages from position ``start``."""
         with warnings.catch_warnings():  # the buffer is read-only; the write copies it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(unit.payload, dtype=self.pool.dtype)
-        self.pool.write_resume(long_tensor(seq.pages), end, flat.view(1, 1, unit.dim), start)
+        self.pool.write_resume(self._window_table(seq), end, flat.view(1, 1, unit.dim), start)
 
     def unit_bytes(self) -> int:
         """Bytes of one cache unit of this pool's KV."""
@@ -163,7 +187,7 @@ class KVManager:
 
     def import_prompt(self, seq: Sequence, kv: torch.Tensor) -> None:
         """A prompt's KV computed elsewhere (``export_prompt``'s) into ``seq``'s pages."""
-        self.pool.import_tokens(long_tensor(seq.pages), kv)
+        self.pool.import_tokens(long_tensor(seq.pages), kv, len(seq.req.prompt_ids))
 
     def export_prompt(self, seq: Sequence) -> torch.Tensor:
         """``seq``'s prompt KV in host memory, handed to another replica (``pool.handoff_shape``)."""

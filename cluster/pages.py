@@ -90,6 +90,9 @@ class PrefixTable:
     def entries(self) -> list[list[int]]:
         return list(self._entries.values())
 
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
     def evict(self, pages_needed: int) -> int:
         """Drop LRU entries until ``pages_needed`` pages are free or the table is empty."""
         freed_entries = 0

@@ -218,6 +218,9 @@ class Sequence:
     unit_keys: list[bytes]  # chain keys of the prompt's whole units
     arrival_s: float = field(default_factory=time.monotonic)
     pages: list[int] = field(default_factory=list)
+    # a page per page of ``pages`` for window rows, where the pool keeps them apart (V4): -1 where
+    # none is held (out of the window, or not computed yet)
+    window_pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # prompt (+ recomputed output) tokens whose KV is in the pool
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per output token

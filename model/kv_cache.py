@@ -73,8 +73,8 @@ class LatentKVPool:
         slots = slots_for(table, torch.arange(tokens), self.page_size)
         return torch.stack([self.read_rows(layer, slots) for layer in range(self.num_layers)]).cpu()
 
-    def import_tokens(self, table: torch.Tensor, kv: torch.Tensor) -> None:
-        """Inverse of ``export_tokens``: ``kv`` into the sequence at ``table``."""
+    def import_tokens(self, table: torch.Tensor, kv: torch.Tensor, tokens: int) -> None:
+        """Inverse of ``export_tokens`` (of ``tokens`` tokens): ``kv`` into the sequence at ``table``."""
         slots = slots_for(table, torch.arange(kv.shape[1]), self.page_size)
         for layer in range(self.num_layers):
             self.write_rows(layer, slots, kv[layer])

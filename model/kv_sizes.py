@@ -21,9 +21,10 @@ UNIT_TOKENS = 64
 
 @dataclass(frozen=True, slots=True)
 class KVSizes:
-    pool_bytes_per_token: float  # a replica's pages per token of a sequence (every plane)
+    pool_bytes_per_token: float  # a replica's pages per token of a sequence, growing with it
     unit_bytes: int  # one 64-token unit in the prompt cache
     resume_bytes: int  # the record after a prefix's last unit (0: none needed)
+    window_bytes_per_sequence: int = 0  # a running sequence's window pages, whatever its length (V4)
 
     def prefix_load_bytes(self, tokens: int) -> int:
         """Bytes a cache hit on a ``tokens``-token prompt reads: its whole units and, where the
@@ -36,8 +37,11 @@ def kv_sizes(cfg: ModelConfig | V4Config, dtype: torch.dtype = torch.bfloat16, p
     size = torch.empty(0, dtype=dtype).element_size()
     if isinstance(cfg, V4Config):
         pool = HybridKVPool(cfg, 1, page_size, dtype)
-        per_token = pool.nbytes() / page_size
-        return KVSizes(per_token, UNIT_TOKENS * pool.row_dim * size, pool.resume_dim * size)
+        entries = pool.entry_values_per_page() * size  # a page's compressed entries: kept as long as the sequence
+        window = pool.nbytes() - entries  # a page's window rows: cluster.window_kv keeps about keep + a unit of them
+        window_pages = -(-(cfg.window_keep + UNIT_TOKENS) // page_size) + 2
+        return KVSizes(entries / page_size, UNIT_TOKENS * pool.row_dim * size, pool.resume_dim * size,
+                       window_pages * window)
     row = cfg.num_hidden_layers * cfg.kv_dim * size
     # V2/V3/V3.2: a unit is its tokens' rows; nothing more is needed to go on after it
     return KVSizes(float(row), UNIT_TOKENS * row, 0)

@@ -339,6 +339,7 @@ def run_model_bench(
         result["roofline_fraction"] = _roofline(checkpoint, ours, bandwidth, model.dtype.itemsize)
         result["model_type"] = cfg.model_type
         sizes = kv_sizes(cfg, model.dtype)
-        result["kv"] = {"pool_bytes_per_token": round(sizes.pool_bytes_per_token), "unit_bytes": sizes.unit_bytes,
+        result["kv"] = {"pool_bytes_per_token": round(sizes.pool_bytes_per_token),
+                        "window_bytes_per_sequence": sizes.window_bytes_per_sequence, "unit_bytes": sizes.unit_bytes,
                         "resume_bytes": sizes.resume_bytes, "prefix_4k_load_bytes": sizes.prefix_load_bytes(4096)}
     return result

@@ -36,7 +36,8 @@ class Segment:
 
     rows: slice
     start: int
-    table: torch.Tensor  # [pages] of the sequence
+    table: torch.Tensor  # [pages] of the sequence: its compressed entries
+    window: torch.Tensor  # [pages]: its per-token window rows (pages out of the window: any)
     positions: torch.Tensor  # [T]
 
     @property
@@ -98,7 +99,7 @@ class Attention:
         q_resid = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.rms_norm_eps)  # [N, Q]
         q = rope_tail(rms_unweighted(linear(q_resid, w.wq_b).view(n, h, d), cfg.rms_norm_eps), cos, sin)  # [N, H, D]
         kv = rope_tail(rms_norm(linear(x, w.wkv), w.kv_norm, cfg.rms_norm_eps), cos, sin)  # [N, D]
-        slots = torch.cat([slots_for(s.table, s.positions, pool.page_size) for s in segments])
+        slots = torch.cat([slots_for(s.window, s.positions, pool.page_size) for s in segments])
         pool.planes["swa"][self.layer_idx].index_copy_(0, slots, kv.to(pool.dtype))
         iq = iw = None
         if w.compressor is not None:
@@ -141,7 +142,7 @@ class Attention:
         lo = max(0, first - 1) if self.kind == CSA else first  # CSA reads the window before too
         pos = torch.arange(lo * m, stop * m, device=s.table.device)
         src_plane = pool.planes["csa_src" if self.kind == CSA else "hca_src"][k]
-        src = src_plane.index_select(0, slots_for(s.table, pos, pool.page_size)).view(stop - lo, m, -1)
+        src = src_plane.index_select(0, slots_for(s.window, pos, pool.page_size)).view(stop - lo, m, -1)
         e_pos = entries * m
         cos, sin = rope.cos_sin(e_pos, src.dtype)
         d, di = cfg.head_dim, cfg.index_head_dim
@@ -183,7 +184,7 @@ class Attention:
         cfg, page = self.cfg, pool.page_size
         lo = max(0, s.start - cfg.sliding_window + 1)
         key_pos = torch.arange(lo, s.end, device=s.table.device)  # [Sw]
-        keys = pool.planes["swa"][self.layer_idx].index_select(0, slots_for(s.table, key_pos, page))  # [Sw, D]
+        keys = pool.planes["swa"][self.layer_idx].index_select(0, slots_for(s.window, key_pos, page))  # [Sw, D]
         qp = s.positions[:, None]
         mask = (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - cfg.sliding_window)  # [T, Sw]
         if self.ratio:

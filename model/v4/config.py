@@ -110,6 +110,12 @@ class V4Config:
         return 0
 
     @property
+    def window_keep(self) -> int:
+        """Positions behind the next token whose per-token rows going on reads: its window, the
+        compressor inputs of the entries it may close (two CSA windows, one HCA window)."""
+        return max(self.sliding_window, 2 * self.csa_ratio, self.hca_ratio)
+
+    @property
     def kv_layout(self) -> str:
         """The KV a cache unit holds, named for the cache namespace (``model.v4.kv``'s unit)."""
         kinds = "".join({SLIDING: "s", CSA: "c", HCA: "h"}[t] for t in self.layer_types)

@@ -34,6 +34,11 @@ __all__ = ["HybridKVPool", "entry_slots"]
 _COMPRESSED = ("csa_kv", "csa_ik", "hca_kv")
 
 
+def _two_rows(table: torch.Tensor) -> torch.Tensor:
+    """[pages] (one page list for entries and window rows) or [2, pages] -> [2, pages]."""
+    return table[None].expand(2, -1) if table.dim() == 1 else table
+
+
 def entry_slots(table: torch.Tensor, entries: torch.Tensor, ratio: int, page_size: int) -> torch.Tensor:
     """Slots of entries [E] (ids of one sequence's ratio-m entries) in a compressed plane, for the
     sequence's pages ``table`` [pages]."""
@@ -44,9 +49,12 @@ def entry_slots(table: torch.Tensor, entries: torch.Tensor, ratio: int, page_siz
 
 class HybridKVPool:
     def __init__(self, cfg: V4Config, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be > 0, got {num_pages}")
+                 device: str | torch.device = "cpu", num_window_pages: int | None = None) -> None:
+        """``num_window_pages``: pages of the window planes (default ``num_pages``: a sequence's
+        pages then hold both; fewer, when window pages are given and taken back apart)."""
+        num_window_pages = num_pages if num_window_pages is None else num_window_pages
+        if num_pages <= 0 or num_window_pages <= 0:
+            raise ValueError(f"num_pages and num_window_pages must be > 0, got {num_pages}, {num_window_pages}")
         if page_size <= 0 or 64 % page_size:
             raise ValueError(f"page_size must divide the 64-token cache unit, got {page_size}")
         for ratio in (cfg.csa_ratio, cfg.hca_ratio):
@@ -58,7 +66,8 @@ class HybridKVPool:
         self.hca_layers = [i for i, t in enumerate(cfg.layer_types) if t == HCA]
         # a model layer's index in its kind's planes
         self.plane_idx = {i: k for kinds in (self.csa_layers, self.hca_layers) for k, i in enumerate(kinds)}
-        d, ix, slots = cfg.head_dim, cfg.index_head_dim, num_pages * page_size
+        self.num_window_pages = num_window_pages
+        d, ix, slots = cfg.head_dim, cfg.index_head_dim, num_window_pages * page_size
         self.entry_slots_per_page = {CSA: max(1, page_size // cfg.csa_ratio), HCA: max(1, page_size // cfg.hca_ratio)}
         lc, lh = len(self.csa_layers), len(self.hca_layers)
         sc, sh = self.entry_slots_per_page[CSA], self.entry_slots_per_page[HCA]
@@ -81,7 +90,8 @@ class HybridKVPool:
         self.latent_dim = self.row_dim
         # what going on at a unit's end needs besides the entries, the unit's last token (which the
         # engine computes again, for its logits) included: that token's window of rows and the
-        # compressor inputs of the entries it closes (CSA: two windows, HCA: one) or leaves open
+        # compressor inputs of the entries it closes (CSA: two windows, HCA: one) or leaves open;
+        # each at most cfg.window_keep rows
         self._resume_rows = {"swa": cfg.sliding_window, "csa_src": 2 * cfg.csa_ratio, "hca_src": cfg.hca_ratio}
         self.resume_dim = sum(self.planes[n].shape[0] * r * self.planes[n].shape[2] for n, r in self._resume_rows.items())
 
@@ -94,30 +104,35 @@ class HybridKVPool:
 
     row_layers = 1  # a unit's rows are its pages' bytes, one "layer" of row_dim values a token
 
-    def handoff_shape(self, tokens: int) -> tuple[int, int]:
-        """The shape of ``export_tokens``' KV for a prompt of ``tokens`` tokens: its whole pages."""
-        return (-(-tokens // self.page_size), self._page_values())
+    def handoff_shape(self, tokens: int) -> tuple[int]:
+        """The shape of ``export_tokens``' KV for a prompt of ``tokens`` tokens: its pages'
+        entries, then the record of its window state at its end."""
+        return (-(-tokens // self.page_size) * self.entry_values_per_page() + self.resume_dim,)
 
-    def _page_values(self) -> int:
-        return sum(p.numel() // self.num_pages for p in self.planes.values())
+    def entry_values_per_page(self) -> int:
+        """A page's values of the compressed planes."""
+        return sum(self.planes[n].numel() // self.num_pages for n in _COMPRESSED)
 
     def export_tokens(self, table: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The pages holding the first ``tokens`` tokens' state, for another replica with the same
-        page size: [pages, a page's values] in host memory."""
-        pages = table[: -(-tokens // self.page_size)].to(self.planes["swa"].device)
-        parts = [p.view(p.shape[0], self.num_pages, -1)[:, pages].transpose(0, 1).reshape(len(pages), -1)
-                 for p in self.planes.values()]
-        return torch.cat(parts, dim=1).cpu()
+        """What another replica (same page size) needs to go on after the first ``tokens`` tokens
+        of the sequence at ``table`` ([pages] or [2, pages]): host memory."""
+        table = _two_rows(table.to(self.planes["swa"].device))
+        pages = table[0, : -(-tokens // self.page_size)]
+        parts = [self.planes[n].view(self.planes[n].shape[0], self.num_pages, -1)[:, pages].transpose(0, 1).reshape(-1)
+                 for n in _COMPRESSED]
+        return torch.cat([*parts, self.read_resume(table[1], tokens).reshape(-1)]).cpu()
 
-    def import_tokens(self, table: torch.Tensor, kv: torch.Tensor) -> None:
-        """Inverse of ``export_tokens``."""
-        pages = table[: kv.shape[0]].to(self.planes["swa"].device)
-        flat, at = kv.to(pages.device, self.dtype), 0
-        for p in self.planes.values():
-            size = p.numel() // self.num_pages
-            part = flat[:, at : at + size].reshape(len(pages), p.shape[0], -1).transpose(0, 1)
-            p.view(p.shape[0], self.num_pages, -1)[:, pages] = part
+    def import_tokens(self, table: torch.Tensor, kv: torch.Tensor, tokens: int) -> None:
+        """Inverse of ``export_tokens`` of ``tokens`` tokens."""
+        table = _two_rows(table.to(self.planes["swa"].device))
+        n = -(-tokens // self.page_size)
+        pages, flat, at = table[0, :n], kv.to(table.device, self.dtype), 0
+        for name in _COMPRESSED:
+            p = self.planes[name]
+            size = p.numel() // self.num_pages * n
+            p.view(p.shape[0], self.num_pages, -1)[:, pages] = flat[at : at + size].view(n, p.shape[0], -1).transpose(0, 1)
             at += size
+        self.write_resume(table[1], tokens, flat[at:].view(1, 1, self.resume_dim))
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.planes.values())
@@ -157,7 +172,7 @@ class HybridKVPool:
             at_value += size
 
     def read_resume(self, table: torch.Tensor, end: int) -> torch.Tensor:
-        """What resuming a sequence (pages ``table``) at position ``end`` (a unit's end) needs
+        """What resuming a sequence (window pages ``table``) at position ``end`` (a unit's end) needs
         beside its compressed entries: its last window and compressor-input rows -> [1, 1,
         resume_dim] (rows before position 0 are zeros)."""
         parts = []

@@ -4,9 +4,11 @@ Legend: N rows of a pass, T a chunk's tokens, B decode rows, M hidden, V vocab, 
 (``hc_mult``).
 
 The same calls as ``model.model.DeepseekModel`` (the engine drives either): the pool is a
-``HybridKVPool``, a sequence's pages address every plane of it. Every part of a pass (a prefill
-chunk, each decode row) is a ``Segment``: projections, hyper-connections and experts run over
-all rows at once, attention per segment over its own sequence's pages.
+``HybridKVPool``. A sequence's table is [pages] (the same pages hold its entries and its window
+rows) or [2, pages] (pages for its entries, then window pages, those out of the window any);
+a decode batch's is [B, pages] or [B, 2, pages]. Every part of a pass (a prefill chunk, each
+decode row) is a ``Segment``: projections, hyper-connections and experts run over all rows at
+once, attention per segment over its own sequence's pages.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class V4Layer:
     ffn_hc: HyperConnection
 
 
+def _two_rows(table: torch.Tensor) -> torch.Tensor:
+    """A sequence's tables as [2, pages]: its pages for compressed entries, then for window rows
+    (one [pages] table: the same pages for both)."""
+    return table[None].expand(2, -1) if table.dim() == 1 else table
+
+
 class DeepseekV4Model:
     def __init__(self, cfg: V4Config, embed: torch.Tensor, layers: list[V4Layer], norm: torch.Tensor,
                  lm_head: torch.Tensor, hc_head: HyperHead, ropes: dict[str, Rope], impl: Impl = "ref") -> None:
@@ -44,6 +52,7 @@ class DeepseekV4Model:
         self.hc_head, self.ropes, self.impl = hc_head, ropes, impl
         self.cpu_step = False  # no fused C++ step: the engine reads it as DeepseekModel's
         self.paged_kernel = None
+        self.window_keep = cfg.window_keep  # its window rows live in pages of their own (cluster.window_kv)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,8 +69,8 @@ class DeepseekV4Model:
         for moe in self.moe_layers():
             moe.executor = executor
 
-    def new_pool(self, num_pages: int, page_size: int = 16) -> HybridKVPool:
-        return HybridKVPool(self.cfg, num_pages, page_size, self.dtype, self.device)
+    def new_pool(self, num_pages: int, page_size: int = 16, num_window_pages: int | None = None) -> HybridKVPool:
+        return HybridKVPool(self.cfg, num_pages, page_size, self.dtype, self.device, num_window_pages)
 
     def warmup(self, prefill_tokens: int = 256, decode_batch: int = 1) -> None:
         """One prefill and one decode step on a scratch pool (nothing is left behind)."""
@@ -115,17 +124,20 @@ class DeepseekV4Model:
         t = token_ids.shape[0]
         if t == 0:
             raise ValueError("prefill needs at least one token")
-        if table.shape[0] * page_size < start + t:
-            raise ValueError(f"block table of {table.shape[0]} pages holds {table.shape[0] * page_size} tokens, "
+        table = _two_rows(table.to(self.device))
+        if table.shape[1] * page_size < start + t:
+            raise ValueError(f"block table of {table.shape[1]} pages holds {table.shape[1] * page_size} tokens, "
                              f"sequence needs {start + t}")
         positions = torch.arange(start, start + t, device=self.device)
-        return Segment(slice(row, row + t), start, table.to(self.device), positions)
+        return Segment(slice(row, row + t), start, table[0], table[1], positions)
 
     def _rows(self, tables: torch.Tensor, positions: torch.Tensor, page_size: int, row: int) -> list[Segment]:
         tables, pos = tables.to(self.device), positions.tolist()
-        if pos and tables.shape[1] * page_size < max(pos) + 1:
-            raise ValueError(f"block tables hold {tables.shape[1] * page_size} tokens, need {max(pos) + 1}")
-        return [Segment(slice(row + b, row + b + 1), p, tables[b], positions[b : b + 1].to(self.device))
+        if tables.dim() == 2:
+            tables = tables[:, None].expand(-1, 2, -1)
+        if pos and tables.shape[2] * page_size < max(pos) + 1:
+            raise ValueError(f"block tables hold {tables.shape[2] * page_size} tokens, need {max(pos) + 1}")
+        return [Segment(slice(row + b, row + b + 1), p, tables[b, 0], tables[b, 1], positions[b : b + 1].to(self.device))
                 for b, p in enumerate(pos)]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, segs: list[Segment], pool: HybridKVPool

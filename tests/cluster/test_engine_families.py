@@ -112,3 +112,25 @@ def test_a_v4_prefix_goes_on_only_after_a_unit_with_a_resume_record(model, tmp_p
     again = _run(_engine(model, cache), [GenerationRequest("c", second + _prompt(10, 7), 6)])["c"]
     assert _tokens(again) == _ref(model, second + _prompt(10, 7), 6)
     assert again[-1].cached_tokens == 256  # where the second prompt ended, a record now is
+
+
+def test_a_long_v4_sequence_holds_its_entries_and_a_window_of_fixed_size(model):
+    """V4's window rows live in pages of their own, given back once behind the window: through a
+    chunked prefill and a long decode a sequence never holds more than its window's pages (and a
+    chunk's), and its tokens are the model's (V3.2 keeps every row: it has no window pages)."""
+    eng = _engine(model, max_num_seqs=2, max_prefill_tokens=128)
+    if not hasattr(eng.kv, "window"):
+        assert model.cfg.model_type == "deepseek_v32"
+        return
+    prompt = _prompt(600, 21)
+    eng.add_request(GenerationRequest("long", prompt, max_tokens=120))
+    seq, outs, held = eng._by_id["long"], [], []
+    while eng.has_work():
+        outs += eng.step()
+        eng.check_integrity()
+        held.append(sum(p >= 0 for p in seq.window_pages))
+    assert _tokens(outs) == _ref(model, prompt, 120)
+    z = eng.kv.page_size
+    assert max(held) <= -(-(eng.kv.keep + 128) // z) + 2  # a chunk's rows and the window behind it
+    assert max(held[-100:]) <= -(-eng.kv.keep // z) + 2  # decoding: the window alone
+    assert eng.kv.num_window_pages < eng.kv.num_pages  # the pool's rows are sized for windows, not tokens
