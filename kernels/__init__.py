@@ -1,6 +1,6 @@
 """Compute kernels below the model: CPU decode kernels (``cpu_gemv``) and Triton kernels for GPUs
-(``mla_decode``, ``moe_route``, ``moe_grouped``, ``fp8_gemm``, ``unit_copy``), each beside a same-signature
-pure-torch ``ref_*`` reference. ``resolve_impl`` picks between them."""
+(``mla_decode``, ``moe_route``, ``moe_grouped``, ``fp8_gemm``, ``unit_copy``, ``index_topk``), each beside a
+same-signature pure-torch ``ref_*`` reference. ``resolve_impl`` picks between them."""
 
 from __future__ import annotations
 

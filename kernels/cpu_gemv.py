@@ -16,7 +16,9 @@ prefill chunk's rows and decode rows together, W_UV) in one call.
 ``rms_norm`` and ``moe_route`` (DeepSeek's top-K gate from its logits) each do in one call what
 costs a dozen small torch ops, whose dispatch dominates at decode sizes; ``argmax_rows`` is a
 greedy step's choice, vectorized; ``sample_rows`` a sampled one (temperature, top-k, top-p and the
-draw, one pass or two over each row; ``model.sampling`` holds its torch reference).
+draw, one pass or two over each row; ``model.sampling`` holds its torch reference); ``index_topk``
+(``csrc/cpu_index.cpp``) the lightning indexer's top-k keys of decode rows, read in place
+(``kernels.index_topk`` holds its contract and reference).
 ``DecodeStep`` (``csrc/cpu_decode.cpp``, built by ``model.cpu_step``) chains the kernels into a
 model's whole decode step.
 The extension is compiled with the machine's C++ compiler the first time it is needed (``scripts/setup.sh``
@@ -78,7 +80,8 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 _CSRC = Path(__file__).with_name("csrc")
 # with the headers beside them
-_SOURCES = tuple(_CSRC / f for f in ("cpu_gemv.cpp", "cpu_mla.cpp", "cpu_decode.cpp", "cpu_sample.cpp"))
+_SOURCES = tuple(_CSRC / f for f in ("cpu_gemv.cpp", "cpu_mla.cpp", "cpu_decode.cpp", "cpu_sample.cpp",
+                                      "cpu_index.cpp"))
 # The sources include only the ATen headers they use (ATen/core/Tensor.h, ATen/ops/<op>.h): a
 # whole-ATen or torch/extension.h include costs seconds of every build (tests/kernels checks them)
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")

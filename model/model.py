@@ -15,6 +15,7 @@ import torch
 
 from kernels import Impl
 from kernels.cpu_gemv import cpu_kernels
+from kernels.index_topk import index_topk
 from model.config import ModelConfig
 from model.cpu_step import CpuStep
 from model.dsa import Indexer
@@ -419,6 +420,7 @@ class _DecodeBatch:
     seq_lens: torch.Tensor | None = None  # [B] positions + 1 (paged paths, built on first use)
     read_slots: torch.Tensor | None = None  # [B, S] (torch path)
     mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
+    impl: str = "ref"  # the model's kernels (V3.2's indexer top-k: Triton's, or the CPU's)
 
     @classmethod
     def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: AttnPath,
@@ -436,7 +438,7 @@ class _DecodeBatch:
         new_slots = slots_for(block_tables, positions[:, None], page_size)[:, 0]
         cos, sin = model.rope.cos_sin(positions, model.dtype, top=max_len)
         batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin, attn,
-                    model.paged_kernel if attn == "absorbed" else None)
+                    model.paged_kernel if attn == "absorbed" else None, impl=model.impl)
         if not batch.paged:
             span = torch.arange(max_len, device=dev)  # [S]
             batch.read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), page_size)
@@ -453,10 +455,12 @@ class _DecodeBatch:
         """[B, H, V]: each row's query over its sequence's latents in layer ``i`` (written).
         ``sparse``: as ``_Chunk.attend``'s, a row per query."""
         if sparse is not None and self.read_slots is not None and self.read_slots.shape[1] > sparse[0].topk:
+            # each row's top-k keys by the indexer (read in place), then only their latents
             indexer, iq, iw = sparse
-            keep = indexer.select(iq, iw, pool.read_index(i, self.read_slots), self.mask[:, 0])  # [B, S]
-            latents = pool.read(i, self.read_slots)  # [B, S, D]
-            return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, keep[:, None])[:, 0]
+            picked = index_topk(iq, iw, pool.index_k[i], self.read_slots, self.lens(), indexer.topk, indexer.scale,
+                                self.impl)  # [B, K], -1 past a short row's keys
+            latents = pool.read(i, self.read_slots.gather(1, picked.clamp(min=0)))  # [B, K, D]
+            return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, (picked >= 0)[:, None])[:, 0]
         if self.paged:
             return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.lens(), pool.page_size,
                                      self.paged)

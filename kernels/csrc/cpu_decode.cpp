@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_gemv.h"
+#include "cpu_index.h"
 #include "cpu_mla.h"
 
 namespace {
@@ -157,6 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a layer's absorbed MLA attention of a prefill chunk and decode rows from their projections (fp32)");
   m.def("mla_chunk_paged", &mla_chunk_paged, "a prefill chunk's absorbed MLA attention over a paged latent pool (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
+  m.def("index_topk", &index_topk, "each row's top-k keys by lightning-indexer score (fp32)");
   m.def("argmax_rows", &argmax_rows, "the index of each row's largest value (fp32)");
   m.def("moe_route", &moe_route, "DeepSeek top-K routing from gate logits (fp32)");
   m.def("sample_rows", &sample_rows, "one token per row: temperature, top-k, top-p, an inverse-CDF draw (fp32)");
