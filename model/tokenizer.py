@@ -13,7 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from model.tool_calls import format_tool_calls
+from model.dsml import DSML_FORMATS, DsmlCallStream, DsmlFormat, render_dsml
+from model.tool_calls import ToolCallStream, format_tool_calls
 
 __all__ = ["FIM_TOKENS", "ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "load_tokenizer"]
 
@@ -51,6 +52,11 @@ class Tokenizer(Protocol):
         """The ids of R1's ``<think>`` and ``</think>`` tokens, None when the vocabulary lacks them."""
         ...
 
+    def tool_call_stream(self):
+        """A new parser of one output's tool calls in this model's format (``feed``, ``finish``:
+        ``model.tool_calls.ToolCallStream``'s interface)."""
+        ...
+
 
 class ByteTokenizer:
     BOS, EOS, USER, ASSISTANT, SYSTEM = 256, 257, 258, 259, 260
@@ -76,6 +82,9 @@ class ByteTokenizer:
     def think_ids(self) -> tuple[int, int] | None:
         return None
 
+    def tool_call_stream(self) -> ToolCallStream:
+        return ToolCallStream()
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /, *,
                             generation_prompt: bool = True, **template_kwargs) -> list[int]:
         ids = [self.BOS]
@@ -98,7 +107,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """``tokenizer.json`` through the ``tokenizers`` library; chat template rendered with Jinja."""
+    """``tokenizer.json`` through the ``tokenizers`` library; chat template rendered with Jinja,
+    or for a DeepSeek-V3.2 or V4 checkpoint without one, its encoding rules (``model.dsml``)."""
 
     def __init__(self, ckpt_dir: Path) -> None:
         from tokenizers import Tokenizer as _Tok
@@ -111,6 +121,7 @@ class HFTokenizer:
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.chat_template = _default_template(tcfg.get("chat_template"))
+        self.chat_format = None if self.chat_template else _dsml_format(ckpt_dir)
         # the template sees every named special token (bos_token, eos_token, pad_token, ...)
         self._special_tokens = {k: t for k, v in tcfg.items() if k.endswith("_token") and (t := _token_str(v))}
         self._template = None  # compiled on first use
@@ -138,8 +149,14 @@ class HFTokenizer:
         ids = self._tok.token_to_id(THINK_OPEN), self._tok.token_to_id(THINK_CLOSE)
         return None if None in ids else ids
 
+    def tool_call_stream(self) -> ToolCallStream | DsmlCallStream:
+        return ToolCallStream() if self.chat_format is None else DsmlCallStream(self.chat_format)
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, /, *,
                             generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        if self.chat_format is not None:
+            return self._tok.encode(_render_dsml(self.chat_format, messages, tools, generation_prompt, template_kwargs),
+                                    add_special_tokens=False).ids
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; use /v1/completions")
         if self._template is None:
@@ -180,6 +197,33 @@ def compile_chat_template(source: str) -> Callable[..., str]:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
 
     return render
+
+
+def _dsml_format(ckpt_dir: Path) -> DsmlFormat | None:
+    """The encoding rules of a DeepSeek-V3.2 or V4 checkpoint (by its config's model_type)."""
+    cfg = ckpt_dir / "config.json"
+    try:
+        model_type = json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {"deepseek_v32": DSML_FORMATS["v3.2"], "deepseek_v4": DSML_FORMATS["v4"]}.get(model_type)
+
+
+DSML_KWARGS = ("thinking", "enable_thinking", "reasoning_effort")  # the chat_template_kwargs these encodings take
+
+
+def _render_dsml(fmt: DsmlFormat, messages: list[dict], tools: list[dict] | None, generation_prompt: bool,
+                 kwargs: dict) -> str:
+    """``render_dsml`` with the API's ``chat_template_kwargs``: ``thinking`` (or ``enable_thinking``,
+    a bool; off by default) and V4's ``reasoning_effort``."""
+    unknown = sorted(set(kwargs) - set(DSML_KWARGS))
+    if unknown:
+        raise ValueError(f"chat_template_kwargs {unknown[0]!r} is not one this model's encoding takes "
+                         f"({', '.join(DSML_KWARGS)})")
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking", False))
+    if not isinstance(thinking, bool):
+        raise ValueError(f"chat_template_kwargs thinking must be true or false, got {thinking!r}")
+    return render_dsml(fmt, messages, tools, thinking, generation_prompt, kwargs.get("reasoning_effort", "low"))
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
