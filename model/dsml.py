@@ -15,18 +15,19 @@ described in the system prompt; calls are DSML, after the text::
     </｜DSML｜function_calls>
 
 Tool results follow the calls: V3.2 as ``<function_results>`` of ``<result>``s; V4 as
-``<tool_result>`` blocks of the next user turn. ``DsmlCallStream`` parses an output's calls with
-``model.tool_calls.ToolCallStream``'s interface.
+``<tool_result>`` blocks of the next user turn. ``DsmlCallStream`` parses an output's calls as
+``model.tool_calls.ToolCallStream`` parses V3's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from model.tool_calls import ToolCall
+from model.tool_calls import ToolCall, ToolCallStream
 
 __all__ = ["DSML_FORMATS", "DsmlCallStream", "DsmlFormat", "parse_dsml_calls", "render_dsml"]
 
@@ -278,39 +279,9 @@ def parse_dsml_calls(fmt: DsmlFormat, text: str) -> tuple[str, list[ToolCall]]:
     return content[:-2] if content.endswith("\n\n") else content, calls
 
 
-class DsmlCallStream:
-    """Content deltas of a streamed output whose end may hold DSML calls
-    (``model.tool_calls.ToolCallStream``'s interface)."""
+class DsmlCallStream(ToolCallStream):
+    """Content deltas of a streamed output whose end may hold DSML calls (after two newlines,
+    which are not content)."""
 
     def __init__(self, fmt: DsmlFormat) -> None:
-        self.fmt = fmt
-        self._marker = "\n\n" + fmt.calls_open
-        self._text = ""
-        self._sent = 0
-        self._calls_started = False
-
-    def feed(self, delta: str) -> str:
-        """Content that can go to the client now (a tail that may start the calls is held)."""
-        self._text += delta
-        if self._calls_started:
-            return ""
-        at = self._text.find(self.fmt.calls_open, self._sent)
-        if at >= 0:
-            self._calls_started = True
-            upto = at - 2 if self._text[:at].endswith("\n\n") else at
-        else:
-            upto = len(self._text)
-            for k in range(min(len(self._marker) - 1, len(self._text) - self._sent), 0, -1):
-                if self._text.endswith(self._marker[:k]):
-                    upto -= k
-                    break
-        upto = max(upto, self._sent)
-        out, self._sent = self._text[self._sent:upto], upto
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end of the output: the content still held back, and the calls."""
-        content, calls = parse_dsml_calls(self.fmt, self._text)
-        rest = content[self._sent:]
-        self._sent = len(self._text)
-        return rest, calls
+        super().__init__(fmt.calls_open, functools.partial(parse_dsml_calls, fmt), lead="\n\n")

@@ -73,9 +73,13 @@ def format_tool_calls(calls: list[dict]) -> str:
 
 
 class ToolCallStream:
-    """Content deltas of a streamed output whose end may hold tool calls."""
+    """Content deltas of a streamed output whose end may hold tool calls: the calls begin at
+    ``marker`` (after ``lead``, which is not content either) and ``parse`` splits a whole
+    output into its content and calls. DeepSeek-V3's markers by default."""
 
-    def __init__(self) -> None:
+    def __init__(self, marker: str = CALLS_BEGIN, parse=parse_tool_calls, lead: str = "") -> None:
+        self._marker, self._parse, self._lead = marker, parse, lead
+        self._held = lead + marker  # a tail that may still become this is held back
         self._text = ""
         self._sent = 0
         self._calls_started = False
@@ -85,22 +89,23 @@ class ToolCallStream:
         self._text += delta
         if self._calls_started:
             return ""
-        at = self._text.find(CALLS_BEGIN, self._sent)
+        at = self._text.find(self._marker, self._sent)
         if at >= 0:
             self._calls_started = True
-            upto = at
-        else:  # hold back a tail that may still become the marker
+            upto = at - len(self._lead) if self._lead and self._text[:at].endswith(self._lead) else at
+        else:
             upto = len(self._text)
-            for k in range(min(len(CALLS_BEGIN) - 1, len(self._text) - self._sent), 0, -1):
-                if self._text.endswith(CALLS_BEGIN[:k]):
+            for k in range(min(len(self._held) - 1, len(self._text) - self._sent), 0, -1):
+                if self._text.endswith(self._held[:k]):
                     upto -= k
                     break
-        out, self._sent = self._text[self._sent:upto], max(self._sent, upto)
+        upto = max(upto, self._sent)
+        out, self._sent = self._text[self._sent:upto], upto
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the output: the content still held back, and the calls."""
-        content, calls = parse_tool_calls(self._text)
+        content, calls = self._parse(self._text)
         rest = content[self._sent:]
         self._sent = len(self._text)
         return rest, calls
