@@ -33,7 +33,7 @@ from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.directory.base import DirectoryUnavailable
-from cachedir.hashing import chain_keys, read_secret
+from cachedir.hashing import chain_keys, read_secret, resume_key
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig, StoreLocked
@@ -273,8 +273,9 @@ class LLMServer:
 
     def explain(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> dict:
         """What the directory answers for a prompt now (``tide cache explain``): its unit keys
-        (hex), how many whole units precede its last token (``cacheable``), and the live holders
-        (node, tier) of each leading unit the directory finds."""
+        (hex), how many whole units precede its last token (``cacheable``), the live holders
+        (node, tier) of each leading unit the directory finds, and where the model needs a resume
+        record after the units it loads (V4), the key of the one after each cacheable unit."""
         prompt_ids = self._prompt_ids(prompt_ids, text)
         keys = self.unit_keys(prompt_ids, tenant)
         cacheable = min(len(keys), (len(prompt_ids) - 1) // UNIT_TOKENS)
@@ -287,7 +288,9 @@ class LLMServer:
                 listed = [[(h.node_id, h.tier) for h in hs] for hs in match.holders]
             except DirectoryUnavailable as e:
                 return {"keys": keys, "cacheable": cacheable, "listed": [], "directory_error": str(e)}
-        return {"keys": keys, "cacheable": cacheable, "listed": listed,
+        resume = [resume_key(self.engine.namespace_for(tenant).seed, bytes.fromhex(k)).hex() for k in keys[:cacheable]] \
+            if self.engine.kv.resumable else []
+        return {"keys": keys, "cacheable": cacheable, "listed": listed, "resume_keys": resume,
                 "directory": bool(self._directory_cfg.url)}
 
     def record_routing_stats(self) -> dict:

@@ -179,13 +179,17 @@ EXPLAIN_CLASSES = {
     "removed": "no node holds it; removed with `tide cache evict`",
     "damaged": "no node holds it; its file was found damaged and dropped",
     "never seen": "no node holds it or dropped it recently: never computed here, or long ago",
+    "no resume point": "found, but no node holds a resume record after it or a later found unit (a model "
+                       "whose window state is kept apart, DeepSeek-V4): computed from the last unit with one",
 }
 
 
 def explain_units(info: dict, nodes: dict[str, dict[str, list[str]]]) -> dict:
     """Classify each whole unit before a prompt's last token from the directory's answer
-    (``LLMServer.explain``: keys, cacheable, listed) and every node's (``CacheAgent.explain``:
-    tiers held, why dropped), as ``EXPLAIN_CLASSES`` names them."""
+    (``LLMServer.explain``: keys, cacheable, listed; ``resume_keys``, one a cacheable unit, for a
+    model that needs a resume record after the units it loads) and every node's
+    (``CacheAgent.explain`` of the cacheable keys, then the resume keys: tiers held, why dropped),
+    as ``EXPLAIN_CLASSES`` names them."""
     from cluster.request import UNIT_TOKENS
 
     units = []
@@ -201,6 +205,16 @@ def explain_units(info: dict, nodes: dict[str, dict[str, list[str]]]) -> dict:
             cls = next((why for why in ("evicted", "removed", "damaged") if why in gone.values()), "never seen")
         units.append({"index": i, "key": info["keys"][i], "tokens": [i * UNIT_TOKENS, (i + 1) * UNIT_TOKENS],
                       "class": cls, "listed": [{"node": n, "tier": t} for n, t in listed], "held": held, "gone": gone})
+    resume = info.get("resume_keys")
+    if resume:  # a found run is loadable up to its last unit that a resume record follows
+        run = next((i for i, u in enumerate(units) if u["class"] != "found"), len(units))
+        after = [any(a["tiers"][len(info["keys"][: info["cacheable"]]) + i] for a in nodes.values())
+                 for i in range(run)]
+        loadable = max((i + 1 for i in range(run) if after[i]), default=0)
+        for i, u in enumerate(units[:run]):
+            u["resume_record"] = after[i]
+            if i >= loadable:
+                u["class"] = "no resume point"
     summary = {cls: sum(u["class"] == cls for u in units) for cls in EXPLAIN_CLASSES}
     return {"whole_units": len(info["keys"]), "cacheable": info["cacheable"], "directory": info.get("directory", True),
             "directory_error": info.get("directory_error"), "summary": summary, "units": units}
@@ -226,7 +240,7 @@ def explain(
     info = server.explain.remote(ids, tenant=tenant, text=prompt).result(timeout_s=60)
     if not info["cacheable"]:
         raise typer.BadParameter("the prompt has no whole 64-token cache unit before its last token")
-    keys = info["keys"][: info["cacheable"]]
+    keys = info["keys"][: info["cacheable"]] + info.get("resume_keys", [])
     handles = agent_handles()
     nodes = dict(zip(handles, ray.get([h.explain.remote(keys) for h in handles.values()], timeout=120), strict=True))
     out = explain_units(info, nodes)

@@ -31,3 +31,17 @@ def test_a_unit_nobody_holds_or_dropped_was_never_seen_and_no_directory_lists_no
     nodes = {"a": {"tiers": ["", "ssd"], "gone": ["", ""]}}
     out = explain_units(info, nodes)
     assert [u["class"] for u in out["units"]] == ["never seen", "unlisted"] and out["directory"] is False
+
+
+def test_found_units_past_the_last_resume_record_are_no_resume_point():
+    """A V4 prompt's found run loads only up to its last unit that a resume record follows; the
+    found units after it are computed, and say why."""
+    keys = [f"{i:032x}" for i in range(4)]
+    resume = [f"{i:032x}" for i in range(100, 104)]
+    info = {"keys": keys, "cacheable": 4, "directory": True, "resume_keys": resume,
+            "listed": [[("a", "ssd")]] * 3}
+    nodes = {"a": {"tiers": ["ssd", "ssd", "ssd", "", "", "ram", "", ""], "gone": [""] * 8}}
+    out = explain_units(info, nodes)
+    assert [u["class"] for u in out["units"]] == ["found", "found", "no resume point", "never seen"]
+    assert [u.get("resume_record") for u in out["units"]] == [False, True, False, None]
+    assert out["summary"]["found"] == 2 and out["summary"]["no resume point"] == 1
