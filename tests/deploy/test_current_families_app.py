@@ -1,6 +1,7 @@
 """The Serve app (what ``tide up`` deploys) serving a DeepSeek-V3.2 and a DeepSeek-V4 checkpoint
 as transformers writes them: through HTTP, cold and from the prompt cache, the tokens are
-transformers' greedy ones."""
+transformers' greedy ones. V4's app splits prefill and decode (P/D): its prompts' KV (entry pages
+and the window state at their end) crosses to a decode replica."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def served(request, local_ray, tmp_path_factory):
 
     home = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, home / "ckpt", seed=11)
+    split = {"replicas": 1, "decode_replicas": 1, "replica_cpus": 0.5} if request.param.startswith("v4") else {}
     app = build_app({"checkpoint": str(home / "ckpt"), "model_name": request.param, "cache_dir": str(home / "cache"),
-                     "replica_cpus": 1, "num_pages": 128})
+                     "replica_cpus": 1, "num_pages": 128, **split})
     with serving(app, 120) as url:
         yield hf, request.param, url
 
