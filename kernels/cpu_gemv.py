@@ -184,13 +184,16 @@ def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def ref_moe_experts(
-    xs: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    xs: torch.Tensor, spans: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None
 ) -> torch.Tensor:
     """xs [R, H] sorted by expert; spans [A, 3] int64 (expert, lo, hi); gate_up [E, 2I, H];
-    down [E, H, I] -> ys [R, H], ys[lo:hi] = down_e(silu(gate_e(x)) * up_e(x))."""
+    down [E, H, I] -> ys [R, H], ys[lo:hi] = down_e(silu(gate_e(x)) * up_e(x)); with ``limit``
+    (DeepSeek-V4) gate clipped above at it and up to [-limit, limit] first."""
     ys = torch.zeros_like(xs)
     for expert, lo, hi in spans.tolist():
         g, u = F.linear(xs[lo:hi], gate_up[expert]).chunk(2, dim=-1)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         ys[lo:hi] = F.linear(F.silu(g) * u, down[expert])
     return ys
 
@@ -206,10 +209,11 @@ def moe_experts(
 
 
 def ref_moe_routed(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """x [T, H], ids [T, K] int64, weights [T, K] fp32, gate_up [E, 2I, H], down [E, H, I] ->
-    [T, H] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])."""
+    [T, H] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (``limit``: ``ref_moe_experts``')."""
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
@@ -217,18 +221,21 @@ def ref_moe_routed(
     ends = counts.cumsum(0)
     active = counts.nonzero()[:, 0]
     spans = torch.stack((active, ends[active] - counts[active], ends[active]), dim=1)
-    ys = ref_moe_experts(x.index_select(0, order // k), spans, gate_up, down)
+    ys = ref_moe_experts(x.index_select(0, order // k), spans, gate_up, down, limit)
     ys = ys * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, order // k, ys)
 
 
 def moe_routed(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``ref_moe_routed``; one call instead of a dozen small ops per layer."""
     mod = cpu_kernels()
     if mod is None:
-        return ref_moe_routed(x, ids, weights, gate_up, down)
+        return ref_moe_routed(x, ids, weights, gate_up, down, limit)
+    if limit is not None:
+        return mod.moe_routed_clipped(x, ids, weights, gate_up, down, limit)
     return mod.moe_routed(x, ids, weights, gate_up, down)
 
 

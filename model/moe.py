@@ -23,7 +23,7 @@ from kernels.fp8_gemm import moe_grouped_mlp_fp8
 from kernels.moe_grouped import moe_grouped_mlp
 from kernels.moe_route import moe_route_v3
 from model.config import ModelConfig
-from model.layers import SMALL_ROWS, SwiGLU, needs_grad, swiglu
+from model.layers import SMALL_ROWS, SwiGLU, needs_grad
 from model.quant import Fp8Weight, Q8Weight
 
 __all__ = ["ExpertExecutor", "ExpertWeights", "Gate", "LocalExpertExecutor", "MoE", "route"]
@@ -103,8 +103,13 @@ def grouped_expert_forward(
     num_slots = w.gate_up.shape[0]
     if t == 0:
         return torch.zeros_like(x)
-    if w.limit is not None:  # clipped SwiGLU (V4): the kernels compute the plain one
-        return _clipped_expert_forward(w, x, expert_ids, weights)
+    if w.limit is not None:  # clipped SwiGLU (V4): the CPU kernel at decode sizes, else expert by expert
+        gate_up, down = (m.dequantize() if isinstance(m, Fp8Weight | Q8Weight) else m for m in (w.gate_up, w.down))
+        small = t * k <= _GEMV_ROWS_PER_EXPERT * num_slots and x.dtype == torch.float32 and x.device.type == "cpu"
+        if small:
+            return moe_routed(x.contiguous(), expert_ids.contiguous(), weights.float().contiguous(), gate_up, down,
+                              w.limit)
+        return ref_moe_routed(x, expert_ids, weights.to(x.dtype), gate_up.to(x.dtype), down.to(x.dtype), w.limit)
     if isinstance(w.gate_up, Fp8Weight):  # e4m3 experts as the checkpoint stores them
         return moe_grouped_mlp_fp8(x, expert_ids, weights, w.gate_up.q, w.gate_up.scale, w.down.q, w.down.scale,
                                    w.gate_up.block)
@@ -126,28 +131,6 @@ def grouped_expert_forward(
     offs = torch.bincount(flat_ids, minlength=num_slots).cumsum(0).to(torch.int32)  # [E]
     g, u = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*K, I]
     ys = torch._grouped_mm(F.silu(g) * u, w.down.transpose(1, 2), offs=offs)  # [T*K, M]
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, token_idx, ys)
-
-
-def _clipped_expert_forward(w: ExpertWeights, x: torch.Tensor, expert_ids: torch.Tensor,
-                            weights: torch.Tensor) -> torch.Tensor:
-    """``grouped_expert_forward`` with the SwiGLU clipped at ``w.limit``: each active expert on
-    its sorted rows (weights of any storage dequantized for the call)."""
-    gate_up, down = (m.dequantize() if isinstance(m, Fp8Weight | Q8Weight) else m for m in (w.gate_up, w.down))
-    k = expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)
-    order = flat.argsort(stable=True)  # [T*K]
-    token_idx = order // k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    xs = x.index_select(0, token_idx)  # [T*K, M]
-    ys = torch.empty_like(xs)
-    at = 0
-    for e, n in enumerate(counts):
-        if n:
-            g, u = F.linear(xs[at : at + n], gate_up[e].to(x.dtype)).chunk(2, dim=-1)
-            ys[at : at + n] = F.linear(swiglu(g, u, w.limit), down[e].to(x.dtype))
-            at += n
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token_idx, ys)
 

@@ -151,6 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M,K] @ w[N,K]^T for small M (fp32)");
   m.def("moe_experts", &moe_experts, "routed experts over expert-sorted rows (fp32)");
   m.def("moe_routed", &moe_routed, "group by expert, run, and combine weighted outputs (fp32)");
+  m.def("moe_routed_clipped", &moe_routed_clipped, "moe_routed with DeepSeek-V4's clipped SwiGLU (fp32)");
   m.def("small_linear_q8", &small_linear_q8, "x [M,K] @ (q[N,K] * scale)^T for small M (int8 weights)");
   m.def("moe_routed_q8", &moe_routed_q8, "moe_routed with int8 expert weights and group scales");
   m.def("mla_decode_paged", &mla_decode_paged, "absorbed MLA decode over a paged latent pool (fp32)");

@@ -234,17 +234,26 @@ void per_expert_linear(const float* in, const int64_t* s, int64_t A, int64_t K, 
   });
 }
 
-// ys[lo:hi] = down_e(silu(gate_e(xs[lo:hi])) * up_e(xs[lo:hi])) for every span (e, lo, hi).
+// ys[lo:hi] = down_e(silu(gate_e(xs[lo:hi])) * up_e(xs[lo:hi])) for every span (e, lo, hi); with a
+// finite ``limit`` (DeepSeek-V4) the gate is clipped above at it and the up to [-limit, limit] first.
 void run_experts(const float* xp, const int64_t* s, int64_t A, int64_t R, int64_t H, int64_t I,
-                 const ExpertMats& gate_up, const ExpertMats& down, float* yp) {
+                 const ExpertMats& gate_up, const ExpertMats& down, float* yp, float limit = INFINITY) {
   const int64_t I2 = 2 * I;
   std::vector<float> h(R * I2), act(R * I);
   per_expert_linear(xp, s, A, H, gate_up, I2, h.data());
+  const bool clip = std::isfinite(limit);
   for (int64_t r = 0; r < R; ++r) {
     const float* g = h.data() + r * I2;
     const float* u = g + I;
     float* o = act.data() + r * I;
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    if (clip) {
+      for (int64_t i = 0; i < I; ++i) {
+        const float gi = std::min(g[i], limit), ui = std::min(std::max(u[i], -limit), limit);
+        o[i] = gi / (1.f + std::exp(-gi)) * ui;
+      }
+    } else {
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
   }
   per_expert_linear(act.data(), s, A, I, down, H, yp);
 }
@@ -266,7 +275,7 @@ void check_experts(const at::Tensor& gate_up, const at::Tensor& down, int64_t H)
 // The whole routed-expert step for a few tokens: group (token, k) pairs by expert (counting
 // sort), run each active expert once, and sum the weighted outputs per token.
 at::Tensor routed(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, int64_t E,
-                     int64_t I, const ExpertMats& gate_up, const ExpertMats& down) {
+                     int64_t I, const ExpertMats& gate_up, const ExpertMats& down, float limit = INFINITY) {
   check_f32(x, "x");
   check_f32(weights, "weights");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
@@ -288,7 +297,8 @@ at::Tensor routed(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& 
   std::vector<float> xs(R * H), ys(R * H);
   const float* xp = x.data_ptr<float>();
   for (int64_t j = 0; j < R; ++j) std::copy_n(xp + (j / K) * H, H, xs.data() + row_of[j] * H);
-  run_experts(xs.data(), spans.data(), static_cast<int64_t>(spans.size() / 3), R, H, I, gate_up, down, ys.data());
+  run_experts(xs.data(), spans.data(), static_cast<int64_t>(spans.size() / 3), R, H, I, gate_up, down, ys.data(),
+              limit);
   auto out = at::zeros({T, H}, x.options());
   float* op = out.data_ptr<float>();
   const float* wp = weights.data_ptr<float>();
@@ -345,6 +355,15 @@ at::Tensor moe_routed(at::Tensor x, at::Tensor ids, at::Tensor weights,
                          at::Tensor gate_up, at::Tensor down) {
   check_experts(gate_up, down, x.size(1));
   return routed(x, ids, weights, gate_up.size(0), gate_up.size(1) / 2, f32_mats(gate_up), f32_mats(down));
+}
+
+// moe_routed with the SwiGLU clipped at ``limit`` (DeepSeek-V4's experts).
+at::Tensor moe_routed_clipped(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up,
+                                 at::Tensor down, double limit) {
+  check_experts(gate_up, down, x.size(1));
+  TORCH_CHECK(limit > 0, "limit must be > 0, got ", limit);
+  return routed(x, ids, weights, gate_up.size(0), gate_up.size(1) / 2, f32_mats(gate_up), f32_mats(down),
+                static_cast<float>(limit));
 }
 
 // The same with int8 experts: gate_up_q [E, 2I, H] with scales [E, 2I, H / G1], down_q [E, H, I]

@@ -24,6 +24,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor logits, c10::optional<at
 at::Tensor moe_routed(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up,
                          at::Tensor down);
 
+at::Tensor moe_routed_clipped(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up,
+                              at::Tensor down, double limit);
 at::Tensor moe_routed_q8(at::Tensor x, at::Tensor ids, at::Tensor weights, at::Tensor gate_up_q,
                             at::Tensor gate_up_scale, at::Tensor down_q, at::Tensor down_scale);
 

@@ -85,6 +85,11 @@ def test_moe_routed_matches_reference(t, k, e, hidden, inter):
                                ref_moe_routed(x, ids, weights, gate_up, down), atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="expert id"):
         cpu_kernels().moe_routed(x, ids + e, weights, gate_up, down)
+    # DeepSeek-V4's clipped SwiGLU: a limit that clips many gate and up values changes the output
+    loud = gate_up * 40
+    clipped = ref_moe_routed(x, ids, weights, loud, down, limit=0.5)
+    torch.testing.assert_close(moe_routed(x, ids, weights, loud, down, limit=0.5), clipped, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(clipped, ref_moe_routed(x, ids, weights, loud, down), atol=1e-3)
 
 
 @pytest.mark.parametrize("k, group", [(256, 128), (60, 128), (512, 64)])
