@@ -26,7 +26,9 @@ from model.v4.config import CSA, V4Config
 from model.v4.kv import HybridKVPool, entry_slots
 from model.v4.layers import Rope, rms_unweighted, rope_tail
 
-__all__ = ["Attention", "AttentionWeights", "CompressorWeights", "IndexerWeights", "Segment"]
+__all__ = ["Attention", "AttentionWeights", "CompressorWeights", "IndexerWeights", "QUERY_BLOCK", "Segment"]
+
+QUERY_BLOCK = 256  # a prefill chunk's queries attend this many at a time, each block over its own window
 
 
 @dataclass(slots=True)
@@ -180,19 +182,28 @@ class Attention:
     # -- attention of one segment ----------------------------------------------------------
     def _attend(self, q: torch.Tensor, s: Segment, pool: HybridKVPool, indexer) -> torch.Tensor:
         """q [T, H, D] of segment ``s`` -> [T, H, D]: over the window rows and the visible
-        (CSA: selected) compressed entries, with the sink."""
+        (CSA: selected) compressed entries, with the sink; ``QUERY_BLOCK`` queries at a time, each
+        block reading only its window's rows."""
+        out = torch.empty_like(q)
+        for lo in range(0, q.shape[0], QUERY_BLOCK):
+            rows = slice(lo, lo + QUERY_BLOCK)
+            block = None if indexer is None else (indexer[0][rows], indexer[1][rows])
+            out[rows] = self._attend_block(q[rows], s.positions[rows], s, pool, block)
+        return out
+
+    def _attend_block(self, q: torch.Tensor, positions: torch.Tensor, s: Segment, pool: HybridKVPool,
+                      indexer) -> torch.Tensor:
         cfg, page = self.cfg, pool.page_size
-        lo = max(0, s.start - cfg.sliding_window + 1)
-        key_pos = torch.arange(lo, s.end, device=s.table.device)  # [Sw]
+        first, last = int(positions[0]), int(positions[-1])
+        key_pos = torch.arange(max(0, first - cfg.sliding_window + 1), last + 1, device=s.table.device)  # [Sw]
         keys = pool.planes["swa"][self.layer_idx].index_select(0, slots_for(s.window, key_pos, page))  # [Sw, D]
-        qp = s.positions[:, None]
-        mask = (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - cfg.sliding_window)  # [T, Sw]
+        qp = positions[:, None]
+        mask = (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - cfg.sliding_window)  # [Tb, Sw]
         if self.ratio:
-            num = s.end // self.ratio
-            entries = torch.arange(num, device=s.table.device)
+            entries = torch.arange((last + 1) // self.ratio, device=s.table.device)  # those closed by the block's end
             at = entry_slots(s.table, entries, self.ratio, page)
             k = pool.plane_idx[self.layer_idx]
-            visible = entries[None, :] < (qp + 1) // self.ratio  # [T, E]
+            visible = entries[None, :] < (qp + 1) // self.ratio  # [Tb, E]
             if self.kind == CSA:
                 ikeys = pool.planes["csa_ik"][k].index_select(0, at)
                 visible = select_top_k(*indexer, ikeys, visible, cfg.index_topk, cfg.index_head_dim**-0.5)
@@ -201,8 +212,8 @@ class Attention:
                 keys = torch.cat((keys, pool.planes["hca_kv"][k].index_select(0, at)))
             mask = torch.cat((mask, visible), dim=1)
         keys = keys.to(q.dtype)
-        logits = torch.einsum("thd,sd->hts", q, keys) * self.scale  # [H, T, S]
-        logits = logits.masked_fill(~mask[None], float("-inf"))
+        logits = torch.einsum("thd,sd->hts", q, keys).mul_(self.scale)  # [H, Tb, S]
+        logits.masked_fill_(~mask[None], float("-inf"))
         sink = self.w.sink.to(logits.dtype)[:, None, None].expand(-1, logits.shape[1], 1)
         combined = torch.cat((logits, sink), dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values

@@ -86,3 +86,15 @@ def test_a_chunk_and_a_decode_batch_in_one_pass_equal_them_apart(pair):
         results.append((chunk_logits, batch_logits))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=0)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=0)
+
+
+def test_a_long_prompt_in_query_blocks_gives_the_whole_prompts_logits(pair, monkeypatch):
+    """V4 attends a chunk's queries a block at a time, each over its own window: blocks of 64
+    across 300 tokens (every block boundary inside windows) give transformers' logits."""
+    hf, ours = pair
+    monkeypatch.setattr("model.v4.attention.QUERY_BLOCK", 64)
+    ids = _prompt(300, ours.cfg.vocab_size, seed=9)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    got = ours.prefill(ids, ours.new_pool(20, 16), torch.arange(20), all_logits=True)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
