@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.index_topk import index_topk
 from model.dsa import select_top_k
 from model.kv_cache import slots_for
 from model.layers import linear, rms_norm
@@ -84,8 +85,9 @@ def _pool_entries(kv: torch.Tensor, gate: torch.Tensor, norm: torch.Tensor, eps:
 
 
 class Attention:
-    def __init__(self, cfg: V4Config, layer_idx: int, w: AttentionWeights, rope: Rope) -> None:
+    def __init__(self, cfg: V4Config, layer_idx: int, w: AttentionWeights, rope: Rope, impl: str = "ref") -> None:
         self.cfg, self.layer_idx, self.w, self.rope = cfg, layer_idx, w, rope
+        self.impl = impl  # the indexer top-k's kernel at decode (kernels.index_topk)
         self.kind = cfg.layer_types[layer_idx]
         self.ratio = cfg.ratio(layer_idx)
         self.scale = cfg.head_dim**-0.5
@@ -114,9 +116,15 @@ class Attention:
                 iq = rope_tail(linear(q_resid, w.indexer.wq_b).view(n, gi, di), icos, isin).float()  # [N, G, I]
                 iw = F.linear(x.float(), w.indexer.weights_proj.float()) * gi**-0.5  # [N, G]
         out = torch.empty_like(q)
+        singles = [s for s in segments if s.rows.stop - s.rows.start == 1]  # decode rows: attended together
         for s in segments:
-            sel = None if iq is None else (iq[s.rows], iw[s.rows])
-            out[s.rows] = self._attend(q[s.rows], s, pool, sel)
+            if s.rows.stop - s.rows.start > 1:
+                sel = None if iq is None else (iq[s.rows], iw[s.rows])
+                out[s.rows] = self._attend(q[s.rows], s, pool, sel)
+        if singles:
+            at = torch.tensor([s.rows.start for s in singles], device=q.device)
+            sel = None if iq is None else (iq[at], iw[at])
+            out[at] = self._attend_rows(q[at], singles, pool, sel)
         o = rope_tail(out, cos, sin, inverse=True).reshape(n, cfg.o_groups, -1)  # [N, groups, H*D/groups]
         wo_a = w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)  # [groups, o_lora, H*D/groups]
         o = torch.einsum("ngk,glk->ngl", o, wo_a.to(o.dtype)).flatten(1)  # [N, groups*o_lora]
@@ -219,3 +227,42 @@ class Attention:
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = combined.softmax(dim=-1)[..., :-1]
         return torch.einsum("hts,sd->thd", probs, keys)
+
+    def _attend_rows(self, q: torch.Tensor, rows: list[Segment], pool: HybridKVPool, indexer) -> torch.Tensor:
+        """q [B, H, D] of B one-token segments (decode rows) -> [B, H, D], all at once: each over
+        its window's rows and its visible entries (CSA: the indexer's top-k, read in place)."""
+        cfg, page, dev = self.cfg, pool.page_size, q.device
+        pos = torch.cat([s.positions for s in rows])  # [B]
+        window = torch.stack([s.window for s in rows])  # [B, pages]
+        key_pos = pos[:, None] - torch.arange(cfg.sliding_window - 1, -1, -1, device=dev)  # [B, W], the row last
+        valid = key_pos >= 0
+        slots = slots_for(window, key_pos.clamp(min=0), page)
+        keys = pool.planes["swa"][self.layer_idx].index_select(0, slots.reshape(-1)).view(*slots.shape, -1)  # [B, W, D]
+        mask = valid
+        if self.ratio:
+            k = pool.plane_idx[self.layer_idx]
+            num = (pos + 1) // self.ratio  # [B] entries closed by each row's token
+            width = max(1, int(num.max()))
+            entries = torch.arange(width, device=dev).expand(len(rows), width)
+            table = torch.stack([s.table for s in rows])  # [B, pages]
+            per_page = max(1, page // self.ratio)
+            at = table.gather(1, ((entries + 1) * self.ratio - 1).clamp(max=table.shape[1] * page - 1) // page) \
+                * per_page + entries % per_page  # [B, E]
+            seen = entries < num[:, None]
+            if self.kind == CSA:  # the indexer's top-k of each row's entries, then only those
+                picked = index_topk(*indexer, pool.planes["csa_ik"][k], at, num, cfg.index_topk,
+                                    cfg.index_head_dim**-0.5, self.impl)  # [B, K]
+                at, seen = at.gather(1, picked.clamp(min=0)), picked >= 0
+                plane = pool.planes["csa_kv"][k]
+            else:
+                plane = pool.planes["hca_kv"][k]
+            keys = torch.cat((keys, plane.index_select(0, at.reshape(-1)).view(*at.shape, -1)), dim=1)
+            mask = torch.cat((mask, seen), dim=1)
+        keys = keys.to(q.dtype)
+        logits = torch.einsum("bhd,bsd->bhs", q, keys).mul_(self.scale)  # [B, H, S]
+        logits.masked_fill_(~mask[:, None], float("-inf"))
+        sink = self.w.sink.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
+        combined = torch.cat((logits, sink), dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1)[..., :-1]
+        return torch.einsum("bhs,bsd->bhd", probs, keys)

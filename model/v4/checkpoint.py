@@ -179,7 +179,7 @@ def build_v4(cfg: V4Config, sd: dict[str, torch.Tensor], impl: str = "auto") -> 
         if kind == CSA:
             w.indexer = IndexerWeights(sd[a + "indexer.wq_b.weight"], sd[a + "indexer.weights_proj.weight"],
                                        _compressor_weights(sd, a + "indexer.compressor."))
-        attn = Attention(cfg, i, w, ropes["main" if kind == "sliding_attention" else "compress"])
+        attn = Attention(cfg, i, w, ropes["main" if kind == "sliding_attention" else "compress"], kernels_impl)
         gate = V4Gate(sd[f + "gate.weight"], sd.get(f + "gate.bias"), sd.get(f + "gate.tid2eid"))
         shared = None
         if cfg.n_shared_experts:
