@@ -110,6 +110,10 @@ class V4Config:
         return 0
 
     @property
+    def n_group(self) -> int:
+        return 1  # V4 routes without expert groups (EPLB's hierarchy then has one group)
+
+    @property
     def window_keep(self) -> int:
         """Positions behind the next token whose per-token rows going on reads: its window, the
         compressor inputs of the entries it may close (two CSA windows, one HCA window)."""
