@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels.cpu_gemv import cpu_kernels
 
-__all__ = ["index_topk", "ref_index_topk", "top_k_earliest", "triton_index_scores"]
+__all__ = ["index_topk", "kept_indices", "ref_index_topk", "top_k_earliest", "triton_index_scores"]
 
 
 def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -38,11 +38,11 @@ def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tied & (tied.cumsum(dim=-1) <= room))
 
 
-def _indices(keep: torch.Tensor, k: int) -> torch.Tensor:
+def kept_indices(keep: torch.Tensor, k: int) -> torch.Tensor:
     """bool [B, S] with at most k per row -> their indices [B, k] ascending, -1 after."""
     s = keep.shape[1]
     pos = torch.arange(s, device=keep.device).expand_as(keep)
-    ranked = torch.where(keep, pos, s + pos).sort(dim=-1).values[:, :k]  # kept first, in order
+    ranked = torch.where(keep, pos, s + pos).topk(min(k, s), dim=-1, largest=False).values  # kept first, in order
     out = torch.where(ranked < s, ranked, torch.full_like(ranked, -1))
     if out.shape[1] < k:
         out = torch.cat((out, out.new_full((out.shape[0], k - out.shape[1]), -1)), dim=1)
@@ -52,7 +52,7 @@ def _indices(keep: torch.Tensor, k: int) -> torch.Tensor:
 def _select(scores: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
     real = torch.arange(scores.shape[1], device=scores.device)[None, :] < lens[:, None]
     scores = scores.masked_fill(~real, float("-inf"))
-    return _indices(top_k_earliest(scores, k) & real, k)
+    return kept_indices(top_k_earliest(scores, k) & real, k)
 
 
 def ref_index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 
 from kernels import Impl
 from kernels.cpu_gemv import cpu_kernels
-from kernels.index_topk import index_topk
+from kernels.index_topk import index_topk, kept_indices
 from model.config import ModelConfig
 from model.cpu_step import CpuStep
 from model.dsa import Indexer
@@ -80,6 +80,17 @@ class DeepseekModel:
         float32 CPU model the C++ one (``kernels.cpu_gemv``) when it is built; None: gather."""
         if self.cfg.index_topk:  # V3.2: the indexer's selection runs over gathered keys
             return None
+        if self.impl == "triton":
+            return "triton"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
+            return "cpu"
+        return None
+
+    @property
+    def sparse_kernel(self) -> str | None:
+        """The kernel that attends V3.2's queries over their chosen latents in place (each
+        query's latents a table of one-token pages): Triton's, or the C++ one on a float32 CPU
+        model; None: torch over gathered latents."""
         if self.impl == "triton":
             return "triton"
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
@@ -315,6 +326,17 @@ def _attend_parts(i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tenso
     return attn.output(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
+def _attend_picked(attn: MLA, q_nope: torch.Tensor, q_rope: torch.Tensor, pool: LatentKVPool, i: int,
+                   slots: torch.Tensor, kept: torch.Tensor, kernel: str | None) -> torch.Tensor:
+    """[R, H, V]: each of R queries over its own chosen latents of layer ``i`` (``slots`` [R, K],
+    ``kept`` [R, K] bool, the kept ones first): the paged kernel with a one-token page per
+    latent, or torch over the gathered latents."""
+    if kernel is not None:
+        return attn.attend_paged(q_nope, q_rope, pool.data[i], slots, kept.sum(dim=1), 1, kernel)
+    latents = pool.read(i, slots)  # [R, K, D]
+    return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, kept[:, None])[:, 0]
+
+
 _NO_TABLES, _NO_LENS = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)  # a pass with no decode rows
 
 
@@ -346,6 +368,7 @@ class _Chunk:
     paged: str | None  # absorbed chunk read in place: "cpu" (all queries at once) | "triton" (a row per query)
     mask: torch.Tensor | None = None  # [1, T, S] (absorbed path over a gather, built on first use)
     row_tables: torch.Tensor | None = None  # [T, pages] (paged path, built on first use)
+    sparse_kernel: str | None = None  # V3.2: ``DeepseekModel.sparse_kernel``
 
     @classmethod
     def build(cls, model: DeepseekModel, token_ids, block_table, start: int, page_size: int, attn: AttnPath) -> _Chunk:
@@ -370,7 +393,7 @@ class _Chunk:
         if paged == "triton" and t > MQA_MAX_QUERIES:
             paged = None
         return cls(model.embed[token_ids], t, start, span[start:], span, all_slots, all_slots[start:], cos, sin,
-                   attn, block_table, paged)
+                   attn, block_table, paged, sparse_kernel=model.sparse_kernel if model.cfg.index_topk else None)
 
     def attend(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool, sparse=None) -> torch.Tensor:
         """[T, H, V]: the chunk's queries over its sequence's latents in layer ``i`` (written).
@@ -397,9 +420,13 @@ class _Chunk:
     def _attend_sparse(self, i: int, attn: MLA, q_nope, q_rope, latent, pool: LatentKVPool, indexer: Indexer,
                        iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
         """[T, H, V] over each query's top-K keys of the sequence (DeepSeek Sparse Attention)."""
-        latents = latent if self.start == 0 else pool.read(i, self.all_slots)  # [S, D]
         visible = self.span[None, :] <= self.positions[:, None]  # [T, S]
         keep = indexer.select(iq, iw, pool.read_index(i, self.all_slots), visible)  # [T, S]
+        if self.sparse_kernel is not None:  # each query over only its chosen latents, in place
+            picked = kept_indices(keep, indexer.topk)  # [T, K]
+            return _attend_picked(attn, q_nope, q_rope, pool, i, self.all_slots[picked.clamp(min=0)], picked >= 0,
+                                  self.sparse_kernel)
+        latents = latent if self.start == 0 else pool.read(i, self.all_slots)  # [S, D]
         if self.attn == "naive":
             return attn.attend_naive(q_nope, q_rope, latents, self.start, mask=keep)
         return attn.attend_absorbed(q_nope[None], q_rope[None], latents[None], keep[None])[0]
@@ -421,6 +448,7 @@ class _DecodeBatch:
     read_slots: torch.Tensor | None = None  # [B, S] (torch path)
     mask: torch.Tensor | None = None  # [B, 1, S] (torch path)
     impl: str = "ref"  # the model's kernels (V3.2's indexer top-k: Triton's, or the CPU's)
+    sparse_kernel: str | None = None  # V3.2: ``DeepseekModel.sparse_kernel``
 
     @classmethod
     def build(cls, model: DeepseekModel, token_ids, block_tables, positions, page_size: int, attn: AttnPath,
@@ -438,7 +466,8 @@ class _DecodeBatch:
         new_slots = slots_for(block_tables, positions[:, None], page_size)[:, 0]
         cos, sin = model.rope.cos_sin(positions, model.dtype, top=max_len)
         batch = cls(model.embed[token_ids], positions, block_tables, new_slots, cos, sin, attn,
-                    model.paged_kernel if attn == "absorbed" else None, impl=model.impl)
+                    model.paged_kernel if attn == "absorbed" else None, impl=model.impl,
+                    sparse_kernel=model.sparse_kernel if model.cfg.index_topk else None)
         if not batch.paged:
             span = torch.arange(max_len, device=dev)  # [S]
             batch.read_slots = slots_for(block_tables, span.expand(b, max_len).contiguous(), page_size)
@@ -459,8 +488,8 @@ class _DecodeBatch:
             indexer, iq, iw = sparse
             picked = index_topk(iq, iw, pool.index_k[i], self.read_slots, self.lens(), indexer.topk, indexer.scale,
                                 self.impl)  # [B, K], -1 past a short row's keys
-            latents = pool.read(i, self.read_slots.gather(1, picked.clamp(min=0)))  # [B, K, D]
-            return attn.attend_absorbed(q_nope[:, None], q_rope[:, None], latents, (picked >= 0)[:, None])[:, 0]
+            return _attend_picked(attn, q_nope, q_rope, pool, i, self.read_slots.gather(1, picked.clamp(min=0)),
+                                  picked >= 0, self.sparse_kernel)
         if self.paged:
             return attn.attend_paged(q_nope, q_rope, pool.data[i], self.block_tables, self.lens(), pool.page_size,
                                      self.paged)
