@@ -134,3 +134,35 @@ def test_a_long_v4_sequence_holds_its_entries_and_a_window_of_fixed_size(model):
     assert max(held) <= -(-(eng.kv.keep + 128) // z) + 2  # a chunk's rows and the window behind it
     assert max(held[-100:]) <= -(-eng.kv.keep // z) + 2  # decoding: the window alone
     assert eng.kv.num_window_pages < eng.kv.num_pages  # the pool's rows are sized for windows, not tokens
+
+
+def test_units_from_another_nodes_agent_give_the_computed_tokens(model, tmp_path):
+    """Two nodes' cache agents (real gRPC, one directory): a replica on node B loads the prompt's
+    units (and V4's resume record) that node A computed, from A's agent."""
+    from cachedir.agent.client import AgentClient
+    from cachedir.agent.cluster_cache import ClusterCache
+    from cachedir.agent.node_agent import AgentConfig, NodeAgent
+    from cachedir.agent.service import ServerConfig
+    from cachedir.directory.memory import MemoryDirectory
+    from cachedir.node_cache import CacheConfig
+    from cachedir.store import StoreConfig
+
+    directory = MemoryDirectory("families")
+    agents = [NodeAgent(AgentConfig(name, CacheConfig(StoreConfig(tmp_path / name, 1 << 30, fsync=False), ram_bytes=0),
+                                    ServerConfig(host="127.0.0.1"), heartbeat_ttl_s=60, sync_every_s=3600,
+                                    replication=None), directory) for name in ("node-a", "node-b")]
+    caches = [ClusterCache(a.node_id, AgentClient(a.address), directory, AgentClient) for a in agents]
+    try:
+        prompt = _prompt(300, 8)
+        ref = _ref(model, prompt, 10)
+        assert _tokens(_run(_engine(model, caches[0]), [GenerationRequest("a", prompt, 10)])["a"]) == ref
+        caches[0].flush()
+        agents[0].cache.flush()
+        agents[0].sync_once()
+        out = _run(_engine(model, caches[1]), [GenerationRequest("b", prompt, 10)])["b"]
+        assert _tokens(out) == ref and out[-1].sources.remote == 256
+    finally:
+        for c in caches:
+            c.close()
+        for a in agents:
+            a.close()
