@@ -38,7 +38,7 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
     return q, scales
 
 
-def make_fp8_checkpoint(src, out, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+def make_fp8_checkpoint(src, out, block: tuple[int, int], quantized: re.Pattern = QUANTIZED) -> dict[str, torch.Tensor]:
     """``src``'s weights quantized into ``out`` as two shards with an index; returns the
     dequantized state dict (what the fp8 checkpoint stands for)."""
     with safe_open(src / "model.safetensors", "pt") as f:
@@ -46,7 +46,7 @@ def make_fp8_checkpoint(src, out, block: tuple[int, int]) -> dict[str, torch.Ten
     shards: list[dict[str, torch.Tensor]] = [{}, {}]
     dequantized = {}
     for i, (name, t) in enumerate(sorted(sd.items())):
-        if QUANTIZED.search(name) and t.dim() == 2:
+        if quantized.search(name) and t.dim() == 2:
             q, s = quantize_fp8(t, block)
             shards[i % 2][name] = q
             shards[(i + i // 2) % 2][name + "_scale_inv"] = s  # the scales in the same shard or the other
@@ -294,3 +294,24 @@ def test_fp8_weights_kept_compute_in_a_cache_namespace_of_their_own(fp8):
     kept, dense = (cache_namespace(cfg, digest, torch.bfloat16, weights=weights_form(ckpt, "cuda", fp8_weights=f))
                    for f in ("auto", "dequantize"))
     assert kept.seed != dense.seed
+
+
+def test_a_v32_fp8_checkpoint_with_its_indexer_in_fp8_gives_transformers_logits(tmp_path):
+    """DeepSeek-V3.2 as published: the indexer's query and key projections in e4m3 too (its head
+    weights not); dequantized at load, the logits are transformers' on those weights."""
+    src, out, ref = tmp_path / "fp32", tmp_path / "fp8", tmp_path / "dequantized"
+    make_hf_checkpoint("v32_sparse_yarn", src)
+    dequantized = make_fp8_checkpoint(src, out, (16, 16), re.compile(r"((?<!weights_)proj|indexer\.wq_b|indexer\.wk)\.weight$"))
+    stored = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.endswith("indexer.wk.weight_scale_inv") for n in stored)
+    assert not any(n.endswith("weights_proj.weight_scale_inv") for n in stored)
+    ref.mkdir()
+    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    (ref / "config.json").write_text((src / "config.json").read_text())
+    hf = transformers.DeepseekV32ForCausalLM.from_pretrained(ref, torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 160, (90,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    ours = load_model(out)
+    torch.testing.assert_close(ours.prefill(ids, ours.new_pool(8, 16), torch.arange(8), all_logits=True), want,
+                               atol=1e-4, rtol=0)
