@@ -244,15 +244,16 @@ def test_the_gloo_transport_moves_a_rounds_bytes_as_the_in_process_one(setup):
     assert ended[1:] == ["stop"] * SHARDS
 
 
-@pytest.mark.parametrize("wire,config", [(Wire(), "tiny"), (Wire("fp8", "bf16"), "tiny"), (Wire(), "tiny-v4")],
-                         ids=["native", "fp8", "v4"])
+@pytest.mark.parametrize("wire,config", [(Wire(), "tiny"), (Wire("fp8", "bf16"), "tiny"), (Wire(), "tiny-v3.2"),
+                                         (Wire(), "tiny-v4")], ids=["native", "fp8", "v3.2", "v4"])
 def test_the_model_over_ep_shards_gives_the_local_models_logits(wire, config):
     """The tiny V3 model (weights of std 0.02, as trained models have) with its routed experts on
     three in-process shards: with the model's dtype on the wire its logits equal the local
     model's (1e-4); with FP8 dispatch and BF16 combine they stay within 12% (norm: a random
     model amplifies rounding, BF16 combine alone costs it about 5%) and the greedy token is the
-    same at every position whose margin exceeds twice the largest logit difference. The tiny V4
-    model too: its hash-routed layers and clipped experts go over the shards like the others."""
+    same at every position whose margin exceeds twice the largest logit difference. The tiny V3.2
+    and V4 models too (V4's hash-routed layers and clipped experts go over the shards like the
+    others)."""
     from model.checkpoint import build_model, random_state_dict
     from model.config import named_config
 

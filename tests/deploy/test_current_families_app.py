@@ -9,7 +9,8 @@ import httpx
 import pytest
 import torch
 
-from model.tokenizer import ByteTokenizer
+from model.dsml import DSML_FORMATS, render_dsml
+from model.tokenizer import load_tokenizer
 from tests.model.hf_checkpoints import make_hf_checkpoint
 
 pytestmark = pytest.mark.ray
@@ -24,22 +25,60 @@ def served(request, local_ray, tmp_path_factory):
 
     home = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, home / "ckpt", seed=11)
+    _word_tokenizer(home / "ckpt", hf.config.vocab_size)  # DeepSeek's chat tokens, no template: the encoding renders
     split = {"replicas": 1, "decode_replicas": 1, "replica_cpus": 0.5} if request.param.startswith("v4") else {}
     app = build_app({"checkpoint": str(home / "ckpt"), "model_name": request.param, "cache_dir": str(home / "cache"),
                      "replica_cpus": 1, "num_pages": 128, **split})
     with serving(app, 120) as url:
-        yield hf, request.param, url
+        yield hf, request.param, url, home / "ckpt"
+
+
+SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
+
+
+def _word_tokenizer(ckpt, vocab: int) -> None:
+    """A word-level tokenizer of fewer than ``vocab`` tokens with DeepSeek's chat tokens (the
+    checkpoints' random models read ids below ``vocab`` only)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", *SPECIALS, "Tide", "at", "Brest", "?", "high", "low"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS)
+    assert tok.get_vocab_size() < vocab
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"bos_token": SPECIALS[0], "eos_token": SPECIALS[1]}))
 
 
 def test_cold_and_cached_completions_are_transformers_greedy_tokens(served):
-    hf, name, url = served
+    hf, name, url, _ = served
     prompt = torch.randint(2, hf.config.vocab_size, (150,), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
         want = hf.generate(prompt[None], attention_mask=torch.ones(1, 150, dtype=torch.long), max_new_tokens=16,
                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, 150:].tolist()
     body = {"model": name, "prompt": prompt.tolist(), "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     cold, hit = (httpx.post(url + "/v1/completions", json=body, timeout=120).json() for _ in range(2))
-    text = ByteTokenizer().decode(want)
+    text = load_tokenizer(served[3]).decode(want)
     assert cold["choices"][0]["text"] == text and hit["choices"][0]["text"] == text
     assert cold["usage"]["prompt_cache_hit_tokens"] == 0
     assert hit["usage"]["prompt_cache_hit_tokens"] == 128  # two whole units of the 150-token prompt
+
+
+def test_a_chat_is_rendered_by_the_models_encoding_with_thinking_and_tools(served):
+    """A V3.2 or V4 checkpoint without a chat template: the chat route renders its messages by
+    that model's encoding rules, thinking on as chat_template_kwargs asks, tools in the system
+    prompt (the prompt's ids, read back from its prompt logprobs, are that text's)."""
+    hf, name, url, ckpt = served
+    messages = [{"role": "user", "content": "Tide at Brest ?"}]
+    tools = [{"type": "function", "function": {"name": "tide", "parameters": {"type": "object"}}}]
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": name, "messages": messages, "tools": tools, "max_tokens": 1, "temperature": 0,
+        "chat_template_kwargs": {"thinking": True}, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    got = [int(next(iter(p))) if p else None for p in r.json()["prompt_logprobs"]]
+    tok = load_tokenizer(ckpt)
+    fmt = DSML_FORMATS["v4" if name.startswith("v4") else "v3.2"]
+    want = tok.encode(render_dsml(fmt, messages, tools, thinking=True))
+    assert got[1:] == want[1:] and want[-2:] == [tok.encode(t)[0] for t in ("<｜Assistant｜>", "<think>")]
