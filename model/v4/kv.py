@@ -3,13 +3,15 @@
 Legend: L layers, Lc CSA layers, Lh HCA layers, P pages, Z page size (tokens), D head dim,
 I indexer head dim, m a compressor's ratio (tokens per entry), E entries.
 
-Per token (``window`` planes, needed only near the end of a sequence):
-  ``swa``      [L, P*Z, D]          the sliding window's K=V, every layer;
-  ``csa_src``  [Lc, P*Z, 4D + 4I]   a CSA layer's compressor inputs: kv (2D), gate (2D), then its
-                                    indexer's kv (2I) and gate (2I);
-  ``hca_src``  [Lh, P*Z, 2D]        an HCA layer's compressor inputs: kv (D), gate (D).
-Per compressed entry (``compressed`` planes, what a long sequence keeps):
+Per compressed entry (entry planes, what a long sequence keeps), in P pages:
   ``csa_kv`` [Lc, P*Sc, D], ``csa_ik`` [Lc, P*Sc, I], ``hca_kv`` [Lh, P*Sh, D].
+Per token (window planes, needed only near the end of a sequence), in Pw window pages (P, or
+fewer where ``cluster.window_kv`` gives them out and takes them back apart):
+  ``swa``      [L, Pw*Z, D]          the sliding window's K=V, every layer;
+  ``csa_src``  [Lc, Pw*Z, 4D + 4I]   a CSA layer's compressor inputs: kv (2D), gate (2D), then its
+                                     indexer's kv (2I) and gate (2I);
+  ``hca_src``  [Lh, Pw*Z, 2D]        an HCA layer's compressor inputs: kv (D), gate (D).
+A sequence's table is [pages] (the same pages for both) or [2, pages] (entry pages, window pages).
 
 Entry e of a ratio-m compressor closes with token (e+1)*m - 1 and lives in that token's page, in
 slot e mod S of the page's S = max(1, Z // m) entry slots; so a page holds exactly the entries that
@@ -75,7 +77,7 @@ class HybridKVPool:
         def plane(layers: int, rows: int, dim: int) -> torch.Tensor:
             return torch.zeros(layers, rows, dim, dtype=dtype, device=device)
 
-        # compressed planes first, then the window planes: the order of a unit's bytes
+        # entry planes (``num_pages`` pages), then window planes (``num_window_pages``)
         self.planes: dict[str, torch.Tensor] = {
             "csa_kv": plane(lc, num_pages * sc, d), "csa_ik": plane(lc, num_pages * sc, ix),
             "hca_kv": plane(lh, num_pages * sh, d),
@@ -87,7 +89,6 @@ class HybridKVPool:
         self._unit_parts = [(name, max(1, 64 // self._ratio(name))) for name in _COMPRESSED]
         values = sum(self.planes[name].shape[0] * n * self.planes[name].shape[2] for name, n in self._unit_parts)
         self.row_dim = -(-values // 64)  # a unit is [1, 64, row_dim]: its entries' values, not per-token rows
-        self.latent_dim = self.row_dim
         # what going on at a unit's end needs besides the entries, the unit's last token (which the
         # engine computes again, for its logits) included: that token's window of rows and the
         # compressor inputs of the entries it closes (CSA: two windows, HCA: one) or leaves open;
@@ -136,12 +137,6 @@ class HybridKVPool:
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.planes.values())
-
-    def bytes_per_token(self) -> dict[str, float]:
-        """Bytes each plane holds per token of a sequence, from its shapes."""
-        z = self.page_size
-        return {name: p.shape[0] * p.shape[2] * p.element_size() * (p.shape[1] // self.num_pages) / z
-                for name, p in self.planes.items()}
 
     # -- cache units in and out -------------------------------------------------------------
     def read_unit(self, pages: list[int] | torch.Tensor, unit_idx: int) -> torch.Tensor:
