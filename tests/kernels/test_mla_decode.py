@@ -43,6 +43,21 @@ def test_page_size_and_many_heads():
     )
 
 
+def test_one_token_pages_read_each_rows_chosen_latents():
+    """DeepSeek-V3.2's sparse attention: a row's table lists the slots of its chosen latents (one
+    token a page), in any order; the rest of the pool is poison."""
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.full((300, 60 + 12), float("nan"))
+    chosen = torch.randperm(300, generator=gen)[:70].view(2, 35)
+    kv[chosen.reshape(-1)] = torch.randn(70, 72, generator=gen)
+    q_lat, q_rope = torch.randn(2, 5, 60, generator=gen), torch.randn(2, 5, 12, generator=gen)
+    kv, chosen, q_lat, q_rope = (t.to(DEVICE) for t in (kv, chosen, q_lat, q_rope))
+    lens = torch.tensor([35, 9], device=DEVICE)
+    want = ref_mla_decode(q_lat, q_rope, kv, chosen, lens, 0.3, 1)
+    assert not want.isnan().any()
+    torch.testing.assert_close(mla_decode(q_lat, q_rope, kv, chosen, lens, 0.3, 1), want, atol=1e-4, rtol=1e-4)
+
+
 def test_bad_inputs_are_named():
     q = torch.zeros(2, 4, 8)
     qr = torch.zeros(2, 4, 4)

@@ -98,3 +98,17 @@ def test_a_long_prompt_in_query_blocks_gives_the_whole_prompts_logits(pair, monk
         ref = hf(ids[None]).logits[0]
     got = ours.prefill(ids, ours.new_pool(20, 16), torch.arange(20), all_logits=True)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # Triton's interpreter: a few seconds
+def test_the_triton_kernels_give_the_torch_paths_tokens(pair, tmp_path):
+    """impl="triton" (here in Triton's interpreter): V3.2's sparse attention as one-token pages of
+    the MLA decode kernel and its indexer's Triton scores, V4's decode-row top-k, give the tokens
+    of the torch and C++ paths past the top-k."""
+    hf, ours = pair
+    hf.save_pretrained(tmp_path)
+    triton_model = load_model(tmp_path, impl="triton")
+    prompt = _prompt(24, ours.cfg.vocab_size, seed=13)
+    from model.generate import generate
+
+    assert generate(triton_model, prompt.tolist(), 8, eos_id=None) == generate(ours, prompt.tolist(), 8, eos_id=None)
