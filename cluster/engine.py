@@ -29,6 +29,7 @@ and after the output, on the cache's I/O threads: persistence never blocks decod
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import deque
@@ -60,6 +61,8 @@ from model.moe import LocalExpertExecutor
 from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logprobs
 
 __all__ = ["Engine", "EngineConfig"]
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -308,8 +311,10 @@ class Engine:
         if not seq.input_persisted:
             seq.input_persisted = True
             self._persist(seq, self.admission.on_input_end(seq.unit_keys).units, seq.unit_keys)
-        allowed = self.constraints.apply(self._hold_stops(logits[None], [seq]), [seq])
-        tok = int(sample(allowed, [seq.req.sampling], [seq.generator], [seq.token_counts], [seq.seen])[0])
+        tok = self._choose(logits[None], [seq])[0]
+        if isinstance(tok, Exception):
+            self._fail(seq, tok, outputs)
+            return
         self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
 
     def _admit(self, seq: Sequence) -> bool:
@@ -421,12 +426,34 @@ class Engine:
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]
-        allowed = self.constraints.apply(self._hold_stops(logits, batch), batch)
-        toks = sample(allowed, params, [s.generator for s in batch], [s.token_counts for s in batch],
-                      [s.seen for s in batch]).tolist()
-        for seq, tok, lp in zip(batch, toks, token_logprobs(logits, toks, params), strict=True):
+        toks = self._choose(logits, batch)
+        chosen = [t if isinstance(t, int) else 0 for t in toks]
+        for seq, tok, lp in zip(batch, toks, token_logprobs(logits, chosen, params), strict=True):
             seq.num_computed = seq.length
-            self._append(seq, tok, outputs, lp)
+            if isinstance(tok, Exception):
+                self._fail(seq, tok, outputs)
+            else:
+                self._append(seq, tok, outputs, lp)
+
+    def _choose(self, logits: torch.Tensor, batch: list[Sequence]) -> list[int | Exception]:
+        """The next token of each row of ``logits`` [B, V] under its request's constraints and
+        sampling, in one call (on a GPU, one copy of the tokens to the host); where that raises,
+        row by row, so that a row whose grammar or sampling fails gets its error and the others
+        their tokens."""
+        try:
+            allowed = self.constraints.apply(self._hold_stops(logits, batch), batch)
+            return sample(allowed, [s.req.sampling for s in batch], [s.generator for s in batch],
+                          [s.token_counts for s in batch], [s.seen for s in batch]).tolist()
+        except Exception as e:  # noqa: BLE001 - contained to the rows that raise it
+            if len(batch) == 1:
+                log.warning("request %s failed to sample: %r", batch[0].req.request_id, e)
+                return [e]
+            return [self._choose(logits[b : b + 1], [seq])[0] for b, seq in enumerate(batch)]
+
+    def _fail(self, seq: Sequence, error: Exception, outputs: list[RequestOutput]) -> None:
+        """``seq`` fails alone (it decodes no more; its pages go)."""
+        self.scheduler.leave_running(seq)
+        self._finish(seq, FinishReason.ERROR, outputs, error=f"{type(error).__name__}: {error}")
 
     # -- tokens out ----------------------------------------------------------------------
     def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput], lp: TokenLogprob | None = None) -> None:
@@ -479,7 +506,7 @@ class Engine:
             logits[b, [t for t in held if t < logits.shape[-1]]] = float("-inf")
         return logits
 
-    def _output(self, seq: Sequence, handoff: Prefilled | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, handoff: Prefilled | None = None, error: str | None = None) -> RequestOutput:
         """New tokens and text since the last output (``cluster.output.TextStream`` holds back
         text that may start a stop string or end inside a character until it finishes)."""
         text = seq.text.take(seq.finished is not None)
@@ -493,10 +520,11 @@ class Engine:
             time.monotonic() - seq.first_token_s if seq.finished and seq.first_token_s is not None else 0.0,
             logprobs,
             seq.scheduled_s - seq.arrival_s if seq.finished and seq.scheduled_s is not None else 0.0,
-            scored,
+            scored, error,
         )
 
-    def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput]) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput], error: str | None = None
+                ) -> None:
         seq.finished = reason
         handoff = None
         if reason == FinishReason.HANDOFF:
@@ -512,13 +540,13 @@ class Engine:
                 parent=seq.unit_keys[known - 1] if known else None)
             if self.cfg.prefix_sharing:
                 self.kv.share(all_keys, seq)
-            if reason != FinishReason.ABORT:
+            if reason not in (FinishReason.ABORT, FinishReason.ERROR):
                 admit = self.admission.on_output_end(all_keys, len(seq.unit_keys))
                 self._persist(seq, admit.units, all_keys)
             self.kv.release(seq)
         with self._lock:
             self._by_id.pop(seq.req.request_id, None)
-        outputs.append(self._output(seq, handoff=handoff))
+        outputs.append(self._output(seq, handoff=handoff, error=error))
 
     def _persist(self, seq: Sequence, unit_idx: list[int], keys: list[bytes]) -> None:
         if self.cache is None or not unit_idx:

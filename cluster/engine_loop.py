@@ -4,8 +4,9 @@ Serve replica, and tests run it as it is.
 
 A request's stream ends with its finished output; a request handed off to a decode replica (P/D)
 ends with a ``PromptKV`` after its last output. A caller that stops reading aborts its request
-(its pages are freed at the next step). A step that raises fails the requests in flight with
-that error; the loop goes on for the next ones.
+(its pages are freed at the next step). A request that fails alone (its sampling or grammar
+raised: ``FinishReason.ERROR``) raises ``RequestFailed`` in its stream while the others go on; a
+step that raises fails the requests in flight with that error; the loop goes on for the next ones.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine import Engine
-from cluster.request import GenerationRequest, RequestOutput
+from cluster.request import FinishReason, GenerationRequest, RequestFailed, RequestOutput
 
 __all__ = ["EngineLoop", "PromptKV"]
 
@@ -173,6 +174,9 @@ class EngineLoop:
                     self.fail_all(e)
                     continue
                 for o in outputs:
+                    if o.finish_reason == FinishReason.ERROR:  # it failed alone: its stream raises
+                        self._deliver(o.request_id, RequestFailed(o.error or "the request failed"))
+                        continue
                     self._deliver(o.request_id, o)
                     if o.handoff is not None:
                         self._deliver(o.request_id, PromptKV(o.handoff.kv))

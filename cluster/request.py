@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the ingress and the routers use this module without torch
 
 UNIT_TOKENS = 64  # tokens per prompt-cache unit (the engine, the ingress and the stores share it)
 
-__all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestMigrated",
+__all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestFailed", "RequestMigrated",
            "RequestOutput", "Sequence", "TokenSources"]
 
 
@@ -39,11 +39,17 @@ class RequestMigrated(RuntimeError):
     elsewhere from its prompt and the tokens generated so far."""
 
 
+class RequestFailed(RuntimeError):
+    """This request failed on its own (its sampling or its grammar raised); the others in its
+    batch went on."""
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
     HANDOFF = "handoff"  # prefill done; decoding continues on a decode replica (P/D split)
+    ERROR = "error"  # the request failed alone (``RequestOutput.error`` says why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +208,7 @@ class RequestOutput(NamedTuple):
     # with the first output, when the request asked (``SamplingParams.prompt_logprobs``): one per
     # prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # with finish_reason ERROR
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the ``later`` one of the same request as one: their new tokens, text

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_REPETITION_PENALTY", "SamplingParams", "TokenLogprob"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_REPETITION_PENALTY", "SamplingParams", "TOP_P_FLOOR",
+           "TokenLogprob"]
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0
+# Below float32's resolution a temperature or a top_p would be 0 where the sampler computes: a
+# temperature under GREEDY_BELOW samples greedily, a top_p under TOP_P_FLOOR is TOP_P_FLOOR (the
+# most likely token alone either way)
+GREEDY_BELOW = 1e-5
+TOP_P_FLOOR = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "top_p", max(self.top_p, TOP_P_FLOOR))
         object.__setattr__(self, "plain_greedy",
                            self.greedy and not self.logit_bias and not self.penalized and not self.repeats)
 

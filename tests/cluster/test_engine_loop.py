@@ -218,3 +218,54 @@ def test_outputs_joined_as_one_keep_the_first_ones_prompt_logprobs():
     one = first.then(later)
     assert one.new_token_ids == [3, 4, 5] and one.text == "abc" and one.finished
     assert one.prompt_logprobs is scored and later.then(later).prompt_logprobs is None
+
+
+def test_a_request_whose_sampling_fails_fails_alone_and_its_neighbours_get_their_tokens(model, monkeypatch):
+    """A hostile neighbour: one request's sampling raises (in its batch, then alone), at its first
+    token or mid-stream. Only its stream raises RequestFailed; the streams decoding beside it get
+    the model's own tokens; the engine's pages all come back."""
+    import cluster.engine as engine_mod
+    from cluster.request import RequestFailed
+    from model.sampling import SamplingParams
+
+    real = engine_mod.sample
+    calls = {"n": 0}
+
+    def sample(logits, params, *rest):
+        calls["n"] += 1
+        if any(p.seed == 666 for p in params) and calls["n"] > 3:  # the hostile row, from its 3rd call on
+            raise RuntimeError("sampler check failed")
+        return real(logits, params, *rest)
+
+    monkeypatch.setattr(engine_mod, "sample", sample)
+    engine = _engine(model, max_num_seqs=4)
+    loop = EngineLoop(engine).start()
+    prompts = {f"n{i}": _prompt(30 + 9 * i, 40 + i) for i in range(3)}
+
+    async def main():
+        hostile = GenerationRequest("hostile", _prompt(12, 7), 40, SamplingParams(0.7, seed=666), ignore_eos=True)
+        neighbours = [_collect(loop, GenerationRequest(rid, p, 24, ignore_eos=True)) for rid, p in prompts.items()]
+        return await asyncio.gather(_collect(loop, hostile), *neighbours, return_exceptions=True)
+
+    hostile_out, *neighbours = _run(main())
+    assert isinstance(hostile_out, RequestFailed) and "sampler check failed" in str(hostile_out)
+    for (rid, p), outs in zip(prompts.items(), neighbours, strict=True):
+        assert _tokens(outs) == _ref(model, p, 24), rid
+    engine.check_integrity()
+    assert not engine.has_work()
+    loop.stop()
+
+
+def test_sampling_values_below_float32s_resolution_are_greedy_or_floored(model):
+    """temperature or top_p of 1e-300 (0 in float32 where the sampler computes) are a greedy
+    request and the most likely token: the engine samples them, with the model's tokens."""
+    from model.sampling import SamplingParams
+
+    assert SamplingParams(temperature=1e-300).temperature == 0.0 and SamplingParams(temperature=1e-300).greedy
+    assert SamplingParams(temperature=0.9, top_p=1e-300).top_p > 0
+    engine = _engine(model)
+    p = _prompt(20, 5)
+    engine.add_request(GenerationRequest("t", p, 6, SamplingParams(temperature=1e-300)))
+    engine.add_request(GenerationRequest("p", p, 6, SamplingParams(temperature=0.9, top_p=1e-300, seed=1)))
+    out = engine.run_to_completion()
+    assert _tokens(out["t"]) == _tokens(out["p"]) == _ref(model, p, 6)
