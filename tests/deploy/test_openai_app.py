@@ -274,6 +274,18 @@ def test_penalties_equal_the_model_alone(client):
         assert ids != _alone("penalize me", 12), kw  # the penalty mattered
 
 
+def test_sampling_values_below_float32s_resolution_are_answered_greedily(client):
+    """temperature or top_p of 1e-300 (issue 49: 0 in float32, whose sampler check ended every
+    stream on the replica) are a 200 with the greedy text."""
+    from model.tokenizer import ByteTokenizer
+
+    want = ByteTokenizer().decode(_alone("tiny values", 8))
+    for kw in ({"temperature": 1e-300}, {"temperature": 0.8, "top_p": 1e-300}):
+        r = client.completions.create(model="tiny", prompt="tiny values", max_tokens=8,
+                                      extra_body={"ignore_eos": True}, **kw)
+        assert r.choices[0].text == want, kw
+
+
 def test_vllms_sampling_extensions_equal_the_model_alone(client):
     """repetition_penalty and min_p (vLLM's extra parameters) sample what the model alone does;
     stop_token_ids end the output at that token and min_tokens holds it back."""
