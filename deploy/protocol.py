@@ -49,6 +49,24 @@ class KeyGrant:
         return self.models is None or model in self.models
 
 
+
+MAX_JSON_NESTING = 128  # objects and arrays inside each other in a tool's parameters
+
+
+def _nesting(value: Any) -> int:
+    """How deep objects and arrays nest in a JSON value (without recursion: a hostile value
+    may nest thousands deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_NESTING:
+            stack.extend((c, depth + 1) for c in children)
+    return deepest
+
 def _rerooted(schema: dict, prefix: str) -> tuple[dict, dict]:
     """``schema`` made a part of another one: (the schema, its definitions under names that
     start with ``prefix``), its ``$ref``s (to ``#`` or its own ``$defs``/``definitions``) pointing
@@ -254,9 +272,11 @@ class _Sampling(BaseModel):
                            param="logit_bias")
         pairs = []
         for key, bias in self.logit_bias.items():
-            token = int(key) if key.isascii() and key.strip().isdigit() else -1
+            digits = key.strip()  # a token id has a few digits; int() refuses thousands (a 500)
+            token = int(digits) if key.isascii() and digits.isdigit() and len(digits) <= 12 else -1
             if not 0 <= token < vocab_size:
-                raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                shown = key if len(key) <= 24 else key[:20] + f"... ({len(key)} characters)"
+                raise APIError(400, f"logit_bias key {shown!r} is not a token id in [0, {vocab_size})",
                                param="logit_bias")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise APIError(400, f"logit_bias of token {key} is {bias}; it must be in [-100, 100]",
@@ -393,11 +413,14 @@ class ChatCompletionRequest(_Sampling):
                            "or a named function)", param="tool_choice", code="unsupported_parameter")
         if not self.tools or choice == "none":
             return None
-        for tool in self.tools:
+        for i, tool in enumerate(self.tools):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise APIError(400, "each tool must be {type: function, function: {name, description, parameters}}",
                                param="tools")
+            if _nesting(fn.get("parameters")) > MAX_JSON_NESTING:
+                raise APIError(400, f"tools[{i}].function.parameters nest more than {MAX_JSON_NESTING} objects and "
+                               "arrays deep", param="tools")
         return self.tools
 
     def logprobs_k(self) -> int | None:

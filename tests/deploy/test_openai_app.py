@@ -596,6 +596,7 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "logit_bias": {"seven": 5}}, 400, "logit_bias key 'seven'"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias key '99999'"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 101}}, 400, "must be in [-100, 100]"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "(5000 characters)"),  # was a 500
     ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "no fill-in-the-middle tokens"),  # the byte tokenizer
 ])
@@ -604,6 +605,25 @@ def test_bad_requests_get_openai_errors(base_url, body, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+
+
+def test_tool_parameters_nested_too_deep_are_a_400_on_chat_and_responses(base_url):
+    """Issue 49: parameters nested 300 deep (a RecursionError, a 500) are refused by name."""
+    params: dict = {"type": "object", "properties": {}}
+    inner = params
+    for _ in range(300):
+        inner["properties"]["a"] = {"type": "object", "properties": {}}
+        inner = inner["properties"]["a"]
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": params}}]
+    auth = {"Authorization": "Bearer sk-alpha"}
+    chat = httpx.post(base_url + "/v1/chat/completions", headers=auth, timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required"})
+    flat = [{"type": "function", "name": "deep", "parameters": params}]
+    responses = httpx.post(base_url + "/v1/responses", headers=auth, timeout=30, json={
+        "model": "tiny", "input": "x", "tools": flat, "tool_choice": "required"})
+    for r in (chat, responses):
+        assert r.status_code == 400, r.text
+        assert "nest more than 128" in r.json()["error"]["message"]
 
 
 def test_an_over_long_prompt_names_the_field_it_came_in(base_url):
