@@ -44,6 +44,7 @@ from cluster.request import (
     FinishReason,
     GenerationRequest,
     PrefixPlan,
+    RequestFailed,
     RequestMigrated,
     RequestOutput,
     cache_namespace,
@@ -108,6 +109,17 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     else:
         msg, code = str(e.detail), None
     return JSONResponse(error_body(msg, "invalid_request_error", None, code), e.status_code, headers=e.headers)
+
+
+@api.exception_handler(Exception)
+async def _server_error(_: Request, e: Exception) -> JSONResponse:
+    """Anything else, in OpenAI's shape (never Starlette's plain-text 500): a request that failed
+    alone on its replica (``RequestFailed``) says why; other errors are logged, not shown."""
+    cause = getattr(e, "cause", e)  # a replica's error arrives as Ray's RayTaskError of it
+    if isinstance(cause, RequestFailed):
+        return JSONResponse(error_body(f"the request failed: {cause}", "server_error"), 500)
+    log.error("request failed", exc_info=e)
+    return JSONResponse(error_body("the request failed", "server_error"), 500)
 
 
 class TokenizeRequest(BaseModel):

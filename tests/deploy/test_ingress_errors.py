@@ -217,3 +217,20 @@ def test_health_is_503_while_no_replica_of_a_pool_can_serve(server, decode, stat
     assert got == status
     if status == 503:
         assert r.headers["Retry-After"] and json.loads(r.body)["error"]["code"] == "service_unavailable"
+
+
+def test_an_error_no_route_handles_is_openais_json_500_and_a_failed_request_says_why():
+    """Issue 49: no plain-text 500. A request that failed alone on its replica (its sampling
+    raised: ``RequestFailed``, as Ray hands it over) says why; any other error is a bare 500."""
+    from ray.exceptions import RayTaskError
+
+    from cluster.request import RequestFailed
+    from deploy.openai_api import _server_error
+
+    failed = RayTaskError("generate", "traceback text", RequestFailed("RuntimeError: sampler check failed"))
+    for error, message in ((failed.as_instanceof_cause(), "the request failed: RuntimeError: sampler check failed"),
+                           (KeyError("internal detail"), "the request failed")):
+        r = asyncio.run(_server_error(None, error))
+        body = json.loads(r.body)
+        assert r.status_code == 500 and r.media_type == "application/json"
+        assert body["error"]["message"] == message and body["error"]["type"] == "server_error"
