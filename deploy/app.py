@@ -43,10 +43,21 @@ def key_tenant(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+ALLOW_NO_KEYS = "TIDE_ALLOW_NO_API_KEYS"  # "1": an empty TIDE_API_KEYS serves without keys
+
+
 def _api_keys_from_env() -> dict[str, str] | None:
+    """The keys of ``TIDE_API_KEYS`` (None where it is not set). Set but empty, as from an empty
+    Kubernetes Secret, it is an error: the API would serve open without anyone deciding so
+    (``TIDE_ALLOW_NO_API_KEYS=1`` decides so)."""
     raw = os.environ.get("TIDE_API_KEYS")
-    if not raw:
+    if raw is None:
         return None
+    if not raw.strip():
+        if os.environ.get(ALLOW_NO_KEYS) == "1":
+            return None
+        raise ValueError(f"TIDE_API_KEYS is set but empty: the API would accept every request; give keys "
+                         f"(KEY:TENANT,...), unset it, or set {ALLOW_NO_KEYS}=1 to serve without keys")
     keys = {}
     for item in raw.split(","):
         key, _, grant = item.partition(":")

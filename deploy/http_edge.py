@@ -103,16 +103,24 @@ async def _reply(send, status: int, message: str, type_: str = "invalid_request_
 
 
 class EdgeMiddleware:
-    """Wraps the FastAPI app; reads its ``EdgeConfig`` from ``app.state.edge`` (set once the
-    ingress knows its keys and limits; until then every request passes untouched)."""
+    """Wraps the FastAPI app; reads its ``EdgeConfig`` from ``app.state.edge``, which the ingress
+    sets once it knows its keys and limits. Until then it fails closed: every HTTP request but
+    the public paths is a 503."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        cfg: EdgeConfig | None = getattr(getattr(scope.get("app"), "state", None), "edge", None)
-        if scope["type"] != "http" or cfg is None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        cfg: EdgeConfig | None = getattr(getattr(scope.get("app"), "state", None), "edge", None)
+        if cfg is None:
+            if scope["path"] in PUBLIC_PATHS:
+                await self.app(scope, receive, send)
+            else:
+                await _reply(send, 503, "the API is not configured yet; retry shortly", "server_error", "not_ready",
+                             ((b"retry-after", b"1"),))
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         grant = KeyGrant("")

@@ -113,6 +113,18 @@ def test_a_body_that_is_not_json_is_a_415_naming_the_type():
     assert r.status_code == 415 and "text/plain" in r.json()["error"]["message"] and seen == []
 
 
+@pytest.mark.security
+def test_before_the_ingress_configures_it_the_edge_fails_closed():
+    """An app whose edge has no config yet (the ingress still starting) answers 503 to the API
+    and its health check as usual: it never serves without the keys it will check."""
+    app, seen = _app()
+    del app.state.edge
+    r = _call(app, "POST", "/v1/echo", json={"x": 1})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"] == "1"
+    assert _call(app, "GET", "/health").status_code == 200
+    assert seen == []
+
+
 def test_find_grant_compares_the_whole_key():
     keys = {"sk-proj-aaaa": KeyGrant("a"), "sk-proj-bbbb": KeyGrant("b")}
     assert find_grant(keys, "Bearer sk-proj-bbbb") == KeyGrant("b")

@@ -178,6 +178,22 @@ def test_keys_from_the_environment_without_a_tenant_get_one_each(monkeypatch):
 
 
 @pytest.mark.security
+def test_keys_set_but_empty_are_refused_unless_serving_open_is_asked_for(monkeypatch):
+    """An empty TIDE_API_KEYS (an empty Kubernetes Secret) would serve the API open: the app
+    refuses to build, naming the variable that says so on purpose."""
+    from deploy.app import _api_keys_from_env
+
+    monkeypatch.setenv("TIDE_API_KEYS", " ")
+    with pytest.raises(ValueError, match="TIDE_ALLOW_NO_API_KEYS=1"):
+        _api_keys_from_env()
+    monkeypatch.setenv("TIDE_ALLOW_NO_API_KEYS", "1")
+    assert _api_keys_from_env() is None
+    monkeypatch.delenv("TIDE_API_KEYS")
+    monkeypatch.delenv("TIDE_ALLOW_NO_API_KEYS")
+    assert _api_keys_from_env() is None
+
+
+@pytest.mark.security
 @pytest.mark.parametrize("limits, field", [({"max_token": 10}, "max_token"), ({"max_tokens": -1}, "max_tokens"),
                                            ({"max_body_bytes": 0}, "max_body_bytes")])
 def test_a_misspelled_or_negative_limit_is_refused(limits, field):
