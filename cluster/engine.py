@@ -53,7 +53,7 @@ from cluster.request import (
     RequestOutput,
     Sequence,
 )
-from cluster.scheduler import Scheduler
+from cluster.scheduler import Scheduler, scored_chunk
 from cluster.window_kv import kv_manager
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.model import DeepseekModel
@@ -85,6 +85,9 @@ class EngineConfig:
     # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
     # steps without a prefill chunk replay a CUDA graph captured per batch bucket (model.fixed_decode)
     enforce_eager: bool = False
+    # a scored prompt's chunk holds its logits [T, V] and their log-softmax (float32): T is the
+    # most whose two fit this bound (at most scheduler.SCORED_CHUNK)
+    scored_logits_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -95,7 +98,7 @@ class EngineConfig:
             raise ValueError(f"page_size {self.page_size} must divide the {UNIT_TOKENS}-token unit")
         if self.micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {self.micro_batches}")
-        for name in ("num_pages", "max_num_seqs", "max_prefill_tokens"):
+        for name in ("num_pages", "max_num_seqs", "max_prefill_tokens", "scored_logits_mib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.itl_factor != 0 and self.itl_factor <= 1:
@@ -130,7 +133,8 @@ class Engine:
         self.fixed_decode = self._fixed_decode()
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
-                                   self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3)
+                                   self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
+                                   scored_chunk=scored_chunk(cfg.scored_logits_mib, model.cfg.vocab_size))
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step

@@ -15,7 +15,8 @@ row), and decides per step:
   that short is no latency anyone streaming notices, and decode steps far shorter would cut a
   prompt into chunks whose per-pass overhead outweighs their tokens). A chunk that does not
   finish its prompt is the step's last; a prompt whose every position is scored (prompt
-  logprobs) goes at most ``SCORED_CHUNK`` tokens a chunk.
+  logprobs) goes at most ``scored_chunk`` tokens a chunk (the engine sizes it so that the
+  chunk's logits fit its bound).
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -34,7 +35,7 @@ from cluster.kv_manager import KVManager
 from cluster.request import Sequence
 
 __all__ = ["CHUNK_COST_SAMPLES", "DECODE_SAMPLES", "LIKE_ROWS", "MIN_CHUNK", "MIXED_SAMPLES", "OVERRUN_QUANTILE",
-           "Scheduler"]
+           "SCORED_CHUNK", "Scheduler", "scored_chunk"]
 
 MIN_CHUNK = 1  # the shortest prefill chunk itl_factor makes (it rides in the decode's pass)
 CHUNK_COST_SAMPLES = 16  # the latest chunks whose own cost sizes the next one (itl_factor)
@@ -44,20 +45,28 @@ MIXED_SAMPLES = 64  # the latest mixed passes whose overrun of their prediction 
 OVERRUN_QUANTILE = 0.9  # the share of mixed passes kept within itl_factor decode steps
 MIN_OVERRUN_SAMPLES = 8  # until this many mixed passes were timed, no margin
 MAX_OVERRUN = 1.25  # the largest margin: past it the prediction has lost track, and a prefill would crawl
-SCORED_CHUNK = 512  # the longest chunk of a prompt scored whole (its logits [T, V] are all kept)
+SCORED_CHUNK = 512  # the longest chunk of a prompt scored whole, at most (its logits [T, V] are all kept)
+
+SCORED_LOGIT_BYTES = 8  # a scored position's logit, float32, and its log-softmax
+
+
+def scored_chunk(bound_mib: int, vocab_size: int) -> int:
+    """The longest chunk of a scored prompt whose logits fit ``bound_mib`` (1 to ``SCORED_CHUNK``)."""
+    return max(1, min(SCORED_CHUNK, (bound_mib << 20) // (vocab_size * SCORED_LOGIT_BYTES)))
 
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_prefill_tokens: int, itl_factor: float,
                  admit: Callable[[Sequence], bool], admit_prefilled: Callable[[Sequence], bool],
-                 stats: dict[str, int], itl_floor_s: float = 0.0) -> None:
+                 stats: dict[str, int], itl_floor_s: float = 0.0, scored_chunk: int = SCORED_CHUNK) -> None:
         """``admit(seq)``: give a waiting sequence its pages (False: not enough yet);
         ``admit_prefilled(seq)``: the same for a prompt prefilled on another replica, which then
         decodes at once; ``stats``: counters it adds to (``preemptions``); ``itl_floor_s``: the
-        time a mixed pass may always take (with ``itl_factor`` on)."""
+        time a mixed pass may always take (with ``itl_factor`` on); ``scored_chunk``: the longest
+        chunk of a scored prompt."""
         self.kv = kv
         self.max_num_seqs, self.max_prefill_tokens, self.itl_factor = max_num_seqs, max_prefill_tokens, itl_factor
-        self.itl_floor_s = itl_floor_s
+        self.itl_floor_s, self.scored_chunk = itl_floor_s, scored_chunk
         self._admit, self._admit_prefilled = admit, admit_prefilled
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
@@ -176,7 +185,7 @@ class Scheduler:
             seq.scheduled_s = seq.scheduled_s or time.monotonic()
             end = min(seq.length, seq.num_computed + budget)
             if seq.prompt_logprobs is not None:
-                end = min(end, seq.num_computed + SCORED_CHUNK)
+                end = min(end, seq.num_computed + self.scored_chunk)
             chunks.append((seq, end))
             budget -= end - seq.num_computed
             if end < seq.length:

@@ -203,7 +203,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     engine = EngineConfig(num_pages=a.num_pages, max_num_seqs=a.max_num_seqs, max_prefill_tokens=a.max_prefill_tokens,
                           admission=a.admission, prefix_sharing=a.enable_cache and a.prefix_sharing,
                           micro_batches=a.micro_batches, itl_factor=a.itl_factor, itl_floor_ms=a.itl_floor_ms,
-                          enforce_eager=a.enforce_eager)
+                          enforce_eager=a.enforce_eager, scored_logits_mib=a.scored_logits_mib)
     server_cfg = ReplicaConfig(
         checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, cpu_threads=a.cpu_threads, engine=engine,
         stream_batching_interval_ms=a.stream_batching_interval_ms, enable_cache=a.enable_cache, directory=directory,

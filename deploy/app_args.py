@@ -66,6 +66,9 @@ class AppArgs(BaseModel):
     # prompt into chunks of a few tokens and multiply its time to first token; a pass of 10 ms is
     # no latency a reader of the stream notices. 0: itl_factor alone
     itl_floor_ms: float = Field(default=10.0, ge=0)
+    # a scored prompt (echo with logprobs, prompt_logprobs) is computed in chunks whose logits
+    # and their log-softmax fit this bound (MiB): the most memory scoring adds to a replica
+    scored_logits_mib: int = Field(default=256, ge=1)
     # a stream's outputs go at most this often (the first at once): what the engine made meanwhile
     # goes as one output, as Ray Serve LLM's setting of this name (and default) does. Each output
     # is a hop through the replica, the ingress and the HTTP proxy (~1.5 ms of CPU), so an engine

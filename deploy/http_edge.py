@@ -33,22 +33,41 @@ OPTIONAL_PUBLIC_PATHS = frozenset({"/metrics", "/docs", "/openapi.json", "/redoc
 
 
 class TenantQuotas:
-    """Per tenant: a token bucket of ``rate_per_s`` requests a second holding up to ``burst``
-    (0: a second's worth), and at most ``concurrency`` requests at once (0: that quota is off).
-    Per ingress replica."""
+    """Per tenant: a bucket of ``rate_per_s`` requests a second holding up to ``burst`` (0: a
+    second's worth), at most ``concurrency`` requests at once, and a bucket of
+    ``tokens_per_minute`` model tokens holding a minute's worth, from which each request draws
+    its cost (``deploy.request_cost``; 0: that quota is off). Per ingress replica."""
 
     def __init__(self, rate_per_s: float = 0.0, burst: int = 0, concurrency: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate_per_s, self.concurrency = rate_per_s, concurrency
+                 clock: Callable[[], float] = time.monotonic, tokens_per_minute: int = 0) -> None:
+        self.rate_per_s, self.concurrency, self.tokens_per_minute = rate_per_s, concurrency, tokens_per_minute
         self.burst = max(burst or math.ceil(rate_per_s), 1)
         self._clock = clock
         self._lock = threading.Lock()
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (requests, at)
+        self._token_buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
         self._running: dict[str, int] = {}
 
     @property
     def active(self) -> bool:
         return self.rate_per_s > 0 or self.concurrency > 0
+
+    def charge(self, tenant: str, tokens: int) -> float | None:
+        """Draw a request's ``tokens`` from the tenant's bucket: None when drawn (or the quota is
+        off), else the seconds until the bucket holds them. A cost over a minute's worth never
+        fits: the caller refuses it first."""
+        if self.tokens_per_minute <= 0:
+            return None
+        rate = self.tokens_per_minute / 60
+        with self._lock:
+            now = self._clock()
+            held, at = self._token_buckets.get(tenant, (float(self.tokens_per_minute), now))
+            held = min(float(self.tokens_per_minute), held + (now - at) * rate)
+            if held < tokens:
+                self._token_buckets[tenant] = (held, now)
+                return (tokens - held) / rate
+            self._token_buckets[tenant] = (held - tokens, now)
+            return None
 
     def admit(self, tenant: str) -> float | None:
         """None: admitted (``release`` it when done); else the seconds until one would be."""

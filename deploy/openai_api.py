@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -65,6 +66,7 @@ from deploy.protocol import (
     joined_logprobs,
     prompt_logprobs,
 )
+from deploy.request_cost import RequestCost
 from deploy.responses_api import ResponseEvents, ResponsesRequest, response_of
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
@@ -223,9 +225,10 @@ class OpenAIIngress:
         self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
         lim = self.limits
-        quotas = TenantQuotas(lim.tenant_requests_per_minute / 60, lim.tenant_burst, lim.tenant_concurrency)
+        self.quotas = TenantQuotas(lim.tenant_requests_per_minute / 60, lim.tenant_burst, lim.tenant_concurrency,
+                                   tokens_per_minute=lim.tenant_tokens_per_minute)
         api.state.edge = EdgeConfig(self.api_keys, lim.max_body_bytes,  # read by deploy.http_edge
-                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), quotas,
+                                    PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), self.quotas,
                                     lim.body_timeout_s)
         self.metrics = IngressMetrics(cfg["model_name"])
         self.expert_parallel = bool(cfg.get("expert_parallel"))  # /metrics reports the expert placement
@@ -272,6 +275,21 @@ class OpenAIIngress:
                 return KeyGrant("")
             raise APIError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
         return grant
+
+    def _charge(self, cost: RequestCost, tenant: str) -> None:
+        """Refuse a request over the cost limits (400) or its tenant's token quota (429), before
+        any of it is sent to a replica."""
+        cost.check(self.limits)
+        per_minute = self.limits.tenant_tokens_per_minute
+        if per_minute and cost.tokens > per_minute:
+            raise APIError(400, f"the request may cost {cost.tokens} tokens, more than its tenant's quota of {per_minute} "
+                                f"a minute (limits.tenant_tokens_per_minute)", code="request_too_large")
+        wait_s = self.quotas.charge(tenant, cost.tokens)
+        if wait_s is not None:
+            raise APIError(429, f"this request's {cost.tokens} tokens exceed what is left of its tenant's quota of "
+                                f"{per_minute} a minute (limits.tenant_tokens_per_minute); retry after the Retry-After "
+                                f"seconds", "rate_limit_error", code="rate_limit_exceeded",
+                           retry_after_s=max(1, math.ceil(wait_s)))
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
@@ -465,22 +483,33 @@ class OpenAIIngress:
         """The outputs of ``n`` choices of each request (a batch's prompts), as ``(index, output)``
         in the order they come; request p's choice j has index p * n + j. Each choice is its own
         engine request (a seeded request's choice j samples with seed + j); the first failure ends
-        them all."""
+        them all. A scored prompt is scored once, by its choice 0: the others are not scored and
+        carry choice 0's scores on their first output."""
         if n == 1 and len(engine_reqs) == 1:
             async for item in self._stream(engine_reqs[0]):
                 yield 0, item
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
+        loop = asyncio.get_running_loop()
+        scores = [loop.create_future() if r.sampling.prompt_logprobs is not None and n > 1 else None
+                  for r in engine_reqs]  # prompt p's scores, from its choice 0
 
         async def pump(i: int) -> None:
             _own_request_id()
-            engine_req = engine_reqs[i // n]
-            seed = engine_req.sampling.seed
-            req = engine_req if seed is None else dataclasses.replace(
-                engine_req, sampling=dataclasses.replace(engine_req.sampling, seed=seed + i % n))
+            engine_req, scored = engine_reqs[i // n], scores[i // n]
+            sampling = engine_req.sampling
+            if sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + i % n)
+            waits = scored is not None and i % n > 0  # for choice 0's scores, at its first output
+            if waits:
+                sampling = dataclasses.replace(sampling, prompt_logprobs=None)
             try:
-                async for item in self._stream(req):
+                async for item in self._stream(dataclasses.replace(engine_req, sampling=sampling)):
+                    if scored is not None and not i % n and not scored.done():
+                        scored.set_result(item.prompt_logprobs)
+                    if waits:
+                        item, waits = item._replace(prompt_logprobs=await scored), False
                     await queue.put((i, item))
                 await queue.put((i, done))
             except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
@@ -515,6 +544,7 @@ class OpenAIIngress:
         (and its scored tokens their logprobs); ``scores_only`` (echo with max_tokens 0): only
         that comes back, none of the engine's output. ``prompt_k`` (vLLM's ``prompt_logprobs``,
         not streamed): each choice's prompt scored (chat: once, for the response)."""
+        self._charge(RequestCost.of(engine_reqs, body.n), engine_reqs[0].tenant)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"

@@ -123,10 +123,15 @@ class Limits(BaseModel):
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
     max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
+    # a request's cost (deploy.request_cost): prompt + max_tokens over its prompts and n choices,
+    # and prompt tokens scored (echo with logprobs, prompt_logprobs; each prompt once)
+    max_request_tokens: int = Field(default=262144, ge=1)
+    max_scored_tokens: int = Field(default=32768, ge=0)
     # per tenant and ingress replica, 0: off; over either a request is a 429 with Retry-After
     tenant_requests_per_minute: int = Field(default=0, ge=0)
     tenant_burst: int = Field(default=0, ge=0)  # requests a tenant may send at once (0: a second's worth)
     tenant_concurrency: int = Field(default=0, ge=0)  # a tenant's requests under way at once
+    tenant_tokens_per_minute: int = Field(default=0, ge=0)  # request costs' tokens a tenant may draw
 
 
 class StreamOptions(BaseModel):

@@ -203,6 +203,34 @@ def test_prompt_logprobs_score_every_prompt_token_in_chunks_beside_decodes(model
     assert eng.stats["mixed_steps"] > 0
 
 
+def test_a_scored_prompts_logits_stay_within_their_bound(model):
+    """scored_logits_mib bounds a scored chunk's logits: at the tiny model's 512-token vocabulary
+    1 MiB holds 256 positions (and the log-softmax beside them), so a 600-token prompt goes in
+    chunks of at most 256 though the prefill budget is larger, and scores as the model does.
+    At DeepSeek's 129,280 tokens the default 256 MiB holds 259."""
+    from cluster.scheduler import scored_chunk
+
+    assert scored_chunk(256, 129280) == 259 and scored_chunk(1, 10**9) == 1 and scored_chunk(4096, 512) == 512
+    eng = _engine(model, max_prefill_tokens=1024, scored_logits_mib=1)
+    rows: list[int] = []
+    prefill = eng.model.prefill
+
+    def counted(ids, *args, all_logits=False, **kw):
+        if all_logits:
+            rows.append(len(ids))
+        return prefill(ids, *args, all_logits=all_logits, **kw)
+
+    eng.model.prefill = counted
+    try:
+        prompt = _prompt(600, 63)
+        eng.add_request(GenerationRequest("scored", prompt, 2, SamplingParams(prompt_logprobs=1)))
+        outs = eng.run_to_completion()
+    finally:
+        del eng.model.prefill
+    assert rows == [256, 256, 88]
+    _check_prompt_logprobs(model, prompt, outs["scored"][0].prompt_logprobs, 1)
+
+
 def test_prompt_logprobs_survive_a_preemption_without_repeats(model):
     eng = _engine(model, max_num_seqs=3, num_pages=12)  # preempts
     prompts = {rid: _prompt(40 + 9 * i, 70 + i) for i, rid in enumerate(("a", "b", "c", "d"))}

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.deploy.ingress_fakes import ingress, output, request
+
 pytestmark = [pytest.mark.fault]  # no cluster: the replica handles are fakes
 
 
@@ -28,7 +30,7 @@ class _DyingHandle:
 
         self.calls += 1
         for t in range(self.tokens):
-            yield _output(t)
+            yield output(t)
         raise ActorDiedError()
 
 
@@ -45,28 +47,6 @@ class _Response:
         self.handle.cancelled += 1
 
 
-def _ingress(handle):
-    from deploy.metrics import IngressMetrics
-    from deploy.openai_api import OpenAIIngress
-
-    ing = object.__new__(OpenAIIngress)
-    ing.server, ing.model_name, ing.metrics, ing.directory, ing.decode = handle, "tiny", IngressMetrics("tiny"), None, None
-    return ing
-
-
-def _req(seed: int | None = None):
-    from cluster.request import GenerationRequest
-    from model.sampling import SamplingParams
-
-    return GenerationRequest("", (1, 2, 3), 8, SamplingParams(seed=seed))
-
-
-def _output(token: int):
-    from cluster.request import RequestOutput, TokenSources
-
-    return RequestOutput("r", [token], "x", False, None, 3, 1, 0, TokenSources(compute=3))
-
-
 def test_a_request_every_replica_drops_is_a_503_with_retry_after():
     from deploy.openai_api import MAX_CONTINUATIONS, RETRY_AFTER_S
     from deploy.protocol import APIError
@@ -74,7 +54,7 @@ def test_a_request_every_replica_drops_is_a_503_with_retry_after():
     handle = _DyingHandle(tokens=1)
     body = SimpleNamespace(stream=False, stream_options=None, n=1)
     with pytest.raises(APIError) as e:
-        asyncio.run(_ingress(handle)._respond([_req()], body, "completion"))
+        asyncio.run(ingress(handle)._respond([request()], body, "completion"))
     assert e.value.status == 503 and e.value.retry_after_s == RETRY_AFTER_S
     assert handle.calls == MAX_CONTINUATIONS + 1  # it was continued elsewhere before giving up
 
@@ -84,7 +64,7 @@ def test_mid_stream_the_503_is_an_error_event():
     body = SimpleNamespace(stream=True, stream_options=None, n=1)
 
     async def collect():
-        resp = await _ingress(handle)._respond([_req()], body, "chat")
+        resp = await ingress(handle)._respond([request()], body, "chat")
         return [c if isinstance(c, str) else c.decode() async for c in resp.body_iterator]
 
     events = [c.removeprefix("data: ").strip() for c in asyncio.run(collect())]
@@ -122,7 +102,7 @@ class _DiesOnce(_DyingHandle):
             async for o in super()._generate(req):
                 yield o
             return
-        yield _output(2)
+        yield output(2)
         prompt = len(req.prompt_ids)
         yield RequestOutput("r", [3], "y", True, FinishReason.LENGTH, prompt, 2, prompt, TokenSources(ram=prompt))
 
@@ -134,7 +114,7 @@ def test_a_request_whose_replica_dies_is_continued_with_the_client_requests_usag
     handle = _DiesOnce()
 
     async def run():
-        return [o async for o in _ingress(handle)._continued(_req())]
+        return [o async for o in ingress(handle)._continued(request())]
 
     outs = asyncio.run(run())
     assert [t for o in outs for t in o.new_token_ids] == [0, 1, 2, 3]
@@ -164,7 +144,7 @@ class _OneChoiceFails:
                 raise ValueError("bad request")
             for t in range(10_000):
                 await asyncio.sleep(0.01)
-                yield _output(t)
+                yield output(t)
 
         class Response:
             def __aiter__(self):
@@ -182,7 +162,7 @@ def test_when_one_choice_fails_the_others_are_cancelled():
 
     async def run():
         with pytest.raises(ValueError, match="bad request"):
-            await _ingress(handle)._respond([_req(seed=0)], body, "completion")
+            await ingress(handle)._respond([request(seed=0)], body, "completion")
         for _ in range(10):  # the cancelled choice's task finishes
             await asyncio.sleep(0.01)
 
@@ -209,7 +189,7 @@ class _Pool:
     (_Pool(), _Pool(), 200),
 ])
 def test_health_is_503_while_no_replica_of_a_pool_can_serve(server, decode, status):
-    ing = _ingress(server)
+    ing = ingress(server)
     ing.health_timeout_s = 0.2
     ing.decode = decode
     r = asyncio.run(ing.health())

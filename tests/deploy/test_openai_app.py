@@ -27,7 +27,7 @@ def base_url(local_ray, tide_home):
     # The app serves with expert parallelism: routed experts on two expert-shard actors.
     app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1, "num_pages": 512,
                      "expert_shards": 2, "micro_batches": 2,
-                     "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta:tiny", "sk-gamma": "gamma:other-model"}, "limits": {"max_tokens": 64}})
+                     "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta:tiny", "sk-gamma": "gamma:other-model"}, "limits": {"max_tokens": 64, "max_request_tokens": 8192, "max_scored_tokens": 2048}})
     with serving(app, 120) as url:
         yield url
 
@@ -204,10 +204,10 @@ def test_vllms_prompt_logprobs_score_the_prompt_of_completions_and_chats(client)
             assert entry[str(t)]["logprob"] == pytest.approx(float(ref[i, t]), abs=1e-4)
             assert entry[str(t)]["rank"] == 1 + int((ref[i] > ref[i, t]).sum())
 
-    r = client.completions.create(model="tiny", prompt=["low tide", "ebb"], max_tokens=2, temperature=0,
-                                  extra_body={"prompt_logprobs": 2})
-    for choice, prompt in zip(r.choices, ["low tide", "ebb"], strict=True):
-        check(choice.model_extra["prompt_logprobs"], [tok.BOS, *tok.encode(prompt)])
+    r = client.completions.create(model="tiny", prompt=["low tide", "ebb"], max_tokens=2, n=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})  # each prompt scored once, for both choices
+    for i, choice in enumerate(r.choices):
+        check(choice.model_extra["prompt_logprobs"], [tok.BOS, *tok.encode(["low tide", "ebb"][i // 2])])
     msgs = [{"role": "user", "content": "score me"}]
     chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, n=2, temperature=0,
                                           extra_body={"prompt_logprobs": 2})
@@ -598,6 +598,10 @@ def test_api_keys_never_reach_the_logs(base_url):
     ({"model": "tiny", "prompt": "x", "logit_bias": {"7": 101}}, 400, "must be in [-100, 100]"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "(5000 characters)"),  # was a 500
     ({"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    # a request's cost (issue 49): n 8 of a 1,500-token prompt with 64 tokens each; 2,202 tokens scored
+    ({"model": "tiny", "prompt": "x" * 1500, "n": 8, "max_tokens": 64}, 400, "limits.max_request_tokens"),
+    ({"model": "tiny", "prompt": ["x" * 1100, "y" * 1100], "echo": True, "logprobs": 1, "max_tokens": 0}, 400,
+     "limits.max_scored_tokens"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "no fill-in-the-middle tokens"),  # the byte tokenizer
 ])
 def test_bad_requests_get_openai_errors(base_url, body, status, needle):
