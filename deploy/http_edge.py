@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from deploy.protocol import KeyGrant, error_body
 
-__all__ = ["OPTIONAL_PUBLIC_PATHS", "PUBLIC_PATHS", "EdgeConfig", "EdgeMiddleware", "TenantQuotas", "find_grant"]
+__all__ = ["OPTIONAL_PUBLIC_PATHS", "PUBLIC_PATHS", "EdgeConfig", "EdgeMiddleware", "TenantQuotas", "find_grant",
+           "route_path"]
 
 # served without a key when keys are configured; /metrics and the API docs (/docs, /redoc,
 # /openapi.json) are protected unless an operator adds them (AppArgs.public_paths)
@@ -121,6 +122,15 @@ async def _reply(send, status: int, message: str, type_: str = "invalid_request_
     await send({"type": "http.response.body", "body": body})
 
 
+def route_path(scope) -> str:
+    """The request's path below the app's mount point (Serve's ``route_prefix``, which comes as
+    ``root_path``): the path the app's routes, public paths and quotas name."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class EdgeMiddleware:
     """Wraps the FastAPI app; reads its ``EdgeConfig`` from ``app.state.edge``, which the ingress
     sets once it knows its keys and limits. Until then it fails closed: every HTTP request but
@@ -134,8 +144,9 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         cfg: EdgeConfig | None = getattr(getattr(scope.get("app"), "state", None), "edge", None)
+        path = route_path(scope)
         if cfg is None:
-            if scope["path"] in PUBLIC_PATHS:
+            if path in PUBLIC_PATHS:
                 await self.app(scope, receive, send)
             else:
                 await _reply(send, 503, "the API is not configured yet; retry shortly", "server_error", "not_ready",
@@ -143,13 +154,14 @@ class EdgeMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         grant = KeyGrant("")
-        if cfg.api_keys is not None and scope["path"] not in cfg.public_paths:
+        public = path in cfg.public_paths
+        if cfg.api_keys is not None and not public:
             grant = find_grant(cfg.api_keys, headers.get("authorization", ""))
             if grant is None:
                 await _reply(send, 401, "missing or invalid API key", "authentication_error", "invalid_api_key")
                 return
         scope.setdefault("state", {})["grant"] = grant
-        quotas = cfg.quotas if cfg.quotas is not None and cfg.quotas.active and scope["path"].startswith("/v1/") else None
+        quotas = cfg.quotas if cfg.quotas is not None and cfg.quotas.active and not public else None
         if quotas is not None:
             wait_s = quotas.admit(grant.tenant)
             if wait_s is not None:

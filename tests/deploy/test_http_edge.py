@@ -36,6 +36,11 @@ def _app() -> tuple[FastAPI, list]:
     async def metrics():
         return {"tide_requests_total": 0}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        seen.append((request.state.grant.tenant, await request.json()))
+        return {"tokens": []}
+
     return app, seen
 
 
@@ -51,9 +56,10 @@ class _CountingBody(httpx.AsyncByteStream):
             yield c
 
 
-def _call(app, method: str, path: str, **kw) -> httpx.Response:
+def _call(app, method: str, path: str, root_path: str = "", **kw) -> httpx.Response:
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        transport = httpx.ASGITransport(app=app, root_path=root_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             return await c.request(method, path, **kw)
 
     return asyncio.run(go())
@@ -153,6 +159,24 @@ def test_a_tenant_over_its_rate_or_concurrency_gets_a_429_and_others_do_not():
     assert one.admit("alpha") is None and one.admit("alpha") == 1.0 and one.admit("beta") is None
     one.release("alpha")
     assert one.admit("alpha") is None
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("root_path", ["", "/api"])
+def test_quotas_cover_every_protected_path_also_under_a_route_prefix(root_path):
+    """/tokenize draws from the same bucket as /v1/...; under Serve's route_prefix (the ASGI
+    root_path) keys, public paths and quotas apply to the paths below it."""
+    from deploy.http_edge import PUBLIC_PATHS, TenantQuotas
+
+    app, seen = _app()
+    app.state.edge = EdgeConfig(app.state.edge.api_keys, LIMIT, PUBLIC_PATHS,
+                                TenantQuotas(rate_per_s=1.0, burst=2, clock=lambda: 0.0))
+    auth = {"Authorization": "Bearer sk-a"}
+    call = lambda path, **kw: _call(app, "POST", root_path + path, root_path, json={"x": 1}, **kw)  # noqa: E731
+    assert call("/v1/echo").status_code == 401  # no key
+    assert [call(p, headers=auth).status_code for p in ("/v1/echo", "/tokenize", "/tokenize")] == [200, 200, 429]
+    assert _call(app, "GET", root_path + "/health", root_path).status_code == 200  # public, no key, no quota
+    assert len(seen) == 2
 
 
 def test_limits_take_tenant_quotas_and_refuse_bad_ones():
