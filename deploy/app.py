@@ -46,7 +46,7 @@ def key_tenant(key: str) -> str:
 ALLOW_NO_KEYS = "TIDE_ALLOW_NO_API_KEYS"  # "1": an empty TIDE_API_KEYS serves without keys
 
 
-def _api_keys_from_env() -> dict[str, str] | None:
+def api_keys_from_env() -> dict[str, str] | None:
     """The keys of ``TIDE_API_KEYS`` (None where it is not set). Set but empty, as from an empty
     Kubernetes Secret, it is an error: the API would serve open without anyone deciding so
     (``TIDE_ALLOW_NO_API_KEYS=1`` decides so)."""
@@ -240,7 +240,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "device": a.device, "fp8_weights": a.fp8_weights,
         # the ingress plans each request's prefix for the cache-aware router only
         "directory": directory if a.router == "cache-aware" else DirectorySection(),
-        "api_keys": a.api_keys or _api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,
+        "api_keys": a.api_keys or api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,
         "public_paths": a.public_paths, "expert_parallel": bool(a.expert_shards),
     }
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,

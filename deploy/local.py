@@ -129,14 +129,8 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
             raise ValueError(f"--device cuda needs {need} GPU(s) (one per replica, one per expert shard); "
                              f"this machine's Ray cluster has {have}")
         serve.start(http_options={"host": host, "port": port})
-        app_args = {**app_args, "cpu_threads": shared_cpu_threads(resources.get("CPU", 1.0), app_args),
-                    "directory_url": app_args.get("directory_url") or redis_url,
-                    "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
-        if not (app_args.get("agent_token_file") or app_args.get("agent_token_env")):
-            app_args["agent_token_file"] = _agent_token_file()
-        if "redis_pid" in state and not app_args.get("directory_password_env"):
-            app_args["directory_password_env"] = REDIS_PASSWORD_ENV
-        state["app_args"] = app_args  # `tide scale` redeploys with another replica count
+        app_args = served_args(app_args, resources.get("CPU", 1.0), redis_url, own_redis="redis_pid" in state)
+        state["app_args"] = app_args  # `tide scale` redeploys with another replica count (the file is 0600)
         clear_startup()
         # deployed without waiting for it to run: the wait below shows the replicas' progress
         # (loading a real checkpoint takes minutes) and gives up at once on a failed deploy
@@ -155,6 +149,25 @@ def up(app_args: dict[str, Any], host: str, port: int, redis_url: str | None, nu
         raise
     finally:
         preload.join()  # not left importing while the interpreter exits
+
+
+def served_args(app_args: dict[str, Any], cpus: float, redis_url: str, own_redis: bool) -> dict[str, Any]:
+    """The app's args as ``tide up`` serves them and saves them for ``tide scale``: what the
+    command line left open filled in from this cluster (threads, Redis, the cache secret and
+    agent token files) and from this shell (``TIDE_API_KEYS``: a later ``tide scale`` runs in
+    another shell, whose environment must not decide whether the API has keys)."""
+    from deploy.app import api_keys_from_env
+
+    args = {**app_args, "cpu_threads": shared_cpu_threads(cpus, app_args),
+            "directory_url": app_args.get("directory_url") or redis_url,
+            "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
+    if not (args.get("agent_token_file") or args.get("agent_token_env")):
+        args["agent_token_file"] = _agent_token_file()
+    if own_redis and not args.get("directory_password_env"):
+        args["directory_password_env"] = REDIS_PASSWORD_ENV
+    if not args.get("api_keys"):
+        args["api_keys"] = api_keys_from_env()
+    return args
 
 
 def shared_cpu_threads(cpus: float, app_args: dict[str, Any]) -> int | None:

@@ -24,3 +24,19 @@ def test_omp_num_threads_set_stands(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert shared_cpu_threads(8.0, {}) is None
     assert shared_cpu_threads(8.0, {"cpu_threads": 4}) == 4
+
+
+@pytest.mark.security
+def test_keys_from_tide_api_keys_are_saved_for_tide_scale(monkeypatch, tmp_path):
+    """`tide up` keeps the keys its shell's TIDE_API_KEYS gave: `tide scale` redeploys from the
+    saved args in another shell, which must not serve the API open for lack of the variable.
+    Keys given with --api-key stand."""
+    from deploy.local import served_args
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    monkeypatch.setenv("TIDE_API_KEYS", "sk-night:ops")
+    saved = served_args({"replicas": 1}, 2.0, "redis://127.0.0.1:1/0", own_redis=True)
+    assert saved["api_keys"] == {"sk-night": "ops"} and saved["directory_password_env"]
+    assert served_args({"api_keys": {"sk-cli": "a"}}, 2.0, "redis://x", own_redis=False)["api_keys"] == {"sk-cli": "a"}
+    monkeypatch.delenv("TIDE_API_KEYS")
+    assert served_args({}, 2.0, "redis://x", own_redis=False)["api_keys"] is None

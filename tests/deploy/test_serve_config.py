@@ -168,10 +168,10 @@ def test_an_idle_replica_stops_without_waiting_out_serves_default_drain_poll(tmp
 def test_keys_from_the_environment_without_a_tenant_get_one_each(monkeypatch):
     """TIDE_API_KEYS entries without a tenant are isolated by the whole key: two keys with a
     common prefix (sk-proj-...) never share a cache or see each other's cached_tokens."""
-    from deploy.app import _api_keys_from_env
+    from deploy.app import api_keys_from_env
 
     monkeypatch.setenv("TIDE_API_KEYS", "sk-proj-aaaaaaaaaa,sk-proj-aaaaaaaaab,sk-x:team")
-    keys = _api_keys_from_env()
+    keys = api_keys_from_env()
     assert keys["sk-x"] == "team"
     a, b = keys["sk-proj-aaaaaaaaaa"], keys["sk-proj-aaaaaaaaab"]
     assert a != b and "sk-proj" not in a + b  # neither the prefix nor the key is the tenant name
@@ -181,16 +181,16 @@ def test_keys_from_the_environment_without_a_tenant_get_one_each(monkeypatch):
 def test_keys_set_but_empty_are_refused_unless_serving_open_is_asked_for(monkeypatch):
     """An empty TIDE_API_KEYS (an empty Kubernetes Secret) would serve the API open: the app
     refuses to build, naming the variable that says so on purpose."""
-    from deploy.app import _api_keys_from_env
+    from deploy.app import api_keys_from_env
 
     monkeypatch.setenv("TIDE_API_KEYS", " ")
     with pytest.raises(ValueError, match="TIDE_ALLOW_NO_API_KEYS=1"):
-        _api_keys_from_env()
+        api_keys_from_env()
     monkeypatch.setenv("TIDE_ALLOW_NO_API_KEYS", "1")
-    assert _api_keys_from_env() is None
+    assert api_keys_from_env() is None
     monkeypatch.delenv("TIDE_API_KEYS")
     monkeypatch.delenv("TIDE_ALLOW_NO_API_KEYS")
-    assert _api_keys_from_env() is None
+    assert api_keys_from_env() is None
 
 
 @pytest.mark.security
