@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +16,8 @@ from kernels import triton_interpreted
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_WEIGHTS", "CheckpointError", "fp8_block_size", "keeps_fp8", "weights_digest", "weights_form"]
+__all__ = ["FP8_WEIGHTS", "CheckpointError", "file_sha256", "fp8_block_size", "keeps_fp8", "weights_digest",
+           "weights_form"]
 
 # What ``load_model`` does with an fp8 checkpoint's weights: "auto" keeps them as stored
 # on CUDA and dequantizes them elsewhere; "keep" always keeps them (off CUDA only under Triton's
@@ -63,18 +66,50 @@ def weights_form(ckpt_dir: str | Path, device: str | torch.device, cpu_weights: 
 
 
 def weights_digest(ckpt_dir: str | Path) -> str:
-    """A stable id of a checkpoint's weights (part of the cache namespace).
-
-    Hashes ``config.json`` and, per safetensors file, its name, size, header and last MiB, which
-    changes whenever the weights do without reading hundreds of GB.
-    """
+    """A stable id of a checkpoint's weights (part of the cache namespace): ``config.json`` and,
+    per safetensors file, its name, size and the SHA-256 of all its bytes, so any change to any
+    weight gives another id. A file's SHA-256 is read once per node and kept (``file_sha256``)."""
     ckpt = Path(ckpt_dir)
+    files = sorted(ckpt.glob("*.safetensors"))
+    with ThreadPoolExecutor(max(1, min(len(files), os.cpu_count() or 1, 8))) as pool:
+        sums = list(pool.map(file_sha256, files))  # hashlib lets go of the GIL: files hash side by side
     h = hashlib.sha256((ckpt / "config.json").read_bytes())
-    for path in sorted(ckpt.glob("*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
+    for path, sha in zip(files, sums, strict=True):
+        h.update(f"{path.name}:{path.stat().st_size}:{sha}".encode())
     return h.hexdigest()[:32]
+
+
+HASH_CHUNK = 8 << 20
+
+
+def file_sha256(path: Path, memo_dir: Path | None = None) -> str:
+    """The SHA-256 of a file's bytes, kept in ``memo_dir`` (default ``$TIDE_HOME/digests``)
+    under its path with its size, inode, mtime and ctime: while none of them changes the file
+    is not read again (a write changes its ctime, which no one can set back)."""
+    from model.default import cache_root
+
+    memo_dir = memo_dir or cache_root() / "digests"
+    st = path.stat()
+    stamp = [st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+    memo = memo_dir / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")
+    try:
+        kept = json.loads(memo.read_text())
+        if kept.get("stamp") == stamp and isinstance(kept.get("sha256"), str):
+            return kept["sha256"]
+    except (OSError, ValueError):
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    sha = h.hexdigest()
+    try:  # kept for next time; a node that cannot write it reads the file each time
+        memo_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"path": str(path.resolve()), "stamp": stamp, "sha256": sha}, f)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return sha
