@@ -58,6 +58,16 @@ from model.weights_id import weights_digest, weights_form
 __all__ = ["LLMServer"]
 
 log = logging.getLogger(__name__)
+
+
+
+def secret_warning(enable_cache: bool, secret: bytes) -> str | None:
+    """What a replica logs at start when its prompt cache has no secret (b""; else None)."""
+    if not enable_cache or secret:
+        return None
+    return ("the prompt cache has no secret (cache_secret_file): its units carry no MAC, so anyone who can write a "
+            "cache directory or answer as a cache agent can plant KV that is served as valid; give "
+            "cache_secret_file (tide up makes one)")
 bind_replica_grpc_to_node()  # a replica imports this module before Serve opens its gRPC port
 
 
@@ -137,6 +147,8 @@ class LLMServer:
         self.tokenizer = load_tokenizer(ckpt)
         mcfg = self.model.cfg
         self._secret = read_secret(cfg.cache_secret_file)
+        if (warning := secret_warning(cfg.enable_cache, self._secret)) is not None:
+            log.warning(warning)
         namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype, self._secret,
                                     weights_form(ckpt, cfg.device, cfg.cpu_weights, cfg.fp8_weights))
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"

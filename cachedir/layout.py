@@ -21,6 +21,7 @@ leaves no visible partial unit, and temporaries are deleted on start. The store
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -33,7 +34,10 @@ from pathlib import Path
 
 from cachedir.unitfile import MAGIC, UnitCorrupt, UnitHeader, read_header
 
-__all__ = ["LAYOUTS", "Loc", "SegmentFiles", "Staged", "UnitFiles", "make_layout", "nbytes"]
+__all__ = ["LAYOUTS", "Loc", "SegmentFiles", "Staged", "UnitFiles", "make_layout", "nbytes", "private_dir", "tighten",
+           "tighten_tree"]
+
+log = logging.getLogger(__name__)
 
 LAYOUTS = ("unit", "segment")
 UNIT_SUFFIX = ".unit"
@@ -84,6 +88,53 @@ def sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def private_dir(path: Path, fsync: bool = False) -> None:
+    """Make ``path`` a directory only its owner may enter (0700), with any missing parents:
+    each one made has its entry fsynced in its parent when ``fsync`` (else a power loss can take
+    the directory, and what was acknowledged in it, away); an existing one of ours that is
+    looser is tightened."""
+    missing, p = [], path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        if fsync:
+            sync_dir(d.parent)
+    tighten(path, 0o700)
+
+
+def tighten(path: Path, mode: int) -> None:
+    """Take away from ``path`` (ours) any permission beyond ``mode`` (files and directories
+    made before they were made private keep their old modes otherwise)."""
+    try:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o777 & ~mode:
+            os.chmod(path, st.st_mode & 0o777 & mode)
+    except OSError:
+        pass
+
+
+def tighten_tree(root: Path) -> int:
+    """``tighten`` every directory (0700) and file (0600) under ``root``; returns how many were
+    looser."""
+    loose = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name, mode in [(d, 0o700) for d in dirnames] + [(f, 0o600) for f in filenames]:
+            path = Path(dirpath) / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if st.st_mode & 0o777 & ~mode:
+                loose += 1
+                tighten(path, mode)
+    return loose
 
 
 def _fresh(nbytes: int) -> memoryview:
@@ -232,8 +283,8 @@ class UnitFiles:
             for key, parts in items:
                 path = self.path(key)
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-                for d in (path.parent.parent, path.parent):  # root/ab/cd/: both levels private
-                    d.mkdir(mode=0o700, exist_ok=True)
+                if not path.parent.is_dir():  # root/ab/cd/: both levels private, their entries synced
+                    private_dir(path.parent, self.fsync)
                 staged.temps.append(tmp)
                 _write_synced(tmp, parts, self.fsync)
                 staged.locs.append(Loc(path, 0, nbytes(parts)))
@@ -317,7 +368,7 @@ class SegmentFiles:
         self.batch_bytes, self.compact_below = segment_bytes, compact_below
         self.merge_below, self.merge_min = merge_below, merge_min
         self._small: set[Path] = set()  # segments under merge_below of a batch
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.root, fsync)
         self._lock = threading.Lock()
         self._segments: dict[Path, _Segment] = {}
         self._seq = itertools.count()
@@ -447,8 +498,9 @@ class SegmentFiles:
             return None
         try:
             self._tombstone(loc.path, loc.offset)
-        except OSError:
-            pass  # best effort: a record that comes back after a restart is still a valid unit
+        except OSError as e:  # the record would come back after a restart: rewrite the segment without it
+            log.warning("could not tombstone a record in %s (%s); compacting the segment", loc.path.name, e)
+            return loc.path
         return loc.path if sparse else None
 
     def read_groups(self, locs: Sequence[Loc]) -> list[list[int]]:

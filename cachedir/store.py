@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -30,12 +31,24 @@ from pathlib import Path
 
 from cachedir.eviction import make_policy
 from cachedir.index import CapacityIndex
-from cachedir.layout import LAYOUTS, Loc, SegmentFiles, advise, make_layout, nbytes, sync_dir
+from cachedir.layout import (
+    LAYOUTS,
+    Loc,
+    SegmentFiles,
+    advise,
+    make_layout,
+    nbytes,
+    private_dir,
+    sync_dir,
+    tighten_tree,
+)
 from cachedir.staging import StagingBuffers
 from cachedir.unit import Unit, UnitRemoved, UnitStored
 from cachedir.unitfile import UnitCorrupt, decode
 
 __all__ = ["StoreConfig", "StoreLocked", "StoreStats", "UnitStore"]
+
+log = logging.getLogger(__name__)
 
 PINS_FILE = "pinned.keys"  # hex keys of pinned units, one per line
 LOCK_FILE = ".lock"  # held (flock) by the one store that has the directory open
@@ -128,8 +141,10 @@ class UnitStore:
     def __init__(self, cfg: StoreConfig, now_s: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.root = Path(cfg.root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # unit records hold tenants' token ids
+        private_dir(self.root, cfg.fsync)  # unit records hold tenants' token ids
         self._lock_fd = _lock_dir(self.root)
+        if tighten_tree(self.root):  # written before the store made everything private
+            log.warning("cache files under %s were readable by others; made private (0600, dirs 0700)", self.root)
         self.layout = self._make_layout(cfg.layout)
         self._now = now_s
         self._lock = threading.RLock()
@@ -159,6 +174,7 @@ class UnitStore:
     def _rebuild(self) -> None:
         """Index every valid unit on disk (the layout deletes temporaries and unreadable files)."""
         now = self._now()
+        pins = self._read_pins()  # before the scan: a pinned unit found late is not evicted for those before it
         for h, loc in self.layout.scan():
             if h.key in self._index:  # a second copy (a compaction cut short): keep one
                 self.layout.delete(loc)
@@ -168,13 +184,14 @@ class UnitStore:
             if h.key in self._index:
                 self._namespaces[h.key] = h.namespace
                 self._locs[h.key] = loc
+                if h.key in pins:
+                    self._index.pin(h.key)
             else:
                 self.layout.delete(loc)
         self.stats.corrupt += self.layout.corrupt_found
         for path in self.layout.sparse():
             self._compact_async([path])
         self._merge_small()
-        pins = self._load_pins()
         self._sync_stats()
         self._takeover = self._pool.submit(self._migrate, pins)
 
@@ -285,8 +302,8 @@ class UnitStore:
         if self.cfg.fsync:
             sync_dir(self.root)
 
-    def _load_pins(self) -> set[bytes]:
-        """Pin the held units the pins file names; returns every key it names."""
+    def _read_pins(self) -> set[bytes]:
+        """Every key the pins file names."""
         try:
             lines = self._pins_path.read_text().split()
         except FileNotFoundError:
@@ -297,8 +314,6 @@ class UnitStore:
                 keys.add(bytes.fromhex(line))
             except ValueError:
                 continue  # a damaged line pins nothing
-        for key in keys:
-            self._index.pin(key)
         return keys
 
     def namespace_of(self, key: bytes) -> bytes | None:
@@ -556,9 +571,12 @@ class UnitStore:
         return self._get_group([key], namespace, [token_ids])[0]
 
     def _get_group(
-        self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int] | None]
+        self, keys: Sequence[bytes], namespace: bytes, token_ids: Sequence[Sequence[int] | None],
+        again: bool = True,
     ) -> list[Unit | None]:
-        """Units the layout reads with one read (one key, or a run of one segment)."""
+        """Units the layout reads with one read (one key, or a run of one segment). A unit
+        that a compaction moved while it was read (its old record tombstoned or its segment
+        gone) is read again where it went, once (``again``): moved is not damaged."""
         with self._lock:
             locs = [self._locs.get(k) for k in keys]
         out: list[Unit | None] = [None] * len(keys)
@@ -590,6 +608,7 @@ class UnitStore:
             # reused once nothing refers to the units read into it)
             out[i] = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac, h.sealed)
         hits = nbytes = 0
+        moved: list[int] = []
         with self._lock:
             for i, key in enumerate(keys):
                 if out[i] is not None:
@@ -598,6 +617,9 @@ class UnitStore:
                     hits += 1
                     nbytes += len(views[i])
                     continue
+                if again and locs[i] is not None and self._locs.get(key) not in (None, locs[i]):
+                    moved.append(i)
+                    continue
                 if locs[i] is not None:
                     self._remove_if_at(key, locs[i])
                 if i in corrupt:
@@ -605,6 +627,10 @@ class UnitStore:
                 self.stats.misses += 1
             self.stats.hits += hits
             self.stats.bytes_read += nbytes
+        if moved:
+            found = self._get_group([keys[i] for i in moved], namespace, [token_ids[i] for i in moved], again=False)
+            for i, unit in zip(moved, found, strict=True):
+                out[i] = unit
         return out
 
     def get_many_async(

@@ -16,12 +16,14 @@ DeepSeek's off-peak pricing). Cost = serving node-hours x ``node_hour_cost``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+from cachedir.layout import tighten
 from cluster.scaling import Schedule
 
 __all__ = ["NodeSample", "Prices", "JsonlLog", "UsageRecord", "daily_report", "log_files", "read_jsonl", "timeline"]
@@ -69,14 +71,15 @@ class Prices:
 
 class JsonlLog:
     """Append-only JSONL of records (``UsageRecord`` per finished request, ``NodeSample`` per
-    change), bounded: past ``max_bytes`` the file becomes ``<name>.1`` (``.1`` becomes ``.2``, ...)
+    change), readable by its owner alone, bounded: past ``max_bytes`` the file becomes ``<name>.1`` (``.1`` becomes ``.2``, ...)
     and the oldest beyond ``keep`` rotated files is deleted. ``log_files`` lists them all."""
 
     def __init__(self, path: str | Path, max_bytes: int = 64 << 20, keep: int = 8) -> None:
         if max_bytes <= 0 or keep < 1:
             raise ValueError(f"max_bytes must be > 0 and keep >= 1, got {max_bytes}, {keep}")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tighten(self.path, 0o600)  # one an older version made 0644
         self.max_bytes, self.keep = max_bytes, keep
 
     def append(self, record: UsageRecord) -> None:
@@ -86,8 +89,8 @@ class JsonlLog:
                 self._rotate()
         except FileNotFoundError:
             pass
-        with open(self.path, "a") as f:
-            f.write(line)
+        with os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
+            f.write(line)  # 0600: records name tenants
 
     def _rotate(self) -> None:
         rotated = lambda i: self.path.with_name(f"{self.path.name}.{i}")  # noqa: E731

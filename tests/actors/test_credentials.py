@@ -36,3 +36,12 @@ def test_the_agent_token_comes_from_its_file_or_env_var(tmp_path, monkeypatch):
         agent_token(_agents(token_file=str(path)))
     with pytest.raises(ValueError, match="agent token file .*No such file"):
         agent_token(_agents(token_file=str(tmp_path / "missing")))
+
+
+def test_a_cache_without_a_secret_is_named_at_start():
+    """Units without a MAC are accepted as valid from anyone who can write them: a replica with
+    a cache and no secret says so (one without a cache, or with a secret, says nothing)."""
+    from actors.llm_server import secret_warning
+
+    assert "cache_secret_file" in secret_warning(True, b"")
+    assert secret_warning(True, b"s" * 32) is None and secret_warning(False, b"") is None

@@ -310,6 +310,21 @@ def test_pinned_units_survive_eviction_expiry_and_restarts(tmp_path, layout, evi
     again.close()
 
 
+def test_a_restart_with_less_room_keeps_the_pinned_units(tmp_path, layout):
+    """Opened again with room for two units of four, the store evicts while it scans: a pinned
+    unit (here the first written, so the first scanned in segment order) is never among them."""
+    store = _store(tmp_path, layout, units=4)
+    units = make_units(list(range(64 * 4)))
+    for u in units:
+        assert store.put(u)
+    assert store.pin([units[0].key]) == 1
+    store.close()
+    again = _store(tmp_path, layout, units=2)
+    assert units[0].key in again and again.pinned() == [units[0].key] and len(again) == 2
+    again.check_integrity()
+    again.close()
+
+
 def _segment_store(tmp_path, units=100, **kw) -> UnitStore:
     return _store(tmp_path, "segment", units=units, **kw)
 
@@ -458,6 +473,47 @@ def test_removed_units_stay_removed_and_sparse_segments_are_compacted(tmp_path):
     again.check_integrity()
     again.close()
     assert set(_segment_store(tmp_path).keys()) == {u.key for u in kept}
+
+
+def test_a_read_racing_a_compaction_finds_the_units_where_they_went(tmp_path, monkeypatch):
+    """A compaction that moves a run while it is being read (its old segment tombstoned and
+    gone) is neither a miss nor damage: the units are read again where they went."""
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 4)))
+    store.put_many(units)
+    old = store.location(units[0].key).path
+    real_read = store.layout.read
+    compacted = []
+
+    def read_after_a_compaction(locs, *a):
+        if not compacted:
+            compacted.append(True)
+            store._rewrite_live([old])  # between the read's lookup and its read
+        return real_read(locs, *a)
+
+    monkeypatch.setattr(store.layout, "read", read_after_a_compaction)
+    assert _read(store, units) == units
+    assert not old.exists() and store.location(units[0].key).path != old
+    assert (store.stats.corrupt, store.stats.misses, store.stats.hits) == (0, 0, len(units))
+    store.check_integrity()
+
+
+def test_a_tombstone_that_cannot_be_written_rewrites_its_segment(tmp_path, monkeypatch):
+    """A removed unit must not come back after a restart: where its tombstone cannot be
+    written, its segment is compacted without it."""
+    store = _segment_store(tmp_path)
+    units = make_units(list(range(64 * 8)))
+    store.put_many(units)
+    old = store.location(units[0].key).path
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    store.remove(units[3].key)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    store.flush()
+    assert not old.exists()
+    store.close()
+    again = _segment_store(tmp_path)
+    assert units[3].key not in again and len(again) == 7
 
 
 def test_an_empty_segment_is_deleted_with_its_last_unit(tmp_path):
@@ -616,6 +672,38 @@ def test_what_is_acknowledged_or_removed_is_synced_to_its_directory(tmp_path, la
     store.pin([units[3].key])
     assert synced[-2:] == [str(tmp_path / "ssd" / "pinned.tmp"), str(tmp_path / "ssd")]
     store.close()
+
+
+def test_new_directories_are_synced_into_their_parents(tmp_path, layout, monkeypatch):
+    """A directory the store makes (its root, a unit file's two levels, the segments' folder)
+    is an entry in its parent: without syncing the parent a power loss takes it, and the
+    acknowledged units in it, away."""
+    synced = _record_fsyncs(monkeypatch)
+    store = _store(tmp_path, layout)
+    assert str(tmp_path) in synced  # ssd/ made in tmp_path
+    unit = make_units(list(range(64)))[0]
+    store.put(unit)
+    path = store.location(unit.key).path
+    for made in ([path.parent.parent, path.parent] if layout == "unit" else [path.parent]):
+        assert str(made.parent) in synced, made
+    store.close()
+
+
+@pytest.mark.security
+def test_files_and_directories_of_an_older_looser_store_are_made_private(tmp_path, layout):
+    store = _store(tmp_path, layout)
+    units = make_units(list(range(64 * 3)))
+    for u in units:
+        store.put(u)
+    store.pin([units[0].key])
+    store.close()
+    root = tmp_path / "ssd"
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    again = _store(tmp_path, layout)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [root, *root.rglob("*")])
+    assert _read(again, units) == units
+    again.close()
 
 
 def test_one_store_per_directory(tmp_path, layout):

@@ -55,6 +55,19 @@ def test_usage_log_round_trip_skips_a_torn_line(tmp_path):
     assert read_jsonl([log.path], UsageRecord) == [UsageRecord(T0, 10, 5, 3, 0.5, "alpha")]
 
 
+@pytest.mark.security
+def test_usage_logs_name_tenants_so_only_their_owner_reads_them(tmp_path):
+    """Made 0600 in a 0700 directory; one an older version made 0644 is tightened."""
+    log = JsonlLog(tmp_path / "usage" / "node.jsonl")
+    log.append(UsageRecord(T0, 10, 5, 3, 0.5, "alpha"))
+    assert log.path.stat().st_mode & 0o777 == 0o600 and log.path.parent.stat().st_mode & 0o777 == 0o700
+    old = tmp_path / "nodes.jsonl"
+    old.write_text("")
+    old.chmod(0o644)
+    JsonlLog(old)
+    assert old.stat().st_mode & 0o777 == 0o600
+
+
 def test_bad_records_and_prices_are_refused():
     with pytest.raises(ValueError, match="inconsistent"):
         UsageRecord(T0, 10, 11, 0, 0.0)
