@@ -161,7 +161,7 @@ class LLMServer:
             self.cache = _own_store(cfg.store, Path(cfg.store.cache_dir) / namespace.id)
         engine_cfg = cfg.engine if cfg.enable_cache else dataclasses.replace(cfg.engine, prefix_sharing=False)
         self.engine = Engine(self.model, engine_cfg, namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
-                             token_bytes=self.tokenizer.token_bytes)
+                             grammar_vocab=self.tokenizer.grammar_vocab)
         # One usage log per replica process (``tide stats`` reads them all).
         self.usage = JsonlLog(Path(cfg.usage_dir) / f"{self.node_id}.jsonl") if cfg.usage_dir else None
         self.publisher = None

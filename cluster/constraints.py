@@ -1,89 +1,121 @@
-"""Constrained decoding for the engine: the token masks of JSON mode, JSON schemas and choices
-among texts, per request.
+"""Constrained decoding for the engine: each constrained request's grammar (``model.grammar``:
+JSON, a schema, a choice of texts, a regex or an EBNF grammar, on xgrammar) and its place in it.
 
-A constrained sequence carries its grammar's masks, the grammar's state after its output so far,
-and whether the masks apply yet (an R1 request is free while it thinks, until its
-``constrain_after`` token). The masks of one grammar are built once per vocabulary and shared by
-every request using it; the grammars of the most recent schemas and choice lists are kept.
+A grammar compiles on a thread of its own, never the engine's: a request whose grammar is not
+compiled yet waits before its last prompt token (``ready``) while the others go on. The masks of
+a decode batch are filled on another thread while the forward pass runs (``prefetch``), and
+applied to the logits on their device (``apply``). An R1 request is free while it thinks, until
+its ``constrain_after`` token.
 """
 
 from __future__ import annotations
 
-import json
+import threading
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from cluster.request import GenerationRequest, Sequence
-from model.choice import ChoiceGrammar
-from model.json_schema import SchemaGrammar
-from model.structured import JsonMasks
+from cluster.request import Sequence
+from model.grammar import GrammarError, Grammars, GrammarState, GrammarVocab, apply_masks
 
 __all__ = ["Constraints"]
 
-MAX_SCHEMAS = 32  # schema and choice grammars kept (their masks share JsonMasks' byte budget)
-
 
 class Constraints:
-    def __init__(self, token_bytes: Callable[[int], bytes] | None, vocab_size: int, eos_id: int | None) -> None:
-        """``token_bytes(id)``: a token's bytes (the tokenizer's); ``eos_id`` is what a row with
-        no allowed token falls back to."""
-        self.token_bytes = token_bytes
-        self.vocab_size = vocab_size
-        self.eos_id = eos_id
-        self._json: JsonMasks | None = None  # JSON mode's, built on the first constrained request
-        self._grammars: dict[str, JsonMasks] = {}  # by schema text or choice list, oldest first
+    def __init__(self, vocab: Callable[[], GrammarVocab] | None, vocab_size: int, eos_id: int | None) -> None:
+        """``vocab()``: the tokenizer's vocabulary as grammars read it (asked once, on the first
+        constrained request); ``eos_id`` ends a constrained output."""
+        self._vocab, self.vocab_size, self.eos_id = vocab, vocab_size, eos_id
+        self._grammars: Grammars | None = None
+        self._lock = threading.Lock()
+        self._compile = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._prefetched: Future | None = None
+        self._compiling: set[Future] = set()
+
+    def grammars(self) -> Grammars:
+        """The vocabulary's compiler (built on first use, on the compile thread)."""
+        with self._lock:
+            if self._grammars is None:
+                if self._vocab is None:
+                    raise ValueError("structured output needs the tokenizer's vocabulary (Engine(grammar_vocab=...))")
+                stops = [self.eos_id] if self.eos_id is not None else []
+                self._grammars = Grammars(self._vocab(), self.vocab_size, stops)
+            return self._grammars
 
     def start(self, seq: Sequence) -> None:
-        """Set up ``seq``'s masks, and their state after the tokens another replica already
-        generated for it (``continued_ids``); ValueError when those cannot start such an output."""
+        """Compile ``seq``'s grammar on the compile thread; its state then reads the tokens another
+        replica already generated for it (``continued_ids``: a ``GrammarError`` when they cannot
+        start such an output)."""
         req = seq.req
-        masks = self._masks(req)
-        state, active = masks.grammar.start, req.constrain_after is None
-        for tok in req.continued_ids:
-            if active:
-                state = masks.advance(state, tok)
-            active = active or tok == req.constrain_after
-        if state is None or masks.done(state):
-            raise ValueError("the continued tokens are not the start of an unfinished JSON output")
-        seq.json_masks, seq.json_state, seq.json_active = masks, state, active
+        if self._vocab is None:
+            raise ValueError("structured output needs the tokenizer's vocabulary (Engine(grammar_vocab=...))")
 
-    def _masks(self, req: GenerationRequest) -> JsonMasks:
-        if self.token_bytes is None:
-            raise ValueError("JSON mode needs the tokenizer's token bytes (Engine(token_bytes=...))")
-        if self._json is None:
-            self._json = JsonMasks(self.token_bytes, self.vocab_size)
-        if req.response_format == "json_object":
-            return self._json
-        key = req.json_schema if req.response_format == "json_schema" else json.dumps(["choice", *req.choices])
-        masks = self._grammars.get(key)
-        if masks is None:
-            if len(self._grammars) >= MAX_SCHEMAS:
-                self._grammars.pop(next(iter(self._grammars)))
-            # SchemaError and ChoiceError are ValueErrors
-            grammar = SchemaGrammar(json.loads(key)) if req.response_format == "json_schema" else ChoiceGrammar(req.choices)
-            masks = self._grammars[key] = self._json.for_grammar(grammar)
-        return masks
+        def compiled() -> GrammarState:
+            grammars = self.grammars()
+            state = grammars.state(req.grammar, req.constrain_after)
+            for tok in req.continued_ids:
+                state.feed(tok)
+            if state.done():
+                raise GrammarError("the continued tokens are a whole output already")
+            return state
+
+        seq.grammar = self._compile.submit(compiled)
+        self._compiling.add(seq.grammar)
+        seq.grammar.add_done_callback(self._compiling.discard)
+
+    def wait_compiled(self, timeout: float) -> None:
+        """Block until a grammar being compiled is done, or ``timeout`` (a loop with nothing
+        else to do rests here rather than spin, which would starve the compile thread of the GIL)."""
+        pending = list(self._compiling)
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+
+    @staticmethod
+    def ready(seq: Sequence) -> bool:
+        """Whether ``seq``'s grammar is compiled (or it has none): before that it waits."""
+        return not isinstance(seq.grammar, Future) or seq.grammar.done()
+
+    @staticmethod
+    def _state(seq: Sequence) -> GrammarState | None:
+        """``seq``'s grammar state (its compilation's error raised here, where the sequence fails)."""
+        if isinstance(seq.grammar, Future):
+            seq.grammar = seq.grammar.result()
+        return seq.grammar
+
+    def _active(self, batch: list[Sequence]) -> tuple[list[int], list[GrammarState]]:
+        rows = [b for b, s in enumerate(batch) if s.grammar is not None and self._state(s).active]
+        return rows, [batch[b].grammar for b in rows]
+
+    def prefetch(self, batch: list[Sequence]) -> None:
+        """Fill the masks ``apply`` will need for ``batch`` on the mask thread (while the forward
+        pass runs)."""
+        states = [s.grammar for s in batch if isinstance(s.grammar, GrammarState) and s.grammar.active]
+        if states:
+            self._prefetched = self._masks.submit(lambda: [s.mask() for s in states])
 
     def apply(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
-        """``logits`` [B, V] with each constrained row's disallowed tokens at -inf."""
-        for masks in {id(s.json_masks): s.json_masks for s in batch if s.json_masks is not None}.values():
-            rows = [b for b, seq in enumerate(batch) if seq.json_masks is masks and seq.json_active]
-            if rows:
-                logits = masks.apply(logits, rows, [batch[b].json_state for b in rows], fallback=self.eos_id)
-        return logits
+        """``logits`` [B, V] with each constrained row's disallowed tokens at -inf (a copy)."""
+        if self._prefetched is not None:
+            prefetched, self._prefetched = self._prefetched, None
+            prefetched.result()
+        rows, states = self._active(batch)
+        return apply_masks(logits, rows, states)
 
-    @staticmethod
-    def feed(seq: Sequence, tok: int) -> None:
-        """The grammar reads ``tok``, or the masks start to apply after it when it ends the thought."""
-        if seq.json_masks is None:
-            return
-        if seq.json_active:
-            seq.json_state = seq.json_masks.advance(seq.json_state, tok)
-        elif tok == seq.req.constrain_after:
-            seq.json_active = True
+    def holds(self, seq: Sequence) -> bool:
+        """Whether the grammar decides ``seq``'s next token (min_tokens does not hold EOS back)."""
+        return isinstance(seq.grammar, GrammarState) and seq.grammar.active
 
-    @staticmethod
-    def done(seq: Sequence) -> bool:
+    def feed(self, seq: Sequence, tok: int) -> None:
+        """The grammar reads ``tok`` (a ``GrammarError`` when it cannot)."""
+        if seq.grammar is not None:
+            self._state(seq).feed(tok)
+
+    def done(self, seq: Sequence) -> bool:
         """Whether ``seq``'s constrained output is complete (the request ends)."""
-        return seq.json_masks is not None and seq.json_active and seq.json_masks.done(seq.json_state)
+        return seq.grammar is not None and self._state(seq).done()
+
+    def close(self) -> None:
+        self._compile.shutdown(wait=False, cancel_futures=True)
+        self._masks.shutdown(wait=False, cancel_futures=True)

@@ -19,8 +19,8 @@ of its batch bucket (``model.fixed_decode``) unless ``enforce_eager``; on a floa
 is one C++ call (``model.cpu_step``).
 
 Which sequences run and how much of each prompt is the scheduler's (``cluster.scheduler``); the
-pages, the KV manager's (``cluster.kv_manager``); the output's text, ``cluster.output``'s; JSON
-masks, ``cluster.constraints``'. When the pool is full, cached prefix entries are dropped first,
+pages, the KV manager's (``cluster.kv_manager``); the output's text, ``cluster.output``'s;
+structured output's grammars, ``cluster.constraints``'. When the pool is full, cached prefix entries are dropped first,
 then the newest running sequence is preempted (its pages freed; it is recomputed later from its
 tokens, which stay the same). New units are persisted per the admission policy after the input
 and after the output, on the cache's I/O threads: persistence never blocks decode.
@@ -56,6 +56,7 @@ from cluster.request import (
 from cluster.scheduler import Scheduler, scored_chunk
 from cluster.window_kv import kv_manager
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
+from model.grammar import GrammarVocab
 from model.model import DeepseekModel
 from model.moe import LocalExpertExecutor
 from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logprobs
@@ -116,24 +117,27 @@ class Engine:
         detokenize: Callable[[list[int]], str],
         eos_id: int | None,
         cache: PromptCache | None = None,
-        token_bytes: Callable[[int], bytes] | None = None,
+        grammar_vocab: Callable[[], GrammarVocab] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``token_bytes(id)``: a token's bytes (the tokenizer's), needed for JSON mode;
-        ``clock``: seconds, for the speeds that size prefill chunks (``itl_factor``)."""
+        """``grammar_vocab()``: the tokenizer's vocabulary as grammars read it, needed for
+        structured output; ``clock``: seconds, for the speeds that size prefill chunks
+        (``itl_factor``)."""
         self.model = model
         self.cfg = cfg
         self.namespace = namespace
         self.detokenize = detokenize
         self.eos_id = eos_id
         self.cache = cache
-        self.constraints = Constraints(token_bytes, model.cfg.vocab_size, eos_id)
+        self.constraints = Constraints(grammar_vocab, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
         self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens)
         self.fixed_decode = self._fixed_decode()
+        self.idle = False  # the last step found nothing it could do yet
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
                                    self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
+                                   ready=self.constraints.ready,
                                    scored_chunk=scored_chunk(cfg.scored_logits_mib, model.cfg.vocab_size))
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
@@ -183,7 +187,7 @@ class Engine:
             seq.seen[long_tensor([t for t in req.prompt_ids if t < len(seq.seen)])] = True
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
-        if req.response_format is not None:
+        if req.grammar is not None:
             self.constraints.start(seq)
         scored = req.sampling.prompt_logprobs is not None and req.prefilled is None
         if scored:  # every prompt position's logits are needed: computed whole, nothing loaded
@@ -251,6 +255,8 @@ class Engine:
             self._reap_aborted(outputs)
         batch = self.scheduler.decode_batch()
         chunks = self.scheduler.prefill_chunks(batch)
+        self.constraints.prefetch(batch)  # the batch's token masks, filled while its pass runs
+        self.idle = not batch and not chunks  # work waits (a grammar compiling): the loop may rest
         decode_logits = None
         for k, (seq, end) in enumerate(chunks):
             rides = k == 0 and seq.prompt_logprobs is None  # the decode rides in the first (not a scored one)
@@ -469,9 +475,13 @@ class Engine:
             seq.token_counts[tok] += 1
         if seq.seen is not None:
             seq.seen[tok] = True
-        req, constrained = seq.req, seq.json_masks is not None
+        req, constrained = seq.req, seq.grammar is not None
         if constrained:
-            self.constraints.feed(seq, tok)
+            try:
+                self.constraints.feed(seq, tok)
+            except ValueError as e:  # a token the grammar refuses: this request fails, not the batch
+                self._fail(seq, e, outputs)
+                return
         may_stop = self._produced(seq) >= req.min_tokens
         eos = may_stop and ((tok == self.eos_id and not req.ignore_eos) or tok in req.stop_token_ids)
         reason = None
@@ -498,7 +508,7 @@ class Engine:
         """``logits`` [B, V] with EOS and the stop tokens at -inf in the rows whose next token is
         before their ``min_tokens`` (a copy when any is; rows under JSON masks keep theirs)."""
         rows = [b for b, s in enumerate(batch) if self._produced(s) + 1 < s.req.min_tokens
-                and not (s.json_masks is not None and s.json_active)]
+                and not self.constraints.holds(s)]
         if not rows:
             return logits
         logits = logits.clone()
@@ -582,6 +592,8 @@ class Engine:
         while self.has_work():
             for o in self.step():
                 out.setdefault(o.request_id, []).append(o)
+            if self.idle:
+                self.constraints.wait_compiled(timeout=1.0)
         return out
 
     def check_integrity(self) -> None:

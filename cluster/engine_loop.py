@@ -27,6 +27,8 @@ __all__ = ["EngineLoop", "PromptKV"]
 
 log = logging.getLogger(__name__)
 
+IDLE_STEP_WAIT_S = 0.002  # after a step that could do nothing yet, until the next (or a new request)
+
 
 @dataclass(frozen=True, slots=True)
 class PromptKV:
@@ -173,6 +175,9 @@ class EngineLoop:
                     log.exception("engine step failed")
                     self.fail_all(e)
                     continue
+                if self.engine.idle and not outputs:  # waiting on a grammar's compile: do not spin
+                    self._wake.wait(timeout=IDLE_STEP_WAIT_S)
+                    self._wake.clear()
                 for o in outputs:
                     if o.finish_reason == FinishReason.ERROR:  # it failed alone: its stream raises
                         self._deliver(o.request_id, RequestFailed(o.error or "the request failed"))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from cachedir.hashing import Namespace
+from model.grammar import GrammarSpec
 from model.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the ingress and the routers use this module without torch
@@ -16,11 +17,8 @@ if TYPE_CHECKING:  # the ingress and the routers use this module without torch
 
 UNIT_TOKENS = 64  # tokens per prompt-cache unit (the engine, the ingress and the stores share it)
 
-__all__ = ["RESPONSE_FORMATS", "UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestFailed", "RequestMigrated",
+__all__ = ["UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestFailed", "RequestMigrated",
            "RequestOutput", "Sequence", "TokenSources"]
-
-
-RESPONSE_FORMATS = (None, "json_object", "json_schema", "choice")
 
 
 def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret: bytes = b"",
@@ -98,14 +96,11 @@ class GenerationRequest:
     # Detokenization goes on from them, so a character split across the move comes out whole.
     continued_ids: tuple[int, ...] = ()
     continued_chars: int = 0
-    # "json_object": every step keeps the output a prefix of one JSON object, and the request
-    # ends when it closes (``model.structured``); "json_schema": one JSON value that
-    # ``json_schema`` (the schema as JSON text) accepts (``model.json_schema``); "choice": one
-    # of ``choices`` (``model.choice``)
-    response_format: str | None = None
-    json_schema: str | None = None
+    # structured output: every step keeps the output a prefix of what the grammar matches
+    # (JSON, a schema, a choice, a regex, EBNF), and the request ends when it is whole
+    grammar: GrammarSpec | None = None
     plan: PrefixPlan | None = None  # the ingress's prefix plan (None: the engine hashes and looks up)
-    # R1: the output is a thought until this token (``</think>``); JSON mode constrains the rest
+    # R1: the output is a thought until this token (``</think>``); the grammar constrains the rest
     constrain_after: int | None = None
     # vLLM's: these tokens end the output as EOS does (they are in its tokens, not its text)...
     stop_token_ids: tuple[int, ...] = ()
@@ -113,15 +108,8 @@ class GenerationRequest:
     # (a JSON value, once whole, still does)
     min_tokens: int = 0
     include_stop: bool = False  # the text ends with the stop string found (vLLM's include_stop_str_in_output)
-    choices: tuple[str, ...] = ()  # response_format "choice": the output is one of these texts (model.choice)
 
     def __post_init__(self) -> None:
-        if self.response_format not in RESPONSE_FORMATS:
-            raise ValueError(f"response_format must be one of {RESPONSE_FORMATS}, got {self.response_format!r}")
-        if (self.response_format == "json_schema") != (self.json_schema is not None):
-            raise ValueError("response_format json_schema goes with a json_schema, and only it")
-        if (self.response_format == "choice") != bool(self.choices):
-            raise ValueError("response_format choice goes with choices, and only it")
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
         if self.handoff and self.prefilled is not None:
@@ -242,9 +230,8 @@ class Sequence:
     finished: FinishReason | None = None
     input_persisted: bool = False
     generator: object = None  # torch.Generator for seeded sampling
-    json_masks: object = None  # JSON mode: the grammar's token masks (model.structured.JsonMasks)
-    json_state: object = None  # ... and its state after the output so far
-    json_active: bool = True  # the masks apply (False while an R1 thought goes on: ``constrain_after``)
+    # structured output: a Future while its grammar compiles, then its model.grammar.GrammarState
+    grammar: object = None
     token_counts: object = None  # penalized requests: torch.Tensor [V], times each token was generated
     seen: object = None  # repetition-penalized requests: torch.Tensor [V], bool: in the prompt or output
     row: int | None = None  # its row of the engine's block tables while it runs (None: not running)

@@ -58,15 +58,18 @@ def scored_chunk(bound_mib: int, vocab_size: int) -> int:
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_prefill_tokens: int, itl_factor: float,
                  admit: Callable[[Sequence], bool], admit_prefilled: Callable[[Sequence], bool],
-                 stats: dict[str, int], itl_floor_s: float = 0.0, scored_chunk: int = SCORED_CHUNK) -> None:
+                 stats: dict[str, int], itl_floor_s: float = 0.0, scored_chunk: int = SCORED_CHUNK,
+                 ready: Callable[[Sequence], bool] = lambda seq: True) -> None:
         """``admit(seq)``: give a waiting sequence its pages (False: not enough yet);
+        ``ready(seq)``: whether it may produce its first token (its grammar is compiled): until
+        then its prompt stops short of its last token and others go first;
         ``admit_prefilled(seq)``: the same for a prompt prefilled on another replica, which then
         decodes at once; ``stats``: counters it adds to (``preemptions``); ``itl_floor_s``: the
         time a mixed pass may always take (with ``itl_factor`` on); ``scored_chunk``: the longest
         chunk of a scored prompt."""
         self.kv = kv
         self.max_num_seqs, self.max_prefill_tokens, self.itl_factor = max_num_seqs, max_prefill_tokens, itl_factor
-        self.itl_floor_s, self.scored_chunk = itl_floor_s, scored_chunk
+        self.itl_floor_s, self.scored_chunk, self._ready = itl_floor_s, scored_chunk, ready
         self._admit, self._admit_prefilled = admit, admit_prefilled
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
@@ -168,10 +171,14 @@ class Scheduler:
         budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
         chunks: list[tuple[Sequence, int]] = []
         seats = self.max_num_seqs - len(self.running)
-        i = 0
+        i, blocked = 0, False  # blocked: a sequence could not have its pages; none after it may
         while budget > 0 and i < len(self.waiting) and seats > 0:
             seq = self.waiting[i]
+            ready = self._ready(seq)
             if seq.req.prefilled is not None and not seq.output_ids:
+                if not ready or blocked:  # it decodes at once: it waits whole
+                    i += 1
+                    continue
                 if not self._admit_prefilled(seq):
                     break
                 seq.scheduled_s = seq.scheduled_s or time.monotonic()
@@ -180,12 +187,22 @@ class Scheduler:
                 batch.append(seq)
                 seats -= 1
                 continue
-            if not seq.pages and not self._admit(seq):
-                break  # not enough pages yet: wait for running sequences to finish
+            if not seq.pages and (blocked or not self._admit(seq)):
+                # not enough pages yet: it waits for running sequences to finish, and so does every
+                # sequence after it but those already holding theirs (a prompt that waited for its
+                # grammar, behind one preempted), which go on
+                blocked = True
+                i += 1
+                continue
             seq.scheduled_s = seq.scheduled_s or time.monotonic()
             end = min(seq.length, seq.num_computed + budget)
             if seq.prompt_logprobs is not None:
                 end = min(end, seq.num_computed + self.scored_chunk)
+            if not ready and end == seq.length:  # its last token's logits wait for the grammar
+                end = seq.length - 1
+                if end <= seq.num_computed:
+                    i += 1
+                    continue
             chunks.append((seq, end))
             budget -= end - seq.num_computed
             if end < seq.length:

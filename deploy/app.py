@@ -242,6 +242,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         "directory": directory if a.router == "cache-aware" else DirectorySection(),
         "api_keys": a.api_keys or api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,
         "public_paths": a.public_paths, "expert_parallel": bool(a.expert_shards),
+        "structured_whitespace": a.structured_whitespace,
     }
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
                                max_ongoing_requests=256, graceful_shutdown_wait_loop_s=DRAIN_POLL_S)

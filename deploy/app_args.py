@@ -69,6 +69,10 @@ class AppArgs(BaseModel):
     # a scored prompt (echo with logprobs, prompt_logprobs) is computed in chunks whose logits
     # and their log-softmax fit this bound (MiB): the most memory scoring adds to a replica
     scored_logits_mib: int = Field(default=256, ge=1)
+    # structured output's JSON: "compact" (separators as json.dumps writes them, no other
+    # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
+    # structured_outputs.disable_any_whitespace decides for itself
+    structured_whitespace: Literal["compact", "any"] = "compact"
     # a stream's outputs go at most this often (the first at once): what the engine made meanwhile
     # goes as one output, as Ray Serve LLM's setting of this name (and default) does. Each output
     # is a hop through the replica, the ingress and the HTTP proxy (~1.5 ms of CPU), so an engine

@@ -110,6 +110,7 @@ def generate(
     from cluster.request import GenerationRequest
     from model.checkpoint import CheckpointError, load_model
     from model.default import default_checkpoint
+    from model.grammar import GrammarSpec
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
 
@@ -139,10 +140,10 @@ def generate(
     pages = -(-(len(ids) + max_tokens + 1) // 16)
     ns = Namespace(model.cfg.fingerprint(), "cli", dtype, "latent", 64)
     engine = Engine(model, EngineConfig(num_pages=pages), ns, tok.decode, model.cfg.eos_token_id,
-                    token_bytes=tok.token_bytes)
+                    grammar_vocab=tok.grammar_vocab)
     try:
         engine.add_request(GenerationRequest("cli", tuple(ids), max_tokens, params,
-                                             response_format="json_object" if json_object else None))
+                                             grammar=GrammarSpec("json_object") if json_object else None))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     outputs = engine.run_to_completion()["cli"]

@@ -224,6 +224,8 @@ class OpenAIIngress:
         keys = cfg.get("api_keys") or None
         self.api_keys = {k: KeyGrant.parse(v) for k, v in keys.items()} if keys else None
         self.limits = Limits(**(cfg.get("limits") or {}))
+        # structured output: the most bytes a grammar may have, and whether JSON may hold any whitespace
+        self._grammar_limits = (self.limits.max_grammar_bytes, cfg.get("structured_whitespace", "compact") == "any")
         lim = self.limits
         self.quotas = TenantQuotas(lim.tenant_requests_per_minute / 60, lim.tenant_burst, lim.tenant_concurrency,
                                    tokens_per_minute=lim.tenant_tokens_per_minute)
@@ -319,7 +321,7 @@ class OpenAIIngress:
             return GenerationRequest("", tuple(prompt_ids), max_tokens, sampling, tuple(stops), body.ignore_eos,
                                      grant.tenant, stop_token_ids=stop_ids, min_tokens=body.min_tokens,
                                      include_stop=body.include_stop_str_in_output,
-                                     **(body.json_mode() | extra))
+                                     **({"grammar": body.grammar(*self._grammar_limits)} | extra))
         except ValueError as e:  # a combination the field checks above let through
             raise APIError(400, str(e)) from None
 
@@ -697,7 +699,8 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         grant = self._grant(request)
         messages = [m.template_dict() for m in body.messages]
-        tools, forced, required = body.tool_functions(), body.forced_function(), body.required_call()
+        tools, forced = body.tool_functions(), body.forced_function()
+        required = body.required_grammar(*self._grammar_limits)
         prefix = body.answer_prefix()  # chat prefix completion: the answer goes on from that text
         extra = body.chat_template_kwargs or {}
         try:
@@ -716,10 +719,9 @@ class OpenAIIngress:
         if thought:  # R1: JSON mode, a schema or a named function constrain only the answer, after the thought
             fields["constrain_after"] = think[1]
         if forced is not None:  # the output is that function's arguments: per its schema, or any JSON object
-            schema = body.forced_parameters(forced)
-            fields.update(response_format="json_schema" if schema else "json_object", json_schema=schema)
+            fields["grammar"] = body.forced_grammar(forced, *self._grammar_limits)
         if required is not None:  # the output is one call, {NAME: ARGUMENTS}, of one of the tools
-            fields.update(response_format="json_schema", json_schema=required)
+            fields["grammar"] = required
         engine_req = self._engine_request(body, prompt_ids, grant, prompt_logprobs=body.prompt_logprobs, **fields)
         k = body.prompt_logprobs
         if forced is not None:

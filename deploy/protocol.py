@@ -9,8 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from model.choice import ChoiceError, ChoiceGrammar
-from model.json_schema import SchemaError, SchemaGrammar
+from model.grammar import GrammarError, GrammarSpec
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, TokenLogprob
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
@@ -95,13 +94,26 @@ def _rerooted(schema: dict, prefix: str) -> tuple[dict, dict]:
     return moved, defs
 
 
-def schema_text(schema: dict, param: str) -> str:
-    """A JSON schema the engine can enforce, as canonical JSON text (a 400 naming what it cannot)."""
+def checked(spec: GrammarSpec, param: str, max_bytes: int) -> GrammarSpec:
+    """``spec`` if this server can enforce it within ``max_bytes`` (``Limits.max_grammar_bytes``),
+    else a 400 naming what it cannot."""
+    if spec.size > max_bytes:
+        raise APIError(400, f"{param}: the grammar is {spec.size} bytes, over the limit of {max_bytes} "
+                            "(limits.max_grammar_bytes)", param=param, code="unsupported_schema")
     try:
-        SchemaGrammar(schema)
-    except SchemaError as e:
+        spec.check()
+    except GrammarError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
-    return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return spec
+
+
+def schema_spec(schema: dict, param: str, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec:
+    """A JSON schema this server can enforce, as its grammar (a 400 naming what it cannot)."""
+    if _nesting(schema) > MAX_JSON_NESTING:
+        raise APIError(400, f"{param}: the schema nests more than {MAX_JSON_NESTING} objects and arrays deep",
+                       param=param, code="unsupported_schema")
+    text = json.dumps(schema, ensure_ascii=False)  # property order is the output's order
+    return checked(GrammarSpec("json_schema", text, any_whitespace=any_whitespace), param, max_bytes)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -123,6 +135,7 @@ class Limits(BaseModel):
     max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
     max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
+    max_grammar_bytes: int = Field(default=65536, ge=1)  # a structured output's schema, regex, grammar or choices
     # a request's cost (deploy.request_cost): prompt + max_tokens over its prompts and n choices,
     # and prompt tokens scored (echo with logprobs, prompt_logprobs; each prompt once)
     max_request_tokens: int = Field(default=262144, ge=1)
@@ -173,11 +186,14 @@ class _Sampling(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream (as in vLLM)", param="prompt_logprobs")
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
-    # vLLM's structured outputs: {"json": schema} | {"json_object": true} | {"choice": [texts]}, and
-    # the older names guided_json and guided_choice
+    # vLLM's structured outputs: {"json": schema} | {"json_object": true} | {"choice": [texts]} |
+    # {"regex": text} | {"grammar": EBNF}, with "disable_any_whitespace"; and the older names
+    # guided_json, guided_choice, guided_regex and guided_grammar (model.grammar enforces them)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -214,58 +230,66 @@ class _Sampling(BaseModel):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         return stops
 
-    def json_mode(self) -> dict[str, Any]:
-        """The engine's ``response_format`` ("json_object", "json_schema", "choice" or None for
-        text), ``json_schema`` (the schema as canonical JSON text; a 400 for one it cannot
-        enforce) and ``choices``, from ``response_format`` or vLLM's structured outputs."""
+    def grammar(self, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec | None:
+        """What the output must match, from ``response_format`` or vLLM's structured outputs
+        (None: free text); a 400 for one this server cannot enforce or over ``max_bytes``.
+        ``any_whitespace``: the server's default for JSON (a request's
+        ``structured_outputs.disable_any_whitespace`` decides for itself)."""
         fmt = self.response_format or {}
         kind = fmt.get("type", "text")
-        vllm = self._structured_outputs()
+        vllm = self._structured_outputs(max_bytes, any_whitespace)
         if vllm is not None:
             if kind != "text":
                 raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
             return vllm
-        if kind in ("text", "json_object"):
-            return {"response_format": None if kind == "text" else kind, "json_schema": None}
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return GrammarSpec("json_object", any_whitespace=any_whitespace)
         if kind != "json_schema":
             raise APIError(400, f"response_format {kind!r} is not supported by this server (text, json_object or "
                            "json_schema)", param="response_format", code="unsupported_parameter")
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise APIError(400, "response_format json_schema needs json_schema: {name, schema}", param="response_format")
-        return {"response_format": "json_schema", "json_schema": schema_text(spec.get("schema", {}), "response_format")}
+        return schema_spec(spec.get("schema", {}), "response_format", max_bytes, any_whitespace)
 
-    def _structured_outputs(self) -> dict[str, Any] | None:
-        given = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None and v is not False}
-        for name, value in (("json", self.guided_json), ("choice", self.guided_choice)):
+    def _structured_outputs(self, max_bytes: int, any_whitespace: bool) -> GrammarSpec | None:
+        options = dict(self.structured_outputs or {})
+        if "disable_any_whitespace" in options:
+            any_whitespace = not options.pop("disable_any_whitespace")
+        given = {k: v for k, v in options.items() if v is not None and v is not False}
+        for name, value in (("json", self.guided_json), ("choice", self.guided_choice), ("regex", self.guided_regex),
+                            ("grammar", self.guided_grammar)):
             if value is not None:
                 given[name] = value
         if not given:
             return None
         if len(given) > 1:
-            raise APIError(400, f"structured outputs take one of json, json_object and choice, got {sorted(given)}",
-                           param="structured_outputs")
+            raise APIError(400, f"structured outputs take one of json, json_object, choice, regex and grammar, got "
+                                f"{sorted(given)}", param="structured_outputs")
         (kind, value), = given.items()
+        param = "structured_outputs"
         if kind == "json":
             try:
                 schema = json.loads(value) if isinstance(value, str) else value
             except ValueError:
-                raise APIError(400, "structured_outputs json: not a JSON schema", param="structured_outputs") from None
+                raise APIError(400, "structured_outputs json: not a JSON schema", param=param) from None
             if not isinstance(schema, dict):
-                raise APIError(400, "structured_outputs json: a schema is an object", param="structured_outputs")
-            return {"response_format": "json_schema", "json_schema": schema_text(schema, "structured_outputs")}
+                raise APIError(400, "structured_outputs json: a schema is an object", param=param)
+            return schema_spec(schema, param, max_bytes, any_whitespace)
         if kind == "json_object":
-            return {"response_format": "json_object", "json_schema": None}
+            return GrammarSpec("json_object", any_whitespace=any_whitespace)
         if kind == "choice":
-            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-                raise APIError(400, "structured_outputs choice: a list of texts", param="structured_outputs")
-            try:
-                ChoiceGrammar(value)
-            except ChoiceError as e:
-                raise APIError(400, f"structured_outputs choice: {e}", param="structured_outputs") from None
-            return {"response_format": "choice", "json_schema": None, "choices": tuple(value)}
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise APIError(400, "structured_outputs choice: a list of texts", param=param)
+            return checked(GrammarSpec("choice", choices=tuple(value)), f"{param} choice", max_bytes)
+        if kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise APIError(400, f"structured_outputs {kind}: a non-empty text", param=param)
+            return checked(GrammarSpec(kind, value), f"{param} {kind}", max_bytes)
         raise APIError(400, f"structured_outputs {kind!r} is not supported by this server (json, json_object, "
-                       "choice)", param="structured_outputs", code="unsupported_parameter")
+                       "choice, regex, grammar)", param=param, code="unsupported_parameter")
 
     def logit_bias_pairs(self, vocab_size: int, limit: int) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs, each id in the vocabulary and each bias in
@@ -374,41 +398,41 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
         return name
 
-    def forced_parameters(self, name: str) -> str | None:
-        """The named function's parameters schema as canonical JSON text, when it has one this
-        server can enforce (None: any JSON object)."""
+    def forced_grammar(self, name: str, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec:
+        """The named function's arguments: per its parameters schema where it has one this
+        server can enforce, else any JSON object."""
         fn = next(t["function"] for t in self.tools or [] if t["function"]["name"] == name)
         params = fn.get("parameters")
-        if not isinstance(params, dict) or not params:
-            return None
-        try:
-            return schema_text(params, "tools")
-        except APIError:
-            return None  # a schema it cannot enforce: the arguments are still one JSON object
+        if isinstance(params, dict) and params:
+            try:
+                return schema_spec(params, "tools", max_bytes, any_whitespace)
+            except APIError:
+                pass  # a schema it cannot enforce: the arguments are still one JSON object
+        return GrammarSpec("json_object", any_whitespace=any_whitespace)
 
-    def required_call(self) -> str | None:
-        """With ``tool_choice`` required: the schema (canonical JSON text) of the one call the
-        output is, ``{NAME: ARGUMENTS}`` with exactly one of the tools' names, each tool's
-        arguments per its parameters (any JSON object where it has none, or one this server
-        cannot enforce); None otherwise."""
+    def required_grammar(self, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec | None:
+        """With ``tool_choice`` required: the one call the output is, ``{NAME: ARGUMENTS}`` with
+        one of the tools' names, each tool's arguments per its parameters (any JSON object
+        where it has none, or one this server cannot enforce); None otherwise."""
         if self.tool_choice != "required":
             return None
         tools = self.tool_functions()
         if not tools:
             raise APIError(400, "tool_choice required needs tools", param="tool_choice")
-        calls: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False,
-                                 "minProperties": 1, "maxProperties": 1, "$defs": {}}
+        calls: list[dict[str, Any]] = []
+        all_defs: dict[str, Any] = {}
         for tool in tools:
             name, params = tool["function"]["name"], tool["function"].get("parameters")
             params = params if isinstance(params, dict) and params else {"type": "object"}
             moved, defs = _rerooted(params, f"{name}.")
             try:
-                schema_text({**moved, "$defs": defs}, "tools")
+                schema_spec({**moved, "$defs": defs}, "tools", max_bytes)
             except APIError:  # a schema it cannot enforce: the arguments are still one JSON object
                 moved, defs = {"type": "object"}, {}
-            calls["properties"][name] = moved
-            calls["$defs"].update(defs)
-        return schema_text(calls, "tools")
+            calls.append({"type": "object", "properties": {name: moved}, "required": [name],
+                          "additionalProperties": False})
+            all_defs.update(defs)
+        return schema_spec({"anyOf": calls, "$defs": all_defs}, "tools", max_bytes, any_whitespace)
 
     def tool_functions(self) -> list[dict[str, Any]] | None:
         """The tools the model may call (None: it calls none, its output is all content)."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from model.grammar import GrammarState, apply_masks
 from model.model import DeepseekModel
 from model.sampling import SamplingParams, sample
-from model.structured import JsonMasks
 
 __all__ = ["generate"]
 
@@ -22,13 +22,12 @@ def generate(
     params: SamplingParams | None = None,
     eos_id: int | None = None,
     page_size: int = 16,
-    json_masks: JsonMasks | None = None,
-    constrain_after: int | None = None,
+    grammar: GrammarState | None = None,
 ) -> list[int]:
     """Generated token ids (the EOS id included when it ends the output); greedy by default.
-    ``json_masks``: JSON mode (each token keeps the output a prefix of what the masks' grammar
-    accepts: one JSON object, or a schema's value; the output ends when it is whole), from the
-    first token or, with ``constrain_after`` (R1's ``</think>`` id), from the token after it."""
+    ``grammar``: structured output (each token keeps the output a prefix of what the grammar
+    matches; the output ends when it is whole), from where the state says (an R1 state's
+    ``constrain_after``)."""
     params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("prompt is empty")
@@ -46,18 +45,14 @@ def generate(
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     logits = model.prefill(torch.tensor(prompt_ids), pool, table)[None]  # [1, V]
     out: list[int] = []
-    state = json_masks.grammar.start if json_masks is not None else None
-    active = constrain_after is None
     while True:
-        if json_masks is not None and active:
-            logits = json_masks.apply(logits, [0], [state], fallback=eos_id)
+        if grammar is not None and grammar.active:
+            logits = apply_masks(logits, [0], [grammar])
         tok = int(sample(logits, [params], [gen], [out], [list(prompt_ids) + out] if params.repeats else None)[0])
         out.append(tok)
-        if json_masks is not None and active:
-            state = json_masks.advance(state, tok)
-        elif tok == constrain_after:
-            active = True
-        done = json_masks is not None and active and json_masks.done(state)
+        if grammar is not None:
+            grammar.feed(tok)
+        done = grammar is not None and grammar.done()
         if tok == eos_id or len(out) == max_new_tokens or done:
             return out
         pos = len(prompt_ids) + len(out) - 1

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from model.dsml import DSML_FORMATS, DsmlCallStream, DsmlFormat, render_dsml
+from model.grammar import GrammarVocab
 from model.tool_calls import ToolCallStream, format_tool_calls
 
 __all__ = ["FIM_TOKENS", "ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "load_tokenizer"]
@@ -52,6 +53,10 @@ class Tokenizer(Protocol):
         """The ids of R1's ``<think>`` and ``</think>`` tokens, None when the vocabulary lacks them."""
         ...
 
+    def grammar_vocab(self) -> GrammarVocab:
+        """The vocabulary as structured output's grammars read it (``model.grammar``)."""
+        ...
+
     def tool_call_stream(self):
         """A new parser of one output's tool calls in this model's format (``feed``, ``finish``:
         ``model.tool_calls.ToolCallStream``'s interface)."""
@@ -78,6 +83,9 @@ class ByteTokenizer:
 
     def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
         raise ValueError("this model's tokenizer has no fill-in-the-middle tokens")
+
+    def grammar_vocab(self) -> GrammarVocab:
+        return GrammarVocab(tuple(self.token_bytes(i) for i in range(self.vocab_floor)))
 
     def think_ids(self) -> tuple[int, int] | None:
         return None
@@ -135,6 +143,18 @@ class HFTokenizer:
     def token_bytes(self, token: int) -> bytes:
         # a token that is part of a character decodes to U+FFFD alone; its UTF-8 is reported then
         return self.decode([token]).encode("utf-8")
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """Byte-level BPE (DeepSeek's) as its pieces, which xgrammar maps back to bytes; any other
+        model as each token's decoded bytes. Special tokens are ""."""
+        size = self._tok.get_vocab_size(with_added_tokens=True)
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        if decoder.get("type") == "ByteLevel":
+            pieces = [self._tok.id_to_token(i) or "" for i in range(size)]
+            return GrammarVocab(tuple("" if p in special else p for p in pieces), "byte_level")
+        return GrammarVocab(tuple(b"" if self._tok.id_to_token(i) in special else self.token_bytes(i)
+                                  for i in range(size)))
 
     def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
         begin, hole, end = (self._tok.token_to_id(t) for t in FIM_TOKENS)

@@ -17,6 +17,7 @@ from cluster.engine import Engine, EngineConfig
 from cluster.request import FinishReason, GenerationRequest
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.generate import generate
+from model.grammar import Grammars, GrammarSpec, GrammarState
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from tests.cachedir.units import flip_byte
@@ -30,7 +31,7 @@ def _ns(model):
 def _engine(model, cache=None, **kw):
     tok = ByteTokenizer()
     return Engine(model, EngineConfig(**{"num_pages": 256, **kw}), _ns(model), tok.decode, None, cache,
-                  token_bytes=tok.token_bytes)
+                  grammar_vocab=tok.grammar_vocab)
 
 
 def _cache(tmp_path, ram=64 << 20):
@@ -321,30 +322,38 @@ def _closing(bias: float) -> tuple[tuple[int, float], ...]:
     return tuple((ord(c), bias) for c in '"}],1')
 
 
+def _grammar(model, spec: GrammarSpec, constrain_after: int | None = None) -> GrammarState:
+    """A fresh grammar state for the reference path (``model.generate``), over the byte
+    tokenizer's vocabulary with its EOS (the engine's here has none: ``_engine`` passes None)."""
+    grammars = Grammars(ByteTokenizer().grammar_vocab(), model.cfg.vocab_size, [])
+    return GrammarState(grammars.matcher(spec), grammars, constrain_after)
+
+
 def test_json_mode_requests_in_a_batch_are_json_and_equal_the_model_alone(model):
     """Every JSON-mode output is one JSON object that ends the request (also after a
     preemption and when sampled), equal to the model alone under the same masks; the request
     next to them is unconstrained."""
-    from model.structured import JSON_START, JsonMasks, json_advance
-
     tok = ByteTokenizer()
-    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size)
     eng = _engine(model, max_num_seqs=3, num_pages=10)  # preempts
-    params = {"greedy": SamplingParams(logit_bias=_closing(4.0)),
+    params = {"greedy": SamplingParams(logit_bias=_closing(5.0)),
               "sampled": SamplingParams(1.0, seed=3, logit_bias=_closing(5.0)),
               "plain": SamplingParams(), "long": SamplingParams(logit_bias=((ord('"'), 2.0),))}
     prompts = {"greedy": _prompt(30, 71), "sampled": _prompt(37, 71), "plain": _prompt(44, 72), "long": _prompt(51, 73)}
+    json_object = GrammarSpec("json_object")
     for rid, p in prompts.items():
-        eng.add_request(GenerationRequest(rid, p, 48, params[rid], response_format=None if rid == "plain" else "json_object"))
+        eng.add_request(GenerationRequest(rid, p, 48, params[rid], grammar=None if rid == "plain" else json_object))
     outs = eng.run_to_completion()
     for rid, p in prompts.items():
-        want = generate(model, list(p), 48, params[rid], json_masks=None if rid == "plain" else masks)
+        want = generate(model, list(p), 48, params[rid], grammar=None if rid == "plain" else _grammar(model, json_object))
         assert _tokens(outs[rid]) == want, rid
     for rid in ("greedy", "sampled", "long"):
         text = "".join(o.text for o in outs[rid])
         assert text == tok.decode(_tokens(outs[rid])), rid  # the closing token's text too
-        if rid == "long":  # ran out of tokens: an unfinished object
-            assert outs[rid][-1].finish_reason == FinishReason.LENGTH and json_advance(JSON_START, text.encode())
+        if rid == "long":  # ran out of tokens: an unfinished object, every token of it allowed
+            assert outs[rid][-1].finish_reason == FinishReason.LENGTH
+            state = _grammar(model, json_object)
+            for t in _tokens(outs[rid]):
+                state.feed(t)
         else:  # the object closed and ended the request
             assert outs[rid][-1].finish_reason == FinishReason.STOP and isinstance(json.loads(text), dict), rid
     assert _tokens(outs["plain"]) == _ref(model, prompts["plain"], 48)
@@ -352,63 +361,94 @@ def test_json_mode_requests_in_a_batch_are_json_and_equal_the_model_alone(model)
 
 
 def test_schema_and_json_object_requests_share_a_batch_each_under_its_grammar(model):
-    import json as _json
-
-    from model.json_schema import SchemaGrammar
-    from model.structured import JsonMasks
-
     tok = ByteTokenizer()
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "array", "items": {"type": "boolean"}}},
               "required": ["a", "b"], "additionalProperties": False}
-    plain = JsonMasks(tok.token_bytes, model.cfg.vocab_size)
-    masks = {"schema": plain.for_grammar(SchemaGrammar(schema)), "object": plain}
+    specs = {"schema": GrammarSpec("json_schema", json.dumps(schema)), "object": GrammarSpec("json_object")}
     eng = _engine(model, max_num_seqs=4)
     params = SamplingParams(logit_bias=_closing(4.0))
     prompts = {"schema": _prompt(30, 77), "object": _prompt(30, 77)}
-    eng.add_request(GenerationRequest("schema", prompts["schema"], 40, params, response_format="json_schema",
-                                      json_schema=_json.dumps(schema)))
-    eng.add_request(GenerationRequest("object", prompts["object"], 40, params, response_format="json_object"))
+    for rid in prompts:
+        eng.add_request(GenerationRequest(rid, prompts[rid], 40, params, grammar=specs[rid]))
     outs = eng.run_to_completion()
     for rid in prompts:
-        assert _tokens(outs[rid]) == generate(model, list(prompts[rid]), 40, params, json_masks=masks[rid]), rid
+        assert _tokens(outs[rid]) == generate(model, list(prompts[rid]), 40, params, grammar=_grammar(model, specs[rid])), rid
     text = tok.decode(_tokens(outs["schema"]))
     assert outs["schema"][-1].finish_reason == FinishReason.STOP, text
-    value = _json.loads(text)
+    value = json.loads(text)
     assert set(value) == {"a", "b"} and value["a"] in ("x", "yz") and all(isinstance(v, bool) for v in value["b"])
     assert _tokens(outs["schema"]) != _tokens(outs["object"])
 
 
-def test_a_choice_among_texts_shares_a_batch_and_ends_at_its_text(model):
-    from model.choice import ChoiceGrammar
-    from model.structured import JsonMasks
+def test_choices_regexes_and_grammars_share_a_batch_and_end_at_their_text(model):
+    import re
 
     tok = ByteTokenizer()
-    texts = ("north", "south", "east wind")
-    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size).for_grammar(ChoiceGrammar(texts))
-    eng = _engine(model, max_num_seqs=4)
-    prompts = {rid: _prompt(30, 80 + i) for i, rid in enumerate(("greedy", "sampled", "plain"))}
-    params = {"greedy": SamplingParams(), "sampled": SamplingParams(1.5, seed=2), "plain": SamplingParams()}
+    specs = {"choice": GrammarSpec("choice", choices=("north", "south", "east wind")),
+             "sampled": GrammarSpec("choice", choices=("north", "south", "east wind")),
+             "regex": GrammarSpec("regex", "[a-c]{2,4}-[0-9]"), "ebnf": GrammarSpec("grammar", 'root ::= "<" [xy]+ ">"')}
+    judge = {"choice": lambda t: t in specs["choice"].choices, "sampled": lambda t: t in specs["choice"].choices,
+             "regex": lambda t: re.fullmatch(r"[a-c]{2,4}-[0-9]", t), "ebnf": lambda t: re.fullmatch(r"<[xy]+>", t)}
+    eng = _engine(model, max_num_seqs=5)
+    prompts = {rid: _prompt(30, 80 + i) for i, rid in enumerate((*specs, "plain"))}
+    params = {rid: SamplingParams(1.5, seed=2) if rid == "sampled" else SamplingParams() for rid in prompts}
     for rid, p in prompts.items():
-        fmt = {} if rid == "plain" else {"response_format": "choice", "choices": texts}
-        eng.add_request(GenerationRequest(rid, p, 20, params[rid], **fmt))
+        eng.add_request(GenerationRequest(rid, p, 20, params[rid], grammar=specs.get(rid)))
     outs = eng.run_to_completion()
-    for rid in ("greedy", "sampled"):
-        assert _tokens(outs[rid]) == generate(model, list(prompts[rid]), 20, params[rid], json_masks=masks), rid
-        assert tok.decode(_tokens(outs[rid])) in texts and outs[rid][-1].finish_reason == FinishReason.STOP
+    for rid, spec in specs.items():
+        assert _tokens(outs[rid]) == generate(model, list(prompts[rid]), 20, params[rid], grammar=_grammar(model, spec)), rid
+        assert judge[rid](tok.decode(_tokens(outs[rid]))) and outs[rid][-1].finish_reason == FinishReason.STOP, rid
     assert _tokens(outs["plain"]) == _ref(model, prompts["plain"], 20)
-    with pytest.raises(ValueError, match="choice goes with choices"):
-        GenerationRequest("bad", (1, 2), 4, response_format="choice")
+    with pytest.raises(ValueError, match="choice grammar goes with choices"):
+        GrammarSpec("choice")
 
 
-def test_json_mode_needs_token_bytes_and_a_valid_continuation(model):
+def test_structured_output_needs_the_vocabulary_and_a_valid_continuation(model):
+    """Without the tokenizer's vocabulary the engine refuses a grammar; continued tokens that
+    the grammar refuses fail that request alone, with the grammar's word for why."""
     eng = Engine(model, EngineConfig(num_pages=64), _ns(model), ByteTokenizer().decode, None)
-    with pytest.raises(ValueError, match="token bytes"):
-        eng.add_request(GenerationRequest("a", (1, 2, 3), 4, response_format="json_object"))
-    with pytest.raises(ValueError, match="response_format"):
-        GenerationRequest("b", (1, 2), 4, response_format="yaml")
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request(GenerationRequest("a", (1, 2, 3), 4, grammar=GrammarSpec("json_object")))
+    with pytest.raises(ValueError, match="grammar kind"):
+        GrammarSpec("yaml")
     eng = _engine(model)
-    with pytest.raises(ValueError, match="unfinished JSON output"):
-        eng.add_request(GenerationRequest("c", (1, 2, 3), 4, continued_ids=tuple(b"[1"), response_format="json_object"))
+    eng.add_request(GenerationRequest("c", (1, 2, 3), 4, continued_ids=tuple(b"[1"), grammar=GrammarSpec("json_object")))
+    eng.add_request(GenerationRequest("ok", (1, 2, 3), 4))
+    outs = eng.run_to_completion()
+    assert outs["c"][-1].finish_reason == FinishReason.ERROR and "does not continue" in outs["c"][-1].error
+    assert _tokens(outs["ok"]) == _ref(model, (1, 2, 3), 4)
+
+
+def test_a_prompt_waits_for_its_grammar_before_its_last_token_and_others_go_on(model, monkeypatch):
+    """A grammar compiles off the engine thread: while it does, its prompt stops short of its
+    last token (whose logits need the masks) and the other requests are computed."""
+    import threading
+
+    from model import grammar as grammar_module
+
+    release = threading.Event()
+    real = grammar_module.GrammarSpec.compile
+
+    def slow(self, compiler):
+        assert release.wait(30)
+        return real(self, compiler)
+
+    monkeypatch.setattr(grammar_module.GrammarSpec, "compile", slow)
+    eng = _engine(model, max_num_seqs=4)
+    spec = GrammarSpec("choice", choices=("north", "south"))
+    eng.add_request(GenerationRequest("slow", _prompt(30, 90), 8, grammar=spec))
+    eng.add_request(GenerationRequest("free", _prompt(20, 91), 6))
+    outs: dict[str, list] = {}
+    for _ in range(12):
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["free"][-1].finished and "slow" not in outs  # the free one finished; the slow one waits
+    slow_seq = eng._by_id["slow"]
+    assert slow_seq.num_computed == 29  # all but its last prompt token
+    release.set()
+    for rid, items in eng.run_to_completion().items():
+        outs.setdefault(rid, []).extend(items)
+    assert _tokens(outs["slow"]) == generate(model, list(_prompt(30, 90)), 8, grammar=_grammar(model, spec))
 
 
 def test_corrupted_units_still_give_the_same_tokens(model, tmp_path):
@@ -774,23 +814,20 @@ def test_json_mode_after_a_thought_constrains_only_the_answer(model):
     """R1: the output is a thought until ``constrain_after`` (</think>); the JSON masks apply
     from the token after it, equal to the model alone under the same rule, also when the
     request is continued on another replica after the thought ended."""
-    from model.structured import JsonMasks
-
-    tok = ByteTokenizer()
-    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size)
+    json_object = GrammarSpec("json_object")
     prompt = _prompt(40, 91)
     params = SamplingParams(logit_bias=_closing(4.0))
     free = generate(model, list(prompt), 12, params)
     close = free[3]  # the "thought" ends at the 4th token the model says unconstrained
-    want = generate(model, list(prompt), 40, params, json_masks=masks, constrain_after=close)
+    want = generate(model, list(prompt), 40, params, grammar=_grammar(model, json_object, close))
     assert want[: want.index(close) + 1] == generate(model, list(prompt), want.index(close) + 1, params)
     after = bytes(t for t in want[want.index(close) + 1 :] if t < 256).decode()
     assert after.startswith("{") and isinstance(json.loads(after), dict)  # the answer is the JSON object
     eng = _engine(model)
-    eng.add_request(GenerationRequest("r", prompt, 40, params, response_format="json_object", constrain_after=close))
+    eng.add_request(GenerationRequest("r", prompt, 40, params, grammar=json_object, constrain_after=close))
     assert _tokens(eng.run_to_completion()["r"]) == want
     k = want.index(close) + 2  # continued after the thought ended and the object began
-    eng.add_request(GenerationRequest("c", prompt + tuple(want[:k]), 40 - k, params, response_format="json_object",
+    eng.add_request(GenerationRequest("c", prompt + tuple(want[:k]), 40 - k, params, grammar=json_object,
                                       constrain_after=close, continued_ids=tuple(want[:k])))
     assert _tokens(eng.run_to_completion()["c"]) == want[k:]
 
@@ -864,7 +901,7 @@ def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token
     if seed >= 2:  # as on CUDA, but eager: the steps a graph would replay
         monkeypatch.setattr(Engine, "_fixed_decode", lambda e: FixedShapeDecode(
             e.model, e.kv.pool, e.kv.scratch_page, e.kv.max_pages, buckets_up_to(e.cfg.max_num_seqs)))
-    eng = Engine(clocked, cfg, _ns(model), tok.decode, None, _cache(tmp_path), token_bytes=tok.token_bytes,
+    eng = Engine(clocked, cfg, _ns(model), tok.decode, None, _cache(tmp_path), grammar_vocab=tok.grammar_vocab,
                  clock=lambda: clocked.now)
     systems = [_prompt(rng.randint(128, 200), 1000 + seed), _prompt(rng.randint(128, 160), 2000 + seed)]
     requests, prompts = [], []

@@ -11,6 +11,7 @@ import torch
 from cachedir.hashing import Namespace
 from cluster.engine import Engine, EngineConfig
 from cluster.request import FinishReason, GenerationRequest, Prefilled, TokenSources
+from model.grammar import GrammarSpec
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 
@@ -18,7 +19,7 @@ from model.tokenizer import ByteTokenizer
 def _engine(model, **kw):
     ns = Namespace(model.cfg.fingerprint(), "test", "float32", "latent", 64)
     tok = ByteTokenizer()
-    return Engine(model, EngineConfig(**{"num_pages": 128, **kw}), ns, tok.decode, None, token_bytes=tok.token_bytes)
+    return Engine(model, EngineConfig(**{"num_pages": 128, **kw}), ns, tok.decode, None, grammar_vocab=tok.grammar_vocab)
 
 
 def _prompt(n, seed):
@@ -65,18 +66,18 @@ def test_prefill_then_decode_equals_one_engine(model, sampling):
 def test_json_mode_through_a_handoff_and_a_continuation_equals_one_engine(model):
     """The decode replica, and a replica that continues a request another gave back, take up
     JSON mode where it was (the grammar's state follows the tokens already generated)."""
-    sampling = SamplingParams(logit_bias=tuple((ord(c), 4.0) for c in '"}],1'))
-    prompt = _prompt(30, 77)  # this model closes its object after 28 tokens
-    whole = [t for o in _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, response_format="json_object")])["j"]
+    sampling = SamplingParams(logit_bias=tuple((ord(c), 5.0) for c in '"}],1'))
+    prompt = _prompt(30, 71)  # this model closes its object after 26 tokens
+    whole = [t for o in _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, grammar=GrammarSpec("json_object"))])["j"]
              for t in o.new_token_ids]
     assert 10 < len(whole) < 40  # closed before max_tokens
-    pre = _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, handoff=True, response_format="json_object")])
+    pre = _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, handoff=True, grammar=GrammarSpec("json_object"))])
     out = _run(_engine(model), [GenerationRequest("j", prompt, 40, sampling, prefilled=pre["j"][-1].handoff,
-                                                  response_format="json_object")])
+                                                  grammar=GrammarSpec("json_object"))])
     assert [t for o in out["j"] for t in o.new_token_ids] == whole and out["j"][-1].finish_reason == FinishReason.STOP
     k = 9  # another replica gave the request back after k tokens
     cont = _run(_engine(model), [GenerationRequest("j", prompt + tuple(whole[:k]), 40 - k, sampling,
-                                                   continued_ids=tuple(whole[:k]), response_format="json_object")])
+                                                   continued_ids=tuple(whole[:k]), grammar=GrammarSpec("json_object"))])
     assert [t for o in cont["j"] for t in o.new_token_ids] == whole[k:] and cont["j"][-1].finish_reason == FinishReason.STOP
 
 

@@ -27,7 +27,8 @@ def model():
     return build_model(cfg, random_state_dict(cfg, seed=0))
 
 
-def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_factor=0.0, itl_floor_s=0.0):
+def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_factor=0.0, itl_floor_s=0.0,
+           ready=lambda seq: True):
     kv = KVManager(model, num_pages, PAGE, max_num_seqs, 64)
     stats = {"preemptions": 0}
     admitted: list[str] = []
@@ -39,7 +40,7 @@ def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_fact
         return True
 
     sched = Scheduler(kv, max_num_seqs, max_prefill_tokens, itl_factor, admit, lambda seq: False, stats,
-                      itl_floor_s=itl_floor_s)
+                      itl_floor_s=itl_floor_s, ready=ready)
     return sched, admitted
 
 
@@ -85,6 +86,23 @@ def test_a_prompt_without_pages_waits_and_blocks_the_ones_behind(model):
     _queue(sched, "big", 100)  # 7 pages: more than the pool
     _queue(sched, "small", 5)
     assert sched.prefill_chunks([]) == [] and admitted == []  # first come, first served
+
+
+def test_a_prompt_waits_for_its_grammar_before_its_last_token_and_goes_on_behind_a_blocked_one(model):
+    """A prompt whose grammar is compiling is computed but for its last token; one preempted
+    ahead of it that cannot have its pages back does not stop it once its grammar is ready."""
+    compiled: set[str] = set()
+    sched, admitted = _sched(model, num_pages=4, max_prefill_tokens=1000,
+                             ready=lambda seq: seq.req.request_id in compiled)
+    waits = _queue(sched, "waits", 20)
+    chunks = sched.prefill_chunks([])
+    assert chunks == [(waits, 19)] and admitted == ["waits"]
+    _prefill(sched, chunks)
+    assert sched.prefill_chunks([]) == []  # nothing more to do before the grammar is ready
+    big = Sequence(GenerationRequest("big", tuple(range(60)), max_tokens=8), [])
+    sched.waiting.appendleft(big)  # preempted: first in line, and 4 pages do not fit beside waits' 2
+    compiled.add("waits")
+    assert sched.prefill_chunks([]) == [(waits, 20)] and admitted == ["waits"]
 
 
 def test_the_newest_running_sequence_is_preempted_when_pages_run_out(model):

@@ -39,18 +39,18 @@ def test_penalized_and_biased_generation_matches_the_model(hf_ckpt, tmp_path):
 
 def test_json_object_mode_matches_the_model_under_the_masks(tmp_path):
     from model.default import default_checkpoint
+    from model.grammar import Grammars, GrammarSpec
     from model.sampling import SamplingParams
-    from model.structured import JsonMasks
     from model.tokenizer import ByteTokenizer
 
     r = tide_here("generate", "--prompt", "Reply in JSON", "--max-tokens", "40", "--json-object", "--logit-bias", "32=-10",
-              "--logit-bias", "125=2.5", "--logit-bias", "44=-3", "--json", env={"TIDE_HOME": str(tmp_path)})
+              "--logit-bias", "125=3", "--logit-bias", "44=-3", "--json", env={"TIDE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     tok = ByteTokenizer()
     model = load_model(default_checkpoint(tmp_path))
     ids = generate(model, [tok.BOS, *tok.encode("Reply in JSON")], 40,
-                   SamplingParams(logit_bias=((32, -10.0), (125, 2.5), (44, -3.0))), eos_id=tok.EOS,
-                   json_masks=JsonMasks(tok.token_bytes, model.cfg.vocab_size))
+                   SamplingParams(logit_bias=((32, -10.0), (125, 3.0), (44, -3.0))), eos_id=tok.EOS,
+                   grammar=Grammars(tok.grammar_vocab(), model.cfg.vocab_size, [tok.EOS]).state(GrammarSpec("json_object")))
     out = json.loads(r.stdout)
     assert out["token_ids"] == ids and isinstance(json.loads(out["text"]), dict)
 

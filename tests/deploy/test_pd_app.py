@@ -116,12 +116,12 @@ def test_json_mode_logit_bias_and_a_choice_go_through_the_handoff(base_url):
     from model.checkpoint import load_model
     from model.default import default_checkpoint
     from model.generate import generate
+    from model.grammar import Grammars, GrammarSpec
     from model.sampling import SamplingParams
-    from model.structured import JsonMasks
     from model.tokenizer import load_tokenizer
 
     url, home = base_url
-    bias = {str(ord(" ")): -10, str(ord("}")): 2.5, str(ord(",")): -3}  # this model then closes its object
+    bias = {str(ord(" ")): -10, str(ord("}")): 2.5, str(ord(",")): -4}  # this model then closes its object
     before = _handoffs(url)
     r = httpx.post(f"{url}/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": "Reply in JSON", "max_tokens": 40, "temperature": 0, "logit_bias": bias,
@@ -131,21 +131,20 @@ def test_json_mode_logit_bias_and_a_choice_go_through_the_handoff(base_url):
     ckpt = default_checkpoint(home)
     model, tok = load_model(ckpt), load_tokenizer(ckpt)
     params = SamplingParams(logit_bias=tuple((int(t), float(b)) for t, b in bias.items()))
+    grammars = Grammars(tok.grammar_vocab(), model.cfg.vocab_size, [tok.eos_id])
     ids = generate(model, [tok.bos_id, *tok.encode("Reply in JSON")], 40, params, eos_id=tok.eos_id,
-                   json_masks=JsonMasks(tok.token_bytes, model.cfg.vocab_size))
+                   grammar=grammars.state(GrammarSpec("json_object")))
     choice = r.json()["choices"][0]
     assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "stop"
     assert isinstance(json.loads(choice["text"]), dict)
     # a choice among texts likewise: the decode replica goes on in the choice's grammar
-    from model.choice import ChoiceGrammar
-
     texts = ["calm", "rough", "stormy sea"]
     r = httpx.post(f"{url}/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": "The sea is", "max_tokens": 16, "temperature": 0, "guided_choice": texts})
     assert r.status_code == 200, r.text
     assert _handoffs(url) == before + 2
-    masks = JsonMasks(tok.token_bytes, model.cfg.vocab_size).for_grammar(ChoiceGrammar(texts))
-    alone = generate(model, [tok.bos_id, *tok.encode("The sea is")], 16, eos_id=tok.eos_id, json_masks=masks)
+    alone = generate(model, [tok.bos_id, *tok.encode("The sea is")], 16, eos_id=tok.eos_id,
+                     grammar=grammars.state(GrammarSpec("choice", choices=tuple(texts))))
     assert r.json()["choices"][0]["text"] == tok.decode(alone) in texts
 
 

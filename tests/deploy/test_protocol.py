@@ -17,9 +17,12 @@ from deploy.protocol import (
     joined_logprobs,
     prompt_logprobs,
 )
+from model.grammar import GrammarError, Grammars, GrammarSpec, GrammarState, GrammarVocab
 from model.sampling_params import TokenLogprob
 
 MSGS = [{"role": "user", "content": "x"}]
+LIMIT = 65536  # Limits.max_grammar_bytes
+BYTES = Grammars(GrammarVocab(tuple(bytes([i]) for i in range(256)) + (b"",)), 257, [256])  # a token per byte
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
@@ -30,26 +33,42 @@ def _tools(parameters: dict) -> list[dict]:
 def test_a_named_function_is_generated_under_its_parameters_schema():
     req = ChatCompletionRequest(model="m", messages=MSGS, tools=_tools(CITY),
                                 tool_choice={"type": "function", "function": {"name": "f"}})
-    assert req.forced_function() == "f" and json.loads(req.forced_parameters("f")) == CITY
+    assert req.forced_function() == "f"
+    spec = req.forced_grammar("f", LIMIT)
+    assert spec.kind == "json_schema" and json.loads(spec.source) == CITY
     # a schema the grammar cannot enforce: the arguments are still one JSON object
-    loose = ChatCompletionRequest(model="m", messages=MSGS, tools=_tools({"type": "string", "pattern": "a"}),
+    loose = ChatCompletionRequest(model="m", messages=MSGS, tools=_tools({"type": "object", "not": {"type": "object"}}),
                                   tool_choice={"type": "function", "function": {"name": "f"}})
-    assert loose.forced_parameters("f") is None
+    assert loose.forced_grammar("f", LIMIT).kind == "json_object"
 
 
 def test_response_formats():
-    def mode(fmt):
-        return ChatCompletionRequest(model="m", messages=MSGS, response_format=fmt).json_mode()
+    def spec(fmt, **body):
+        return ChatCompletionRequest(model="m", messages=MSGS, response_format=fmt, **body).grammar(LIMIT)
 
-    assert mode(None) == {"response_format": None, "json_schema": None}
-    assert mode({"type": "json_object"}) == {"response_format": "json_object", "json_schema": None}
-    got = mode({"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}})
-    assert got["response_format"] == "json_schema" and json.loads(got["json_schema"]) == CITY
-    for bad, needle in (({"type": "json_schema"}, "needs json_schema"), ({"type": "yaml"}, "'yaml' is not supported"),
-                        ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, "$ref '#/x' is not supported")):
+    assert spec(None) is None and spec({"type": "text"}) is None
+    assert spec({"type": "json_object"}).kind == "json_object"
+    got = spec({"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}})
+    assert got.kind == "json_schema" and json.loads(got.source) == CITY
+    # vLLM's structured outputs, and its older guided_* fields
+    assert spec(None, structured_outputs={"choice": ["a", "b"]}).choices == ("a", "b")
+    assert spec(None, structured_outputs={"regex": "[0-9]+"}).source == "[0-9]+"
+    assert spec(None, guided_grammar='root ::= "x"').kind == "grammar"
+    assert spec(None, structured_outputs={"json": CITY, "disable_any_whitespace": False}).any_whitespace
+    for bad, body, needle in (
+            ({"type": "json_schema"}, {}, "needs json_schema"), ({"type": "yaml"}, {}, "'yaml' is not supported"),
+            ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, {}, "#/x"),
+            ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "not": {}}}}, {}, "'not'"),
+            ({"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 70000]}}}, {}, "over the limit"),
+            ({"type": "json_object"}, {"guided_regex": "a"}, "not both"),
+            (None, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "take one of"),
+            (None, {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs regex"),
+            (None, {"guided_grammar": "root ::= undefined_rule"}, "structured_outputs grammar"),
+            (None, {"structured_outputs": {"choice": []}}, "a list of texts"),
+            (None, {"structured_outputs": {"yaml": "x"}}, "'yaml' is not supported")):
         with pytest.raises(APIError) as e:
-            mode(bad)
-        assert e.value.status == 400 and needle in e.value.message
+            spec(bad, **body)
+        assert e.value.status == 400 and needle in e.value.message, e.value.message
 
 
 @pytest.mark.parametrize(("prompt", "prompts"), [
@@ -90,16 +109,15 @@ def test_echoed_logprobs_score_every_prompt_token_but_the_first_and_join_the_com
         {"3": {"logprob": -2.0, "rank": 4, "decoded_token": ""}}]
 
 
-def _accepts(schema_text: str, value) -> bool:
-    from model.json_schema import SchemaGrammar
-
-    grammar = SchemaGrammar(json.loads(schema_text))
-    state = grammar.start
-    for b in json.dumps(value).encode():
-        state = grammar.step(state, b)
-        if state is None:
-            return False
-    return grammar.done(state)
+def _accepts(spec: GrammarSpec, value) -> bool:
+    """Whether ``value``'s JSON text (a token per byte) is a whole output of ``spec``."""
+    state = GrammarState(BYTES.matcher(spec), BYTES)
+    try:
+        for b in json.dumps(value).encode():
+            state.feed(b)
+    except GrammarError:
+        return False
+    return state.matcher.is_completed()
 
 
 def test_tool_choice_required_is_a_schema_of_one_call_of_any_tool():
@@ -114,18 +132,19 @@ def test_tool_choice_required_is_a_schema_of_one_call_of_any_tool():
     tools = [{"type": "function", "function": {"name": "plant", "parameters": tree}},
              {"type": "function", "function": {"name": "ping"}},
              {"type": "function", "function": {"name": "match", "parameters": {
-                 "type": "object", "properties": {"re": {"type": "string", "pattern": "^a"}}}}}]
-    schema = ChatCompletionRequest(model="m", messages=MSGS, tools=tools, tool_choice="required").required_call()
+                 "type": "object", "properties": {"re": {"type": "string", "pattern": "^a"}}}}},
+             {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "not": {}}}}]
+    spec = ChatCompletionRequest(model="m", messages=MSGS, tools=tools, tool_choice="required").required_grammar(LIMIT)
     jsonschema = pytest.importorskip("jsonschema")
-    validator = jsonschema.Draft202012Validator(json.loads(schema))
+    validator = jsonschema.Draft202012Validator(json.loads(spec.source))
     good = [{"plant": {"label": "x", "kids": [{"label": "y", "tag": {"v": "a"}}]}}, {"ping": {}},
-            {"ping": {"any": [1]}}, {"match": {"re": "zzz"}}]
-    bad = [{}, {"plant": {"label": "x"}, "ping": {}}, {"plant": {"kids": []}}, {"other": {}},
+            {"ping": {"any": [1]}}, {"match": {"re": "a"}}, {"loose": {"x": None}}]
+    bad = [{}, {"plant": {"label": "x"}, "ping": {}}, {"plant": {"kids": []}}, {"other": {}}, {"match": {"re": "zzz"}},
            {"plant": {"label": "x", "kids": [{"label": "y", "tag": {"v": "c"}}]}}]
     for value in good:
-        assert validator.is_valid(value) and _accepts(schema, value), value
+        assert validator.is_valid(value) and _accepts(spec, value), value
     for value in bad:
-        assert not validator.is_valid(value) and not _accepts(schema, value), value
-    assert ChatCompletionRequest(model="m", messages=MSGS, tools=tools).required_call() is None
+        assert not validator.is_valid(value) and not _accepts(spec, value), value
+    assert ChatCompletionRequest(model="m", messages=MSGS, tools=tools).required_grammar(LIMIT) is None
     with pytest.raises(APIError, match="needs tools"):
-        ChatCompletionRequest(model="m", messages=MSGS, tool_choice="required").required_call()
+        ChatCompletionRequest(model="m", messages=MSGS, tool_choice="required").required_grammar(LIMIT)

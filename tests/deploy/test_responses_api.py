@@ -39,7 +39,8 @@ def test_the_request_is_a_chat_request():
     assert chat.max_tokens == 9 and chat.temperature == 0.3 and chat.stream and chat.stream_options.include_usage
     assert chat.tools == [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
     assert chat.forced_function() == "get_weather"
-    assert chat.json_mode() == {"response_format": "json_schema", "json_schema": '{"type": "object"}'}
+    spec = chat.grammar(65536)
+    assert (spec.kind, spec.source) == ("json_schema", '{"type": "object"}')
 
 
 def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
