@@ -72,7 +72,7 @@ from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
 from model.sampling_params import SamplingParams, TokenLogprob
 from model.tokenizer import load_tokenizer
-from model.tool_calls import ForcedCall, RequiredCall, ToolCall
+from model.tool_calls import FirstCall, ForcedCall, RequiredCall, ToolCall
 from model.weights_id import weights_digest, weights_form
 
 __all__ = ["OpenAIIngress", "api"]
@@ -729,8 +729,10 @@ class OpenAIIngress:
                                        thought=thought, prompt_k=k)
         if required is not None:
             return await self._respond([engine_req], body, "chat", RequiredCall, thought=thought, prompt_k=k)
-        return await self._respond([engine_req], body, "chat", self.tokenizer.tool_call_stream if tools is not None
-                                   else None, thought=thought, prompt_k=k)
+        splitter = self.tokenizer.tool_call_stream if tools is not None else None
+        if splitter is not None and not body.parallel_tool_calls:
+            splitter = lambda: FirstCall(self.tokenizer.tool_call_stream())  # noqa: E731 - a factory, as above
+        return await self._respond([engine_req], body, "chat", splitter, thought=thought, prompt_k=k)
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deploy.openai_fields import accepted_body, unserved_message
 from model.grammar import GrammarError, GrammarSpec
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, TokenLogprob
 
@@ -151,11 +153,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def documented_fields(route: str, body: Any, declared: Container[str] = ()) -> Any:
+    """``body`` without the OpenAI fields this server accepts and does not serve
+    (``deploy.openai_fields``; those in ``declared`` stay); a 400 naming one it cannot serve
+    that was given a value."""
+    body, unserved = accepted_body(route, body, declared)
+    if unserved is not None:
+        raise APIError(400, unserved_message(route, unserved), param=unserved, code="unsupported_parameter")
+    return body
+
+
 class _Sampling(BaseModel):
     # An unknown field is a 400 naming it (a typo must not silently fall back to a default);
-    # these, which OpenAI clients may send, are accepted and have no effect here:
-    # parallel_tool_calls, store, metadata, service_tier, reasoning_effort.
+    # OpenAI's documented fields that are not served here are dropped first (ROUTE's lists in
+    # deploy.openai_fields)
     model_config = ConfigDict(extra="forbid")
+    ROUTE: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented(cls, body: Any) -> Any:
+        return documented_fields(cls.ROUTE, body)
 
     model: str
     max_tokens: int | None = Field(default=None)
@@ -169,7 +187,6 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
@@ -194,11 +211,6 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
-    reasoning_effort: str | None = None
 
     # OpenAI parameters this server does not implement: accepted at their defaults (clients send
     # them), refused otherwise (a 400 naming the parameter, never silently ignored)
@@ -356,6 +368,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    ROUTE = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (V3.1: thinking)
     # vLLM's: the prompt ends where the assistant speaks (False: after the last message as it is),
@@ -381,6 +394,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and its k most likely alternatives
     tools: list[dict[str, Any]] | None = None  # functions the model may call
+    parallel_tool_calls: bool = True  # False: at most one call comes back (the first)
     # "auto" (with tools), "none", "required" (one call of any of the tools) or a named function
     tool_choice: str | dict[str, Any] | None = None
 
@@ -460,6 +474,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    ROUTE = "completions"
     # one prompt (text or token ids) or a batch of them; prompt p's choices are p * n .. p * n + n - 1
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # chosen token's + this many alternatives

@@ -8,8 +8,9 @@ it (templates, tools, reasoning, JSON mode, errors); ``response_of`` reads the c
 as a Response (a reasoning item, a message, function calls), and ``ResponseEvents`` turns the
 chat's stream into the Responses stream's typed events.
 
-Nothing is stored: ``previous_response_id`` and ``background`` are refused (send the whole
-conversation as ``input``), ``store`` is accepted and has no effect, as on the chat route.
+Nothing is stored: ``previous_response_id`` is refused (send the whole conversation as
+``input``); ``store`` is accepted and has no effect, as on the chat route. The other documented
+fields this route does not serve are listed in ``deploy.openai_fields``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deploy.protocol import APIError
+from deploy.protocol import APIError, documented_fields
 
 __all__ = ["ResponseEvents", "ResponsesRequest", "response_of"]
 
@@ -61,29 +62,25 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     stream: bool = False
-    # accepted and without effect here (as the chat route's): what OpenAI's clients send
+    # without effect here (deploy.openai_fields.NO_OP), declared for the Response to echo them
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    service_tier: str | None = None
     reasoning: dict[str, Any] | None = None
-    prompt_cache_key: str | None = None
-    # refused unless at their defaults: this server keeps no responses
+    truncation: Literal["auto", "disabled"] | None = None
+    # refused unless at its default: this server keeps no responses
     previous_response_id: str | None = None
-    background: bool | None = None
-    truncation: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented(cls, body: Any) -> Any:
+        return documented_fields("responses", body, cls.model_fields)
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
             raise APIError(400, "previous_response_id is not supported by this server (it stores no responses); "
                            "send the whole conversation as input", param="previous_response_id",
                            code="unsupported_parameter")
-        if self.background:
-            raise APIError(400, "background responses are not supported by this server", param="background",
-                           code="unsupported_parameter")
-        if self.truncation not in (None, "disabled"):
-            raise APIError(400, f"truncation {self.truncation!r} is not supported by this server (disabled)",
-                           param="truncation", code="unsupported_parameter")
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat messages: ``instructions`` as the system message, then ``input``'s items
@@ -124,7 +121,7 @@ class ResponsesRequest(BaseModel):
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for mine, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                             ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
+                             ("parallel_tool_calls", "parallel_tool_calls")):
             if getattr(self, mine) is not None:
                 body[theirs] = getattr(self, mine)
         if self.tools:
@@ -165,7 +162,7 @@ class ResponsesRequest(BaseModel):
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
                 "text": self.text or {"format": {"type": "text"}}, "metadata": self.metadata or {},
                 "previous_response_id": None, "reasoning": self.reasoning, "store": bool(self.store),
-                "truncation": "disabled", "user": self.user, "background": False}
+                "truncation": self.truncation or "disabled", "user": self.user, "background": False}
 
 
 def _usage(chat_usage: dict | None) -> dict | None:

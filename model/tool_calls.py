@@ -25,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "ForcedCall", "RequiredCall", "ToolCall",
+__all__ = ["CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "SEP", "FirstCall", "ForcedCall", "RequiredCall", "ToolCall",
            "ToolCallStream", "format_tool_calls", "parse_tool_calls"]
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -124,14 +124,34 @@ class ForcedCall:
         return ""
 
     def finish(self) -> tuple[str, list[ToolCall]]:
+        """The call; none when the output was cut short (max_tokens) before its arguments were
+        whole, and no content either: half a call is neither."""
+        try:
+            json.loads(self._text)
+        except ValueError:
+            return "", []
         return "", [ToolCall(self.name, self._text)]
+
+
+class FirstCall:
+    """Another splitter's content and only its first call (``parallel_tool_calls`` false)."""
+
+    def __init__(self, split: ToolCallStream) -> None:
+        self._split = split
+
+    def feed(self, delta: str) -> str:
+        return self._split.feed(delta)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        content, calls = self._split.finish()
+        return content, calls[:1]
 
 
 class RequiredCall:
     """The output of a request whose ``tool_choice`` is required: one JSON object ``{NAME:
-    ARGUMENTS}`` (``ChatCompletionRequest.required_call``'s schema), the call of that function
-    with those arguments; no content. An output cut short (max_tokens) is no call: it stays the
-    message's content."""
+    ARGUMENTS}`` (``ChatCompletionRequest.required_grammar``), the call of that function with
+    those arguments; no content. An output cut short (max_tokens) is no call, and not content
+    either: the choice ends with ``length`` and neither."""
 
     def __init__(self) -> None:
         self._text = ""
@@ -144,8 +164,8 @@ class RequiredCall:
         try:
             call = json.loads(self._text)
         except ValueError:
-            return self._text, []
+            return "", []
         if not isinstance(call, dict) or len(call) != 1:
-            return self._text, []
+            return "", []
         (name, args), = call.items()
         return "", [ToolCall(name, json.dumps(args, ensure_ascii=False))]

@@ -432,6 +432,12 @@ def test_tool_choice_required_is_one_call_of_one_of_the_tools(client):
     assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [(call.function.name,
                                                                                call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # a call cut short by max_tokens: finish_reason length, and no half call as content
+    cut = client.chat.completions.create(**{**kw, "max_tokens": 6}).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content and not cut.message.tool_calls, cut
+    chunks = list(client.chat.completions.create(**{**kw, "max_tokens": 6}, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_vllms_structured_outputs_choose_among_texts_and_follow_schemas(client):
@@ -692,6 +698,27 @@ def test_chat_parameters_this_server_lacks_are_refused_and_their_defaults_accept
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, presence_penalty=0,
                                        frequency_penalty=0, response_format={"type": "text"})
     assert r.usage.completion_tokens <= 2
+
+
+def test_documented_openai_fields_are_accepted_through_the_official_client(base_url, client):
+    """What OpenAI's clients send (the Agents SDK's ``include``, ``store``, ``metadata``...)
+    reaches a 200 through the real ingress; a capability this server lacks is a 400 naming it."""
+    msgs = [{"role": "user", "content": "x"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, store=True, metadata={"k": "v"},
+                                       prompt_cache_key="conv-1", safety_identifier="u1", verbosity="low",
+                                       reasoning_effort="low", service_tier="auto", user="u1", modalities=["text"],
+                                       parallel_tool_calls=False, audio=None)
+    assert r.usage.completion_tokens <= 2
+    r = client.responses.create(model="tiny", input="x", max_output_tokens=2, include=["reasoning.encrypted_content"],
+                                store=False, metadata={"k": "v"}, truncation="auto", prompt_cache_key="conv-1",
+                                safety_identifier="u1", max_tool_calls=3, top_logprobs=0)
+    assert r.metadata == {"k": "v"} and r.usage.output_tokens <= 2
+    for route, body, field in (("/v1/chat/completions", {"messages": msgs, "audio": {"voice": "alloy", "format": "wav"},
+                                                         "modalities": ["text", "audio"]}, "audio"),
+                               ("/v1/responses", {"input": "x", "conversation": "conv_1"}, "conversation")):
+        r = httpx.post(base_url + route, headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
+                       json={"model": "tiny", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_top_logprobs_without_logprobs_is_refused(base_url):

@@ -13,7 +13,10 @@ from model.tool_calls import (
     CALLS_BEGIN,
     CALLS_END,
     SEP,
+    FirstCall,
+    ForcedCall,
     RequiredCall,
+    ToolCall,
     ToolCallStream,
     format_tool_calls,
     parse_tool_calls,
@@ -69,5 +72,22 @@ def test_a_required_call_is_the_one_function_the_object_names():
     content, calls = split.finish()
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Zürich"})]
     cut = RequiredCall()
-    cut.feed('{"get_weather": {"ci')  # max_tokens came first: no call, the text stays content
-    assert cut.finish() == ('{"get_weather": {"ci', [])
+    cut.feed('{"get_weather": {"ci')  # max_tokens came first: no call, and no half call as content
+    assert cut.finish() == ("", [])
+
+
+def test_a_forced_call_cut_short_is_neither_a_call_nor_content():
+    whole = ForcedCall("f")
+    whole.feed('{"a": 1}')
+    assert whole.finish() == ("", [ToolCall("f", '{"a": 1}')])
+    cut = ForcedCall("f")
+    cut.feed('{"a": ')
+    assert cut.finish() == ("", [])
+
+
+def test_without_parallel_tool_calls_only_the_first_call_comes_back():
+    text = "Sure." + format_tool_calls([{"function": {"name": n, "arguments": "{}"}} for n in ("a", "b")])
+    split = FirstCall(ToolCallStream())
+    assert split.feed(text) == "Sure."
+    assert split.finish() == ("", [ToolCall("a", "{}")])
+    assert len(parse_tool_calls(text)[1]) == 2
