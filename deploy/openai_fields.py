@@ -91,4 +91,4 @@ def accepted_body(route: str, body: Any, declared: Container[str] = ()) -> tuple
 
 
 def unserved_message(route: str, name: str) -> str:
-    return f"{name}: {UNSERVED[route][name]} is not served by this server"
+    return f"{name}: this server does not serve {UNSERVED[route][name]}"

@@ -185,7 +185,7 @@ def test_bad_requests_get_openai_errors(client, extra, status, needle):
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "content part type 'input_image'"),
     ({"temperature": 3}, "temperature"),
     ({"tool_choice": {"type": "function"}}, "tool_choice must be"),
-    ({"background": True}, "background responses are not supported"),
+    ({"background": True}, "background: this server does not serve background responses"),
 ])
 def test_bad_responses_requests_get_openai_errors(client, extra, needle):
     r = httpx.post(str(client.base_url) + "responses", timeout=30,
