@@ -62,6 +62,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     stream: bool = False
+    seed: int | None = None  # an extension (as the chat route's): a sampled answer made reproducible
     # without effect here (deploy.openai_fields.NO_OP), declared for the Response to echo them
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -121,7 +122,7 @@ class ResponsesRequest(BaseModel):
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for mine, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                             ("parallel_tool_calls", "parallel_tool_calls")):
+                             ("parallel_tool_calls", "parallel_tool_calls"), ("seed", "seed")):
             if getattr(self, mine) is not None:
                 body[theirs] = getattr(self, mine)
         if self.tools:

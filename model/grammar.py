@@ -9,9 +9,12 @@ token masks constrain each step, and whose state says when the output is whole.
 
 JSON comes compact unless ``any_whitespace``: separators as Python's ``json.dumps`` writes them
 (``", "`` and ``": "``) and no other whitespace, so a model cannot spend its tokens on blank
-runs; with ``any_whitespace`` a run is at most ``MAX_WHITESPACE_RUN``. Schemas follow JSON
-Schema (properties not named are allowed unless ``additionalProperties`` says otherwise); the
-keywords xgrammar does not enforce are refused by name rather than silently ignored.
+runs; with ``any_whitespace`` a run is at most ``MAX_WHITESPACE_RUN``. Schemas are enforced
+strictly, as vLLM, SGLang and OpenAI's structured outputs do: an object whose ``properties`` are
+listed has no others unless ``additionalProperties`` allows them, an array with ``prefixItems`` no
+more items unless ``items`` allows them (every output is still valid under the schema; a model
+never wanders into keys it was not asked for). The keywords xgrammar does not enforce are
+refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -116,8 +119,8 @@ class GrammarSpec:
 
     def _json_options(self) -> dict[str, Any]:
         if self.any_whitespace:
-            return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE_RUN, "strict_mode": False}
-        return {"any_whitespace": False, "strict_mode": False}
+            return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE_RUN, "strict_mode": True}
+        return {"any_whitespace": False, "strict_mode": True}
 
     def _ebnf(self) -> str:
         if self.kind in ("json_object", "json_schema"):

@@ -33,10 +33,12 @@ def test_input_items_become_the_chats_messages():
 
 def test_the_request_is_a_chat_request():
     req = ResponsesRequest(model="m", input="hi", max_output_tokens=9, temperature=0.3, tools=[TOOL],
-                           tool_choice={"type": "function", "name": "get_weather"}, stream=True,
+                           tool_choice={"type": "function", "name": "get_weather"}, stream=True, seed=5,
+                           parallel_tool_calls=False,
                            text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
     chat = ChatCompletionRequest(**req.chat_body())
     assert chat.max_tokens == 9 and chat.temperature == 0.3 and chat.stream and chat.stream_options.include_usage
+    assert chat.seed == 5 and chat.parallel_tool_calls is False
     assert chat.tools == [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
     assert chat.forced_function() == "get_weather"
     spec = chat.grammar(65536)

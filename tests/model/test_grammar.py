@@ -135,6 +135,18 @@ def _accepts(grammars: Grammars, spec: GrammarSpec, text: bytes) -> bool:
     return state.matcher.is_completed()
 
 
+def test_schemas_are_strict_where_they_list_properties(grammars):
+    """As vLLM's and OpenAI's structured outputs: listed properties and no others unless the
+    schema allows them; an object schema that lists none takes any object."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    assert _accepts(grammars, GrammarSpec("json_schema", json.dumps(person)), b'{"name": "Ann", "age": 30}')
+    assert not _accepts(grammars, GrammarSpec("json_schema", json.dumps(person)), b'{"name": "Ann", "age": 30, "x": 1}')
+    open_ = {**person, "additionalProperties": True}
+    assert _accepts(grammars, GrammarSpec("json_schema", json.dumps(open_)), b'{"name": "Ann", "age": 30, "x": 1}')
+    assert _accepts(grammars, GrammarSpec("json_schema", '{"type": "object"}'), b'{"x": [1]}')
+    assert not _accepts(grammars, GrammarSpec("json_schema", '{"prefixItems": [{"type": "integer"}]}'), b"[1, 2]")
+
+
 def test_choices_regexes_and_ebnf_give_exactly_what_they_match(grammars):
     """A choice is one of the texts; a text that another goes on from ("yes" of "yes!") is
     whole only where the model ends it; a regex or EBNF output matches it whole."""
