@@ -83,6 +83,9 @@ class IngressMetrics:
         self.requests = family(Counter, "tide:request_success", "finished requests", ["status"])
         self.continued = one(Counter, "tide:requests_continued", "requests moved to another replica mid-stream")
         self.handoffs = one(Counter, "tide:pd_handoffs", "requests a prefill replica handed to the decode pool (P/D)")
+        self.responses_not_stored = one(Counter, "tide:responses_not_stored",
+                                        "Responses asked to be stored that were not (over the size limit, or the "
+                                        "store failed)")
         self.in_flight = one(Gauge, "tide:requests_in_flight", "requests this ingress is streaming")
         self.ttft = one(Histogram, "tide:time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS)
         self.itl = one(Histogram, "tide:inter_token_latency_seconds", "time between output tokens",

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import ray
 from fastapi import FastAPI, Request
@@ -67,6 +68,12 @@ from deploy.protocol import (
     prompt_logprobs,
 )
 from deploy.request_cost import RequestCost
+from deploy.response_store import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    StoredResponse,
+    StoreUnavailable,
+)
 from deploy.responses_api import ResponseEvents, ResponsesRequest, response_of
 from model.config import load_config
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
@@ -236,6 +243,8 @@ class OpenAIIngress:
         self.expert_parallel = bool(cfg.get("expert_parallel"))  # /metrics reports the expert placement
         self.directory = self.namespace = None
         directory: DirectorySection = cfg.get("directory") or DirectorySection()
+        keep = (lim.stored_response_ttl_s, lim.max_stored_response_bytes, lim.max_stored_responses)
+        self.response_store = RedisResponseStore.open(directory, *keep) if directory.url else MemoryResponseStore(*keep)
         if directory.url:
             self.directory = directory.open()
             self.namespace = cache_namespace(mcfg, weights_digest(ckpt), cfg.get("dtype", "float32"),
@@ -736,17 +745,92 @@ class OpenAIIngress:
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
-        """OpenAI's Responses API, as a chat (``deploy.responses_api``)."""
+        """OpenAI's Responses API, as a chat (``deploy.responses_api``), stored unless ``store``
+        is false (``deploy.response_store``)."""
+        tenant = self._grant(request).tenant
+        earlier = []
+        if body.previous_response_id is not None:
+            earlier = (await self._stored(tenant, body.previous_response_id, "previous_response_id")).history
         try:
-            chat = ChatCompletionRequest(**body.chat_body())
+            chat = ChatCompletionRequest(**body.chat_body(earlier))
         except ValidationError as e:  # a value the chat route refuses, named as the chat names it
             first = e.errors()[0]
             loc = ".".join(str(x) for x in first.get("loc", ()))
             raise APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc or None) from None
         answer = await self.chat_completions(chat, request)
         if not body.stream:
-            return JSONResponse(response_of(body, json.loads(answer.body)))
-        return StreamingResponse(ResponseEvents(body).of(answer.body_iterator), media_type="text/event-stream")
+            response = response_of(body, json.loads(answer.body))
+            await self._keep(tenant, body, earlier, response)
+            return JSONResponse(response)
+        events = ResponseEvents(body)
+
+        async def stream() -> AsyncIterator[str]:
+            async for event in events.of(answer.body_iterator):
+                yield event
+            if events.final is not None:
+                await self._keep(tenant, body, earlier, events.final)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def _stored(self, tenant: str, rid: str, param: str | None = None) -> StoredResponse:
+        """``tenant``'s stored response ``rid``: a 404 when there is none (or it expired), a
+        503 when the store does not answer."""
+        try:
+            record = await asyncio.to_thread(self.response_store.get, tenant, rid)
+        except StoreUnavailable as e:
+            raise APIError(503, str(e), "server_error", code="store_unavailable", retry_after_s=1) from None
+        if record is None:
+            raise APIError(404, f"no stored response {rid!r} (it was not stored, was deleted or expired)",
+                           param=param, code="not_found")
+        return record
+
+    async def _keep(self, tenant: str, body: ResponsesRequest, earlier: list[dict], response: dict) -> None:
+        """Store ``response`` with its conversation (unless ``store`` is false); a store that
+        fails or a record over the size limit is logged and counted, the response still returned."""
+        if not body.stored:
+            return
+        items = body.input_items()
+        record = StoredResponse(response, items, [*earlier, *items, *response["output"]])
+        try:
+            kept = await asyncio.to_thread(self.response_store.put, tenant, record)
+        except StoreUnavailable as e:
+            log.warning("response %s not stored: %s", response["id"], e)
+            kept = False
+        if not kept:
+            self.metrics.responses_not_stored.inc()
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request):
+        return JSONResponse((await self._stored(self._grant(request).tenant, response_id)).response)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request):
+        tenant = self._grant(request).tenant
+        try:
+            deleted = await asyncio.to_thread(self.response_store.delete, tenant, response_id)
+        except StoreUnavailable as e:
+            raise APIError(503, str(e), "server_error", code="store_unavailable", retry_after_s=1) from None
+        if not deleted:
+            raise APIError(404, f"no stored response {response_id!r}", code="not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request, limit: int = 20,
+                                   order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        """The stored response's input items, OpenAI's list shape (``after``: the items past
+        that id, in ``order``)."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+        items = (await self._stored(self._grant(request).tenant, response_id)).input
+        items = items[::-1] if order == "desc" else items
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after: {after!r} is not an input item of {response_id!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

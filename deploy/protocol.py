@@ -138,6 +138,11 @@ class Limits(BaseModel):
     max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
     max_grammar_bytes: int = Field(default=65536, ge=1)  # a structured output's schema, regex, grammar or choices
+    # stored Responses (deploy.response_store): how long one is kept, its largest size (its
+    # conversation included; a larger one is not kept), and how many a tenant keeps
+    stored_response_ttl_s: int = Field(default=30 * 86400, ge=1)
+    max_stored_response_bytes: int = Field(default=4 << 20, ge=1)
+    max_stored_responses: int = Field(default=10000, ge=1)
     # a request's cost (deploy.request_cost): prompt + max_tokens over its prompts and n choices,
     # and prompt tokens scored (echo with logprobs, prompt_logprobs; each prompt once)
     max_request_tokens: int = Field(default=262144, ge=1)

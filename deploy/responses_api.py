@@ -8,8 +8,8 @@ it (templates, tools, reasoning, JSON mode, errors); ``response_of`` reads the c
 as a Response (a reasoning item, a message, function calls), and ``ResponseEvents`` turns the
 chat's stream into the Responses stream's typed events.
 
-Nothing is stored: ``previous_response_id`` is refused (send the whole conversation as
-``input``); ``store`` is accepted and has no effect, as on the chat route. The other documented
+A response is stored unless ``store`` is false (``deploy.response_store``): its conversation
+goes on from ``previous_response_id``, whose earlier items come before ``input``. The documented
 fields this route does not serve are listed in ``deploy.openai_fields``.
 """
 
@@ -63,35 +63,42 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     stream: bool = False
     seed: int | None = None  # an extension (as the chat route's): a sampled answer made reproducible
+    store: bool | None = None  # keep the response (deploy.response_store); OpenAI's default: True
+    previous_response_id: str | None = None  # go on from a stored response's conversation
     # without effect here (deploy.openai_fields.NO_OP), declared for the Response to echo them
-    store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    # refused unless at its default: this server keeps no responses
-    previous_response_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _documented(cls, body: Any) -> Any:
         return documented_fields("responses", body, cls.model_fields)
 
-    def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise APIError(400, "previous_response_id is not supported by this server (it stores no responses); "
-                           "send the whole conversation as input", param="previous_response_id",
-                           code="unsupported_parameter")
+    @property
+    def stored(self) -> bool:
+        return self.store is not False
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat messages: ``instructions`` as the system message, then ``input``'s items
-        (consecutive function calls one assistant message's ``tool_calls``; an earlier
-        reasoning item is not sent back, as DeepSeek's chat refuses it)."""
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as items, each with an id (a text is one user message), as a stored
+        response lists them."""
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}] \
+            if isinstance(self.input, str) else self.input
+        return [item if "id" in item else {"id": _id("msg" if item.get("type", "message") == "message" else "item"),
+                                           **item} for item in items]
+
+    def messages(self, earlier: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The chat messages: ``instructions`` as the system message, then the ``earlier`` items
+        of a stored conversation (``previous_response_id``'s), then ``input``'s (consecutive
+        function calls one assistant message's ``tool_calls``; a reasoning item is not sent
+        back, as DeepSeek's chat refuses it)."""
         out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        if isinstance(self.input, str):
+        if isinstance(self.input, str) and not earlier:
             return [*out, {"role": "user", "content": self.input}]
-        for i, item in enumerate(self.input):
-            kind, where = item.get("type", "message"), f"input[{i}]"
+        for i, item in enumerate([*earlier, *self.input_items()]):
+            kind = item.get("type", "message")
+            where = f"input[{i - len(earlier)}]" if i >= len(earlier) else f"the conversation's item {i}"
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "system", "developer", "assistant"):
@@ -114,11 +121,10 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "input has no messages", param="input")
         return out
 
-    def chat_body(self) -> dict[str, Any]:
+    def chat_body(self, earlier: list[dict[str, Any]] = ()) -> dict[str, Any]:
         """The ``ChatCompletionRequest`` fields of this request (streamed with usage, which the
-        final event carries)."""
-        self.check_supported()
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream}
+        final event carries), going on from the ``earlier`` items of a stored conversation."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(earlier), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for mine, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
@@ -162,7 +168,7 @@ class ResponsesRequest(BaseModel):
                 "tool_choice": self.tool_choice or "auto",
                 "parallel_tool_calls": True if self.parallel_tool_calls is None else self.parallel_tool_calls,
                 "text": self.text or {"format": {"type": "text"}}, "metadata": self.metadata or {},
-                "previous_response_id": None, "reasoning": self.reasoning, "store": bool(self.store),
+                "previous_response_id": self.previous_response_id, "reasoning": self.reasoning, "store": self.stored,
                 "truncation": self.truncation or "disabled", "user": self.user, "background": False}
 
 
@@ -229,6 +235,7 @@ class ResponseEvents:
         self._open: dict | None = None  # the item whose deltas are coming: reasoning or message
         self._text = ""
         self._finish: str | None = None
+        self.final: dict | None = None  # the whole Response, once the stream completed
 
     def _event(self, kind: str, **fields) -> str:
         body = {"type": kind, "sequence_number": self._seq, **fields}
@@ -313,7 +320,8 @@ class ResponseEvents:
                 yield from self._call(call)
         if chunk.get("usage") is not None:
             status = "incomplete" if self._finish == "length" else "completed"
-            yield self._event(f"response.{status}", response=self._response(status, _usage(chunk["usage"])))
+            self.final = self._response(status, _usage(chunk["usage"]))
+            yield self._event(f"response.{status}", response=self.final)
 
     def _call(self, call: dict) -> Iterator[str]:
         item, index = _call_item(call), len(self.output)

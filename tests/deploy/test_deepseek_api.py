@@ -179,7 +179,6 @@ def test_bad_requests_get_openai_errors(client, extra, status, needle):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input item type 'input_image' is not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "content part type 'input_image'"),
@@ -191,6 +190,13 @@ def test_bad_responses_requests_get_openai_errors(client, extra, needle):
     r = httpx.post(str(client.base_url) + "responses", timeout=30,
                    json={"model": "scripted", "input": "x", "max_output_tokens": 2, **extra})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_an_unknown_previous_response_is_a_404_naming_it(client):
+    r = httpx.post(str(client.base_url) + "responses", timeout=30,
+                   json={"model": "scripted", "input": "x", "previous_response_id": "resp_1"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    assert "resp_1" in r.json()["error"]["message"]
 
 
 def test_fill_in_the_middle_needs_a_text_prompt(client):

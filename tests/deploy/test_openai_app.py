@@ -721,6 +721,44 @@ def test_documented_openai_fields_are_accepted_through_the_official_client(base_
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_stored_responses_chain_list_their_input_and_delete(base_url, client):
+    """store (the default): a Response can be retrieved, its input items listed, and a request
+    naming it as previous_response_id goes on from its conversation, as the same chat sent
+    whole would (and finds that conversation's units in the prompt cache); another tenant sees
+    none of it; a deleted or unstored one is a 404."""
+    first_text = "The tide comes in twice a day and goes out twice a day. " * 3
+    first = client.responses.create(model="tiny", input=first_text, max_output_tokens=8, temperature=0)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model="tiny", input="Say it again.", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id
+    whole = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": first_text}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Say it again."}])
+    assert second.output_text == whole.choices[0].message.content
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the stored conversation's units
+    items = client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in items.data] == ["Say it again."] and not items.has_more
+    # streamed, and chained from a streamed one
+    events = list(client.responses.create(model="tiny", input="Once more.", previous_response_id=second.id,
+                                          max_output_tokens=8, temperature=0, stream=True))
+    third = events[-1].response  # its last event (incomplete: max_output_tokens) holds the whole Response
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    other = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-beta", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="tiny", input="x", previous_response_id=first.id, max_output_tokens=2)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    assert client.responses.retrieve(second.id).id == second.id  # its own record holds the conversation
+    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 def test_top_logprobs_without_logprobs_is_refused(base_url):
     r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alpha"}, timeout=30,
                    json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
