@@ -53,6 +53,7 @@ from cluster.request import (
 )
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware, TenantQuotas
 from deploy.metrics import IngressMetrics
+from deploy.prep_pool import PrepPool
 from deploy.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -240,6 +241,7 @@ class OpenAIIngress:
                                     PUBLIC_PATHS | frozenset(cfg.get("public_paths") or ()), self.quotas,
                                     lim.body_timeout_s)
         self.metrics = IngressMetrics(cfg["model_name"])
+        self.prep = PrepPool(lim.prep_workers, lim.tenant_prep_concurrency)  # templates, tokenizing, grammars
         self.expert_parallel = bool(cfg.get("expert_parallel"))  # /metrics reports the expert placement
         self.directory = self.namespace = None
         directory: DirectorySection = cfg.get("directory") or DirectorySection()
@@ -707,6 +709,14 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         grant = self._grant(request)
+        engine_req, calls, tool_finish, thought = await self.prep.run(grant.tenant, self._chat_request, body, grant)
+        return await self._respond([engine_req], body, "chat", calls, tool_finish, thought=thought,
+                                   prompt_k=body.prompt_logprobs)
+
+    def _chat_request(self, body: ChatCompletionRequest, grant: KeyGrant):
+        """A chat's engine request (its prompt rendered and tokenized, its grammar checked: on a
+        prep thread), the factory of the splitter that reads its output's tool calls (None
+        without tools) with the finish_reason of a call, and whether the prompt opened a thought."""
         messages = [m.template_dict() for m in body.messages]
         tools, forced = body.tool_functions(), body.forced_function()
         required = body.required_grammar(*self._grammar_limits)
@@ -732,16 +742,14 @@ class OpenAIIngress:
         if required is not None:  # the output is one call, {NAME: ARGUMENTS}, of one of the tools
             fields["grammar"] = required
         engine_req = self._engine_request(body, prompt_ids, grant, prompt_logprobs=body.prompt_logprobs, **fields)
-        k = body.prompt_logprobs
         if forced is not None:
-            return await self._respond([engine_req], body, "chat", functools.partial(ForcedCall, forced), "stop",
-                                       thought=thought, prompt_k=k)
+            return engine_req, functools.partial(ForcedCall, forced), "stop", thought
         if required is not None:
-            return await self._respond([engine_req], body, "chat", RequiredCall, thought=thought, prompt_k=k)
+            return engine_req, RequiredCall, "tool_calls", thought
         splitter = self.tokenizer.tool_call_stream if tools is not None else None
         if splitter is not None and not body.parallel_tool_calls:
             splitter = lambda: FirstCall(self.tokenizer.tool_call_stream())  # noqa: E731 - a factory, as above
-        return await self._respond([engine_req], body, "chat", splitter, thought=thought, prompt_k=k)
+        return engine_req, splitter, "tool_calls", thought
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
@@ -835,6 +843,13 @@ class OpenAIIngress:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         grant = self._grant(request)
+        reqs, echoes = await self.prep.run(grant.tenant, self._completion_requests, body, grant)
+        return await self._respond(reqs, body, "completion", echoes=echoes if body.echo else None,
+                                   scores_only=body.scores_only(), prompt_k=body.prompt_logprobs)
+
+    def _completion_requests(self, body: CompletionRequest, grant: KeyGrant) -> tuple[list[GenerationRequest], list[str]]:
+        """The engine requests of a completion's prompts (tokenized on a prep thread), and with
+        ``echo`` each prompt's text."""
         prompts = body.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise APIError(400, f"a batch of {len(prompts)} prompts exceeds the limit of {self.limits.max_prompts}",
@@ -860,8 +875,7 @@ class OpenAIIngress:
                 raise
             if body.echo:
                 echoes.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt))
-        return await self._respond(reqs, body, "completion", echoes=echoes if body.echo else None,
-                                   scores_only=body.scores_only(), prompt_k=body.prompt_logprobs)
+        return reqs, echoes
 
     def _completion_ids(self, body: CompletionRequest, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids: a text's (after the BOS token, or in the fill-in-the-
@@ -908,7 +922,11 @@ class OpenAIIngress:
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, request: Request):
         """Token ids of a prompt or of chat messages, as the completion routes would make them."""
-        self._check_model(body.model, self._grant(request))
+        grant = self._grant(request)
+        self._check_model(body.model, grant)
+        return await self.prep.run(grant.tenant, self._tokenized, body)
+
+    def _tokenized(self, body: TokenizeRequest) -> dict:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
@@ -924,11 +942,12 @@ class OpenAIIngress:
 
     @api.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest, request: Request):
-        self._check_model(body.model, self._grant(request))
+        grant = self._grant(request)
+        self._check_model(body.model, grant)
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await self.prep.run(grant.tenant, self.tokenizer.decode, body.tokens)}
 
     @api.get("/version")
     async def version(self):

@@ -138,6 +138,10 @@ class Limits(BaseModel):
     max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
     max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
     max_grammar_bytes: int = Field(default=65536, ge=1)  # a structured output's schema, regex, grammar or choices
+    # a request's templates, tokenizing and grammar checks run on a pool of prep_workers threads,
+    # at most tenant_prep_concurrency of one tenant's at once (deploy.prep_pool)
+    prep_workers: int = Field(default=4, ge=1)
+    tenant_prep_concurrency: int = Field(default=2, ge=1)
     # stored Responses (deploy.response_store): how long one is kept, its largest size (its
     # conversation included; a larger one is not kept), and how many a tenant keeps
     stored_response_ttl_s: int = Field(default=30 * 86400, ge=1)

@@ -13,12 +13,15 @@ def ingress(handle, limits: dict | None = None, tokens_per_minute: int = 0, cloc
     from deploy.http_edge import TenantQuotas
     from deploy.metrics import IngressMetrics
     from deploy.openai_api import OpenAIIngress
+    from deploy.prep_pool import PrepPool
     from deploy.protocol import Limits
 
     ing = object.__new__(OpenAIIngress)
     ing.server, ing.model_name, ing.metrics, ing.directory, ing.decode = handle, "tiny", IngressMetrics("tiny"), None, None
+    ing.api_keys = None
     ing.limits = Limits(**({"tenant_tokens_per_minute": tokens_per_minute} | (limits or {})))
     ing.quotas = TenantQuotas(tokens_per_minute=tokens_per_minute, clock=clock or time.monotonic)
+    ing.prep = PrepPool(ing.limits.prep_workers, ing.limits.tenant_prep_concurrency)
     return ing
 
 
