@@ -239,6 +239,42 @@ class _OpenFiles:
             self._open.clear()
 
 
+class _DeletedSyncs:
+    """The files and directories deletions changed, synced later (``sync_deleted``): a
+    deletion happens under the store's lock, its fsync after it is released."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: set[Path] = set()  # tombstoned segments
+        self._dirs: set[Path] = set()  # directories a file was unlinked from
+
+    def file(self, path: Path) -> None:
+        with self._lock:
+            self._files.add(path)
+
+    def dir(self, path: Path) -> None:
+        with self._lock:
+            self._dirs.add(path)
+
+    def sync(self) -> None:
+        """fsync what the deletions so far changed (a file since gone needs none)."""
+        with self._lock:
+            files, dirs, self._files, self._dirs = self._files, self._dirs, set(), set()
+        for path in files:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as e:  # the tombstone may not survive a power loss; the record is gone until then
+                log.warning("could not fsync the tombstones in %s: %s", path.name, e)
+            finally:
+                os.close(fd)
+        for path in dirs:
+            sync_dir(path)
+
+
 class UnitFiles:
     """One file per unit under ``root/ab/cd/``."""
 
@@ -246,6 +282,7 @@ class UnitFiles:
 
     def __init__(self, root: Path, fsync: bool = True) -> None:
         self.root, self.fsync = root, fsync
+        self._deleted = _DeletedSyncs()
 
     def path(self, key: bytes) -> Path:
         h = key.hex()
@@ -310,10 +347,16 @@ class UnitFiles:
             tmp.unlink(missing_ok=True)
 
     def delete(self, loc: Loc) -> Path | None:
+        """Unlink the unit's file; its directory is synced by ``sync_deleted``."""
         loc.path.unlink(missing_ok=True)
         if self.fsync:  # an evicted unit must not come back after a power loss
-            sync_dir(loc.path.parent)
+            self._deleted.dir(loc.path.parent)
         return None
+
+    def sync_deleted(self) -> None:
+        """fsync what ``delete`` changed since the last call (the store calls it once its lock
+        is released)."""
+        self._deleted.sync()
 
     def sparse(self) -> list[Path]:
         return []
@@ -373,6 +416,7 @@ class SegmentFiles:
         self._segments: dict[Path, _Segment] = {}
         self._seq = itertools.count()
         self._files = _OpenFiles()
+        self._deleted = _DeletedSyncs()
 
     def scan(self, repair: bool = True) -> Iterator[tuple[UnitHeader, Loc]]:
         """Every live record on disk, segment by segment. With ``repair``, temporaries and
@@ -463,29 +507,39 @@ class SegmentFiles:
         for tmp in staged.temps:
             tmp.unlink(missing_ok=True)
 
-    def _tombstone(self, path: Path, offset: int) -> None:
+    def _tombstone(self, path: Path, offset: int, defer_sync: bool = False) -> None:
         try:
             fd = os.open(path, os.O_WRONLY)
         except FileNotFoundError:
             return
         try:
             os.pwrite(fd, TOMBSTONE, offset)
-            if self.fsync:  # a deleted record must stay deleted after a power loss
+            if self.fsync and defer_sync:  # a deleted record must stay deleted after a power loss
+                self._deleted.file(path)
+            elif self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _drop(self, path: Path) -> None:
+    def _drop(self, path: Path, defer_sync: bool = False) -> None:
         with self._lock:
             self._segments.pop(path, None)
             self._small.discard(path)
         path.unlink(missing_ok=True)
         self._files.forget(path)  # after the unlink: no read opens it again
-        if self.fsync:
+        if self.fsync and defer_sync:
+            self._deleted.dir(self.root)
+        elif self.fsync:
             sync_dir(self.root)
 
+    def sync_deleted(self) -> None:
+        """fsync the tombstones and unlinks ``delete`` made since the last call (the store calls
+        it once its lock is released)."""
+        self._deleted.sync()
+
     def delete(self, loc: Loc) -> Path | None:
-        """Tombstone the record; returns its segment when that is now worth compacting."""
+        """Tombstone the record (synced by ``sync_deleted``); returns its segment when that is
+        now worth compacting."""
         with self._lock:
             seg = self._segments.get(loc.path)
             if seg is None or seg.live.pop(loc.offset, None) is None:
@@ -494,10 +548,10 @@ class SegmentFiles:
             empty = not seg.live
             sparse = seg.live_bytes < self.compact_below * seg.size
         if empty:
-            self._drop(loc.path)
+            self._drop(loc.path, defer_sync=True)
             return None
         try:
-            self._tombstone(loc.path, loc.offset)
+            self._tombstone(loc.path, loc.offset, defer_sync=True)
         except OSError as e:  # the record would come back after a restart: rewrite the segment without it
             log.warning("could not tombstone a record in %s (%s); compacting the segment", loc.path.name, e)
             return loc.path

@@ -137,6 +137,26 @@ class StoreStats:
     bytes: int = 0
 
 
+class _StoreLock:
+    """The store's re-entrant lock. What deletions under it changed on disk (tombstones,
+    unlinks) is fsynced when its outermost holder releases it (``after``): an fsync takes
+    milliseconds, and under the lock it would hold up every read and write of the store."""
+
+    def __init__(self, after: Callable[[], None]) -> None:
+        self._lock, self._after, self._held = threading.RLock(), after, threading.local()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._held.depth = getattr(self._held, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        self._held.depth -= 1
+        outermost = self._held.depth == 0
+        self._lock.release()
+        if outermost:
+            self._after()
+
+
 class UnitStore:
     def __init__(self, cfg: StoreConfig, now_s: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
@@ -147,7 +167,7 @@ class UnitStore:
             log.warning("cache files under %s were readable by others; made private (0600, dirs 0700)", self.root)
         self.layout = self._make_layout(cfg.layout)
         self._now = now_s
-        self._lock = threading.RLock()
+        self._lock = _StoreLock(lambda: self.layout.sync_deleted())
         self._namespaces: dict[bytes, bytes] = {}  # key -> namespace
         self._locs: dict[bytes, Loc] = {}  # key -> where its bytes are
         self._index = CapacityIndex(
@@ -189,6 +209,7 @@ class UnitStore:
             else:
                 self.layout.delete(loc)
         self.stats.corrupt += self.layout.corrupt_found
+        self.layout.sync_deleted()
         for path in self.layout.sparse():
             self._compact_async([path])
         self._merge_small()
@@ -232,6 +253,7 @@ class UnitStore:
             if batch:
                 self._migrate_batch(other, batch, pins)
         finally:
+            other.sync_deleted()
             other.close()
 
     def _migrate_batch(self, other, batch: list[tuple[Unit, Loc]], pins: set[bytes]) -> bool:

@@ -383,6 +383,50 @@ def test_a_read_verifies_its_units_outside_the_store_lock(tmp_path, layout, monk
     store.check_integrity()
 
 
+def test_evictions_and_removals_are_synced_outside_the_store_lock(tmp_path, layout, monkeypatch):
+    """A deletion's fsync (a tombstone, an unlinked file's directory) takes milliseconds: none
+    runs while the store's lock is held (puts and lookups wait for it); they run once it is
+    released."""
+    import cachedir.layout
+
+    store = _store(tmp_path, layout, units=2)
+    units = make_units(list(range(64 * 6)))
+    store.put(units[0])
+    store.put(units[1])
+    deleting, synced_in_delete, synced_after = [False], [], []
+    real_fsync, real_sync_dir, real_delete = os.fsync, cachedir.layout.sync_dir, store.layout.delete
+    real_sync_deleted = store.layout.sync_deleted
+
+    def recording(real):
+        def sync(arg):
+            if deleting[0]:
+                synced_in_delete.append(arg)
+            real(arg)
+        return sync
+
+    def delete(loc):
+        deleting[0] = True
+        try:
+            return real_delete(loc)
+        finally:
+            deleting[0] = False
+
+    def sync_deleted():
+        synced_after.append(store._lock._lock._is_owned())
+        real_sync_deleted()
+
+    monkeypatch.setattr(cachedir.layout.os, "fsync", recording(real_fsync))
+    monkeypatch.setattr(cachedir.layout, "sync_dir", recording(real_sync_dir))
+    monkeypatch.setattr(store.layout, "delete", delete)
+    monkeypatch.setattr(store.layout, "sync_deleted", sync_deleted)
+    for u in units[2:5]:
+        store.put(u)  # each evicts the oldest
+    store.remove(units[4].key)
+    assert synced_in_delete == [] and synced_after and not any(synced_after), (synced_in_delete, synced_after)
+    store.check_integrity()
+    assert set(store.keys()) == {units[3].key}
+
+
 def _resident_pages(path) -> int:
     """Pages of ``path`` in the page cache (``mincore`` over a private mapping of the file)."""
     import ctypes
