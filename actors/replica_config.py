@@ -66,7 +66,7 @@ class StoreSection:
 @dataclass(frozen=True, slots=True)
 class AgentSection:
     """The per-node cache agents (``actors.cache_agent``): their store and directory, the
-    token (by file or env var; a literal for the cluster's KV-kept one), TLS files (PEM on every
+    token (by file or env var; a literal only where a test builds one), TLS files (PEM on every
     node), replication (``replicas`` copies of a hot unit; 1: none) and timings."""
 
     store: StoreSection

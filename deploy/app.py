@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import secrets
 from typing import Any
 
 from ray import serve
@@ -89,24 +88,11 @@ def expert_shard_nodes(num_nodes: int, num_shards: int) -> int:
     return nodes if num_shards % nodes == 0 else 1
 
 
-def _cluster_agent_token() -> str:
-    """The cluster's cache-agent token when none is configured: made once, kept in Ray's internal
-    KV, so every deploy (and redeploy) of the app agrees with the agents already running."""
-    import ray
-
-    if not ray.is_initialized():
-        return secrets.token_urlsafe(24)
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
-
-    key = b"tideserve/agent_token"
-    _internal_kv_put(key, secrets.token_urlsafe(24).encode(), overwrite=False)
-    return _internal_kv_get(key).decode()
-
-
 def _agent_token_source(a: AppArgs) -> dict[str, str]:  # AgentSection's token fields
     """Where agents and replicas find the agent token: the configured file or env var (checked
-    here, so a bad one fails the deploy, not every replica), else the cluster's KV-kept one:
-    agents never serve unauthenticated."""
+    here, so a bad one fails the deploy, not every replica). Without one the deploy fails:
+    agents never serve unauthenticated, and a token the app made up would have to travel
+    through Ray (its KV or the actors' arguments), which every Ray job can read."""
     token_file = a.agent_token_file or os.environ.get("TIDE_AGENT_TOKEN_FILE") or None
     if a.agent_token_env:
         _secret(a.agent_token_env, "agent_token_env")
@@ -114,7 +100,9 @@ def _agent_token_source(a: AppArgs) -> dict[str, str]:  # AgentSection's token f
     if token_file:
         read_secret(token_file, "agent token")
         return {"token_file": token_file}
-    return {"token": _cluster_agent_token()}
+    raise ValueError("the cache agents need a token, read on each node: set agent_token_file (a 0600 file on "
+                     "every node), agent_token_env, or $TIDE_AGENT_TOKEN_FILE (tide up makes "
+                     "$TIDE_HOME/run/agent.token)")
 
 
 def shard_actor_options(device: str) -> dict[str, Any]:

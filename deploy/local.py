@@ -43,7 +43,7 @@ from deploy.ray_head import ensure_auth_token, is_loopback, start_head, stop_mar
 from deploy.redis_proc import RedisServer, free_port, wait_healthy
 from model.default import cache_root
 
-__all__ = ["cluster_status", "down", "record_serving_nodes", "up"]
+__all__ = ["agent_token_file", "cluster_status", "down", "record_serving_nodes", "up"]
 
 
 def _redis_password_path() -> Path:
@@ -56,7 +56,7 @@ def _cache_secret_file() -> str:
     return _run_secret("cache.secret")
 
 
-def _agent_token_file() -> str:
+def agent_token_file() -> str:
     """The cache agents' token (``AppArgs.agent_token_file``), kept like the cache secret, so
     agents still running from an earlier `tide up` on this cluster's nodes agree."""
     return _run_secret("agent.token")
@@ -162,7 +162,7 @@ def served_args(app_args: dict[str, Any], cpus: float, redis_url: str, own_redis
             "directory_url": app_args.get("directory_url") or redis_url,
             "cache_secret_file": app_args.get("cache_secret_file") or _cache_secret_file()}
     if not (args.get("agent_token_file") or args.get("agent_token_env")):
-        args["agent_token_file"] = _agent_token_file()
+        args["agent_token_file"] = agent_token_file()
     if own_redis and not args.get("directory_password_env"):
         args["directory_password_env"] = REDIS_PASSWORD_ENV
     if not args.get("api_keys"):

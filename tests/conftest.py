@@ -31,6 +31,23 @@ os.environ.setdefault("TIDE_AUTOTUNE", "0")
 os.environ.update(serve_env())  # the Rays the tests start in this process (tide up gives its own)
 
 
+def _agent_token_file() -> str:
+    """The cache agents' token for the apps the tests deploy (a deploy names one, as tide up's
+    does; a 0600 file removed when this process ends)."""
+    import atexit
+    import secrets
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="tide-test-agent-", suffix=".token")
+    os.write(fd, secrets.token_urlsafe(32).encode())
+    os.close(fd)
+    atexit.register(os.unlink, path)
+    return path
+
+
+os.environ.setdefault("TIDE_AGENT_TOKEN_FILE", _agent_token_file())
+
+
 def require(condition: bool, why: str) -> None:
     """Skip (locally) or fail (CI=true) when a needed service is missing."""
     if condition:

@@ -166,6 +166,7 @@ def run_cluster_bench(
 
     from actors.cache_agent import NAMESPACE, agent_name
     from deploy.app import build_app
+    from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
     out: dict[str, Any] = {
@@ -185,7 +186,7 @@ def run_cluster_bench(
                     "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / f"{mode}-{rep}" / "{node}"),
                     "directory_url": redis.url if spec["directory"] else None,
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
-                    "max_num_seqs": max(4, concurrency), "num_pages": 2048,
+                    "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
                 })
                 serve.run(app, name="bench", route_prefix="/", blocking=False)
                 wait_healthy(url)

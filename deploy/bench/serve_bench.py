@@ -168,8 +168,10 @@ def deployed(url: str, app_args: dict[str, Any]) -> Iterator[str]:
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.local import agent_token_file
 
-    serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
+    serve.run(build_app({"agent_token_file": agent_token_file(), **app_args}), name="bench", route_prefix="/",
+              blocking=False)
     try:
         wait_healthy(url)
         yield httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]

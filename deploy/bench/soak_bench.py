@@ -201,6 +201,7 @@ def run_soak(minutes: float, concurrency: int = 4, nodes: int = 2, fault_every_s
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.local import agent_token_file
     from model.default import default_checkpoint
 
     checkpoint = Path(checkpoint) if checkpoint else default_checkpoint()
@@ -210,7 +211,7 @@ def run_soak(minutes: float, concurrency: int = 4, nodes: int = 2, fault_every_s
             "checkpoint": str(checkpoint), "replicas": nodes, "replica_cpus": 1, "max_replicas_per_node": 1,
             "cache_dir": str(Path(tmp) / "cache" / "{node}"), "usage_dir": str(Path(tmp) / "usage"),
             "directory_url": redis.url, "directory_namespace": f"soak-{uuid.uuid4().hex[:8]}",
-            "max_num_seqs": max(4, concurrency), "num_pages": 2048,
+            "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
         }), name="soak", route_prefix="/", blocking=False)
         wait_healthy(url)
         t0 = time.perf_counter()

@@ -306,7 +306,10 @@ def test_serve_run_on_a_token_cluster_and_the_admin_commands_reach_it(tmp_path, 
         token.parent.mkdir(mode=0o700, exist_ok=True)
         token.write_text(uuid.uuid4().hex * 2)
         token.chmod(0o600)
-    env = _env(tmp_path, fresh_home, RAY_AUTH_MODE="token")
+    agent_token = tmp_path / "agent.token"  # as README says: a 0600 file on every node
+    agent_token.write_text(uuid.uuid4().hex * 2)
+    agent_token.chmod(0o600)
+    env = _env(tmp_path, fresh_home, RAY_AUTH_MODE="token", TIDE_AGENT_TOKEN_FILE=str(agent_token))
     ray_tmp = Path(f"/tmp/tide-serve-{uuid.uuid4().hex[:8]}")
     address, marker = _ray_head(ray_tmp, env)
     try:

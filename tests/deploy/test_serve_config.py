@@ -94,11 +94,9 @@ def test_device_cuda_with_expert_shards_gives_each_shard_a_gpu(tmp_path, monkeyp
 def test_deployment_versions_change_with_what_replicas_are_built_from_not_with_counts(tmp_path, monkeypatch):
     """Serve replaces every replica of a deployment whose version changed: a day/night redeploy
     that only changes replica counts must keep the versions (and so the running replicas)."""
-    import deploy.app
     from deploy.app import build_app
 
     monkeypatch.setenv("TIDE_HOME", str(tmp_path))
-    monkeypatch.setattr(deploy.app, "_cluster_agent_token", lambda: "fixed-token")  # as a cluster keeps it
 
     def versions(**args):
         ingress = build_app({"decode_replicas": 1, **args})._bound_deployment
@@ -249,3 +247,21 @@ def test_no_credential_travels_in_the_apps_init_args(tmp_path, monkeypatch):
         build_app({"agent_token_file": str(token_file)})
     with pytest.raises(ValueError, match="TIDE_TEST_UNSET"):
         build_app({"directory_password_env": "TIDE_TEST_UNSET"})
+
+
+@pytest.mark.security
+def test_a_deploy_without_an_agent_token_is_refused_and_none_is_made_up(tmp_path, monkeypatch):
+    """Agents never serve unauthenticated, and the app never makes a token up: one it made would
+    travel through Ray (its KV, the actors' arguments), which every Ray job reads."""
+    from deploy.app import build_app
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path))
+    monkeypatch.delenv("TIDE_AGENT_TOKEN_FILE", raising=False)
+    with pytest.raises(ValueError, match="agent_token_file"):
+        build_app({})
+    token = tmp_path / "agent.token"
+    token.write_text("a-token-of-at-least-16-bytes")
+    token.chmod(0o600)
+    server = build_app({"agent_token_file": str(token)})._bound_deployment.init_args[0]
+    agents = server._bound_deployment.init_args[0].agents
+    assert agents.token_file == str(token) and agents.token is None  # the path travels, not the token
