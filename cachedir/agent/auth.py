@@ -2,7 +2,10 @@
 
 A caller signs each call: ``x-tide-auth: <caller>:<time_ms>:<nonce>:<sig>``, where ``sig`` is an
 HMAC-SHA256 under the caller's own key (``node_key``: derived from the token and the caller's
-name) of the method, the address it dialled, the time and a fresh nonce. An agent accepts a
+name) of the method, the address it dialled, the time, a fresh nonce and the SHA-256 of the
+request message (``body_digest``), so a signature covers what it asks for: a captured call's
+header cannot carry other keys. A streamed request (``Push``) signs an empty body; each unit it
+sends carries its own MAC under the cluster's cache secret. An agent accepts a
 signature once (it remembers nonces for the time window), within ``WINDOW_S`` of its own clock,
 and only for one of its own addresses, so a captured header cannot be replayed, late or
 elsewhere. Before anything else the agent answers with ``x-tide-proof: <name>:<sig>``, an HMAC
@@ -25,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-__all__ = ["AUTH_HEADER", "PROOF_HEADER", "WINDOW_S", "Signer", "Verifier", "node_key"]
+__all__ = ["AUTH_HEADER", "PROOF_HEADER", "WINDOW_S", "Signer", "Verifier", "body_digest", "node_key"]
 
 AUTH_HEADER = "x-tide-auth"
 PROOF_HEADER = "x-tide-proof"
@@ -36,6 +39,12 @@ MAX_NONCES = 1 << 20  # remembered at once; only signed calls get in, so only to
 def node_key(token: str, name: str) -> bytes:
     """The key ``name`` signs with (callers) and proves itself with (agents)."""
     return hmac.new(token.encode(), b"tide-agent-key\0" + name.encode(), hashlib.sha256).digest()
+
+
+def body_digest(message: bytes) -> str:
+    """What a signature says of a request's body: the SHA-256 of its serialized message (a
+    protobuf's ``SerializeToString(deterministic=True)``)."""
+    return hashlib.sha256(message).hexdigest()
 
 
 def _mac(key: bytes, *parts: str) -> str:
@@ -61,10 +70,11 @@ class _Party:
 class Signer(_Party):
     """The caller's side: signs calls as ``name`` and checks the agent's proof."""
 
-    def sign(self, method: str, target: str) -> tuple[tuple[tuple[str, str], ...], str]:
-        """The metadata of one call of ``method`` to the agent at ``target``, and its nonce."""
+    def sign(self, method: str, target: str, body: str = "") -> tuple[tuple[tuple[str, str], ...], str]:
+        """The metadata of one call of ``method`` to the agent at ``target`` with the request
+        ``body`` (its ``body_digest``; "" for a streamed request), and its nonce."""
         ms, nonce = str(int(self._clock() * 1000)), secrets.token_hex(16)
-        sig = _mac(self._key, "call", method, target, ms, nonce)
+        sig = _mac(self._key, "call", method, target, ms, nonce, body)
         return ((AUTH_HEADER, f"{self.name}:{ms}:{nonce}:{sig}"),), nonce
 
     def proven(self, metadata: Iterable[tuple[str, str]] | None, method: str, nonce: str) -> str | None:
@@ -86,17 +96,19 @@ class Verifier(_Party):
         self._nonces: OrderedDict[str, float] = OrderedDict()  # nonce -> when it may be forgotten
         self._lock = threading.Lock()
 
-    def verify(self, metadata: Iterable[tuple[str, str]], method: str) -> tuple[str, str]:
-        """(caller, nonce) of a call signed for one of ``addresses``, fresh and first seen;
+    def verify(self, metadata: Iterable[tuple[str, str]], method: str, body: str = "") -> tuple[str, str]:
+        """(caller, nonce) of a call signed for one of ``addresses`` and for the request
+        ``body`` (its ``body_digest``; "" for a streamed request), fresh and first seen;
         ``PermissionError`` saying why not."""
         parts = dict(metadata).get(AUTH_HEADER, "").rsplit(":", 3)
         if len(parts) != 4 or not parts[0]:
             raise PermissionError("the call is not signed (x-tide-auth) with the cluster's agent token")
         caller, ms, nonce, sig = parts
         key = node_key(self._token, caller)
-        if not any(hmac.compare_digest(sig.encode(), _mac(key, "call", method, t, ms, nonce).encode())
+        if not any(hmac.compare_digest(sig.encode(), _mac(key, "call", method, t, ms, nonce, body).encode())
                    for t in self.addresses):
-            raise PermissionError("the call is not signed with this cluster's agent token, or not for this address")
+            raise PermissionError("the call is not signed with this cluster's agent token, or not for this address "
+                                  "and request")
         now = self._clock()
         try:
             skew = abs(now - int(ms) / 1000)

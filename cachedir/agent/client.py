@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
-from cachedir.agent.auth import Signer
+from cachedir.agent.auth import Signer, body_digest
 from cachedir.agent.service import CHUNK_BYTES, MAX_UNIT_BYTES
 
 __all__ = ["AgentClient", "AgentError", "ClientPool"]
@@ -55,10 +55,12 @@ class AgentClient:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = agent_pb2_grpc.CacheAgentStub(self._channel)
 
-    def _sign(self, method: str) -> tuple[tuple, str | None]:
+    def _sign(self, method: str, request=None) -> tuple[tuple, str | None]:
+        """The call's metadata and nonce, signed for ``request`` (None: a streamed request)."""
         if self._signer is None:
             return (), None
-        return self._signer.sign(_SERVICE + method, self.address)
+        body = "" if request is None else body_digest(request.SerializeToString(deterministic=True))
+        return self._signer.sign(_SERVICE + method, self.address, body)
 
     def _check_proof(self, call, method: str, nonce: str | None) -> None:
         """Raise unless the agent proved it holds the token (its first metadata)."""
@@ -82,10 +84,10 @@ class AgentClient:
         out: list[tuple[str, bytes] | None] = [None] * len(keys)
         if not keys:
             return out
-        metadata, nonce = self._sign("Fetch")
+        request = agent_pb2.FetchRequest(keys=list(keys), requester=requester)
+        metadata, nonce = self._sign("Fetch", request)
         try:
-            stream = self._stub.Fetch(agent_pb2.FetchRequest(keys=list(keys), requester=requester),
-                                      timeout=self.timeout_s, metadata=metadata)
+            stream = self._stub.Fetch(request, timeout=self.timeout_s, metadata=metadata)
             self._check_proof(stream, "Fetch", nonce)
             for index, tier, data in self._assemble(stream, len(keys)):
                 out[index] = (tier, data)
@@ -126,10 +128,10 @@ class AgentClient:
     def has(self, keys: Sequence[bytes]) -> list[str]:
         if not keys:
             return []
-        metadata, nonce = self._sign("Has")
+        request = agent_pb2.HasRequest(keys=list(keys))
+        metadata, nonce = self._sign("Has", request)
         try:
-            reply, call = self._stub.Has.with_call(agent_pb2.HasRequest(keys=list(keys)), timeout=self.timeout_s,
-                                                   metadata=metadata)
+            reply, call = self._stub.Has.with_call(request, timeout=self.timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e, "has") from None
         self._check_proof(call, "Has", nonce)
@@ -169,10 +171,10 @@ class AgentClient:
         return reply.accepted, reply.rejected
 
     def stats(self) -> dict:
-        metadata, nonce = self._sign("Stats")
+        request = agent_pb2.StatsRequest()
+        metadata, nonce = self._sign("Stats", request)
         try:
-            reply, call = self._stub.Stats.with_call(agent_pb2.StatsRequest(), timeout=self.timeout_s,
-                                                     metadata=metadata)
+            reply, call = self._stub.Stats.with_call(request, timeout=self.timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e, "stats") from None
         self._check_proof(call, "Stats", nonce)

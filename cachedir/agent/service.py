@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
-from cachedir.agent.auth import Verifier
+from cachedir.agent.auth import Verifier, body_digest
 from cachedir.hashing import KEY_BYTES
 
 __all__ = ["CHUNK_BYTES", "MAX_KEYS", "AgentBackend", "ServerConfig", "start_server"]
@@ -133,19 +133,17 @@ class _SignedCalls(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        try:
-            _, nonce = self.verifier.verify(details.invocation_metadata, details.method)
-        except PermissionError as e:
-            reason = str(e)
+        inner = _behaviour(handler)
 
-            def behaviour(request, context):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"cache agent: {reason}")
-        else:
-            proof, inner = self.verifier.proof(details.method, nonce), _behaviour(handler)
-
-            def behaviour(request, context):
-                context.send_initial_metadata(proof)
-                return inner(request, context)
+        def behaviour(request, context):
+            # a request message's digest is part of its signature; a streamed request signs none
+            body = "" if handler.request_streaming else body_digest(request.SerializeToString(deterministic=True))
+            try:
+                _, nonce = self.verifier.verify(details.invocation_metadata, details.method, body)
+            except PermissionError as e:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"cache agent: {e}")
+            context.send_initial_metadata(self.verifier.proof(details.method, nonce))
+            return inner(request, context)
         # the answer must have the method's own streaming shape
         make = {(False, False): grpc.unary_unary_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler,

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
-from cachedir.agent.auth import AUTH_HEADER, WINDOW_S, Signer, Verifier
+from cachedir.agent.auth import AUTH_HEADER, WINDOW_S, Signer, Verifier, body_digest
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import AgentBackend, ServerConfig, _Servicer
@@ -134,14 +134,25 @@ def test_a_real_agent_proves_itself_and_refuses_replays(tmp_path):
             assert c.stats()["push_accepted"] == 2
         channel = grpc.insecure_channel(agent.address)
         stub = agent_pb2_grpc.CacheAgentStub(channel)
-        md, _ = Signer(TOKEN, "replica-1").sign(HAS, agent.address)
-        assert list(stub.Has(agent_pb2.HasRequest(keys=[units[0].key]), metadata=md, timeout=5).tiers) == ["ssd"]
+        has = agent_pb2.HasRequest(keys=[units[0].key])
+        body = body_digest(has.SerializeToString(deterministic=True))
+        md, _ = Signer(TOKEN, "replica-1").sign(HAS, agent.address, body)
+        assert list(stub.Has(has, metadata=md, timeout=5).tiers) == ["ssd"]
         with pytest.raises(grpc.RpcError) as e:  # the same header again
-            stub.Has(agent_pb2.HasRequest(keys=[units[0].key]), metadata=md, timeout=5)
+            stub.Has(has, metadata=md, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in e.value.details()
-        elsewhere, _ = Signer(TOKEN, "replica-1").sign(HAS, "127.0.0.1:1")
+        elsewhere, _ = Signer(TOKEN, "replica-1").sign(HAS, "127.0.0.1:1", body)
         with pytest.raises(grpc.RpcError) as e:  # signed for another agent's address
-            stub.Has(agent_pb2.HasRequest(keys=[units[0].key]), metadata=elsewhere, timeout=5)
+            stub.Has(has, metadata=elsewhere, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # a fresh header signed for one request, sent with another's body (other keys)
+        other, _ = Signer(TOKEN, "replica-1").sign(HAS, agent.address, body)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Has(agent_pb2.HasRequest(keys=[units[1].key]), metadata=other, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "request" in e.value.details()
+        unsigned_body, _ = Signer(TOKEN, "replica-1").sign(HAS, agent.address)  # no body digest at all
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Has(has, metadata=unsigned_body, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
     finally:
