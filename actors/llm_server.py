@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import ray
+import torch
 
 from actors import pd_handoff
 from actors.cache_agent import NodeAgentClient, client_certificate, ensure_cache_agents, tls_files
@@ -52,12 +53,14 @@ from cluster.request import (
 )
 from kernels.cpu_gemv import cpu_kernels, kernel_state
 from model.checkpoint import LoadProgress, load_model
+from model.kv_sizes import kv_sizes
 from model.tokenizer import load_tokenizer
 from model.weights_id import weights_digest, weights_form
 
 __all__ = ["LLMServer"]
 
 log = logging.getLogger(__name__)
+UNIT_HEADER_SLACK = 64 << 10  # an encoded unit beyond its KV: header, token ids, MAC
 
 
 
@@ -190,8 +193,10 @@ class LLMServer:
         client_for = ClientPool(lambda addr: AgentClient(addr, token, tls["ca"], timeout_s=agents.fetch_timeout_s,
                                                          name=name, client_certificate=mine))
 
+        sizes = kv_sizes(self.model.cfg, torch.float32)  # the widest KV a pool of this model keeps
+        largest = max(sizes.unit_bytes, sizes.resume_bytes) + UNIT_HEADER_SLACK
         return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), agents.directory.open(),
-                            client_for, secret=self._secret)
+                            client_for, secret=self._secret, max_unit_bytes=largest)
 
     def _start_ep(self, ep: EPSection) -> EPGroup:
         dtype = self.model.dtype

@@ -78,9 +78,12 @@ class AgentClient:
         detail = e.details() if hasattr(e, "details") else str(e)
         return AgentError(f"cache agent {self.address}: {what} failed: {code.name if code else ''} {detail}", code)
 
-    def fetch(self, keys: Sequence[bytes], requester: str = "") -> list[tuple[str, bytes] | None]:
+    def fetch(self, keys: Sequence[bytes], requester: str = "",
+              max_unit_bytes: int = MAX_UNIT_BYTES) -> list[tuple[str, bytes] | None]:
         """(tier, encoded unit) per key, None where the agent lacks it. Unverified: the caller
-        checks each unit against what it expects."""
+        checks each unit against what it expects. A unit may declare at most ``max_unit_bytes``
+        (the caller's model's unit and its header): what a peer can make this call hold is
+        ``len(keys)`` of them."""
         out: list[tuple[str, bytes] | None] = [None] * len(keys)
         if not keys:
             return out
@@ -89,16 +92,16 @@ class AgentClient:
         try:
             stream = self._stub.Fetch(request, timeout=self.timeout_s, metadata=metadata)
             self._check_proof(stream, "Fetch", nonce)
-            for index, tier, data in self._assemble(stream, len(keys)):
+            for index, tier, data in self._assemble(stream, len(keys), min(max_unit_bytes, MAX_UNIT_BYTES)):
                 out[index] = (tier, data)
         except grpc.RpcError as e:
             raise self._error(e, "fetch") from None
         return out
 
     @staticmethod
-    def _assemble(stream: Iterator, n: int) -> Iterator[tuple[int, str, bytes]]:
+    def _assemble(stream: Iterator, n: int, max_unit_bytes: int = MAX_UNIT_BYTES) -> Iterator[tuple[int, str, bytes]]:
         """Units from a Fetch stream. What a peer may make this client hold is bounded: a unit
-        declares its size (at most ``MAX_UNIT_BYTES``) in its first chunk and may not send more."""
+        declares its size (at most ``max_unit_bytes``) in its first chunk and may not send more."""
         parts: list[bytes] = []
         current = tier = None
         size = got = 0
@@ -108,8 +111,8 @@ class AgentClient:
             if current is None:
                 if chunk.missing:
                     continue
-                if not 0 < chunk.size <= MAX_UNIT_BYTES:
-                    raise AgentError(f"unit {chunk.index} declares {chunk.size} bytes (1..{MAX_UNIT_BYTES})")
+                if not 0 < chunk.size <= max_unit_bytes:
+                    raise AgentError(f"unit {chunk.index} declares {chunk.size} bytes (1..{max_unit_bytes})")
                 current, tier, size, parts, got = chunk.index, chunk.tier, chunk.size, [], 0
             elif chunk.index != current:
                 raise AgentError(f"unit {current} ended without its last chunk")

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cachedir.agent.client import AgentClient, AgentError
+from cachedir.agent.service import MAX_UNIT_BYTES
 from cachedir.directory.base import Directory, DirectoryUnavailable
 from cachedir.hashing import unit_mac_key
 from cachedir.node_cache import LoadedUnit
@@ -54,11 +55,15 @@ class ClusterCache:
         live_ttl_s: float = 1.0,
         suspect_s: float = 30.0,
         secret: bytes = b"",
+        max_unit_bytes: int = MAX_UNIT_BYTES,
     ) -> None:
         """``local`` is this node's agent; ``client_for(address)`` gives a client for another;
-        ``secret``: the cluster's cache secret (units are authenticated under it)."""
+        ``secret``: the cluster's cache secret (units are authenticated under it);
+        ``max_unit_bytes``: the largest encoded unit of the model (a peer's larger one fails
+        the fetch before its bytes are held)."""
         self.node_id = node_id
         self._secret = secret
+        self._max_unit_bytes = max_unit_bytes
         self.local = local
         self.directory = directory
         self._client_for = client_for
@@ -241,20 +246,22 @@ class ClusterCache:
         address = None
         try:
             if node is None:
-                found = self.local.fetch(wanted, requester=self.node_id)
+                found = self.local.fetch(wanted, requester=self.node_id, max_unit_bytes=self._max_unit_bytes)
             else:
                 address = self._live_nodes().get(node)
                 if address is None:
                     return node, got
                 try:
-                    found = self._client_for(address).fetch(wanted, requester=self.node_id)
+                    found = self._client_for(address).fetch(wanted, requester=self.node_id,
+                                                            max_unit_bytes=self._max_unit_bytes)
                 except AgentError:
                     # its agent may have restarted since the directory was read: a new port
                     moved = self._live_nodes(fresh=True).get(node)
                     if moved is None or moved == address:
                         raise
                     address = moved
-                    found = self._client_for(address).fetch(wanted, requester=self.node_id)
+                    found = self._client_for(address).fetch(wanted, requester=self.node_id,
+                                                            max_unit_bytes=self._max_unit_bytes)
         except AgentError as e:
             self._agent_error(e)
             if node is not None:

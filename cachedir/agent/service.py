@@ -26,6 +26,7 @@ __all__ = ["CHUNK_BYTES", "MAX_KEYS", "AgentBackend", "ServerConfig", "start_ser
 
 CHUNK_BYTES = 1 << 20
 MAX_KEYS = 4096
+FETCH_GROUP = 16  # units a Fetch reads (and holds) at once before streaming them
 MAX_UNIT_BYTES = 64 << 20  # a DeepSeek-V3 unit is ~4.3 MiB; anything far larger is not a unit
 
 
@@ -66,11 +67,20 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
         self.b = backend
 
     def Fetch(self, request, context) -> Iterator[agent_pb2.UnitChunk]:  # noqa: N802 - gRPC names
+        """The units of ``keys``, read ``FETCH_GROUP`` at a time: what one call holds in memory
+        is a group's bytes, however many keys it asks for."""
         keys = list(request.keys)
         _check_keys(keys, context)
-        for i, found in enumerate(self.b.read(keys, request.requester)):
+        for start in range(0, len(keys), FETCH_GROUP):
+            group = keys[start : start + FETCH_GROUP]
+            yield from self._chunks(start, group, self.b.read(group, request.requester))
+
+    @staticmethod
+    def _chunks(start: int, keys: list[bytes], units: list[tuple[str, bytes] | None]) -> Iterator[agent_pb2.UnitChunk]:
+        for i, found in enumerate(units, start):
+            key = keys[i - start]
             if found is None:
-                yield agent_pb2.UnitChunk(index=i, key=keys[i], missing=True, last=True)
+                yield agent_pb2.UnitChunk(index=i, key=key, missing=True, last=True)
                 continue
             tier, data = found
             view = memoryview(data)
@@ -78,7 +88,7 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
             for c in range(n):
                 part = view[c * CHUNK_BYTES : (c + 1) * CHUNK_BYTES]
                 if c == 0:
-                    yield agent_pb2.UnitChunk(index=i, key=keys[i], data=bytes(part), tier=tier,
+                    yield agent_pb2.UnitChunk(index=i, key=key, data=bytes(part), tier=tier,
                                               size=len(view), last=n == 1)
                 else:
                     yield agent_pb2.UnitChunk(index=i, data=bytes(part), last=c == n - 1)

@@ -104,6 +104,35 @@ def test_large_units_stream_in_chunks(tmp_path):
         a.close()
 
 
+@pytest.mark.security
+def test_a_fetch_holds_one_group_of_units_at_a_time_and_a_client_refuses_oversized_ones(tmp_path):
+    """The agent reads a many-key fetch FETCH_GROUP units at a time, streaming each group before
+    it reads the next; a client refuses a unit declaring more than its model's units can be."""
+    from cachedir.agent.service import FETCH_GROUP, AgentBackend, _Servicer
+
+    units = make_units(list(range(64 * (FETCH_GROUP + 4))))
+    by_key = {u.key: ("ssd", u.encode()) for u in units}
+    reads: list[int] = []
+    backend = AgentBackend(read=lambda keys, _: reads.append(len(keys)) or [by_key[k] for k in keys],
+                           has=None, accept=None, stats=None)
+    stream = _Servicer(backend).Fetch(agent_pb2.FetchRequest(keys=[u.key for u in units]), context=None)
+    first = next(stream)
+    assert first.index == 0 and reads == [FETCH_GROUP]  # streaming before the rest is read
+    rest = list(stream)
+    assert reads == [FETCH_GROUP, 4] and {c.index for c in [first, *rest]} == set(range(len(units)))
+    a = _agent(tmp_path, "bounded")
+    try:
+        _store(a, units[:2])
+        size = len(units[0].encode())
+        with AgentClient(a.address) as c:
+            assert [f[1] for f in c.fetch([u.key for u in units[:2]], max_unit_bytes=size)] == [
+                u.encode() for u in units[:2]]
+            with pytest.raises(AgentError, match="declares"):
+                c.fetch([units[0].key], max_unit_bytes=size - 1)
+    finally:
+        a.close()
+
+
 def test_bad_token_and_malformed_requests_get_clear_statuses(tmp_path):
     a = _agent(tmp_path, "secured", token="s3cret")
     try:
