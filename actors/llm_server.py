@@ -177,6 +177,9 @@ class LLMServer:
         if cfg.tidal and ray.is_initialized():
             threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
         self._last_sync = self._last_agents = time.monotonic()
+        # the grammar compiler (xgrammar's import, the vocabulary's tokenizer info: seconds that
+        # hold the GIL) is built now, not by the first constrained request beside running streams
+        self.engine.constraints.grammars()
         self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep,
                                threads=cfg.cpu_threads if cfg.device == "cpu" else None,
                                stream_batching_interval_s=cfg.stream_batching_interval_ms / 1e3).start()

@@ -41,6 +41,12 @@ class RequestFailed(RuntimeError):
     """This request failed on its own (its sampling or its grammar raised); the others in its
     batch went on."""
 
+    @property
+    def request_fault(self) -> bool:
+        """Whether the request's own input failed it (its grammar reached a state no output
+        continues from): a client error, not the server's."""
+        return str(self).startswith("GrammarError:")
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string

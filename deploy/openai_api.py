@@ -77,6 +77,7 @@ from deploy.response_store import (
 )
 from deploy.responses_api import ResponseEvents, ResponsesRequest, response_of
 from model.config import load_config
+from model.grammar import warm as warm_grammars
 from model.reasoning import ReasoningStream, ReasoningTokens, thought_open
 from model.sampling_params import SamplingParams, TokenLogprob
 from model.tokenizer import load_tokenizer
@@ -126,6 +127,8 @@ async def _server_error(_: Request, e: Exception) -> JSONResponse:
     """Anything else, in OpenAI's shape (never Starlette's plain-text 500): a request that failed
     alone on its replica (``RequestFailed``) says why; other errors are logged, not shown."""
     cause = getattr(e, "cause", e)  # a replica's error arrives as Ray's RayTaskError of it
+    if isinstance(cause, RequestFailed) and cause.request_fault:
+        return JSONResponse(error_body(f"the request failed: {cause}", "invalid_request_error"), 400)
     if isinstance(cause, RequestFailed):
         return JSONResponse(error_body(f"the request failed: {cause}", "server_error"), 500)
     log.error("request failed", exc_info=e)
@@ -242,6 +245,7 @@ class OpenAIIngress:
                                     lim.body_timeout_s)
         self.metrics = IngressMetrics(cfg["model_name"])
         self.prep = PrepPool(lim.prep_workers, lim.tenant_prep_concurrency)  # templates, tokenizing, grammars
+        warm_grammars()
         self.expert_parallel = bool(cfg.get("expert_parallel"))  # /metrics reports the expert placement
         self.directory = self.namespace = None
         directory: DirectorySection = cfg.get("directory") or DirectorySection()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import xgrammar
 
 __all__ = ["GRAMMAR_KINDS", "MAX_CHOICES", "MAX_WHITESPACE_RUN", "UNENFORCED_KEYWORDS", "GrammarError", "GrammarSpec",
-           "GrammarState", "GrammarVocab", "Grammars", "apply_masks", "unenforced_keyword", "unpack"]
+           "GrammarState", "GrammarVocab", "Grammars", "apply_masks", "unenforced_keyword", "unpack", "warm"]
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "choice", "regex", "grammar")
 MAX_CHOICES = 1024  # texts one request may choose among
@@ -77,7 +77,9 @@ class GrammarSpec:
 
     def check(self) -> None:
         """A ``GrammarError`` where this grammar cannot be enforced (xgrammar cannot parse it, a
-        schema keyword it would ignore, a choice list it cannot make); builds no token masks."""
+        schema keyword it would ignore, a choice list it cannot make) or matches no output at
+        all (no rule of it ends: ``root ::= root root``); compiled for a vocabulary of single
+        bytes, not the model's."""
         import xgrammar as xgr
 
         if self.kind == "json_schema":
@@ -99,6 +101,9 @@ class GrammarSpec:
             self._grammar(xgr)
         except RuntimeError as e:
             raise GrammarError(_message(e)) from None
+        state = _byte_grammars().state(self)
+        if not state.matcher.is_completed() and not unpack(state.mask()[0], 256).any():
+            raise GrammarError("the grammar matches no output (none of its derivations ends)")
 
     def _grammar(self, xgr) -> xgrammar.Grammar:
         if self.kind == "regex":
@@ -231,6 +236,9 @@ class GrammarState:
             self.active = token == self.constrain_after
             return
         if not self.matcher.accept_token(token):
+            if token in self.grammars.stop_ids and not unpack(self.mask()[0], self.grammars.vocab_size).any():
+                raise GrammarError("the grammar allows no token here and the output is not whole (one of its "
+                                   "rules never ends)")
             raise GrammarError(f"token {token} does not continue the output under its grammar")
         self._row = None
 
@@ -294,6 +302,18 @@ def apply_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState
     index = torch.tensor(rows)
     out[index] = logits[index].masked_fill_(banned, float("-inf"))
     return out
+
+
+def warm() -> None:
+    """Import xgrammar and build ``GrammarSpec.check``'s compiler now (seconds that hold the
+    GIL), not on the first request that checks a grammar beside running streams."""
+    _byte_grammars()
+
+
+@functools.cache
+def _byte_grammars() -> Grammars:
+    """A compiler for a vocabulary of the 256 bytes and a stop token (``GrammarSpec.check``'s)."""
+    return Grammars(GrammarVocab(tuple(bytes([i]) for i in range(256)) + (b"",)), 257, [256], cache_bytes=16 << 20)
 
 
 def _bit(i: int) -> int:

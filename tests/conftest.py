@@ -108,7 +108,8 @@ SHARED_RAY_GROUPS = {
                                     "tests/actors/test_tidal.py", "tests/actors/test_tidal_pd.py",
                                     "tests/deploy/test_sim_cluster.py")),
     "local_ray": ("local_ray", ("tests/actors/test_cache_agent_secure_redis.py", "tests/actors/test_pd_handoff.py",
-                                "tests/deploy/test_clients.py", "tests/deploy/test_connect.py", "tests/deploy/test_current_families_app.py",
+                                "tests/deploy/test_clients.py", "tests/deploy/test_connect.py",
+                                "tests/deploy/test_hostile_neighbour.py", "tests/deploy/test_current_families_app.py",
                                 "tests/deploy/test_api_fuzz.py", "tests/deploy/test_deepseek_api.py",
                                 "tests/deploy/test_openai_app.py", "tests/deploy/test_pd_app.py")),
 }

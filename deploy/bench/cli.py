@@ -180,9 +180,9 @@ def bench_structured(
     vocab: int = typer.Option(129_280, "--vocab", min=256, help="synthetic vocabulary size (without --checkpoint)"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
-    """JSON mode's token masks: the vocabulary table's build time, and per grammar (json_object,
-    a json_schema) the cold walk over the states of a typical object (total and worst ms) and the
-    cached cost per step."""
+    """Structured output's token masks on xgrammar: the vocabulary's tokenizer info, compile times
+    (JSON mode, a typical schema, a 1,000-property schema, a choice of 1,024 texts), the mask per
+    step over a typical object, and applying a batch of 32 masks to the logits."""
     from deploy.bench.structured_bench import run_structured_bench
 
     check_checkpoint(checkpoint)
@@ -386,6 +386,25 @@ def bench_serve(
     check_checkpoint(checkpoint)
     with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
         result = run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens, repeats)
+    _emit(result)
+
+
+@bench_app.command("neighbour")
+def bench_neighbour(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="tokens each neighbour stream generates"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """A tenant's greedy streams alone, then beside another tenant's hostile requests (sampling
+    extremes, oversized numbers, deep nesting, heavy or empty grammars, costly batches) on one
+    local replica: the streams' inter-token latency p50/p99 in each case and their ratio (target:
+    p99 within 3x), whether their tokens stayed the same, and the statuses the hostile requests got."""
+    from deploy.bench.neighbour_bench import run_neighbour_bench
+
+    check_checkpoint(checkpoint)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_neighbour_bench(checkpoint, max_tokens, repeats)
     _emit(result)
 
 

@@ -162,9 +162,9 @@ def local_serve() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def deployed(url: str, app_args: dict[str, Any]) -> Iterator[str]:
+def deployed(url: str, app_args: dict[str, Any], api_key: str | None = None) -> Iterator[str]:
     """The app of ``app_args`` serving at ``url`` (``local_serve``'s) until the block ends:
-    yields the model id it serves."""
+    yields the model id it serves (asked with ``api_key`` where the app has keys)."""
     from ray import serve
 
     from deploy.app import build_app
@@ -174,7 +174,8 @@ def deployed(url: str, app_args: dict[str, Any]) -> Iterator[str]:
               blocking=False)
     try:
         wait_healthy(url)
-        yield httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        yield httpx.get(url + "/v1/models", timeout=30, headers=auth).json()["data"][0]["id"]
     finally:
         serve.delete("bench")
 

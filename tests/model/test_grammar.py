@@ -147,6 +147,19 @@ def test_schemas_are_strict_where_they_list_properties(grammars):
     assert not _accepts(grammars, GrammarSpec("json_schema", '{"prefixItems": [{"type": "integer"}]}'), b"[1, 2]")
 
 
+def test_a_grammar_that_matches_nothing_is_refused_and_a_dead_end_fails_clearly(grammars):
+    with pytest.raises(GrammarError, match="matches no output"):
+        GrammarSpec("grammar", "root ::= root root").check()
+    dead_end = GrammarSpec("grammar", 'root ::= "a" x\nx ::= x')
+    dead_end.check()  # "a" starts an output; only after it does no rule go on
+    state = grammars.state(dead_end)
+    state.feed(ord("a"))
+    logits = apply_masks(torch.zeros(1, V), [0], [state])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]  # only the stop token is left
+    with pytest.raises(GrammarError, match="allows no token here"):
+        state.feed(EOS)
+
+
 def test_choices_regexes_and_ebnf_give_exactly_what_they_match(grammars):
     """A choice is one of the texts; a text that another goes on from ("yes" of "yes!") is
     whole only where the model ends it; a regex or EBNF output matches it whole."""
