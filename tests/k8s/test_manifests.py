@@ -35,7 +35,7 @@ DOCS = documents()
 def test_the_expected_kinds_are_there():
     kinds = sorted(d["kind"] for _, d in DOCS)
     for kind in ("RayService", "RayJob", "StatefulSet", "Service", "CronJob", "ServiceAccount",
-                 "Role", "RoleBinding", "PersistentVolumeClaim"):
+                 "Role", "RoleBinding", "PersistentVolumeClaim", "NetworkPolicy"):
         assert kind in kinds, kind
 
 
@@ -278,3 +278,21 @@ def test_the_dashboard_ships_as_a_configmap_and_queries_only_series_that_exist()
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("tokens", "first token", "inter-token", "cache", "kv", "queue", "nodes serving vs lent", "expert"):
         assert topic in titles, topic
+
+
+def test_network_policies_open_only_the_api_beyond_the_namespace():
+    """Within the namespace everything; from elsewhere the API port to every Ray pod, the head's
+    dashboard and GCS only from the operator's labelled namespace, metrics only from monitoring's."""
+    policies = {d["metadata"]["name"]: d["spec"] for _, d in DOCS if d["kind"] == "NetworkPolicy"}
+    assert policies["tideserve-within-namespace"] == {"podSelector": {}, "policyTypes": ["Ingress"],
+                                                      "ingress": [{"from": [{"podSelector": {}}]}]}
+    open_to_all = [rule for spec in policies.values() for rule in spec["ingress"] if "from" not in rule]
+    assert [p["port"] for rule in open_to_all for p in rule["ports"]] == [8000]  # the API alone
+    operator = policies["tideserve-kuberay-operator"]
+    assert operator["podSelector"]["matchLabels"] == {"ray.io/node-type": "head"}
+    (rule,) = operator["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"tideserve.io/kuberay-operator": "true"}}}]
+    assert sorted(p["port"] for p in rule["ports"]) == [6379, 8265]
+    head = next(d for _, d in DOCS if d["kind"] == "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert ports["dashboard"] == 8265 and ports["gcs"] == 6379 and ports["serve"] == 8000
