@@ -153,7 +153,8 @@ def test_kustomization_renders():
     assert len(rendered) == len(DOCS) + len(generated)  # + the dashboard's ConfigMap
     dashboard = next(d for d in rendered if d["kind"] == "ConfigMap")
     assert json.loads(dashboard["data"]["tideserve.json"])["uid"] == "tideserve"
-    assert all(d["metadata"].get("namespace") == "tideserve" for d in rendered if d["kind"] != "Namespace")
+    cluster_scoped = {"Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    assert all(d["metadata"].get("namespace") == "tideserve" for d in rendered if d["kind"] not in cluster_scoped)
 
 
 @pytest.mark.security
@@ -296,3 +297,65 @@ def test_network_policies_open_only_the_api_beyond_the_namespace():
     head = next(d for _, d in DOCS if d["kind"] == "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert ports["dashboard"] == 8265 and ports["gcs"] == 6379 and ports["serve"] == 8000
+
+
+def _admission():
+    """The scaler's admission rules (k8s/admission.yaml) as a function of (object, oldObject):
+    the messages of the rules it breaks, for a call by tideserve-scaler."""
+    celpy = pytest.importorskip("celpy")
+    (policy,) = [d for _, d in DOCS if d["kind"] == "ValidatingAdmissionPolicy"]
+    spec = policy["spec"]
+    assert spec["matchConditions"] == [{"name": "by-the-scaler", "expression":
+                                        "request.userInfo.username == 'system:serviceaccount:tideserve:tideserve-scaler'"}]
+    env = celpy.Environment()
+    variables = [(v["name"], env.program(env.compile(v["expression"]))) for v in spec["variables"]]
+    rules = [(env.program(env.compile(v["expression"])), v["message"]) for v in spec["validations"]]
+
+    def broken(obj: dict, old: dict | None = None) -> list[str]:
+        act = {"object": celpy.json_to_cel(obj), "oldObject": celpy.json_to_cel(old)}
+        act["variables"] = celpy.json_to_cel({})
+        values = {name: program.evaluate(act) for name, program in variables}
+        act["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in values.items()})
+        return [message for program, message in rules if not program.evaluate(act)]
+
+    return broken
+
+
+@pytest.mark.security
+def test_the_scaler_may_change_worker_counts_and_start_the_shipped_training_job_only():
+    """rbac.yaml cannot name the RayCluster it patches nor the RayJob it creates; admission.yaml
+    holds those rights to what a night and a day do, and refuses what would reach a Secret."""
+    import copy
+
+    broken = _admission()
+    (job,) = [d for _, d in DOCS if d["kind"] == "RayJob"]
+    (service,) = [d for _, d in DOCS if d["kind"] == "RayService"]
+    cluster = {"kind": "RayCluster", "metadata": {"name": "tideserve-x7k2p"}, "spec": service["spec"]["rayClusterConfig"]}
+    assert broken(job) == [] and broken(job, job) == []  # created as shipped, and patched (suspend)
+    night = copy.deepcopy(cluster)
+    night["spec"]["workerGroupSpecs"][1].update(replicas=0, scaleStrategy={"workersToDelete": ["pod-1"]})
+    assert broken(night, cluster) == []
+    forged_pod = copy.deepcopy(cluster)
+    forged_pod["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"] = "evil:1"
+    assert broken(forged_pod, cluster) == ["tideserve-scaler may change a RayCluster's worker counts, not its pods"]
+    secret_volume = {"name": "loot", "secret": {"secretName": "tideserve-redis"}}
+    forgeries = [
+        ({"metadata": {"name": "other"}}, "only the training RayJob"),
+        ({"spec": {**job["spec"], "entrypoint": "python -c 'steal()'"}}, "only the training RayJob"),
+        ({"spec": {**job["spec"], "rayClusterSpec": {**job["spec"]["rayClusterSpec"], "headGroupSpec": {
+            **job["spec"]["rayClusterSpec"]["headGroupSpec"], "template": {"spec": {
+                **job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"],
+                "volumes": [secret_volume]}}}}}}, "no Secret"),
+    ]
+    for change, needle in forgeries:
+        forged = {**job, **change}
+        assert any(needle in m for m in broken(forged)), change
+    env_secret = copy.deepcopy(job)
+    worker = env_secret["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker["env"] = [{"name": "P", "valueFrom": {"secretKeyRef": {"name": "tideserve-redis", "key": "password"}}}]
+    assert any("no Secret" in m for m in broken(env_secret))
+    # the policy's literals are the shipped job's
+    text = (K8S / "admission.yaml").read_text()
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert f"'{job['spec']['entrypoint']}'" in text and f"'{head['containers'][0]['image']}'" in text
+    assert f"'{head['volumes'][0]['persistentVolumeClaim']['claimName']}'" in text
