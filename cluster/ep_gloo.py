@@ -16,8 +16,10 @@ Every rank of a group uses the same ``Wire`` (given when it joins).
 
 A ``STOP`` header ends the shards' serve loops. Membership is checked when a group forms: each
 rank proves it holds the group's key (made by the replica, handed to its shards through Ray),
-so a process that reached the TCP store first cannot stand in for a shard. The rows themselves
-cross gloo in the clear: keep the group on a private network (loopback under ``tide up``).
+so a process that reached the TCP store first cannot stand in for a shard, and the group's
+entries in the store are named under a prefix only key holders know (``store_prefix``), so one
+that reaches the store cannot rewrite where gloo connects. The rows themselves cross gloo in the
+clear: keep the group on a private network (loopback under ``tide up``).
 The group is a standalone ``ProcessGroupGloo``
 over its own TCP store (no global ``init_process_group``), so a shard can serve several replicas'
 groups at once, one thread each, and a group is re-formed by building a new one on a new port.
@@ -39,7 +41,7 @@ import torch.distributed as dist
 
 from cluster.ep import EPTransportError, Round, Wire, shard_round
 
-__all__ = ["GlooTransport", "check_members", "form_group", "listen_socket", "serve_shard"]
+__all__ = ["GlooTransport", "check_members", "form_group", "listen_socket", "serve_shard", "store_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +62,27 @@ def form_group(
     ``key``: the group's key (``check_members``), ``group_id`` its id."""
     store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False, **({"master_listen_fd": listen_fd} if listen_fd is not None else {}))
+    if key is not None:  # rendezvous entries under names only the group's members can make
+        store = dist.PrefixStore(store_prefix(key, group_id), store)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind else
                      dist.ProcessGroupGloo.create_default_device()]
-    pg = dist.ProcessGroupGloo(store, rank, world, opts)
+    try:
+        pg = dist.ProcessGroupGloo(store, rank, world, opts)
+    except RuntimeError as e:  # a rank did not join in time (or, holding another key, joined elsewhere)
+        raise EPTransportError(f"expert-parallel group {group_id}: not every rank joined within {timeout_s:.0f}s "
+                               f"(a rank that lacks the group's key cannot): {str(e).splitlines()[0]}") from e
     if key is not None:
         check_members(pg, rank, world, key, group_id)
     return pg
+
+
+def store_prefix(key: bytes, group_id: str) -> str:
+    """The group's names in its TCP store: a process that reaches the store without the group's
+    key cannot guess them, so it cannot overwrite the ranks' rendezvous entries (the addresses
+    gloo connects to) or read them."""
+    return hmac.new(key, f"tide-ep-store:{group_id}".encode(), hashlib.sha256).hexdigest()
 
 
 def _member_tag(key: bytes, group_id: str, rank: int, world: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from cluster.ep import EPTransportError
 from cluster.ep_gloo import form_group, listen_socket
 
 
-def _form(keys: list[bytes | None]) -> list:
+def _form(keys: list[bytes | None], timeout_s: float = 20.0) -> list:
     """Form a group of ``len(keys)`` ranks on loopback, rank r holding ``keys[r]``; each rank's
     group or the exception it raised."""
     sock = listen_socket("127.0.0.1")
@@ -19,7 +19,7 @@ def _form(keys: list[bytes | None]) -> list:
 
     def rank(r: int) -> None:
         try:
-            out[r] = form_group("127.0.0.1", port, r, len(keys), 20.0, bind="127.0.0.1",
+            out[r] = form_group("127.0.0.1", port, r, len(keys), timeout_s, bind="127.0.0.1",
                                 listen_fd=fd if r == 0 else None, key=keys[r], group_id="g1")
         except Exception as e:  # noqa: BLE001 - the test looks at it
             out[r] = e
@@ -33,9 +33,23 @@ def _form(keys: list[bytes | None]) -> list:
 
 
 @pytest.mark.security
-def test_a_rank_without_the_groups_key_fails_the_membership_check_on_every_rank():
+def test_a_rank_without_the_groups_key_cannot_join_and_no_rank_uses_the_group():
     ok = _form([b"k" * 32, b"k" * 32])
     assert not any(isinstance(g, Exception) for g in ok), ok
-    bad = _form([b"k" * 32, b"x" * 32])  # rank 1 reached the store but holds another key
-    assert all(isinstance(g, EPTransportError) for g in bad), bad  # neither uses the group
-    assert "rank 1 failed the membership check" in str(bad[0])  # the replica names the impostor
+    # rank 1 reached the store but holds another key: the group's entries are named under the
+    # key (it cannot find or rewrite them), so neither side ever forms a group with it
+    bad = _form([b"k" * 32, b"x" * 32], timeout_s=3.0)
+    assert all(isinstance(g, EPTransportError) for g in bad), bad
+    assert "not every rank joined" in str(bad[0])
+
+
+@pytest.mark.security
+def test_a_member_whose_tag_is_wrong_is_named_by_every_rank(monkeypatch):
+    """Past the store, each rank still proves the key: one that found the store's names without
+    the key fails the membership check on every rank, and the replica names it."""
+    import cluster.ep_gloo
+
+    monkeypatch.setattr(cluster.ep_gloo, "store_prefix", lambda key, gid: "shared")  # it found the store's names
+    bad = _form([b"k" * 32, b"x" * 32])
+    assert all(isinstance(g, EPTransportError) for g in bad), bad
+    assert "rank 1 failed the membership check" in str(bad[0])
