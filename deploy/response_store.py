@@ -125,13 +125,11 @@ class RedisResponseStore(ResponseStore):
         return f"{self._ns}:responses:{{{tenant or '_'}}}"
 
     def _send(self, commands: list[tuple]) -> list:
-        import redis
-
-        from cachedir.directory.redis_links import LinkDown
+        from cachedir.directory.redis_links import SEND_ERRORS
 
         try:
             replies = self._links.send(commands)
-        except (redis.RedisError, LinkDown, OSError) as e:
+        except SEND_ERRORS as e:
             raise StoreUnavailable(f"the response store is unavailable: {e}") from None
         for r in replies:
             if isinstance(r, Exception):

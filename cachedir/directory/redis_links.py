@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-__all__ = ["CLUSTER_SCHEMES", "Links", "LinkDown", "open_links"]
+__all__ = ["CLUSTER_SCHEMES", "SEND_ERRORS", "Links", "LinkDown", "open_links"]
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
@@ -34,6 +34,9 @@ Command = tuple  # (routing key, command name, *args): the key picks the server
 
 class LinkDown(RuntimeError):
     """A server did not answer in time, or the cluster cannot serve a key's slot right now."""
+
+
+SEND_ERRORS = (redis.RedisError, LinkDown, OSError)  # what ``Links.send`` raises when Redis fails
 
 
 def _read(conn: redis.Connection):

@@ -345,11 +345,12 @@ def test_bench_structured_json():
     r = tide_here("bench", "structured", "--vocab", "3000", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["vocab"] == "synthetic" and out["vocab_size"] == 3000
+    assert out["vocab"] == "synthetic" and out["vocab_size"] == 3000 and out["engine"] == "xgrammar"
     for grammar in ("json_object", "json_schema"):
         row = out[grammar]
-        assert row["steps"] > 50 and 0 < row["states_masked"] <= row["steps"]
-        assert row["cold_total_ms"] > 0 and row["cached_us_per_step"] > 0
+        assert row["steps"] > 50 and row["compile_ms"] > 0 and 0 < row["fill_us_per_step"] <= 1e3 * row["fill_max_ms"]
+    assert set(out["compile_ms"]) == {"schema_1000_enum_properties", "choice_of_1024"}
+    assert out["tokenizer_info_s"] > 0 and out["apply_batch_32_ms"] > 0
 
 
 def test_bench_engine_json(tmp_path):
