@@ -183,6 +183,7 @@ class UnitStore:
         self._pending_writes: set[Future] = set()
         self._closing = False
         self._compacting: set[Path] = set()  # segments a compaction or merge is rewriting
+        self._rebuilding = False  # the index is being rebuilt from disk (no compaction starts)
         self._rebuild()
 
     def _make_layout(self, name: str):
@@ -192,9 +193,25 @@ class UnitStore:
 
     # -- index ---------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Index every valid unit on disk (the layout deletes temporaries and unreadable files)."""
+        """Index every valid unit on disk (the layout deletes temporaries and unreadable files).
+        Segments that evictions made sparse are compacted once the scan is done: a compaction
+        running beside it would race its bookkeeping."""
         now = self._now()
         pins = self._read_pins()  # before the scan: a pinned unit found late is not evicted for those before it
+        self._rebuilding = True
+        try:
+            self._index_disk(now, pins)
+        finally:
+            self._rebuilding = False
+        self.stats.corrupt += self.layout.corrupt_found
+        self.layout.sync_deleted()
+        for path in self.layout.sparse():
+            self._compact_async([path])
+        self._merge_small()
+        self._sync_stats()
+        self._takeover = self._pool.submit(self._migrate, pins)
+
+    def _index_disk(self, now: float, pins: set[bytes]) -> None:
         for h, loc in self.layout.scan():
             if h.key in self._index:  # a second copy (a compaction cut short): keep one
                 self.layout.delete(loc)
@@ -208,13 +225,6 @@ class UnitStore:
                     self._index.pin(h.key)
             else:
                 self.layout.delete(loc)
-        self.stats.corrupt += self.layout.corrupt_found
-        self.layout.sync_deleted()
-        for path in self.layout.sparse():
-            self._compact_async([path])
-        self._merge_small()
-        self._sync_stats()
-        self._takeover = self._pool.submit(self._migrate, pins)
 
     def _migrate(self, pins: set[bytes]) -> None:
         """Rewrite units the other layout left under ``root`` into this one, then delete them.
@@ -369,7 +379,7 @@ class UnitStore:
         loc = self._locs.pop(key, None)
         if loc is not None:
             sparse = self.layout.delete(loc)
-            if sparse is not None:
+            if sparse is not None and not self._rebuilding:  # a rebuild compacts when its scan is done
                 self._compact_async([sparse])
         self._events.append(UnitRemoved(key, "ssd"))
 

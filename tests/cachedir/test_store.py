@@ -571,9 +571,10 @@ def test_an_empty_segment_is_deleted_with_its_last_unit(tmp_path):
     store.check_integrity()
 
 
-def test_a_restart_that_evicts_compacts_while_the_scan_goes_on(tmp_path, monkeypatch):
-    """Evictions while the index is rebuilt (a smaller capacity) make a segment sparse and start a
-    compaction before the scan has finished; the store stays consistent."""
+def test_a_restart_that_evicts_compacts_once_the_scan_is_done(tmp_path, monkeypatch):
+    """Evictions while the index is rebuilt (a smaller capacity) make a segment sparse before the
+    scan has finished; its compaction starts once the scan is done (beside it, it raced the
+    rebuild's bookkeeping), and the store stays consistent."""
     from cachedir.layout import SegmentFiles
 
     store = _segment_store(tmp_path)
@@ -589,8 +590,13 @@ def test_a_restart_that_evicts_compacts_while_the_scan_goes_on(tmp_path, monkeyp
         return real_records(self, path, size, repair)
 
     monkeypatch.setattr(SegmentFiles, "_records", slow_third)
+    started_during_scan = []
+    real_compact = UnitStore._compact_async
+    monkeypatch.setattr(UnitStore, "_compact_async",
+                        lambda self, paths: started_during_scan.append(self._rebuilding) or real_compact(self, paths))
     again = _segment_store(tmp_path, units=11)  # the second run evicts five of the first: sparse
     again.flush()  # the compaction
+    assert started_during_scan and not any(started_during_scan)
     left = [u for u in first + second + third if u.key in again]
     assert len(left) == 11
     assert _read(again, left) == left
