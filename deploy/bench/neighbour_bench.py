@@ -4,13 +4,15 @@ One local app (the default model unless ``--checkpoint``) with two API keys. The
 greedy streams alone, then again while the hostile tenant sends ``HOSTILE_REQUESTS`` over and
 over; the runs alternate over repeats. Reported: the neighbour's inter-token latency (p50, p99:
 the gaps between a stream's token events) in each case and their ratio (the target: p99 within
-3x of alone), whether its text was the same both times, and the statuses the hostile requests
-got (each must be a 4xx or a bounded 200).
+3x of alone), whether its text was the same both times, the statuses the hostile requests got
+(each must be a 4xx or a bounded 200), and the app's replicas' peak resident memory in each case
+(sampled every 100 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -81,7 +83,43 @@ async def hostile(client: httpx.AsyncClient, route: str, body: dict) -> httpx.Re
                              headers={"Authorization": f"Bearer {HOSTILE_KEY}"})
 
 
+def _replicas_rss_mb(pids: list[int]) -> float:
+    """Resident memory of the bench app's Serve replicas (its ingress and model replica), in MB."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+def _replica_pids() -> list[int]:
+    """The processes whose title is one of the bench app's replicas (Ray's ``ray::ServeReplica:bench:...``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::ServeReplica:bench:"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+async def _peak_rss(stop: asyncio.Event, peak: list[float]) -> None:
+    """The bench app's replicas' resident memory, sampled every 100 ms until ``stop``: its peak."""
+    pids = await asyncio.to_thread(_replica_pids)
+    while not stop.is_set():
+        peak[0] = max(peak[0], await asyncio.to_thread(_replicas_rss_mb, pids))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.1)
+
+
 async def _run(url: str, max_tokens: int, beside: bool) -> dict[str, Any]:
+    stop, peak = asyncio.Event(), [0.0]
+    sampler = asyncio.create_task(_peak_rss(stop, peak))
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         streams = [asyncio.create_task(neighbour_stream(client, p, max_tokens)) for p in PROMPTS]
         statuses: dict[int, int] = {}
@@ -89,9 +127,12 @@ async def _run(url: str, max_tokens: int, beside: bool) -> dict[str, Any]:
             for r in await asyncio.gather(*(hostile(client, route, body) for route, body, _ in HOSTILE_REQUESTS)):
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         done = await asyncio.gather(*streams)
+    stop.set()
+    await sampler
     gaps = sorted(b - a for _, times in done for a, b in zip(times, times[1:], strict=False))
     return {"texts": [t for t, _ in done], "itl_p50_ms": round(1e3 * statistics.median(gaps), 2),
-            "itl_p99_ms": round(1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2), "hostile_statuses": statuses}
+            "itl_p99_ms": round(1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2), "hostile_statuses": statuses,
+            "replicas_rss_peak_mb": round(peak[0], 1)}
 
 
 def run_neighbour_bench(checkpoint: Path | None = None, max_tokens: int = 128, repeats: int = 2) -> dict[str, Any]:
@@ -108,7 +149,8 @@ def run_neighbour_bench(checkpoint: Path | None = None, max_tokens: int = 128, r
     out: dict[str, Any] = {**machine(), "streams": len(PROMPTS), "max_tokens": max_tokens, "repeats": repeats,
                            "hostile_kinds": len(HOSTILE_REQUESTS), "statistic": "median over repeats"}
     for case in cases:
-        out[case] = {k: round(statistics.median(r[k] for r in runs[case]), 2) for k in ("itl_p50_ms", "itl_p99_ms")}
+        out[case] = {k: round(statistics.median(r[k] for r in runs[case]), 2)
+                     for k in ("itl_p50_ms", "itl_p99_ms", "replicas_rss_peak_mb")}
     statuses: dict[str, int] = {}
     for r in runs["beside_hostile"]:
         for code, n in r["hostile_statuses"].items():
