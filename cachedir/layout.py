@@ -258,6 +258,8 @@ class _DeletedSyncs:
 
     def sync(self) -> None:
         """fsync what the deletions so far changed (a file since gone needs none)."""
+        if not self._files and not self._dirs:  # the common release: nothing was deleted under it
+            return
         with self._lock:
             files, dirs, self._files, self._dirs = self._files, self._dirs, set(), set()
         for path in files:

@@ -787,14 +787,19 @@ class OpenAIIngress:
     async def _stored(self, tenant: str, rid: str, param: str | None = None) -> StoredResponse:
         """``tenant``'s stored response ``rid``: a 404 when there is none (or it expired), a
         503 when the store does not answer."""
-        try:
-            record = await asyncio.to_thread(self.response_store.get, tenant, rid)
-        except StoreUnavailable as e:
-            raise APIError(503, str(e), "server_error", code="store_unavailable", retry_after_s=1) from None
+        record = await self._store_call(self.response_store.get, tenant, rid)
         if record is None:
             raise APIError(404, f"no stored response {rid!r} (it was not stored, was deleted or expired)",
                            param=param, code="not_found")
         return record
+
+    async def _store_call(self, fn, *args):
+        """``fn(*args)``, a response store call, off the event loop; a 503 when the store does
+        not answer."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except StoreUnavailable as e:
+            raise APIError(503, str(e), "server_error", code="store_unavailable", retry_after_s=1) from None
 
     async def _keep(self, tenant: str, body: ResponsesRequest, earlier: list[dict], response: dict) -> None:
         """Store ``response`` with its conversation (unless ``store`` is false); a store that
@@ -817,11 +822,7 @@ class OpenAIIngress:
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request):
-        tenant = self._grant(request).tenant
-        try:
-            deleted = await asyncio.to_thread(self.response_store.delete, tenant, response_id)
-        except StoreUnavailable as e:
-            raise APIError(503, str(e), "server_error", code="store_unavailable", retry_after_s=1) from None
+        deleted = await self._store_call(self.response_store.delete, self._grant(request).tenant, response_id)
         if not deleted:
             raise APIError(404, f"no stored response {response_id!r}", code="not_found")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -139,10 +139,9 @@ class RedisResponseStore(ResponseStore):
     def _put(self, tenant: str, rid: str, raw: bytes) -> None:
         key, index = self._key(tenant, rid), self._index(tenant)
         now = time.time()
-        self._send([(key, "SET", key, raw, "EX", self.ttl_s), (index, "ZADD", index, now, rid),
-                    (index, "ZREMRANGEBYSCORE", index, "-inf", now - self.ttl_s),  # expired ones
-                    (index, "EXPIRE", index, self.ttl_s)])
-        (count,) = self._send([(index, "ZCARD", index)])
+        *_, count = self._send([(key, "SET", key, raw, "EX", self.ttl_s), (index, "ZADD", index, now, rid),
+                                (index, "ZREMRANGEBYSCORE", index, "-inf", now - self.ttl_s),  # expired ones
+                                (index, "EXPIRE", index, self.ttl_s), (index, "ZCARD", index)])
         if int(count) > self.max_per_tenant:
             (oldest,) = self._send([(index, "ZPOPMIN", index, int(count) - self.max_per_tenant)])
             pairs = oldest if oldest and isinstance(oldest[0], list) else zip(oldest[::2], oldest[1::2], strict=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from deploy.bench.machine import machine
+from deploy.bench.machine import machine, rss_mb
 from deploy.bench.serve_bench import case_orders, deployed, local_serve
 
 __all__ = ["HOSTILE_REQUESTS", "run_neighbour_bench"]
@@ -83,18 +83,6 @@ async def hostile(client: httpx.AsyncClient, route: str, body: dict) -> httpx.Re
                              headers={"Authorization": f"Bearer {HOSTILE_KEY}"})
 
 
-def _replicas_rss_mb(pids: list[int]) -> float:
-    """Resident memory of the bench app's Serve replicas (its ingress and model replica), in MB."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue
-    return total / 1024
-
-
 def _replica_pids() -> list[int]:
     """The processes whose title is one of the bench app's replicas (Ray's ``ray::ServeReplica:bench:...``)."""
     pids = []
@@ -112,7 +100,7 @@ async def _peak_rss(stop: asyncio.Event, peak: list[float]) -> None:
     """The bench app's replicas' resident memory, sampled every 100 ms until ``stop``: its peak."""
     pids = await asyncio.to_thread(_replica_pids)
     while not stop.is_set():
-        peak[0] = max(peak[0], await asyncio.to_thread(_replicas_rss_mb, pids))
+        peak[0] = max(peak[0], await asyncio.to_thread(rss_mb, pids))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.1)
 

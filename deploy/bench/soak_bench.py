@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from deploy.bench.machine import rss_mb
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.connect import alive_actors
 from deploy.redis_proc import RedisServer, wait_healthy
@@ -79,15 +80,8 @@ class _Workload:
 
 def _rss_mb() -> float:
     """Resident memory of the serving processes (replicas, ingress, HTTP proxy), in MB."""
-    total = 0
-    for a in alive_actors(detail=True):
-        if any(c in (a.class_name or "") for c in SERVING_CLASSES) and a.pid:
-            try:
-                with open(f"/proc/{a.pid}/status") as f:
-                    total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-            except (OSError, StopIteration):
-                continue
-    return total / 1024
+    return rss_mb([a.pid for a in alive_actors(detail=True)
+                   if any(c in (a.class_name or "") for c in SERVING_CLASSES) and a.pid])
 
 
 def _agent_pids() -> dict[str, int]:
