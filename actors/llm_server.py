@@ -33,35 +33,27 @@ from actors.serve_bind import bind_replica_grpc_to_node
 from actors.startup import StartupReporter
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.cluster_cache import ClusterCache
-from cachedir.directory.base import DirectoryUnavailable
-from cachedir.hashing import chain_keys, read_secret, resume_key
+from cachedir.hashing import read_secret
 from cachedir.node_cache import CacheConfig, NodeCache
-from cachedir.publisher import DirectoryPublisher
 from cachedir.store import StoreConfig, StoreLocked
-from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine
-from cluster.engine_loop import EngineLoop, PromptKV
+from cluster.engine_loop import PromptKV
 from cluster.ep import Wire
-from cluster.prefill_lb import Bandwidth, CostModel, fit_compute
+from cluster.replica import Replica
 from cluster.request import (
-    UNIT_TOKENS,
-    FinishReason,
     GenerationRequest,
     RequestMigrated,
     RequestOutput,
-    cache_namespace,
 )
 from kernels.cpu_gemv import cpu_kernels, kernel_state
 from model.checkpoint import LoadProgress, load_model
 from model.kv_sizes import kv_sizes
 from model.tokenizer import load_tokenizer
-from model.weights_id import weights_digest, weights_form
 
 __all__ = ["LLMServer"]
 
 log = logging.getLogger(__name__)
 UNIT_HEADER_SLACK = 64 << 10  # an encoded unit beyond its KV: header, token ids, MAC
-
 
 
 def secret_warning(enable_cache: bool, secret: bytes) -> str | None:
@@ -130,60 +122,57 @@ class LLMServer:
         if not isinstance(cfg, ReplicaConfig):
             raise TypeError(f"LLMServer takes an actors.replica_config.ReplicaConfig, got {type(cfg).__name__}")
         self._stop = False
-        ckpt = Path(cfg.checkpoint)
         self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
         startup = StartupReporter(self.replica_id)
-        self.model = load_model(
-            ckpt, cfg.dtype, progress=_load_progress(ckpt, startup), routed_experts=cfg.ep is None, device=cfg.device,
-            cpu_weights=cfg.cpu_weights, fp8_weights=cfg.fp8_weights,
-        )
-        if self.model.device.type == "cpu":  # build the decode kernels now, not on the first request
-            startup.update("building CPU kernels", force=True)
-            cpu_kernels()
-        self.ep = self._start_ep(cfg.ep) if cfg.ep is not None else None
-        # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
-        # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
-        warmup = self.model.device.type == "cuda" if cfg.warmup is None else cfg.warmup
-        if warmup:
-            startup.update("warming up", force=True)
-            self.model.warmup(cfg.engine.max_prefill_tokens)
-        self.tokenizer = load_tokenizer(ckpt)
-        mcfg = self.model.cfg
+        self.model = self._load(cfg, startup)
+        self.tokenizer = load_tokenizer(Path(cfg.checkpoint))
         self._secret = read_secret(cfg.cache_secret_file)
         if (warning := secret_warning(cfg.enable_cache, self._secret)) is not None:
             log.warning(warning)
-        namespace = cache_namespace(mcfg, weights_digest(ckpt), self.model.dtype, self._secret,
-                                    weights_form(ckpt, cfg.device, cfg.cpu_weights, cfg.fp8_weights))
+        namespace = cfg.identity.namespace(self.model.cfg)  # the ingress plans prompts in this namespace too
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
-        self.cache = None
         self._agents = cfg.agents if cfg.enable_cache else None
-        self._directory_cfg, self._explain_directory = cfg.directory, None
-        if self._agents is not None:
-            self.cache = self._cluster_cache(self._agents)
-        elif cfg.enable_cache:
-            self.cache = _own_store(cfg.store, Path(cfg.store.cache_dir) / namespace.id)
         engine_cfg = cfg.engine if cfg.enable_cache else dataclasses.replace(cfg.engine, prefix_sharing=False)
-        self.engine = Engine(self.model, engine_cfg, namespace, self.tokenizer.decode, mcfg.eos_token_id, self.cache,
-                             grammar_vocab=self.tokenizer.grammar_vocab)
-        # One usage log per replica process (``tide stats`` reads them all).
-        self.usage = JsonlLog(Path(cfg.usage_dir) / f"{self.node_id}.jsonl") if cfg.usage_dir else None
-        self.publisher = None
-        if cfg.directory.url and isinstance(self.cache, NodeCache):
-            self.publisher = DirectoryPublisher(cfg.directory.open(), self.node_id, "", self.cache.holdings)
-        self._cost = CostModel(unit_bytes=self.engine.kv.unit_bytes())
-        self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}
-        self._transfer_seen = {"local": (0, 0.0), "remote": (0, 0.0)}
-        self.role = "serving"  # day/night: "draining" / "migrate" when its node is being lent
-        if cfg.tidal and ray.is_initialized():
-            threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
-        self._last_sync = self._last_agents = time.monotonic()
+        self.engine = Engine(self.model, engine_cfg, namespace, self.tokenizer.decode, self.model.cfg.eos_token_id,
+                             self._prompt_cache(cfg, namespace.id), grammar_vocab=self.tokenizer.grammar_vocab)
         # the grammar compiler (xgrammar's import, the vocabulary's tokenizer info: seconds that
         # hold the GIL) is built now, not by the first constrained request beside running streams
         self.engine.constraints.grammars()
-        self.loop = EngineLoop(self.engine, on_output=self._record_usage, tick=self._upkeep,
+        self._last_agents = time.monotonic()
+        self.replica = Replica(self.engine, self.node_id, self.tokenizer, usage_dir=cfg.usage_dir,
+                               open_directory=cfg.directory.open, upkeep=self._upkeep,
                                threads=cfg.cpu_threads if cfg.device == "cpu" else None,
-                               stream_batching_interval_s=cfg.stream_batching_interval_ms / 1e3).start()
+                               stream_batching_interval_s=cfg.stream_batching_interval_ms / 1e3)
+        self.loop = self.replica.loop
+        if cfg.tidal and ray.is_initialized():
+            threading.Thread(target=self._tidal_loop, name="tidal", daemon=True).start()
         startup.update("ready", force=True)
+
+    def _load(self, cfg: ReplicaConfig, startup: StartupReporter):
+        """The model, its CPU kernels built, its expert-parallel group formed, its kernels warm."""
+        ckpt = Path(cfg.checkpoint)
+        model = load_model(ckpt, cfg.dtype, progress=_load_progress(ckpt, startup), routed_experts=cfg.ep is None,
+                           device=cfg.device, cpu_weights=cfg.cpu_weights, fp8_weights=cfg.fp8_weights)
+        if model.device.type == "cpu":  # build the decode kernels now, not on the first request
+            startup.update("building CPU kernels", force=True)
+            cpu_kernels()
+        self.model = model
+        self.ep = self._start_ep(cfg.ep) if cfg.ep is not None else None
+        # Compile and tune the Triton kernels before serving (on a GPU; ``warmup`` says otherwise);
+        # after the expert-parallel group forms, so the rounds warm the shards' kernels too.
+        warmup = model.device.type == "cuda" if cfg.warmup is None else cfg.warmup
+        if warmup:
+            startup.update("warming up", force=True)
+            model.warmup(cfg.engine.max_prefill_tokens)
+        return model
+
+    def _prompt_cache(self, cfg: ReplicaConfig, namespace_id: str):
+        """Every node's units through this node's agent, this replica's own store, or none."""
+        if self._agents is not None:
+            return self._cluster_cache(self._agents)
+        if cfg.enable_cache:
+            return _own_store(cfg.store, Path(cfg.store.cache_dir) / namespace_id)
+        return None
 
     def _cluster_cache(self, agents: AgentSection) -> ClusterCache:
         """The engine's view of every node's units, through this node's agent (started on every
@@ -231,16 +220,16 @@ class LLMServer:
         while not self._stop:
             try:
                 role = ray.get(state.report.remote(node, {
-                    "actor_name": actor_name, "draining": self.role != "serving",
+                    "actor_name": actor_name, "draining": self.replica.role != "serving",
                     "running": len(self.engine.running) + len(self.engine.waiting),
                     "stats": self.stats(gpus=False)}), timeout=10)
             except Exception as e:  # noqa: BLE001 - the state actor restarts; keep serving
-                log.warning("day/night state unreachable (%s); serving on as %s", e, self.role)
+                log.warning("day/night state unreachable (%s); serving on as %s", e, self.replica.role)
                 time.sleep(1.0)
                 continue
-            if role == "migrate" and self.role != "migrate":
+            if role == "migrate" and self.replica.role != "migrate":
                 self.loop.fail_all(RequestMigrated("this replica's node is being lent to training; continue elsewhere"))
-            self.role = role
+            self.replica.role = role
             time.sleep(0.5)
 
     def _ensure_agents(self) -> None:
@@ -249,21 +238,12 @@ class LLMServer:
         except Exception:  # noqa: BLE001 - retried at the next check
             log.exception("could not ensure a cache agent on every node")
 
-    def _record_usage(self, o: RequestOutput) -> None:
-        if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:
-            self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens, o.completion_tokens, o.decode_s))
-
     def _upkeep(self) -> None:
-        """On the engine loop's thread, between steps: now and then a cache agent on every node,
-        and the node's new units to the directory."""
+        """On the engine loop's thread, between steps: now and then a cache agent on every node."""
         now = time.monotonic()
         if self._agents is not None and now - self._last_agents > self._agents.check_s:
             self._last_agents = now
             threading.Thread(target=self._ensure_agents, daemon=True).start()
-        if self.publisher is not None and now - self._last_sync > 1.0:
-            self._last_sync = now
-            self.publisher.record(self.cache.drain_events())
-            self.publisher.sync()  # failures are counted and retried; never raises
 
     # -- the deployment's methods --------------------------------------------------------
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput | object]:
@@ -275,77 +255,32 @@ class LLMServer:
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
         req = await pd_handoff.resolve(req)
-        async with contextlib.aclosing(self.loop.stream(req)) as stream:  # a client gone aborts now
+        async with contextlib.aclosing(self.replica.generate(req)) as stream:  # a client gone aborts now
             async for item in stream:
                 yield item.kv if isinstance(item, PromptKV) else _for_caller(item)
 
-    def _prompt_ids(self, prompt_ids: list[int] | None, text: str | None) -> list[int]:
-        """``prompt_ids``, or ``text`` tokenized as the completions API does (BOS + text)."""
-        if text is None:
-            return prompt_ids
-        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-        return bos + self.tokenizer.encode(text)
-
     def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
         """The prompt's cache unit keys (hex), as the directory knows them."""
-        ns = self.engine.namespace_for(tenant)
-        return [k.hex() for k in chain_keys(ns.seed, self._prompt_ids(prompt_ids, text), ns.unit_size)]
+        return self.replica.unit_keys(self.replica.prompt_ids(prompt_ids, text), tenant)
 
     def explain(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> dict:
-        """What the directory answers for a prompt now (``tide cache explain``): its unit keys
-        (hex), how many whole units precede its last token (``cacheable``), the live holders
-        (node, tier) of each leading unit the directory finds, and where the model needs a resume
-        record after the units it loads (V4), the key of the one after each cacheable unit."""
-        prompt_ids = self._prompt_ids(prompt_ids, text)
-        keys = self.unit_keys(prompt_ids, tenant)
-        cacheable = min(len(keys), (len(prompt_ids) - 1) // UNIT_TOKENS)
-        listed: list[list[tuple[str, str]]] = []
-        if self._explain_directory is None and self._directory_cfg.url:
-            self._explain_directory = self._directory_cfg.open()  # a maintenance path: opened on first use
-        if self._explain_directory is not None and cacheable:
-            try:
-                match = self._explain_directory.longest_prefix([bytes.fromhex(k) for k in keys[:cacheable]])
-                listed = [[(h.node_id, h.tier) for h in hs] for hs in match.holders]
-            except DirectoryUnavailable as e:
-                return {"keys": keys, "cacheable": cacheable, "listed": [], "directory_error": str(e)}
-        resume = [resume_key(self.engine.namespace_for(tenant).seed, bytes.fromhex(k)).hex() for k in keys[:cacheable]] \
-            if self.engine.kv.resumable else []
-        return {"keys": keys, "cacheable": cacheable, "listed": listed, "resume_keys": resume,
-                "directory": bool(self._directory_cfg.url)}
+        """What the directory answers for a prompt now (``tide cache explain``: ``Replica.explain``)."""
+        return self.replica.explain(self.replica.prompt_ids(prompt_ids, text), tenant)
 
     def record_routing_stats(self) -> dict:
-        """What the request routers score this replica by (Ray Serve polls it): its node, queue,
-        running requests and measured cost model (compute fit, load bandwidths) for the prefill
-        router; its KV capacity for the decode router."""
-        token_s, attn_s = fit_compute(list(self.engine.prefill_samples), self._cost)
-        if isinstance(self.cache, ClusterCache):
-            for source, bw in self._bandwidth.items():
-                nbytes, secs = self.cache.transfer[source]
-                seen_b, seen_s = self._transfer_seen[source]
-                bw.observe(nbytes - seen_b, secs - seen_s)
-                self._transfer_seen[source] = (nbytes, secs)
-        cost = dataclasses.replace(self._cost, token_s=token_s, attn_s=attn_s,
-                                   local_bps=self._bandwidth["local"].bps, remote_bps=self._bandwidth["remote"].bps)
+        """What the request routers score this replica by (Ray Serve polls it:
+        ``cluster.routing_stats.RoutingStats`` as a dict)."""
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else self.node_id
-        return {"node": node, "time": time.time(), "draining": self.role != "serving",
-                "queued": self.engine.queue_state(), "samples": len(self.engine.prefill_samples),
-                "running": len(self.engine.running), "kv": self.kv_capacity(),
-                "cost": dataclasses.asdict(cost)}
+        return self.replica.routing_stats(node).to_dict()
 
     def kv_capacity(self) -> dict:
-        return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}
+        return self.replica.kv_capacity()
 
     def stats(self, gpus: bool = True) -> dict:
         """Engine counters, queue, cache per tier; the node's GPUs (``gpus``, an NVML read)."""
-        out = {"node_id": self.node_id, "replica_id": self.replica_id, "engine": dict(self.engine.stats),
-               "running": len(self.engine.running), "waiting": len(self.engine.waiting), "cpu_kernels": kernel_state(),
-               "threads": self.loop.threads_used,
-               "kv_usage": 1.0 - self.engine.kv.pages.num_free / self.engine.kv.num_pages,
-               "cache": self.cache.stats() if self.cache is not None else {}}
+        out = {**self.replica.stats(), "replica_id": self.replica_id, "cpu_kernels": kernel_state()}
         if gpus:
             out["gpus"] = gpu_telemetry()
-        if self.publisher is not None:
-            out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
         return out
 
     async def ready(self) -> bool:

@@ -3,7 +3,7 @@
 A prefill replica's stream (``LLMServer.generate`` with ``handoff``) ends with two items: the
 output that finishes the prefill, carrying ``handoff`` (the first token, where the prompt's KV
 came from, the sampler's state), then the prompt's KV tensor itself as its own stream item. The
-caller (the ingress, or ``PDRouter``) fetches the first and only takes the *reference* of the
+caller (the ingress's pool: ``deploy.ingress.serve_pool`` or ``actors.replica_pool``) fetches the first and only takes the *reference* of the
 second (``read_prefill``); the decode replica gets that reference inside its ``prefilled``
 request and pulls the tensor straight from the prefill replica's node (``resolve``).
 
@@ -17,7 +17,7 @@ then failed with ``ReferenceCountingAssertionError`` now and then.
 What crosses is typed: a prefill replica's handoff output is a ``RequestOutput`` whose
 ``handoff`` is a ``Prefilled`` without its tensor (``kv`` None), and the decode request is the
 client's ``GenerationRequest`` with ``prefilled`` set to that ``Prefilled`` holding the KV item's
-reference (``decode_request``); the decode replica swaps the reference for the tensor
+reference (``deploy.ingress.dispatch.decode_request``); the decode replica swaps the reference for the tensor
 (``resolve``).
 """
 
@@ -29,7 +29,7 @@ import ray
 
 from cluster.request import GenerationRequest, RequestOutput
 
-__all__ = ["decode_request", "read_prefill", "resolve"]
+__all__ = ["read_prefill", "resolve"]
 
 
 async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[RequestOutput | None, ray.ObjectRef | None]:
@@ -42,13 +42,6 @@ async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[RequestOutput | No
         if last.handoff is not None:
             return last, await refs.__anext__()  # the KV: its reference only, the tensor stays put
     return last, None
-
-
-def decode_request(req: GenerationRequest, handed_off: RequestOutput, kv: ray.ObjectRef) -> GenerationRequest:
-    """The decode pool's request: ``req`` continued from the prefill's handoff, whose KV is the
-    item ``kv`` refers to. The prefix plan stays behind (the prompt's KV comes whole)."""
-    return dataclasses.replace(req, handoff=False, plan=None,
-                               prefilled=dataclasses.replace(handed_off.handoff, kv=kv))
 
 
 async def resolve(req: GenerationRequest) -> GenerationRequest:

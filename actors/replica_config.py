@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the cache agents and the admin commands read these sections without torch
-    from cluster.engine import EngineConfig
+    from cluster.cache_identity import CacheIdentity
+    from cluster.engine_config import EngineConfig
 
 __all__ = ["AgentSection", "DirectorySection", "EPSection", "ReplicaConfig", "StoreSection"]
 
@@ -49,7 +50,7 @@ class StoreSection:
     eviction."""
 
     cache_dir: str
-    ssd_bytes: int = 8 << 30
+    ssd_bytes: int = 8_000_000_000
     layout: str = "segment"  # "unit" | "segment"
     ram_bytes: int = 512 << 20
     admission: str = "all"
@@ -110,7 +111,7 @@ class EPSection:
 
 
 def _engine_config() -> EngineConfig:
-    from cluster.engine import EngineConfig
+    from cluster.engine_config import EngineConfig
 
     return EngineConfig()
 
@@ -128,7 +129,10 @@ class ReplicaConfig:
     cpu_weights: str = "fp32"  # "int8": a CPU replica holds its projections and experts in 8 bits
     fp8_weights: str = "auto"  # an fp8 checkpoint's weights: auto (kept on CUDA) | keep | dequantize
     cpu_threads: int | None = None  # a CPU replica's torch threads (None: Ray's, one per CPU it reserves)
-    stream_batching_interval_ms: float = 0.0  # the least time between a stream's outputs (cluster.engine_loop)
+    # the least time between a stream's outputs (cluster.engine_loop); the serving default: as Ray
+    # Serve LLM's setting of this name, each output being a hop through the replica, the ingress
+    # and the HTTP proxy (~1.5 ms of CPU)
+    stream_batching_interval_ms: float = 50.0
     warmup: bool | None = None
     engine: EngineConfig = field(default_factory=_engine_config)
     enable_cache: bool = True
@@ -152,3 +156,11 @@ class ReplicaConfig:
             raise ValueError(f"cpu_weights int8 needs device cpu and dtype float32, got {self.device} {self.dtype}")
         if self.fp8_weights not in ("auto", "keep", "dequantize"):
             raise ValueError(f"fp8_weights must be auto, keep or dequantize, got {self.fp8_weights!r}")
+
+    @property
+    def identity(self) -> CacheIdentity:
+        """What this replica's cache units are keyed by (the ingress plans prompts in it too)."""
+        from cluster.cache_identity import CacheIdentity
+
+        return CacheIdentity(self.checkpoint, self.dtype, self.device, self.cpu_weights, self.fp8_weights,
+                             self.cache_secret_file)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,10 +52,11 @@ class PromptCache(Protocol):
     store) and ``cachedir.agent.ClusterCache`` (the node's agent owns it; other nodes' units
     are reachable) both provide it."""
 
-    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None,
+               addresses: Mapping[str, str] | None = None) -> list[str]:
         """The tier of each leading unit of ``keys`` that can be loaded, stopping at the first
-        that cannot. ``holders``: the nodes the directory already listed for each (a prefix
-        plan): no directory round trip then."""
+        that cannot. ``holders``: the nodes the directory already listed for each, and
+        ``addresses`` their agents' (a prefix plan): no directory round trip then."""
         ...
 
     def load_async(
@@ -77,9 +78,10 @@ class NodeCache:
         self._lock = threading.Lock()
         self.persist_failures = 0
 
-    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None,
+               addresses: Mapping[str, str] | None = None) -> list[str]:
         """Tier of each leading unit this node holds (stops at the first it lacks); ``holders``
-        does not matter here (the units this process can load are its own)."""
+        and ``addresses`` do not matter here (the units this process can load are its own)."""
         tiers = []
         for k in keys:
             if self.ram is not None and k in self.ram:

@@ -34,7 +34,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -43,12 +42,14 @@ from cachedir.hashing import RESUME_TOKEN, Namespace, chain_keys, resume_key
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.constraints import Constraints
+from cluster.engine_config import EngineConfig
 from cluster.kv_manager import long_tensor
 from cluster.output import TextStream
 from cluster.request import (
     UNIT_TOKENS,
     FinishReason,
     GenerationRequest,
+    PlanMismatch,
     Prefilled,
     RequestOutput,
     Sequence,
@@ -64,49 +65,6 @@ from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logp
 __all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    num_pages: int = 2048
-    page_size: int = 16
-    max_num_seqs: int = 16
-    max_prefill_tokens: int = 2048
-    load_timeout_s: float = 5.0
-    admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
-    prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
-    micro_batches: int = 1  # 2: decode in two pipelined halves (hides expert-parallel rounds)
-    # While sequences decode, a prefill chunk is sized from measured speeds so that nine in ten
-    # steps take at most this many decode steps' time (their inter-token latency stays bounded);
-    # 0: every chunk is max_prefill_tokens long
-    itl_factor: float = 0.0
-    # with itl_factor on, a step with a prefill chunk may always take this long (ms), where
-    # itl_factor decode steps are shorter: decode steps of a millisecond would otherwise cut a
-    # prompt into chunks of a few tokens, each paying a pass's overhead (0: no floor)
-    itl_floor_ms: float = 0.0
-    # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
-    # steps without a prefill chunk replay a CUDA graph captured per batch bucket (model.fixed_decode)
-    enforce_eager: bool = False
-    # a scored prompt's chunk holds its logits [T, V] and their log-softmax (float32): T is the
-    # most whose two fit this bound (at most scheduler.SCORED_CHUNK)
-    scored_logits_mib: int = 256
-
-    def __post_init__(self) -> None:
-        if self.admission not in ("all", "second-sight"):
-            raise ValueError(
-                f"admission policy {self.admission!r} is not available for serving; use all or second-sight"
-            )
-        if UNIT_TOKENS % self.page_size:
-            raise ValueError(f"page_size {self.page_size} must divide the {UNIT_TOKENS}-token unit")
-        if self.micro_batches not in (1, 2):
-            raise ValueError(f"micro_batches must be 1 or 2, got {self.micro_batches}")
-        for name in ("num_pages", "max_num_seqs", "max_prefill_tokens", "scored_logits_mib"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.itl_factor != 0 and self.itl_factor <= 1:
-            raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
-        if not self.itl_floor_ms >= 0:
-            raise ValueError(f"itl_floor_ms must be >= 0, got {self.itl_floor_ms}")
-
 
 class Engine:
     def __init__(
@@ -176,6 +134,10 @@ class Engine:
             raise ValueError(f"request needs {need} KV pages, the pool has {self.cfg.num_pages}")
         ns = self.namespace_for(req.tenant)
         plan = req.plan  # the ingress hashed the prompt once: its keys are the prompt's keys
+        if plan is not None and plan.namespace != ns.id:
+            raise PlanMismatch(f"the request's prefix plan was made in cache namespace {plan.namespace!r}, this "
+                               f"replica's is {ns.id!r}: the ingress and the replicas disagree on the model, its "
+                               f"dtype, its weights' form or the cache secret")
         keys = list(plan.unit_keys) if plan is not None else chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
         text = TextStream(self.detokenize, req.stop, req.continued_ids, req.continued_chars, req.include_stop)
         seq = Sequence(req, keys, text=text)
@@ -200,7 +162,8 @@ class Engine:
         if plan is not None:  # load what the plan says (the router may have declined a slow load)
             usable = min(usable, plan.loadable)
         if self.cache is not None and usable:
-            tiers = self.cache.lookup(keys[:usable], plan.holders[:usable] if plan is not None else None)
+            tiers = self.cache.lookup(keys[:usable], plan.holders[:usable], dict(plan.addresses)) if plan is not None \
+                else self.cache.lookup(keys[:usable])
             n = self._resumable(ns, keys, len(tiers)) if self.kv.resumable else len(tiers)
             if n:
                 toks = [req.prompt_ids[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS] for i in range(n)]

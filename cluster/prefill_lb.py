@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Bandwidth", "CostModel", "Estimate", "PrefixInfo", "ReplicaState", "choose", "estimate", "fit_compute"]
+__all__ = ["Bandwidth", "CostModel", "Estimate", "PrefixInfo", "ReplicaState", "choose", "estimate", "fit_compute",
+           "load_units", "prefix_info"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,17 @@ class PrefixInfo:
     local_run: Mapping[str, int] = field(default_factory=dict)  # node -> leading units it holds
 
 
+def prefix_info(prompt_tokens: int, holders: Sequence[Sequence[str]] = ()) -> PrefixInfo:
+    """What the balancer needs of a prefix plan's holders (the nodes listed for each leading
+    unit): how many leading units some node holds, and per node how many it holds from the start."""
+    local_run: dict[str, int] = {}
+    for i, nodes in enumerate(holders):
+        for node in nodes:
+            if local_run.get(node, 0) == i:
+                local_run[node] = i + 1
+    return PrefixInfo(prompt_tokens, len(holders), local_run)
+
+
 @dataclass(frozen=True, slots=True)
 class Estimate:
     replica: str
@@ -90,6 +102,12 @@ def estimate(state: ReplicaState, prefix: PrefixInfo, default: CostModel = CostM
             best = (load + compute, load, compute, k)
     _, load, compute, k = best
     return Estimate(state.replica, queue, load, compute, k)
+
+
+def load_units(node: str, prompt_tokens: int, holders: Sequence[Sequence[str]], cost: CostModel) -> int:
+    """How many of a plan's leading units a replica on ``node`` loads: the fastest of loading them
+    all, only its node's run, or none (``estimate``'s choice, with the replica's own costs)."""
+    return estimate(ReplicaState("", node, cost=cost), prefix_info(prompt_tokens, holders)).load_units
 
 
 def choose(

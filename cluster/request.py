@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from cachedir.hashing import Namespace
+from cluster.units import UNIT_TOKENS
 from model.grammar import GrammarSpec
 from model.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # the ingress and the routers use this module without torch
     import torch
 
-UNIT_TOKENS = 64  # tokens per prompt-cache unit (the engine, the ingress and the stores share it)
 
-__all__ = ["UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PrefixPlan", "RequestFailed", "RequestMigrated",
+__all__ = ["UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest", "Prefilled", "PlanMismatch", "PrefixPlan", "RequestFailed", "RequestMigrated",
            "RequestOutput", "Sequence", "TokenSources"]
 
 
@@ -35,6 +35,11 @@ def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret:
 class RequestMigrated(RuntimeError):
     """The replica gave the request back (its node is leaving serving); the caller continues it
     elsewhere from its prompt and the tokens generated so far."""
+
+
+class PlanMismatch(RuntimeError):
+    """A prefix plan was made in another cache namespace than the replica's: its unit keys name
+    other units, so every planned load would miss."""
 
 
 class RequestFailed(RuntimeError):
@@ -58,18 +63,21 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PrefixPlan:
-    """The prompt cache's plan for one request, made once where it enters (the ingress): the
-    chain keys of every whole 64-token unit of the prompt (from token 0, in its tenant's
-    namespace), the live nodes the directory lists for each leading unit it found, and how many
-    leading units the chosen replica loads (``load_units``, set by the cache-aware router, which
-    declines a load slower than computing; None: load what the holders have). The replica hashes
-    nothing and asks the directory nothing: it loads exactly that, and a unit that turns out to
-    be gone is computed (a miss, never wrong KV)."""
+    """The prompt cache's plan for one prompt, made once where it enters (the ingress) and shared
+    by its choices and retries: the chain keys of every whole 64-token unit of the prompt (from
+    token 0, in the tenant's ``namespace``: its id), the live nodes the directory lists for each
+    leading unit it found with their agents' ``addresses``, and how many leading units the chosen
+    replica loads (``load_units``, set by the cache-aware router, which declines a load slower
+    than computing; None: load what the holders have). The replica hashes nothing and asks the
+    directory nothing: it loads exactly that, and a unit that turns out to be gone is computed (a
+    miss, never wrong KV). A replica of another namespace refuses the plan."""
 
     unit_keys: tuple[bytes, ...]
     holders: tuple[tuple[str, ...], ...] = ()  # node ids per leading unit found, in order
     load_units: int | None = None
     dropped_next: bool = False  # the unit after those found was dropped by its holders (directory)
+    namespace: str = ""  # the id of the namespace the keys were chained in (``Namespace.id``)
+    addresses: tuple[tuple[str, str], ...] = ()  # (node id, its agent's address) of the live holders
 
     def __post_init__(self) -> None:
         if len(self.holders) > len(self.unit_keys):

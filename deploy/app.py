@@ -23,14 +23,13 @@ from actors.replica_config import (
     DirectorySection,
     EPSection,
     ReplicaConfig,
-    StoreSection,
 )
 from cachedir.hashing import read_secret
-from cluster.engine import EngineConfig
 from deploy.app_args import AppArgs, gpus_per_actor
 from deploy.ep_admin import ep_control_name
+from deploy.ingress.config import IngressConfig
+from deploy.limits import KeyGrant, Limits
 from deploy.openai_api import OpenAIIngress
-from deploy.protocol import KeyGrant
 from model.config import check_checkpoint_dir
 
 __all__ = ["EXPERT_SHARD_NAME", "AppArgs", "build_app", "expert_shard_nodes", "recorded_app_args"]
@@ -168,42 +167,64 @@ def recorded_app_args() -> dict[str, Any] | None:
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None):
-    from model.default import cache_root, default_checkpoint
-
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     _record_app_args(a)
+    server_cfg = replica_config(a)
+    server, decode = _model_deployments(a, server_cfg)
+    ingress_cfg = IngressConfig(
+        server_cfg.identity, a.model_name, Limits(**(a.limits or {})), a.api_keys or api_keys_from_env(),
+        # the ingress plans each request's prefix for the cache-aware router only
+        server_cfg.directory if a.router == "cache-aware" else DirectorySection(),
+        tuple(a.public_paths), bool(a.expert_shards), a.structured_whitespace)
+    ingress_options: dict[str, Any] = {"num_cpus": 0}
+    if a.ingress_on_head:
+        ingress_options["resources"] = {"node:__internal_head__": 0.001}
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
+                               max_ongoing_requests=256, graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
+    return _versioned(ingress, ingress_cfg, ingress_options, decode is not None).bind(server, ingress_cfg, decode)
+
+
+def replica_config(a: AppArgs) -> ReplicaConfig:
+    """The replicas' config; a bad checkpoint or secret fails here, not in every replica.
+    Secrets travel by name (an env var, a file) and are read on each node: Serve configs and
+    actor arguments sit in Ray's GCS, which every Ray job can read."""
+    from model.default import cache_root, default_checkpoint
+
     checkpoint = a.checkpoint or str(default_checkpoint())
-    check_checkpoint_dir(checkpoint)  # a bad one fails here, not in every replica
+    check_checkpoint_dir(checkpoint)
     secret_file = a.cache_secret_file or os.environ.get("TIDE_CACHE_SECRET_FILE") or None
-    read_secret(secret_file)  # a missing or world-readable file fails here, not in every replica
-    # secrets travel by name (an env var, a file) and are read on each node: Serve configs and
-    # actor arguments sit in Ray's GCS, which every Ray job can read
-    _secret(a.directory_password_env, "directory_password_env")  # unset fails here, not in every replica
+    read_secret(secret_file)
+    _secret(a.directory_password_env, "directory_password_env")
     directory = DirectorySection(a.directory_url, a.directory_namespace, a.directory_password_env or None,
                                  ca_file=a.directory_tls_ca_file)
-    store = StoreSection(a.cache_dir or str(cache_root() / "cache"), int(a.ssd_gb * 1e9), a.cache_layout,
-                         a.ram_mb << 20, a.admission)
+    store = a.store_section(str(cache_root() / "cache"))
     agents = None
     if a.cache_agents and a.enable_cache:
         agents = AgentSection(store, directory, **_agent_token_source(a), tls_cert_file=a.agent_tls_cert_file,
                               tls_key_file=a.agent_tls_key_file, tls_ca_file=a.agent_tls_ca_file,
                               tls_mutual=a.agent_tls_mutual, replicas=a.cache_replicas)
-    engine = EngineConfig(num_pages=a.num_pages, max_num_seqs=a.max_num_seqs, max_prefill_tokens=a.max_prefill_tokens,
-                          admission=a.admission, prefix_sharing=a.enable_cache and a.prefix_sharing,
-                          micro_batches=a.micro_batches, itl_factor=a.itl_factor, itl_floor_ms=a.itl_floor_ms,
-                          enforce_eager=a.enforce_eager, scored_logits_mib=a.scored_logits_mib)
-    server_cfg = ReplicaConfig(
-        checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, cpu_threads=a.cpu_threads, engine=engine,
-        stream_batching_interval_ms=a.stream_batching_interval_ms, enable_cache=a.enable_cache, directory=directory,
-        agents=agents, ep=_expert_shards(checkpoint, a) if a.expert_shards else None, usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file,
-    )
-    router = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
-              "round-robin": "deploy.prefill_router:RoundRobinRouter",
-              "prefix-affinity": "deploy.prefill_router:PrefixAffinityRouter"}.get(a.router)
-    options: dict[str, Any] = {}
-    if router:
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=router, request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
+    return ReplicaConfig(
+        checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, cpu_threads=a.cpu_threads,
+        engine=a.engine_config(), stream_batching_interval_ms=a.stream_batching_interval_ms,
+        enable_cache=a.enable_cache, directory=directory, agents=agents,
+        ep=_expert_shards(checkpoint, a) if a.expert_shards else None,
+        usage_dir=a.usage_dir or str(cache_root() / "usage"), cache_secret_file=secret_file)
+
+
+ROUTERS = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
+           "round-robin": "deploy.prefill_router:RoundRobinRouter",
+           "prefix-affinity": "deploy.prefill_router:PrefixAffinityRouter"}
+
+
+def _routed(router_class: str) -> RequestRouterConfig:
+    return RequestRouterConfig(request_router_class=router_class, request_routing_stats_period_s=0.5,
+                               request_routing_stats_timeout_s=5)
+
+
+def _model_deployments(a: AppArgs, server_cfg: ReplicaConfig):
+    """The bound ``LLMServer`` deployment and, under P/D, the decode pool ``LLMDecode`` (else None)."""
+    router = ROUTERS.get(a.router)
+    options: dict[str, Any] = {"request_router_config": _routed(router)} if router else {}
     replica_options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": gpus_per_actor(a.device)},
         "max_ongoing_requests": 64, "health_check_period_s": 10, "max_replicas_per_node": a.max_replicas_per_node,
@@ -211,30 +232,11 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
     }
     server_dep = serve.deployment(LLMServer, name="LLMServer", num_replicas=a.replicas, **replica_options, **options)
     server = _versioned(server_dep, server_cfg, replica_options, router).bind(server_cfg)
-    decode = None
-    if a.decode_replicas:
-        decode_dep = serve.deployment(
-            LLMServer, name="LLMDecode", num_replicas=a.decode_replicas, **replica_options,
-            request_router_config=RequestRouterConfig(
-                request_router_class="deploy.decode_router:DecodeRouter", request_routing_stats_period_s=0.5,
-                request_routing_stats_timeout_s=5),
-        )
-        decode = _versioned(decode_dep, server_cfg, replica_options, "decode").bind(server_cfg)
-    ingress_options: dict[str, Any] = {"num_cpus": 0}
-    if a.ingress_on_head:
-        ingress_options["resources"] = {"node:__internal_head__": 0.001}
-    ingress_cfg = {
-        "checkpoint": checkpoint, "model_name": a.model_name, "dtype": a.dtype, "cpu_weights": a.cpu_weights,
-        "device": a.device, "fp8_weights": a.fp8_weights,
-        # the ingress plans each request's prefix for the cache-aware router only
-        "directory": directory if a.router == "cache-aware" else DirectorySection(),
-        "api_keys": a.api_keys or api_keys_from_env(), "limits": a.limits, "cache_secret_file": secret_file,
-        "public_paths": a.public_paths, "expert_parallel": bool(a.expert_shards),
-        "structured_whitespace": a.structured_whitespace,
-    }
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options=ingress_options,
-                               max_ongoing_requests=256, graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
-    return _versioned(ingress, ingress_cfg, ingress_options, decode is not None).bind(server, ingress_cfg, decode)
+    if not a.decode_replicas:
+        return server, None
+    decode_dep = serve.deployment(LLMServer, name="LLMDecode", num_replicas=a.decode_replicas, **replica_options,
+                                  request_router_config=_routed("deploy.decode_router:DecodeRouter"))
+    return server, _versioned(decode_dep, server_cfg, replica_options, "decode").bind(server_cfg)
 
 
 def deployment_version(*parts: Any) -> str:

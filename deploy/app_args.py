@@ -5,19 +5,33 @@ can check them before it starts anything, without importing torch, Ray Serve and
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from actors.replica_config import DEFAULT_NAMESPACE, AgentSection, ReplicaConfig, StoreSection
+from cluster.engine_config import EngineConfig
 from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
-from deploy.protocol import KeyGrant, Limits
+from deploy.limits import KeyGrant, Limits
 
 __all__ = ["AppArgs", "gpus_needed", "gpus_per_actor"]
 
 
+def _defaults(cls) -> dict[str, object]:
+    """A config dataclass's field defaults (its own are the only ones stated)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+_ENGINE = EngineConfig()
+_STORE, _REPLICA, _AGENTS = _defaults(StoreSection), _defaults(ReplicaConfig), _defaults(AgentSection)
+
+
 class AppArgs(BaseModel):
     """Arguments of the app (``args:`` in a Serve config). Unset paths get local defaults;
-    unknown fields are an error (a typo must not silently fall back to a default)."""
+    unknown fields are an error (a typo must not silently fall back to a default). The knobs'
+    defaults are the typed configs' own (``EngineConfig``, ``ReplicaConfig`` and its sections),
+    which ``engine_config`` and ``store_section`` build."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,31 +58,31 @@ class AppArgs(BaseModel):
     replica_cpus: float = Field(default=1.0, gt=0)
     max_replicas_per_node: int | None = Field(default=None, ge=1)  # 1: one DP replica per node
     cache_dir: str | None = None  # default: $TIDE_HOME/cache
-    ssd_gb: float = Field(default=8.0, gt=0)
-    cache_layout: Literal["unit", "segment"] = "segment"  # unit files on disk: one per unit, or per write batch
-    ram_mb: int = Field(default=512, ge=0)
-    admission: str = "all"
+    ssd_gb: float = Field(default=_STORE["ssd_bytes"] / 1e9, gt=0)
+    cache_layout: Literal["unit", "segment"] = _STORE["layout"]  # unit files on disk: one per unit, or per write batch
+    ram_mb: int = Field(default=_STORE["ram_bytes"] >> 20, ge=0)
+    admission: str = _ENGINE.admission
     enable_cache: bool = True  # False: no unit store, no prefix sharing (benchmarks' baseline)
     # False: a replica keeps no finished prompt's pages for reuse, so every prefix hit comes from
     # the prompt cache (RAM/SSD/other nodes): the disk cache measured alone, as DeepSeek serves
-    prefix_sharing: bool = True
-    num_pages: int = Field(default=4096, ge=16)
-    max_num_seqs: int = Field(default=16, ge=1)
-    max_prefill_tokens: int = Field(default=2048, ge=64)
+    prefix_sharing: bool = _ENGINE.prefix_sharing
+    num_pages: int = Field(default=_ENGINE.num_pages, ge=16)
+    max_num_seqs: int = Field(default=_ENGINE.max_num_seqs, ge=1)
+    max_prefill_tokens: int = Field(default=_ENGINE.max_prefill_tokens, ge=64)
     # >1: while requests decode, prefill chunks are sized so that nine in ten steps (the decode
     # tokens ride in the chunk's forward pass) take at most this many decode steps' time, with
     # a margin for how far recent steps ran past their prediction: bounded inter-token latency
     # under long prompts, at some cost to the long prompt's time to first token; 0: every chunk
     # is max_prefill_tokens. 2.5 keeps their p99 within 3 decode steps (tide bench engine's itl)
-    itl_factor: float = Field(default=2.5, ge=0)
+    itl_factor: float = Field(default=_ENGINE.itl_factor, ge=0)
     # with itl_factor on, a step that carries a prefill chunk may always take this long: where
     # decode steps take a millisecond or two (a small model), itl_factor of them would cut a long
     # prompt into chunks of a few tokens and multiply its time to first token; a pass of 10 ms is
     # no latency a reader of the stream notices. 0: itl_factor alone
-    itl_floor_ms: float = Field(default=10.0, ge=0)
+    itl_floor_ms: float = Field(default=_ENGINE.itl_floor_ms, ge=0)
     # a scored prompt (echo with logprobs, prompt_logprobs) is computed in chunks whose logits
     # and their log-softmax fit this bound (MiB): the most memory scoring adds to a replica
-    scored_logits_mib: int = Field(default=256, ge=1)
+    scored_logits_mib: int = Field(default=_ENGINE.scored_logits_mib, ge=1)
     # structured output's JSON: "compact" (separators as json.dumps writes them, no other
     # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
     # structured_outputs.disable_any_whitespace decides for itself
@@ -78,11 +92,11 @@ class AppArgs(BaseModel):
     # is a hop through the replica, the ingress and the HTTP proxy (~1.5 ms of CPU), so an engine
     # stepping faster would spend more sending tokens than making them; slower steps (a big
     # model's) go as they come. 0: each step's tokens at once
-    stream_batching_interval_ms: float = Field(default=50.0, ge=0)
+    stream_batching_interval_ms: float = Field(default=_REPLICA["stream_batching_interval_ms"], ge=0)
     directory_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
-    directory_namespace: str = "tideserve"  # one per cluster; several models share it safely
+    directory_namespace: str = DEFAULT_NAMESPACE  # one per cluster; several models share it safely
     cache_agents: bool = True  # a gRPC cache agent per node owns its units; False: per-replica store
-    cache_replicas: int = Field(default=2, ge=1)  # R: copies of a hot unit (1: no replication)
+    cache_replicas: int = Field(default=_AGENTS["replicas"], ge=1)  # R: copies of a hot unit (1: no replication)
     # the cache agents' token, read on each node from a 0600 file (default: $TIDE_AGENT_TOKEN_FILE;
     # `tide up` makes one in $TIDE_HOME/run) or an env var; with neither, one made by the app and kept
     # in Ray's internal KV (readable by every Ray job). Calls are signed with it, it is never sent
@@ -104,9 +118,9 @@ class AppArgs(BaseModel):
     expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
     expert_rebalance_s: float = Field(default=0.0, ge=0)  # re-plan placement this often (0: `tide eplb rebalance`)
-    micro_batches: int = Field(default=1, ge=1, le=2)  # 2: overlap expert rounds with attention
+    micro_batches: int = Field(default=_ENGINE.micro_batches, ge=1, le=2)  # 2: overlap expert rounds with attention
     # True: no CUDA graphs; every decode step runs eagerly (as vLLM's --enforce-eager)
-    enforce_eager: bool = False
+    enforce_eager: bool = _ENGINE.enforce_eager
     # how expert-parallel rows travel: fp8 dispatch + bf16 combine (DeepSeek's), the model's dtype
     # (native), or auto: fp8 for a bfloat16 model, else native
     ep_wire: Literal["auto", "native", "fp8"] = "auto"
@@ -122,6 +136,19 @@ class AppArgs(BaseModel):
     # False: anywhere Serve places it
     ingress_on_head: bool = True
 
+
+    def engine_config(self) -> EngineConfig:
+        """The replicas' engine (prefix sharing only where the cache is on)."""
+        return EngineConfig(num_pages=self.num_pages, max_num_seqs=self.max_num_seqs,
+                            max_prefill_tokens=self.max_prefill_tokens, admission=self.admission,
+                            prefix_sharing=self.enable_cache and self.prefix_sharing, micro_batches=self.micro_batches,
+                            itl_factor=self.itl_factor, itl_floor_ms=self.itl_floor_ms,
+                            enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib)
+
+    def store_section(self, default_dir: str) -> StoreSection:
+        """Each node's unit store (under ``default_dir`` unless ``cache_dir`` names one)."""
+        return StoreSection(self.cache_dir or default_dir, int(self.ssd_gb * 1e9), self.cache_layout,
+                            self.ram_mb << 20, self.admission)
 
     @field_validator("itl_factor")
     @classmethod

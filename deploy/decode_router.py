@@ -21,6 +21,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from cluster.decode_lb import DecodeBalancer
 from cluster.request import GenerationRequest
+from cluster.routing_stats import RoutingStats
 
 __all__ = ["DecodeRouter"]
 
@@ -34,13 +35,13 @@ class DecodeRouter(RequestRouter):
     def _sync(self, replicas: list[RunningReplica]) -> DecodeBalancer | None:
         """Track the replicas that reported their KV capacity; forget the ones that are gone."""
         for r in replicas:
-            kv = (r.routing_stats or {}).get("kv")
-            if not kv:
+            st = RoutingStats.of(r.routing_stats)
+            if not st.kv_tokens:
                 continue
             if self._balancer is None:
-                self._balancer = DecodeBalancer({}, int(kv["page_size"]))
+                self._balancer = DecodeBalancer({}, st.page_size)
             if r.replica_id.unique_id not in self._balancer.replicas:
-                self._balancer.add(r.replica_id.unique_id, int(kv["tokens"]))
+                self._balancer.add(r.replica_id.unique_id, st.kv_tokens)
         if self._balancer is not None:
             alive = {r.replica_id.unique_id for r in replicas}
             for rid in [rid for rid in self._balancer.replicas if rid not in alive]:
@@ -52,7 +53,7 @@ class DecodeRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         req = pending_request.args[0] if pending_request is not None and pending_request.args else None
         # replicas whose node is being lent to training get no new work (unless all are)
-        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
+        serving = [r for r in candidate_replicas if not RoutingStats.of(r.routing_stats).draining]
         candidate_replicas = serving or candidate_replicas
         balancer = self._sync(candidate_replicas)
         if not isinstance(req, GenerationRequest) or balancer is None or not balancer.replicas:

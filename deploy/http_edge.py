@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deploy.protocol import KeyGrant, error_body
+from deploy.errors import error_body
+from deploy.limits import KeyGrant
 
 __all__ = ["OPTIONAL_PUBLIC_PATHS", "PUBLIC_PATHS", "EdgeConfig", "EdgeMiddleware", "TenantQuotas", "find_grant",
            "route_path"]

@@ -2,9 +2,11 @@
 
 ``CacheAwareRouter`` applies the prefill load balancer (``cluster/prefill_lb.py``): the ingress
 has hashed the prompt and looked its units up in the directory (one round trip) and put the
-``plan`` (``cluster.request.PrefixPlan``) into the request; the router fills in how many units the
-chosen replica loads (``load_units``: fewer when loading is slower than computing), which the
-replica then does without hashing or asking the directory again. Every replica
+``plan`` (``cluster.request.PrefixPlan``) into the request; the router ranks the replicas by the
+TTFT the balancer estimates for that plan on each, and the chosen replica makes the same
+estimate's choice of how many units to load (``cluster.prefill_lb.load_units``: fewer when
+loading is slower than computing) without hashing or asking the directory again. The router
+never changes the request it routes. Every replica
 reports its node, queue and measured cost model through ``record_routing_stats`` (polled every
 ``request_routing_stats_period_s``). Requests this router sent since the last report and that
 have not finished are added to the queue it scores, so a burst between two polls does not all
@@ -33,9 +35,10 @@ import time
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate
+from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate, prefix_info
 from cluster.prefix_affinity import rank_by_prefix
 from cluster.request import GenerationRequest, PrefixPlan
+from cluster.routing_stats import RoutingStats
 
 __all__ = ["CacheAwareRouter", "PrefixAffinityRouter", "RoundRobinRouter", "plan_prefix"]
 
@@ -44,16 +47,13 @@ RECENT_S = 0.5  # the replicas' report period: a request sent since is not in th
 
 
 def plan_prefix(prompt_tokens: int, plan: PrefixPlan | None) -> PrefixInfo:
-    """What the balancer needs of a plan: the leading units some node holds, and per node how
-    many of them it holds from the start."""
-    if plan is None:
-        return PrefixInfo(prompt_tokens)
-    local_run: dict[str, int] = {}
-    for i, holders in enumerate(plan.holders):
-        for node in holders:
-            if local_run.get(node, 0) == i:
-                local_run[node] = i + 1
-    return PrefixInfo(prompt_tokens, len(plan.holders), local_run)
+    """What the balancer needs of a plan (none: only the prompt's length)."""
+    return prefix_info(prompt_tokens, plan.holders if plan is not None else ())
+
+
+def _serving(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The replicas whose node is not being lent to training (all of them if every one is)."""
+    return [r for r in replicas if not RoutingStats.of(r.routing_stats).draining] or replicas
 
 
 def _request(pending: PendingRequest | None) -> GenerationRequest | None:
@@ -71,26 +71,25 @@ class CacheAwareRouter(RequestRouter):
         self._done_at: dict[str, float] = {}  # replica -> wall time of its last finished request
 
     def _state(self, replica: RunningReplica, now: float) -> ReplicaState:
-        st = replica.routing_stats or {}
+        st = RoutingStats.of(replica.routing_stats)
         rid = replica.replica_id.unique_id
         mine = [(sent, new, cached) for r, sent, new, cached in self._inflight.values() if r == rid]
-        if st.get("time", 0.0) >= self._done_at.get(rid, 0.0):
+        if st.time >= self._done_at.get(rid, 0.0):
             # the report is current: add what was sent since (not in its queue yet)
-            queued = [tuple(q) for q in st.get("queued", [])] + [(n, c) for sent, n, c in mine if now - sent < RECENT_S]
+            queued = list(st.queued) + [(n, c) for sent, n, c in mine if now - sent < RECENT_S]
         else:  # a request finished after the report: its queue is stale; count what is in flight
             queued = [(n, c) for _, n, c in mine]
-        return ReplicaState(rid, st.get("node", replica.node_id), queued, int(st.get("running", 0)))
+        return ReplicaState(rid, st.node or replica.node_id, queued, st.running)
 
     @staticmethod
     def _pooled_cost(replicas: list[RunningReplica]) -> CostModel:
         """One cost model for all replicas (same hardware): the median of what the replicas with
         enough measurements report. Each replica's own fit would make a replica that has measured
         little look faster than one that has measured much."""
-        costs = [r.routing_stats["cost"] for r in replicas
-                 if (r.routing_stats or {}).get("cost") and r.routing_stats.get("samples", 0) >= MIN_SAMPLES]
+        reported = [st for st in (RoutingStats.of(r.routing_stats) for r in replicas) if st.cost is not None]
+        costs = [dataclasses.asdict(st.cost) for st in reported if st.samples >= MIN_SAMPLES]
         if not costs:
-            base = next((r.routing_stats["cost"] for r in replicas if (r.routing_stats or {}).get("cost")), None)
-            return CostModel(**base) if base else CostModel()
+            return reported[0].cost if reported else CostModel()
         pooled = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
         pooled["unit_bytes"], pooled["unit_tokens"] = int(pooled["unit_bytes"]), int(pooled["unit_tokens"])
         return CostModel(**pooled)
@@ -103,17 +102,12 @@ class CacheAwareRouter(RequestRouter):
             return [candidate_replicas]
         now = time.monotonic()
         # replicas whose node is being lent to training get no new work (unless all are)
-        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
-        candidate_replicas = serving or candidate_replicas
+        candidate_replicas = _serving(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         states = [self._state(r, now) for r in candidate_replicas]
-        plan = req.plan
-        prefix = plan_prefix(len(req.prompt_ids), plan)
+        prefix = plan_prefix(len(req.prompt_ids), req.plan)
         cost = self._pooled_cost(candidate_replicas)
-        best = choose(states, prefix, cost)
-        if plan is not None:  # the replica loads what was chosen here (the request is sent after this)
-            pending_request.args[0] = dataclasses.replace(
-                req, plan=dataclasses.replace(plan, load_units=min(best.load_units, len(plan.holders))))
+        best = choose(states, prefix, cost)  # the chosen replica decides its load itself (the same estimate)
         cached = best.load_units * 64
         self._planned[pending_request.metadata.internal_request_id] = (prefix.prompt_tokens - cached, cached)
         rest = sorted((s for s in states if s.replica != best.replica), key=lambda s: estimate(s, prefix, cost).ttft_s)
@@ -142,8 +136,7 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return [candidate_replicas]
-        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")]
-        ordered = sorted(serving or candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(_serving(candidate_replicas), key=lambda r: r.replica_id.unique_id)
         i = next(self._counter) % len(ordered)
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]  # ranks: this one, then the rest
 
@@ -155,8 +148,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         req = _request(pending_request)
         if req is None or not candidate_replicas:
             return [candidate_replicas]
-        serving = [r for r in candidate_replicas if not (r.routing_stats or {}).get("draining")] or candidate_replicas
-        queued = [len((r.routing_stats or {}).get("queued", [])) + int((r.routing_stats or {}).get("running", 0))
-                  for r in serving]
+        serving = _serving(candidate_replicas)
+        queued = [len(st.queued) + st.running for st in (RoutingStats.of(r.routing_stats) for r in serving)]
         order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued)
         return [[serving[order[0]]], [serving[i] for i in order[1:]]]

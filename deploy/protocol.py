@@ -1,161 +1,19 @@
-"""OpenAI-compatible request bodies, validation and error shapes (the ingress's edge)."""
+"""OpenAI-compatible request bodies and their field validation (the ingress's edge). What a
+body's structured output compiles to is ``deploy.ingress.structured``'s."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Container
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deploy.errors import APIError
+from deploy.ingress.structured import MAX_JSON_NESTING, nesting
 from deploy.openai_fields import accepted_body, unserved_message
-from model.grammar import GrammarError, GrammarSpec
-from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, TokenLogprob
+from model.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "KeyGrant", "Limits", "chat_logprobs",
-           "completion_logprobs", "echo_logprobs", "error_body", "joined_logprobs", "prompt_logprobs"]
-
-
-class APIError(Exception):
-    """An error reported to the client in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 the client should retry)
-
-
-@dataclass(frozen=True, slots=True)
-class KeyGrant:
-    """What an API key may do: its tenant (whose salt isolates its cache) and the models it may
-    use (None: all)."""
-
-    tenant: str
-    models: frozenset[str] | None = None
-
-    @classmethod
-    def parse(cls, value: str) -> KeyGrant:
-        """``TENANT`` or ``TENANT:MODEL[+MODEL...]`` (the value of ``api_keys``, ``--api-key``
-        and ``TIDE_API_KEYS`` after the key)."""
-        tenant, sep, models = value.partition(":")
-        names = frozenset(m for m in models.split("+") if m)
-        if not tenant or (sep and not names):
-            raise ValueError(f"API key grant {value!r} must be TENANT or TENANT:MODEL[+MODEL...]")
-        return cls(tenant, names if sep else None)
-
-    def allows(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
-
-
-MAX_JSON_NESTING = 128  # objects and arrays inside each other in a tool's parameters
-
-
-def _nesting(value: Any) -> int:
-    """How deep objects and arrays nest in a JSON value (without recursion: a hostile value
-    may nest thousands deep)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        if depth <= MAX_JSON_NESTING:
-            stack.extend((c, depth + 1) for c in children)
-    return deepest
-
-def _rerooted(schema: dict, prefix: str) -> tuple[dict, dict]:
-    """``schema`` made a part of another one: (the schema, its definitions under names that
-    start with ``prefix``), its ``$ref``s (to ``#`` or its own ``$defs``/``definitions``) pointing
-    there."""
-    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
-    to_root = False  # a $ref to "#": the schema itself becomes a definition
-
-    def move(node: Any) -> Any:
-        nonlocal to_root
-        if isinstance(node, list):
-            return [move(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: move(v) for k, v in node.items() if k not in ("$defs", "definitions")}
-        ref = node.get("$ref")
-        if ref == "#":
-            out["$ref"], to_root = f"#/$defs/{prefix}", True
-        elif isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
-            out["$ref"] = f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
-        return out
-
-    defs = {f"{prefix}{name}": move(sub) for name, sub in own.items()}
-    moved = move(schema)
-    if to_root:
-        defs[prefix] = moved
-    return moved, defs
-
-
-def checked(spec: GrammarSpec, param: str, max_bytes: int) -> GrammarSpec:
-    """``spec`` if this server can enforce it within ``max_bytes`` (``Limits.max_grammar_bytes``),
-    else a 400 naming what it cannot."""
-    if spec.size > max_bytes:
-        raise APIError(400, f"{param}: the grammar is {spec.size} bytes, over the limit of {max_bytes} "
-                            "(limits.max_grammar_bytes)", param=param, code="unsupported_schema")
-    try:
-        spec.check()
-    except GrammarError as e:
-        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
-    return spec
-
-
-def schema_spec(schema: dict, param: str, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec:
-    """A JSON schema this server can enforce, as its grammar (a 400 naming what it cannot)."""
-    if _nesting(schema) > MAX_JSON_NESTING:
-        raise APIError(400, f"{param}: the schema nests more than {MAX_JSON_NESTING} objects and arrays deep",
-                       param=param, code="unsupported_schema")
-    text = json.dumps(schema, ensure_ascii=False)  # property order is the output's order
-    return checked(GrammarSpec("json_schema", text, any_whitespace=any_whitespace), param, max_bytes)
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class Limits(BaseModel):
-    """The ingress's input limits (``limits:`` in the app's args); a misspelled or negative one
-    is an error, not a silent default."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_body_bytes: int = Field(default=4 << 20, ge=1)
-    body_timeout_s: float = Field(default=30.0, gt=0)  # a body must arrive whole within this (408)
-    max_prompt_tokens: int = Field(default=32768, ge=1)
-    max_tokens: int = Field(default=4096, ge=1)
-    max_stop: int = Field(default=4, ge=0)
-    max_stop_token_ids: int = Field(default=64, ge=0)
-    max_n: int = Field(default=8, ge=1)  # choices per request (OpenAI's n)
-    max_prompts: int = Field(default=64, ge=1)  # prompts of one /v1/completions batch
-    max_logit_bias: int = Field(default=1024, ge=0)  # tokens one request may bias
-    max_grammar_bytes: int = Field(default=65536, ge=1)  # a structured output's schema, regex, grammar or choices
-    # a request's templates, tokenizing and grammar checks run on a pool of prep_workers threads,
-    # at most tenant_prep_concurrency of one tenant's at once (deploy.prep_pool)
-    prep_workers: int = Field(default=4, ge=1)
-    tenant_prep_concurrency: int = Field(default=2, ge=1)
-    # stored Responses (deploy.response_store): how long one is kept, its largest size (its
-    # conversation included; a larger one is not kept), and how many a tenant keeps
-    stored_response_ttl_s: int = Field(default=30 * 86400, ge=1)
-    max_stored_response_bytes: int = Field(default=4 << 20, ge=1)
-    max_stored_responses: int = Field(default=10000, ge=1)
-    # a request's cost (deploy.request_cost): prompt + max_tokens over its prompts and n choices,
-    # and prompt tokens scored (echo with logprobs, prompt_logprobs; each prompt once)
-    max_request_tokens: int = Field(default=262144, ge=1)
-    max_scored_tokens: int = Field(default=32768, ge=0)
-    # per tenant and ingress replica, 0: off; over either a request is a 429 with Retry-After
-    tenant_requests_per_minute: int = Field(default=0, ge=0)
-    tenant_burst: int = Field(default=0, ge=0)  # requests a tenant may send at once (0: a second's worth)
-    tenant_concurrency: int = Field(default=0, ge=0)  # a tenant's requests under way at once
-    tenant_tokens_per_minute: int = Field(default=0, ge=0)  # request costs' tokens a tenant may draw
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions"]
 
 
 class StreamOptions(BaseModel):
@@ -250,67 +108,6 @@ class _Sampling(BaseModel):
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         return stops
-
-    def grammar(self, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec | None:
-        """What the output must match, from ``response_format`` or vLLM's structured outputs
-        (None: free text); a 400 for one this server cannot enforce or over ``max_bytes``.
-        ``any_whitespace``: the server's default for JSON (a request's
-        ``structured_outputs.disable_any_whitespace`` decides for itself)."""
-        fmt = self.response_format or {}
-        kind = fmt.get("type", "text")
-        vllm = self._structured_outputs(max_bytes, any_whitespace)
-        if vllm is not None:
-            if kind != "text":
-                raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
-            return vllm
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return GrammarSpec("json_object", any_whitespace=any_whitespace)
-        if kind != "json_schema":
-            raise APIError(400, f"response_format {kind!r} is not supported by this server (text, json_object or "
-                           "json_schema)", param="response_format", code="unsupported_parameter")
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise APIError(400, "response_format json_schema needs json_schema: {name, schema}", param="response_format")
-        return schema_spec(spec.get("schema", {}), "response_format", max_bytes, any_whitespace)
-
-    def _structured_outputs(self, max_bytes: int, any_whitespace: bool) -> GrammarSpec | None:
-        options = dict(self.structured_outputs or {})
-        if "disable_any_whitespace" in options:
-            any_whitespace = not options.pop("disable_any_whitespace")
-        given = {k: v for k, v in options.items() if v is not None and v is not False}
-        for name, value in (("json", self.guided_json), ("choice", self.guided_choice), ("regex", self.guided_regex),
-                            ("grammar", self.guided_grammar)):
-            if value is not None:
-                given[name] = value
-        if not given:
-            return None
-        if len(given) > 1:
-            raise APIError(400, f"structured outputs take one of json, json_object, choice, regex and grammar, got "
-                                f"{sorted(given)}", param="structured_outputs")
-        (kind, value), = given.items()
-        param = "structured_outputs"
-        if kind == "json":
-            try:
-                schema = json.loads(value) if isinstance(value, str) else value
-            except ValueError:
-                raise APIError(400, "structured_outputs json: not a JSON schema", param=param) from None
-            if not isinstance(schema, dict):
-                raise APIError(400, "structured_outputs json: a schema is an object", param=param)
-            return schema_spec(schema, param, max_bytes, any_whitespace)
-        if kind == "json_object":
-            return GrammarSpec("json_object", any_whitespace=any_whitespace)
-        if kind == "choice":
-            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-                raise APIError(400, "structured_outputs choice: a list of texts", param=param)
-            return checked(GrammarSpec("choice", choices=tuple(value)), f"{param} choice", max_bytes)
-        if kind in ("regex", "grammar"):
-            if not isinstance(value, str) or not value:
-                raise APIError(400, f"structured_outputs {kind}: a non-empty text", param=param)
-            return checked(GrammarSpec(kind, value), f"{param} {kind}", max_bytes)
-        raise APIError(400, f"structured_outputs {kind!r} is not supported by this server (json, json_object, "
-                       "choice, regex, grammar)", param=param, code="unsupported_parameter")
 
     def logit_bias_pairs(self, vocab_size: int, limit: int) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs, each id in the vocabulary and each bias in
@@ -421,42 +218,6 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
         return name
 
-    def forced_grammar(self, name: str, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec:
-        """The named function's arguments: per its parameters schema where it has one this
-        server can enforce, else any JSON object."""
-        fn = next(t["function"] for t in self.tools or [] if t["function"]["name"] == name)
-        params = fn.get("parameters")
-        if isinstance(params, dict) and params:
-            try:
-                return schema_spec(params, "tools", max_bytes, any_whitespace)
-            except APIError:
-                pass  # a schema it cannot enforce: the arguments are still one JSON object
-        return GrammarSpec("json_object", any_whitespace=any_whitespace)
-
-    def required_grammar(self, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec | None:
-        """With ``tool_choice`` required: the one call the output is, ``{NAME: ARGUMENTS}`` with
-        one of the tools' names, each tool's arguments per its parameters (any JSON object
-        where it has none, or one this server cannot enforce); None otherwise."""
-        if self.tool_choice != "required":
-            return None
-        tools = self.tool_functions()
-        if not tools:
-            raise APIError(400, "tool_choice required needs tools", param="tool_choice")
-        calls: list[dict[str, Any]] = []
-        all_defs: dict[str, Any] = {}
-        for tool in tools:
-            name, params = tool["function"]["name"], tool["function"].get("parameters")
-            params = params if isinstance(params, dict) and params else {"type": "object"}
-            moved, defs = _rerooted(params, f"{name}.")
-            try:
-                schema_spec({**moved, "$defs": defs}, "tools", max_bytes)
-            except APIError:  # a schema it cannot enforce: the arguments are still one JSON object
-                moved, defs = {"type": "object"}, {}
-            calls.append({"type": "object", "properties": {name: moved}, "required": [name],
-                          "additionalProperties": False})
-            all_defs.update(defs)
-        return schema_spec({"anyOf": calls, "$defs": all_defs}, "tools", max_bytes, any_whitespace)
-
     def tool_functions(self) -> list[dict[str, Any]] | None:
         """The tools the model may call (None: it calls none, its output is all content)."""
         choice = self.tool_choice if self.tool_choice is not None else "auto"
@@ -470,7 +231,7 @@ class ChatCompletionRequest(_Sampling):
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise APIError(400, "each tool must be {type: function, function: {name, description, parameters}}",
                                param="tools")
-            if _nesting(fn.get("parameters")) > MAX_JSON_NESTING:
+            if nesting(fn.get("parameters")) > MAX_JSON_NESTING:
                 raise APIError(400, f"tools[{i}].function.parameters nest more than {MAX_JSON_NESTING} objects and "
                                "arrays deep", param="tools")
         return self.tools
@@ -519,54 +280,3 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and not isinstance(v[0], int) and not all(v):
             raise ValueError(f"prompt {[bool(p) for p in v].index(False)} of the batch is empty")
         return v
-
-
-def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0) -> dict:
-    """``choices[].logprobs`` of /v1/completions for the tokens of ``entries`` (the outputs'
-    ``new_logprobs``); ``token_text(id)`` is a token's text, ``offset`` where the first token's
-    text starts in the completion (a stream continues from the previous chunk)."""
-    tokens, offsets = [], []
-    for e in entries:
-        offsets.append(offset)
-        tokens.append(token_text(e.token))
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
-
-
-def echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], k: int, token_text) -> dict:
-    """``choices[].logprobs`` of an echoed prompt (``echo`` with ``logprobs`` k): its tokens, each
-    scored given those before it with the k most likely there (``scored``: the engine's prompt
-    logprobs); the first has none."""
-    first = token_text(prompt_ids[0])
-    rest = completion_logprobs([dataclasses.replace(e, top=e.top[:k]) for e in scored[1:]], token_text, len(first))
-    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
-            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
-
-
-def prompt_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], k: int, token_text) -> list:
-    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id: {logprob,
-    rank, decoded_token}} for the token and the ``k`` most likely there."""
-    out: list = [None]
-    for tok, e in zip(prompt_ids[1:], scored[1:], strict=True):
-        entry = {str(i): {"logprob": v, "rank": r, "decoded_token": token_text(i)}
-                 for r, (i, v) in enumerate(e.top[:k], start=1)}
-        entry[str(tok)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(tok)}
-        out.append(entry)
-    return out
-
-
-def joined_logprobs(first: dict, then: dict) -> dict:
-    """Two ``completion_logprobs`` of consecutive text as one."""
-    return {k: first[k] + then[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-
-def chat_logprobs(entries: list[TokenLogprob], token_bytes) -> dict:
-    """``choices[].logprobs`` of /v1/chat/completions; ``token_bytes(id)`` is a token's bytes."""
-
-    def one(token: int, logprob: float) -> dict:
-        raw = token_bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
-                        for e in entries], "refusal": None}

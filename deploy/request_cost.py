@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.request import GenerationRequest
-from deploy.protocol import APIError, Limits
+from deploy.errors import APIError
+from deploy.limits import Limits
 
 __all__ = ["RequestCost"]
 

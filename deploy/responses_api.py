@@ -4,9 +4,9 @@ A Responses request is a chat in another shape: ``input`` (a text, or items: mes
 model's earlier function calls and their outputs) with ``instructions`` as the system message,
 flat function ``tools``, ``text.format`` for JSON output and ``max_output_tokens``.
 ``ResponsesRequest.chat_body`` rewrites it as a ``ChatCompletionRequest``; the chat route runs
-it (templates, tools, reasoning, JSON mode, errors); ``response_of`` reads the chat answer back
+it (templates, tools, reasoning, JSON mode, errors); ``response_of`` reads the chat's whole answer
 as a Response (a reasoning item, a message, function calls), and ``ResponseEvents`` turns the
-chat's stream into the Responses stream's typed events.
+chat's chunks into the Responses stream's typed events.
 
 A response is stored unless ``store`` is false (``deploy.response_store``): its conversation
 goes on from ``previous_response_id``, whose earlier items come before ``input``. The documented
@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deploy.protocol import APIError, documented_fields
+from deploy.errors import APIError
+from deploy.protocol import documented_fields
 
 __all__ = ["ResponseEvents", "ResponsesRequest", "response_of"]
 
@@ -297,31 +298,36 @@ class ResponseEvents:
     def chunk(self, chunk: dict) -> Iterator[str]:
         """The events of one chat chunk (a delta, the finish, the usage, or an error)."""
         if "error" in chunk:
-            err = chunk["error"]
-            yield self._event("error", message=err.get("message"), code=err.get("code"), param=err.get("param"))
-            yield self._event("response.failed", response={**self._response("failed"), "error": {
-                "code": err.get("code") or "server_error", "message": err.get("message")}})
+            yield from self._failed(chunk["error"])
             return
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                yield from self._delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                yield from self._delta("message", delta["content"])
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-            calls = delta.get("tool_calls") or []
-            if calls or choice.get("finish_reason"):
-                if not calls and (self._open is None or self._open["type"] != "message") \
-                        and not any(o["type"] == "message" for o in self.output):
-                    yield from self._begin("message")  # an empty answer is still a message
-                yield from self._close()
-            for call in calls:
-                yield from self._call(call)
+            yield from self._choice(choice)
         if chunk.get("usage") is not None:
             status = "incomplete" if self._finish == "length" else "completed"
             self.final = self._response(status, _usage(chunk["usage"]))
             yield self._event(f"response.{status}", response=self.final)
+
+    def _failed(self, err: dict) -> Iterator[str]:
+        yield self._event("error", message=err.get("message"), code=err.get("code"), param=err.get("param"))
+        yield self._event("response.failed", response={**self._response("failed"), "error": {
+            "code": err.get("code") or "server_error", "message": err.get("message")}})
+
+    def _choice(self, choice: dict) -> Iterator[str]:
+        delta = choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            yield from self._delta("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            yield from self._delta("message", delta["content"])
+        if choice.get("finish_reason"):
+            self._finish = choice["finish_reason"]
+        calls = delta.get("tool_calls") or []
+        if calls or choice.get("finish_reason"):
+            open_message = self._open is not None and self._open["type"] == "message"
+            if not calls and not open_message and not any(o["type"] == "message" for o in self.output):
+                yield from self._begin("message")  # an empty answer is still a message
+            yield from self._close()
+        for call in calls:
+            yield from self._call(call)
 
     def _call(self, call: dict) -> Iterator[str]:
         item, index = _call_item(call), len(self.output)
@@ -334,13 +340,10 @@ class ResponseEvents:
         self.output.append(item)
         yield self._event("response.output_item.done", output_index=index, item=item)
 
-    async def of(self, chat_sse: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-        """The Responses stream of the chat route's SSE stream (``data: {...}`` events)."""
+    async def of(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """The Responses stream of the chat's chunks (``deploy.ingress.render.Answer.chunks``)."""
         for event in self.start():
             yield event
-        async for raw in chat_sse:
-            text = raw.decode() if isinstance(raw, bytes) else raw
-            for line in text.split("\n"):
-                if line.startswith("data: {"):
-                    for event in self.chunk(json.loads(line[6:])):
-                        yield event
+        async for chunk in chunks:
+            for event in self.chunk(chunk):
+                yield event

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from typing import Any
 
 import typer
 
-from deploy.connect import ADDRESS_HELP
+from deploy.connect import ADDRESS_HELP, Target, app_args, require_app, serve_handle
 
 
 def status(
@@ -17,7 +19,6 @@ def status(
     """Nodes and their roles, replicas, expert placement, cache per node and tier, load, GPUs."""
     from actors.gpu import gpu_telemetry
     from deploy.connect import find_target
-    from deploy.local import cluster_status
 
     report = cluster_status(find_target(address))
     report["gpus"] = gpu_telemetry()
@@ -74,3 +75,67 @@ def print_report(console, report: dict) -> None:
                       f"replicas serving it: {len(ep['replicas'])}")
     gpus = report["gpus"]
     console.print(f"GPUs: {len(gpus['gpus'])}" if gpus["available"] else f"GPUs: none ({gpus['reason']})")
+
+
+def _replica_stats(state_actor, target: Target, pd: bool) -> list[dict]:
+    """Every replica's stats from its heartbeat (prefill pool first under P/D, marked ``pool``);
+    one replica's, asked through the app (a Serve handle: ``ray.serve``'s import, ~0.6 s), when
+    none has reported yet."""
+    import ray
+
+    reports = ray.get(state_actor.replica_reports.remote(), timeout=30)
+    out = []
+    for name, r in sorted(reports.items(), key=lambda item: ("LLMDecode" in item[0], item[0])):
+        if "stats" not in r:
+            continue
+        entry = {**r["stats"], "actor_name": name}
+        if pd:
+            entry["pool"] = "decode" if "LLMDecode" in name else "prefill"
+        out.append(entry)
+    return out or [serve_handle(target).stats.remote().result(timeout_s=30)]
+
+
+def cluster_status(target: Target) -> dict[str, Any]:
+    """Nodes (role: serving, lent, idle), the replicas' engine and cache stats, expert placement."""
+    require_app(target)
+    import ray
+
+    from actors.tidal import tidal_state
+    from deploy.ep_admin import find_ep_control
+
+    state_actor = tidal_state()
+    roles, reports = ray.get(state_actor.roles.remote()), ray.get(state_actor.reports.remote())
+    replicas = _replica_stats(state_actor, target, bool(app_args(target).get("decode_replicas")))
+    control = find_ep_control()
+    ep = ray.get(control.info.remote(), timeout=30) if control is not None else None
+    serving = {n for n, r in reports.items() if time.time() - r["time"] < 10}
+
+    def role(n: dict) -> str:
+        if not n["Alive"]:
+            return "gone"
+        r = roles.get(n["NodeID"], "serving")
+        if r == "serving" and n["NodeID"] not in serving:
+            return "idle"  # no replica there
+        return r
+
+    nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "cpus": n["Resources"].get("CPU", 0), "role": role(n)}
+             for n in ray.nodes()]
+    placement = ({"shards": ep["num_shards"], "version": ep["version"], "replicas": ep["replicas"]}
+                 if ep else None)
+    from deploy.cache_cli import cache_stats
+
+    url = (target.local or {}).get("url") or _serve_url()
+    return {"url": url, "address": target.address, "nodes": nodes, "replicas": replicas, "expert_placement": placement,
+            "cache": cache_stats()}
+
+
+def _serve_url() -> str | None:
+    """The HTTP address Serve listens on (a cluster `tide up` did not start)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
+        return f"http://{host}:{http.port}/v1"
+    except Exception:  # noqa: BLE001 - shown as unknown
+        return None

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cachedir.agent.client import AgentClient, AgentError
@@ -76,6 +76,7 @@ class ClusterCache:
         self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be cached somewhere
         self._bad_local: OrderedDict[bytes, None] = OrderedDict()  # this node's copy failed verification
         self._live: tuple[float, dict[str, str]] = (-1e18, {})
+        self._planned_addresses: dict[str, str] = {}  # node -> its agent's address, as the latest plan gave it
         self._live_ttl_s = live_ttl_s
         self._suspect_s = suspect_s
         # node -> (monotonic time until which it is avoided, the agent address that failed; None:
@@ -135,13 +136,15 @@ class ClusterCache:
             return key in self._held
 
     # -- lookups and loads ---------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], holders: Sequence[Sequence[str]] | None = None,
+               addresses: Mapping[str, str] | None = None) -> list[str]:
         """Tiers of the leading units that can be loaded ("ram"/"ssd" here, "remote" on another
         node). ``holders`` (a prefix plan: the directory's answer the ingress got) replaces both
-        the agent's and the directory's lookup: this node's units are "local" then."""
+        the agent's and the directory's lookup: this node's units are "local" then; with the live
+        holders' ``addresses`` the directory is not asked which nodes live either."""
         self._count("lookups")
         if holders is not None:
-            local, remote = self._from_plan(holders)
+            local, remote = self._from_plan(holders, addresses)
         else:
             local, remote = self._ask(keys)
         tiers = []
@@ -178,13 +181,20 @@ class ClusterCache:
                 self._count("directory_errors")
         return local, remote
 
-    def _from_plan(self, holders: Sequence[Sequence[str]]) -> tuple[list[str], list[list[str]]]:
-        """The same from a plan's holders: "local" where this node is one, else the live others."""
-        try:
-            live = self._live_nodes() if self.directory is not None else {}
-        except DirectoryUnavailable:
-            self._count("directory_errors")
-            live = {}
+    def _from_plan(self, holders: Sequence[Sequence[str]],
+                   addresses: Mapping[str, str] | None) -> tuple[list[str], list[list[str]]]:
+        """The same from a plan's holders: "local" where this node is one, else the live others
+        (those the plan gives an address, else those the directory lists as live)."""
+        if addresses:
+            live = dict(addresses)
+            with self._lock:
+                self._planned_addresses.update(live)
+        else:
+            try:
+                live = self._live_nodes() if self.directory is not None else {}
+            except DirectoryUnavailable:
+                self._count("directory_errors")
+                live = {}
         local = ["local" if self.node_id in hs else "" for hs in holders]
         return local, [self._trusted([n for n in hs if n != self.node_id and n in live], live) for hs in holders]
 
@@ -248,7 +258,9 @@ class ClusterCache:
             if node is None:
                 found = self.local.fetch(wanted, requester=self.node_id, max_unit_bytes=self._max_unit_bytes)
             else:
-                address = self._live_nodes().get(node)
+                with self._lock:
+                    address = self._planned_addresses.get(node)
+                address = address or self._live_nodes().get(node)
                 if address is None:
                     return node, got
                 try:

@@ -95,7 +95,7 @@ def host_ms_per_step(batch: int, context: int, steps: int = 30, warmup: int = 5,
     total = context + warmup + ROUNDS * steps + 2
     model = NullModel(total + 1)
     cfg = EngineConfig(num_pages=batch * -(-(total + 1) // page), page_size=page, max_num_seqs=batch,
-                       max_prefill_tokens=context * batch)
+                       max_prefill_tokens=context * batch, itl_factor=0.0)
     engine = Engine(model, cfg, Namespace(model.cfg.fingerprint(), "bench", "float32", "latent", 64),
                     byte_text, eos_id=None)
     gen = torch.Generator().manual_seed(0)

@@ -113,7 +113,7 @@ def _engine_decode(model: DeepseekModel, ctx_lens: list[int], steps: int) -> Cas
 
     def run() -> float:
         engine = Engine(model, EngineConfig(num_pages=batch * pages_per_seq, max_num_seqs=batch, prefix_sharing=False,
-                                            max_prefill_tokens=sum(ctx_lens)),
+                                            max_prefill_tokens=sum(ctx_lens), itl_factor=0.0),
                         ns, byte_text, eos_id=None)
         for j, prompt in enumerate(prompts):
             engine.add_request(GenerationRequest(f"r{j}", tuple(prompt), steps + 2))

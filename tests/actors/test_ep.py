@@ -209,7 +209,10 @@ def test_prefill_decode_split_with_ep_equals_single_process(ep_server, checkpoin
 
     import ray
 
-    from actors.pd_router import PDRouter
+    from actors.replica_pool import ActorPool
+    from deploy.ingress.dispatch import Dispatcher
+    from deploy.ingress.planner import Planner
+    from deploy.metrics import IngressMetrics
 
     _, _, control = ep_server
 
@@ -218,22 +221,27 @@ def test_prefill_decode_split_with_ep_equals_single_process(ep_server, checkpoin
 
     prefill, decode = [replica(0, 64)], [replica(1, 6), replica(2, 6)]  # 96 KV tokens each
     ray.get([r.check_health.remote() for r in prefill + decode], timeout=300)
-    router = PDRouter(prefill, decode)
+    metrics = IngressMetrics("tiny")
 
     async def run_all():
+        # the pools' conditions belong to this event loop
+        decode_pool = ActorPool(decode, kv=True)
+        router = Dispatcher(ActorPool(prefill), Planner(None, None), metrics, decode=decode_pool)
+
         async def one(prompt):
             req = GenerationRequest("", tuple(prompt), MAX_TOKENS, ignore_eos=True)
-            return [t async for item in router.generate(req) for t in item.new_token_ids]
+            return [t async for _, item in router.choices((req,), 1) for t in item.new_token_ids]
 
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
+        return await asyncio.gather(*(one(p) for p in PROMPTS)), decode_pool
 
-    assert asyncio.run(run_all()) == reference
-    assert router.stats["handoffs"] == len(PROMPTS)
-    assert router.stats["queued"] >= 1  # 4 requests of 48-80 KV tokens do not all fit at once
+    got, decode_pool = asyncio.run(run_all())
+    assert got == reference
+    assert metrics.handoffs._value.get() == len(PROMPTS)
+    assert decode_pool.queued >= 1  # 4 requests of 48-80 KV tokens do not all fit at once
     served = [ray.get(d.stats.remote())["engine"]["decode_tokens"] for d in decode]
     assert all(n > 0 for n in served)  # both decode replicas took requests
-    router.balancer.check_integrity()
-    assert all(r.reserved_tokens == 0 for r in router.balancer.replicas.values())
+    decode_pool.balancer.check_integrity()
+    assert all(r.reserved_tokens == 0 for r in decode_pool.balancer.replicas.values())
 
 
 def test_scale_down_and_up_during_a_stream(ep_server, reference):

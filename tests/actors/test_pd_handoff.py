@@ -46,8 +46,9 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
     import ray
     import torch
 
-    from actors.pd_handoff import decode_request, read_prefill
+    from actors.pd_handoff import read_prefill
     from cluster.request import GenerationRequest
+    from deploy.ingress.dispatch import decode_request
     from model.checkpoint import load_model
     from model.generate import generate
     from model.sampling import SamplingParams

@@ -107,7 +107,7 @@ def test_day_night_day(serving):
         assert set(staying) < set(reports)  # the others were not replaced
         lent = night["lent"][0]
         assert night["serving_replicas"] == 2 and night["job_id"]
-        from deploy.tidal import _serve_replicas
+        from deploy.serve_state import serve_replicas as _serve_replicas
 
         ingress = {node for name, (_, node) in _serve_replicas("tideserve").items() if "#OpenAIIngress#" in name}
         assert ingress and lent not in ingress  # the ingress runs on the head (the default), which is never lent
@@ -150,7 +150,8 @@ def test_a_replica_killed_mid_decode_loses_no_request_and_no_token(serving):
     import ray
 
     from actors.tidal import tidal_state
-    from deploy.tidal import _running_replicas, _serve_replicas
+    from deploy.serve_state import running_replicas as _running_replicas
+    from deploy.serve_state import serve_replicas as _serve_replicas
 
     url, _, _, _ = serving
     # long enough that its replica reports it running (twice a second) while it streams: a decode
@@ -204,7 +205,8 @@ def test_a_kubernetes_night_and_morning(serving, tmp_path):
 
     from actors.tidal import jobs_client
     from deploy.app import build_app
-    from deploy.tidal import _running_replicas, _wait
+    from deploy.serve_state import running_replicas as _running_replicas
+    from deploy.serve_state import wait_for as _wait
     from tests.k8s.fake_kube import FakeKube, KubeRayController
 
     url, args, home, cluster = serving

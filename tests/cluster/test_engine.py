@@ -30,7 +30,8 @@ def _ns(model):
 
 def _engine(model, cache=None, **kw):
     tok = ByteTokenizer()
-    return Engine(model, EngineConfig(**{"num_pages": 256, **kw}), _ns(model), tok.decode, None, cache,
+    # fixed prefill chunks (itl_factor 0): these tests count chunks and passes
+    return Engine(model, EngineConfig(**{"num_pages": 256, "itl_factor": 0.0, **kw}), _ns(model), tok.decode, None, cache,
                   grammar_vocab=tok.grammar_vocab)
 
 
@@ -786,7 +787,7 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
                                                        (1, 64, 2 * 64, 0, tmp_path), (0, 0, 3 * 64, 0, tmp_path),
                                                        (3, 0, 0, 3 * 64, tmp_path / "empty")):
         eng = _engine(model, _cache(where, ram=0))  # "empty": the directory listed units this node lost
-        plan = PrefixPlan(keys, holders=(("node",),) * 3, load_units=load_units)
+        plan = PrefixPlan(keys, holders=(("node",),) * 3, load_units=load_units, namespace=_ns(model).id)
         hashed.clear()
         eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=plan))
         outs = eng.run_to_completion()["r"]
@@ -802,12 +803,33 @@ def test_a_prefix_plan_is_loaded_as_planned_and_a_declined_load_is_computed(mode
     # directory remembers the second as dropped by its holders) evicted
     for dropped, evicted in ((False, 0), (True, 2 * 64)):
         eng = _engine(model, _cache(tmp_path, ram=0))
-        plan = PrefixPlan(keys, holders=(("node",),), dropped_next=dropped)
+        plan = PrefixPlan(keys, holders=(("node",),), dropped_next=dropped, namespace=_ns(model).id)
         eng.add_request(GenerationRequest("r", prompt, max_tokens=6, plan=plan))
         src = eng.run_to_completion()["r"][-1].sources
         assert (src.ssd, src.declined, src.stale, src.evicted) == (64, 0, 0, evicted)
         assert src.compute == len(prompt) - 64
         eng.cache.close()
+
+
+def test_a_plan_made_in_another_namespace_is_refused_loudly(model):
+    """The ingress and the replica derive the namespace from one ``CacheIdentity``; should they
+    still disagree (another secret, dtype or weights), the replica refuses the plan instead of
+    missing on every unit in silence. A tenant's plan is in the tenant's namespace."""
+    from cachedir.hashing import chain_keys
+    from cluster.request import PlanMismatch, PrefixPlan
+
+    prompt = _prompt(64 * 2 + 5, 12)
+    ns = _ns(model)
+    other = dataclasses.replace(ns, secret=b"another cluster's secret")
+    eng = _engine(model)
+    for tenant, space in (("", other), ("acme", ns)):
+        plan = PrefixPlan(tuple(chain_keys(space.seed, prompt, 64)), namespace=space.id)
+        with pytest.raises(PlanMismatch, match="cache namespace"):
+            eng.add_request(GenerationRequest("r", prompt, max_tokens=2, tenant=tenant, plan=plan))
+    tenant_ns = ns.for_tenant("acme")
+    plan = PrefixPlan(tuple(chain_keys(tenant_ns.seed, prompt, 64)), namespace=tenant_ns.id)
+    eng.add_request(GenerationRequest("r", prompt, max_tokens=2, tenant="acme", plan=plan))
+    assert len(eng.run_to_completion()["r"]) >= 1
 
 
 def test_json_mode_after_a_thought_constrains_only_the_answer(model):

@@ -19,7 +19,7 @@ from model.tokenizer import ByteTokenizer
 def _engine(model, **kw):
     ns = Namespace(model.cfg.fingerprint(), "test", "float32", "latent", 64)
     tok = ByteTokenizer()
-    return Engine(model, EngineConfig(**{"num_pages": 128, **kw}), ns, tok.decode, None, grammar_vocab=tok.grammar_vocab)
+    return Engine(model, EngineConfig(**{"num_pages": 128, "itl_factor": 0.0, **kw}), ns, tok.decode, None, grammar_vocab=tok.grammar_vocab)
 
 
 def _prompt(n, seed):

@@ -9,12 +9,13 @@ import asyncio
 from types import SimpleNamespace
 
 from cluster.request import GenerationRequest
+from cluster.routing_stats import RoutingStats
 from deploy.decode_router import DecodeRouter
 
 
 def _replica(rid: str, tokens: int) -> SimpleNamespace:
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid),
-                           routing_stats={"kv": {"tokens": tokens, "page_size": 16}})
+                           routing_stats=RoutingStats(kv_tokens=tokens, page_size=16).to_dict())
 
 
 def _request(rid: str, prompt: int, max_tokens: int) -> SimpleNamespace:

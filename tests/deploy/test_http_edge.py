@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from deploy.http_edge import EdgeConfig, EdgeMiddleware, find_grant
-from deploy.protocol import KeyGrant
+from deploy.limits import KeyGrant
 
 LIMIT = 1000
 
@@ -180,7 +180,7 @@ def test_quotas_cover_every_protected_path_also_under_a_route_prefix(root_path):
 
 
 def test_limits_take_tenant_quotas_and_refuse_bad_ones():
-    from deploy.protocol import Limits
+    from deploy.limits import Limits
 
     assert Limits(tenant_requests_per_minute=600, tenant_concurrency=4).tenant_concurrency == 4
     with pytest.raises(ValueError, match="tenant_concurrency"):

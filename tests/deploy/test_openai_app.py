@@ -409,6 +409,7 @@ def test_tool_choice_required_is_one_call_of_one_of_the_tools(client):
     each tool's arguments per its parameters) and comes back as that call, the same as the model
     alone under that schema's masks, whole and streamed."""
     jsonschema = pytest.importorskip("jsonschema")
+    from deploy.ingress import structured
     from deploy.protocol import ChatCompletionRequest
     from model.tokenizer import ByteTokenizer
 
@@ -422,7 +423,7 @@ def test_tool_choice_required_is_one_call_of_one_of_the_tools(client):
     (call,) = choice.message.tool_calls
     params = {t["function"]["name"]: t["function"]["parameters"] for t in CALLABLE}
     jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
-    spec = ChatCompletionRequest(**kw).required_grammar(65536)
+    spec = structured.required_grammar(ChatCompletionRequest(**kw), 65536)
     chat_ids = ByteTokenizer().apply_chat_template(msgs, CALLABLE)
     alone = ByteTokenizer().decode(_alone(chat_ids, 64, spec,
                                           logit_bias=tuple((int(t), float(b)) for t, b in bias.items())))

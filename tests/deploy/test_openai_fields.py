@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from deploy.errors import APIError
 from deploy.openai_fields import NO_OP, UNSERVED
-from deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from deploy.responses_api import ResponsesRequest
 
 openai = pytest.importorskip("openai")

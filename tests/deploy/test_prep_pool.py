@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from deploy.limits import KeyGrant
 from deploy.prep_pool import PrepPool
-from tests.deploy.ingress_fakes import ingress
+from tests.deploy.ingress_fakes import FakePool, ingress
 
 pytestmark = [pytest.mark.security]
 
@@ -57,17 +58,13 @@ def test_a_share_larger_than_the_pool_is_refused():
 
 
 def test_the_chat_route_renders_its_prompt_on_a_prep_thread():
-    ing = ingress(handle=None)
+    ing = ingress(FakePool())
     seen = {}
 
-    def chat_request(body, grant):
+    def chat(body, grant):
         seen["thread"] = threading.current_thread().name
-        return "req", None, "tool_calls", None
+        return "prepared"
 
-    async def respond(reqs, body, kind, calls, tool_finish, **kw):
-        return reqs
-
-    ing._chat_request, ing._respond = chat_request, respond
-    body = SimpleNamespace(prompt_logprobs=None)
-    assert asyncio.run(ing.chat_completions(body, SimpleNamespace(scope={}))) == ["req"]
+    ing.prepare.chat = chat
+    assert asyncio.run(ing.chat(SimpleNamespace(), KeyGrant("t"))) == "prepared"
     assert seen["thread"].startswith("ingress-prep")

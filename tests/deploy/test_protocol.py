@@ -8,15 +8,15 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deploy.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from deploy.errors import APIError
+from deploy.ingress import structured
+from deploy.ingress.logprobs import (
     completion_logprobs,
     echo_logprobs,
     joined_logprobs,
     prompt_logprobs,
 )
+from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from model.grammar import GrammarError, Grammars, GrammarSpec, GrammarState, GrammarVocab
 from model.sampling_params import TokenLogprob
 
@@ -34,17 +34,17 @@ def test_a_named_function_is_generated_under_its_parameters_schema():
     req = ChatCompletionRequest(model="m", messages=MSGS, tools=_tools(CITY),
                                 tool_choice={"type": "function", "function": {"name": "f"}})
     assert req.forced_function() == "f"
-    spec = req.forced_grammar("f", LIMIT)
+    spec = structured.forced_grammar(req, "f", LIMIT)
     assert spec.kind == "json_schema" and json.loads(spec.source) == CITY
     # a schema the grammar cannot enforce: the arguments are still one JSON object
     loose = ChatCompletionRequest(model="m", messages=MSGS, tools=_tools({"type": "object", "not": {"type": "object"}}),
                                   tool_choice={"type": "function", "function": {"name": "f"}})
-    assert loose.forced_grammar("f", LIMIT).kind == "json_object"
+    assert structured.forced_grammar(loose, "f", LIMIT).kind == "json_object"
 
 
 def test_response_formats():
     def spec(fmt, **body):
-        return ChatCompletionRequest(model="m", messages=MSGS, response_format=fmt, **body).grammar(LIMIT)
+        return structured.grammar(ChatCompletionRequest(model="m", messages=MSGS, response_format=fmt, **body), LIMIT)
 
     assert spec(None) is None and spec({"type": "text"}) is None
     assert spec({"type": "json_object"}).kind == "json_object"
@@ -134,7 +134,7 @@ def test_tool_choice_required_is_a_schema_of_one_call_of_any_tool():
              {"type": "function", "function": {"name": "match", "parameters": {
                  "type": "object", "properties": {"re": {"type": "string", "pattern": "^a"}}}}},
              {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "not": {}}}}]
-    spec = ChatCompletionRequest(model="m", messages=MSGS, tools=tools, tool_choice="required").required_grammar(LIMIT)
+    spec = structured.required_grammar(ChatCompletionRequest(model="m", messages=MSGS, tools=tools, tool_choice="required"), LIMIT)
     jsonschema = pytest.importorskip("jsonschema")
     validator = jsonschema.Draft202012Validator(json.loads(spec.source))
     good = [{"plant": {"label": "x", "kids": [{"label": "y", "tag": {"v": "a"}}]}}, {"ping": {}},
@@ -145,6 +145,6 @@ def test_tool_choice_required_is_a_schema_of_one_call_of_any_tool():
         assert validator.is_valid(value) and _accepts(spec, value), value
     for value in bad:
         assert not validator.is_valid(value) and not _accepts(spec, value), value
-    assert ChatCompletionRequest(model="m", messages=MSGS, tools=tools).required_grammar(LIMIT) is None
+    assert structured.required_grammar(ChatCompletionRequest(model="m", messages=MSGS, tools=tools), LIMIT) is None
     with pytest.raises(APIError, match="needs tools"):
-        ChatCompletionRequest(model="m", messages=MSGS, tool_choice="required").required_grammar(LIMIT)
+        structured.required_grammar(ChatCompletionRequest(model="m", messages=MSGS, tool_choice="required"), LIMIT)

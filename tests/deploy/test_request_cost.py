@@ -4,14 +4,13 @@ prompt's scores shared by its choices; the ingress runs in-process on a fake rep
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
-from deploy.protocol import APIError
+from deploy.errors import APIError
 from deploy.request_cost import RequestCost
 from model.sampling_params import TokenLogprob
-from tests.deploy.ingress_fakes import ingress, output, request
+from tests.deploy.ingress_fakes import FakePool, ingress, output, prepared, request
 
 pytestmark = [pytest.mark.security]
 
@@ -24,7 +23,7 @@ def test_the_cost_counts_every_choice_and_each_scored_prompt_once():
 @pytest.mark.parametrize("limits, needle", [({"max_request_tokens": 71}, "limits.max_request_tokens"),
                                             ({"max_scored_tokens": 9}, "limits.max_scored_tokens")])
 def test_a_request_over_a_cost_limit_is_a_400_naming_it(limits, needle):
-    from deploy.protocol import Limits
+    from deploy.limits import Limits
 
     cost = RequestCost(tokens=72, scored=10)
     with pytest.raises(APIError) as e:
@@ -33,47 +32,29 @@ def test_a_request_over_a_cost_limit_is_a_400_naming_it(limits, needle):
     cost.check(Limits(max_request_tokens=72, max_scored_tokens=10))  # at the limits: accepted
 
 
-class _Recording:
-    """A replica handle that records each request and answers it with two tokens, the first
-    with the prompt's scores when the request asked for them."""
-
-    def __init__(self) -> None:
-        self.requests: list = []
-        self.generate = SimpleNamespace(remote=self._remote)
-
-    def options(self, **_):
-        return self
-
-    def _remote(self, req):
-        self.requests.append(req)
+def _recording() -> FakePool:
+    """Replicas that answer each request with two tokens, the first with the prompt's scores
+    when the request asked for them."""
+    async def outputs(req):
         scores = None
         if req.sampling.prompt_logprobs is not None:
             scores = [None] + [TokenLogprob(t, -1.0, (), 1) for t in req.prompt_ids[1:]]
+        await asyncio.sleep(0.01 * (req.sampling.prompt_logprobs is not None))  # the scored choice comes late
+        yield output(7, prompt_logprobs=scores)
+        yield output(8, finished=True)
 
-        async def outputs():
-            await asyncio.sleep(0.01 * (req.sampling.prompt_logprobs is not None))  # the scored choice comes late
-            yield output(7, prompt_logprobs=scores)
-            yield output(8, finished=True)
-
-        class Response:
-            def __aiter__(self):
-                return outputs()
-
-            def cancel(self):
-                pass
-
-        return Response()
+    return FakePool(outputs)
 
 
 def test_a_scored_prompt_is_scored_once_for_all_its_choices():
     """n = 3 choices of each of two scored prompts: the replica scores each prompt once (one
     request each with prompt_logprobs), and every choice's first output carries its prompt's
     scores."""
-    handle = _Recording()
-    reqs = [request(seed=5, prompt=(1, 2, 3), prompt_logprobs=1), request(seed=5, prompt=(4, 5), prompt_logprobs=1)]
+    handle = _recording()
+    reqs = (request(seed=5, prompt=(1, 2, 3), prompt_logprobs=1), request(seed=5, prompt=(4, 5), prompt_logprobs=1))
 
     async def run():
-        return [x async for x in ingress(handle)._choices(reqs, 3)]
+        return [x async for x in ingress(handle).dispatch.choices(reqs, 3)]
 
     firsts: dict[int, object] = {}
     for i, item in asyncio.run(run()):
@@ -90,26 +71,25 @@ def test_a_tenant_over_its_token_quota_gets_a_429_and_others_do_not():
     """tenant_tokens_per_minute: each request draws its cost; over what is left a 429 with
     Retry-After, refilled as the minute goes; a cost over a minute's worth is a 400."""
     now = [0.0]
-    ing = ingress(_Recording(), tokens_per_minute=600, clock=lambda: now[0])
+    ing = ingress(_recording(), tokens_per_minute=600, clock=lambda: now[0])
     cost = RequestCost(tokens=400, scored=0)
-    ing._charge(cost, "alpha")
+    ing.charge(cost, "alpha")
     with pytest.raises(APIError) as e:
-        ing._charge(cost, "alpha")
+        ing.charge(cost, "alpha")
     assert e.value.status == 429 and "limits.tenant_tokens_per_minute" in e.value.message
     assert e.value.retry_after_s == 20  # 200 tokens short at 10 a second
-    ing._charge(cost, "beta")  # another tenant's bucket is its own
+    ing.charge(cost, "beta")  # another tenant's bucket is its own
     now[0] = 20.0
-    ing._charge(cost, "alpha")
+    ing.charge(cost, "alpha")
     with pytest.raises(APIError) as e:
-        ing._charge(RequestCost(tokens=601, scored=0), "gamma")
+        ing.charge(RequestCost(tokens=601, scored=0), "gamma")
     assert e.value.status == 400 and "more than its tenant's quota of 600" in e.value.message
 
 
 def test_the_ingress_refuses_an_over_budget_request_before_any_replica_sees_it():
-    handle = _Recording()
-    body = SimpleNamespace(stream=False, stream_options=None, n=8)
+    handle = _recording()
     big = [request(prompt=range(1000), max_tokens=64)] * 4
 
     with pytest.raises(APIError, match="max_request_tokens"):
-        asyncio.run(ingress(handle, {"max_request_tokens": 30000})._respond(big, body, "completion"))
+        ingress(handle, {"max_request_tokens": 30000}).answer(prepared(big, n=8))
     assert handle.requests == []

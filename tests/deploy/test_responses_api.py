@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from deploy.protocol import APIError, ChatCompletionRequest
+from deploy.errors import APIError
+from deploy.ingress import structured
+from deploy.protocol import ChatCompletionRequest
 from deploy.responses_api import ResponseEvents, ResponsesRequest, response_of
 
 TOOL = {"type": "function", "name": "get_weather", "description": "now",
@@ -41,7 +43,7 @@ def test_the_request_is_a_chat_request():
     assert chat.seed == 5 and chat.parallel_tool_calls is False
     assert chat.tools == [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
     assert chat.forced_function() == "get_weather"
-    spec = chat.grammar(65536)
+    spec = structured.grammar(chat, 65536)
     assert (spec.kind, spec.source) == ("json_schema", '{"type": "object"}')
 
 

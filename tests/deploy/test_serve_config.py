@@ -141,9 +141,10 @@ def test_the_replicas_get_one_typed_config_with_every_app_arg(tmp_path, monkeypa
     assert (st.ssd_bytes, st.ram_bytes, st.layout, st.admission) == (2_000_000_000, 7 << 20, "unit", "second-sight")
     assert server.agents.store == st and server.agents.replicas == 3 and server.agents.directory == server.directory
     assert (server.directory.url, server.directory.namespace) == ("redis://127.0.0.1:1/0", "ns-7")
-    assert ingress.init_args[1]["directory"] == server.directory  # the ingress plans in the same namespace
-    # int8 weights compute other KV: the replicas and the ingress hash units in another namespace
-    assert server.cpu_weights == "int8" == ingress.init_args[1]["cpu_weights"]
+    assert ingress.init_args[1].directory == server.directory  # the ingress plans in the same namespace
+    # int8 weights compute other KV: the replicas and the ingress hash units in one identity
+    assert server.cpu_weights == "int8" == ingress.init_args[1].identity.cpu_weights
+    assert ingress.init_args[1].identity == server.identity
     with pytest.raises(TypeError, match="ReplicaConfig"):
         from actors.llm_server import LLMServer
 
@@ -240,7 +241,7 @@ def test_no_credential_travels_in_the_apps_init_args(tmp_path, monkeypatch):
     agents = server.init_args[0].agents
     assert agents.token_file == str(token_file) and agents.token is None
     assert server.init_args[0].directory.password_env == agents.directory.password_env == "TIDE_TEST_REDIS_PW"
-    assert ingress.init_args[1]["directory"].password_env == "TIDE_TEST_REDIS_PW"
+    assert ingress.init_args[1].directory.password_env == "TIDE_TEST_REDIS_PW"
     # a file others can read, or a name that is not set, fails the deploy, not every replica
     token_file.chmod(0o644)
     with pytest.raises(ValueError, match="agent token file .* readable by others"):

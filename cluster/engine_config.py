@@ -1,0 +1,57 @@
+"""The engine's configuration (torch-free: the app's arguments take their defaults from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.units import UNIT_TOKENS
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """An engine's knobs; their defaults are the serving defaults (``deploy.app_args.AppArgs``
+    takes its own from here)."""
+
+    num_pages: int = 4096
+    page_size: int = 16
+    max_num_seqs: int = 16
+    max_prefill_tokens: int = 2048
+    load_timeout_s: float = 5.0
+    admission: str = "all"  # unit-granular policies only: "all" | "second-sight"
+    prefix_sharing: bool = True  # reuse pages of finished prompts in this replica
+    micro_batches: int = 1  # 2: decode in two pipelined halves (hides expert-parallel rounds)
+    # While sequences decode, a prefill chunk is sized from measured speeds so that nine in ten
+    # steps take at most this many decode steps' time (their inter-token latency stays bounded);
+    # 0: every chunk is max_prefill_tokens long. 2.5 keeps their p99 within 3 decode steps
+    # (tide bench engine's itl)
+    itl_factor: float = 2.5
+    # with itl_factor on, a step with a prefill chunk may always take this long (ms), where
+    # itl_factor decode steps are shorter: decode steps of a millisecond would otherwise cut a
+    # prompt into chunks of a few tokens, each paying a pass's overhead (0: no floor); a pass of
+    # 10 ms is no latency a reader of the stream notices
+    itl_floor_ms: float = 10.0
+    # True: every decode step runs eagerly; False: on a CUDA model whose experts are local, decode
+    # steps without a prefill chunk replay a CUDA graph captured per batch bucket (model.fixed_decode)
+    enforce_eager: bool = False
+    # a scored prompt's chunk holds its logits [T, V] and their log-softmax (float32): T is the
+    # most whose two fit this bound (at most scheduler.SCORED_CHUNK)
+    scored_logits_mib: int = 256
+
+    def __post_init__(self) -> None:
+        if self.admission not in ("all", "second-sight"):
+            raise ValueError(
+                f"admission policy {self.admission!r} is not available for serving; use all or second-sight"
+            )
+        if UNIT_TOKENS % self.page_size:
+            raise ValueError(f"page_size {self.page_size} must divide the {UNIT_TOKENS}-token unit")
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, got {self.micro_batches}")
+        for name in ("num_pages", "max_num_seqs", "max_prefill_tokens", "scored_logits_mib"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.itl_factor != 0 and self.itl_factor <= 1:
+            raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
+        if not self.itl_floor_ms >= 0:
+            raise ValueError(f"itl_floor_ms must be >= 0, got {self.itl_floor_ms}")

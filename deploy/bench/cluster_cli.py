@@ -1,0 +1,258 @@
+"""``tide bench`` on clusters: the directory, trace replays, TTFT, the cluster, the Serve app, hostile
+neighbours, streams, soak; ``all`` of the CPU benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from deploy.bench.cli_common import PLOT, check_plot, emit, family_name, plotted
+from deploy.options import check_checkpoint, check_redis_url
+
+
+def bench_directory(
+    redis_url: str = typer.Option(None, "--redis-url", help="measure this Redis or cluster (redis+cluster://) "
+                                  "only; default: a local redis-server and a local 3-primary Redis Cluster"),
+    units: int = typer.Option(2000, "--units", min=1, help="chain length looked up (2,000 = 128K tokens)"),
+    lookups: int = typer.Option(300, "--lookups", min=1),
+    clients: int = typer.Option(16, "--clients", min=1, help="concurrent clients looking the chain up"),
+    trace: Path = typer.Option(None, "--trace", help="also replay a Mooncake-format JSONL trace's lookups and "
+                               "registrations"),
+    trace_limit: int = typer.Option(2000, "--trace-limit", min=1, help="requests of the trace replayed"),
+    trace_nodes: int = typer.Option(8, "--trace-nodes", min=1, help="nodes the replayed units are registered on"),
+    cluster: bool = typer.Option(True, "--cluster/--no-cluster", help="also measure a local Redis Cluster"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """The cache directory on one Redis and on a Redis Cluster (3 primaries, a replica each),
+    per store: ``chain`` (one client, a --units chain: round trips per lookup, lookups/s, p50/p99,
+    registrations/s, redis_us_per_lookup: the command time a lookup costs Redis, from INFO
+    commandstats over every primary; redis_cpu_us_per_lookup: its main threads' CPU, which also
+    counts reading requests and writing replies, with redis_cpu_us_per_ping that floor for an empty
+    round trip; redis_bytes_per_unit: memory per unit one node holds), ``concurrent`` (--clients
+    threads: lookups/s and p50/p99) and, with --trace, ``trace`` (the trace's prompts looked up and
+    their missed units registered in order; on the cluster cluster_imbalance: the busiest primary's
+    command time over the mean)."""
+    from deploy.bench.directory_bench import run_directory
+
+    check_redis_url(redis_url)
+    if trace is not None and not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    emit(run_directory(redis_url, units, lookups, clients, trace, trace_limit, trace_nodes, cluster))
+
+
+def bench_trace(
+    trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace"),
+    policy: str = typer.Option("all", "--policy", help="all | deepseek | second-sight | every (all three)"),
+    capacity_gb: float = typer.Option(None, "--capacity-gb", min=0.0, help="SSD capacity (default: unlimited)"),
+    capacity_fraction: float = typer.Option(None, "--capacity-fraction", min=0.0, help="capacity as a share of the trace's unique unit bytes"),
+    ram_gb: float = typer.Option(None, "--ram-gb", min=0.0, help="RAM tier above the SSD"),
+    unit: int = typer.Option(64, "--unit", min=1, help="tokens per cache unit (must divide 512)"),
+    unit_bytes: int = typer.Option(None, "--unit-bytes", min=1, help="bytes per unit (default: the bench model's)"),
+    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu"),
+    limit: int = typer.Option(None, "--limit", min=1, help="replay only the first N requests"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Replay a trace through the real admission and eviction code; hit rate and bytes moved."""
+    from cachedir.admission import POLICIES
+    from deploy.bench.cache_bench import bench_unit_bytes, run_trace
+
+    if not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    if policy != "every" and policy not in POLICIES:
+        raise typer.BadParameter(f"--policy {policy!r} is not one of {', '.join(POLICIES)}, every")
+    if 512 % unit:
+        raise typer.BadParameter(f"--unit {unit} must divide the trace's 512-token blocks")
+    if eviction not in ("lru", "lfu"):
+        raise typer.BadParameter(f"--eviction {eviction!r} is not one of lru, lfu")
+    if capacity_gb is not None and capacity_fraction is not None:
+        raise typer.BadParameter("give at most one of --capacity-gb and --capacity-fraction")
+    policies = list(POLICIES) if policy == "every" else [policy]
+    try:
+        result = run_trace(trace, policies, capacity_gb, capacity_fraction, unit,
+                           unit_bytes or bench_unit_bytes(), ram_gb, eviction, limit)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    emit(result)
+
+
+def bench_ttft(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the bench config"),
+    prompt_tokens: int = typer.Option(4096 + 37, "--prompt-tokens", min=65,
+                                      help="prompt length (default 4,133: not a whole number of units)"),
+    repeats: int = typer.Option(5, "--repeats", min=1),
+    v3_prompt_tokens: int = typer.Option(4096, "--v3-prompt-tokens", min=64,
+                                         help="prompt whose DeepSeek-V3-sized units are loaded"),
+    family: str = typer.Option("v3", "--family", help="without --checkpoint: the bench config of v3, v3.2 or v4"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Time to first token of a long prompt (medians of --repeats, with ranges): computed, and
+    loaded as a deployment loads it, through the node's cache agent over gRPC (its RAM tier; its
+    SSD, page cache dropped) and through another node's agent; every run on a fresh engine with
+    the same first token. Beside it the loads alone (GB/s, tokens/s, and whether they beat the
+    prefill tokens/s measured here), and loads of DeepSeek-V3-sized units (~70 KB of KV per
+    token) against DeepSeek's prefill rate per H800 node. ``prefix_load``: the bytes the hit
+    loaded per cached token, and the same for the published V3, V3.2, V4-Flash and V4-Pro."""
+    from deploy.bench.ttft_bench import run_ttft
+
+    check_checkpoint(checkpoint)
+    emit(run_ttft(checkpoint, prompt_tokens, repeats, v3_prompt_tokens, family=family_name(family)))
+
+
+def bench_cluster(
+    trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)"),
+    nodes: int = typer.Option(3, "--nodes", min=2, max=8, help="simulated Ray nodes (one replica and one cache agent each)"),
+    requests: int = typer.Option(1500, "--requests", min=1, help="replay the first N trace records (the whole 3,993-request shared trace takes ~13 min here)"),
+    concurrency: int = typer.Option(4, "--concurrency", min=1),
+    block_tokens: int = typer.Option(8, "--block-tokens", min=1, max=512, help="tokens per 512-token trace block (scale factor = 512 / this)"),
+    max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
+    max_tokens: int = typer.Option(4, "--max-tokens", min=1, help="cap on each request's (scaled) output"),
+    modes: str = typer.Option("shared,prefix_affinity,per_node,round_robin", "--modes",
+                              help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    plot: Path = PLOT,
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Replay a trace against a simulated multi-node cluster: the shared cache directory with the
+    cache-aware router; prefix affinity without a directory (consistent hashing of the first 256
+    tokens, the baseline SGLang's and Ray Serve's routers offer); per-node caches only; round-robin
+    placement. Every mode --repeats times, taking turns, on empty caches each run: medians with
+    ranges of token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms and
+    ttft_p99_ms, every run's figures with its TTFT by where the prompt's KV came from, errors."""
+    from deploy.bench.cluster_bench import MODES, run_cluster_bench
+
+    if not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in chosen if m not in MODES]
+    if bad or not chosen:
+        raise typer.BadParameter(f"--modes {modes!r}: unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(MODES)}")
+    check_checkpoint(checkpoint)
+    check_plot(plot)
+    try:
+        from cachedir.trace import read_trace
+
+        next(iter(read_trace(trace, limit=1)), None)
+    except ValueError as e:
+        raise typer.BadParameter(f"--trace: {e}") from None
+
+    from deploy.term import progress
+
+    with contextlib.redirect_stdout(sys.stderr), progress("replaying", None) as bar:  # Ray's shutdown
+        # messages must not precede the JSON; the bar shows on a terminal only (stderr)
+        result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
+                                   max_tokens, checkpoint, chosen, progress=bar, repeats=repeats)
+    emit(plotted("cluster", result, plot))
+
+
+def bench_serve(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    requests: int = typer.Option(64, "--requests", min=1),
+    concurrency: int = typer.Option(8, "--concurrency", min=1),
+    system_tokens: int = typer.Option(2048, "--system-tokens", min=0, help="shared system prompt (half the requests)"),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """A bounded load through HTTP (streaming, half the requests sharing a system prompt) against
+    a local Ray Serve app, with the prompt cache and without, the order alternating over repeats."""
+    from deploy.bench.serve_bench import run_serve_bench
+
+    check_checkpoint(checkpoint)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens, repeats)
+    emit(result)
+
+
+def bench_neighbour(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="tokens each neighbour stream generates"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """A tenant's greedy streams alone, then beside another tenant's hostile requests (sampling
+    extremes, oversized numbers, deep nesting, heavy or empty grammars, costly batches) on one
+    local replica: the streams' inter-token latency p50/p99 in each case and their ratio (target:
+    p99 within 3x), whether their tokens stayed the same, and the statuses the hostile requests got."""
+    from deploy.bench.neighbour_bench import run_neighbour_bench
+
+    check_checkpoint(checkpoint)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_neighbour_bench(checkpoint, max_tokens, repeats)
+    emit(result)
+
+
+def bench_stream(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    streams: int = typer.Option(8, "--streams", min=1, help="concurrent streamed completions"),
+    max_tokens: int = typer.Option(400, "--max-tokens", min=2, help="tokens each stream generates (ignore_eos)"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """Output tokens a second of concurrent streams through HTTP against a local Ray Serve app,
+    with the serving default's stream batching (stream_batching_interval_ms) and with an output
+    per engine step; the outputs a request took, time to first token, the p99 gap between
+    outputs."""
+    from deploy.bench.stream_bench import run_stream_bench
+
+    check_checkpoint(checkpoint)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_stream_bench(checkpoint, streams, max_tokens, repeats)
+    emit(result)
+
+
+def bench_soak(
+    minutes: float = typer.Option(10.0, "--minutes", min=0.1, help="how long the load runs"),
+    concurrency: int = typer.Option(4, "--concurrency", min=1, help="closed-loop HTTP clients"),
+    nodes: int = typer.Option(2, "--nodes", min=2, max=8, help="simulated Ray nodes (one replica and one cache agent each)"),
+    fault_every_s: float = typer.Option(60.0, "--fault-every-s", min=5.0, help="seconds between faults (Redis restart, then agent kill, in turn)"),
+    grace_s: float = typer.Option(5.0, "--grace-s", min=0.0, help="a fault's announced window lasts until it recovered plus this"),
+    max_tokens: int = typer.Option(8, "--max-tokens", min=1),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """A bounded soak through HTTP (shared and unique prefixes) against a simulated multi-node
+    cluster while Redis is restarted empty and cache agents are killed, in turn: requests, errors
+    (outside the faults' 503 windows), wrong_outputs (against the model alone), rss_growth_mb."""
+    from deploy.bench.soak_bench import run_soak
+
+    check_checkpoint(checkpoint)
+
+    from deploy.term import progress
+
+    with contextlib.redirect_stdout(sys.stderr), progress("soak (seconds)", minutes * 60) as bar:
+        result = run_soak(minutes, concurrency, nodes, fault_every_s, grace_s, max_tokens, checkpoint, progress=bar)
+    emit(result)
+
+
+def bench_all(
+    budget_min: float = typer.Option(60.0, "--budget-min", min=0.0, help="start no benchmark after this many minutes"),
+    only: str = typer.Option(None, "--only", help="comma-separated benchmarks, in this order (default: every CPU one)"),
+    trace: Path = typer.Option(None, "--trace", help="also replay this Mooncake-format trace (every admission policy, capacity half its units)"),
+    out: Path = typer.Option(None, "--out", help="also write the report to this file"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """The CPU benchmarks one after another with their defaults (eplb, structured, directory,
+    unit-io, engine, ttft, model, ep, stream, serve; trace with --trace), cheapest first, as one report;
+    those that would start after the budget is spent are listed as skipped."""
+    from deploy.bench.all_bench import BENCHMARKS, run_all
+
+    known = list(BENCHMARKS) + (["trace"] if trace is not None else [])
+    names = [n.strip() for n in only.split(",") if n.strip()] if only else known
+    for name in names:
+        if name not in known:
+            hint = " (give --trace for trace)" if name == "trace" else ""
+            raise typer.BadParameter(f"--only {name!r} is not one of {', '.join(known)}{hint}")
+    if trace is not None and not trace.is_file():
+        raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
+    if out is not None and not out.parent.is_dir():
+        raise typer.BadParameter(f"--out {str(out)!r}: its directory does not exist")
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        report = run_all(names, budget_min * 60, trace)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    emit(report)

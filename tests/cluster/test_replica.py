@@ -1,0 +1,79 @@
+"""``cluster.replica.Replica`` without Ray: a plan's load is decided on the replica with its own
+measured costs, the usage log records finished requests, the routing stats round-trip as
+Serve carries them, and a unit store's new units reach the directory."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from cachedir.hashing import chain_keys
+from cluster.prefill_lb import CostModel
+from cluster.replica import Replica
+from cluster.request import GenerationRequest, PrefixPlan
+from cluster.routing_stats import RoutingStats
+from model.tokenizer import ByteTokenizer
+from tests.cluster.test_engine import _cache, _engine, _ns, _prompt, _ref, _tokens
+from tests.waiting import until
+
+
+@pytest.fixture
+def replica(model, tmp_path):
+    from cachedir.directory.memory import MemoryDirectory
+
+    directory = MemoryDirectory("replica-test")
+    rep = Replica(_engine(model, _cache(tmp_path / "store", ram=0), prefix_sharing=False), "node-a", ByteTokenizer(),
+                  usage_dir=str(tmp_path / "usage"), open_directory=lambda: directory)
+    yield rep, directory
+    rep.loop.stop()
+    rep.engine.cache.close()
+
+
+def _run(rep: Replica, req: GenerationRequest) -> list:
+    async def go():
+        return [o async for o in rep.generate(req)]
+
+    return asyncio.run(go())
+
+
+def test_a_planned_load_is_decided_on_the_replica_and_its_tokens_equal_computing(replica, model):
+    rep, directory = replica
+    prompt = _prompt(64 * 3 + 5, 3)
+    want = _ref(model, prompt, 4)
+    outs = _run(rep, GenerationRequest("warm", prompt, 4))
+    assert _tokens(outs) == want
+    rep.engine.cache.flush()
+    keys = tuple(chain_keys(_ns(model).seed, prompt, 64))
+    plan = PrefixPlan(keys, (("node-a",),) * 3, namespace=_ns(model).id)
+    outs = _run(rep, GenerationRequest("hit", prompt, 4, plan=plan))
+    assert _tokens(outs) == want and outs[-1].cached_tokens == 3 * 64  # its own node's units: loaded
+    # another node's units over a network too slow to pay: computed, same tokens
+    rep._cost = dataclasses.replace(rep._cost, unit_bytes=1 << 30)
+    rep._bandwidth["remote"].bps = 1e3
+    far = dataclasses.replace(plan, holders=(("node-b",),) * 3, addresses=(("node-b", "10.0.0.9:1"),))
+    outs = _run(rep, GenerationRequest("far", prompt, 4, plan=far))
+    assert _tokens(outs) == want and outs[-1].sources.declined == 3 * 64
+    until(lambda: len(rep.usage.path.read_text().splitlines()) == 3, 10, "a usage record per request")
+
+
+def test_routing_stats_round_trip_as_serve_carries_them(replica):
+    rep, _ = replica
+    st = rep.routing_stats("ray-node-1")
+    assert st.node == "ray-node-1" and not st.draining and st.kv_tokens == 256 * rep.engine.cfg.page_size
+    again = RoutingStats.of(json.loads(json.dumps(st.to_dict())))
+    assert again == st and isinstance(again.cost, CostModel)
+    rep.role = "draining"
+    assert rep.routing_stats().draining
+    assert RoutingStats.of(None) == RoutingStats() and RoutingStats().cost is None
+
+
+def test_the_stores_new_units_reach_the_directory(replica, model):
+    rep, directory = replica
+    prompt = _prompt(64 * 2 + 3, 9)
+    _run(rep, GenerationRequest("r", prompt, 2))
+    keys = chain_keys(_ns(model).seed, prompt, 64)
+    until(lambda: directory.longest_prefix(keys[:2]).num_units == 2, 30, "the units to be published")
+    assert rep.stats()["directory"]["failures"] == 0
