@@ -167,10 +167,16 @@ def shard_round(compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.
 
 def choose_slots(expert_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
     """Physical slot of each (token, k): expert_ids [T, K], log2phy [E, C], logcnt [E] -> [T, K].
-    Copies of an expert are used in turn (row-major over the batch), which spreads their load."""
+    An expert's tokens are dealt to its copies in turn, in token order: its j-th token in the
+    batch goes to copy j mod copies, whatever rank the expert has among that token's top-k (so
+    each copy takes its share, within one token)."""
     flat = expert_ids.reshape(-1)
-    turn = torch.arange(flat.numel()) % logcnt[flat]
-    return log2phy[flat, turn].view_as(expert_ids)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within
+    grouped = flat[order]
+    first = torch.searchsorted(grouped, grouped)  # where each pair's expert group starts
+    nth = torch.empty_like(flat)
+    nth[order] = torch.arange(flat.numel()) - first  # the pair's place among its expert's pairs
+    return log2phy[flat, nth % logcnt[flat]].view_as(expert_ids)
 
 
 class EPExecutor:

@@ -6,11 +6,11 @@ ranks shuffled per layer; the drift for ``moved_slots`` multiplies every load by
 In-sample figures (``imbalance_after``) score a plan on the load it was planned from. Out of
 sample: the load drifts between windows (each expert's load times exp(``window_drift`` x a
 standard normal) per window); a plan made on one window is scored on the next
-(``imbalance_next_window``) and on sampled batches of that next window, ``rows_per_shard`` (token,
-expert) rows per shard on average, each expert's rows dealt to its copies in turn as the executor
-does (``imbalance_sampled_batch``: realized max/mean, averaged over layers and batches). A batch
-spread over shards uniformly at random has noise of its own: ``imbalance_sampled_floor`` is that
-floor for the same rows.
+(``imbalance_next_window``) and on sampled batches of that next window: tokens routed to 8
+distinct experts each, ``rows_per_shard`` (token, expert) pairs per shard on average, each pair's
+copy chosen as the executor chooses it (``imbalance_sampled_batch``: realized max/mean, averaged
+over layers and batches). A batch spread over shards uniformly at random has noise of its own:
+``imbalance_sampled_floor`` is that floor for the same pairs.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
+from cluster.ep import choose_slots
 from cluster.eplb import EplbConfig, Placement, imbalance, moved_slots, plan, spill_fraction
 from deploy.bench.machine import machine
 
 POLICIES = ("global", "hierarchical", "spill")
 BATCHES = 16  # sampled batches per score
+TOP_K = 8  # experts per token (DeepSeek-V3)
 
 
 def zipf_load(layers: int, experts: int, exponent: float, seed: int, tokens: float = 1e6) -> torch.Tensor:
@@ -42,27 +44,21 @@ def next_window(load: torch.Tensor, drift: float, seed: int) -> torch.Tensor:
 
 
 def sampled_imbalance(placement: Placement, load: torch.Tensor, rows_per_shard: int, batches: int,
-                      seed: int) -> float:
-    """Realized max/mean rows per shard of sampled batches (``rows_per_shard`` x shards rows per
-    layer, experts drawn from ``load``), each expert's rows dealt to its copies in turn."""
+                      seed: int, top_k: int = TOP_K) -> float:
+    """Realized max/mean (token, expert) pairs per shard of sampled batches: ``rows_per_shard`` x
+    shards pairs per layer, from tokens that each route to ``top_k`` distinct experts drawn from
+    ``load``, every pair's copy chosen as the executor chooses it (``cluster.ep.choose_slots``)."""
     gen = torch.Generator().manual_seed(seed)
-    layers, experts = load.shape
+    layers, _ = load.shape
     shards, per = placement.num_shards, placement.slots_per_shard
-    rows = rows_per_shard * shards
+    tokens = max(1, rows_per_shard * shards // top_k)
     ratios = []
     for _ in range(batches):
         for layer in range(layers):
-            n = torch.bincount(torch.multinomial(load[layer].float(), rows, replacement=True, generator=gen),
-                               minlength=experts)  # rows per expert
-            copies = placement.logcnt[layer]
-            width = placement.log2phy.shape[2]
-            j = torch.arange(width)
-            # copy j of expert e takes ceil((n_e - j) / c_e) rows (dealt in turn); padded copies none
-            take = ((n[:, None] - j[None, :] + copies[:, None] - 1) // copies[:, None]).clamp_min(0)
-            take = take * (j[None, :] < copies[:, None])
-            slots = placement.log2phy[layer].clamp_min(0)
-            counts = torch.zeros(shards, dtype=torch.long).index_add_(0, (slots // per).reshape(-1), take.reshape(-1))
-            ratios.append(float(counts.max()) / (rows / shards))
+            ids = torch.multinomial(load[layer].float().expand(tokens, -1), top_k, replacement=False, generator=gen)
+            slots = choose_slots(ids, placement.log2phy[layer], placement.logcnt[layer])
+            counts = torch.bincount((slots // per).reshape(-1), minlength=shards)
+            ratios.append(float(counts.max()) / (tokens * top_k / shards))
     return sum(ratios) / len(ratios)
 
 

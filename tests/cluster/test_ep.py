@@ -102,6 +102,25 @@ def test_copies_are_used_in_turn(setup):
     assert all(int(placement.phy2log[0, s]) == hot for s in slots)
 
 
+@pytest.mark.parametrize("copies", [2, 4])
+def test_copies_share_an_expert_whatever_its_rank_in_each_tokens_top_k(copies):
+    """K = 8: every token routes to expert 0 at the same rank (3rd). Its copies split the tokens
+    evenly; dealing by the pair's place in the batch (8t + 2, the same modulo 2 or 4) would give
+    every token to one copy."""
+    experts, k = 9, 8
+    log2phy = torch.full((experts, copies), -1, dtype=torch.long)
+    log2phy[:, 0] = torch.arange(experts)  # expert e's first copy in slot e
+    log2phy[0] = torch.tensor([0] + list(range(experts, experts + copies - 1)))  # the hot one's other copies
+    logcnt = torch.ones(experts, dtype=torch.long)
+    logcnt[0] = copies
+    ids = torch.tensor([[1, 2, 0, 3, 4, 5, 6, 7]] * 64)
+    assert ids.shape[1] == k
+    slots = choose_slots(ids, log2phy, logcnt)
+    counts = torch.bincount(slots[:, 2], minlength=experts + copies - 1)
+    assert sorted(counts[counts > 0].tolist()) == [64 // copies] * copies, counts
+    assert (slots[:, [0, 1, 3, 4, 5, 6, 7]] == ids[:, [0, 1, 3, 4, 5, 6, 7]]).all()  # one copy: its slot
+
+
 def test_a_failed_round_is_retried_after_recovery(setup):
     experts, placement, x, ids, w = setup
     recovered = []

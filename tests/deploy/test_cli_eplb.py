@@ -81,17 +81,22 @@ def test_bench_eplb_json(tmp_path):
     assert out["imbalance_sampled_floor"] > 1.0 and out["rows_per_shard"] == 32
 
 
-def test_sampled_batches_deal_an_experts_rows_to_its_copies_in_turn():
+def test_sampled_batches_deal_an_experts_rows_to_its_copies_as_the_executor_does():
     from deploy.bench.eplb_bench import sampled_floor, sampled_imbalance
 
     shards = 4
-    hot = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.double)  # every row goes to expert 0
+    hot = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.double)  # every token goes to expert 0
     alone = Placement.in_order(1, 4, shards)  # one copy: one shard takes them all
-    assert sampled_imbalance(alone, hot, 8, 3, seed=0) == shards
-    # 5 copies of expert 0, in slots 0, 2, 4, 6 and 7 (two slots per shard): 32 rows dealt in
-    # turn give the copies 7, 7, 6, 6 and 6 rows, so shards 0-3 take 7, 7, 6 and 12
+    assert sampled_imbalance(alone, hot, 8, 3, seed=0, top_k=1) == shards
+    # 5 copies of expert 0, in slots 0, 2, 4, 6 and 7 (two slots per shard): 32 tokens dealt in
+    # turn give the copies 7, 7, 6, 6 and 6, so shards 0-3 take 7, 7, 6 and 12
     everywhere = Placement.from_phy2log(torch.tensor([[0, 1, 0, 2, 0, 3, 0, 0]]), 4, shards)
-    assert sampled_imbalance(everywhere, hot, 8, 3, seed=0) == 12 / 8
+    assert sampled_imbalance(everywhere, hot, 8, 3, seed=0, top_k=1) == 12 / 8
+    # top-2 over 4 experts, expert 0 (always picked, always first) with a copy on shards 0 and 2:
+    # its tokens split between them (dealt by pair, 2t + 0, every one would go to shard 0)
+    always = torch.tensor([[1e6, 1.0, 1.0, 1.0]], dtype=torch.double)
+    split = Placement.from_phy2log(torch.tensor([[0, 1, 2, 3, 0, 1, 3, 2]]), 4, shards)
+    assert sampled_imbalance(split, always, 8, 3, seed=0, top_k=2) < 1.6
     assert 1.0 < sampled_floor(shards, 8, 4, 2, seed=0) < shards
 
 
