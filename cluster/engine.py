@@ -45,6 +45,7 @@ from cluster.constraints import Constraints
 from cluster.engine_config import EngineConfig
 from cluster.kv_manager import long_tensor
 from cluster.output import TextStream
+from cluster.pass_timer import PassTimer
 from cluster.request import (
     UNIT_TOKENS,
     FinishReason,
@@ -80,7 +81,7 @@ class Engine:
     ) -> None:
         """``grammar_vocab()``: the tokenizer's vocabulary as grammars read it, needed for
         structured output; ``clock``: seconds, for the speeds that size prefill chunks
-        (``itl_factor``)."""
+        (``itl_factor``) of passes on the CPU (a GPU's are timed by its events)."""
         self.model = model
         self.cfg = cfg
         self.namespace = namespace
@@ -100,7 +101,7 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step
-        self._clock = clock
+        self.timer = PassTimer(model.device, clock)  # on a GPU, device time read a pass later
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -244,20 +245,19 @@ class Engine:
         start, n_new = seq.num_computed, end - seq.num_computed
         self.kv.prepare(seq, end)
         ids, table = long_tensor(seq.ids(start, end)), self.kv.table(seq)
-        t0 = self._clock()
-        decode_logits = None
-        if batch:
-            tables, tokens, positions = self._decode_inputs(batch)
-            logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool,
-                                                     micro_batches=self.cfg.micro_batches)
-            self.stats["mixed_steps"] += 1
-        elif seq.prompt_logprobs is not None:
-            every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True)  # [T, V]
-            self._score_prompt(seq, start, end, every)
-            logits = every[-1]
-        else:
-            logits = self.model.prefill(ids, self.kv.pool, table, start=start)
-        self.scheduler.observe_chunk(n_new, start, self._clock() - t0, len(batch) if batch else 0)
+        decode_logits, rows = None, len(batch) if batch else 0
+        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s, rows)):
+            if batch:
+                tables, tokens, positions = self._decode_inputs(batch)
+                logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool,
+                                                         micro_batches=self.cfg.micro_batches)
+                self.stats["mixed_steps"] += 1
+            elif seq.prompt_logprobs is not None:
+                every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True)  # [T, V]
+                self._score_prompt(seq, start, end, every)
+                logits = every[-1]
+            else:
+                logits = self.model.prefill(ids, self.kv.pool, table, start=start)
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         self.kv.trim(seq)
@@ -389,13 +389,13 @@ class Engine:
         prefill chunk's pass, else from a decode pass of its own."""
         if logits is None:
             tables, tokens, positions = self._decode_inputs(batch)
-            t0 = self._clock()
-            if self.fixed_decode is not None:
-                logits = self.fixed_decode(tokens, tables, positions)
-            else:
-                logits = self.model.decode(tokens, self.kv.pool, tables, positions,
-                                           micro_batches=self.cfg.micro_batches)
-            self.scheduler.observe_decode(self._clock() - t0, len(batch))
+            rows = len(batch)
+            with self.timer.timed(lambda s: self.scheduler.observe_decode(s, rows)):
+                if self.fixed_decode is not None:
+                    logits = self.fixed_decode(tokens, tables, positions)
+                else:
+                    logits = self.model.decode(tokens, self.kv.pool, tables, positions,
+                                               micro_batches=self.cfg.micro_batches)
         self.stats["decode_tokens"] += len(batch)
         # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
         params = [s.req.sampling for s in batch]

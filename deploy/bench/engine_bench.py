@@ -68,6 +68,7 @@ class NullModel:
                                        max_position_embeddings=max_context)
         self._logits = torch.zeros(max(BATCHES), vocab)
         self._logits[:, token] = 1.0
+        self.device = torch.device("cpu")
 
     def new_pool(self, num_pages: int, page_size: int = 16) -> _NullPool:
         return _NullPool(self.cfg.num_hidden_layers, self.cfg.latent_dim)
