@@ -9,7 +9,6 @@ estimate."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -59,15 +58,14 @@ class Replica:
                                stream_batching_interval_s=stream_batching_interval_s).start()
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput | PromptKV]:
-        """The request's outputs (``PromptKV`` after a handoff's last output, P/D)."""
+    def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput | PromptKV]:
+        """The request's outputs (``PromptKV`` after a handoff's last output, P/D): the engine
+        loop's stream, its plan's load decided here first."""
         plan = req.plan
         if plan is not None and plan.load_units is None:
             units = load_units(self.node_id, len(req.prompt_ids), plan.holders, self.cost_model())
             req = dataclasses.replace(req, plan=dataclasses.replace(plan, load_units=min(units, len(plan.holders))))
-        async with contextlib.aclosing(self.loop.stream(req)) as stream:  # a client gone aborts now
-            async for item in stream:
-                yield item
+        return self.loop.stream(req)
 
     def _record_usage(self, o: RequestOutput) -> None:
         if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:

@@ -123,19 +123,33 @@ def _mla_decode_merge(
     stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    """The splits' partial outputs weighted by their softmax mass, BLOCK_C splits at a time (a
+    running maximum, as flash attention does): registers stay [BLOCK_C, BLOCK_R] whatever the
+    split count."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    c = tl.arange(0, BLOCK_C)
     r = tl.arange(0, BLOCK_R)
-    lse = tl.load(part_lse + (b * num_heads + h) * num_splits + c, mask=c < num_splits,
-                  other=float("-inf"))  # [BC]
-    w = tl.exp(lse - tl.max(lse, axis=0))  # split 0 always holds a token, so the max is finite
-    w = w / tl.sum(w, axis=0)
-    filled = (c < num_splits) & (lse > float("-inf"))
-    parts = tl.load(part_out + b * stride_pb + h * stride_ph + c[:, None] * stride_ps + r[None, :],
-                    mask=filled[:, None] & (r[None, :] < R), other=0.0)  # [BC, BR]
-    o = tl.sum(parts * w[:, None], axis=0)
-    tl.store(out + b * stride_ob + h * stride_oh + r, o.to(out.dtype.element_ty), mask=r < R)
+    m = tl.full((), float("-inf"), tl.float32)
+    denom = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, num_splits, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        lse = tl.load(part_lse + (b * num_heads + h) * num_splits + c, mask=c < num_splits,
+                      other=float("-inf"))  # [BC]
+        # split 0 always holds a token, so from the first chunk on the maximum is finite
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        w = tl.exp(lse - m_new)  # empty splits: exp(-inf) = 0
+        filled = (c < num_splits) & (lse > float("-inf"))
+        parts = tl.load(part_out + b * stride_pb + h * stride_ph + c[:, None] * stride_ps + r[None, :],
+                        mask=filled[:, None] & (r[None, :] < R), other=0.0)  # [BC, BR]
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        denom = denom * alpha + tl.sum(tl.where(filled, w, 0.0), axis=0)
+        m = m_new
+    tl.store(out + b * stride_ob + h * stride_oh + r, (acc / denom).to(out.dtype.element_ty), mask=r < R)
+
+
+MERGE_SPLITS = 16  # splits the merge weighs at a time (its tiles do not grow with the split count)
 
 
 def mla_decode(
@@ -183,7 +197,7 @@ def mla_decode(
     _mla_decode_merge[(b, h)](
         part_out, part_lse, out, h, num_splits,
         part_out.stride(0), part_out.stride(2), part_out.stride(1), out.stride(0), out.stride(1),
-        R=r, BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(num_splits),
+        R=r, BLOCK_R=block_r, BLOCK_C=MERGE_SPLITS,
     )
     return out
 
