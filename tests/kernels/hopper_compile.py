@@ -35,7 +35,7 @@ class Case:
 
     module: str
     kernel: str
-    pointers: dict[str, str]  # pointer argument -> element type ("bf16", "fp32", "i32")
+    pointers: dict[str, str]  # pointer argument -> element type ("bf16", "fp32", "i32", "i64")
     constexprs: dict[str, object]
     num_warps: int = 4
     num_stages: int = 2
@@ -50,15 +50,18 @@ def cases() -> list[Case]:
     from kernels.moe_grouped import BLOCK_ROWS, GROUPED_CONFIGS
 
     out = []
-    mla_ptrs = {"q_lat": "bf16", "q_rope": "bf16", "kv": "bf16", "block_table": "i32",
+    # the engine's: int64 block tables of 16-token pages (cluster.kv_manager, EngineConfig.page_size)
+    mla_ptrs = {"q_lat": "bf16", "q_rope": "bf16", "kv": "bf16", "block_table": "i64",
                 "seq_lens": "i32", "part_out": "fp32", "part_lse": "fp32"}
     for cfg in MLA_CONFIGS:
         out.append(Case("kernels.mla_decode", "_mla_decode_split", mla_ptrs,
-                        dict(R=512, P=64, Z=64, BLOCK_R=512, BLOCK_P=64, UPCAST=False, **cfg.kwargs),
+                        dict(R=512, P=64, Z=16, BLOCK_R=512, BLOCK_P=64, UPCAST=False, **cfg.kwargs),
                         cfg.num_warps, cfg.num_stages))
+    from kernels.mla_decode import MERGE_SPLITS
+
     out.append(Case("kernels.mla_decode", "_mla_decode_merge",
                     {"part_out": "fp32", "part_lse": "fp32", "out": "bf16"},
-                    dict(R=512, BLOCK_R=512, BLOCK_C=16)))
+                    dict(R=512, BLOCK_R=512, BLOCK_C=MERGE_SPLITS)))
     for bm in BLOCK_ROWS:
         for cfg in GROUPED_CONFIGS:
             out.append(Case("kernels.moe_grouped", "_gate_up_silu",

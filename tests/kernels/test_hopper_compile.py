@@ -69,3 +69,20 @@ def test_64_row_tiles_use_warpgroup_mma(compiled):
     # narrower tiles use one warp's MMA (Hopper has no warp-level fp8 MMA: fp8 is widened to fp16)
     narrow_dots = [r for r in compiled if r["kernel"] in ("_mla_decode_split", "_gate_up_silu", *fp8) and r not in wide]
     assert narrow_dots and all(r["tensor_core"] == "HMMA" for r in narrow_dots)
+
+
+def test_the_mla_cases_are_the_engines_shapes():
+    """What is compiled is what runs: the engine's pages (EngineConfig.page_size) and its block
+    tables (int64, cluster.kv_manager), and one merge tile for every split count."""
+    from cluster.engine_config import EngineConfig
+    from cluster.kv_manager import long_tensor
+    from kernels.mla_decode import MERGE_SPLITS
+    from tests.kernels.hopper_compile import cases
+
+    mla = [c for c in cases() if c.module == "kernels.mla_decode"]
+    table_type = {"torch.int64": "i64", "torch.int32": "i32"}[str(long_tensor([1]).dtype)]
+    for case in mla:
+        if case.kernel == "_mla_decode_split":
+            assert case.constexprs["Z"] == EngineConfig().page_size and case.pointers["block_table"] == table_type
+        else:
+            assert case.constexprs["BLOCK_C"] == MERGE_SPLITS
