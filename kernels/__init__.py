@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # the package's helpers are plain Python; the kernels import torch themselves
     import torch
 
-__all__ = ["Impl", "resolve_impl", "triton_interpreted", "tuned_configs", "with_config"]
+__all__ = ["Impl", "TunedByShape", "resolve_impl", "shape_class", "triton_interpreted", "tuned_configs", "with_config"]
 
 Impl = Literal["ref", "triton"]
 
@@ -27,6 +27,37 @@ def tuned_configs(configs: list):
     if triton_interpreted() or os.environ.get("TIDE_AUTOTUNE", "1") == "0":
         return configs[:1]
     return configs
+
+
+def shape_class(n: int, bounds: tuple[int, ...]) -> int:
+    """The class of a launch's size ``n`` its tiles are tuned for: the first bound >= n (the
+    last one above them all)."""
+    return next((b for b in bounds if n <= b), bounds[-1])
+
+
+class TunedByShape:
+    """One autotuner per shape class over the same JIT kernel: the tiles tuned on a decode-sized
+    launch (64 rows, one long sequence) are not reused for a prefill-sized one, as a key of the
+    kernel's fixed dimensions alone would. ``self(cls)`` is the autotuned kernel of class ``cls``."""
+
+    def __init__(self, fn, configs: list, key: list[str]) -> None:
+        self.fn, self.configs, self.key = fn, configs, key
+        self._tuners: dict = {}
+        self.last = None  # the class launched last
+
+    def __call__(self, cls):
+        self.last = cls
+        tuner = self._tuners.get(cls)
+        if tuner is None:
+            import triton
+
+            tuner = self._tuners[cls] = triton.autotune(self.configs, key=self.key)(self.fn)
+        return tuner
+
+    @property
+    def classes(self) -> list:
+        """The shape classes launched so far."""
+        return list(self._tuners)
 
 
 def with_config(kernel, config) -> tuple:

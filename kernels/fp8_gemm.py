@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import tuned_configs, with_config
+from kernels import TunedByShape, shape_class, tuned_configs, with_config
 from kernels.moe_grouped import block_rows, sort_rows_by_expert
 
 __all__ = [
@@ -106,7 +106,6 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 
 # --- dense ---------------------------------------------------------------------------------------
 
-@triton.autotune(_TUNE, key=["N", "K"])
 @triton.jit
 def _fp8_matmul(
     a, a_s, w, w_s, out, M, N, K,
@@ -129,6 +128,11 @@ def _fp8_matmul(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+# the dense GEMM's tiles are tuned per class of rows: decode steps (64 and fewer) apart from prefill
+M_CLASSES = (16, 64, 256, 1024, 4096)
+FP8_MATMUL = TunedByShape(_fp8_matmul, _TUNE, key=["N", "K"])
+
+
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                config: triton.Config | None = None) -> torch.Tensor:
     """x [T, K] (any float dtype) times an e4m3 weight ``q`` [N, K] with block ``scale``
@@ -144,7 +148,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
     if t == 0:
         return out
     xq, xs = quantize_rows_fp8(x, sk)
-    kernel, fixed = with_config(_fp8_matmul, config)
+    kernel, fixed = with_config(FP8_MATMUL(shape_class(t, M_CLASSES)), config)
     kernel[lambda meta: (triton.cdiv(t, meta["BM"]), triton.cdiv(n, meta["BN"]))](
         xq, xs, q, scale, out, t, n, k, xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), out.stride(0),
         SN=sn, SK=sk, **fixed)

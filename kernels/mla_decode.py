@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_interpreted, tuned_configs, with_config
+from kernels import TunedByShape, shape_class, triton_interpreted, tuned_configs, with_config
 
 __all__ = ["MLA_CONFIGS", "mla_decode", "ref_mla_decode"]
 
@@ -50,7 +50,6 @@ MLA_CONFIGS = [
 _CHUNK_ALIGN = 64
 
 
-@triton.autotune(tuned_configs(MLA_CONFIGS), key=["num_heads", "R", "P", "Z"])
 @triton.jit
 def _mla_decode_split(
     q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
@@ -149,6 +148,11 @@ def _mla_decode_merge(
     tl.store(out + b * stride_ob + h * stride_oh + r, (acc / denom).to(out.dtype.element_ty), mask=r < R)
 
 
+# the split kernel's tiles are tuned per class of batch and of context (block table width x page):
+# one long sequence (batch 1, 128K) wants other tiles than a batch of 64 short ones
+BATCH_CLASSES = (1, 8, 32, 128, 512)
+CONTEXT_CLASSES = (1024, 4096, 16384, 65536, 262144)
+MLA_SPLIT = TunedByShape(_mla_decode_split, tuned_configs(MLA_CONFIGS), key=["num_heads", "R", "P", "Z"])
 MERGE_SPLITS = 16  # splits the merge weighs at a time (its tiles do not grow with the split count)
 
 
@@ -185,7 +189,8 @@ def mla_decode(
     part_out = torch.empty(b, num_splits, h, r, device=q_lat.device, dtype=torch.float32)
     part_lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
     block_r, block_p = max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
-    kernel, fixed = with_config(_mla_decode_split, config)
+    kernel, fixed = with_config(MLA_SPLIT((shape_class(b, BATCH_CLASSES), shape_class(max_len, CONTEXT_CLASSES))),
+                                config)
     kernel[lambda meta: (triton.cdiv(h, meta["BLOCK_H"]), b, num_splits)](
         q_lat, q_rope, kv, block_table, seq_lens, part_out, part_lse,
         scale, h, split_len,

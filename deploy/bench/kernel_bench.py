@@ -86,7 +86,12 @@ def _wall_ms(fn) -> float:
 
 
 def _tuned(kernel) -> str | None:
-    """The tile config the autotuner chose at the last launch, e.g. ``BLOCK_H: 32, BLOCK_N: 32, num_warps: 8, ...``."""
+    """The tile config the autotuner chose at the last launch, e.g. ``BLOCK_H: 32, BLOCK_N: 32, num_warps: 8, ...``
+    (of the shape class launched last, for a kernel tuned per class: ``kernels.TunedByShape``)."""
+    from kernels import TunedByShape
+
+    if isinstance(kernel, TunedByShape):
+        kernel = kernel(kernel.last) if kernel.last is not None else None
     best = getattr(kernel, "best_config", None)
     return str(best) if best is not None else None
 
@@ -96,7 +101,7 @@ def bench_mla_decode(
     mixed: bool = False,
 ) -> dict[str, Any]:
     """``mixed``: lengths drawn between context/8 and context (seeded) instead of all equal."""
-    from kernels.mla_decode import _mla_decode_split, mla_decode, ref_mla_decode
+    from kernels.mla_decode import MLA_SPLIT, mla_decode, ref_mla_decode
 
     sh, dt = shapes, torch.bfloat16
     pages_per_seq = -(-context // sh.page_size)
@@ -133,7 +138,7 @@ def bench_mla_decode(
         "fraction_of_peak": round(gbps / peak_gbps, 3) if peak_gbps else None,
         "tflop_per_s": round(flops / ms / 1e9, 1),
         "max_abs_err": round(err, 5),
-        "config": _tuned(_mla_decode_split),
+        "config": _tuned(MLA_SPLIT),
     }
 
 
@@ -178,7 +183,7 @@ def peak_fp8_tflops(device_name: str) -> float | None:
 def bench_fp8_linear(tokens: int, n: int, k: int, peak_tflops: float | None, device: str = "cuda") -> dict[str, Any]:
     """A dense projection with DeepSeek's fp8 weights (128x128 blocks): TFLOP/s, its fraction of
     the FP8 peak, and the error against the same product in BF16."""
-    from kernels.fp8_gemm import _fp8_matmul, fp8_linear, quantize_blocks
+    from kernels.fp8_gemm import FP8_MATMUL, fp8_linear, quantize_blocks
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=gen).to(torch.bfloat16)
@@ -194,7 +199,7 @@ def bench_fp8_linear(tokens: int, n: int, k: int, peak_tflops: float | None, dev
     tflops = 2 * tokens * n * k / ms / 1e9
     return {"tokens": tokens, "n": n, "k": k, "ms": round(ms, 3), "tflop_per_s": round(tflops, 1),
             "fraction_of_fp8_peak": round(tflops / peak_tflops, 3) if peak_tflops else None,
-            "max_rel_err_vs_bf16": round(err, 4), "config": _tuned(_fp8_matmul)}
+            "max_rel_err_vs_bf16": round(err, 4), "config": _tuned(FP8_MATMUL)}
 
 
 def bench_moe_grouped_fp8(tokens: int, experts: int, shapes: Shapes = V3, device: str = "cuda",
