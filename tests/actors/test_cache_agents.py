@@ -58,7 +58,7 @@ def servers(cluster, checkpoint, secret_file):
     _, agent_cfg = cluster
     out = [
         ray.remote(num_cpus=0, resources={f"node{i}": 0.01})(LLMServer).remote(ReplicaConfig(
-            str(checkpoint), agent_cfg.store, engine=EngineConfig(num_pages=256, max_num_seqs=8), agents=agent_cfg,
+            str(checkpoint), agent_cfg.store, engine=EngineConfig(num_pages=256, max_num_seqs=8, itl_factor=0.0), agents=agent_cfg,
             cache_secret_file=secret_file))
         for i in range(2)
     ]

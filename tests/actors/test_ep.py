@@ -50,7 +50,7 @@ def _replica(checkpoint, tmp_path_factory, control, node: int = 0, num_pages: in
     from actors.replica_config import EPSection, ReplicaConfig, StoreSection
     from cluster.engine import EngineConfig
 
-    engine = EngineConfig(num_pages=num_pages, max_num_seqs=8, micro_batches=micro_batches)
+    engine = EngineConfig(num_pages=num_pages, max_num_seqs=8, micro_batches=micro_batches, itl_factor=0.0)
     return ray.remote(num_cpus=0, resources={f"node{node}": 0.01})(LLMServer).remote(ReplicaConfig(
         str(checkpoint), StoreSection(str(tmp_path_factory.mktemp("cache"))), warmup=warmup, engine=engine,
         enable_cache=False, ep=EPSection(control, ep_timeout_s)))

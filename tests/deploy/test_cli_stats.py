@@ -45,7 +45,7 @@ def replayed(tmp_path_factory):
     cfg = named_config("tiny")
     model = build_model(cfg, random_state_dict(cfg, seed=1))
     cache = NodeCache(CacheConfig(StoreConfig(home / "ssd", capacity_bytes=1 << 30), ram_bytes=32 << 20))
-    engine = Engine(model, EngineConfig(num_pages=512), Namespace(cfg.fingerprint(), "t", "float32", "l", 64),
+    engine = Engine(model, EngineConfig(num_pages=512, itl_factor=0.0), Namespace(cfg.fingerprint(), "t", "float32", "l", 64),
                     ByteTokenizer().decode, None, cache)
     log = JsonlLog(home / "usage" / "replica-0.jsonl")
     for i, req in enumerate(_sharing_requests(12)):
