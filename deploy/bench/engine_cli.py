@@ -66,7 +66,7 @@ def bench_eplb(
     slots: int = typer.Option(288, "--slots", min=1),
     exponents: str = typer.Option("0.5,1.0,1.5", "--exponents", help="Zipf exponents, comma-separated"),
     window_drift: float = typer.Option(0.2, "--window-drift", min=0.0, help="log-std of each expert's load change from one window to the next (out-of-sample scores)"),
-    rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1, help="rows per shard of the sampled batches"),
+    rows_per_shard: int = typer.Option(32, "--rows-per-shard", min=1, help="(token, expert) pairs per shard of the sampled batches (tokens of 8 experts each)"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
