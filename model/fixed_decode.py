@@ -26,9 +26,15 @@ import torch
 from model.kv_cache import LatentKVPool
 from model.model import DeepseekModel
 
-__all__ = ["FixedShapeDecode", "buckets_up_to"]
+__all__ = ["FixedShapeDecode", "buckets_up_to", "tuning_tokens"]
 
 log = logging.getLogger(__name__)
+
+
+def tuning_tokens(rows: int, vocab_size: int) -> torch.Tensor:
+    """``rows`` distinct-as-possible token ids spread over the vocabulary (a stride coprime with
+    most vocabulary sizes), for the steps that tune kernels before a capture."""
+    return (torch.arange(rows, dtype=torch.long) * 7919 + 1) % vocab_size
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -114,6 +120,9 @@ class FixedShapeDecode:
         its memory). The buffers hold padding rows only meanwhile: nothing but the scratch page
         is written."""
         self._pad(0, self.buckets[-1])
+        # the warm-up steps tune the kernels' tiles: distinct tokens, so their rows route over the
+        # experts as a real batch's do (padding's token 0 would send every row to the same ones)
+        self.tokens[:] = tuning_tokens(len(self.tokens), self.model.cfg.vocab_size).to(self.tokens.device)
         memory = torch.cuda.graph_pool_handle()
         for k in reversed(self.buckets):
             side = torch.cuda.Stream()
@@ -132,3 +141,4 @@ class FixedShapeDecode:
                 continue
             self._graphs[k] = (graph, out)
         torch.cuda.synchronize()
+        self._pad(0, self.buckets[-1])

@@ -128,3 +128,15 @@ def test_replayed_cuda_graphs_give_the_eager_steps_tokens():
         want = m.decode(tokens[rows], pool, tables[rows], positions[rows])
         pool.data.copy_(snapshot)
         torch.testing.assert_close(step(tokens[rows], tables[rows], positions[rows]), want, atol=1e-4, rtol=0)
+
+
+def test_the_steps_that_tune_before_a_capture_decode_distinct_tokens():
+    """Issue 55: padding rows all decode token 0, so a capture's tuning steps routed every row to
+    the same experts and the grouped GEMM was tuned on that; the tuning steps decode distinct
+    tokens spread over the vocabulary instead (the capture itself is CUDA's, tested on a GPU)."""
+    from model.fixed_decode import tuning_tokens
+
+    for rows, vocab in ((64, 129280), (256, 102400), (8, 500)):
+        ids = tuning_tokens(rows, vocab)
+        assert ids.dtype == torch.long and len(set(ids.tolist())) == rows and 0 <= int(ids.min()) <= int(ids.max()) < vocab
+    assert len(set(tuning_tokens(64, 32).tolist())) == 32  # a vocabulary smaller than the batch: every token
