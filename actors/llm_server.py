@@ -129,7 +129,7 @@ class LLMServer:
         self._secret = read_secret(cfg.cache_secret_file)
         if (warning := secret_warning(cfg.enable_cache, self._secret)) is not None:
             log.warning(warning)
-        namespace = cfg.identity.namespace(self.model.cfg)  # the ingress plans prompts in this namespace too
+        namespace = cfg.identity.namespace(self.model.cfg, self._secret)  # the ingress plans in it too
         self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         self._agents = cfg.agents if cfg.enable_cache else None
         engine_cfg = cfg.engine if cfg.enable_cache else dataclasses.replace(cfg.engine, prefix_sharing=False)

@@ -27,9 +27,10 @@ class CacheIdentity:
     fp8_weights: str = "auto"
     secret_file: str | None = None
 
-    def namespace(self, mcfg=None) -> Namespace:
-        """The cache namespace (``mcfg``: the checkpoint's config, when it is loaded already)."""
+    def namespace(self, mcfg=None, secret: bytes | None = None) -> Namespace:
+        """The cache namespace (``mcfg``: the checkpoint's config, ``secret``: the secret file's
+        bytes, when the caller has read them already)."""
         ckpt = Path(self.checkpoint)
         form = weights_form(ckpt, self.device, self.cpu_weights, self.fp8_weights)
-        return cache_namespace(mcfg or load_config(ckpt), weights_digest(ckpt), self.dtype,
-                               read_secret(self.secret_file), form)
+        secret = read_secret(self.secret_file) if secret is None else secret
+        return cache_namespace(mcfg or load_config(ckpt), weights_digest(ckpt), self.dtype, secret, form)

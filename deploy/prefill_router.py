@@ -51,9 +51,11 @@ def plan_prefix(prompt_tokens: int, plan: PrefixPlan | None) -> PrefixInfo:
     return prefix_info(prompt_tokens, plan.holders if plan is not None else ())
 
 
-def _serving(replicas: list[RunningReplica]) -> list[RunningReplica]:
-    """The replicas whose node is not being lent to training (all of them if every one is)."""
-    return [r for r in replicas if not RoutingStats.of(r.routing_stats).draining] or replicas
+def _serving(replicas: list[RunningReplica]) -> list[tuple[RunningReplica, RoutingStats]]:
+    """Each replica with its stats (read once), of those whose node is not being lent to training
+    (all of them if every one is)."""
+    read = [(r, RoutingStats.of(r.routing_stats)) for r in replicas]
+    return [(r, st) for r, st in read if not st.draining] or read
 
 
 def _request(pending: PendingRequest | None) -> GenerationRequest | None:
@@ -70,8 +72,7 @@ class CacheAwareRouter(RequestRouter):
         self._inflight: dict[str, tuple[str, float, int, int]] = {}  # request id -> (replica, sent, new, cached)
         self._done_at: dict[str, float] = {}  # replica -> wall time of its last finished request
 
-    def _state(self, replica: RunningReplica, now: float) -> ReplicaState:
-        st = RoutingStats.of(replica.routing_stats)
+    def _state(self, replica: RunningReplica, st: RoutingStats, now: float) -> ReplicaState:
         rid = replica.replica_id.unique_id
         mine = [(sent, new, cached) for r, sent, new, cached in self._inflight.values() if r == rid]
         if st.time >= self._done_at.get(rid, 0.0):
@@ -82,11 +83,11 @@ class CacheAwareRouter(RequestRouter):
         return ReplicaState(rid, st.node or replica.node_id, queued, st.running)
 
     @staticmethod
-    def _pooled_cost(replicas: list[RunningReplica]) -> CostModel:
+    def _pooled_cost(stats: list[RoutingStats]) -> CostModel:
         """One cost model for all replicas (same hardware): the median of what the replicas with
         enough measurements report. Each replica's own fit would make a replica that has measured
         little look faster than one that has measured much."""
-        reported = [st for st in (RoutingStats.of(r.routing_stats) for r in replicas) if st.cost is not None]
+        reported = [st for st in stats if st.cost is not None]
         costs = [dataclasses.asdict(st.cost) for st in reported if st.samples >= MIN_SAMPLES]
         if not costs:
             return reported[0].cost if reported else CostModel()
@@ -102,11 +103,11 @@ class CacheAwareRouter(RequestRouter):
             return [candidate_replicas]
         now = time.monotonic()
         # replicas whose node is being lent to training get no new work (unless all are)
-        candidate_replicas = _serving(candidate_replicas)
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        states = [self._state(r, now) for r in candidate_replicas]
+        serving = _serving(candidate_replicas)
+        by_id = {r.replica_id.unique_id: r for r, _ in serving}
+        states = [self._state(r, st, now) for r, st in serving]
         prefix = plan_prefix(len(req.prompt_ids), req.plan)
-        cost = self._pooled_cost(candidate_replicas)
+        cost = self._pooled_cost([st for _, st in serving])
         best = choose(states, prefix, cost)  # the chosen replica decides its load itself (the same estimate)
         cached = best.load_units * 64
         self._planned[pending_request.metadata.internal_request_id] = (prefix.prompt_tokens - cached, cached)
@@ -136,7 +137,7 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return [candidate_replicas]
-        ordered = sorted(_serving(candidate_replicas), key=lambda r: r.replica_id.unique_id)
+        ordered = sorted((r for r, _ in _serving(candidate_replicas)), key=lambda r: r.replica_id.unique_id)
         i = next(self._counter) % len(ordered)
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]  # ranks: this one, then the rest
 
@@ -148,7 +149,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         req = _request(pending_request)
         if req is None or not candidate_replicas:
             return [candidate_replicas]
-        serving = _serving(candidate_replicas)
-        queued = [len(st.queued) + st.running for st in (RoutingStats.of(r.routing_stats) for r in serving)]
+        pairs = _serving(candidate_replicas)
+        serving = [r for r, _ in pairs]
+        queued = [len(st.queued) + st.running for _, st in pairs]
         order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued)
         return [[serving[order[0]]], [serving[i] for i in order[1:]]]

@@ -116,6 +116,10 @@ class Answer:
         self.want_logprobs = prepared.requests[0].sampling.logprobs is not None
         self.think = tokenizer.think_ids() if prepared.thought is not None else None
         self.choices = [_Choice(i, self) for i in range(prepared.total)]
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": self.id, "created": self.created, "model": model_name}
+        self._whole_head = {**head, "object": kind}
+        self._chunk_head = {**head, "object": kind + ".chunk" if chat else kind}
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
@@ -141,10 +145,6 @@ class Answer:
             msg = {"role": "assistant", **msg, "reasoning_content": reasoning or None}
         return {"index": i, "delta" if delta else "message": msg, "finish_reason": finish_s, "logprobs": lp}
 
-    def _head(self, chunk: bool) -> dict:
-        kind = "chat.completion" if self.prepared.kind == "chat" else "text_completion"
-        kind += ".chunk" if chunk and self.prepared.kind == "chat" else ""
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
     def usage(self) -> dict:
         counts = [c.counts for c in self.choices] if self.think is not None else None
@@ -159,7 +159,7 @@ class Answer:
         if p.prompt_k is not None and p.kind == "completion":
             for c, out in zip(self.choices, choices, strict=True):
                 out["prompt_logprobs"] = self._prompt_logprobs(c)
-        out = {**self._head(False), "choices": choices, "usage": self.usage()}
+        out = {**self._whole_head, "choices": choices, "usage": self.usage()}
         if p.prompt_k is not None and p.kind == "chat":  # one prompt for every choice
             out["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
         return out
@@ -175,10 +175,10 @@ class Answer:
         try:
             async for i, item in self.outputs:
                 text, reasoning, calls, lp = self.choices[i].feed(item)
-                yield {**self._head(True), "choices": [self.choice(i, text, item.finish_reason, True, lp, calls,
+                yield {**self._chunk_head, "choices": [self.choice(i, text, item.finish_reason, True, lp, calls,
                                                                    reasoning)], **usage}
             if usage:
-                yield {**self._head(True), "choices": [], "usage": self.usage()}
+                yield {**self._chunk_head, "choices": [], "usage": self.usage()}
         except Exception as e:  # noqa: BLE001 - reported in the stream
             err = e if isinstance(e, APIError) and e.status == 503 else APIError(500, "the request failed", "server_error")
             if err.status == 500:
