@@ -38,6 +38,9 @@ class EngineConfig:
     # a scored prompt's chunk holds its logits [T, V] and their log-softmax (float32): T is the
     # most whose two fit this bound (at most scheduler.SCORED_CHUNK)
     scored_logits_mib: int = 256
+    # background requests (batch lines) hold at most this share of the seats and of the pages; the
+    # rest stays free for interactive arrivals, which preempt background work when short
+    background_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -53,5 +56,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.itl_factor != 0 and self.itl_factor <= 1:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
+        if not 0 <= self.background_share <= 1:
+            raise ValueError(f"background_share must be in [0, 1], got {self.background_share}")
         if not self.itl_floor_ms >= 0:
             raise ValueError(f"itl_floor_ms must be >= 0, got {self.itl_floor_ms}")

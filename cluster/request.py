@@ -122,6 +122,9 @@ class GenerationRequest:
     # (a JSON value, once whole, still does)
     min_tokens: int = 0
     include_stop: bool = False  # the text ends with the stop string found (vLLM's include_stop_str_in_output)
+    # batch work (a line of a /v1/batches job): queued behind interactive requests, within a share
+    # of the seats and pages, preempted first (``cluster.scheduler``)
+    background: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -16,7 +16,11 @@ row), and decides per step:
   prompt into chunks whose per-pass overhead outweighs their tokens). A chunk that does not
   finish its prompt is the step's last; a prompt whose every position is scored (prompt
   logprobs) goes at most ``scored_chunk`` tokens a chunk (the engine sizes it so that the
-  chunk's logits fit its bound).
+  chunk's logits fit its bound);
+* **background work** (``GenerationRequest.background``: batch lines) yields to interactive
+  requests: it queues behind every interactive prompt, holds at most ``background_share`` of the
+  seats and of the pages (the rest stay free for interactive arrivals), and is preempted first,
+  both when the pool runs out and when an interactive prompt finds no seat or pages.
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -59,15 +63,18 @@ class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_prefill_tokens: int, itl_factor: float,
                  admit: Callable[[Sequence], bool], admit_prefilled: Callable[[Sequence], bool],
                  stats: dict[str, int], itl_floor_s: float = 0.0, scored_chunk: int = SCORED_CHUNK,
-                 ready: Callable[[Sequence], bool] = lambda seq: True) -> None:
+                 ready: Callable[[Sequence], bool] = lambda seq: True, background_share: float = 0.5) -> None:
         """``admit(seq)``: give a waiting sequence its pages (False: not enough yet);
         ``ready(seq)``: whether it may produce its first token (its grammar is compiled): until
         then its prompt stops short of its last token and others go first;
         ``admit_prefilled(seq)``: the same for a prompt prefilled on another replica, which then
         decodes at once; ``stats``: counters it adds to (``preemptions``); ``itl_floor_s``: the
         time a mixed pass may always take (with ``itl_factor`` on); ``scored_chunk``: the longest
-        chunk of a scored prompt."""
+        chunk of a scored prompt; ``background_share``: the share of seats and pages background
+        sequences may hold."""
         self.kv = kv
+        self.background_seats = int(max_num_seqs * background_share)
+        self.background_pages = int(kv.num_pages * background_share)
         self.max_num_seqs, self.max_prefill_tokens, self.itl_factor = max_num_seqs, max_prefill_tokens, itl_factor
         self.itl_floor_s, self.scored_chunk, self._ready = itl_floor_s, scored_chunk, ready
         self._admit, self._admit_prefilled = admit, admit_prefilled
@@ -92,8 +99,18 @@ class Scheduler:
         return out
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` last."""
-        self.waiting.append(seq)
+        """Queue ``seq`` last among its kind: an interactive one before every background one."""
+        if seq.req.background:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(self._first_background(), seq)
+
+    def _first_background(self) -> int:
+        """The queue position of the first background sequence (the queue's length if none)."""
+        for i, seq in enumerate(self.waiting):
+            if seq.req.background:
+                return i
+        return len(self.waiting)
 
     def remove(self, seq: Sequence) -> None:
         """``seq`` leaves whichever it is in, the queue or the running batch (an abort)."""
@@ -117,12 +134,41 @@ class Scheduler:
         self.join_running(seq)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s pages and queue it first for recomputation (its tokens are kept)."""
+        """Free ``seq``'s pages and queue it first among its kind for recomputation (its tokens
+        are kept)."""
         self.leave_running(seq)
         self.kv.release(seq)
         seq.num_computed = 0
-        self.waiting.appendleft(seq)
+        self.waiting.insert(self._first_background() if seq.req.background else 0, seq)
         self.stats["preemptions"] += 1
+        if seq.req.background:
+            self.stats["background_preemptions"] = self.stats.get("background_preemptions", 0) + 1
+
+    def victim(self) -> Sequence:
+        """The running sequence to preempt: the newest background one, else the newest."""
+        for seq in reversed(self.running):
+            if seq.req.background:
+                return seq
+        return self.running[-1]
+
+    def _background_room(self, seq: Sequence) -> bool:
+        """Whether background ``seq`` may be admitted: background sequences then hold at most
+        their share of the seats and of the pages."""
+        held = [s for s in self.running if s.req.background]
+        held += [s for s in self.waiting if s.req.background and s.pages]  # admitted, prefilling
+        pages = sum(len(s.pages) for s in held) + self.kv.pages_for(seq.length + 1)
+        return len(held) < self.background_seats and pages <= self.background_pages
+
+    def _yield_background(self, batch: list[Sequence]) -> bool:
+        """Preempt the newest running background sequence (out of this step's ``batch`` too) so
+        that an interactive prompt has its seat and pages; False when none runs."""
+        victim = next((s for s in reversed(self.running) if s.req.background), None)
+        if victim is None:
+            return False
+        self.preempt(victim)
+        if victim in batch:
+            batch.remove(victim)
+        return True
 
     # -- a step's work -------------------------------------------------------------------
     def decode_batch(self) -> list[Sequence]:
@@ -134,8 +180,10 @@ class Scheduler:
             if seq.row is None:
                 continue  # preempted while making room for another
             while not self.kv.grow(seq):
-                victim = self.running[-1]
+                victim = self.victim()
                 self.preempt(victim)
+                if victim in batch:
+                    batch.remove(victim)
                 if victim is seq:
                     break
             if seq.row is not None:
@@ -166,14 +214,17 @@ class Scheduler:
     def prefill_chunks(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
         """The prompt chunks this step computes, oldest first: (sequence, end), each from the
         sequence's ``num_computed``, within ``prefill_budget()`` tokens; a chunk that does not
-        finish its prompt is the last. Admits what it schedules; a sequence prefilled elsewhere
-        joins ``batch`` at once."""
+        finish its prompt is the last. Admits what it schedules (an interactive prompt preempts
+        background sequences for its seat and pages); a sequence prefilled elsewhere joins
+        ``batch`` at once."""
         budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
         chunks: list[tuple[Sequence, int]] = []
-        seats = self.max_num_seqs - len(self.running)
+        taking = 0  # prompts this step finishes: they take seats when they join the batch
         i, blocked = 0, False  # blocked: a sequence could not have its pages; none after it may
-        while budget > 0 and i < len(self.waiting) and seats > 0:
+        while budget > 0 and i < len(self.waiting):
             seq = self.waiting[i]
+            if not self._seat(seq, taking, batch):
+                break
             ready = self._ready(seq)
             if seq.req.prefilled is not None and not seq.output_ids:
                 if not ready or blocked:  # it decodes at once: it waits whole
@@ -185,9 +236,10 @@ class Scheduler:
                 del self.waiting[i]
                 self.join_running(seq)
                 batch.append(seq)
-                seats -= 1
                 continue
-            if not seq.pages and (blocked or not self._admit(seq)):
+            if not seq.pages and (blocked or not self._pages(seq, batch)):
+                if seq.req.background:
+                    break  # background work waits for room; every sequence after it is background too
                 # not enough pages yet: it waits for running sequences to finish, and so does every
                 # sequence after it but those already holding theirs (a prompt that waited for its
                 # grammar, behind one preempted), which go on
@@ -207,9 +259,27 @@ class Scheduler:
             budget -= end - seq.num_computed
             if end < seq.length:
                 break  # the rest of this prompt in the next step (chunked prefill)
-            seats -= 1
+            taking += 1
             i += 1
         return chunks
+
+    def _seat(self, seq: Sequence, taking: int, batch: list[Sequence]) -> bool:
+        """Whether ``seq`` has a seat in the batch once this step's ``taking`` prompts joined it:
+        an interactive one preempts a background sequence for one."""
+        while len(self.running) + taking >= self.max_num_seqs:
+            if seq.req.background or not self._yield_background(batch):
+                return False
+        return True
+
+    def _pages(self, seq: Sequence, batch: list[Sequence]) -> bool:
+        """Admit ``seq`` (its pages): background work within its share; an interactive prompt
+        preempts background sequences until it fits."""
+        if seq.req.background:
+            return self._background_room(seq) and self._admit(seq)
+        while not self._admit(seq):
+            if not self._yield_background(batch):
+                return False
+        return True
 
     # -- measured speeds -----------------------------------------------------------------
     def observe_decode(self, seconds: float, rows: int) -> None:

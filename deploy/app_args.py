@@ -83,6 +83,9 @@ class AppArgs(BaseModel):
     # a scored prompt (echo with logprobs, prompt_logprobs) is computed in chunks whose logits
     # and their log-softmax fit this bound (MiB): the most memory scoring adds to a replica
     scored_logits_mib: int = Field(default=_ENGINE.scored_logits_mib, ge=1)
+    # batch lines (/v1/batches) hold at most this share of a replica's seats and pages; interactive
+    # requests preempt them when short
+    background_share: float = Field(default=_ENGINE.background_share, ge=0, le=1)
     # structured output's JSON: "compact" (separators as json.dumps writes them, no other
     # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
     # structured_outputs.disable_any_whitespace decides for itself
@@ -143,7 +146,8 @@ class AppArgs(BaseModel):
                             max_prefill_tokens=self.max_prefill_tokens, admission=self.admission,
                             prefix_sharing=self.enable_cache and self.prefix_sharing, micro_batches=self.micro_batches,
                             itl_factor=self.itl_factor, itl_floor_ms=self.itl_floor_ms,
-                            enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib)
+                            enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib,
+                            background_share=self.background_share)
 
     def store_section(self, default_dir: str) -> StoreSection:
         """Each node's unit store (under ``default_dir`` unless ``cache_dir`` names one)."""

@@ -28,7 +28,7 @@ def model():
 
 
 def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_factor=0.0, itl_floor_s=0.0,
-           ready=lambda seq: True):
+           ready=lambda seq: True, background_share=0.5):
     kv = KVManager(model, num_pages, PAGE, max_num_seqs, 64)
     stats = {"preemptions": 0}
     admitted: list[str] = []
@@ -40,7 +40,7 @@ def _sched(model, num_pages=64, max_num_seqs=4, max_prefill_tokens=100, itl_fact
         return True
 
     sched = Scheduler(kv, max_num_seqs, max_prefill_tokens, itl_factor, admit, lambda seq: False, stats,
-                      itl_floor_s=itl_floor_s, ready=ready)
+                      itl_floor_s=itl_floor_s, ready=ready, background_share=background_share)
     return sched, admitted
 
 
@@ -117,6 +117,77 @@ def test_the_newest_running_sequence_is_preempted_when_pages_run_out(model):
     assert batch == [old] and sched.stats["preemptions"] == 1
     assert list(sched.waiting) == [new] and new.num_computed == 0 and new.pages == [] and new.row is None
     assert len(old.pages) == 3  # grew into the freed page
+
+
+def _add(sched: Scheduler, name: str, prompt: int, background: bool = False) -> Sequence:
+    seq = Sequence(GenerationRequest(name, tuple(range(prompt)), max_tokens=8, background=background), [])
+    sched.add(seq)
+    return seq
+
+
+def _names(seqs) -> list[str]:
+    return [s.req.request_id for s in seqs]
+
+
+def test_background_work_queues_behind_every_interactive_prompt(model):
+    sched, _ = _sched(model)
+    _add(sched, "b1", 5, background=True)
+    _add(sched, "i1", 5)
+    _add(sched, "b2", 5, background=True)
+    _add(sched, "i2", 5)
+    assert _names(sched.waiting) == ["i1", "i2", "b1", "b2"]
+
+
+def test_background_work_holds_at_most_its_share_of_seats_and_pages(model):
+    sched, _ = _sched(model, num_pages=8, max_num_seqs=4, max_prefill_tokens=1000)
+    for k in range(3):
+        _add(sched, f"b{k}", 5, background=True)
+    chunks = sched.prefill_chunks([])
+    assert _names(s for s, _ in chunks) == ["b0", "b1"]  # 2 of 4 seats
+    _prefill(sched, chunks)
+    assert sched.prefill_chunks(sched.decode_batch()) == []  # b2 waits, though seats are free
+    i = _add(sched, "i", 5)
+    assert sched.prefill_chunks(sched.decode_batch()) == [(i, 5)]  # interactive work takes them
+
+    sched, _ = _sched(model, num_pages=8, max_num_seqs=4, max_prefill_tokens=1000)
+    _add(sched, "big", 3 * PAGE + 5, background=True)  # 4 pages: half the pool
+    _add(sched, "more", 5, background=True)
+    assert _names(s for s, _ in sched.prefill_chunks([])) == ["big"]  # "more" would pass half the pages
+
+
+def test_an_interactive_prompt_preempts_background_work_for_its_seat_and_pages(model):
+    sched, _ = _sched(model, num_pages=8, max_num_seqs=2, max_prefill_tokens=1000, background_share=1.0)
+    b1, b2 = _add(sched, "b1", 5, background=True), _add(sched, "b2", 5, background=True)
+    _prefill(sched, sched.prefill_chunks([]))
+    assert sched.running == [b1, b2]
+    i = _add(sched, "i", 5)
+    batch = sched.decode_batch()
+    assert sched.prefill_chunks(batch) == [(i, 5)]  # the newest background one gave its seat
+    assert batch == [b1] and _names(sched.waiting) == ["i", "b2"] and b2.pages == [] and b2.row is None
+    assert sched.stats["background_preemptions"] == 1
+
+    sched, _ = _sched(model, num_pages=4, max_num_seqs=4, max_prefill_tokens=1000, background_share=1.0)
+    b = _add(sched, "b", 3 * PAGE - 2, background=True)  # 3 of 4 pages
+    _prefill(sched, sched.prefill_chunks([]))
+    i = _add(sched, "i", 2 * PAGE - 2)  # needs 2
+    assert sched.prefill_chunks(sched.decode_batch()) == [(i, 2 * PAGE - 2)] and b.pages == []
+    assert _names(sched.waiting) == ["i", "b"]
+
+
+def test_background_work_is_preempted_before_newer_interactive_work_when_pages_run_out(model):
+    sched, _ = _sched(model, num_pages=4, max_prefill_tokens=1000, background_share=1.0)
+    b = _add(sched, "b", PAGE - 1, background=True)  # 1 page
+    _prefill(sched, sched.prefill_chunks([]))
+    i = _add(sched, "i", 2 * PAGE - 2)  # 2 pages, one stays free
+    _prefill(sched, sched.prefill_chunks(sched.decode_batch()))
+    assert sched.running == [b, i]
+    for _ in range(2):
+        for seq in (b, i):
+            if seq.row is not None:
+                seq.output_ids.append(1)
+                seq.num_computed = seq.length - 1
+        batch = sched.decode_batch()  # the second: b takes the free page, then i needs one
+    assert batch == [i] and list(sched.waiting) == [b] and b.pages == [] and len(i.pages) == 3
 
 
 def test_chunks_are_sized_from_measured_speeds_while_sequences_decode(model):
