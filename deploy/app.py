@@ -168,6 +168,8 @@ def recorded_app_args() -> dict[str, Any] | None:
 
 def build_app(args: dict[str, Any] | AppArgs | None = None):
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
+    from model.default import cache_root
+
     _record_app_args(a)
     server_cfg = replica_config(a)
     server, decode = _model_deployments(a, server_cfg)
@@ -175,7 +177,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None):
         server_cfg.identity, a.model_name, Limits(**(a.limits or {})), a.api_keys or api_keys_from_env(),
         # the ingress plans each request's prefix for the cache-aware router only
         server_cfg.directory if a.router == "cache-aware" else DirectorySection(),
-        tuple(a.public_paths), bool(a.expert_shards), a.structured_whitespace)
+        tuple(a.public_paths), bool(a.expert_shards), a.structured_whitespace,
+        server_cfg.directory, a.files_dir or str(cache_root() / "files"))
     ingress_options: dict[str, Any] = {"num_cpus": 0}
     if a.ingress_on_head:
         ingress_options["resources"] = {"node:__internal_head__": 0.001}

@@ -118,6 +118,9 @@ class AppArgs(BaseModel):
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     directory_tls_ca_file: str | None = None  # PEM CA of the Redis server's certificate (rediss:// URLs)
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)
+    # the Files and Batch APIs' file bodies, on a disk every ingress replica reaches (default:
+    # $TIDE_HOME/files); their records and the batch jobs live in the directory's Redis
+    files_dir: str | None = None
     expert_shards: int = Field(default=0, ge=0)  # >0: routed experts on this many expert-shard actors
     expert_slots: int | None = Field(default=None, ge=1)  # physical slots in all (default: +1 per shard)
     expert_rebalance_s: float = Field(default=0.0, ge=0)  # re-plan placement this often (0: `tide eplb rebalance`)

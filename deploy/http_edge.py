@@ -5,7 +5,8 @@ time nor memory).
 Each request under a protected path must carry a configured key (``Authorization: Bearer``;
 constant-time comparison, keys never logged) or get a 401; a tenant over its quota (requests per
 second with a burst, requests at once; ``TenantQuotas``) gets a 429 with ``Retry-After``; a
-``POST`` body must be JSON or get a 415, fit ``max_body_bytes`` (its Content-Length, or
+``POST`` body must be JSON (a multipart form on an upload path: ``uploads``) or get a 415, fit
+``max_body_bytes`` (an upload: its path's limit; its Content-Length, or
 counted as it arrives when chunked) or get a 413, and arrive whole within ``body_timeout_s`` or
 get a 408 (a slow body holds a connection and its tenant's concurrency, not a replica). The caller's ``KeyGrant`` is left in
 ``scope["state"]["grant"]`` for the route.
@@ -101,6 +102,7 @@ class EdgeConfig:
     public_paths: frozenset[str] = field(default=PUBLIC_PATHS)
     quotas: TenantQuotas | None = None
     body_timeout_s: float = 30.0
+    uploads: dict[str, int] = field(default_factory=dict)  # path -> largest body: multipart forms (files)
 
 
 def find_grant(api_keys: dict[str, KeyGrant], authorization: str) -> KeyGrant | None:
@@ -171,25 +173,30 @@ class EdgeMiddleware:
                              ((b"retry-after", str(max(1, math.ceil(wait_s))).encode()),))
                 return
             try:
-                await self._checked(scope, receive, send, cfg, headers)
+                await self._checked(scope, receive, send, cfg, headers, path)
             finally:
                 quotas.release(grant.tenant)
             return
-        await self._checked(scope, receive, send, cfg, headers)
+        await self._checked(scope, receive, send, cfg, headers, path)
 
-    async def _checked(self, scope, receive, send, cfg: EdgeConfig, headers: dict[str, str]) -> None:
+    async def _checked(self, scope, receive, send, cfg: EdgeConfig, headers: dict[str, str], path: str) -> None:
         """The content type and size checks, then the app."""
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            await _reply(send, 415, f"the body must be JSON (Content-Type: application/json), not {ctype or 'untyped'}",
-                         code="unsupported_media_type")
+        if headers.get("content-length") == "0" and not ctype:  # no body (a cancel): nothing to check
+            await self.app(scope, receive, send)
+            return
+        upload = scope["method"] == "POST" and path in cfg.uploads
+        want, limit = ("multipart/form-data", cfg.uploads[path]) if upload else ("application/json", cfg.max_body_bytes)
+        if ctype != want:
+            await _reply(send, 415, f"the body must be {'a multipart form' if upload else 'JSON'} (Content-Type: {want}), "
+                                    f"not {ctype or 'untyped'}", code="unsupported_media_type")
             return
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
-            await _reply(send, 413, f"request body of {length} bytes exceeds the limit of {cfg.max_body_bytes}")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _reply(send, 413, f"request body of {length} bytes exceeds the limit of {limit}")
             return
         # read the body here, counting (a chunked body has no Content-Length), then hand it on
         chunks, size = [], 0
@@ -205,8 +212,8 @@ class EdgeMiddleware:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > cfg.max_body_bytes:
-                await _reply(send, 413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
+            if size > limit:
+                await _reply(send, 413, f"request body exceeds the limit of {limit} bytes")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -64,3 +64,14 @@ class Limits(BaseModel):
     tenant_burst: int = Field(default=0, ge=0)  # requests a tenant may send at once (0: a second's worth)
     tenant_concurrency: int = Field(default=0, ge=0)  # a tenant's requests under way at once
     tenant_tokens_per_minute: int = Field(default=0, ge=0)  # request costs' tokens a tenant may draw
+    # the Files and Batch APIs (deploy.ingress.batches): an upload's size, how long a file is
+    # kept by default (OpenAI's: 30 days), a batch's lines and tokens (its lines' costs, as
+    # above, summed), a tenant's batches not ended and their tokens, and the lines one ingress
+    # replica runs at once (the replicas run them behind interactive requests)
+    max_file_bytes: int = Field(default=200 << 20, ge=1)
+    file_ttl_s: int = Field(default=30 * 86400, ge=3600)
+    max_batch_lines: int = Field(default=50000, ge=1)
+    max_batch_tokens: int = Field(default=50_000_000, ge=1)
+    max_tenant_batches: int = Field(default=100, ge=1)
+    tenant_batch_tokens: int = Field(default=0, ge=0)  # 0: no per-tenant bound beyond max_tenant_batches
+    batch_concurrency: int = Field(default=16, ge=1)

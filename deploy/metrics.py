@@ -17,6 +17,8 @@ API inference scheduler already read (``vllm:`` -> ``tide:`` where the meaning i
 | ``tide:e2e_request_latency_seconds`` | ``vllm:e2e_request_latency_seconds`` | histogram, at the ingress |
 | ``tide:request_queue_time_seconds`` | ``vllm:request_queue_time_seconds`` | histogram: arrival at a replica to its first step |
 | ``tide:requests_in_flight`` | (none) | requests this ingress is streaming |
+| ``tide:batch_lines{state}`` | (none) | lines of the batches this ingress runs: ``queued``, ``running`` |
+| ``tide:batch_lines_done_total{status}`` | (none) | batch lines this ingress finished: ``completed``, ``failed`` |
 | ``tide:nodes{role}`` | (none) | alive Ray nodes by day/night role: serving, draining, migrate, lent |
 | ``tide:nights``, ``tide:nights_migrated``, ``tide:night_drain_seconds`` | (none) | nights so far, those whose drain passed its deadline (requests continued on other replicas), the last drain's duration |
 | ``tide:training_job_active`` | (none) | 1 while a night's training job runs on the lent nodes |
@@ -87,6 +89,9 @@ class IngressMetrics:
                                         "Responses asked to be stored that were not (over the size limit, or the "
                                         "store failed)")
         self.in_flight = one(Gauge, "tide:requests_in_flight", "requests this ingress is streaming")
+        self.batch_lines = family(Gauge, "tide:batch_lines", "lines of the batches this ingress runs", ["state"])
+        self.batch_done = family(Counter, "tide:batch_lines_done", "batch lines this ingress finished", ["status"])
+        self._batch_done_seen = {"completed": 0, "failed": 0}
         self.ttft = one(Histogram, "tide:time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS)
         self.itl = one(Histogram, "tide:inter_token_latency_seconds", "time between output tokens",
                        buckets=TOKEN_BUCKETS)
@@ -166,6 +171,14 @@ class IngressMetrics:
         self.ep_shards.set(info.get("num_shards", 0))
         self.ep_rebalances.set(info.get("rebalances", 0))
         self.ep_moved_slots.set(info.get("moved_slots", 0))
+
+    def batch(self, queued: int, running: int, done: dict[str, int]) -> None:
+        """The batch runner's lines (``deploy.ingress.batch_runner``): in its jobs, and done so far."""
+        self.batch_lines("queued").set(queued)
+        self.batch_lines("running").set(running)
+        for status, n in done.items():
+            self.batch_done(status).inc(n - self._batch_done_seen[status])
+            self._batch_done_seen[status] = n
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

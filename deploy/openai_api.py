@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve) in front of the ``LLMServer`` replicas.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming or not), ``/v1/responses``
-(OpenAI's Responses API as a chat, stored: ``deploy.ingress.responses``), ``/v1/models``,
+(OpenAI's Responses API as a chat, stored: ``deploy.ingress.responses``), ``/v1/files`` and
+``/v1/batches`` (OpenAI's Files and Batch APIs: ``deploy.ingress.batches``), ``/v1/models``,
 ``/tokenize``, ``/detokenize``, ``/version`` (as vLLM and SGLang have them), ``/health`` (503
 while no replica can serve), ``/metrics``. API keys (each maps to a tenant whose salt isolates its
 cache), the content type and the body size are checked before the body is read
@@ -16,21 +17,25 @@ a class decorated at import time carries its routes there. ``deploy/app.py`` app
 
 
 # No `from __future__ import annotations` here: FastAPI must see the route annotations as types.
+import asyncio
+import contextlib
 import logging
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.serve_bind import bind_replica_grpc_to_node
 from cluster.request import RequestFailed
-from deploy.errors import APIError, error_body
+from deploy.errors import APIError, error_body, validation_message
 from deploy.http_edge import PUBLIC_PATHS, EdgeConfig, EdgeMiddleware
 from deploy.ingress import ops
+from deploy.ingress.batch_runner import BatchRunner
+from deploy.ingress.batches import Batches
 from deploy.ingress.config import IngressConfig
 from deploy.ingress.responses import Responses
 from deploy.ingress.serve_pool import ServePool
@@ -59,10 +64,8 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     errs = e.errors()
     if errs and errs[0].get("type") == "json_invalid":
         return JSONResponse(error_body(f"malformed JSON body: {errs[0].get('msg')}", "invalid_request_error"), 400)
-    first = errs[0] if errs else {}
-    loc = ".".join(str(x) for x in first.get("loc", ())[1:])
-    msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", "invalid request"))
-    return JSONResponse(error_body(msg, "invalid_request_error", loc or None), 400)
+    msg, param = validation_message(errs)
+    return JSONResponse(error_body(msg, "invalid_request_error", param), 400)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -101,6 +104,23 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True  # messages end where the assistant speaks, as chat does
 
 
+class ExpiresAfter(BaseModel):
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=30 * 86400)
+
+
+class BatchCreateRequest(BaseModel):
+    """OpenAI's batch creation (``POST /v1/batches``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(max_length=128)
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
+
+
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int] = Field(min_length=0)
@@ -121,10 +141,14 @@ class OpenAIIngress:
                                directory=directory, namespace=namespace)
         self.grants = cfg.grants()
         self.responses_api = Responses(self.ingress)
+        self.batches = Batches(self.ingress, self.responses_api)
+        self.batch_runner = BatchRunner(self.batches)
+        with contextlib.suppress(RuntimeError):  # Serve runs the constructor in the replica's event loop
+            self._runner_task = asyncio.get_running_loop().create_task(self.batch_runner.serve())
         lim = cfg.limits
         api.state.edge = EdgeConfig(self.grants, lim.max_body_bytes,  # read by deploy.http_edge
                                     PUBLIC_PATHS | frozenset(cfg.public_paths), self.ingress.quotas,
-                                    lim.body_timeout_s)
+                                    lim.body_timeout_s, {"/v1/files": lim.max_file_bytes + (64 << 10)})
 
     def _grant(self, request: Request) -> KeyGrant:
         """The caller's grant, which the edge (``deploy.http_edge``) checked before the body was
@@ -162,6 +186,62 @@ class OpenAIIngress:
                                    order: Literal["asc", "desc"] = "desc", after: str | None = None):
         tenant = self._grant(request).tenant
         return JSONResponse(await self.responses_api.input_items(tenant, response_id, limit, order, after))
+
+    # -- files and batches ---------------------------------------------------------------
+    @api.post("/v1/files")
+    async def upload_file(self, request: Request):
+        """A multipart form: ``file`` (JSONL), ``purpose`` (``batch``), optionally
+        ``expires_after[anchor]``/``expires_after[seconds]``."""
+        grant = self._grant(request)
+        async with request.form(max_files=1, max_fields=8) as form:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if upload is None or isinstance(upload, str):
+                raise APIError(400, "the form has no file part named 'file'", param="file")
+            if not isinstance(purpose, str):
+                raise APIError(400, "the form has no field 'purpose'", param="purpose")
+            seconds = form.get("expires_after[seconds]")
+            if seconds is not None and (not isinstance(seconds, str) or not seconds.isdigit()):
+                raise APIError(400, f"expires_after[seconds] must be a whole number, got {seconds!r}",
+                               param="expires_after.seconds")
+            data = await upload.read()
+            name = upload.filename or "upload.jsonl"
+        return await self.batches.upload(grant.tenant, name, purpose, data, int(seconds) if seconds else None)
+
+    @api.get("/v1/files")
+    async def list_files(self, request: Request, purpose: str | None = None, limit: int = 10000,
+                         order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        return await self.batches.list_files(self._grant(request).tenant, purpose, limit, after, order)
+
+    @api.get("/v1/files/{file_id}")
+    async def get_file(self, file_id: str, request: Request):
+        return (await self.batches.file(self._grant(request).tenant, file_id)).to_openai()
+
+    @api.get("/v1/files/{file_id}/content")
+    async def file_content(self, file_id: str, request: Request):
+        data = await self.batches.content(self._grant(request).tenant, file_id)
+        return Response(data, media_type="application/jsonl")
+
+    @api.delete("/v1/files/{file_id}")
+    async def delete_file(self, file_id: str, request: Request):
+        return await self.batches.delete_file(self._grant(request).tenant, file_id)
+
+    @api.post("/v1/batches")
+    async def create_batch(self, body: BatchCreateRequest, request: Request):
+        expires = body.output_expires_after.seconds if body.output_expires_after else None
+        return await self.batches.create(self._grant(request), body.input_file_id, body.endpoint,
+                                         body.completion_window, body.metadata, expires)
+
+    @api.get("/v1/batches")
+    async def list_batches(self, request: Request, limit: int = 20, after: str | None = None):
+        return await self.batches.list(self._grant(request).tenant, limit, after)
+
+    @api.get("/v1/batches/{batch_id}")
+    async def get_batch(self, batch_id: str, request: Request):
+        return (await self.batches.get(self._grant(request).tenant, batch_id)).to_openai()
+
+    @api.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(self, batch_id: str, request: Request):
+        return await self.batches.cancel(self._grant(request).tenant, batch_id)
 
     # -- models and tokens ---------------------------------------------------------------
     @api.get("/v1/models")
@@ -213,4 +293,4 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(await ops.metrics_text(self.ingress), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await ops.metrics_text(self.ingress, self.batch_runner), media_type="text/plain; version=0.0.4")

@@ -18,7 +18,9 @@ class IngressConfig:
     prompts in its namespace). ``api_keys``: {key: "TENANT[:MODEL+...]"}, None: no keys.
     ``directory``: with a URL each prompt is planned for the cache-aware router.
     ``public_paths``: paths served without a key besides /health and /version.
-    ``structured_whitespace``: "any" lets structured JSON hold runs of whitespace."""
+    ``structured_whitespace``: "any" lets structured JSON hold runs of whitespace.
+    ``batch_state``: the Redis that keeps batch jobs and files' records (no URL: this ingress's
+    memory); ``files_dir``: where file bodies are kept (None: no Files or Batch API)."""
 
     identity: CacheIdentity
     model_name: str
@@ -28,6 +30,8 @@ class IngressConfig:
     public_paths: tuple[str, ...] = ()
     expert_parallel: bool = False  # /metrics reports the expert placement
     structured_whitespace: Literal["compact", "any"] = "compact"
+    batch_state: DirectorySection = DirectorySection()
+    files_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.structured_whitespace not in ("compact", "any"):

@@ -45,9 +45,12 @@ def tokenized(ingress: Ingress, prompt: str | None, messages: list[ChatMessage] 
     return {"count": len(ids), "max_model_len": ingress.context_len, "tokens": ids}
 
 
-async def metrics_text(ingress: Ingress) -> str:
-    """The Prometheus text of ``/metrics``; a source that does not answer leaves its series out."""
+async def metrics_text(ingress: Ingress, batch_runner=None) -> str:
+    """The Prometheus text of ``/metrics`` (``batch_runner``: the batch lines this ingress runs);
+    a source that does not answer leaves its series out."""
     m = ingress.metrics
+    if batch_runner is not None:
+        m.batch(batch_runner.queued, batch_runner.running, batch_runner.done)
     try:
         await _tidal(m)
     except Exception as e:  # noqa: BLE001 - no day/night state: the other series still serve

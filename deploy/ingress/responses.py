@@ -40,21 +40,11 @@ class Responses:
         self.store = store
 
     async def create(self, body: ResponsesRequest, grant: KeyGrant) -> JSONResponse | StreamingResponse:
-        tenant = grant.tenant
-        earlier = []
-        if body.previous_response_id is not None:
-            earlier = (await self.get(tenant, body.previous_response_id, "previous_response_id")).history
-        try:
-            chat = ChatCompletionRequest(**body.chat_body(earlier))
-        except ValidationError as e:  # a value the chat route refuses, named as the chat names it
-            first = e.errors()[0]
-            loc = ".".join(str(x) for x in first.get("loc", ()))
-            raise APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc or None) from None
-        answer = self.ingress.answer(await self.ingress.chat(chat, grant))
         if not body.stream:
-            response = response_of(body, await answer.whole())
-            await self._keep(tenant, body, earlier, response)
-            return JSONResponse(response)
+            return JSONResponse(await self.whole(body, grant))
+        earlier, chat = await self._chat(body, grant)
+        answer = self.ingress.answer(await self.ingress.chat(chat, grant))
+        tenant = grant.tenant
         events = ResponseEvents(body)
 
         async def stream() -> AsyncIterator[str]:
@@ -64,6 +54,27 @@ class Responses:
                 await self._keep(tenant, body, earlier, events.final)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def whole(self, body: ResponsesRequest, grant: KeyGrant, background: bool = False) -> dict:
+        """The Response of a request not streamed (``background``: a batch line's), stored
+        unless ``store`` is false."""
+        earlier, chat = await self._chat(body, grant)
+        answer = self.ingress.answer(await self.ingress.chat(chat, grant), background)
+        response = response_of(body, await answer.whole())
+        await self._keep(grant.tenant, body, earlier, response)
+        return response
+
+    async def _chat(self, body: ResponsesRequest, grant: KeyGrant) -> tuple[list, ChatCompletionRequest]:
+        """The conversation before ``body`` and the chat request it runs as."""
+        earlier = []
+        if body.previous_response_id is not None:
+            earlier = (await self.get(grant.tenant, body.previous_response_id, "previous_response_id")).history
+        try:
+            return earlier, ChatCompletionRequest(**body.chat_body(earlier))
+        except ValidationError as e:  # a value the chat route refuses, named as the chat names it
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise APIError(400, f"{loc}: {first.get('msg', 'invalid value')}", param=loc or None) from None
 
     async def get(self, tenant: str, rid: str, param: str | None = None) -> StoredResponse:
         """``tenant``'s stored response ``rid``: a 404 when there is none (or it expired), a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -54,9 +55,16 @@ class Ingress:
     async def completion(self, body: CompletionRequest, grant: KeyGrant) -> Prepared:
         return await self.prep.run(grant.tenant, self.prepare.completion, body, grant)
 
-    def answer(self, prepared: Prepared) -> Answer:
-        """The answer of a prepared request, charged to its tenant before any replica sees it."""
-        self.charge(RequestCost.of(list(prepared.requests), prepared.n), prepared.requests[0].tenant)
+    def answer(self, prepared: Prepared, background: bool = False) -> Answer:
+        """The answer of a prepared request, charged to its tenant before any replica sees it;
+        ``background``: a batch line's, which replicas run behind interactive requests (its
+        batch's tokens were checked against the batch limits, not the per-minute quota)."""
+        cost = RequestCost.of(list(prepared.requests), prepared.n)
+        if background:
+            cost.check(self.limits)
+            prepared = replace(prepared, requests=tuple(replace(r, background=True) for r in prepared.requests))
+        else:
+            self.charge(cost, prepared.requests[0].tenant)
         outputs = self.dispatch.choices(prepared.requests, prepared.n)
         return Answer(prepared, outputs, self.tokenizer, self.cfg.model_name)
 
