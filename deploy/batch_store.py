@@ -227,7 +227,8 @@ class FileStore:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         marker = path.parent / TENANT_MARKER  # whose files these are (sweep reads it)
         if not marker.is_file():
-            marker.write_text(tenant)
+            with os.fdopen(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(tenant)
         tmp = path.with_suffix(".part")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
