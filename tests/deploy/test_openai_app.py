@@ -28,7 +28,8 @@ def base_url(local_ray, tide_home):
 
     home = tide_home
     # The app serves with expert parallelism: routed experts on two expert-shard actors.
-    app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1, "num_pages": 512,
+    app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "files_dir": str(home / "files"),
+                     "replica_cpus": 1, "num_pages": 512,
                      "expert_shards": 2, "micro_batches": 2,
                      "api_keys": {"sk-alpha": "alpha", "sk-beta": "beta:tiny", "sk-gamma": "gamma:other-model"}, "limits": {"max_tokens": 64, "max_request_tokens": 8192, "max_scored_tokens": 2048}})
     with serving(app, 120) as url:
@@ -50,6 +51,46 @@ def test_models_and_chat(client):
     extra = u.model_extra
     assert extra["prompt_cache_hit_tokens"] + extra["prompt_cache_miss_tokens"] == u.prompt_tokens
     assert u.prompt_tokens_details.cached_tokens == extra["prompt_cache_hit_tokens"]
+
+
+def test_a_batch_through_the_official_client_answers_each_line_as_interactively(client, base_url):
+    """files.create, batches.create, batches.retrieve and files.content unchanged: every line's
+    answer equals the same request sent interactively (greedy); another tenant sees none of it."""
+    import time
+
+    system = "You answer in one short sentence, in English, politely. " * 4  # lines share a prefix
+    bodies = [{"model": "tiny", "messages": [{"role": "system", "content": system if i % 2 else "Be brief."},
+                                             {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}],
+               "max_tokens": 8, "temperature": 0} for i in range(10)]
+    data = "".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
+                   for i, b in enumerate(bodies)).encode()
+    upload = client.files.create(file=("questions.jsonl", data), purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes == len(data)
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"run": "suite"})
+    deadline = time.monotonic() + 180
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    assert batch.status == "completed" and batch.request_counts.completed == 10 and batch.error_file_id is None
+    assert batch.metadata == {"run": "suite"} and batch.usage.output_tokens > 0
+    lines = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"q{i}" for i in range(10)]
+    for line, body in zip(lines, bodies, strict=True):
+        alone = client.chat.completions.create(**body)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+    assert batch.id in [b.id for b in client.batches.list()]
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+    beta = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-beta", max_retries=0)
+    for call in (lambda: beta.batches.retrieve(batch.id), lambda: beta.files.content(upload.id),
+                 lambda: beta.files.retrieve(batch.output_file_id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in [b.id for b in beta.batches.list()]
+    metrics = httpx.get(base_url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}, timeout=30).text
+    done = re.search(r'tide:batch_lines_done_total\{model_name="tiny",status="completed"\} (\S+)', metrics)
+    assert done is not None and float(done.group(1)) >= 10
 
 
 def test_repeated_long_prompt_hits_the_cache_with_identical_output(client):
