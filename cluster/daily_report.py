@@ -10,7 +10,8 @@ This module computes the same from this cluster's records, pure (records in, num
 
 Revenue = cache-hit input x hit price + cache-miss input x miss price + output x output price, all
 per million tokens, with an optional discount for requests that finish in a night window (as
-DeepSeek's off-peak pricing). Cost = serving node-hours x ``node_hour_cost``.
+DeepSeek's off-peak pricing) and one for batch lines (``/v1/batches``, as OpenAI's Batch API:
+half price by default). Cost = serving node-hours x ``node_hour_cost``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class UsageRecord:
     completion_tokens: int
     decode_s: float  # first to last output token
     tenant: str = ""
+    batch: bool = False  # a batch line's (/v1/batches): priced at Prices.batch_discount
 
     def __post_init__(self) -> None:
         if not 0 <= self.cached_tokens <= self.prompt_tokens or self.completion_tokens < 0:
@@ -47,6 +49,7 @@ class UsageRecord:
 class NodeSample:
     now_s: float
     serving_nodes: int
+    lent_nodes: int = 0  # nodes lent to training (the night's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +63,15 @@ class Prices:
     node_hour_cost: float = 16.0
     night_discount: float = 0.0  # 0.5 = half price for requests finishing at night
     night: Schedule | None = None
+    batch_discount: float = 0.5  # batch lines' price off the list (OpenAI's Batch API: half)
 
     def __post_init__(self) -> None:
         for name in ("cache_hit_input", "cache_miss_input", "output", "node_hour_cost"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.night_discount < 1.0:
-            raise ValueError(f"night_discount must be in [0, 1), got {self.night_discount}")
+        for name in ("night_discount", "batch_discount"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 class JsonlLog:
@@ -137,14 +142,19 @@ def daily_report(
     hit = sum(u.cached_tokens for u in rows)
     output_tokens = sum(u.completion_tokens for u in rows)
     speeds = [u.completion_tokens / u.decode_s for u in rows if u.decode_s > 0 and u.completion_tokens > 1]
-    revenue = 0.0
+    revenue = batch_revenue = 0.0
     for u in rows:
         r = (u.cached_tokens * prices.cache_hit_input + (u.prompt_tokens - u.cached_tokens) * prices.cache_miss_input
              + u.completion_tokens * prices.output) / 1e6
-        if prices.night is not None and prices.night_discount and prices.night.is_night(u.end_s):
+        if u.batch:  # a batch line has the batch price, whenever it finished
+            r *= 1.0 - prices.batch_discount
+            batch_revenue += r
+        elif prices.night is not None and prices.night_discount and prices.night.is_night(u.end_s):
             r *= 1.0 - prices.night_discount
         revenue += r
+    batch = [u for u in rows if u.batch]
     peak, avg, node_hours = _node_stats(nodes, start, now_s)
+    lent_hours = _node_stats([NodeSample(n.now_s, n.lent_nodes) for n in nodes], start, now_s)[2]
     cost = node_hours * prices.node_hour_cost if node_hours is not None else None
     return {
         "window_start": datetime.fromtimestamp(start, ZoneInfo("UTC")).isoformat(),
@@ -160,7 +170,12 @@ def daily_report(
         "serving_nodes_peak": peak,
         "serving_nodes_avg": round(avg, 3) if avg is not None else None,
         "node_hours": round(node_hours, 3) if node_hours is not None else None,
+        "lent_node_hours": round(lent_hours, 3) if lent_hours is not None else None,
+        "batch_requests": len(batch),
+        "batch_input_tokens": sum(u.prompt_tokens for u in batch),
+        "batch_output_tokens": sum(u.completion_tokens for u in batch),
         "revenue": round(revenue, 6),
+        "batch_revenue": round(batch_revenue, 6),
         "cost": round(cost, 6) if cost is not None else None,
         "margin": round((revenue - cost) / revenue, 4) if cost is not None and revenue else None,
         "prices": {k: v for k, v in asdict(prices).items() if k != "night"},
@@ -184,25 +199,31 @@ def _node_stats(nodes: list[NodeSample], start: float, end: float) -> tuple[int 
 def timeline(usage: list[UsageRecord], nodes: list[NodeSample], window_s: float, now_s: float,
              bins: int = 24) -> dict:
     """The window in ``bins`` equal slices (DeepSeek's daily chart): per slice its start (Unix
-    time), input, cache-hit and output tokens of the requests that finished in it, the cache hit
-    rate (None without input) and the serving nodes at its start (None before the first sample)."""
+    time), input, cache-hit and output tokens of the requests that finished in it and of those
+    the batch lines among them (``batch_*``), the cache hit rate (None without input), and the
+    serving and lent (training) nodes at its start (None before the first sample)."""
     if bins < 1:
         raise ValueError(f"bins must be >= 1, got {bins}")
     start, width = now_s - window_s, window_s / bins
-    input_tokens, hit, output = [0] * bins, [0] * bins, [0] * bins
+    input_tokens, hit, output, batch_in, batch_out = ([0] * bins for _ in range(5))
     for u in usage:
         if start <= u.end_s <= now_s:
             i = min(bins - 1, int((u.end_s - start) // width))
             input_tokens[i] += u.prompt_tokens
             hit[i] += u.cached_tokens
             output[i] += u.completion_tokens
+            if u.batch:
+                batch_in[i] += u.prompt_tokens
+                batch_out[i] += u.completion_tokens
     samples = sorted(nodes, key=lambda n: n.now_s)
     starts = [start + i * width for i in range(bins)]
-    serving = []
+    at = []
     for t in starts:
-        before = [n.serving_nodes for n in samples if n.now_s <= t]
-        serving.append(before[-1] if before else None)
+        before = [n for n in samples if n.now_s <= t]
+        at.append(before[-1] if before else None)
     return {"start_s": starts, "width_s": width, "input_tokens": input_tokens, "cache_hit_tokens": hit,
-            "output_tokens": output, "cache_hit_rate": [h / i if i else None for h, i in zip(hit, input_tokens, strict=True)],
-            "serving_nodes": serving}
+            "output_tokens": output, "batch_input_tokens": batch_in, "batch_output_tokens": batch_out,
+            "cache_hit_rate": [h / i if i else None for h, i in zip(hit, input_tokens, strict=True)],
+            "serving_nodes": [None if n is None else n.serving_nodes for n in at],
+            "lent_nodes": [None if n is None else n.lent_nodes for n in at]}
 

@@ -497,7 +497,7 @@ class Engine:
             time.monotonic() - seq.first_token_s if seq.finished and seq.first_token_s is not None else 0.0,
             logprobs,
             seq.scheduled_s - seq.arrival_s if seq.finished and seq.scheduled_s is not None else 0.0,
-            scored, error,
+            scored, error, seq.finished is not None and seq.req.background,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput], error: str | None = None

@@ -69,7 +69,8 @@ class Replica:
 
     def _record_usage(self, o: RequestOutput) -> None:
         if o.finished and self.usage is not None and o.finish_reason != FinishReason.HANDOFF:
-            self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens, o.completion_tokens, o.decode_s))
+            self.usage.append(UsageRecord(time.time(), o.prompt_tokens, o.cached_tokens, o.completion_tokens, o.decode_s,
+                                          batch=o.background))
 
     def _upkeep(self) -> None:
         """Between steps: the caller's upkeep, and now and then the node's new units to the directory."""

@@ -214,6 +214,7 @@ class RequestOutput(NamedTuple):
     # prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # with finish_reason ERROR
+    background: bool = False  # set when finished: it was batch work (``GenerationRequest.background``)
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the ``later`` one of the same request as one: their new tokens, text

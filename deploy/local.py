@@ -74,7 +74,8 @@ def _start_redis(workdir: Path) -> tuple[int, str]:
     file only this user can read (never in the URL, the state file or the Serve config) and put
     in this process's environment, which `ray start` passes on to the app's processes."""
     password = secrets.token_urlsafe(24)
-    server = RedisServer(workdir, password=password, detach=True, save="60 1000").start()
+    # batch jobs and stored responses live here too: every write is logged, not only snapshots
+    server = RedisServer(workdir, password=password, detach=True, save="60 1000", appendonly=True).start()
     path = _redis_password_path()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -285,6 +286,7 @@ def down() -> bool:
     return True
 
 
-def record_serving_nodes(n: int) -> None:
-    """Append to the serving-node log that ``tide stats`` integrates into node-hours."""
-    JsonlLog(cache_root() / "nodes.jsonl").append(NodeSample(time.time(), n))
+def record_serving_nodes(n: int, lent: int = 0) -> None:
+    """Append to the serving-node log that ``tide stats`` integrates into node-hours (``lent``:
+    nodes lent to training meanwhile)."""
+    JsonlLog(cache_root() / "nodes.jsonl").append(NodeSample(time.time(), n, lent))

@@ -31,13 +31,14 @@ class RedisServer:
 
     def __init__(self, workdir: Path, password: str | None = None, detach: bool = False,
                  save: str = "", tls: tuple[Path, Path, Path] | None = None, config: str = "",
-                 port: int | None = None) -> None:
+                 port: int | None = None, appendonly: bool = False) -> None:
         """``tls``: (CA cert, server cert, server key) to serve TLS only (``rediss://``);
-        ``config``: more lines of redis.conf; ``port``: default a free one."""
+        ``config``: more lines of redis.conf; ``port``: default a free one; ``appendonly``: log
+        every write (fsync each second), so a crash loses at most a second of them."""
         self.workdir = workdir
         self.password = password
         self.detach = detach
-        self.save = save
+        self.save, self.appendonly = save, appendonly
         self.tls = tls
         self.config = config
         self.port = port or free_port()
@@ -63,7 +64,8 @@ class RedisServer:
                     f.write(f"requirepass {self.password}\nmasterauth {self.password}\n")
                 f.write(self.config)
             args.append(str(conf))
-        args += ["--bind", "127.0.0.1", "--save", self.save, "--appendonly", "no", "--dir", str(self.workdir)]
+        args += ["--bind", "127.0.0.1", "--save", self.save, "--appendonly", "yes" if self.appendonly else "no",
+                 "--appendfsync", "everysec", "--dir", str(self.workdir)]
         if self.tls:
             ca, cert, key = self.tls
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-ca-cert-file", str(ca),

@@ -96,7 +96,7 @@ def _scale_k8s(mode, serve_nodes, dry_run, rayservice, namespace, group, fixed_n
         raise TideError(str(e)) from None
     from deploy.local import record_serving_nodes
 
-    record_serving_nodes(fixed + result["replicas"])
+    record_serving_nodes(fixed + result["replicas"], lendable_max - result["replicas"])
     _emit({**base, **result, "serve_nodes": fixed + result["replicas"]}, as_json)
 
 
@@ -213,7 +213,7 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
         result = return_nodes(args, deadline_s=deadline_s, reload=reload, dashboard=dashboard_url(cluster))
         if reload and cluster.local is not None:  # later redeploys (the next night) must serve the new checkpoint too
             write_state({**cluster.local, "app_args": {**args, "checkpoint": reload}})
-    record_serving_nodes(goal)  # nodes, not replicas: an expert-parallel app serves from every node
+    record_serving_nodes(goal, len(alive) - goal)  # nodes, not replicas: an EP app serves from every node
     _emit({**out, "changed": True, **result}, as_json)
 
 

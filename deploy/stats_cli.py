@@ -45,6 +45,8 @@ def stats(
     price_output: float = typer.Option(1.10, "--price-output", min=0, help="per 1M output tokens"),
     node_hour_cost: float = typer.Option(16.0, "--node-hour-cost", min=0, help="cost of one serving node-hour"),
     night_discount: float = typer.Option(0.0, "--night-discount", min=0, max=0.99, help="e.g. 0.5: half price at night"),
+    batch_discount: float = typer.Option(0.5, "--batch-discount", min=0, max=0.99,
+                                         help="batch lines' (/v1/batches) price off the list; 0.5: half, as OpenAI's"),
     night: str = typer.Option("00:30-08:30", "--night", help="night window HH:MM-HH:MM for the discount"),
     timezone: str = typer.Option("Asia/Shanghai", "--tz", help="timezone of --night"),
     now: float = typer.Option(None, "--now", help="end of the window as Unix time (default: now)"),
@@ -54,7 +56,8 @@ def stats(
     bins: int = typer.Option(24, "--bins", min=1, max=10_000, help="--plot: slices of the window"),
 ) -> None:
     """Input tokens, cache-hit tokens and rate, output tokens, average output tokens/s per request,
-    average KV length, serving nodes peak/average, theoretical revenue against node-hour cost."""
+    average KV length, serving nodes peak/average, theoretical revenue against node-hour cost; the
+    batch lines' share (priced at --batch-discount) and the node-hours lent to training."""
     from model.default import cache_root
 
     window_s = parse_window(window)
@@ -67,7 +70,7 @@ def stats(
         schedule = Schedule.parse(end, start, timezone)  # the night ends when the day starts
     except ValueError as e:
         raise typer.BadParameter(f"--night/--tz: {e}") from None
-    prices = Prices(price_hit, price_miss, price_output, node_hour_cost, night_discount, schedule)
+    prices = Prices(price_hit, price_miss, price_output, node_hour_cost, night_discount, schedule, batch_discount)
     usage = read_jsonl(log_files(usage_dir), UsageRecord)
     nodes = read_jsonl(log_files(nodes_log.parent, nodes_log.name), NodeSample)
     end_s = now if now is not None else time.time()
@@ -110,11 +113,15 @@ def _rows(r: dict) -> list[tuple[str, str]]:
         ("  computed (miss)", n(r["cache_miss_tokens"])),
         ("cache hit rate", f"{100 * r['cache_hit_rate']:.1f}%"),
         ("output tokens", n(r["output_tokens"])),
+        ("batch lines (/v1/batches)", n(r["batch_requests"])),
+        ("  their input / output tokens", f"{n(r['batch_input_tokens'])} / {n(r['batch_output_tokens'])}"),
         ("output tokens/s per request (mean)", n(r["avg_output_tokens_per_s"])),
         ("KV length per request (mean tokens)", n(r["avg_kv_length"])),
         ("serving nodes: peak / mean", f"{n(r['serving_nodes_peak'])} / {n(r['serving_nodes_avg'])}"),
         ("node-hours", n(r["node_hours"])),
+        ("node-hours lent to training", n(r["lent_node_hours"])),
         ("revenue at --price-* (per 1M tokens)", f"{r['revenue']:,.4f}"),
+        ("  of which batch lines (at --batch-discount)", f"{r['batch_revenue']:,.4f}"),
         ("cost: node-hours x --node-hour-cost", "unknown" if r["cost"] is None else f"{r['cost']:,.4f}"),
     ]
     margin = r["margin"]

@@ -34,6 +34,10 @@ def plot_timeline(series: dict, path: Path, timezone: str = "UTC", title: str = 
         tokens_ax.bar(starts, hits, width=width * 0.9, align="edge", color="#3182bd", label="of which cache hits")
         tokens_ax.bar(starts, [o / 1e6 for o in series["output_tokens"]], width=width * 0.45, align="edge",
                       color="#fd8d3c", label="output tokens")
+        batch = [(i + o) / 1e6 for i, o in zip(series["batch_input_tokens"], series["batch_output_tokens"], strict=True)]
+        if any(batch):
+            tokens_ax.bar(starts, batch, width=width * 0.25, align="edge", color="#636363",
+                          label="of which batch (input + output)")
         tokens_ax.set_ylabel("tokens per slice (millions)")
         rate_ax = tokens_ax.twinx()
         rates = [None if r is None else 100 * r for r in series["cache_hit_rate"]]
@@ -43,14 +47,18 @@ def plot_timeline(series: dict, path: Path, timezone: str = "UTC", title: str = 
         rate_ax.set_ylabel("cache hit rate (%)")
         handles = tokens_ax.get_legend_handles_labels()[0] + rate_ax.get_legend_handles_labels()[0]
         tokens_ax.legend(handles=handles, loc="upper left", fontsize="small")
-        nodes = series["serving_nodes"]
-        known = [(s, n) for s, n in zip(starts, nodes, strict=True) if n is not None]
-        if known:
-            xs = [s for s, _ in known] + [datetime.fromtimestamp(series["start_s"][-1] + series["width_s"], tz)]
-            ys = [n for _, n in known] + [known[-1][1]]
-            nodes_ax.step(xs, ys, where="post", color="#756bb1")
-            nodes_ax.set_ylim(0, max(ys) + 1)
-        nodes_ax.set_ylabel("serving nodes")
+        top = 0
+        for key, color, label in (("serving_nodes", "#756bb1", "serving (interactive and batch)"),
+                                  ("lent_nodes", "#e6550d", "lent to training")):
+            known = [(s, n) for s, n in zip(starts, series[key], strict=True) if n is not None]
+            if known:
+                xs = [s for s, _ in known] + [datetime.fromtimestamp(series["start_s"][-1] + series["width_s"], tz)]
+                ys = [n for _, n in known] + [known[-1][1]]
+                nodes_ax.step(xs, ys, where="post", color=color, label=label)
+                top = max(top, *ys)
+        nodes_ax.set_ylim(0, top + 1)
+        nodes_ax.legend(loc="upper left", fontsize="small")
+        nodes_ax.set_ylabel("nodes")
         nodes_ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=tz))
         nodes_ax.set_xlabel(f"time ({timezone})")
         fig.suptitle(title)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.daily_report import JsonlLog, NodeSample, Prices, UsageRecord, daily_report, read_jsonl
+from cluster.daily_report import JsonlLog, NodeSample, Prices, UsageRecord, daily_report, read_jsonl, timeline
 from cluster.scaling import Schedule
 
 DAY = 86400.0
@@ -45,6 +45,26 @@ def test_night_discount_applies_to_requests_finishing_at_night():
     usage = [UsageRecord(midnight + 3600, 0, 0, 1_000_000, 1.0), UsageRecord(midnight + 12 * 3600, 0, 0, 1_000_000, 1.0)]
     r = daily_report(usage, [], DAY, midnight + DAY, Prices(output=2.0, night_discount=0.5, night=night))
     assert r["revenue"] == pytest.approx(1.0 + 2.0)
+
+
+def test_batch_lines_are_priced_and_counted_apart_and_lent_nodes_are_training_use():
+    night = Schedule.parse("08:00", "00:00")
+    midnight = 1_796_083_200.0
+    usage = [UsageRecord(midnight + 3600, 0, 0, 1_000_000, 1.0),  # interactive, at night
+             UsageRecord(midnight + 3600, 1000, 0, 1_000_000, 1.0, batch=True),  # batch: its own price
+             UsageRecord(midnight + 12 * 3600, 0, 0, 1_000_000, 1.0, batch=True)]
+    nodes = [NodeSample(midnight, 4, 0), NodeSample(midnight + 3600, 1, 3), NodeSample(midnight + 7 * 3600, 4, 0)]
+    prices = Prices(output=2.0, night_discount=0.5, night=night, batch_discount=0.25)
+    r = daily_report(usage, nodes, DAY, midnight + DAY, prices)
+    assert r["revenue"] == pytest.approx(1.0 + (2.0 + 0.27e-3) * 0.75 + 2.0 * 0.75)
+    assert r["batch_revenue"] == pytest.approx((2.0 + 0.27e-3) * 0.75 + 2.0 * 0.75)
+    assert (r["batch_requests"], r["batch_input_tokens"], r["batch_output_tokens"]) == (2, 1000, 2_000_000)
+    assert r["lent_node_hours"] == pytest.approx(3 * 6)
+    t = timeline(usage, nodes, DAY, midnight + DAY, bins=24)
+    assert t["batch_output_tokens"][1] == 1_000_000 and t["batch_output_tokens"][12] == 1_000_000
+    assert t["output_tokens"][1] == 2_000_000 and t["lent_nodes"][1] == 3 and t["lent_nodes"][8] == 0
+    with pytest.raises(ValueError, match="batch_discount"):
+        Prices(batch_discount=1.0)
 
 
 def test_usage_log_round_trip_skips_a_torn_line(tmp_path):

@@ -77,3 +77,14 @@ def test_the_stores_new_units_reach_the_directory(replica, model):
     keys = chain_keys(_ns(model).seed, prompt, 64)
     until(lambda: directory.longest_prefix(keys[:2]).num_units == 2, 30, "the units to be published")
     assert rep.stats()["directory"]["failures"] == 0
+
+
+def test_a_batch_lines_usage_is_logged_as_batch_with_the_tokens_of_an_interactive_one(replica, model):
+    rep, _ = replica
+    prompt = _prompt(40, 5)
+    interactive = _run(rep, GenerationRequest("now", prompt, 4))
+    background = _run(rep, GenerationRequest("later", prompt, 4, background=True))
+    assert _tokens(background) == _tokens(interactive) and background[-1].background and not interactive[-1].background
+    until(lambda: len(rep.usage.path.read_text().splitlines()) == 2, 10, "a usage record per request")
+    records = [json.loads(x) for x in rep.usage.path.read_text().splitlines()]
+    assert [r["batch"] for r in records] == [False, True]
