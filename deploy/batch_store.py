@@ -306,10 +306,16 @@ class BatchStore:
     def _active(self) -> str:
         return f"{self.ns}:batches:active"
 
+    @property
+    def _all(self) -> str:
+        return f"{self.ns}:batches:all"
+
     def create(self, job: BatchJob, ttl_s: int) -> None:
         self.save(job, ttl_s)
         self.kv.zadd(self._index(job.tenant), job.created_at, job.id)
-        self.kv.zadd(self._active, job.created_at, json.dumps([job.tenant, job.id]))
+        member = json.dumps([job.tenant, job.id])
+        self.kv.zadd(self._active, job.created_at, member)
+        self.kv.zadd(self._all, job.created_at, member)
 
     def save(self, job: BatchJob, ttl_s: int) -> None:
         """Keep ``job``'s state (an ended one leaves the runners' list)."""
@@ -335,6 +341,18 @@ class BatchStore:
     def active(self) -> list[tuple[str, str]]:
         """(tenant, batch id) of every job not ended, oldest first."""
         return [tuple(json.loads(m)) for m in self.kv.zrange(self._active)]
+
+    def every(self) -> list[BatchJob]:
+        """Every tenant's jobs still kept, oldest first (the operators' view)."""
+        out = []
+        for member in self.kv.zrange(self._all):
+            tenant, bid = json.loads(member)
+            job = self.get(tenant, bid)
+            if job is None:
+                self.kv.zrem(self._all, member.decode())
+            else:
+                out.append(job)
+        return out
 
     def lease(self, tenant: str, bid: str, holder: str, ttl_s: float) -> bool:
         """Take or renew the lease on running ``bid`` (False: another holder has it)."""

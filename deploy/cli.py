@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from deploy.batch_cli import batch_app
 from deploy.bench.cli import bench_app
 from deploy.cache_cli import cache_app
 from deploy.eplb_cli import eplb_app
@@ -32,6 +33,7 @@ app.command("generate")(generate)
 app.add_typer(bench_app, name="bench")
 app.add_typer(eplb_app, name="eplb")
 app.add_typer(cache_app, name="cache")
+app.add_typer(batch_app, name="batch")
 app.command("stats")(stats)
 app.add_typer(train_app, name="train")
 app.command("scale")(scale)

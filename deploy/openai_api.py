@@ -243,6 +243,10 @@ class OpenAIIngress:
     async def cancel_batch(self, batch_id: str, request: Request):
         return await self.batches.cancel(self._grant(request).tenant, batch_id)
 
+    async def batch_admin(self, action: str, batch_id: str | None = None, include_ended: bool = False) -> list[dict]:
+        """``tide batch``'s calls (a handle's, never a route): every tenant's jobs."""
+        return await self.batches.admin(action, batch_id, include_ended)
+
     # -- models and tokens ---------------------------------------------------------------
     @api.get("/v1/models")
     async def models(self, request: Request):

@@ -7,9 +7,9 @@ line by line through the ingress as background requests (``GenerationRequest.bac
 replicas run them behind interactive work), ``batch_concurrency`` lines at once. A group's first
 line runs before the others that share its prefix, which then find it cached. Each line's result
 is recorded once (``deploy.batch_store``) before the next is counted; a runner that dies loses its
-lease and another goes on from the results recorded. A line the replicas failed (a replica lost,
-a 5xx) is tried ``LINE_TRIES`` times; a line whose request is refused (a 4xx) is a line of the
-error file at once.
+lease and another goes on from the results recorded. A line waits while no replica serves; one
+the replicas failed otherwise is tried ``LINE_TRIES`` times; a line whose request is refused (a
+4xx) is a line of the error file at once.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ __all__ = ["Batches", "KEEP_ENDED_S", "LEASE_S", "LINE_TRIES", "SAVE_S"]
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0  # a runner renews its job's lease every third of this; a dead one's job moves after it
-LINE_TRIES = 3  # a line the replicas failed (not the request's own fault) is tried this often
-RETRY_S = 2.0  # ... this long apart
+LEASE_S = 15.0  # a runner renews its job's lease every third of this; a dead one's job moves after it
+LINE_TRIES = 4  # a line the replicas failed (not the request's own fault, not "none serving") is tried this often
+RETRY_S = 2.0  # ... this long apart at first, doubling
+MAX_RETRY_S = 30.0
 SAVE_S = 1.0  # a running job's counts are saved at most this often
 BATCH_PURPOSES = ("batch",)
 KEEP_ENDED_S = 30 * 86400  # how long an ended job's record is kept
@@ -142,6 +143,20 @@ class Batches:
             job.enter(BatchStatus.CANCELLING, int(self.clock()))
         return job.to_openai()
 
+    # -- the operators' view (``tide batch``): every tenant's ----------------------------------
+    async def admin(self, action: str, batch_id: str | None = None, include_ended: bool = False) -> list[dict]:
+        """``list`` (the jobs not ended, or every one kept), ``show`` or ``cancel`` one: each as
+        OpenAI shows it, with its ``tenant``."""
+        jobs = await self._call(self.store.every)
+        if action == "list":
+            return [j.to_openai() | {"tenant": j.tenant} for j in jobs if include_ended or not j.status.ended]
+        job = next((j for j in jobs if j.id == batch_id), None)
+        if job is None:
+            raise APIError(404, f"no batch {batch_id!r}", code="not_found")
+        if action == "cancel":
+            return [await self.cancel(job.tenant, job.id) | {"tenant": job.tenant}]
+        return [job.to_openai() | {"tenant": job.tenant}]
+
     # -- one line, as its route runs it ----------------------------------------------------
     async def prepared(self, job: BatchJob, line: BatchLine) -> tuple[Prepared, ResponsesRequest | None]:
         """The line's request prepared as its route prepares it (a 400 for a body it refuses)."""
@@ -162,33 +177,43 @@ class Batches:
         return await self.ingress.chat(chat, grant), request
 
     async def run_line(self, job: BatchJob, line: BatchLine) -> LineResult:
-        """The line's answer, or its error as the route would have sent it."""
-        for attempt in range(LINE_TRIES):
+        """The line's answer, or its error as the route would have sent it. A line no replica
+        could take (a 503: none serving, one restarting) waits for one without counting a try;
+        another failure of the replicas is tried ``LINE_TRIES`` times, ``RETRY_S`` apart and
+        doubling; a request refused (a 4xx) is its line's error at once."""
+        tries, wait_s = 0, RETRY_S
+        while True:
             try:
-                prepared, responses = await self.prepared(job, line)
-                if responses is not None:
-                    body = await self.responses.whole(responses, _grant(job), background=True)
-                    usage = body.get("usage") or {}
-                    return LineResult(line.index, line.custom_id, 200, body, usage.get("input_tokens", 0),
-                                      (usage.get("input_tokens_details") or {}).get("cached_tokens", 0),
-                                      usage.get("output_tokens", 0))
-                body = await self.ingress.answer(prepared, background=True).whole()
-                usage = body.get("usage") or {}
-                return LineResult(line.index, line.custom_id, 200, body, usage.get("prompt_tokens", 0),
-                                  usage.get("prompt_cache_hit_tokens", 0), usage.get("completion_tokens", 0))
+                return await self._answer(job, line)
             except APIError as e:
-                if e.status < 500 or attempt == LINE_TRIES - 1:
+                if e.status < 500:
                     return LineResult(line.index, line.custom_id, e.status, error_body(e.message, e.type, e.param, e.code))
+                tries += e.status != 503
+                failure: Exception = e
             except Exception as e:  # noqa: BLE001 - a replica's failure: that line's, tried again
                 cause = getattr(e, "cause", e)
                 if isinstance(cause, RequestFailed) and cause.request_fault:
                     return LineResult(line.index, line.custom_id, 400,
                                       error_body(f"the request failed: {cause}", "invalid_request_error"))
-                if attempt == LINE_TRIES - 1:
-                    log.warning("batch %s line %d failed: %r", job.id, line.index, e)
-                    return LineResult(line.index, line.custom_id, 500, error_body("the request failed", "server_error"))
-            await asyncio.sleep(RETRY_S)
-        raise AssertionError("unreachable")
+                tries, failure = tries + 1, e
+            if tries >= LINE_TRIES:
+                log.warning("batch %s line %d failed: %r", job.id, line.index, failure)
+                return LineResult(line.index, line.custom_id, 500, error_body("the request failed", "server_error"))
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, MAX_RETRY_S)
+
+    async def _answer(self, job: BatchJob, line: BatchLine) -> LineResult:
+        prepared, responses = await self.prepared(job, line)
+        if responses is not None:
+            body = await self.responses.whole(responses, _grant(job), background=True)
+            usage = body.get("usage") or {}
+            return LineResult(line.index, line.custom_id, 200, body, usage.get("input_tokens", 0),
+                              (usage.get("input_tokens_details") or {}).get("cached_tokens", 0),
+                              usage.get("output_tokens", 0))
+        body = await self.ingress.answer(prepared, background=True).whole()
+        usage = body.get("usage") or {}
+        return LineResult(line.index, line.custom_id, 200, body, usage.get("prompt_tokens", 0),
+                          usage.get("prompt_cache_hit_tokens", 0), usage.get("completion_tokens", 0))
 
     async def _call(self, fn, *args):
         try:

@@ -245,3 +245,21 @@ def test_limits_and_tenants(tmp_path):
         return refusals
 
     assert asyncio.run(scenario()) == [429, 404, 404, 404, 400, 400, 400]
+
+
+def test_a_line_waits_while_no_replica_serves_without_spending_its_tries(tmp_path, monkeypatch):
+    from cluster.batch import BatchJob, BatchLine, LineResult
+
+    monkeypatch.setattr(batches_mod, "RETRY_S", 0.0)
+    b = _batches(_pool(), tmp_path)
+    calls = []
+
+    async def answer(job, line):
+        calls.append(1)
+        if len(calls) <= 2 * batches_mod.LINE_TRIES:
+            raise APIError(503, "no replica is serving", "server_error")
+        return LineResult(line.index, line.custom_id, 200, {})
+
+    monkeypatch.setattr(b, "_answer", answer)
+    job, line = BatchJob.new("t", CHAT, "file-1", "24h", 0), BatchLine(0, "a", CHAT, {})
+    assert asyncio.run(b.run_line(job, line)).ok and len(calls) == 2 * batches_mod.LINE_TRIES + 1
