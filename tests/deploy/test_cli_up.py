@@ -372,3 +372,91 @@ def test_usage_errors_need_no_cluster(tmp_path, args):
     """A bad option is a usage error (exit 2) before anything connects; no cluster is exit 1."""
     r = _tide_here(*args, home=tmp_path)
     assert r.returncode == 2 and "no cluster" not in r.stderr, r.stderr
+
+
+def _replica_pids(state: dict) -> list[int]:
+    """The model replicas' processes of a `tide up` cluster (Ray titles them)."""
+    out = []
+    for pid in marked_processes(state["cluster_id"], state["ray_temp_dir"]):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"ServeReplica:tideserve:LLMServer" in title:
+            out.append(pid)
+    return out
+
+
+def test_a_batch_finishes_after_a_replica_is_killed_and_after_down_and_up(tmp_path, fresh_home):
+    """The official client submits a batch to `tide up`; its replica is killed mid-run, then the
+    whole cluster goes down and up again: every line is answered once, as it is interactively,
+    and `tide batch` shows it."""
+    import signal
+    import time
+
+    import openai
+
+    port = free_port()
+    config = tmp_path / "tide.yaml"  # one line at a time: the batch is still running when it is hit
+    config.write_text(f"port: {port}\nlimits: {{batch_concurrency: 1}}\n")
+    bodies = [{"model": "tiny", "messages": [{"role": "user", "content": f"Count to {i}, slowly."}],
+               "max_tokens": 48, "temperature": 0, "ignore_eos": True} for i in range(30)]
+    data = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": b})
+                   + "\n" for i, b in enumerate(bodies)).encode()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+    def progress(bid: str, at_least: int, timeout_s: float = 240):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                batch = client.batches.retrieve(bid)
+                if batch.request_counts.completed >= at_least or batch.status == "completed":
+                    return batch
+            except openai.APIConnectionError:
+                pass  # the cluster coming up
+            assert time.monotonic() < deadline, f"batch {bid} did not reach {at_least} lines"
+            time.sleep(0.5)
+
+    r = _tide("up", "--config", str(config), home=tmp_path, fresh_home=fresh_home)
+    try:
+        assert r.returncode == 0, r.stderr[-2000:]
+        state = json.loads((tmp_path / "run" / "state.json").read_text())
+        upload = client.files.create(file=("lines.jsonl", data), purpose="batch")
+        bid = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h").id
+        progress(bid, 3)
+        (replica,) = _replica_pids(state)
+        os.kill(replica, signal.SIGKILL)  # Serve starts another; the lines under way go on there
+        batch = progress(bid, 8)
+        assert batch.status == "in_progress", batch
+        listed = _tide("batch", "list", "--json", home=tmp_path, fresh_home=fresh_home)
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        assert [b["id"] for b in json.loads(listed.stdout)["batches"]] == [bid]
+        before = client.batches.retrieve(bid)
+        assert before.status == "in_progress" and before.request_counts.completed < 30, before  # down mid-run
+    finally:
+        d = _tide("down", home=tmp_path, fresh_home=fresh_home)
+    assert d.returncode == 0, d.stderr[-2000:]
+    r = _tide("up", "--config", str(config), home=tmp_path, fresh_home=fresh_home)
+    try:
+        assert r.returncode == 0, r.stderr[-2000:]
+        batch = progress(bid, len(bodies))
+        deadline = time.monotonic() + 60
+        while batch.status != "completed":
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.5)
+            batch = client.batches.retrieve(bid)
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (30, 0) and batch.error_file_id is None
+        lines = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        assert [x["custom_id"] for x in lines] == [f"l{i}" for i in range(30)]  # each once, in input order
+        for line, body in list(zip(lines, bodies, strict=True))[::5]:
+            alone = client.chat.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                                   extra_body={"ignore_eos": True})
+            assert line["response"]["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        show = _tide("batch", "show", bid, "--json", home=tmp_path, fresh_home=fresh_home)
+        assert show.returncode == 0 and json.loads(show.stdout)["status"] == "completed", show.stderr[-2000:]
+        ended = _tide("batch", "cancel", bid, home=tmp_path, fresh_home=fresh_home)
+        assert ended.returncode == 1 and "has ended" in ended.stderr, ended.stderr[-2000:]
+        assert json.loads(_tide("batch", "list", "--json", home=tmp_path, fresh_home=fresh_home).stdout)["batches"] == []
+    finally:
+        assert _tide("down", home=tmp_path, fresh_home=fresh_home).returncode == 0
