@@ -215,6 +215,13 @@ class BatchJob:
     def expires_at(self) -> int:
         return self.created_at + WINDOW_S[self.completion_window]
 
+    @property
+    def tokens_left(self) -> int:
+        """What its lines not done yet may cost (its reserved tokens, pro rata)."""
+        if not self.total:
+            return self.reserved_tokens
+        return self.reserved_tokens * (self.total - self.completed - self.failed) // self.total
+
     def enter(self, status: BatchStatus, now: int) -> None:
         self.status = status
         self.times[status.value] = now

@@ -5,6 +5,10 @@ train, but never below what the current load needs: the need is the larger of th
 (projected ``lookahead_s`` ahead along its recent trend) over per-node capacity and the KV
 occupancy of the serving nodes, both with ``headroom``. A busy night stays served.
 
+Batch work (``/v1/batches``) is demand too: the rate that finishes every batch within its window,
+earliest due first (``batch_tokens_per_s``), adds to the interactive load. Batches not due soon
+ride in the serving nodes' spare capacity; a window closing brings nodes back from training.
+
 Changes are damped: scaling *up* happens at once (serving comes first), scaling *down* only after
 ``min_dwell_s`` since the last change and only when the load would fit the smaller size with the
 larger ``down_headroom`` (hysteresis: the band between the two headrooms does not flap).
@@ -21,7 +25,10 @@ from datetime import datetime
 from datetime import time as clock
 from zoneinfo import ZoneInfo
 
-__all__ = ["Decision", "LoadSample", "NodeLoad", "Schedule", "ScalingConfig", "ScalingPolicy", "nodes_to_free"]
+__all__ = ["BatchDemand", "Decision", "LoadSample", "NodeLoad", "Schedule", "ScalingConfig", "ScalingPolicy",
+           "batch_tokens_per_s", "nodes_to_free"]
+
+MIN_WINDOW_S = 600.0  # a window closer than this is planned as if this far (a late batch needs no infinite rate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,24 @@ class LoadSample:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchDemand:
+    """A batch's work left: the tokens its lines not run yet may cost, and when its window closes."""
+
+    tokens: int
+    due_s: float  # Unix time
+
+
+def batch_tokens_per_s(demands: list[BatchDemand], now_s: float) -> float:
+    """The steady rate that finishes every batch by its window, earliest due first: the largest,
+    over each window, of the tokens due by it over the time left to it."""
+    rate, due = 0.0, 0
+    for d in sorted(demands, key=lambda d: d.due_s):
+        due += d.tokens
+        rate = max(rate, due / max(d.due_s - now_s, MIN_WINDOW_S))
+    return rate
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     target: int
     needed: int  # what the load needs now (with headroom), before the schedule
@@ -108,6 +133,11 @@ class ScalingPolicy:
         self.schedule = schedule
         self.samples: deque[LoadSample] = deque()
         self.last_change_s: float | None = None
+        self.batch_rate = 0.0  # tokens/s the batches need to meet their windows (``observe_batches``)
+
+    def observe_batches(self, demands: list[BatchDemand], now_s: float) -> None:
+        """The batches' work left: demand beside the interactive load."""
+        self.batch_rate = batch_tokens_per_s(demands, now_s)
 
     def observe(self, sample: LoadSample) -> None:
         if sample.tokens_per_s < 0 or not 0.0 <= sample.kv_occupancy <= 1.0:
@@ -131,9 +161,12 @@ class ScalingPolicy:
         slope = sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var if var else 0.0
         return latest + max(0.0, slope) * self.cfg.lookahead_s
 
-    def needed(self, headroom: float) -> int:
+    def needed(self, headroom: float, batches: bool = True) -> int:
+        """Nodes for the interactive load with ``headroom`` and (``batches``) the batches' rate
+        (batch work needs no headroom: it waits behind interactive requests)."""
         cfg = self.cfg
-        by_tokens = self.projected_tokens_per_s() * headroom / cfg.node_tokens_per_s
+        batch_rate = self.batch_rate if batches else 0.0
+        by_tokens = (self.projected_tokens_per_s() * headroom + batch_rate) / cfg.node_tokens_per_s
         last = self.samples[-1] if self.samples else None
         by_kv = last.kv_occupancy * last.serving_nodes * headroom if last else 0.0
         return min(cfg.total_nodes, max(cfg.min_nodes, math.ceil(max(by_tokens, by_kv) - 1e-9)))
@@ -146,7 +179,10 @@ class ScalingPolicy:
         need_up = self.needed(cfg.headroom)
         goal = max(cfg.night_nodes, need_up) if night else cfg.total_nodes
         if goal > current:
-            return self._change(now_s, goal, need_up, night, "load needs more nodes" if night else "day: serve on all nodes")
+            why = "load needs more nodes" if night else "day: serve on all nodes"
+            if night and self.batch_rate and need_up > max(cfg.night_nodes, self.needed(cfg.headroom, batches=False)):
+                why = "batches due need more nodes"
+            return self._change(now_s, goal, need_up, night, why)
         if goal == current:
             return Decision(current, need_up, night, "steady")
         # Shrinking: only after the dwell time and only to what the load fits with the larger headroom.

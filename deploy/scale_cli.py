@@ -28,6 +28,9 @@ def scale(
     tokens_per_s: float = typer.Option(0.0, "--tokens-per-s", min=0.0, help="current cluster load"),
     kv_occupancy: float = typer.Option(0.0, "--kv-occupancy", min=0.0, max=1.0),
     node_tokens_per_s: float = typer.Option(1000.0, "--node-tokens-per-s", min=1.0, help="one node's capacity"),
+    batch_tokens_per_s: float = typer.Option(None, "--batch-tokens-per-s", min=0.0,
+                                             help="the rate batches need to meet their windows (default: from the "
+                                                  "cluster's batches on a Ray cluster, 0 with --k8s)"),
     deadline_s: float = typer.Option(60.0, "--deadline", min=0.0, help="seconds in-flight requests get to finish (then they move) / training gets to checkpoint"),
     reload: str = typer.Option(None, "--reload", help="day: serve this checkpoint (e.g. the night's export)"),
     job: str = typer.Option("tideserve-train", "--job", help="--k8s: the training RayJob, unsuspended at night, stopped with a checkpoint and suspended by day ('' for none)"),
@@ -43,16 +46,16 @@ def scale(
         raise typer.BadParameter(f"mode {mode!r} is not day or night")
     if not k8s:
         _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
-                     deadline_s, reload, as_json, address)
+                     deadline_s, reload, as_json, address, batch_tokens_per_s)
         return
     if reload:
         raise typer.BadParameter("--reload is for a Ray cluster; on Kubernetes change the checkpoint in serveConfigV2")
     _scale_k8s(mode, serve_nodes, dry_run, rayservice, namespace, group, fixed_nodes, night_nodes, tokens_per_s,
-               kv_occupancy, node_tokens_per_s, deadline_s, job, dashboard, as_json)
+               kv_occupancy, node_tokens_per_s, deadline_s, job, dashboard, as_json, batch_tokens_per_s or 0.0)
 
 
 def _scale_k8s(mode, serve_nodes, dry_run, rayservice, namespace, group, fixed_nodes, night_nodes, tokens_per_s,
-               kv_occupancy, node_tokens_per_s, deadline_s, job, dashboard, as_json) -> None:
+               kv_occupancy, node_tokens_per_s, deadline_s, job, dashboard, as_json, batch_rate) -> None:
     """The night or morning of a KubeRay RayService (``deploy.k8s_scale``)."""
     try:
         from kubernetes import client, config
@@ -75,7 +78,8 @@ def _scale_k8s(mode, serve_nodes, dry_run, rayservice, namespace, group, fixed_n
         lendable_max = groups[group].get("maxReplicas", groups[group].get("replicas", 0))
         now = groups[group].get("replicas", 0)
         target, reason = _target(mode, serve_nodes, fixed + lendable_max, fixed + now, night_nodes, tokens_per_s,
-                                 kv_occupancy, node_tokens_per_s, min_nodes=max(1, min(fixed, fixed + lendable_max)))
+                                 kv_occupancy, node_tokens_per_s, min_nodes=max(1, min(fixed, fixed + lendable_max)),
+                                 batch_rate=batch_rate)
         lendable = min(lendable_max, max(0, target - fixed))
         base = {"rayservice": rayservice, "group": group, "serve_nodes": fixed + lendable, "reason": reason}
         if dry_run or lendable == now and mode != "day":
@@ -154,9 +158,10 @@ def drain(
 
 
 def _target(mode: str | None, serve_nodes: int | None, total: int, current: int, night_nodes: int | None,
-            tokens_per_s: float, kv_occupancy: float, node_tokens_per_s: float, min_nodes: int = 1) -> tuple[int, str]:
+            tokens_per_s: float, kv_occupancy: float, node_tokens_per_s: float, min_nodes: int = 1,
+            batch_rate: float = 0.0) -> tuple[int, str]:
     """Serving nodes wanted now: ``--serve-nodes``, every node by day, or the night's size (never
-    below what the load needs)."""
+    below what the interactive load and the batches due need)."""
     if serve_nodes is not None:
         return serve_nodes, "--serve-nodes"
     saved = load_schedule()
@@ -166,13 +171,18 @@ def _target(mode: str | None, serve_nodes: int | None, total: int, current: int,
                         node_tokens_per_s=node_tokens_per_s, min_dwell_s=0)
     policy = ScalingPolicy(cfg, Schedule.parse(saved["day"], saved["night"], saved["timezone"]))
     policy.observe(LoadSample(time.time(), tokens_per_s, kv_occupancy=kv_occupancy, serving_nodes=current))
+    policy.batch_rate = batch_rate
     needed = policy.needed(cfg.headroom)
     goal = total if mode == "day" else max(cfg.night_nodes, needed)
-    return goal, f"{mode}: load {tokens_per_s:.0f} tok/s needs {needed} nodes"
+    batches = f" and batches due {batch_rate:.0f} tok/s" if batch_rate else ""
+    why = f"{mode}: load {tokens_per_s:.0f} tok/s{batches} needs {needed} nodes"
+    if mode == "night" and goal < total:
+        why += f"; {total - goal} lent to training"
+    return goal, why
 
 
 def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occupancy, node_tokens_per_s,
-                 deadline_s, reload, as_json, address) -> None:
+                 deadline_s, reload, as_json, address, batch_rate) -> None:
     """Lend nodes of a Ray cluster (``tide up``'s plus nodes joined with ``ray start``, or the
     one ``--address`` names)."""
     from deploy.connect import app_args, dashboard_url, find_target, require_app, write_state
@@ -189,14 +199,17 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
     lent = [n for n, r in roles.items() if r == "lent"]
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     current = len(alive) - len(lent)
+    if batch_rate is None:
+        batch_rate = _batch_rate(cluster)
     target, reason = _target(mode, serve_nodes, len(alive), current, night_nodes, tokens_per_s, kv_occupancy,
-                             node_tokens_per_s)
+                             node_tokens_per_s, batch_rate=batch_rate)
     goal = max(1, min(len(alive), target))
     if target > goal:
         reason += f" {target}, capped to the {len(alive)} alive node(s)"
     elif target < goal:
         reason += f" {target}, raised to 1: one node always serves"
-    out = {"nodes": len(alive), "serving_before": current, "serve_nodes": goal, "reason": reason}
+    out = {"nodes": len(alive), "serving_before": current, "serve_nodes": goal, "reason": reason,
+           "batch_tokens_per_s": round(batch_rate, 3)}
     if dry_run or goal == current:
         _emit({**out, "changed": False, "dry_run": dry_run}, as_json)
         return
@@ -215,6 +228,16 @@ def _scale_local(mode, serve_nodes, dry_run, night_nodes, tokens_per_s, kv_occup
             write_state({**cluster.local, "app_args": {**args, "checkpoint": reload}})
     record_serving_nodes(goal, len(alive) - goal)  # nodes, not replicas: an EP app serves from every node
     _emit({**out, "changed": True, **result}, as_json)
+
+
+def _batch_rate(cluster) -> float:
+    """The rate the cluster's batches need to meet their windows (``cluster.scaling``), asked of
+    its ingress; 0 when it keeps none."""
+    from cluster.scaling import BatchDemand, batch_tokens_per_s
+    from deploy.connect import serve_handle
+
+    demand = serve_handle(cluster, "OpenAIIngress").batch_admin.remote("demand").result(timeout_s=60)
+    return batch_tokens_per_s([BatchDemand(d["tokens"], d["due_s"]) for d in demand], time.time())
 
 
 def _emit(result: dict, as_json: bool) -> None:

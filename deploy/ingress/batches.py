@@ -146,8 +146,10 @@ class Batches:
     # -- the operators' view (``tide batch``): every tenant's ----------------------------------
     async def admin(self, action: str, batch_id: str | None = None, include_ended: bool = False) -> list[dict]:
         """``list`` (the jobs not ended, or every one kept), ``show`` or ``cancel`` one: each as
-        OpenAI shows it, with its ``tenant``."""
+        OpenAI shows it, with its ``tenant``; ``demand``: each job's tokens left and due time."""
         jobs = await self._call(self.store.every)
+        if action == "demand":  # the tidal policy's input (cluster.scaling.BatchDemand)
+            return [{"tokens": j.tokens_left, "due_s": j.expires_at} for j in jobs if not j.status.ended]
         if action == "list":
             return [j.to_openai() | {"tenant": j.tenant} for j in jobs if include_ended or not j.status.ended]
         job = next((j for j in jobs if j.id == batch_id), None)

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from cluster.scaling import LoadSample, ScalingConfig, ScalingPolicy, Schedule
+from cluster.scaling import BatchDemand, LoadSample, ScalingConfig, ScalingPolicy, Schedule, batch_tokens_per_s
 
 DAY0 = datetime(2026, 11, 30, tzinfo=UTC).timestamp()  # midnight UTC
 STEP_S = 300
@@ -53,6 +53,33 @@ def test_a_busy_night_stays_served():
     trace = simulate(policy, lambda t: 4500.0, 6, hours=8)
     assert all(d.target * 1000 >= 4500 * cfg.headroom for _, _, _, d in trace)
     assert min(d.target for *_, d in trace) == 6  # 4500 x 1.3 needs 6 nodes all night
+
+
+def test_the_batch_rate_meets_every_window_earliest_due_first():
+    now = DAY0
+    assert batch_tokens_per_s([], now) == 0.0
+    far, near = BatchDemand(3_600_000, now + 10 * 3600), BatchDemand(720_000, now + 3600)
+    assert batch_tokens_per_s([far], now) == pytest.approx(100.0)
+    assert batch_tokens_per_s([far, near], now) == pytest.approx(200.0)  # the near one alone needs 200/s
+    assert batch_tokens_per_s([BatchDemand(60_000, now + 1)], now) == pytest.approx(100.0)  # late: a floor on the time
+
+
+def test_a_night_lends_the_nodes_batches_do_not_need_and_a_closing_window_takes_them_back():
+    """Three uses of spare nodes: a quiet night lends all but night_nodes to training; batch work
+    that fits beside the interactive load changes nothing; a window that would close unmet
+    brings nodes back from training."""
+    cfg = ScalingConfig(total_nodes=8, night_nodes=2, node_tokens_per_s=1000.0, min_dwell_s=0)
+    policy = ScalingPolicy(cfg, Schedule.parse("08:00", "00:00"))
+    now = DAY0 + 3600  # 01:00, night
+    policy.observe(LoadSample(now, 500.0, serving_nodes=8))
+    assert policy.decide(now, 8).target == 2  # nothing due: training gets the rest
+    policy.observe_batches([BatchDemand(3_000_000, now + 6 * 3600)], now)  # ~139 tok/s: fits beside 650
+    assert policy.decide(now, 2).target == 2
+    policy.observe_batches([BatchDemand(20_000_000, now + 2 * 3600)], now)  # ~2.8k tok/s due in 2 h
+    d = policy.decide(now, 2)
+    assert d.target == 4 and d.reason == "batches due need more nodes"
+    policy.observe_batches([], now)
+    assert policy.decide(now, 4).target == 2  # done: back to training
 
 
 def test_rising_load_at_night_scales_up_at_once_before_it_arrives():

@@ -263,3 +263,25 @@ def test_a_line_waits_while_no_replica_serves_without_spending_its_tries(tmp_pat
     monkeypatch.setattr(b, "_answer", answer)
     job, line = BatchJob.new("t", CHAT, "file-1", "24h", 0), BatchLine(0, "a", CHAT, {})
     assert asyncio.run(b.run_line(job, line)).ok and len(calls) == 2 * batches_mod.LINE_TRIES + 1
+
+
+def test_the_operators_see_every_tenants_batches_and_their_work_left(tmp_path):
+    b = _batches(_pool(), tmp_path)
+
+    async def scenario():
+        mine = await _submit(b, _lines("a", "b"))
+        await _run(b, mine)
+        theirs = await _submit(b, _lines("c"), tenant="u")
+        listed = await b.admin("list", include_ended=True)
+        demand_before = await b.admin("demand")
+        shown = await b.admin("show", mine)
+        cancelled = await b.admin("cancel", theirs)
+        with pytest.raises(APIError):
+            await b.admin("show", "batch_nope")
+        return listed, demand_before, shown, cancelled, await b.admin("list"), await b.admin("list", include_ended=True)
+
+    listed, demand, shown, cancelled, live, every = asyncio.run(scenario())
+    assert [(j["tenant"], j["status"]) for j in listed] == [("t", "completed"), ("u", "validating")]
+    assert len(demand) == 1 and demand[0]["due_s"] > 0
+    assert shown[0]["status"] == "completed" and cancelled[0]["status"] == "cancelling"
+    assert [j["tenant"] for j in live] == ["u"] and len(every) == 2

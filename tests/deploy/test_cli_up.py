@@ -432,6 +432,11 @@ def test_a_batch_finishes_after_a_replica_is_killed_and_after_down_and_up(tmp_pa
         listed = _tide("batch", "list", "--json", home=tmp_path, fresh_home=fresh_home)
         assert listed.returncode == 0, listed.stderr[-2000:]
         assert [b["id"] for b in json.loads(listed.stdout)["batches"]] == [bid]
+        # the night's decision counts the batch's work left as demand beside the interactive load
+        night = _tide("scale", "night", "--dry-run", "--json", home=tmp_path, fresh_home=fresh_home)
+        assert night.returncode == 0, night.stderr[-2000:]
+        decision = json.loads(night.stdout)
+        assert decision["batch_tokens_per_s"] > 0 and "batches due" in decision["reason"], decision
         before = client.batches.retrieve(bid)
         assert before.status == "in_progress" and before.request_counts.completed < 30, before  # down mid-run
     finally:
