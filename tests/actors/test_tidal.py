@@ -28,7 +28,7 @@ def serving(three_nodes, redis_server, tmp_path_factory):
 
     home = tmp_path_factory.mktemp("tidal")
     args = {"replicas": 3, "replica_cpus": 1, "max_replicas_per_node": 1, "num_pages": 512,
-            "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"),
+            "cache_dir": str(home / "cache" / "{node}"), "usage_dir": str(home / "usage"), "files_dir": str(home / "files"),
             "directory_url": redis_server.url, "directory_namespace": "tidal-test"}
     # one HTTP proxy, on the head: the simulated nodes' proxies would share its port, and no load
     # balancer here could stop sending connections to a lent node's draining proxy as KubeRay's
@@ -42,6 +42,21 @@ def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
                    json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def _batch(url: str, prompts: list[str]) -> str:
+    """A batch of completions, submitted as OpenAI's client does (multipart upload, then create)."""
+    import json
+
+    lines = "".join(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0}}) + "\n" for i, p in enumerate(prompts))
+    f = httpx.post(f"{url}/v1/files", timeout=30, files={"file": ("night.jsonl", lines.encode())},
+                   data={"purpose": "batch"})
+    assert f.status_code == 200, f.text
+    b = httpx.post(f"{url}/v1/batches", timeout=30, json={"input_file_id": f.json()["id"],
+                                                           "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert b.status_code == 200, b.text
+    return b.json()["id"]
 
 
 def _llm_replica_nodes() -> list[str]:
@@ -120,6 +135,12 @@ def test_day_night_day(serving):
         assert client.get_job_info(night["job_id"]).driver_node_id == lent  # trained on the lent node only
         served_at_night = stream.done
         until(lambda: stream.done > served_at_night, 120, "an answer at night")  # serving went on
+        # batch work runs on the nodes that still serve while the lent one trains
+        batch = _batch(url, [f"night line {i}: " + "waves " * i for i in range(6)])
+        done = until(lambda: (b := httpx.get(f"{url}/v1/batches/{batch}", timeout=30).json())["status"] == "completed"
+                     and b, 120, "the night's batch")
+        assert done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+        assert client.get_job_status(night["job_id"]) == "RUNNING"  # the training went on beside it
 
         day = return_nodes(args, deadline_s=60)
         assert day["returned"] == [lent] and day["serving_replicas"] == 3
