@@ -134,6 +134,29 @@ def route_path(scope) -> str:
     return path
 
 
+async def _read_body(receive, send, limit: int, timeout_s: float) -> bytes | None:
+    """The whole body, counted as it arrives (a chunked body has no Content-Length); None when
+    it was refused (a 413 or 408 sent) or the client left."""
+    chunks, size = [], 0
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            await _reply(send, 408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout")
+            return None
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            await _reply(send, 413, f"request body exceeds the limit of {limit} bytes")
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 class EdgeMiddleware:
     """Wraps the FastAPI app; reads its ``EdgeConfig`` from ``app.state.edge``, which the ingress
     sets once it knows its keys and limits. Until then it fails closed: every HTTP request but
@@ -198,27 +221,10 @@ class EdgeMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             await _reply(send, 413, f"request body of {length} bytes exceeds the limit of {limit}")
             return
-        # read the body here, counting (a chunked body has no Content-Length), then hand it on
-        chunks, size = [], 0
-        deadline = asyncio.get_running_loop().time() + cfg.body_timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
-            except TimeoutError:
-                await _reply(send, 408, f"the request body did not arrive within {cfg.body_timeout_s:g} s",
-                             code="request_timeout")
-                return
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _reply(send, 413, f"request body exceeds the limit of {limit} bytes")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, sent = b"".join(chunks), False
+        body = await _read_body(receive, send, limit, cfg.body_timeout_s)
+        if body is None:
+            return
+        sent = False
 
         async def replay():
             nonlocal sent

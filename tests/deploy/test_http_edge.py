@@ -227,3 +227,35 @@ def test_refused_bodies_cost_the_server_no_memory():
             tracemalloc.stop()
         assert r.status_code == status and body.sent <= 1 and peak < 4 << 20, (status, body.sent, peak)
     assert seen == []
+
+
+def test_an_upload_path_takes_a_multipart_form_within_its_own_limit_and_nothing_else():
+    app = FastAPI()
+    app.add_middleware(EdgeMiddleware)
+    app.state.edge = EdgeConfig(None, LIMIT, uploads={"/v1/files": 4 * LIMIT})
+    got: list = []
+
+    @app.post("/v1/files")
+    async def upload(request: Request):
+        async with request.form() as form:
+            got.append(await form["file"].read())
+        return {"ok": True}
+
+    @app.post("/v1/echo")
+    async def echo(request: Request):
+        return await request.json()
+
+    @app.post("/v1/batches/{bid}/cancel")
+    async def cancel(bid: str):
+        return {"id": bid}
+
+    data = b"x" * (2 * LIMIT)  # over the JSON limit, within the upload's
+    r = _call(app, "POST", "/v1/files", files={"file": ("a.jsonl", data)}, data={"purpose": "batch"})
+    assert r.status_code == 200 and got == [data]
+    too_big = _call(app, "POST", "/v1/files", files={"file": ("a.jsonl", b"x" * (5 * LIMIT))})
+    assert too_big.status_code == 413 and len(got) == 1
+    as_json = _call(app, "POST", "/v1/files", json={"file": "x"})
+    assert as_json.status_code == 415 and "multipart" in as_json.json()["error"]["message"]
+    form_elsewhere = _call(app, "POST", "/v1/echo", files={"file": ("a.jsonl", b"{}")})
+    assert form_elsewhere.status_code == 415 and "JSON" in form_elsewhere.json()["error"]["message"]
+    assert _call(app, "POST", "/v1/batches/b1/cancel").json() == {"id": "b1"}  # no body: nothing to check
