@@ -97,6 +97,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
                                    self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
                                    ready=self.constraints.ready, background_share=cfg.background_share,
+                                   background_slack=cfg.background_slack,
                                    scored_chunk=scored_chunk(cfg.scored_logits_mib, model.cfg.vocab_size))
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step

@@ -41,6 +41,9 @@ class EngineConfig:
     # background requests (batch lines) hold at most this share of the seats and of the pages; the
     # rest stays free for interactive arrivals, which preempt background work when short
     background_share: float = 0.5
+    # ... and a decode step takes only as many of them as keep it within this much longer than the
+    # interactive rows' own step (measured): batch work uses the spare capacity, not the latency
+    background_slack: float = 0.05
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -58,5 +61,7 @@ class EngineConfig:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
         if not 0 <= self.background_share <= 1:
             raise ValueError(f"background_share must be in [0, 1], got {self.background_share}")
+        if not self.background_slack >= 0:
+            raise ValueError(f"background_slack must be >= 0, got {self.background_slack}")
         if not self.itl_floor_ms >= 0:
             raise ValueError(f"itl_floor_ms must be >= 0, got {self.itl_floor_ms}")

@@ -27,6 +27,7 @@ __all__ = ["EngineLoop", "PromptKV"]
 
 log = logging.getLogger(__name__)
 
+BACKGROUND_INTERVAL_S = 1.0  # a background request's outputs go at most this often (each is a hop's CPU)
 IDLE_STEP_WAIT_S = 0.002  # after a step that could do nothing yet, until the next (or a new request)
 
 
@@ -114,8 +115,10 @@ class EngineLoop:
         (``RequestOutput.then``: the same tokens and text in fewer, longer outputs; a finished
         one goes at once). Every output costs its caller a hop (the Serve replica's, the
         ingress's, the HTTP proxy's), however few tokens it holds: an engine that steps faster
-        than the interval pays them per interval, not per token."""
+        than the interval pays them per interval, not per token. A background request's (a batch
+        line's: no one reads it as it comes) go ``BACKGROUND_INTERVAL_S`` apart at the least."""
         rid = req.request_id
+        interval_s = max(self.stream_batching_interval_s, BACKGROUND_INTERVAL_S if req.background else 0.0)
         if rid in self._inboxes:
             raise ValueError(f"duplicate request id {rid!r}")
         loop = asyncio.get_running_loop()
@@ -129,7 +132,7 @@ class EngineLoop:
                 item, pending = (pending, None) if pending is not None else (await inbox.get(), None)
                 # join what comes until the interval since the last output is up (or it finishes)
                 while isinstance(item, RequestOutput) and not item.finished:
-                    later = await inbox.get(sent + self.stream_batching_interval_s)
+                    later = await inbox.get(sent + interval_s)
                     if later is None:
                         break
                     if not isinstance(later, RequestOutput):

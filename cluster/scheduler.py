@@ -20,7 +20,11 @@ row), and decides per step:
 * **background work** (``GenerationRequest.background``: batch lines) yields to interactive
   requests: it queues behind every interactive prompt, holds at most ``background_share`` of the
   seats and of the pages (the rest stay free for interactive arrivals), and is preempted first,
-  both when the pool runs out and when an interactive prompt finds no seat or pages.
+  both when the pool runs out and when an interactive prompt finds no seat or pages; a step that
+  prefills an interactive prompt leaves the background rows out of its decode (they go on the next),
+  and a decode step takes only as many background rows as keep it within ``background_slack`` of
+  the interactive rows' own step time, by measured step times (on a GPU, whose decode steps cost
+  about the same for 1 row as for 16, that is most of them; on a CPU, a few).
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -49,6 +53,7 @@ MIXED_SAMPLES = 64  # the latest mixed passes whose overrun of their prediction 
 OVERRUN_QUANTILE = 0.9  # the share of mixed passes kept within itl_factor decode steps
 MIN_OVERRUN_SAMPLES = 8  # until this many mixed passes were timed, no margin
 MAX_OVERRUN = 1.25  # the largest margin: past it the prediction has lost track, and a prefill would crawl
+INTERACTIVE_QUIET_S = 10.0  # after this long without interactive decodes, background work runs at full size
 SCORED_CHUNK = 512  # the longest chunk of a prompt scored whole, at most (its logits [T, V] are all kept)
 
 SCORED_LOGIT_BYTES = 8  # a scored position's logit, float32, and its log-softmax
@@ -63,7 +68,8 @@ class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_prefill_tokens: int, itl_factor: float,
                  admit: Callable[[Sequence], bool], admit_prefilled: Callable[[Sequence], bool],
                  stats: dict[str, int], itl_floor_s: float = 0.0, scored_chunk: int = SCORED_CHUNK,
-                 ready: Callable[[Sequence], bool] = lambda seq: True, background_share: float = 0.5) -> None:
+                 ready: Callable[[Sequence], bool] = lambda seq: True, background_share: float = 0.5,
+                 background_slack: float = 0.05) -> None:
         """``admit(seq)``: give a waiting sequence its pages (False: not enough yet);
         ``ready(seq)``: whether it may produce its first token (its grammar is compiled): until
         then its prompt stops short of its last token and others go first;
@@ -71,10 +77,13 @@ class Scheduler:
         decodes at once; ``stats``: counters it adds to (``preemptions``); ``itl_floor_s``: the
         time a mixed pass may always take (with ``itl_factor`` on); ``scored_chunk``: the longest
         chunk of a scored prompt; ``background_share``: the share of seats and pages background
-        sequences may hold."""
+        sequences may hold; ``background_slack``: how much longer than the interactive rows' own
+        a decode step with background rows may be."""
         self.kv = kv
         self.background_seats = int(max_num_seqs * background_share)
         self.background_pages = int(kv.num_pages * background_share)
+        self.background_slack = background_slack
+        self._interactive_s = float("-inf")  # when an interactive request last decoded
         self.max_num_seqs, self.max_prefill_tokens, self.itl_factor = max_num_seqs, max_prefill_tokens, itl_factor
         self.itl_floor_s, self.scored_chunk, self._ready = itl_floor_s, scored_chunk, ready
         self._admit, self._admit_prefilled = admit, admit_prefilled
@@ -189,7 +198,33 @@ class Scheduler:
             if seq.row is not None:
                 batch.append(seq)
         batch.sort(key=lambda s: s.row)  # in row order: the block tables are a view of their rows
-        return batch
+        return self._within_slack(batch)
+
+    def _within_slack(self, batch: list[Sequence]) -> list[Sequence]:
+        """``batch`` with as many background rows as keep the step within ``background_slack`` of
+        the interactive rows' own step time (both measured: ``decode_s``); those left out sit
+        this step out, the least advanced ones go first. A size not measured yet counts as
+        within (running it measures it). Without interactive rows, while interactive requests
+        came within ``INTERACTIVE_QUIET_S``, the step is held to a one-row step's time (one
+        arriving waits no longer for it), with a background row at least; after, all run."""
+        interactive = sum(not seq.req.background for seq in batch)
+        background = len(batch) - interactive
+        now = time.monotonic()
+        if interactive:
+            self._interactive_s = now
+        elif now - self._interactive_s > INTERACTIVE_QUIET_S:
+            return batch
+        base = self.decode_s(max(interactive, 1)) if background else None
+        if base is None:
+            return batch
+        keep, least = background, 0 if interactive else 1
+        while keep > least and (t := self.decode_s(interactive + keep)) is not None \
+                and t > base * (1 + self.background_slack):
+            keep -= 1
+        if keep == background:
+            return batch
+        chosen = set(map(id, sorted((s for s in batch if s.req.background), key=lambda s: len(s.output_ids))[:keep]))
+        return [s for s in batch if not s.req.background or id(s) in chosen]
 
     def prefill_budget(self, start: int = 0) -> int:
         """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
@@ -216,7 +251,7 @@ class Scheduler:
         sequence's ``num_computed``, within ``prefill_budget()`` tokens; a chunk that does not
         finish its prompt is the last. Admits what it schedules (an interactive prompt preempts
         background sequences for its seat and pages); a sequence prefilled elsewhere joins
-        ``batch`` at once."""
+        ``batch`` at once; with an interactive prompt's chunk, background rows leave ``batch``."""
         budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
         chunks: list[tuple[Sequence, int]] = []
         taking = 0  # prompts this step finishes: they take seats when they join the batch
@@ -261,6 +296,8 @@ class Scheduler:
                 break  # the rest of this prompt in the next step (chunked prefill)
             taking += 1
             i += 1
+        if any(not seq.req.background for seq, _ in chunks):  # an interactive prompt's pass stays short:
+            batch[:] = [seq for seq in batch if not seq.req.background]  # background rows sit it out
         return chunks
 
     def _seat(self, seq: Sequence, taking: int, batch: list[Sequence]) -> bool:

@@ -86,6 +86,9 @@ class AppArgs(BaseModel):
     # batch lines (/v1/batches) hold at most this share of a replica's seats and pages; interactive
     # requests preempt them when short
     background_share: float = Field(default=_ENGINE.background_share, ge=0, le=1)
+    # ... and a decode step takes only as many as keep it within this much longer than the
+    # interactive requests' own step (measured): batch work fills spare capacity only
+    background_slack: float = Field(default=_ENGINE.background_slack, ge=0)
     # structured output's JSON: "compact" (separators as json.dumps writes them, no other
     # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
     # structured_outputs.disable_any_whitespace decides for itself
@@ -150,7 +153,7 @@ class AppArgs(BaseModel):
                             prefix_sharing=self.enable_cache and self.prefix_sharing, micro_batches=self.micro_batches,
                             itl_factor=self.itl_factor, itl_floor_ms=self.itl_floor_ms,
                             enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib,
-                            background_share=self.background_share)
+                            background_share=self.background_share, background_slack=self.background_slack)
 
     def store_section(self, default_dir: str) -> StoreSection:
         """Each node's unit store (under ``default_dir`` unless ``cache_dir`` names one)."""

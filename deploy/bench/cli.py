@@ -6,6 +6,7 @@ import typer
 
 from deploy.bench.cluster_cli import (
     bench_all,
+    bench_batch,
     bench_cluster,
     bench_directory,
     bench_neighbour,
@@ -39,6 +40,7 @@ bench_app.command("ttft")(bench_ttft)
 bench_app.command("cluster")(bench_cluster)
 bench_app.command("serve")(bench_serve)
 bench_app.command("neighbour")(bench_neighbour)
+bench_app.command("batch")(bench_batch)
 bench_app.command("stream")(bench_stream)
 bench_app.command("soak")(bench_soak)
 bench_app.command("all")(bench_all)

@@ -186,6 +186,28 @@ def bench_neighbour(
     emit(result)
 
 
+def bench_batch(
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
+    clients: int = typer.Option(2, "--clients", min=1, help="interactive clients, each streaming chats one after another"),
+    requests: int = typer.Option(8, "--requests", min=1, help="streamed chats per client per run"),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=2, help="tokens per interactive chat (a batch line: 4x)"),
+    batch_lines: int = typer.Option(400, "--batch-lines", min=1, help="lines of the batch beside the load"),
+    background_share: float = typer.Option(None, "--background-share", min=0.0, max=1.0,
+                                           help="the replica's share of seats and pages for batch lines (default: the app's)"),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
+) -> None:
+    """An interactive load of greedy streamed chats alone, then beside a running batch
+    (/v1/batches) on one local replica: the load's time to first token and inter-token latency
+    (p50, p99) in each case, their p99 ratios (target: within 1.10x) and the batch lines done."""
+    from deploy.bench.batch_bench import run_batch_bench
+
+    check_checkpoint(checkpoint)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+        result = run_batch_bench(checkpoint, clients, requests, max_tokens, batch_lines, repeats, background_share)
+    emit(result)
+
+
 def bench_stream(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     streams: int = typer.Option(8, "--streams", min=1, help="concurrent streamed completions"),

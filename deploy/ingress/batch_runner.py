@@ -29,6 +29,7 @@ __all__ = ["BatchRunner", "SWEEP_S"]
 log = logging.getLogger(__name__)
 
 SWEEP_S = 3600.0  # expired files' bodies are removed this often
+CANCEL_GRACE_S = 60.0  # a cancelled or expired job's lines under way get this long to finish
 
 
 class BatchRunner:
@@ -160,8 +161,8 @@ class BatchRunner:
             elif pending:
                 ready.append(group[0])
                 after[group[0]] = pending[1:]
-        state = {"stop": None, "saved": 0.0, "inflight": 0}
-        state["stop"] = await self._checkpoint(job, state)  # cancelled or expired while it waited
+        state = {"stop": None, "inflight": 0}
+        state["stop"] = await self._checkpoint(job)  # cancelled or expired while it waited
         changed = asyncio.Event()
         self.queued += len(ready) + sum(map(len, after.values()))
 
@@ -183,13 +184,29 @@ class BatchRunner:
                     self.running -= 1
                 ready.extendleft(reversed(after.pop(i, [])))
                 changed.set()
-                state["stop"] = await self._checkpoint(job, state)
 
+        workers = [asyncio.create_task(worker()) for _ in range(self.limits.batch_concurrency)]
+        watcher = asyncio.create_task(self._watch(job, state, changed, workers))
         try:
-            await asyncio.gather(*(worker() for _ in range(self.limits.batch_concurrency)))
+            for outcome in await asyncio.gather(*workers, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    raise outcome
         finally:
+            watcher.cancel()
             self.queued -= len(ready) + sum(map(len, after.values()))
         return state["stop"] or BatchStatus.COMPLETED
+
+    async def _watch(self, job: BatchJob, state: dict, changed: asyncio.Event, workers: list[asyncio.Task]) -> None:
+        """Every ``SAVE_S``: save the job's counts and see whether it was cancelled or expired.
+        Then the idle workers leave, and the lines under way get ``CANCEL_GRACE_S`` to finish
+        before they are stopped (one that no replica takes would hold the job forever)."""
+        while state["stop"] is None:
+            await asyncio.sleep(SAVE_S)
+            state["stop"] = await self._checkpoint(job)
+        changed.set()
+        await asyncio.sleep(CANCEL_GRACE_S)
+        for task in workers:
+            task.cancel()
 
     async def _line(self, job: BatchJob, line: BatchLine) -> None:
         result = await self.batches.run_line(job, line)
@@ -197,13 +214,10 @@ class BatchRunner:
             job.count(result)
             self.done["completed" if result.ok else "failed"] += 1
 
-    async def _checkpoint(self, job: BatchJob, state: dict) -> BatchStatus | None:
-        """Save the counts (at most every ``SAVE_S``); the status to stop with when the job was
-        cancelled or its window has passed."""
+    async def _checkpoint(self, job: BatchJob) -> BatchStatus | None:
+        """Save the counts; the status to stop with when the job was cancelled or its window has
+        passed."""
         now = self.clock()
-        if now - state["saved"] < SAVE_S:
-            return None
-        state["saved"] = now
         if await asyncio.to_thread(self.store.cancelled, job.tenant, job.id):
             return BatchStatus.CANCELLED
         if now > job.expires_at:

@@ -3,6 +3,8 @@ and chunk sizes from measured speeds. No forward pass: the tests play the engine
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.kv_manager import KVManager
@@ -163,7 +165,8 @@ def test_an_interactive_prompt_preempts_background_work_for_its_seat_and_pages(m
     i = _add(sched, "i", 5)
     batch = sched.decode_batch()
     assert sched.prefill_chunks(batch) == [(i, 5)]  # the newest background one gave its seat
-    assert batch == [b1] and _names(sched.waiting) == ["i", "b2"] and b2.pages == [] and b2.row is None
+    assert batch == [] and b1.row is not None  # b1 keeps its seat, sitting this step out
+    assert _names(sched.waiting) == ["i", "b2"] and b2.pages == [] and b2.row is None
     assert sched.stats["background_preemptions"] == 1
 
     sched, _ = _sched(model, num_pages=4, max_num_seqs=4, max_prefill_tokens=1000, background_share=1.0)
@@ -172,6 +175,56 @@ def test_an_interactive_prompt_preempts_background_work_for_its_seat_and_pages(m
     i = _add(sched, "i", 2 * PAGE - 2)  # needs 2
     assert sched.prefill_chunks(sched.decode_batch()) == [(i, 2 * PAGE - 2)] and b.pages == []
     assert _names(sched.waiting) == ["i", "b"]
+
+
+def test_background_rows_sit_out_the_step_that_prefills_an_interactive_prompt(model):
+    sched, _ = _sched(model, max_prefill_tokens=1000)
+    b, i = _add(sched, "b", 5, background=True), _add(sched, "i", 5)
+    _prefill(sched, sched.prefill_chunks([]))
+    assert sched.running == [i, b]
+    late = _add(sched, "late", 5)
+    batch = sched.decode_batch()
+    assert sched.prefill_chunks(batch) == [(late, 5)] and batch == [i]  # b keeps its seat and pages
+    assert b.row is not None and b.pages
+    _prefill(sched, [(late, 5)])
+    batch = sched.decode_batch()
+    assert sched.prefill_chunks(batch) == [] and batch == [i, b, late]  # then it goes on
+    more = _add(sched, "more", 5, background=True)
+    batch = sched.decode_batch()
+    assert sched.prefill_chunks(batch) == [(more, 5)] and batch == [i, b, late]  # a background prompt does not
+
+
+def test_a_decode_step_takes_only_the_background_rows_its_measured_time_allows(model):
+    sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=1000, background_share=1.0)
+    i = _add(sched, "i", 5)
+    bs = [_add(sched, f"b{k}", 5, background=True) for k in range(4)]
+    _prefill(sched, sched.prefill_chunks([]))
+    for k, b in enumerate(bs):
+        b.output_ids += [1] * (4 - k)  # b3 is the least advanced
+    assert sched.decode_batch() == [i, *bs]  # nothing measured: every row runs (and is timed)
+    for rows, secs in ((1, 0.010), (3, 0.0103), (4, 0.0104), (5, 0.020)):
+        for _ in range(3):
+            sched.observe_decode(secs, rows)
+    batch = sched.decode_batch()
+    assert batch[0] is i and {s.req.request_id for s in batch[1:]} == {"b3", "b2"}  # 3 rows: within 5%
+    sched.background_slack = 1.5
+    assert len(sched.decode_batch()) == 5  # a slack the 5-row step keeps within
+
+
+def test_background_steps_stay_short_while_interactive_requests_come_and_run_whole_when_quiet(model):
+    from cluster.scheduler import INTERACTIVE_QUIET_S
+
+    sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=1000, background_share=1.0)
+    bs = [_add(sched, f"b{k}", 5, background=True) for k in range(4)]
+    _prefill(sched, sched.prefill_chunks([]))
+    for rows, secs in ((1, 0.010), (2, 0.0104), (3, 0.015), (4, 0.020)):
+        for _ in range(3):
+            sched.observe_decode(secs, rows)
+    assert len(sched.decode_batch()) == 4  # no interactive request yet: all of it
+    sched._interactive_s = time.monotonic()  # one decoded just now
+    assert len(sched.decode_batch()) == 2  # a step about as long as one row's
+    sched._interactive_s -= INTERACTIVE_QUIET_S + 1
+    assert len(sched.decode_batch()) == 4
 
 
 def test_background_work_is_preempted_before_newer_interactive_work_when_pages_run_out(model):

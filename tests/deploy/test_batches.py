@@ -285,3 +285,24 @@ def test_the_operators_see_every_tenants_batches_and_their_work_left(tmp_path):
     assert len(demand) == 1 and demand[0]["due_s"] > 0
     assert shown[0]["status"] == "completed" and cancelled[0]["status"] == "cancelling"
     assert [j["tenant"] for j in live] == ["u"] and len(every) == 2
+
+
+def test_a_cancelled_batch_whose_lines_no_replica_takes_still_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_mod, "SAVE_S", 0.01)
+    monkeypatch.setattr(runner_mod, "CANCEL_GRACE_S", 0.1)
+    pool = _pool(delay_s=3600)  # the replicas never answer
+    b = _batches(pool, tmp_path)
+
+    async def scenario():
+        bid = await _submit(b, _lines("a", "b", "c"))
+        runner = BatchRunner(b, poll_s=0.01)
+        await runner.poll()
+        while not pool.requests:
+            await asyncio.sleep(0.01)
+        await b.cancel("t", bid)
+        await asyncio.wait_for(runner.idle(), 30)
+        return await b.get("t", bid), runner
+
+    job, runner = asyncio.run(scenario())
+    assert job.status == BatchStatus.CANCELLED and job.completed == 0 and job.output_file_id is None
+    assert len(pool.cancelled) == len(pool.requests) and (runner.running, runner.queued) == (0, 0)
