@@ -203,8 +203,8 @@ class Scheduler:
     def _within_slack(self, batch: list[Sequence]) -> list[Sequence]:
         """``batch`` with as many background rows as keep the step within ``background_slack`` of
         the interactive rows' own step time (both measured: ``decode_s``); those left out sit
-        this step out, the least advanced ones go first. A size not measured yet counts as
-        within (running it measures it). Without interactive rows, while interactive requests
+        this step out, the least advanced ones go first. One row more than the largest size
+        measured within is tried (running it measures it). Without interactive rows, while interactive requests
         came within ``INTERACTIVE_QUIET_S``, the step is held to a one-row step's time (one
         arriving waits no longer for it), with a background row at least; after, all run."""
         interactive = sum(not seq.req.background for seq in batch)
@@ -217,10 +217,14 @@ class Scheduler:
         base = self.decode_s(max(interactive, 1)) if background else None
         if base is None:
             return batch
-        keep, least = background, 0 if interactive else 1
-        while keep > least and (t := self.decode_s(interactive + keep)) is not None \
-                and t > base * (1 + self.background_slack):
-            keep -= 1
+        keep = 0 if interactive else 1
+        for k in range(keep + 1, background + 1):  # growing: a size not measured yet is tried alone
+            t = self.decode_s(interactive + k)
+            if t is not None and t > base * (1 + self.background_slack):
+                break
+            keep = k
+            if t is None:
+                break
         if keep == background:
             return batch
         chosen = set(map(id, sorted((s for s in batch if s.req.background), key=lambda s: len(s.output_ids))[:keep]))

@@ -202,13 +202,18 @@ def test_a_decode_step_takes_only_the_background_rows_its_measured_time_allows(m
     for k, b in enumerate(bs):
         b.output_ids += [1] * (4 - k)  # b3 is the least advanced
     assert sched.decode_batch() == [i, *bs]  # nothing measured: every row runs (and is timed)
-    for rows, secs in ((1, 0.010), (3, 0.0103), (4, 0.0104), (5, 0.020)):
+    for rows, secs in ((1, 0.010), (2, 0.0102), (3, 0.0103), (4, 0.016), (5, 0.020)):
         for _ in range(3):
             sched.observe_decode(secs, rows)
     batch = sched.decode_batch()
     assert batch[0] is i and {s.req.request_id for s in batch[1:]} == {"b3", "b2"}  # 3 rows: within 5%
     sched.background_slack = 1.5
     assert len(sched.decode_batch()) == 5  # a slack the 5-row step keeps within
+    sched.background_slack = 0.05
+    sched._decode_times.clear()
+    for _ in range(3):
+        sched.observe_decode(0.010, 1)
+    assert len(sched.decode_batch()) == 2  # larger steps not measured yet: one background row tried
 
 
 def test_background_steps_stay_short_while_interactive_requests_come_and_run_whole_when_quiet(model):
