@@ -306,3 +306,44 @@ def test_a_cancelled_batch_whose_lines_no_replica_takes_still_ends(tmp_path, mon
     job, runner = asyncio.run(scenario())
     assert job.status == BatchStatus.CANCELLED and job.completed == 0 and job.output_file_id is None
     assert len(pool.cancelled) == len(pool.requests) and (runner.running, runner.queued) == (0, 0)
+
+
+def test_a_batch_survives_a_redis_restart_mid_run(tmp_path, monkeypatch):
+    """On the real server, logging every write: the runner's calls fail while Redis is down, then
+    it takes its job up again from the results Redis kept, and each line is answered once."""
+    import shutil
+    import time
+
+    from cachedir.directory.redis_links import open_links
+    from deploy.redis_proc import RedisServer
+    from deploy.state_kv import RedisKV
+    from tests.conftest import require
+
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    monkeypatch.setattr(runner_mod, "SAVE_S", 0.05)
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        pool = _pool(delay_s=0.05)
+        b = _batches(pool, tmp_path / "files", kv=RedisKV(open_links(server.url, 1.0)), limits={"batch_concurrency": 2})
+
+        async def scenario():
+            bid = await _submit(b, _lines(*(f"line {i}" for i in range(16))))
+            runner = BatchRunner(b, poll_s=0.05)
+            serving = asyncio.create_task(runner.serve())
+            while runner.done["completed"] < 4:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1.1)  # the log is fsynced every second
+            await asyncio.to_thread(server.kill)  # SIGKILL: no shutdown save
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(server.start)
+            deadline = time.monotonic() + 60
+            while (job := await b.get("t", bid)).status != BatchStatus.COMPLETED:
+                assert time.monotonic() < deadline, job
+                await asyncio.sleep(0.1)
+            serving.cancel()
+            return job, await _file(b, job.output_file_id)
+
+        job, out = asyncio.run(scenario())
+        assert job.completed == 16 and sorted(o["custom_id"] for o in out) == sorted(f"c{i}" for i in range(16))
+    finally:
+        server.kill()
