@@ -76,6 +76,9 @@ def test_a_batch_through_the_official_client_answers_each_line_as_interactively(
     assert batch.metadata == {"run": "suite"} and batch.usage.output_tokens > 0
     lines = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     assert [x["custom_id"] for x in lines] == [f"q{i}" for i in range(10)]
+    # the lines sharing the system prompt ran after the first of them: they found it cached
+    hits = [x["response"]["body"]["usage"]["prompt_cache_hit_tokens"] for x in lines[1::2]]
+    assert sum(h >= 64 for h in hits) >= 4, hits
     for line, body in zip(lines, bodies, strict=True):
         alone = client.chat.completions.create(**body)
         assert line["response"]["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
