@@ -210,6 +210,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def background_only(self) -> bool:
+        """Whether every request it holds is background work (batch lines)."""
+        return all(seq.req.background for seq in (*self.scheduler.running, *self.scheduler.waiting))
+
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """A token for every running sequence and the next chunks of the waiting prompts: a

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 BACKGROUND_INTERVAL_S = 1.0  # a background request's outputs go at most this often (each is a hop's CPU)
 IDLE_STEP_WAIT_S = 0.002  # after a step that could do nothing yet, until the next (or a new request)
+HELD_STEP_WAIT_S = 0.05  # ... when all it holds is background work waiting for interactive requests to pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +180,7 @@ class EngineLoop:
                     self.fail_all(e)
                     continue
                 if self.engine.idle and not outputs:  # waiting on a grammar's compile: do not spin
-                    self._wake.wait(timeout=IDLE_STEP_WAIT_S)
+                    self._wake.wait(timeout=HELD_STEP_WAIT_S if self.engine.background_only() else IDLE_STEP_WAIT_S)
                     self._wake.clear()
                 for o in outputs:
                     if o.finish_reason == FinishReason.ERROR:  # it failed alone: its stream raises

@@ -24,7 +24,9 @@ row), and decides per step:
   prefills an interactive prompt leaves the background rows out of its decode (they go on the next),
   and a decode step takes only as many background rows as keep it within ``background_slack`` of
   the interactive rows' own step time, by measured step times (on a GPU, whose decode steps cost
-  about the same for 1 row as for 16, that is most of them; on a CPU, a few).
+  about the same for 1 row as for 16, that is most of them; on a CPU, few or none); while
+  interactive requests came in the last ``INTERACTIVE_QUIET_S``, no step of background rows alone
+  runs (one arriving would wait for it); after that the batch runs whole.
 
 What admission means (pages, shared prefixes, cached units, a handed-off prompt's KV) is the
 engine's: it passes ``admit`` and ``admit_prefilled``. No model, no Ray: the engine runs the
@@ -112,6 +114,7 @@ class Scheduler:
         if seq.req.background:
             self.waiting.append(seq)
         else:
+            self._interactive_s = time.monotonic()
             self.waiting.insert(self._first_background(), seq)
 
     def _first_background(self) -> int:
@@ -204,21 +207,22 @@ class Scheduler:
         """``batch`` with as many background rows as keep the step within ``background_slack`` of
         the interactive rows' own step time (both measured: ``decode_s``); those left out sit
         this step out, the least advanced ones go first. One row more than the largest size
-        measured within is tried (running it measures it). Without interactive rows, while interactive requests
-        came within ``INTERACTIVE_QUIET_S``, the step is held to a one-row step's time (one
-        arriving waits no longer for it), with a background row at least; after, all run."""
+        measured within is tried (running it measures it). Without interactive rows, while
+        interactive requests decoded within ``INTERACTIVE_QUIET_S``, none: one arriving never
+        waits behind a step of batch work; after that, all of them."""
         interactive = sum(not seq.req.background for seq in batch)
         background = len(batch) - interactive
-        now = time.monotonic()
         if interactive:
-            self._interactive_s = now
-        elif now - self._interactive_s > INTERACTIVE_QUIET_S:
+            self._interactive_s = time.monotonic()
+        elif not self._interactive_recently():
             return batch
-        base = self.decode_s(max(interactive, 1)) if background else None
+        else:
+            return []
+        base = self.decode_s(interactive) if background else None
         if base is None:
             return batch
-        keep = 0 if interactive else 1
-        for k in range(keep + 1, background + 1):  # growing: a size not measured yet is tried alone
+        keep = 0
+        for k in range(1, background + 1):  # growing: a size not measured yet is tried alone
             t = self.decode_s(interactive + k)
             if t is not None and t > base * (1 + self.background_slack):
                 break
@@ -230,20 +234,22 @@ class Scheduler:
         chosen = set(map(id, sorted((s for s in batch if s.req.background), key=lambda s: len(s.output_ids))[:keep]))
         return [s for s in batch if not s.req.background or id(s) in chosen]
 
-    def prefill_budget(self, start: int = 0) -> int:
+    def prefill_budget(self, start: int = 0, rows: int | None = None) -> int:
         """Prompt tokens this step may prefill from position ``start``: ``max_prefill_tokens``, or
         while sequences decode (and ``itl_factor`` is on) as many as keep the mixed pass within
         itl_factor decode steps' time with the margin of ``overrun`` (or within ``itl_floor_s``,
         where that is longer), at least ``MIN_CHUNK``. A chunk's time is fitted to the latest chunks
         (``cluster.chunk_sizing``): its queries attend over the whole prefix, so a chunk shrinks as
-        its prompt's context grows. Until a decode step of a batch like the running one was timed,
+        its prompt's context grows. ``rows``: the step's decode rows (default: every running
+        sequence; background ones may sit a step out). Until a decode step of that many was timed,
         none (this step decodes alone, and is timed: a batch that grew as prompts joined it is timed
         again, or its chunks would be sized by a smaller batch's step and shrink to nothing); until
         a chunk was, ``MIN_CHUNK``."""
         cap = self.max_prefill_tokens
-        if not self.running or not self.itl_factor:
+        rows = len(self.running) if rows is None else rows  # this step's decode rows (background ones may sit out)
+        if not rows or not self.itl_factor:
             return cap
-        decode_s = self.decode_s(len(self.running))
+        decode_s = self.decode_s(rows)
         if decode_s is None:
             return 0
         chunk_s = max(self.itl_factor * decode_s / self.overrun, self.itl_floor_s) - decode_s
@@ -256,13 +262,14 @@ class Scheduler:
         finish its prompt is the last. Admits what it schedules (an interactive prompt preempts
         background sequences for its seat and pages); a sequence prefilled elsewhere joins
         ``batch`` at once; with an interactive prompt's chunk, background rows leave ``batch``."""
-        budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0)
+        budget = self.prefill_budget(self.waiting[0].num_computed if self.waiting else 0, len(batch))
         chunks: list[tuple[Sequence, int]] = []
         taking = 0  # prompts this step finishes: they take seats when they join the batch
         i, blocked = 0, False  # blocked: a sequence could not have its pages; none after it may
         while budget > 0 and i < len(self.waiting):
             seq = self.waiting[i]
-            if not self._seat(seq, taking, batch):
+            room = self._background_room_now(seq, batch, chunks) if seq.req.background else budget
+            if not room or not self._seat(seq, taking, batch):
                 break
             ready = self._ready(seq)
             if seq.req.prefilled is not None and not seq.output_ids:
@@ -286,7 +293,7 @@ class Scheduler:
                 i += 1
                 continue
             seq.scheduled_s = seq.scheduled_s or time.monotonic()
-            end = min(seq.length, seq.num_computed + budget)
+            end = min(seq.length, seq.num_computed + min(budget, room))
             if seq.prompt_logprobs is not None:
                 end = min(end, seq.num_computed + self.scored_chunk)
             if not ready and end == seq.length:  # its last token's logits wait for the grammar
@@ -303,6 +310,25 @@ class Scheduler:
         if any(not seq.req.background for seq, _ in chunks):  # an interactive prompt's pass stays short:
             batch[:] = [seq for seq in batch if not seq.req.background]  # background rows sit it out
         return chunks
+
+    def _interactive_recently(self) -> bool:
+        return time.monotonic() - self._interactive_s <= INTERACTIVE_QUIET_S
+
+    def _background_room_now(self, seq: Sequence, batch: list[Sequence], chunks: list) -> int:
+        """Prompt tokens background ``seq`` may prefill this step: any while no interactive request
+        came within ``INTERACTIVE_QUIET_S``; else none in a pass without interactive rows or with an
+        interactive prompt's chunk (one arriving, or that prompt, would wait for it), and in a
+        pass of interactive rows as many as its measured cost keeps within ``background_slack``
+        of their step."""
+        if not self._interactive_recently():
+            return self.max_prefill_tokens
+        if not batch or any(not s.req.background for s, _ in chunks):
+            return 0
+        decode_s = self.decode_s(len(batch))
+        if decode_s is None:
+            return 0
+        return self._chunk_cost.longest_within(self.background_slack * decode_s, seq.num_computed,
+                                               self.max_prefill_tokens) or 0
 
     def _seat(self, seq: Sequence, taking: int, batch: list[Sequence]) -> bool:
         """Whether ``seq`` has a seat in the batch once this step's ``taking`` prompts joined it:

@@ -32,6 +32,7 @@ from deploy.batch_store import (
     StoreUnavailable,
 )
 from deploy.errors import APIError, error_body, validation_message
+from deploy.ingress.listing import page
 from deploy.ingress.prepare import Prepared
 from deploy.ingress.responses import Responses
 from deploy.ingress.service import Ingress
@@ -93,7 +94,7 @@ class Batches:
 
     async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None, order: str) -> dict:
         records = await self._call(self.files.list, tenant, purpose)
-        return _page([r.to_openai() for r in records], limit, after, order)
+        return page([r.to_openai() for r in records], limit, after, order, 10000)
 
     async def delete_file(self, tenant: str, fid: str) -> dict:
         if not await self._call(self.files.delete, tenant, fid):
@@ -129,7 +130,7 @@ class Batches:
 
     async def list(self, tenant: str, limit: int, after: str | None) -> dict:
         jobs = await self._call(self.store.list, tenant)
-        return _page([j.to_openai() for j in jobs], limit, after, "desc")
+        return page([j.to_openai() for j in jobs], limit, after, "desc", 100)
 
     async def cancel(self, tenant: str, bid: str) -> dict:
         """Ask the job's runner to stop: it goes ``cancelling`` at once, ``cancelled`` once the
@@ -227,18 +228,3 @@ class Batches:
 
 def _grant(job: BatchJob) -> KeyGrant:
     return KeyGrant(job.tenant, frozenset(job.models) if job.models is not None else None)
-
-
-def _page(items: list[dict], limit: int, after: str | None, order: str) -> dict:
-    """OpenAI's list shape: ``limit`` items past ``after`` in ``order`` of creation."""
-    if not 1 <= limit <= 10000:
-        raise APIError(400, f"limit must be in [1, 10000], got {limit}", param="limit")
-    items = items[::-1] if order == "desc" else items
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise APIError(400, f"after: no such id {after!r}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from deploy.errors import APIError
+from deploy.ingress.listing import page
 from deploy.ingress.service import Ingress
 from deploy.limits import KeyGrant
 from deploy.protocol import ChatCompletionRequest
@@ -93,18 +94,7 @@ class Responses:
     async def input_items(self, tenant: str, rid: str, limit: int, order: str, after: str | None) -> dict:
         """The stored response's input items, OpenAI's list shape (``after``: the items past
         that id, in ``order``)."""
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
-        items = (await self.get(tenant, rid)).input
-        items = items[::-1] if order == "desc" else items
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise APIError(400, f"after: {after!r} is not an input item of {rid!r}", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return page((await self.get(tenant, rid)).input, limit, after, order, 100)
 
     async def call(self, fn, *args):
         """``fn(*args)``, a store call, off the event loop; a 503 when the store does not answer."""

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.daily_report import JsonlLog, NodeSample, Prices, UsageRecord, daily_report, read_jsonl, timeline
+from cluster.daily_report import (
+    JsonlLog,
+    NodeSample,
+    Prices,
+    UsageRecord,
+    daily_report,
+    read_jsonl,
+    timeline,
+)
 from cluster.scaling import Schedule
 
 DAY = 86400.0

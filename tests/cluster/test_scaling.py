@@ -8,7 +8,14 @@ from datetime import UTC, datetime
 
 import pytest
 
-from cluster.scaling import BatchDemand, LoadSample, ScalingConfig, ScalingPolicy, Schedule, batch_tokens_per_s
+from cluster.scaling import (
+    BatchDemand,
+    LoadSample,
+    ScalingConfig,
+    ScalingPolicy,
+    Schedule,
+    batch_tokens_per_s,
+)
 
 DAY0 = datetime(2026, 11, 30, tzinfo=UTC).timestamp()  # midnight UTC
 STEP_S = 300

@@ -179,34 +179,42 @@ def test_an_interactive_prompt_preempts_background_work_for_its_seat_and_pages(m
 
 def test_background_rows_sit_out_the_step_that_prefills_an_interactive_prompt(model):
     sched, _ = _sched(model, max_prefill_tokens=1000)
-    b, i = _add(sched, "b", 5, background=True), _add(sched, "i", 5)
+    b = _add(sched, "b", 5, background=True)
     _prefill(sched, sched.prefill_chunks([]))
-    assert sched.running == [i, b]
+    i = _add(sched, "i", 5)
+    _prefill(sched, sched.prefill_chunks(sched.decode_batch()))
+    assert sched.running == [b, i]
     late = _add(sched, "late", 5)
     batch = sched.decode_batch()
     assert sched.prefill_chunks(batch) == [(late, 5)] and batch == [i]  # b keeps its seat and pages
     assert b.row is not None and b.pages
     _prefill(sched, [(late, 5)])
     batch = sched.decode_batch()
-    assert sched.prefill_chunks(batch) == [] and batch == [i, b, late]  # then it goes on
+    assert sched.prefill_chunks(batch) == [] and batch == [b, i, late]  # then it goes on (nothing measured)
     more = _add(sched, "more", 5, background=True)
+    batch = sched.decode_batch()  # a background prompt rides in interactive rows' pass only as far as
+    assert sched.prefill_chunks(batch) == [] and batch == [b, i, late]  # measured costs allow: none yet
+    for seq in (i, late):
+        sched.leave_running(seq)
+    sched._interactive_s -= 3600  # quiet: background work runs whole
     batch = sched.decode_batch()
-    assert sched.prefill_chunks(batch) == [(more, 5)] and batch == [i, b, late]  # a background prompt does not
+    assert sched.prefill_chunks(batch) == [(more, 5)] and batch == [b]
 
 
 def test_a_decode_step_takes_only_the_background_rows_its_measured_time_allows(model):
     sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=1000, background_share=1.0)
-    i = _add(sched, "i", 5)
     bs = [_add(sched, f"b{k}", 5, background=True) for k in range(4)]
     _prefill(sched, sched.prefill_chunks([]))
+    i = _add(sched, "i", 5)
+    _prefill(sched, sched.prefill_chunks(sched.decode_batch()))
     for k, b in enumerate(bs):
         b.output_ids += [1] * (4 - k)  # b3 is the least advanced
-    assert sched.decode_batch() == [i, *bs]  # nothing measured: every row runs (and is timed)
+    assert sched.decode_batch() == [*bs, i]  # nothing measured: every row runs (and is timed)
     for rows, secs in ((1, 0.010), (2, 0.0102), (3, 0.0103), (4, 0.016), (5, 0.020)):
         for _ in range(3):
             sched.observe_decode(secs, rows)
     batch = sched.decode_batch()
-    assert batch[0] is i and {s.req.request_id for s in batch[1:]} == {"b3", "b2"}  # 3 rows: within 5%
+    assert batch[-1] is i and {s.req.request_id for s in batch[:-1]} == {"b3", "b2"}  # 3 rows: within 5%
     sched.background_slack = 1.5
     assert len(sched.decode_batch()) == 5  # a slack the 5-row step keeps within
     sched.background_slack = 0.05
@@ -216,18 +224,19 @@ def test_a_decode_step_takes_only_the_background_rows_its_measured_time_allows(m
     assert len(sched.decode_batch()) == 2  # larger steps not measured yet: one background row tried
 
 
-def test_background_steps_stay_short_while_interactive_requests_come_and_run_whole_when_quiet(model):
+def test_no_step_of_background_rows_alone_runs_while_interactive_requests_come(model):
     from cluster.scheduler import INTERACTIVE_QUIET_S
 
     sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=1000, background_share=1.0)
-    bs = [_add(sched, f"b{k}", 5, background=True) for k in range(4)]
+    for k in range(4):
+        _add(sched, f"b{k}", 5, background=True)
     _prefill(sched, sched.prefill_chunks([]))
     for rows, secs in ((1, 0.010), (2, 0.0104), (3, 0.015), (4, 0.020)):
         for _ in range(3):
             sched.observe_decode(secs, rows)
     assert len(sched.decode_batch()) == 4  # no interactive request yet: all of it
     sched._interactive_s = time.monotonic()  # one decoded just now
-    assert len(sched.decode_batch()) == 2  # a step about as long as one row's
+    assert sched.decode_batch() == []  # one arriving would wait for the step
     sched._interactive_s -= INTERACTIVE_QUIET_S + 1
     assert len(sched.decode_batch()) == 4
 
@@ -336,3 +345,29 @@ def test_chunks_leave_room_for_passes_that_run_past_their_prediction(model):
     assert 1.1 < jittery.overrun < MAX_OVERRUN  # one pass in five 15% late: the 90th percentile
     assert jittery.prefill_budget() < 0.85 * steady.prefill_budget()
     assert stalled.overrun == MAX_OVERRUN
+
+
+def test_a_background_prompt_rides_in_interactive_rows_pass_only_as_far_as_the_slack_allows(model):
+    sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=1000, background_share=1.0)
+    i = _add(sched, "i", 5)
+    _prefill(sched, sched.prefill_chunks([]))
+    for _ in range(3):
+        sched.observe_decode(0.010, 1)
+    for n in (8, 16, 32, 64, 128):  # a chunk's own cost: 0.1 ms a token
+        for start in (0, 64):
+            sched._chunk_cost.observe(n, start, 1e-4 * n)
+    b = _add(sched, "b", 100, background=True)
+    batch = sched.decode_batch()
+    ((seq, end),) = sched.prefill_chunks(batch)
+    assert seq is b and 1 <= end <= 8 and batch == [i]  # 5% of a 10 ms step: about 5 tokens
+
+
+def test_an_interactive_prompt_is_not_held_by_background_rows_that_sit_out(model):
+    """Background rows sitting out (interactive requests came lately) are not this step's rows:
+    the prompt's budget is a whole chunk, not none until a step of their size is timed."""
+    sched, _ = _sched(model, max_num_seqs=8, max_prefill_tokens=1000, itl_factor=2.5, background_share=1.0)
+    bs = [_add(sched, f"b{k}", 5, background=True) for k in range(4)]
+    _prefill(sched, sched.prefill_chunks([]))
+    i = _add(sched, "i", 50)  # interactive work came: the background rows sit out
+    batch = sched.decode_batch()
+    assert batch == [] and sched.prefill_chunks(batch) == [(i, 50)] and all(b.row is not None for b in bs)

@@ -347,3 +347,19 @@ def test_a_batch_survives_a_redis_restart_mid_run(tmp_path, monkeypatch):
         assert job.completed == 16 and sorted(o["custom_id"] for o in out) == sorted(f"c{i}" for i in range(16))
     finally:
         server.kill()
+
+
+def test_files_and_batches_are_listed_in_pages_newest_first(tmp_path):
+    b = _batches(_pool(), tmp_path)
+
+    async def scenario():
+        ids = [(await b.upload("t", f"{i}.jsonl", "batch", _lines("a"), None))["id"] for i in range(3)]
+        first = await b.list_files("t", None, 2, None, "desc")
+        rest = await b.list_files("t", "batch", 2, first["last_id"], "desc")
+        with pytest.raises(APIError) as bad:
+            await b.list_files("t", None, 0, None, "desc")
+        return ids, first, rest, bad.value
+
+    ids, first, rest, bad = asyncio.run(scenario())
+    assert [f["id"] for f in first["data"]] == ids[:0:-1] and first["has_more"]
+    assert [f["id"] for f in rest["data"]] == ids[:1] and not rest["has_more"] and bad.status == 400
