@@ -71,11 +71,14 @@ class BatchRunner:
     async def _hold(self, tenant: str, bid: str) -> None:
         """Run the job while renewing its lease; stop it if the lease is lost."""
         run = asyncio.create_task(self.run(tenant, bid))
-        while not run.done():
-            await asyncio.wait({run}, timeout=LEASE_S / 3)
-            if not run.done() and not await asyncio.to_thread(self.store.lease, tenant, bid, self.holder, LEASE_S):
-                log.warning("batch %s: lease lost; another runner goes on with it", bid)
-                run.cancel()
+        try:
+            while not run.done():
+                await asyncio.wait({run}, timeout=LEASE_S / 3)
+                if not run.done() and not await asyncio.to_thread(self.store.lease, tenant, bid, self.holder, LEASE_S):
+                    log.warning("batch %s: lease lost; another runner goes on with it", bid)
+                    run.cancel()
+        finally:
+            run.cancel()  # this holder stopped (shutdown): so does its run; a no-op once it ended
         with contextlib.suppress(asyncio.CancelledError):
             exc = run.exception()
             if exc is not None and not isinstance(exc, StoreUnavailable):
