@@ -118,12 +118,17 @@ class MemoryKV(KV):
             for key in keys:
                 self._values.pop(key, None)
 
+    def _container(self, key: str) -> dict:
+        """The live hash or sorted set at ``key``, made empty where there is none (lock held)."""
+        held = self._live(key, None)
+        if held is None:
+            held = {}
+            self._values[key] = (None, held)
+        return held
+
     def hsetnx(self, key, field, value):
         with self._lock:
-            h = self._live(key, None)
-            if h is None:
-                h = {}
-                self._values[key] = (None, h)
+            h = self._container(key)
             if field.encode() in h:
                 return False
             h[field.encode()] = value.encode()
@@ -135,11 +140,7 @@ class MemoryKV(KV):
 
     def zadd(self, key, score, member):
         with self._lock:
-            z = self._live(key, None)
-            if z is None:
-                z = {}
-                self._values[key] = (None, z)
-            z[member.encode()] = score
+            self._container(key)[member.encode()] = score
 
     def zrem(self, key, member):
         with self._lock:

@@ -176,7 +176,7 @@ class Batches:
         except ValidationError as e:
             msg, param = validation_message(e.errors(), skip=0)
             raise APIError(400, msg, param=param) from None
-        _, chat = await self.responses._chat(request, grant)
+        _, chat = await self.responses.as_chat(request, grant)
         return await self.ingress.chat(chat, grant), request
 
     async def run_line(self, job: BatchJob, line: BatchLine) -> LineResult:

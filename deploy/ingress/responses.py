@@ -43,7 +43,7 @@ class Responses:
     async def create(self, body: ResponsesRequest, grant: KeyGrant) -> JSONResponse | StreamingResponse:
         if not body.stream:
             return JSONResponse(await self.whole(body, grant))
-        earlier, chat = await self._chat(body, grant)
+        earlier, chat = await self.as_chat(body, grant)
         answer = self.ingress.answer(await self.ingress.chat(chat, grant))
         tenant = grant.tenant
         events = ResponseEvents(body)
@@ -59,13 +59,13 @@ class Responses:
     async def whole(self, body: ResponsesRequest, grant: KeyGrant, background: bool = False) -> dict:
         """The Response of a request not streamed (``background``: a batch line's), stored
         unless ``store`` is false."""
-        earlier, chat = await self._chat(body, grant)
+        earlier, chat = await self.as_chat(body, grant)
         answer = self.ingress.answer(await self.ingress.chat(chat, grant), background)
         response = response_of(body, await answer.whole())
         await self._keep(grant.tenant, body, earlier, response)
         return response
 
-    async def _chat(self, body: ResponsesRequest, grant: KeyGrant) -> tuple[list, ChatCompletionRequest]:
+    async def as_chat(self, body: ResponsesRequest, grant: KeyGrant) -> tuple[list, ChatCompletionRequest]:
         """The conversation before ``body`` and the chat request it runs as."""
         earlier = []
         if body.previous_response_id is not None:
