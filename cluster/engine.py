@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,7 @@ from cluster.request import (
     Sequence,
 )
 from cluster.scheduler import Scheduler, scored_chunk
+from cluster.speculative import Speculator, VerifyRows
 from cluster.window_kv import kv_manager
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.grammar import GrammarVocab
@@ -66,6 +68,19 @@ from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logp
 __all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class _Pass:
+    """What a prefill chunk's forward pass gave: the chunk's last logits [V] and its normed
+    hidden states [T, M] (when the MTP layers run), and the decode rows that rode in it with
+    their logits and hidden states."""
+
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
+    rows: VerifyRows | None
+    decode_logits: torch.Tensor | None
+    decode_hidden: torch.Tensor | None
+
 
 class Engine:
     def __init__(
@@ -92,6 +107,7 @@ class Engine:
         self.admission = make_admission(cfg.admission)
         self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens)
         self.fixed_decode = self._fixed_decode()
+        self.spec = Speculator(model, self.kv, cfg.speculative_tokens, cfg.speculative_max_batch)
         self.idle = False  # the last step found nothing it could do yet
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
@@ -223,17 +239,18 @@ class Engine:
         with self._lock:
             self._reap_aborted(outputs)
         batch = self.scheduler.decode_batch()
+        spec = self.spec.active(batch)  # the batch verifies drafts (the MTP layers propose more)
         chunks = self.scheduler.prefill_chunks(batch)
         self.constraints.prefetch(batch)  # the batch's token masks, filled while its pass runs
         self.idle = not batch and not chunks  # work waits (a grammar compiling): the loop may rest
-        decode_logits = None
+        rode = None
         for k, (seq, end) in enumerate(chunks):
             rides = k == 0 and seq.prompt_logprobs is None  # the decode rides in the first (not a scored one)
-            logits, rode = self._run_chunk(seq, end, batch if rides else None)
-            decode_logits = rode if rode is not None else decode_logits
-            self._chunk_done(seq, end, logits, outputs)
+            done = self._run_chunk(seq, end, batch if rides else None, spec)
+            rode = done if done.rows is not None else rode
+            self._chunk_done(seq, end, done, outputs)
         if batch:
-            self._decode(batch, decode_logits, outputs)
+            self._decode(batch, rode, spec, outputs)
         return outputs
 
     def _reap_aborted(self, outputs: list[RequestOutput]) -> None:
@@ -244,29 +261,46 @@ class Engine:
             self.scheduler.remove(seq)
             self._finish(seq, FinishReason.ABORT, outputs)
 
-    def _run_chunk(self, seq: Sequence, end: int, batch: list[Sequence] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode tokens in the same
-        forward pass when given: (the chunk's last logits [V], the batch's [B, V] or None)."""
+    def _run_chunk(self, seq: Sequence, end: int, batch: list[Sequence] | None, spec: bool) -> _Pass:
+        """Compute ``seq``'s prompt up to ``end``, with ``batch``'s decode rows in the same
+        forward pass when given (verifying their drafts when ``spec``); the MTP layers, when
+        they run, read the chunk's positions whose next token is known."""
         start, n_new = seq.num_computed, end - seq.num_computed
         self.kv.prepare(seq, end)
         ids, table = long_tensor(seq.ids(start, end)), self.kv.table(seq)
-        decode_logits, rows = None, len(batch) if batch else 0
-        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s, rows)):
+        drafting = self.spec.enabled
+        done = _Pass(None, None, None, None, None)
+        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s, len(batch) if batch else 0)):
             if batch:
-                tables, tokens, positions = self._decode_inputs(batch)
-                logits, decode_logits = self.model.mixed(ids, table, start, tokens, tables, positions, self.kv.pool,
-                                                         micro_batches=self.cfg.micro_batches)
+                done.rows = rows = self._decode_rows(batch, spec)
+                out = self.model.mixed(ids, table, start, rows.tokens, rows.tables, rows.positions, self.kv.pool,
+                                       micro_batches=self.cfg.micro_batches, hidden=drafting)
+                done.logits, done.decode_logits = out[:2]
+                if drafting:
+                    done.hidden, done.decode_hidden = out[2:]
                 self.stats["mixed_steps"] += 1
             elif seq.prompt_logprobs is not None:
-                every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True)  # [T, V]
+                every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True, hidden=drafting)
+                every, done.hidden = every if drafting else (every, None)  # [T, V]
                 self._score_prompt(seq, start, end, every)
-                logits = every[-1]
+                done.logits = every[-1]
             else:
-                logits = self.model.prefill(ids, self.kv.pool, table, start=start)
+                out = self.model.prefill(ids, self.kv.pool, table, start=start, hidden=drafting)
+                done.logits, done.hidden = out if drafting else (out, None)
+            if done.hidden is not None:
+                self._draft_prompt(seq, start, end, done.hidden, table)
         self.stats["prefill_tokens"] += n_new
         seq.num_computed = end
         self.kv.trim(seq)
-        return logits, decode_logits
+        return done
+
+    def _draft_prompt(self, seq: Sequence, start: int, end: int, hidden: torch.Tensor, table: torch.Tensor) -> None:
+        """The MTP layers over a chunk's positions whose next token is known (a final chunk's
+        last waits for the first output token: ``Speculator.propose_one``)."""
+        n = end - start - (end >= seq.length)
+        if n > 0:
+            self.model.draft_chunk(0, hidden[:n], long_tensor(seq.ids(start + 1, start + n + 1)), self.kv.pool, table,
+                                   start)
 
     @staticmethod
     def _score_prompt(seq: Sequence, start: int, end: int, logits: torch.Tensor) -> None:
@@ -279,10 +313,12 @@ class Engine:
             seq.prompt_logprobs += next_token_logprobs(logits[first - start - 1 :], list(prompt[first:stop]),
                                                        seq.req.sampling.prompt_logprobs)
 
-    def _chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
-        """After a chunk: a finished prompt joins the running sequences with its first token."""
+    def _chunk_done(self, seq: Sequence, end: int, done: _Pass, outputs: list[RequestOutput]) -> None:
+        """After a chunk: a finished prompt joins the running sequences with its first token (and
+        its first drafts)."""
         if end < seq.length:
             return
+        logits = done.logits
         self.scheduler.prefilled(seq)
         if self.cfg.prefix_sharing and self.kv.share_at_input and seq.prompt_logprobs is None:
             self.kv.share(seq.unit_keys[: seq.num_computed // UNIT_TOKENS], seq)
@@ -294,6 +330,8 @@ class Engine:
             self._fail(seq, tok, outputs)
             return
         self._append(seq, tok, outputs, token_logprobs(logits[None], [tok], [seq.req.sampling])[0])
+        if done.hidden is not None and seq.finished is None and self.spec.active([seq]):
+            self.spec.propose_one(seq, done.hidden[-1])
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
@@ -383,35 +421,67 @@ class Engine:
         return FixedShapeDecode(m, self.kv.pool, self.kv.scratch_page, self.kv.max_pages,
                                 buckets_up_to(self.cfg.max_num_seqs), capture=True)
 
-    def _decode_inputs(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Block tables [B, W] (gathered rows), tokens [B] and positions [B] of a decode batch."""
+    def _decode_rows(self, batch: list[Sequence], spec: bool) -> VerifyRows:
+        """A decode pass's rows: block tables [R, W] (gathered rows), tokens [R], positions [R];
+        with ``spec`` each sequence's drafts follow its last token."""
+        if spec:
+            return self.spec.rows(batch)
         # a running sequence has an output token, and its KV up to the one before (num_computed)
-        return (self.kv.tables(batch), long_tensor([s.output_ids[-1] for s in batch]),
-                long_tensor([s.num_computed for s in batch]))
+        return VerifyRows(self.kv.tables(batch), long_tensor([s.output_ids[-1] for s in batch]),
+                          long_tensor([s.num_computed for s in batch]), list(range(len(batch))))
 
-    def _decode(self, batch: list[Sequence], logits: torch.Tensor | None, outputs: list[RequestOutput]) -> None:
-        """One token for every sequence of ``batch``, from ``logits`` when its decode rode in a
-        prefill chunk's pass, else from a decode pass of its own."""
-        if logits is None:
-            tables, tokens, positions = self._decode_inputs(batch)
-            rows = len(batch)
-            with self.timer.timed(lambda s: self.scheduler.observe_decode(s, rows)):
-                if self.fixed_decode is not None:
-                    logits = self.fixed_decode(tokens, tables, positions)
+    def _decode(self, batch: list[Sequence], rode: _Pass | None, spec: bool, outputs: list[RequestOutput]) -> None:
+        """The next tokens of every sequence of ``batch`` (one, and the drafts accepted), from the
+        logits of the prefill chunk's pass its decode rode in, else of a decode pass of its own."""
+        if rode is not None:
+            rows, logits, hidden = rode.rows, rode.decode_logits, rode.decode_hidden
+        else:
+            rows, hidden = self._decode_rows(batch, spec), None
+            with self.timer.timed(lambda s: self.scheduler.observe_decode(s, len(batch))):
+                if self.fixed_decode is not None and not spec:
+                    logits = self.fixed_decode(rows.tokens, rows.tables, rows.positions)
                 else:
-                    logits = self.model.decode(tokens, self.kv.pool, tables, positions,
-                                               micro_batches=self.cfg.micro_batches)
-        self.stats["decode_tokens"] += len(batch)
-        # one sampling call for the batch: on a GPU, one copy of the tokens to the host per step
-        params = [s.req.sampling for s in batch]
-        toks = self._choose(logits, batch)
-        chosen = [t if isinstance(t, int) else 0 for t in toks]
-        for seq, tok, lp in zip(batch, toks, token_logprobs(logits, chosen, params), strict=True):
-            seq.num_computed = seq.length
-            if isinstance(tok, Exception):
-                self._fail(seq, tok, outputs)
-            else:
-                self._append(seq, tok, outputs, lp)
+                    logits = self.model.decode(rows.tokens, self.kv.pool, rows.tables, rows.positions,
+                                               micro_batches=self.cfg.micro_batches, hidden=spec)
+                    logits, hidden = logits if spec else (logits, None)
+        taken = self._sample_rows(batch, logits, rows.first, outputs)
+        self.stats["decode_tokens"] += sum(taken)
+        if spec:
+            going = [b for b, seq in enumerate(batch) if seq.finished is None and taken[b]]
+            self.spec.propose([batch[b] for b in going], hidden,
+                              [list(range(rows.first[b], rows.first[b] + taken[b])) for b in going])
+
+    def _sample_rows(self, batch: list[Sequence], logits: torch.Tensor, first: list[int],
+                     outputs: list[RequestOutput]) -> list[int]:
+        """Each sequence's next token from its first row of ``logits``, then, while the token
+        sampled equals the draft the next row verifies, the next one from that row: decoding a
+        token at a time, with the pass's logits. Returns how many tokens each took."""
+        taken, live, j = [0] * len(batch), list(range(len(batch))), 0
+        while live:
+            seqs = [batch[b] for b in live]
+            rows = logits if j == 0 and len(live) == logits.shape[0] else logits[long_tensor([first[b] + j for b in live])]
+            # one sampling call per round: on a GPU, one copy of the tokens to the host
+            toks = self._choose(rows, seqs)
+            chosen = [t if isinstance(t, int) else 0 for t in toks]
+            going = []
+            for b, seq, tok, lp in zip(live, seqs, toks, token_logprobs(rows, chosen, [s.req.sampling for s in seqs]),
+                                       strict=True):
+                seq.num_computed = seq.length
+                if isinstance(tok, Exception):
+                    self._fail(seq, tok, outputs)
+                    continue
+                drafted = j < len(seq.drafts)
+                if drafted and tok == seq.drafts[j]:
+                    self.spec.accepted(j)
+                self._append(seq, tok, outputs, lp, emit=False)
+                taken[b] += 1
+                if drafted and tok == seq.drafts[j] and seq.finished is None:
+                    going.append(b)
+            live, j = going, j + 1
+        for b, seq in enumerate(batch):
+            if taken[b] and seq.finished is None:
+                outputs.append(self._output(seq))
+        return taken
 
     def _choose(self, logits: torch.Tensor, batch: list[Sequence]) -> list[int | Exception]:
         """The next token of each row of ``logits`` [B, V] under its request's constraints and
@@ -434,7 +504,9 @@ class Engine:
         self._finish(seq, FinishReason.ERROR, outputs, error=f"{type(error).__name__}: {error}")
 
     # -- tokens out ----------------------------------------------------------------------
-    def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput], lp: TokenLogprob | None = None) -> None:
+    def _append(self, seq: Sequence, tok: int, outputs: list[RequestOutput], lp: TokenLogprob | None = None,
+                emit: bool = True) -> None:
+        """``tok`` is ``seq``'s next; it finishes it, or (``emit``) goes out as an output."""
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic()
         seq.output_ids.append(tok)
@@ -464,7 +536,7 @@ class Engine:
         if reason is not None:
             self.scheduler.leave_running(seq)
             self._finish(seq, reason, outputs)
-        else:
+        elif emit:
             outputs.append(self._output(seq))
 
     @staticmethod

@@ -44,6 +44,11 @@ class EngineConfig:
     # ... and a decode step takes only as many of them as keep it within this much longer than the
     # interactive rows' own step (measured): batch work uses the spare capacity, not the latency
     background_slack: float = 0.05
+    # speculative decoding with the checkpoint's MTP layers (when it has them and they are loaded):
+    # drafts verified per sequence and step (0: off); a step of more sequences than
+    # speculative_max_batch decodes without drafts, where verifying costs more than it saves
+    speculative_tokens: int = 1
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -54,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"page_size {self.page_size} must divide the {UNIT_TOKENS}-token unit")
         if self.micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {self.micro_batches}")
+        for name in ("speculative_tokens", "speculative_max_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("num_pages", "max_num_seqs", "max_prefill_tokens", "scored_logits_mib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -87,6 +87,20 @@ class KVManager:
         seq.pages.extend(page)
         return True
 
+    def grow_to(self, seq: Sequence, tokens: int) -> bool:
+        """Pages for ``seq``'s first ``tokens`` positions (its table row too, while it runs),
+        where they are free; False (nothing taken) when not: a speculative step's drafts."""
+        need = self.pages_for(tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        pages = self.allocate(need)
+        if pages is None:
+            return False
+        if seq.row is not None:
+            self._tables[seq.row, len(seq.pages) : len(seq.pages) + need] = long_tensor(pages)
+        seq.pages.extend(pages)
+        return True
+
     def release(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)
         seq.pages = []

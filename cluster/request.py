@@ -253,6 +253,7 @@ class Sequence:
     token_counts: object = None  # penalized requests: torch.Tensor [V], times each token was generated
     seen: object = None  # repetition-penalized requests: torch.Tensor [V], bool: in the prompt or output
     row: int | None = None  # its row of the engine's block tables while it runs (None: not running)
+    drafts: list[int] = field(default_factory=list)  # the MTP layers' proposals for its next tokens
 
     @property
     def all_ids(self) -> list[int]:

@@ -32,6 +32,7 @@ from model.layers import SwiGLU
 from model.mla import MLA, MLAWeights
 from model.model import DecoderLayer, DeepseekModel
 from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
+from model.mtp import MtpLayer, mtp_prefix
 from model.quant import Fp8Weight
 from model.v4.config import V4Config
 from model.weights_id import CheckpointError, fp8_block_size, keeps_fp8
@@ -85,54 +86,73 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, for every tensor the architecture needs."""
-    m, h = cfg.hidden_size, cfg.num_attention_heads
+    """HF tensor name -> shape, for every tensor the architecture needs (with the MTP layers
+    the config declares)."""
+    m = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (cfg.vocab_size, m),
         "model.norm.weight": (m,),
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, m)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (m,)
-        shapes[p + "post_attention_layernorm.weight"] = (m,)
-        a = p + "self_attn."
-        if cfg.q_lora_rank is None:
-            shapes[a + "q_proj.weight"] = (h * cfg.qk_head_dim, m)
-        else:
-            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, m)
-            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            shapes[a + "q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
-            if cfg.attention_bias:
-                shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
-        shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.latent_dim, m)
-        shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        shapes[a + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        shapes[a + "o_proj.weight"] = (m, h * cfg.v_head_dim)
-        if cfg.attention_bias:
-            shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.latent_dim,)
-            shapes[a + "o_proj.bias"] = (m,)
-        if cfg.index_topk:  # V3.2's lightning indexer
-            g, d = cfg.index_n_heads, cfg.index_head_dim
-            shapes[a + "indexer.wq_b.weight"] = (g * d, cfg.q_lora_rank)
-            shapes[a + "indexer.wk.weight"] = (d, m)
-            shapes[a + "indexer.k_norm.weight"] = (d,)
-            shapes[a + "indexer.k_norm.bias"] = (d,)
-            shapes[a + "indexer.weights_proj.weight"] = (g, m)
-        f = p + "mlp."
-        if cfg.is_moe_layer(i):
-            inter = cfg.moe_intermediate_size
-            shapes[f + "gate.weight"] = (cfg.n_routed_experts, m)
-            if cfg.topk_method == "noaux_tc":
-                shapes[f + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
-            for e in range(cfg.n_routed_experts):
-                _mlp_shapes(shapes, f"{f}experts.{e}.", m, inter)
-            if cfg.n_shared_experts:
-                _mlp_shapes(shapes, f + "shared_experts.", m, inter * cfg.n_shared_experts)
-        else:
-            _mlp_shapes(shapes, f, m, cfg.intermediate_size)
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        _layer_shapes(shapes, cfg, i)
+    for k in range(cfg.num_nextn_predict_layers):  # the MTP layers' own tensors (their embedding and head: optional)
+        p = mtp_prefix(cfg, k)
+        shapes[p + "enorm.weight"] = shapes[p + "hnorm.weight"] = shapes[p + "shared_head.norm.weight"] = (m,)
+        shapes[p + "eh_proj.weight"] = (m, 2 * m)
     return shapes
+
+
+def _layer_shapes(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, i: int) -> None:
+    """Decoder layer ``i``'s tensors (an MTP layer's decoder layer too)."""
+    m, h = cfg.hidden_size, cfg.num_attention_heads
+    p = f"model.layers.{i}."
+    shapes[p + "input_layernorm.weight"] = (m,)
+    shapes[p + "post_attention_layernorm.weight"] = (m,)
+    a = p + "self_attn."
+    if cfg.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (h * cfg.qk_head_dim, m)
+    else:
+        shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, m)
+        shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
+        if cfg.attention_bias:
+            shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+    shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.latent_dim, m)
+    shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    shapes[a + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    shapes[a + "o_proj.weight"] = (m, h * cfg.v_head_dim)
+    if cfg.attention_bias:
+        shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.latent_dim,)
+        shapes[a + "o_proj.bias"] = (m,)
+    if cfg.index_topk:  # V3.2's lightning indexer
+        g, d = cfg.index_n_heads, cfg.index_head_dim
+        shapes[a + "indexer.wq_b.weight"] = (g * d, cfg.q_lora_rank)
+        shapes[a + "indexer.wk.weight"] = (d, m)
+        shapes[a + "indexer.k_norm.weight"] = (d,)
+        shapes[a + "indexer.k_norm.bias"] = (d,)
+        shapes[a + "indexer.weights_proj.weight"] = (g, m)
+    f = p + "mlp."
+    if cfg.is_moe_layer(i):
+        inter = cfg.moe_intermediate_size
+        shapes[f + "gate.weight"] = (cfg.n_routed_experts, m)
+        if cfg.topk_method == "noaux_tc":
+            shapes[f + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+        for e in range(cfg.n_routed_experts):
+            _mlp_shapes(shapes, f"{f}experts.{e}.", m, inter)
+        if cfg.n_shared_experts:
+            _mlp_shapes(shapes, f + "shared_experts.", m, inter * cfg.n_shared_experts)
+    else:
+        _mlp_shapes(shapes, f, m, cfg.intermediate_size)
+
+
+def _mtp_optional(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP layers' tensors a checkpoint may store or share with the model's: their own
+    embedding and LM head (DeepSeek's V3 checkpoints store copies)."""
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    return {mtp_prefix(cfg, k) + name: shape for k in range(cfg.num_nextn_predict_layers)
+            for name in ("embed_tokens.weight", "shared_head.head.weight")}
 
 
 def _mlp_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, m: int, inter: int) -> None:
@@ -170,8 +190,8 @@ def load_state_dict(
     ``keep_fp8``: an fp8 checkpoint's projections come as ``Fp8Weight`` (e4m3 with their
     scales, as stored), except ``kv_b_proj``, which the absorbed attention splits."""
     ckpt = Path(ckpt_dir)
-    want = expected_shapes(cfg)
     where = _shard_files(ckpt)
+    want = _stored_shapes(cfg, where)
     block = fp8_block_size(ckpt)
     extra = []
     for name in where:
@@ -179,7 +199,7 @@ def load_state_dict(
             continue
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
-            continue  # multi-token-prediction layers: not used for serving
+            continue  # layers past those the config declares (or MTP layers it does not): not used
         if block is not None and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in want:
             continue  # an fp8 weight's scales
         extra.append(name)
@@ -223,6 +243,30 @@ def load_state_dict(
                     shards_read = shard - (name != names[-1])
                     progress(LoadProgress(done, len(want), done_bytes, total_bytes, shards_read, len(by_file)))
     return out
+
+
+def _stored_shapes(cfg: ModelConfig, where: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """``expected_shapes`` of the checkpoint as stored: its MTP layers only where it holds them
+    (published conversions often drop them and keep the config), and their own embedding and
+    head where it stores them."""
+    want = expected_shapes(cfg)
+    stored = stored_mtp_layers(cfg, where)
+    for k in range(stored, cfg.num_nextn_predict_layers):
+        prefix = mtp_prefix(cfg, k)
+        for name in [n for n in want if n.startswith(prefix)]:
+            del want[name]
+    want.update({n: shape for n, shape in _mtp_optional(cfg).items() if n in where})
+    return want
+
+
+def stored_mtp_layers(cfg: ModelConfig, where: dict[str, Path] | str | Path) -> int:
+    """How many of the declared MTP layers the checkpoint (a directory, or its tensor names)
+    holds, from the first: those ``load_model(mtp=True)`` loads."""
+    names = _shard_files(Path(where)) if isinstance(where, str | Path) else where
+    for k in range(cfg.num_nextn_predict_layers):
+        if mtp_prefix(cfg, k) + "eh_proj.weight" not in names:
+            return k
+    return cfg.num_nextn_predict_layers
 
 
 def _scales(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None,
@@ -269,45 +313,60 @@ def build_model(cfg: ModelConfig | V4Config, sd: dict[str, torch.Tensor], impl: 
 
     layers, experts = [], {}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        w = MLAWeights(
-            kv_a=sd[a + "kv_a_proj_with_mqa.weight"],
-            kv_a_norm=sd[a + "kv_a_layernorm.weight"],
-            kv_b=sd[a + "kv_b_proj.weight"],
-            o=sd[a + "o_proj.weight"],
-            q=sd.get(a + "q_proj.weight"),
-            q_a=sd.get(a + "q_a_proj.weight"),
-            q_a_norm=sd.get(a + "q_a_layernorm.weight"),
-            q_b=sd.get(a + "q_b_proj.weight"),
-            kv_a_bias=sd.get(a + "kv_a_proj_with_mqa.bias"),
-            q_a_bias=sd.get(a + "q_a_proj.bias"),
-            o_bias=sd.get(a + "o_proj.bias"),
-        )
-        f = p + "mlp."
-        ffn: SwiGLU | MoE
-        if cfg.is_moe_layer(i):
-            gate = Gate(sd[f + "gate.weight"], sd.get(f + "gate.e_score_correction_bias"))
-            shared = mlp(f + "shared_experts.") if cfg.n_shared_experts else None
-            ffn = MoE(cfg, i, gate, shared, kernels_impl)
-            if f + "experts.0.gate_proj.weight" in sd:
-                experts[i] = _stack_experts(sd, f, range(cfg.n_routed_experts))
-        else:
-            ffn = mlp(f)
-        indexer = None
-        if cfg.index_topk:
-            x = a + "indexer."
-            indexer = Indexer(cfg, IndexerWeights(sd[x + "wq_b.weight"], sd[x + "wk.weight"], sd[x + "k_norm.weight"],
-                                                  sd[x + "k_norm.bias"], sd[x + "weights_proj.weight"]))
-        layers.append(DecoderLayer(
-            sd[p + "input_layernorm.weight"], MLA(cfg, w), sd[p + "post_attention_layernorm.weight"], ffn, indexer
-        ))
+        layers.append(_decoder_layer(cfg, sd, i, kernels_impl, experts, mlp))
     embed = sd["model.embed_tokens.weight"]
     lm_head = embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
-    model = DeepseekModel(cfg, embed, layers, sd["model.norm.weight"], lm_head, kernels_impl)
+    mtp = []
+    for k in range(cfg.num_nextn_predict_layers):
+        p = mtp_prefix(cfg, k)
+        if p + "eh_proj.weight" not in sd:
+            break  # not loaded (or not stored)
+        layer = _decoder_layer(cfg, sd, cfg.num_hidden_layers + k, kernels_impl, experts, mlp)
+        mtp.append(MtpLayer(sd[p + "enorm.weight"], sd[p + "hnorm.weight"], sd[p + "eh_proj.weight"], layer,
+                            sd[p + "shared_head.norm.weight"], sd.get(p + "embed_tokens.weight", embed),
+                            sd.get(p + "shared_head.head.weight", lm_head)))
+    model = DeepseekModel(cfg, embed, layers, sd["model.norm.weight"], lm_head, kernels_impl, mtp)
     if experts:
         model.set_expert_executor(LocalExpertExecutor(experts, kernels_impl))
     return model
+
+
+def _decoder_layer(cfg: ModelConfig, sd: dict, i: int, kernels_impl: str, experts: dict,
+                   mlp: Callable[[str], SwiGLU]) -> DecoderLayer:
+    """Decoder layer ``i`` from ``sd`` (its routed experts, when there, stacked into ``experts``)."""
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    w = MLAWeights(
+        kv_a=sd[a + "kv_a_proj_with_mqa.weight"],
+        kv_a_norm=sd[a + "kv_a_layernorm.weight"],
+        kv_b=sd[a + "kv_b_proj.weight"],
+        o=sd[a + "o_proj.weight"],
+        q=sd.get(a + "q_proj.weight"),
+        q_a=sd.get(a + "q_a_proj.weight"),
+        q_a_norm=sd.get(a + "q_a_layernorm.weight"),
+        q_b=sd.get(a + "q_b_proj.weight"),
+        kv_a_bias=sd.get(a + "kv_a_proj_with_mqa.bias"),
+        q_a_bias=sd.get(a + "q_a_proj.bias"),
+        o_bias=sd.get(a + "o_proj.bias"),
+    )
+    f = p + "mlp."
+    ffn: SwiGLU | MoE
+    if cfg.is_moe_layer(i):
+        gate = Gate(sd[f + "gate.weight"], sd.get(f + "gate.e_score_correction_bias"))
+        shared = mlp(f + "shared_experts.") if cfg.n_shared_experts else None
+        ffn = MoE(cfg, i, gate, shared, kernels_impl)
+        if f + "experts.0.gate_proj.weight" in sd:
+            experts[i] = _stack_experts(sd, f, range(cfg.n_routed_experts))
+    else:
+        ffn = mlp(f)
+    indexer = None
+    if cfg.index_topk:
+        x = a + "indexer."
+        indexer = Indexer(cfg, IndexerWeights(sd[x + "wq_b.weight"], sd[x + "wk.weight"], sd[x + "k_norm.weight"],
+                                              sd[x + "k_norm.bias"], sd[x + "weights_proj.weight"]))
+    return DecoderLayer(
+        sd[p + "input_layernorm.weight"], MLA(cfg, w), sd[p + "post_attention_layernorm.weight"], ffn, indexer
+    )
 
 
 def _cat_rows(gate: torch.Tensor | Fp8Weight, up: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
@@ -372,6 +431,7 @@ def load_model(
     device: str | torch.device = "cpu",
     cpu_weights: str = "fp32",
     fp8_weights: str = "auto",
+    mtp: bool = False,
 ) -> DeepseekModel:
     """``routed_experts=False`` leaves the routed experts on disk (an attention replica under
     expert parallelism, whose executor sends tokens to expert shards). ``device``: where the
@@ -379,7 +439,9 @@ def load_model(
     ``cpu_weights="int8"``: a float32 CPU model holds its projections and experts as int8 with
     per-block scales (``model.quant``: a quarter of the bytes a decode step streams).
     ``fp8_weights`` (``model.quant.FP8_WEIGHTS``): whether an fp8 checkpoint's projections and
-    experts stay e4m3 as stored (``Fp8Weight``, the fp8 GEMMs) or are dequantized at load."""
+    experts stay e4m3 as stored (``Fp8Weight``, the fp8 GEMMs) or are dequantized at load.
+    ``mtp``: load the multi-token-prediction layers the checkpoint holds (``model.mtp``; the
+    speculative decoding draft); they run beside the routed experts, so not without them."""
     from model.quant import CPU_WEIGHTS, quantize_model
 
     if cpu_weights not in CPU_WEIGHTS:
@@ -400,7 +462,7 @@ def load_model(
         if cpu_weights != "fp32":  # its fp8 and fp4 weights are dequantized: no V4 kernel takes them yet
             raise ValueError(f"cpu_weights {cpu_weights!r}: DeepSeek-V4 loads its weights in the model's dtype")
         return load_v4(ckpt_dir, cfg, dtype, impl, routed_experts, device)
-    include = None if routed_experts else (lambda name: not is_routed_expert(name))
+    include = _include(cfg, routed_experts, mtp)
     sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include, keep_fp8=keep_fp8)
     for name in sd:  # one tensor at a time, so host memory holds at most one extra copy
         sd[name] = sd[name].to(device)
@@ -409,6 +471,15 @@ def load_model(
         del sd  # the fp32 copies go as each weight is quantized
         quantize_model(model)
     return model
+
+
+def _include(cfg: ModelConfig, routed_experts: bool, mtp: bool) -> Callable[[str], bool] | None:
+    """Which tensors ``load_model`` reads: without routed experts none of theirs, without MTP
+    none of the MTP layers' (the MTP layers' MoE needs its experts here)."""
+    if routed_experts and mtp:
+        return None
+    drafts = tuple(mtp_prefix(cfg, k) for k in range(cfg.num_nextn_predict_layers))
+    return lambda name: not (not routed_experts and is_routed_expert(name)) and not name.startswith(drafts)
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

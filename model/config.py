@@ -86,6 +86,9 @@ class ModelConfig:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    # multi-token prediction: layers after the last decoder layer that predict the token after
+    # the next (the speculative decoding draft, ``model.mtp``)
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in MLA_MODEL_TYPES:
@@ -98,6 +101,8 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if (self.model_type == "deepseek_v32") != (self.index_topk > 0):
@@ -183,9 +188,11 @@ class ModelConfig:
         return d
 
     def _fields(self) -> dict[str, Any]:
-        """The fields, without the indexer's where there is none: a V2/V3 config's file and
-        fingerprint name no indexer."""
+        """The fields, without the indexer's or the MTP layers' count where there are none: a
+        V2/V3 config's file and fingerprint name neither."""
         d = dataclasses.asdict(self)
+        if not self.num_nextn_predict_layers:
+            d.pop("num_nextn_predict_layers")
         if not self.index_topk:
             for name in ("index_topk", "index_n_heads", "index_head_dim"):
                 d.pop(name)
@@ -259,6 +266,7 @@ class ModelConfig:
             index_topk=int(raw.get("index_topk", 2048)) if sparse else 0,
             index_n_heads=int(raw.get("index_n_heads", 64)) if sparse else 0,
             index_head_dim=int(raw.get("index_head_dim", 128)) if sparse else 0,
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
 
 

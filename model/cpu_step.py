@@ -17,7 +17,7 @@ replaced (``quantize_model``, a new expert executor): ``CpuStep.of`` compares th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -29,35 +29,47 @@ from model.quant import Q8Weight
 
 if TYPE_CHECKING:
     from model.kv_cache import LatentKVPool
-    from model.model import DeepseekModel, _Chunk, _DecodeBatch, _Rows
+    from model.model import DecoderLayer, DeepseekModel, _Chunk, _DecodeBatch, _Rows
 
-__all__ = ["CpuStep"]
+__all__ = ["CpuStep", "Stack"]
 
 
 class _Ineligible(Exception):
     """A weight or setting the C++ step does not take."""
 
 
+class Stack(NamedTuple):
+    """Decoder layers run back to back, then a norm and an LM head: the model's own, or an MTP
+    layer's (``model.mtp``); ``first`` is the pool layer of its first."""
+
+    layers: list[DecoderLayer]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    first: int = 0
+
+
 class CpuStep:
-    def __init__(self, model: DeepseekModel, key: list) -> None:
-        """The step of ``model`` as it is now; ``step`` is None (and ``why_not`` says why) when
-        the model has something the C++ step cannot run: that answer is kept as long as the
-        weights are (``of``), so such a model pays one check per pass, not a build."""
+    def __init__(self, model: DeepseekModel, key: list, stack: Stack | None = None) -> None:
+        """The step of ``model`` (or of ``stack``, an MTP layer of it) as it is now; ``step`` is
+        None (and ``why_not`` says why) when the model has something the C++ step cannot run:
+        that answer is kept as long as the weights are (``of``), so such a model pays one check
+        per pass, not a build."""
         self.key = key
+        self.stack = stack or Stack(model.layers, model.norm, model.lm_head)
         self.max_rows = SMALL_ROWS
         self.step, self.why_not = None, ""
         try:
-            self.step = self._build(model)
+            self.step = self._build(model, self.stack)
         except _Ineligible as e:
             self.why_not = str(e)
 
-    def _build(self, model: DeepseekModel):
+    def _build(self, model: DeepseekModel, stack: Stack):
         mod = cpu_kernels()
         if mod is None or model.paged_kernel != "cpu":
             raise _Ineligible("no C++ kernels for this model")
         cfg = model.cfg
-        step = mod.DecodeStep(cfg.rms_norm_eps, cfg.rope_interleave, model.norm, _linear(mod, model.lm_head))
-        for layer in model.layers:
+        step = mod.DecodeStep(cfg.rms_norm_eps, cfg.rope_interleave, stack.norm, _linear(mod, stack.lm_head))
+        for layer in stack.layers:
             attn, w = layer.attn, layer.attn.w
             mlp = moe = None
             if isinstance(layer.mlp, MoE):
@@ -72,30 +84,38 @@ class CpuStep:
         return step
 
     @classmethod
-    def of(cls, model: DeepseekModel, cached: CpuStep | None) -> CpuStep:
-        """The step for ``model`` as its weights are now: ``cached`` when none was replaced since
-        it was built, else a new one."""
-        key = _weights_key(model)
+    def of(cls, model: DeepseekModel, cached: CpuStep | None, stack: Stack | None = None) -> CpuStep:
+        """The step for ``model`` (or ``stack``) as its weights are now: ``cached`` when none
+        was replaced since it was built, else a new one."""
+        stack = stack or Stack(model.layers, model.norm, model.lm_head)
+        key = _weights_key(stack)
         if cached is not None and _same(cached.key, key):
             return cached
-        return cls(model, key)
+        return cls(model, key, stack)
 
     def takes(self, rows: int) -> bool:
         """Whether the C++ step runs a pass of ``rows`` rows."""
         return self.step is not None and rows <= self.max_rows
 
-    def __call__(self, batch: _DecodeBatch, pool: LatentKVPool) -> torch.Tensor:
-        """The decode pass of ``batch`` (``DeepseekModel.decode``'s inputs as the Python path
-        takes them, at most ``max_rows`` rows) -> fp32 logits [B, V]; writes the new latents."""
-        return self.step.forward(batch.h, batch.cos, batch.sin, pool.data, batch.new_slots, batch.block_tables,
-                                 batch.lens(), pool.page_size)
+    def _kv(self, pool: LatentKVPool) -> torch.Tensor:
+        return pool.data.narrow(0, self.stack.first, len(self.stack.layers))
 
-    def mixed(self, chunk: _Chunk, batch: _DecodeBatch, rows: _Rows, pool: LatentKVPool) -> torch.Tensor:
+    def __call__(self, batch: _DecodeBatch, pool: LatentKVPool, hidden: bool = False):
+        """The decode pass of ``batch`` (``DeepseekModel.decode``'s inputs as the Python path
+        takes them, at most ``max_rows`` rows) -> fp32 logits [B, V]; writes the new latents.
+        ``hidden``: (the logits, the rows' final hidden states normed [B, M])."""
+        run = self.step.forward_hidden if hidden else self.step.forward
+        return run(batch.h, batch.cos, batch.sin, self._kv(pool), batch.new_slots, batch.block_tables, batch.lens(),
+                   pool.page_size)
+
+    def mixed(self, chunk: _Chunk, batch: _DecodeBatch, rows: _Rows, pool: LatentKVPool, hidden: bool = False):
         """The mixed pass of an absorbed prefill ``chunk`` (T rows) and a decode ``batch`` (B rows,
         T + B at most ``max_rows``; ``rows`` their inputs joined) -> fp32 logits [1 + B, V] of the
-        chunk's last token and the batch's rows; writes the new latents."""
-        return self.step.forward(rows.h, rows.cos, rows.sin, pool.data, rows.new_slots, batch.block_tables,
-                                 batch.lens(), pool.page_size, chunk.block_table, chunk.start, chunk.t - 1)
+        chunk's last token and the batch's rows; writes the new latents. ``hidden``: (the logits,
+        every row's final hidden state normed [T + B, M])."""
+        run = self.step.forward_hidden if hidden else self.step.forward
+        return run(rows.h, rows.cos, rows.sin, self._kv(pool), rows.new_slots, batch.block_tables, batch.lens(),
+                   pool.page_size, chunk.block_table, chunk.start, chunk.t - 1)
 
     def _moe(self, mod, moe: MoE):
         executor = moe.executor
@@ -145,11 +165,11 @@ def _mlp(mod, mlp: SwiGLU):
     return mod.Mlp(_linear(mod, mlp.gate_up), _linear(mod, mlp.down))
 
 
-def _weights_key(model: DeepseekModel) -> list:
+def _weights_key(stack: Stack) -> list:
     """Every object the step is built from, held (so no identity is reused while the step lives):
     a replaced weight, expert table, executor or routing hook differs in identity."""
-    key: list = [model.norm, model.lm_head]
-    for layer in model.layers:
+    key: list = [stack.norm, stack.lm_head]
+    for layer in stack.layers:
         attn, mlp = layer.attn, layer.mlp
         key += (layer.input_norm, layer.post_attn_norm, attn.w_uk, attn.w_uv_t)
         key += (getattr(attn.w, f) for f in MLAWeights.__slots__)

@@ -38,21 +38,23 @@ class LatentKVPool:
         dtype: torch.dtype = torch.float32,
         impl: Impl = "ref",
         device: str | torch.device = "cpu",
+        layers: int | None = None,
     ) -> None:
+        """``layers``: the model's decoder layers (default) and its MTP layers that keep latents
+        beside them (``model.mtp``)."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
         if page_size <= 0 or 64 % page_size:
             raise ValueError(f"page_size must divide the 64-token cache unit, got {page_size}")
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers = layers = layers or cfg.num_hidden_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.latent_dim = cfg.latent_dim
         self.row_dim = cfg.kv_dim
         self.impl = impl
-        self.data = torch.zeros(cfg.num_hidden_layers, num_pages * page_size, cfg.latent_dim, dtype=dtype,
-                                device=device)
+        self.data = torch.zeros(layers, num_pages * page_size, cfg.latent_dim, dtype=dtype, device=device)
         self.index_k = None if not cfg.index_topk else torch.zeros(
-            cfg.num_hidden_layers, num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=device)
+            layers, num_pages * page_size, cfg.index_head_dim, dtype=dtype, device=device)
 
     @property
     def dtype(self) -> torch.dtype:

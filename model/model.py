@@ -17,12 +17,13 @@ from kernels import Impl
 from kernels.cpu_gemv import cpu_kernels
 from kernels.index_topk import index_topk, kept_indices
 from model.config import ModelConfig
-from model.cpu_step import CpuStep
+from model.cpu_step import CpuStep, Stack
 from model.dsa import Indexer
 from model.kv_cache import LatentKVPool, slots_for
 from model.layers import SwiGLU, linear, rms_norm
 from model.mla import MLA, MQA_MAX_QUERIES, absorbed_pays
 from model.moe import MoE
+from model.mtp import MtpLayer
 from model.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
@@ -48,7 +49,10 @@ class DeepseekModel:
         norm: torch.Tensor,
         lm_head: torch.Tensor,
         impl: Impl = "ref",
+        mtp: list[MtpLayer] | None = None,
     ) -> None:
+        """``mtp``: the checkpoint's multi-token-prediction layers, when loaded (the draft of
+        speculative decoding); their latents live in the pool after the decoder layers'."""
         assert len(layers) == cfg.num_hidden_layers, (len(layers), cfg.num_hidden_layers)
         self.cfg = cfg
         self.embed = embed  # [V, M]
@@ -63,6 +67,8 @@ class DeepseekModel:
         # where the model allows; False keeps it layer by layer in Python
         self.cpu_step = not cfg.index_topk
         self._cpu_step: CpuStep | None = None
+        self.mtp = list(mtp or [])
+        self._mtp_steps: list[CpuStep | None] = [None] * len(self.mtp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,12 +107,14 @@ class DeepseekModel:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
     def set_expert_executor(self, executor) -> None:
-        """Route every MoE layer's experts through ``executor`` (see ``model.moe.ExpertExecutor``)."""
-        for moe in self.moe_layers():
+        """Route every MoE layer's experts, the MTP layers' too, through ``executor`` (see
+        ``model.moe.ExpertExecutor``)."""
+        for moe in self.moe_layers() + [m.layer.mlp for m in self.mtp if isinstance(m.layer.mlp, MoE)]:
             moe.executor = executor
 
     def new_pool(self, num_pages: int, page_size: int = 16) -> LatentKVPool:
-        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype, self.impl, self.device)
+        return LatentKVPool(self.cfg, num_pages, page_size, self.dtype, self.impl, self.device,
+                            layers=self.cfg.num_hidden_layers + len(self.mtp))
 
     def warmup(self, prefill_tokens: int = 256, decode_batch: int = 1) -> None:
         """Run one prefill and one decode step on a scratch pool, so a server's first request does
@@ -126,8 +134,18 @@ class DeepseekModel:
     def _ffn(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         return h + layer.mlp(rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps))
 
+    def _normed(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return linear(self._normed(h), self.lm_head).float()
+
+    def _logits_hidden(self, h: torch.Tensor, hidden: bool):
+        """The logits of ``h``, with its normed rows when ``hidden``."""
+        if not hidden:
+            return self._logits(h)
+        normed = self._normed(h)
+        return linear(normed, self.lm_head).float(), normed
 
     @torch.inference_mode()
     def prefill(
@@ -138,7 +156,8 @@ class DeepseekModel:
         start: int = 0,
         attn: AttnPath = "auto",
         all_logits: bool = False,
-    ) -> torch.Tensor:
+        hidden: bool = False,
+    ):
         """Run ``token_ids`` [T] at positions ``start..start+T-1`` of one sequence.
 
         The latents of positions ``0..start-1`` must already be in ``pool`` at ``block_table``
@@ -148,9 +167,15 @@ class DeepseekModel:
         ``attn="auto"`` takes the path with fewer FLOPs (``model.mla.absorbed_pays``): absorbed for
         a short suffix after a long cached prefix, where expanding every cached token would
         dominate; naive otherwise, also for a long chunk of a chunked prefill.
+
+        ``hidden``: (the logits, every token's final hidden state normed [T, M]: what the MTP
+        layers draft from).
         """
         chunk = _Chunk.build(self, token_ids, block_table, start, pool.page_size, attn)
         h = self._forward(pool, chunk, None)
+        if hidden:
+            normed = self._normed(h)
+            return linear(normed if all_logits else normed[-1], self.lm_head).float(), normed
         return self._logits(h if all_logits else h[-1])
 
     @torch.inference_mode()
@@ -163,7 +188,8 @@ class DeepseekModel:
         attn: AttnPath = "absorbed",
         micro_batches: int = 1,
         max_len: int | None = None,
-    ) -> torch.Tensor:
+        hidden: bool = False,
+    ):
         """One decode step for B sequences of different lengths.
 
         token_ids [B], block_tables [B, pages] (padded rows may repeat any valid page),
@@ -179,6 +205,10 @@ class DeepseekModel:
 
         A float32 CPU model runs the absorbed step as one C++ call where it can (``model.cpu_step``:
         the same kernels in the same order, so the same logits).
+
+        Rows may be the same sequence's consecutive positions (a speculative step's verify
+        rows): each row's latent is written before any row attends. ``hidden``: (the logits,
+        the rows' final hidden states normed [B, M]).
         """
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
@@ -186,14 +216,53 @@ class DeepseekModel:
         step = self._whole_cpu_step(b) if attn != "naive" else None
         if step is not None:  # one C++ call (its experts are local: nothing to pipeline)
             return step(_DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, "absorbed",
-                                           max_len), pool)
+                                           max_len), pool, hidden)
         if micro_batches == 2 and b >= 2:
             half = (b + 1) // 2
             parts = [_DecodeBatch.build(self, token_ids[sl], block_tables[sl], positions[sl], pool.page_size, attn,
                                         max_len) for sl in (slice(0, half), slice(half, b))]
-            return torch.cat([self._logits(h) for h in self._pipelined(parts, pool)])
+            outs = [self._logits_hidden(h, hidden) for h in self._pipelined(parts, pool)]
+            return torch.cat(outs) if not hidden else tuple(torch.cat(o) for o in zip(*outs, strict=True))
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, attn, max_len)
-        return self._logits(self._forward(pool, None, batch))
+        return self._logits_hidden(self._forward(pool, None, batch), hidden)
+
+    @torch.inference_mode()
+    def draft(self, k: int, hidden: torch.Tensor, next_ids: torch.Tensor, pool: LatentKVPool,
+              block_tables: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer ``k`` over B rows, each a position of a sequence (rows may be one sequence's
+        consecutive positions): ``hidden`` [B, M] the hidden state there (``decode(hidden=True)``'s
+        or layer k-1's), ``next_ids`` [B] the token after it. Writes the layer's latents at those
+        positions; returns (fp32 logits [B, V] of the token after next, the normed hidden states
+        [B, M] that layer k+1 reads)."""
+        mtp, eps = self.mtp[k], self.cfg.rms_norm_eps
+        batch = _DecodeBatch.build(self, next_ids, block_tables, positions, pool.page_size, "absorbed")
+        batch.h = mtp.inputs(hidden, next_ids, eps)
+        step = self._mtp_cpu_step(k, batch.h.shape[0])
+        if step is not None and batch.paged == "cpu":
+            return step(batch, pool, hidden=True)
+        return mtp.head(self._forward(pool, None, batch, [(self.cfg.num_hidden_layers + k, mtp.layer)]), eps)
+
+    @torch.inference_mode()
+    def draft_chunk(self, k: int, hidden: torch.Tensor, next_ids: torch.Tensor, pool: LatentKVPool,
+                    block_table: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer ``k`` over a prompt chunk's positions ``start..start+T-1`` of one sequence
+        (``hidden`` [T, M], ``next_ids`` [T] as in ``draft``): writes their latents; returns the
+        last position's (fp32 logits [V], normed hidden state [M])."""
+        mtp, eps = self.mtp[k], self.cfg.rms_norm_eps
+        chunk = _Chunk.build(self, next_ids, block_table, start, pool.page_size, "auto")
+        chunk.h = mtp.inputs(hidden, next_ids, eps)
+        h = self._forward(pool, chunk, None, [(self.cfg.num_hidden_layers + k, mtp.layer)])
+        logits, normed = mtp.head(h[-1:], eps)
+        return logits[0], normed[0]
+
+    def _mtp_cpu_step(self, k: int, rows: int) -> CpuStep | None:
+        """The C++ step of MTP layer ``k`` when it can run a pass of ``rows`` rows."""
+        if not self.cpu_step or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        mtp = self.mtp[k]
+        stack = Stack([mtp.layer], mtp.head_norm, mtp.lm_head, self.cfg.num_hidden_layers + k)
+        step = self._mtp_steps[k] = CpuStep.of(self, self._mtp_steps[k], stack)
+        return step if step.takes(rows) else None
 
     def _whole_cpu_step(self, rows: int) -> CpuStep | None:
         """The C++ decode step (``model.cpu_step``) when it can run a pass of ``rows`` rows."""
@@ -214,7 +283,8 @@ class DeepseekModel:
         pool: LatentKVPool,
         decode_attn: AttnPath = "absorbed",
         micro_batches: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden: bool = False,
+    ):
         """A prefill chunk of one sequence and a decode step of B others in one forward pass:
         every projection and expert GEMM runs once over the T + B rows (the weights are read
         once), attention runs per part. Arguments as ``prefill(chunk_ids, pool, chunk_table,
@@ -222,31 +292,42 @@ class DeepseekModel:
         logits, ([V] of the chunk's last token, [B, V]), the same as the two calls would.
 
         ``micro_batches=2``: the chunk and the batch are the two micro-batches, pipelined as in
-        ``decode``: one's MoE round is with the expert executor while the other attends."""
+        ``decode``: one's MoE round is with the expert executor while the other attends.
+
+        ``hidden``: also the chunk's and the batch's final hidden states normed ([T, M], [B, M]).
+        """
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
         chunk = _Chunk.build(self, chunk_ids, chunk_table, chunk_start, pool.page_size, "auto")
         batch = _DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, decode_attn)
         step = self._whole_cpu_step(chunk.t + batch.h.shape[0]) if micro_batches == 1 else None
         if step is not None and chunk.paged == batch.paged == "cpu":  # one C++ call
-            logits = step.mixed(chunk, batch, _Rows.of(chunk, batch), pool)
-            return logits[0], logits[1:]
+            out = step.mixed(chunk, batch, _Rows.of(chunk, batch), pool, hidden)
+            if not hidden:
+                return out[0], out[1:]
+            logits, normed = out
+            return logits[0], logits[1:], normed[: chunk.t], normed[chunk.t :]
         if micro_batches == 2:
-            h_chunk, h_batch = self._pipelined([chunk, batch], pool)
-            logits = self._logits(torch.cat((h_chunk[-1:], h_batch)))
-            return logits[0], logits[1:]
-        h = self._forward(pool, chunk, batch)
-        logits = self._logits(torch.cat((h[chunk.t - 1 : chunk.t], h[chunk.t :])))
+            h = torch.cat(self._pipelined([chunk, batch], pool))
+        else:
+            h = self._forward(pool, chunk, batch)
+        if hidden:
+            normed = self._normed(h)
+            logits = linear(normed[chunk.t - 1 :], self.lm_head).float()
+            return logits[0], logits[1:], normed[: chunk.t], normed[chunk.t :]
+        logits = self._logits(h[chunk.t - 1 :])
         return logits[0], logits[1:]
 
-    def _forward(self, pool: LatentKVPool, chunk: _Chunk | None, batch: _DecodeBatch | None) -> torch.Tensor:
+    def _forward(self, pool: LatentKVPool, chunk: _Chunk | None, batch: _DecodeBatch | None,
+                 layers: list[tuple[int, DecoderLayer]] | None = None) -> torch.Tensor:
         """Hidden states [T + B, M] after the last layer: the chunk's T rows, then the batch's B.
         Projections and FFNs run over all rows at once; each part attends over its own KV (on a
-        float32 CPU model, where every part is read in place, all of them in one C++ call)."""
+        float32 CPU model, where every part is read in place, all of them in one C++ call).
+        ``layers``: (pool layer, layer) to run instead of the decoder's (an MTP layer)."""
         parts = [p for p in (chunk, batch) if p is not None]
         h, cos, sin, new_slots = _Rows.of(*parts)
         fused = all(p.paged == "cpu" for p in parts)
-        for i, layer in enumerate(self.layers):
+        for i, layer in layers or enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
             if fused:  # one call past the projections
                 h = self._ffn(layer, h + _attend_fused(layer.attn, x, cos, sin, pool, i, new_slots, chunk, batch))

@@ -14,6 +14,7 @@
 #include <ATen/ops/silu.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -117,6 +118,26 @@ class DecodeStep {
                         at::Tensor new_slots, at::Tensor block_tables, at::Tensor seq_lens,
                         int64_t page_size, c10::optional<at::Tensor> chunk_table, int64_t chunk_start,
                         int64_t logits_from) const {
+    h = run_layers(h, cos, sin, kv, new_slots, block_tables, seq_lens, page_size, chunk_table, chunk_start);
+    return lm_head_(rms_norm(h.narrow(0, logits_from, h.size(0) - logits_from), norm_, eps_));
+  }
+
+  // forward's logits, and every row's final hidden state as the LM head reads it (normed) [T + B, M]:
+  // what a multi-token-prediction layer drafts from.
+  std::tuple<at::Tensor, at::Tensor> forward_hidden(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv,
+                                                    at::Tensor new_slots, at::Tensor block_tables,
+                                                    at::Tensor seq_lens, int64_t page_size,
+                                                    c10::optional<at::Tensor> chunk_table, int64_t chunk_start,
+                                                    int64_t logits_from) const {
+    h = run_layers(h, cos, sin, kv, new_slots, block_tables, seq_lens, page_size, chunk_table, chunk_start);
+    auto normed = rms_norm(h, norm_, eps_);
+    return {lm_head_(normed.narrow(0, logits_from, normed.size(0) - logits_from)), normed};
+  }
+
+ private:
+  at::Tensor run_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv,
+                        const at::Tensor& new_slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t page_size, const c10::optional<at::Tensor>& chunk_table, int64_t chunk_start) const {
     TORCH_CHECK(kv.dim() == 3 && kv.size(0) == num_layers(), "kv must be [", num_layers(), ", slots, D], got ",
                 kv.sizes());
     for (int64_t i = 0; i < num_layers(); ++i) {
@@ -130,10 +151,9 @@ class DecodeStep {
       x = rms_norm(h, l.post_norm, eps_);
       h = h + (l.mlp.has_value() ? (*l.mlp)(x) : (*l.moe)(x));
     }
-    return lm_head_(rms_norm(h.narrow(0, logits_from, h.size(0) - logits_from), norm_, eps_));
+    return h;
   }
 
- private:
   double eps_;
   bool interleave_;
   at::Tensor norm_;
@@ -194,6 +214,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
            py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
+           py::arg("chunk_table") = py::none(), py::arg("chunk_start") = 0, py::arg("logits_from") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_hidden", &DecodeStep::forward_hidden, py::arg("h"), py::arg("cos"), py::arg("sin"),
+           py::arg("kv"), py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
            py::arg("chunk_table") = py::none(), py::arg("chunk_start") = 0, py::arg("logits_from") = 0,
            py::call_guard<py::gil_scoped_release>());
 }

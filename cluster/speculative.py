@@ -1,0 +1,152 @@
+"""Speculative decoding with the checkpoint's MTP layers: drafts, verify rows, acceptance counts.
+
+Each running sequence carries the tokens the MTP layers proposed after its last step
+(``Sequence.drafts``). A decode step verifies them in the same forward pass as the sequence's
+next token: its rows are the last token and each draft at consecutive positions, so the pass
+gives the target's logits after each. The engine then samples row by row, exactly as decoding a
+token at a time would (the same constraints, penalties, stop rules and random draws): a draft is
+accepted when the token sampled at its position equals it, and the next row counts only then.
+Sampling the target and comparing is rejection sampling for a draft that puts all its mass on
+one token, so outputs follow the target distribution, and greedy and seeded outputs are those
+of decoding without drafts.
+
+After sampling, the MTP layers read the committed positions (their latents go into the pool
+beside the model's) and propose the next drafts. KV written for rejected drafts lies past the
+sequence's computed tokens: pages, prefix sharing, cache units and persist triggers only read
+committed positions, and the next step writes over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.kv_manager import long_tensor
+from cluster.request import Sequence
+
+__all__ = ["SpecStats", "Speculator", "VerifyRows"]
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Drafts verified and accepted per draft position (vLLM's spec_decode counters)."""
+
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted, strict=True)]
+
+    def as_dict(self) -> dict:
+        return {"draft_tokens": list(self.drafted), "accepted_tokens": list(self.accepted),
+                "acceptance": [round(x, 4) for x in self.acceptance()]}
+
+
+@dataclass(slots=True)
+class VerifyRows:
+    """A decode pass's rows: each sequence's last token, then its drafts at the next positions."""
+
+    tables: torch.Tensor  # [R, W]
+    tokens: torch.Tensor  # [R]
+    positions: torch.Tensor  # [R]
+    first: list[int]  # each sequence's first row
+
+
+class Speculator:
+    def __init__(self, model, kv, tokens: int, max_batch: int) -> None:
+        """``tokens`` drafts per sequence and step (0, or a model without MTP layers: off);
+        ``max_batch``: more sequences than this decode without drafts."""
+        self.model, self.kv = model, kv
+        self.tokens = tokens if getattr(model, "mtp", None) else 0
+        self.max_batch = max_batch
+        self.stats = SpecStats([0] * self.tokens, [0] * self.tokens)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the MTP layers run (prompts' positions too, so their latents are kept)."""
+        return self.tokens > 0
+
+    def active(self, batch: list[Sequence]) -> bool:
+        """Whether this step's ``batch`` verifies drafts (and the MTP layers propose new ones);
+        when not, their drafts are dropped."""
+        on = self.enabled and 0 < len(batch) <= self.max_batch
+        if not on:
+            for seq in batch:
+                seq.drafts = []
+        return on
+
+    def rows(self, batch: list[Sequence]) -> VerifyRows:
+        """The verify rows of ``batch`` (its block-table rows in order): drafts that would pass the
+        request's ``max_tokens`` or the context, or find no free page, are dropped."""
+        limit = self.model.cfg.max_position_embeddings
+        tokens, positions, counts, first = [], [], [], []
+        for seq in batch:
+            p = seq.num_computed  # the last token's position: its KV is not computed yet
+            room = min(seq.req.max_tokens - len(seq.output_ids) - 1, limit - p - 1)
+            drafts = seq.drafts[: max(0, room)]
+            while drafts and not self.kv.grow_to(seq, p + len(drafts) + 1):
+                drafts.pop()
+            seq.drafts = drafts
+            first.append(len(tokens))
+            tokens += [seq.output_ids[-1], *drafts]
+            positions += range(p, p + len(drafts) + 1)
+            counts.append(len(drafts) + 1)
+            for j in range(len(drafts)):
+                self.stats.drafted[j] += 1
+        tables = self.kv.tables(batch)
+        if len(tokens) != len(batch):
+            tables = tables.repeat_interleave(long_tensor(counts), dim=0)
+        return VerifyRows(tables, long_tensor(tokens), long_tensor(positions), first)
+
+    def accepted(self, j: int) -> None:
+        self.stats.accepted[j] += 1
+
+    def propose(self, seqs: list[Sequence], hidden: torch.Tensor, rows: list[list[int]]) -> None:
+        """New drafts for ``seqs``: the MTP layers over each one's committed positions of this
+        pass (``rows[i]``: their rows of ``hidden``, the pass's normed hidden states), the
+        committed tokens after each as inputs; chained to ``tokens`` drafts."""
+        if not seqs:
+            return
+        ids, positions, counts = [], [], []
+        for seq, r in zip(seqs, rows, strict=True):
+            n = len(r)
+            ids += seq.output_ids[-n:]
+            positions += range(seq.num_computed - n, seq.num_computed)
+            counts.append(n)
+        tables = self.kv.tables(seqs).repeat_interleave(long_tensor(counts), dim=0)
+        flat = long_tensor([i for r in rows for i in r])
+        logits, normed = self.model.draft(0, hidden.index_select(0, flat.to(hidden.device)), long_tensor(ids),
+                                          self.kv.pool, tables, long_tensor(positions))
+        last = long_tensor([sum(counts[: i + 1]) - 1 for i in range(len(seqs))])
+        self._chain(seqs, logits[last], normed[last])
+
+    def propose_one(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """``seq``'s first drafts, after its prompt: the MTP layers at the prompt's last
+        position (``hidden`` [M]) with the first output token as input."""
+        pos = long_tensor([seq.num_computed - 1])
+        logits, normed = self.model.draft(0, hidden[None], long_tensor([seq.output_ids[-1]]), self.kv.pool,
+                                          self.kv.tables([seq]), pos)
+        self._chain([seq], logits, normed)
+
+    def _chain(self, seqs: list[Sequence], logits: torch.Tensor, normed: torch.Tensor) -> None:
+        """Drafts from the MTP logits [S, V] at each sequence's last committed position, then
+        the layers again over each draft (its normed hidden state [S, M] as input) while more
+        are asked for and pages allow."""
+        drafts = logits.argmax(dim=-1).tolist()
+        for seq, d in zip(seqs, drafts, strict=True):
+            seq.drafts = [d]
+        n_layers = len(self.model.mtp)
+        for depth in range(1, self.tokens):
+            live = [i for i, s in enumerate(seqs) if self.kv.grow_to(s, s.num_computed + depth)]
+            if not live:
+                return
+            group = [seqs[i] for i in live]
+            idx = long_tensor(live)
+            positions = long_tensor([s.num_computed + depth - 1 for s in group])
+            logits, normed = self.model.draft(depth % n_layers, normed.index_select(0, idx),
+                                              long_tensor([s.drafts[-1] for s in group]), self.kv.pool,
+                                              self.kv.tables(group), positions)
+            for seq, d in zip(group, logits.argmax(dim=-1).tolist(), strict=True):
+                seq.drafts.append(d)
+            seqs = group
