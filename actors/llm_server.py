@@ -152,7 +152,8 @@ class LLMServer:
         """The model, its CPU kernels built, its expert-parallel group formed, its kernels warm."""
         ckpt = Path(cfg.checkpoint)
         model = load_model(ckpt, cfg.dtype, progress=_load_progress(ckpt, startup), routed_experts=cfg.ep is None,
-                           device=cfg.device, cpu_weights=cfg.cpu_weights, fp8_weights=cfg.fp8_weights)
+                           device=cfg.device, cpu_weights=cfg.cpu_weights, fp8_weights=cfg.fp8_weights,
+                           mtp=cfg.drafts)
         if model.device.type == "cpu":  # build the decode kernels now, not on the first request
             startup.update("building CPU kernels", force=True)
             cpu_kernels()

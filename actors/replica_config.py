@@ -163,4 +163,10 @@ class ReplicaConfig:
         from cluster.cache_identity import CacheIdentity
 
         return CacheIdentity(self.checkpoint, self.dtype, self.device, self.cpu_weights, self.fp8_weights,
-                             self.cache_secret_file)
+                             self.cache_secret_file, self.drafts)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the replicas load the checkpoint's MTP layers and draft with them (not under
+        expert parallelism: the MTP layer's experts are not on the shards)."""
+        return self.engine.speculative_tokens > 0 and self.ep is None

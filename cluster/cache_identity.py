@@ -9,7 +9,7 @@ from pathlib import Path
 from cachedir.hashing import Namespace, read_secret
 from cluster.request import cache_namespace
 from model.config import load_config
-from model.weights_id import weights_digest, weights_form
+from model.weights_id import stored_mtp_layers, tensor_names, weights_digest, weights_form
 
 __all__ = ["CacheIdentity"]
 
@@ -17,7 +17,8 @@ __all__ = ["CacheIdentity"]
 @dataclass(frozen=True, slots=True)
 class CacheIdentity:
     """The checkpoint, the KV's dtype, how the weights are held (int8 and fp8 weights compute
-    other KV) and the cluster's cache secret (a file, read where the namespace is made: secrets
+    other KV), whether the replicas draft with the checkpoint's MTP layers (their latents ride in
+    the units) and the cluster's cache secret (a file, read where the namespace is made: secrets
     never travel in configs)."""
 
     checkpoint: str
@@ -26,6 +27,7 @@ class CacheIdentity:
     cpu_weights: str = "fp32"
     fp8_weights: str = "auto"
     secret_file: str | None = None
+    speculative: bool = False
 
     def namespace(self, mcfg=None, secret: bytes | None = None) -> Namespace:
         """The cache namespace (``mcfg``: the checkpoint's config, ``secret``: the secret file's
@@ -33,4 +35,6 @@ class CacheIdentity:
         ckpt = Path(self.checkpoint)
         form = weights_form(ckpt, self.device, self.cpu_weights, self.fp8_weights)
         secret = read_secret(self.secret_file) if secret is None else secret
-        return cache_namespace(mcfg or load_config(ckpt), weights_digest(ckpt), self.dtype, secret, form)
+        mcfg = mcfg or load_config(ckpt)
+        drafts = stored_mtp_layers(mcfg, tensor_names(ckpt)) if self.speculative else 0
+        return cache_namespace(mcfg, weights_digest(ckpt), self.dtype, secret, form, drafts)

@@ -106,7 +106,8 @@ class Replica:
         return {"tokens": self.engine.cfg.num_pages * self.engine.cfg.page_size, "page_size": self.engine.cfg.page_size}
 
     def stats(self) -> dict:
-        """Engine counters, queue, KV use, the cache per tier, the directory publisher's backlog."""
+        """Engine counters, queue, KV use, the cache per tier, the directory publisher's backlog,
+        speculative decoding's acceptance."""
         eng = self.engine
         out = {"node_id": self.node_id, "engine": dict(eng.stats), "running": len(eng.running),
                "waiting": len(eng.waiting), "threads": self.loop.threads_used,
@@ -114,6 +115,8 @@ class Replica:
                "cache": self.cache.stats() if self.cache is not None else {}}
         if self.publisher is not None:
             out["directory"] = {"pending": self.publisher.pending, "failures": self.publisher.failures}
+        if eng.spec.enabled:  # MTP drafts verified and accepted, per draft position
+            out["spec_decode"] = eng.spec.stats.as_dict()
         return out
 
     def prompt_ids(self, prompt_ids: list[int] | None, text: str | None) -> list[int]:

@@ -22,14 +22,16 @@ __all__ = ["UNIT_TOKENS", "FinishReason", "cache_namespace", "GenerationRequest"
 
 
 def cache_namespace(mcfg, weights_digest: str, dtype: str | torch.dtype, secret: bytes = b"",
-                    weights: str = "fp32") -> Namespace:
+                    weights: str = "fp32", draft_layers: int = 0) -> Namespace:
     """The cache namespace of a model: units never cross architectures, checkpoints, dtypes,
     weight forms (``model.weights_id.weights_form``: int8 or fp8 weights compute other KV) or KV
     layouts (the ingress computes it too, to look a prompt's units up before routing).
     ``dtype``: the model's dtype or its name ("bfloat16"). ``secret``: the cluster's cache secret
-    (keys the unit hash and authenticates units)."""
+    (keys the unit hash and authenticates units). ``draft_layers``: the MTP layers whose latents
+    the units carry beside the model's (speculative decoding on)."""
     dtype_name = str(dtype).removeprefix("torch.") + ("" if weights == "fp32" else f"+{weights}-weights")
-    return Namespace(mcfg.fingerprint(), weights_digest, dtype_name, mcfg.kv_layout, UNIT_TOKENS, secret=secret)
+    layout = mcfg.kv_layout + (f"+mtp:{draft_layers}" if draft_layers else "")
+    return Namespace(mcfg.fingerprint(), weights_digest, dtype_name, layout, UNIT_TOKENS, secret=secret)
 
 
 class RequestMigrated(RuntimeError):

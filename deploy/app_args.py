@@ -89,6 +89,11 @@ class AppArgs(BaseModel):
     # ... and a decode step takes only as many as keep it within this much longer than the
     # interactive requests' own step (measured): batch work fills spare capacity only
     background_slack: float = Field(default=_ENGINE.background_slack, ge=0)
+    # speculative decoding with the checkpoint's MTP layers, where it has them: drafts per
+    # sequence and step (0: off, the MTP layers are not loaded); a step of more sequences than
+    # speculative_max_batch decodes without drafts (verifying costs more than it saves there)
+    speculative_tokens: int = Field(default=_ENGINE.speculative_tokens, ge=0, le=8)
+    speculative_max_batch: int = Field(default=_ENGINE.speculative_max_batch, ge=0)
     # structured output's JSON: "compact" (separators as json.dumps writes them, no other
     # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
     # structured_outputs.disable_any_whitespace decides for itself
@@ -153,7 +158,9 @@ class AppArgs(BaseModel):
                             prefix_sharing=self.enable_cache and self.prefix_sharing, micro_batches=self.micro_batches,
                             itl_factor=self.itl_factor, itl_floor_ms=self.itl_floor_ms,
                             enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib,
-                            background_share=self.background_share, background_slack=self.background_slack)
+                            background_share=self.background_share, background_slack=self.background_slack,
+                            speculative_tokens=self.speculative_tokens,
+                            speculative_max_batch=self.speculative_max_batch)
 
     def store_section(self, default_dir: str) -> StoreSection:
         """Each node's unit store (under ``default_dir`` unless ``cache_dir`` names one)."""

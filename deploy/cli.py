@@ -155,6 +155,7 @@ def up(
     cpu_threads: int = typer.Option(None, "--cpu-threads", min=1, help="torch threads of each CPU replica (default: the machine's CPUs but one, shared by the replicas; OMP_NUM_THREADS, where set, stands)"),
     cpu_weights: str = typer.Option("fp32", "--cpu-weights", help="fp32 | int8: a CPU replica holds its projections and routed experts as int8 with a scale per 128 columns (a quarter of the bytes a decode step reads; float32 models only)"),
     fp8_weights: str = typer.Option("auto", "--fp8-weights", help="auto | keep | dequantize: an fp8 checkpoint's (DeepSeek-V3/R1 as published) weights stay fp8 on CUDA and run the block-scaled fp8 GEMMs (auto), always (keep), or are dequantized to --dtype at load"),
+    speculative_tokens: int = typer.Option(1, "--speculative-tokens", min=0, max=8, help="drafts per sequence and step from the checkpoint's MTP layers, where it has them (0: off; steps of more than speculative_max_batch sequences, 8 by default, decode without drafts)"),
     insecure: bool = typer.Option(False, "--insecure", help="allow a --host other than loopback without API keys (anyone who reaches it may use the model)"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
@@ -169,7 +170,7 @@ def up(
             "ssd_gb": ssd_gb, "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key),
             "expert_shards": expert_shards, "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches,
             "enforce_eager": enforce_eager, "ep_wire": ep_wire, "device": device, "dtype": dtype, "cpu_weights": cpu_weights,
-            "cpu_threads": cpu_threads, "fp8_weights": fp8_weights}
+            "cpu_threads": cpu_threads, "fp8_weights": fp8_weights, "speculative_tokens": speculative_tokens}
     cli_names = {"api_keys": "api_key"}
     edge = {"host": host, "port": port, "redis_url": redis_url, "num_cpus": num_cpus}
     if config is not None:

@@ -114,6 +114,13 @@ class IngressMetrics:
                                   "expert slots whose weights moved in rebalances since the control started")
         self.ep_imbalance = one(Gauge, "tide:ep_imbalance",
                                 "max over mean shard load of the placement served, on the load measured")
+        # speculative decoding (MTP drafts), vLLM's names: every replica's counts summed
+        self.spec_drafts = one(Counter, "tide:spec_decode_num_drafts", "decode rows that verified drafts")
+        self.spec_draft_tokens = one(Counter, "tide:spec_decode_num_draft_tokens", "draft tokens verified")
+        self.spec_accepted = one(Counter, "tide:spec_decode_num_accepted_tokens", "draft tokens accepted")
+        self.spec_accepted_pos = family(Counter, "tide:spec_decode_num_accepted_tokens_per_pos",
+                                        "draft tokens accepted, by draft position", ["position"])
+        self._spec_seen: dict[str, dict] = {}  # replica -> its last reported counts
         self.gpus = one(Gauge, "tide:gpus", "NVIDIA GPUs a replica's node reports (0: absent)")
         self.gpu_memory_used = family(Gauge, "tide:gpu_memory_used_bytes", "GPU memory used", ["gpu"])
         self.gpu_memory_total = family(Gauge, "tide:gpu_memory_total_bytes", "GPU memory", ["gpu"])
@@ -143,6 +150,26 @@ class IngressMetrics:
             self.num_waiting(*labels).set(stats.get("waiting", 0))
             if "kv_usage" in stats:
                 self.kv_usage(*labels).set(stats["kv_usage"])
+            if "spec_decode" in stats:
+                self._count_spec(name, stats["spec_decode"])
+
+    def _count_spec(self, replica: str, spec: dict) -> None:
+        """A replica's speculative decoding counts (``SpecStats.as_dict``) into the counters: what
+        grew since its last report (all of them after it restarted)."""
+        seen = self._spec_seen.get(replica, {"draft_tokens": [], "accepted_tokens": []})
+        drafted, accepted = spec["draft_tokens"], spec["accepted_tokens"]
+        if any(n < m for n, m in zip(drafted, seen["draft_tokens"], strict=False)):
+            seen = {"draft_tokens": [], "accepted_tokens": []}  # a new engine: it counts from 0
+        grew_d = [n - (seen["draft_tokens"][j] if j < len(seen["draft_tokens"]) else 0) for j, n in enumerate(drafted)]
+        grew_a = [n - (seen["accepted_tokens"][j] if j < len(seen["accepted_tokens"]) else 0)
+                  for j, n in enumerate(accepted)]
+        if grew_d:
+            self.spec_drafts.inc(grew_d[0])
+        self.spec_draft_tokens.inc(sum(grew_d))
+        self.spec_accepted.inc(sum(grew_a))
+        for j, n in enumerate(grew_a):
+            self.spec_accepted_pos(str(j)).inc(n)
+        self._spec_seen[replica] = {"draft_tokens": list(drafted), "accepted_tokens": list(accepted)}
 
     def node_roles(self, alive: list[str], roles: dict[str, str]) -> None:
         """``alive`` node ids; ``roles``: ``TidalState.roles`` (a node without one serves)."""

@@ -34,6 +34,14 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _acceptance(spec: dict | None) -> str:
+    """MTP drafts accepted, per draft position ("-": the replica does not draft)."""
+    if not spec:
+        return "-"
+    return " ".join(f"{a:,}/{d:,} ({a / d:.0%})" if d else "0/0" for a, d in
+                    zip(spec["accepted_tokens"], spec["draft_tokens"], strict=True))
+
+
 def print_report(console, report: dict) -> None:
     """The human form of ``tide status``: one table per section."""
     from rich.table import Table
@@ -47,14 +55,14 @@ def print_report(console, report: dict) -> None:
     console.print(nodes)
 
     replicas = Table(title="replicas", title_justify="left", box=None)
-    for col in ("replica", "node", "pool", "threads", "running", "waiting", "prefill tok", "decode tok"):
+    for col in ("replica", "node", "pool", "threads", "running", "waiting", "prefill tok", "decode tok", "MTP accepted"):
         replicas.add_column(col, justify="right" if col not in ("replica", "node", "pool") else "left")
     for r in report["replicas"]:
         engine = r.get("engine", {})
         name = r.get("actor_name") or r.get("replica_id") or "?"
         replicas.add_row(name.split("#")[-1], str(r.get("node_id", "?"))[:12], r.get("pool", "both"),
                          str(r.get("threads", "?")), str(r.get("running", 0)), str(r.get("waiting", 0)), f"{engine.get('prefill_tokens', 0):,}",
-                         f"{engine.get('decode_tokens', 0):,}")
+                         f"{engine.get('decode_tokens', 0):,}", _acceptance(r.get("spec_decode")))
     console.print(replicas)
 
     cache = Table(title="prompt cache", title_justify="left", box=None)

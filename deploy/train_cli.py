@@ -38,21 +38,33 @@ def train_run(
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1),
     docs_limit: int = typer.Option(None, "--docs-limit", min=1, help="use only the first N docstrings"),
     seed: int = typer.Option(0, "--seed"),
+    mtp_layers: int = typer.Option(1, "--mtp-layers", min=0,
+                                   help="multi-token-prediction layers trained beside the model (the speculative "
+                                        "decoding draft; 0: none)"),
+    mtp_weight: float = typer.Option(0.3, "--mtp-weight", min=0.0, help="the MTP loss's weight beside the main loss"),
+    init_from: Path = typer.Option(None, "--from", help="start from this checkpoint's weights (its config too)"),
+    only_mtp: bool = typer.Option(False, "--only-mtp",
+                                  help="train only the MTP layers: the model's own weights stay as they are"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON line per step"),
 ) -> None:
     """Train on the docstrings of this Python's standard library (offline, English)."""
-    from model.config import named_config
+    import dataclasses
+
+    from model.config import ModelConfig, load_config, named_config
     from model.train import TrainConfig, Trainer, encode_corpus, stdlib_documents
 
     try:
-        cfg = named_config(config)
+        cfg = load_config(init_from) if init_from is not None else named_config(config)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"{cfg.model_type} trains elsewhere: tide train runs the MLA (V2/V3/V3.2) architecture")
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
         train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, min_lr=lr / 10,
-                            checkpoint_every=checkpoint_every, seed=seed)
-    except ValueError as e:
+                            checkpoint_every=checkpoint_every, seed=seed, mtp_weight=mtp_weight, only_mtp=only_mtp)
+    except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
     corpus = encode_corpus(stdlib_documents(limit=docs_limit), seed)
     try:
-        trainer = Trainer(cfg, train, out, corpus)
+        trainer = Trainer(cfg, train, out, corpus, init_from)
     except ValueError as e:  # a run directory that cannot be resumed
         raise TideError(f"--out {str(out)!r}: {e}") from None
     stop = {"now": False}

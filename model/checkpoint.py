@@ -35,7 +35,7 @@ from model.moe import ExpertWeights, Gate, LocalExpertExecutor, MoE
 from model.mtp import MtpLayer, mtp_prefix
 from model.quant import Fp8Weight
 from model.v4.config import V4Config
-from model.weights_id import CheckpointError, fp8_block_size, keeps_fp8
+from model.weights_id import CheckpointError, fp8_block_size, keeps_fp8, stored_mtp_layers
 
 __all__ = [
     "CheckpointError",
@@ -257,16 +257,6 @@ def _stored_shapes(cfg: ModelConfig, where: dict[str, Path]) -> dict[str, tuple[
             del want[name]
     want.update({n: shape for n, shape in _mtp_optional(cfg).items() if n in where})
     return want
-
-
-def stored_mtp_layers(cfg: ModelConfig, where: dict[str, Path] | str | Path) -> int:
-    """How many of the declared MTP layers the checkpoint (a directory, or its tensor names)
-    holds, from the first: those ``load_model(mtp=True)`` loads."""
-    names = _shard_files(Path(where)) if isinstance(where, str | Path) else where
-    for k in range(cfg.num_nextn_predict_layers):
-        if mtp_prefix(cfg, k) + "eh_proj.weight" not in names:
-            return k
-    return cfg.num_nextn_predict_layers
 
 
 def _scales(name: str, q: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None,

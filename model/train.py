@@ -42,6 +42,7 @@ from model.checkpoint import (
 from model.config import ModelConfig
 from model.layers import rms_norm
 from model.model import DeepseekModel
+from model.mtp import mtp_prefix
 from model.tokenizer import ByteTokenizer
 
 __all__ = ["TrainConfig", "Trainer", "encode_corpus", "stdlib_documents"]
@@ -61,6 +62,8 @@ class TrainConfig:
     bias_rate: float = 1e-3
     seed: int = 0
     checkpoint_every: int = 100
+    mtp_weight: float = 0.3  # the MTP layers' mean loss, weighted beside the main loss (DeepSeek-V3's 0.3)
+    only_mtp: bool = False  # train the MTP layers alone: the main model's weights stay as they are
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "checkpoint_every"):
@@ -108,9 +111,15 @@ def encode_corpus(docs: list[tuple[str, str]], seed: int) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: ModelConfig, train: TrainConfig, out: str | Path, corpus: torch.Tensor) -> None:
+    def __init__(self, cfg: ModelConfig, train: TrainConfig, out: str | Path, corpus: torch.Tensor,
+                 init_from: str | Path | None = None) -> None:
+        """``cfg``'s ``num_nextn_predict_layers`` MTP layers train beside the model (each
+        predicting one token further, chained, as DeepSeek-V3 trains them). ``init_from``: start
+        from that checkpoint's weights (MTP layers it lacks start random)."""
         if corpus.numel() < train.seq_len + 2:
             raise ValueError(f"the corpus has {corpus.numel()} tokens; seq_len {train.seq_len} needs more")
+        if train.only_mtp and not cfg.num_nextn_predict_layers:
+            raise ValueError("only_mtp trains the MTP layers, and the config has none")
         self.cfg, self.train, self.out, self.corpus = cfg, train, Path(out), corpus
         self.step = 0
         state_file = self.out / "trainer_state.pt"
@@ -123,6 +132,10 @@ class Trainer:
                 raise ValueError(f"{state_file} holds more than tensors and plain values; refusing to load it "
                                  f"({str(e).splitlines()[0]})") from None
             self.step = state["step"]
+        elif init_from is not None:
+            self.params = random_state_dict(cfg, seed=train.seed)
+            self.params.update(load_state_dict(init_from, cfg))  # fp32 for training; its MTP layers, if any
+            state = None
         else:
             self.params = random_state_dict(cfg, seed=train.seed)
             state = None
@@ -130,7 +143,8 @@ class Trainer:
         # and dense MLPs with gate and up fused, as the serving model holds them; ``hf_state_dict``
         # splits both back into Hugging Face names.
         self.experts = {}
-        for i in range(self.cfg.num_hidden_layers):
+        mtp_layers = self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
+        for i in range(mtp_layers):
             if self.cfg.is_moe_layer(i):
                 p = f"model.layers.{i}.mlp.experts."
                 self.experts[i] = (
@@ -143,7 +157,10 @@ class Trainer:
             self.params[prefix + FUSED] = torch.cat((self.params.pop(name), self.params.pop(prefix + "up_proj.weight")))
         trainable = {k: v for k, v in self.params.items() if not k.endswith("e_score_correction_bias")}
         for i, (gate_up, down) in self.experts.items():
-            trainable[f"experts.{i}.gate_up"], trainable[f"experts.{i}.down"] = gate_up, down
+            trainable[f"model.layers.{i}.experts.gate_up"], trainable[f"model.layers.{i}.experts.down"] = gate_up, down
+        if train.only_mtp:
+            drafts = tuple(mtp_prefix(self.cfg, k) for k in range(self.cfg.num_nextn_predict_layers))
+            trainable = {k: v for k, v in trainable.items() if k.startswith(drafts)}
         for t in trainable.values():
             t.requires_grad_(True)
         decay = [t for k, t in trainable.items() if t.dim() >= 2]
@@ -158,8 +175,8 @@ class Trainer:
             self.rng.set_state(state["rng"])
         self.model = build_model(self.cfg, self.params, impl="ref")  # computes with these very tensors
         self._expert_load: dict[int, torch.Tensor] = {}
-        for moe in self.model.moe_layers():
-            moe.executor = self._experts
+        self.model.set_expert_executor(self._experts)
+        self.last_mtp_loss: float | None = None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor under its Hugging Face name (experts split out of their stacks)."""
@@ -188,26 +205,45 @@ class Trainer:
         return ref_moe_routed(x, ids, weights, gate_up, down)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy over ``batch`` [B, T+1]: projections, MLPs and experts
-        run on all B*T tokens at once, attention per sequence."""
+        """Mean next-token cross entropy over ``batch`` [B, T+1], plus ``mtp_weight`` times the
+        MTP layers' mean loss: projections, MLPs and experts run on all B*T tokens at once,
+        attention per sequence. With ``only_mtp`` the model's own pass records no gradient."""
         model: DeepseekModel = self.model
+        eps = self.cfg.rms_norm_eps
         b, t = batch.shape[0], batch.shape[1] - 1
-        cos, sin = model.rope.cos_sin(torch.arange(t), torch.float32)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.train.only_mtp):
+            h = self.params["model.embed_tokens.weight"][batch[:, :-1].reshape(-1)]  # [B*T, M]
+            for layer in model.layers:
+                h = self._layer(layer, h, b, t)
+            normed = rms_norm(h, model.norm, eps)
+            main = F.cross_entropy(F.linear(normed, model.lm_head), batch[:, 1:].reshape(-1))
+        if not model.mtp:
+            return main
+        losses = []
+        for k, mtp in enumerate(model.mtp):  # layer k: position i reads token i+k+1, predicts i+k+2
+            t_k = t - k - 1
+            prev = normed.view(b, -1, normed.shape[-1])[:, :t_k].reshape(-1, normed.shape[-1])
+            x = mtp.inputs(prev, batch[:, k + 1 : k + 1 + t_k].reshape(-1), eps)
+            normed = rms_norm(self._layer(mtp.layer, x, b, t_k), mtp.head_norm, eps)
+            losses.append(F.cross_entropy(F.linear(normed, mtp.lm_head), batch[:, k + 2 : k + 2 + t_k].reshape(-1)))
+        mtp_loss = torch.stack(losses).mean()
+        self.last_mtp_loss = mtp_loss.item()
+        return mtp_loss if self.train.only_mtp else main + self.train.mtp_weight * mtp_loss
+
+    def _layer(self, layer, h: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        """One decoder layer over B sequences of T tokens each (``h`` [B*T, M]), causal."""
+        cos, sin = self.model.rope.cos_sin(torch.arange(t), torch.float32)
         cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)  # [B*T, P/2]
-        h = self.params["model.embed_tokens.weight"][batch[:, :-1].reshape(-1)]  # [B*T, M]
-        for layer in model.layers:
-            x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
-            q_nope, q_rope, latent, _ = layer.attn.project(x, cos, sin)
-            o = torch.cat([
-                layer.attn.attend_naive(q_nope[i * t : (i + 1) * t], q_rope[i * t : (i + 1) * t],
-                                        latent[i * t : (i + 1) * t], 0)
-                for i in range(b)
-            ])  # [B*T, H, V]
-            h = h + layer.attn.output(o)
-            x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
-            h = h + layer.mlp(x)  # MoE layers route to ``_experts`` (set as their executor)
-        logits = F.linear(rms_norm(h, model.norm, self.cfg.rms_norm_eps), model.lm_head)  # [B*T, V]
-        return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
+        x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+        q_nope, q_rope, latent, _ = layer.attn.project(x, cos, sin)
+        o = torch.cat([
+            layer.attn.attend_naive(q_nope[i * t : (i + 1) * t], q_rope[i * t : (i + 1) * t],
+                                    latent[i * t : (i + 1) * t], 0)
+            for i in range(b)
+        ])  # [B*T, H, V]
+        h = h + layer.attn.output(o)
+        x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
+        return h + layer.mlp(x)  # MoE layers route to ``_experts`` (set as their executor)
 
     # -- the loop -------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -248,6 +284,8 @@ class Trainer:
             self.step += 1
             row = {"step": self.step, "loss": round(loss.item(), 4), "lr": self.lr_at(self.step - 1),
                    "tokens_per_s": round(self.step_tokens() / max(1e-9, time.monotonic() - t0), 1)}
+            if self.last_mtp_loss is not None:
+                row["mtp_loss"] = round(self.last_mtp_loss, 4)
             t0 = time.monotonic()
             report(row)
             if self.step % self.train.checkpoint_every == 0:
@@ -261,6 +299,8 @@ class Trainer:
     def _balance_experts(self) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
         for layer_idx, load in self._expert_load.items():
+            if self.train.only_mtp and layer_idx < self.cfg.num_hidden_layers:
+                continue  # the model's own routing stays as it is
             bias = self.params.get(f"model.layers.{layer_idx}.mlp.gate.e_score_correction_bias")
             if bias is not None:
                 bias.add_(self.train.bias_rate * torch.sign(load.mean() - load))

@@ -16,8 +16,8 @@ from kernels import triton_interpreted
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_WEIGHTS", "CheckpointError", "file_sha256", "fp8_block_size", "keeps_fp8", "weights_digest",
-           "weights_form"]
+__all__ = ["FP8_WEIGHTS", "CheckpointError", "file_sha256", "fp8_block_size", "keeps_fp8", "stored_mtp_layers",
+           "tensor_names", "weights_digest", "weights_form"]
 
 # What ``load_model`` does with an fp8 checkpoint's weights: "auto" keeps them as stored
 # on CUDA and dequantizes them elsewhere; "keep" always keeps them (off CUDA only under Triton's
@@ -43,6 +43,31 @@ def fp8_block_size(ckpt_dir: str | Path) -> tuple[int, int] | None:
     if len(block) != 2 or min(block) < 1:
         raise CheckpointError(f"quantization_config.weight_block_size {block!r} is not two positive sizes")
     return int(block[0]), int(block[1])
+
+
+def tensor_names(ckpt_dir: str | Path) -> set[str]:
+    """The tensors a checkpoint stores (its index's, or its one file's header): nothing is read
+    but names."""
+    ckpt = Path(ckpt_dir)
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    with open(ckpt / "model.safetensors", "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return set(json.loads(f.read(size))) - {"__metadata__"}
+
+
+def stored_mtp_layers(cfg, names: set[str] | dict) -> int:
+    """How many of the MTP layers ``cfg`` declares the checkpoint's tensor ``names`` hold, from
+    the first (published conversions often drop them and keep the config): those
+    ``load_model(mtp=True)`` loads, whose latents cache units carry."""
+    declared = getattr(cfg, "num_nextn_predict_layers", 0)  # V4's are not loaded yet
+    if not hasattr(cfg, "kv_lora_rank"):
+        return 0
+    for k in range(declared):
+        if f"model.layers.{cfg.num_hidden_layers + k}.eh_proj.weight" not in names:
+            return k
+    return declared
 
 
 def keeps_fp8(ckpt_dir: str | Path, device: str | torch.device, fp8_weights: str = "auto") -> bool:
