@@ -268,24 +268,24 @@ class Engine:
         start, n_new = seq.num_computed, end - seq.num_computed
         self.kv.prepare(seq, end)
         ids, table = long_tensor(seq.ids(start, end)), self.kv.table(seq)
-        drafting = self.spec.enabled
+        drafting = {"hidden": True} if self.spec.enabled else {}  # the MTP layers read the hidden states
         done = _Pass(None, None, None, None, None)
         with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s, len(batch) if batch else 0)):
             if batch:
                 done.rows = rows = self._decode_rows(batch, spec)
                 out = self.model.mixed(ids, table, start, rows.tokens, rows.tables, rows.positions, self.kv.pool,
-                                       micro_batches=self.cfg.micro_batches, hidden=drafting)
+                                       micro_batches=self.cfg.micro_batches, **drafting)
                 done.logits, done.decode_logits = out[:2]
                 if drafting:
                     done.hidden, done.decode_hidden = out[2:]
                 self.stats["mixed_steps"] += 1
             elif seq.prompt_logprobs is not None:
-                every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True, hidden=drafting)
+                every = self.model.prefill(ids, self.kv.pool, table, start=start, all_logits=True, **drafting)
                 every, done.hidden = every if drafting else (every, None)  # [T, V]
                 self._score_prompt(seq, start, end, every)
                 done.logits = every[-1]
             else:
-                out = self.model.prefill(ids, self.kv.pool, table, start=start, hidden=drafting)
+                out = self.model.prefill(ids, self.kv.pool, table, start=start, **drafting)
                 done.logits, done.hidden = out if drafting else (out, None)
             if done.hidden is not None:
                 self._draft_prompt(seq, start, end, done.hidden, table)
@@ -442,7 +442,7 @@ class Engine:
                     logits = self.fixed_decode(rows.tokens, rows.tables, rows.positions)
                 else:
                     logits = self.model.decode(rows.tokens, self.kv.pool, rows.tables, rows.positions,
-                                               micro_batches=self.cfg.micro_batches, hidden=spec)
+                                               micro_batches=self.cfg.micro_batches, **({"hidden": True} if spec else {}))
                     logits, hidden = logits if spec else (logits, None)
         taken = self._sample_rows(batch, logits, rows.first, outputs)
         self.stats["decode_tokens"] += sum(taken)

@@ -44,10 +44,10 @@ class EngineConfig:
     # ... and a decode step takes only as many of them as keep it within this much longer than the
     # interactive rows' own step (measured): batch work uses the spare capacity, not the latency
     background_slack: float = 0.05
-    # speculative decoding with the checkpoint's MTP layers (when it has them and they are loaded):
-    # drafts verified per sequence and step (0: off); a step of more sequences than
-    # speculative_max_batch decodes without drafts, where verifying costs more than it saves
-    speculative_tokens: int = 1
+    # speculative decoding with the checkpoint's MTP layers (when they are loaded): drafts verified
+    # per sequence and step (0: off); a step of more sequences than speculative_max_batch decodes
+    # without drafts, where verifying costs more than it saves
+    speculative_tokens: int = 0
     speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:

@@ -90,9 +90,10 @@ class AppArgs(BaseModel):
     # interactive requests' own step (measured): batch work fills spare capacity only
     background_slack: float = Field(default=_ENGINE.background_slack, ge=0)
     # speculative decoding with the checkpoint's MTP layers, where it has them: drafts per
-    # sequence and step (0: off, the MTP layers are not loaded); a step of more sequences than
-    # speculative_max_batch decodes without drafts (verifying costs more than it saves there)
-    speculative_tokens: int = Field(default=_ENGINE.speculative_tokens, ge=0, le=8)
+    # sequence and step (0: off, the MTP layers are not loaded). None: 1 on CUDA, 0 on the CPU,
+    # where verifying a draft costs about what decoding its token does (tide bench model --mtp-only);
+    # a step of more sequences than speculative_max_batch decodes without drafts
+    speculative_tokens: int | None = Field(default=None, ge=0, le=8)
     speculative_max_batch: int = Field(default=_ENGINE.speculative_max_batch, ge=0)
     # structured output's JSON: "compact" (separators as json.dumps writes them, no other
     # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
@@ -159,8 +160,15 @@ class AppArgs(BaseModel):
                             itl_factor=self.itl_factor, itl_floor_ms=self.itl_floor_ms,
                             enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib,
                             background_share=self.background_share, background_slack=self.background_slack,
-                            speculative_tokens=self.speculative_tokens,
+                            speculative_tokens=self.drafts_per_step,
                             speculative_max_batch=self.speculative_max_batch)
+
+    @property
+    def drafts_per_step(self) -> int:
+        """``speculative_tokens``, or where unset what pays on the device: 1 on CUDA, 0 on the CPU."""
+        if self.speculative_tokens is not None:
+            return self.speculative_tokens
+        return 1 if self.device == "cuda" else 0
 
     def store_section(self, default_dir: str) -> StoreSection:
         """Each node's unit store (under ``default_dir`` unless ``cache_dir`` names one)."""

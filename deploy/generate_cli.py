@@ -13,13 +13,13 @@ from deploy.options import check_checkpoint, check_device, check_dtype
 __all__ = ["generate"]
 
 
-def _load_with_progress(ckpt: Path, dtype: str, load_model, device: str = "cpu"):
+def _load_with_progress(ckpt: Path, dtype: str, load_model, device: str = "cpu", mtp: bool = False):
     """Load a checkpoint showing its progress (shards, bytes, ETA) on stderr when that is a
     terminal (the bar disappears when done)."""
     from deploy.term import progress
 
     with progress(f"loading {ckpt}", None) as bar:
-        return load_model(ckpt, dtype, device=device, progress=lambda p: bar.update(
+        return load_model(ckpt, dtype, device=device, mtp=mtp, progress=lambda p: bar.update(
             p.bytes, p.total_bytes, f"loading {ckpt}: shard {min(p.shards + 1, p.total_shards)}/{p.total_shards}"))
 
 
@@ -66,6 +66,10 @@ def generate(
     json_object: bool = typer.Option(False, "--json-object", help="JSON mode: the output is one JSON object"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (the Triton kernels run on CUDA)"),
+    speculative_tokens: int = typer.Option(None, "--speculative-tokens", min=0, max=8,
+                                           help="drafts per step from the checkpoint's MTP layers, where it has them "
+                                                "(0: off; default: 1 with --device cuda, 0 on the CPU); the output "
+                                                "is the same either way"),
     as_json: bool = typer.Option(False, "--json", help="print {token_ids, text} as JSON"),
 ) -> None:
     """Run the model through the engine in-process (no Ray, no cache) and print the text."""
@@ -92,8 +96,10 @@ def generate(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     ckpt = checkpoint or default_checkpoint()
+    if speculative_tokens is None:  # where drafting pays (tide bench model --mtp-only)
+        speculative_tokens = 1 if device == "cuda" else 0
     try:
-        model = _load_with_progress(ckpt, dtype, load_model, device)
+        model = _load_with_progress(ckpt, dtype, load_model, device, mtp=speculative_tokens > 0)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: cannot load {ckpt}: {e}", err=True)
         raise typer.Exit(2) from None
@@ -108,9 +114,10 @@ def generate(
     bad = [t for t, _ in bias if t >= model.cfg.vocab_size]
     if bad:
         raise typer.BadParameter(f"--logit-bias token id {bad[0]} is outside the vocabulary [0, {model.cfg.vocab_size})")
-    pages = -(-(len(ids) + max_tokens + 1) // 16)
+    pages = -(-(len(ids) + max_tokens + speculative_tokens + 1) // 16)
     ns = Namespace(model.cfg.fingerprint(), "cli", dtype, "latent", 64)
-    engine = Engine(model, EngineConfig(num_pages=pages), ns, tok.decode, model.cfg.eos_token_id,
+    engine = Engine(model, EngineConfig(num_pages=pages, speculative_tokens=speculative_tokens), ns, tok.decode,
+                    model.cfg.eos_token_id,
                     grammar_vocab=tok.grammar_vocab)
     try:
         engine.add_request(GenerationRequest("cli", tuple(ids), max_tokens, params,

@@ -20,6 +20,9 @@ def bench_model(
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers comparison"),
     no_int8: bool = typer.Option(False, "--no-int8", help="skip the int8-weights cases"),
     family: str = typer.Option("v3", "--family", help="without --checkpoint: the bench config of v3, v3.2 or v4"),
+    mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="with a checkpoint that has MTP layers: decode tokens/s through the engine with and without their drafts (batch 1/8/32) and the acceptance"),
+    mtp_only: bool = typer.Option(False, "--mtp-only", help="only the MTP section"),
+    mtp_tokens: int = typer.Option(64, "--mtp-tokens", min=8, help="tokens each request decodes in the MTP section"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Prefill (2,048-token prompt) and decode (batch 1/8/32, 256-token context) tokens/s,
@@ -27,12 +30,24 @@ def bench_model(
     the same checkpoint and threads when it is installed; medians with their range. ``int8``:
     the same with the weights held in int8 (--cpu-weights int8), its speedups over fp32 and the
     bytes of the weights (MLA families). ``kv``: the KV's bytes per token in a replica, per cache
-    unit, and what a 4K prefix hit loads."""
+    unit, and what a 4K prefix hit loads. ``mtp`` (a checkpoint with MTP layers, e.g. the
+    default model's, model/weights/tiny): engine decode tokens/s with and without speculative
+    decoding, their speedup and the drafts' acceptance per position."""
     from deploy.bench.model_bench import run_model_bench
+    from deploy.bench.mtp_bench import mtp_decode_bench
 
     check_checkpoint(checkpoint)
-    emit(run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf, with_int8=not no_int8,
-                          family=family_name(family)))
+    if mtp_only:
+        from model.default import default_checkpoint
+
+        ckpt = checkpoint or default_checkpoint()
+        emit({"checkpoint": str(ckpt), "mtp": mtp_decode_bench(ckpt, tokens=mtp_tokens, repeats=repeats)})
+        return
+    result = run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf, with_int8=not no_int8,
+                             family=family_name(family))
+    if mtp and checkpoint is not None:
+        result["mtp"] = mtp_decode_bench(checkpoint, tokens=mtp_tokens, repeats=repeats)
+    emit(result)
 
 
 def bench_engine(

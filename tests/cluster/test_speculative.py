@@ -33,7 +33,8 @@ def model():
 def _engine(model, cache=None, **kw):
     tok = ByteTokenizer()
     ns = Namespace(model.cfg.fingerprint(), "test", "float32", "latent+mtp", 64)
-    return Engine(model, EngineConfig(**{"num_pages": 256, "itl_factor": 0.0, **kw}), ns, tok.decode, None, cache,
+    return Engine(model, EngineConfig(**{"num_pages": 256, "itl_factor": 0.0, "speculative_tokens": 1, **kw}), ns,
+                  tok.decode, None, cache,
                   grammar_vocab=tok.grammar_vocab)
 
 

@@ -390,15 +390,21 @@ def _replica_pids(state: dict) -> list[int]:
 def test_a_batch_finishes_after_a_replica_is_killed_and_after_down_and_up(tmp_path, fresh_home):
     """The official client submits a batch to `tide up`; its replica is killed mid-run, then the
     whole cluster goes down and up again: every line is answered once, as it is interactively,
-    and `tide batch` shows it."""
+    and `tide batch` shows it. The replicas draft with the default model's MTP layer: the
+    answers are the model's own greedy tokens, and the drafts' acceptance is in the metrics."""
     import signal
     import time
 
     import openai
 
+    from model.checkpoint import load_model
+    from model.default import default_checkpoint
+    from model.generate import generate
+    from model.tokenizer import ByteTokenizer
+
     port = free_port()
     config = tmp_path / "tide.yaml"  # one long line at a time: the batch is still running when it is hit
-    config.write_text(f"port: {port}\nlimits: {{batch_concurrency: 1}}\n")
+    config.write_text(f"port: {port}\nspeculative_tokens: 1\nlimits: {{batch_concurrency: 1}}\n")
     n = 24
     bodies = [{"model": "tiny", "messages": [{"role": "user", "content": f"Count to {i}, slowly."}],
                "max_tokens": 128, "temperature": 0, "ignore_eos": True} for i in range(n)]
@@ -456,10 +462,17 @@ def test_a_batch_finishes_after_a_replica_is_killed_and_after_down_and_up(tmp_pa
         assert (batch.request_counts.completed, batch.request_counts.failed) == (n, 0) and batch.error_file_id is None
         lines = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
         assert [x["custom_id"] for x in lines] == [f"l{i}" for i in range(n)]  # each once, in input order
+        model, tok = load_model(default_checkpoint()), ByteTokenizer()
         for line, body in list(zip(lines, bodies, strict=True))[::6]:
             alone = client.chat.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
                                                    extra_body={"ignore_eos": True})
             assert line["response"]["body"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+            ids = generate(model, tok.apply_chat_template(body["messages"]), 128, eos_id=None)  # no drafts
+            assert alone.choices[0].message.content == tok.decode(ids)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        accepted = [float(x.split()[-1]) for x in metrics.splitlines()
+                    if x.startswith("tide:spec_decode_num_accepted_tokens_total")]
+        assert accepted and accepted[0] > 0, metrics[-3000:]
         show = _tide("batch", "show", bid, "--json", home=tmp_path, fresh_home=fresh_home)
         assert show.returncode == 0 and json.loads(show.stdout)["status"] == "completed", show.stderr[-2000:]
         ended = _tide("batch", "cancel", bid, home=tmp_path, fresh_home=fresh_home)
