@@ -106,8 +106,13 @@ class Engine:
         self.constraints = Constraints(grammar_vocab, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
         self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens)
-        self.fixed_decode = self._fixed_decode()
         self.spec = Speculator(model, self.kv, cfg.speculative_tokens, cfg.speculative_max_batch)
+        self.fixed_decode = self._fixed_decode(cfg.max_num_seqs)
+        # a drafting step's verify pass and MTP pass, of fixed shapes too (up to k + 1 rows a sequence)
+        rows = min(cfg.max_num_seqs, cfg.speculative_max_batch) * (self.spec.tokens + 1)
+        self.fixed_verify = self._fixed_decode(rows, hidden=True) if self.spec.enabled else None
+        if self.fixed_verify is not None:
+            self.spec.fixed_draft = self._fixed_decode(rows, draft_layer=0)
         self.idle = False  # the last step found nothing it could do yet
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
@@ -409,17 +414,18 @@ class Engine:
         seq.first_token_s = time.monotonic()
         return True
 
-    def _fixed_decode(self) -> FixedShapeDecode | None:
-        """CUDA graphs of the decode step, one per batch bucket, where they can replay it: a CUDA
-        model with a paged attention kernel, its experts in this process, one micro-batch."""
+    def _fixed_decode(self, rows: int, **kind) -> FixedShapeDecode | None:
+        """CUDA graphs of the decode step (or ``kind``: a verify or MTP step), one per bucket of
+        up to ``rows`` rows, where they can replay it: a CUDA model with a paged attention
+        kernel, its experts in this process, one micro-batch."""
         m = self.model
         if self.cfg.enforce_eager or not isinstance(m, DeepseekModel) or m.device.type != "cuda" \
                 or self.cfg.micro_batches != 1 \
                 or m.paged_kernel is None \
                 or not all(isinstance(moe.executor, LocalExpertExecutor) for moe in m.moe_layers()):
             return None
-        return FixedShapeDecode(m, self.kv.pool, self.kv.scratch_page, self.kv.max_pages,
-                                buckets_up_to(self.cfg.max_num_seqs), capture=True)
+        return FixedShapeDecode(m, self.kv.pool, self.kv.scratch_page, self.kv.max_pages, buckets_up_to(rows),
+                                capture=True, **kind)
 
     def _decode_rows(self, batch: list[Sequence], spec: bool) -> VerifyRows:
         """A decode pass's rows: block tables [R, W] (gathered rows), tokens [R], positions [R];
@@ -440,6 +446,8 @@ class Engine:
             with self.timer.timed(lambda s: self.scheduler.observe_decode(s, len(batch))):
                 if self.fixed_decode is not None and not spec:
                     logits = self.fixed_decode(rows.tokens, rows.tables, rows.positions)
+                elif self.fixed_verify is not None and spec:
+                    logits, hidden = self.fixed_verify(rows.tokens, rows.tables, rows.positions)
                 else:
                     logits = self.model.decode(rows.tokens, self.kv.pool, rows.tables, rows.positions,
                                                micro_batches=self.cfg.micro_batches, **({"hidden": True} if spec else {}))

@@ -61,6 +61,14 @@ class Speculator:
         self.tokens = tokens if getattr(model, "mtp", None) else 0
         self.max_batch = max_batch
         self.stats = SpecStats([0] * self.tokens, [0] * self.tokens)
+        self.fixed_draft = None  # MTP layer 0's pass of fixed shape (model.fixed_decode), on CUDA
+
+    def _draft(self, layer: int, hidden: torch.Tensor, next_ids: torch.Tensor, tables: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model.draft`` over these rows (replaying a captured step where there is one)."""
+        if layer == 0 and self.fixed_draft is not None:
+            return self.fixed_draft(next_ids, tables, positions, hidden)
+        return self.model.draft(layer, hidden, next_ids, self.kv.pool, tables, positions)
 
     @property
     def enabled(self) -> bool:
@@ -116,8 +124,8 @@ class Speculator:
             counts.append(n)
         tables = self.kv.tables(seqs).repeat_interleave(long_tensor(counts), dim=0)
         flat = long_tensor([i for r in rows for i in r])
-        logits, normed = self.model.draft(0, hidden.index_select(0, flat.to(hidden.device)), long_tensor(ids),
-                                          self.kv.pool, tables, long_tensor(positions))
+        logits, normed = self._draft(0, hidden.index_select(0, flat.to(hidden.device)), long_tensor(ids), tables,
+                                     long_tensor(positions))
         last = long_tensor([sum(counts[: i + 1]) - 1 for i in range(len(seqs))])
         self._chain(seqs, logits[last], normed[last])
 
@@ -125,8 +133,7 @@ class Speculator:
         """``seq``'s first drafts, after its prompt: the MTP layers at the prompt's last
         position (``hidden`` [M]) with the first output token as input."""
         pos = long_tensor([seq.num_computed - 1])
-        logits, normed = self.model.draft(0, hidden[None], long_tensor([seq.output_ids[-1]]), self.kv.pool,
-                                          self.kv.tables([seq]), pos)
+        logits, normed = self._draft(0, hidden[None], long_tensor([seq.output_ids[-1]]), self.kv.tables([seq]), pos)
         self._chain([seq], logits, normed)
 
     def _chain(self, seqs: list[Sequence], logits: torch.Tensor, normed: torch.Tensor) -> None:
@@ -144,9 +151,8 @@ class Speculator:
             group = [seqs[i] for i in live]
             idx = long_tensor(live)
             positions = long_tensor([s.num_computed + depth - 1 for s in group])
-            logits, normed = self.model.draft(depth % n_layers, normed.index_select(0, idx),
-                                              long_tensor([s.drafts[-1] for s in group]), self.kv.pool,
-                                              self.kv.tables(group), positions)
+            logits, normed = self._draft(depth % n_layers, normed.index_select(0, idx.to(normed.device)),
+                                         long_tensor([s.drafts[-1] for s in group]), self.kv.tables(group), positions)
             for seq, d in zip(group, logits.argmax(dim=-1).tolist(), strict=True):
                 seq.drafts.append(d)
             seqs = group

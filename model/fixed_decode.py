@@ -15,6 +15,11 @@ between, which at small batches is most of a decode step's time. A capture that 
 that reads a value back to the host) leaves that bucket eager, with a warning: outputs never
 depend on whether a step was captured. Without CUDA the same step runs eagerly (on a float32
 CPU model as one C++ call: ``model.cpu_step``).
+
+Speculative decoding's steps take the same shape: a verify step is a decode step whose rows are
+each sequence's last token and drafts, returning the rows' hidden states beside their logits
+(``hidden``); a draft step is an MTP layer's pass (``draft_layer``), whose rows carry a hidden
+state as input too.
 """
 
 from __future__ import annotations
@@ -49,10 +54,14 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 class FixedShapeDecode:
     def __init__(self, model: DeepseekModel, pool: LatentKVPool, scratch_page: int, max_pages: int,
-                 buckets: list[int], capture: bool = False) -> None:
+                 buckets: list[int], capture: bool = False, hidden: bool = False,
+                 draft_layer: int | None = None) -> None:
         """``scratch_page``: a page of ``pool`` that no sequence holds (padding rows write there);
         ``max_pages``: the block-table width, at least any sequence's pages; ``buckets``: the
-        batch sizes (ascending); ``capture``: capture a CUDA graph per bucket (CUDA only)."""
+        batch sizes (ascending); ``capture``: capture a CUDA graph per bucket (CUDA only);
+        ``hidden``: the step returns (logits, the rows' normed hidden states), as
+        ``decode(hidden=True)``; ``draft_layer``: the step is that MTP layer's ``draft`` (it
+        returns both too)."""
         if model.paged_kernel is None:
             raise ValueError("fixed-shape decode needs a paged attention kernel (impl 'triton', or a float32 CPU "
                              "model with the CPU kernels built)")
@@ -62,7 +71,10 @@ class FixedShapeDecode:
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
         if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
             raise ValueError(f"buckets must be ascending positive batch sizes, got {buckets}")
+        if draft_layer is not None and not 0 <= draft_layer < len(model.mtp):
+            raise ValueError(f"the model has {len(model.mtp)} MTP layers, not a layer {draft_layer}")
         self.model, self.pool, self.scratch_page = model, pool, scratch_page
+        self.hidden, self.draft_layer = hidden or draft_layer is not None, draft_layer
         self.buckets = list(buckets)
         self.width = max_pages
         self.max_len = max_pages * pool.page_size
@@ -70,6 +82,8 @@ class FixedShapeDecode:
         self.tokens = torch.zeros(k, dtype=torch.long, device=dev)
         self.positions = torch.zeros(k, dtype=torch.long, device=dev)
         self.tables = torch.full((k, max_pages), scratch_page, dtype=torch.long, device=dev)
+        self.hidden_in = torch.zeros(k, model.cfg.hidden_size, dtype=model.dtype, device=dev) \
+            if draft_layer is not None else None
         # the RoPE table must hold every position before a graph captures its address
         model.rope.cos_sin(self.positions[:1], model.dtype, top=self.max_len)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -88,9 +102,12 @@ class FixedShapeDecode:
         return sorted(self._graphs)
 
     @torch.inference_mode()
-    def __call__(self, token_ids: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, token_ids: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+                 hidden_in: torch.Tensor | None = None):
         """``model.decode``'s contract (token_ids [B], block_tables [B, W <= X], positions [B];
-        writes the new latents) -> fp32 logits [B, V], valid until the next step."""
+        writes the new latents) -> fp32 logits [B, V], valid until the next step; with
+        ``hidden`` (logits, normed hidden states [B, M]). A draft step: ``model.draft``'s, its
+        ``hidden_in`` [B, M] the rows' input hidden states, ``token_ids`` the next tokens."""
         b, w = block_tables.shape
         if w > self.width:
             raise ValueError(f"block tables of {w} pages are wider than this step's {self.width}")
@@ -98,22 +115,31 @@ class FixedShapeDecode:
         self.tokens[:b].copy_(token_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.tables[:b, :w].copy_(block_tables, non_blocking=True)
+        if self.hidden_in is not None:
+            self.hidden_in[:b].copy_(hidden_in, non_blocking=True)
         self._pad(b, k)
         graph = self._graphs.get(k)
-        if graph is None:
-            return self._step(k)[:b]
-        graph[0].replay()
-        return graph[1][:b]
+        out = self._step(k) if graph is None else graph[1]
+        if graph is not None:
+            graph[0].replay()
+        return tuple(t[:b] for t in out) if self.hidden else out[:b]
 
     def _pad(self, lo: int, hi: int) -> None:
         """Rows ``lo:hi`` decode token 0 at position 0 of the scratch page."""
         self.tokens[lo:hi] = 0
         self.positions[lo:hi] = 0
         self.tables[lo:hi, 0] = self.scratch_page
+        if self.hidden_in is not None:
+            self.hidden_in[lo:hi] = 0
 
-    def _step(self, k: int) -> torch.Tensor:
-        """The decode step of the first ``k`` rows of the buffers -> logits [k, V]."""
-        return self.model.decode(self.tokens[:k], self.pool, self.tables[:k], self.positions[:k], max_len=self.max_len)
+    def _step(self, k: int):
+        """The step of the first ``k`` rows of the buffers -> logits [k, V] (with ``hidden``: and
+        their normed hidden states [k, M])."""
+        if self.draft_layer is not None:
+            return self.model.draft(self.draft_layer, self.hidden_in[:k], self.tokens[:k], self.pool, self.tables[:k],
+                                    self.positions[:k], max_len=self.max_len)
+        return self.model.decode(self.tokens[:k], self.pool, self.tables[:k], self.positions[:k], max_len=self.max_len,
+                                 **({"hidden": True} if self.hidden else {}))
 
     def capture(self) -> None:
         """Capture every bucket's step as a CUDA graph, the largest first (the smaller ones reuse

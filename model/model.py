@@ -228,14 +228,15 @@ class DeepseekModel:
 
     @torch.inference_mode()
     def draft(self, k: int, hidden: torch.Tensor, next_ids: torch.Tensor, pool: LatentKVPool,
-              block_tables: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              block_tables: torch.Tensor, positions: torch.Tensor,
+              max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer ``k`` over B rows, each a position of a sequence (rows may be one sequence's
         consecutive positions): ``hidden`` [B, M] the hidden state there (``decode(hidden=True)``'s
         or layer k-1's), ``next_ids`` [B] the token after it. Writes the layer's latents at those
         positions; returns (fp32 logits [B, V] of the token after next, the normed hidden states
-        [B, M] that layer k+1 reads)."""
+        [B, M] that layer k+1 reads). ``max_len``: as ``decode``'s."""
         mtp, eps = self.mtp[k], self.cfg.rms_norm_eps
-        batch = _DecodeBatch.build(self, next_ids, block_tables, positions, pool.page_size, "absorbed")
+        batch = _DecodeBatch.build(self, next_ids, block_tables, positions, pool.page_size, "absorbed", max_len)
         batch.h = mtp.inputs(hidden, next_ids, eps)
         step = self._mtp_cpu_step(k, batch.h.shape[0])
         if step is not None and batch.paged == "cpu":

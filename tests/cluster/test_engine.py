@@ -904,25 +904,29 @@ def _alone(model, req: GenerationRequest) -> list:
     return solo.run_to_completion()[req.request_id]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token(model, tmp_path, seed, monkeypatch):
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
+def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token(model, mtp_model, tmp_path, seed,
+                                                                                monkeypatch):
     """Everything at once, as traffic brings it: requests arrive at random steps, share two
     system prompts or repeat a whole prompt (pages shared in the pool, units from the node's
     cache), greedy beside seeded sampling, a pool too small for all of them (preemption and
     recomputation), chunks sized by itl_factor with decode tokens riding in their passes (one
     or two micro-batches), penalties and logit biases, stop strings, and two requests aborted
     midway; with seeds 2 and 3 decode passes of their own run the fixed-shape step a CUDA engine
-    captures as graphs (padded to a bucket, the block tables as wide as the pool). Every request that ran to its end has the tokens, text and finish reason it has in
-    an engine of its own (a plain greedy one the model's ``generate``); an aborted one a prefix
-    of them; the pages add up every step."""
+    captures as graphs (padded to a bucket, the block tables as wide as the pool). With seeds 4
+    and 5 a model with an MTP layer drafts (two drafts a step; with 5 the verify and MTP steps
+    of fixed shape). Every request that ran to its end has the tokens, text and finish reason
+    it has in an engine of its own (a plain greedy one the model's ``generate``); an aborted one
+    a prefix of them; the pages add up every step."""
     rng = random.Random(seed)
+    model = mtp_model if seed >= 4 else model
     clocked = _Clocked(model, decode_s=0.02, row_s=0.002)
     tok = ByteTokenizer()
-    cfg = EngineConfig(num_pages=32, max_num_seqs=5, max_prefill_tokens=64, itl_factor=2.0,
-                       micro_batches=2 if seed == 1 else 1)
-    if seed >= 2:  # as on CUDA, but eager: the steps a graph would replay
-        monkeypatch.setattr(Engine, "_fixed_decode", lambda e: FixedShapeDecode(
-            e.model, e.kv.pool, e.kv.scratch_page, e.kv.max_pages, buckets_up_to(e.cfg.max_num_seqs)))
+    cfg = EngineConfig(num_pages=32 if seed < 4 else 20, max_num_seqs=5, max_prefill_tokens=64, itl_factor=2.0,
+                       micro_batches=2 if seed == 1 else 1, speculative_tokens=(0, 2, 1)[max(0, seed - 3)])
+    if seed in (2, 3, 5):  # as on CUDA, but eager: the steps a graph would replay
+        monkeypatch.setattr(Engine, "_fixed_decode", lambda e, rows, **kind: FixedShapeDecode(
+            e.model, e.kv.pool, e.kv.scratch_page, e.kv.max_pages, buckets_up_to(rows), **kind))
     eng = Engine(clocked, cfg, _ns(model), tok.decode, None, _cache(tmp_path), grammar_vocab=tok.grammar_vocab,
                  clock=lambda: clocked.now)
     systems = [_prompt(rng.randint(128, 200), 1000 + seed), _prompt(rng.randint(128, 160), 2000 + seed)]
@@ -961,7 +965,9 @@ def test_random_arrivals_aborts_and_preemption_beside_sized_chunks_lose_no_token
         eng.check_integrity()
         step += 1
     assert eng.stats["mixed_steps"] > 0 and eng.stats["preemptions"] > 0, eng.stats
-    assert (eng.fixed_decode is not None) == (seed >= 2)
+    assert (eng.fixed_decode is not None) == (seed in (2, 3, 5))
+    assert (eng.fixed_verify is not None) == (seed == 5)
+    assert (eng.spec.stats.drafted[0] > 0) == (seed >= 4) if seed >= 4 else not eng.spec.enabled
     assert any(o.cached_tokens for out in outs.values() for o in out)  # a shared system prompt or a repeat
     for rid, (_, req) in by_id.items():
         alone = _alone(model, req)

@@ -207,3 +207,23 @@ def test_an_engine_without_mtp_layers_or_with_drafting_off_never_drafts():
     assert not eng.spec.enabled and eng.kv.pool.row_layers == cfg.num_hidden_layers
     _run(eng, [GenerationRequest("a", _prompt(20, 1), 5)])
     assert eng.spec.stats.drafted == []
+
+
+@pytest.mark.gpu
+def test_on_cuda_drafting_steps_replay_graphs_and_give_the_eager_engines_tokens():
+    """A CUDA model with an MTP layer: the verify and MTP steps are captured per bucket as the
+    decode step is; the tokens equal an ``enforce_eager`` engine's, and a plain decode's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = dataclasses.replace(named_config("tiny"), num_nextn_predict_layers=1)
+    m = build_model(cfg, {k: v.cuda() for k, v in random_state_dict(cfg, seed=7, std=0.1).items()})
+    prompts = {f"r{i}": _prompt(10 + 23 * i, i) for i in range(6)}
+    runs = {}
+    for eager, drafts in ((False, 2), (True, 2), (True, 0)):
+        eng = _engine(m, max_num_seqs=6, max_prefill_tokens=64, enforce_eager=eager, speculative_tokens=drafts)
+        assert (eng.fixed_verify is None) == (eager or not drafts)
+        if eng.fixed_verify is not None:
+            assert eng.fixed_verify.captured == [1, 2, 4, 8, 16, 18] and eng.spec.fixed_draft.captured
+        outs = _run(eng, [GenerationRequest(rid, p, 4 + 5 * i) for i, (rid, p) in enumerate(prompts.items())], False)
+        runs[(eager, drafts)] = {rid: _tokens(o) for rid, o in outs.items()}
+    assert runs[(False, 2)] == runs[(True, 2)] == runs[(True, 0)]
