@@ -70,14 +70,16 @@ class EPControl:
         rebalance_s: float = 0.0,
         replica_timeout_s: float = 30.0,
         name: str = "",
+        draft_layers: int = 0,
     ) -> None:
         """``rebalance_s``: re-plan from the measured loads this often (0: only when asked);
         ``replica_timeout_s``: a replica that has not polled for this long is gone (its version
-        may be dropped)."""
+        may be dropped); ``draft_layers``: the checkpoint's MTP layers the replicas draft with,
+        whose experts the shards hold too."""
         cfg = load_config(checkpoint)
         self.checkpoint = checkpoint
         self.name = name or f"ep-control-{id(self):x}"
-        self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        self.moe_layers = [i for i in range(cfg.num_hidden_layers + draft_layers) if cfg.is_moe_layer(i)]
         self.num_experts = cfg.n_routed_experts
         self.eplb = EplbConfig(num_slots, cfg.n_group, num_nodes, len(shards), policy)
         self.shards = list(shards)

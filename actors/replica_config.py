@@ -167,6 +167,6 @@ class ReplicaConfig:
 
     @property
     def drafts(self) -> bool:
-        """Whether the replicas load the checkpoint's MTP layers and draft with them (not under
-        expert parallelism: the MTP layer's experts are not on the shards)."""
-        return self.engine.speculative_tokens > 0 and self.ep is None
+        """Whether the replicas load the checkpoint's MTP layers and draft with them (under expert
+        parallelism their experts are on the shards with the others)."""
+        return self.engine.speculative_tokens > 0

@@ -122,6 +122,7 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> EPSection:
     from actors.ep_control import ep_control_actor
     from actors.ep_group import expert_shard_actor
     from model.checkpoint import load_config
+    from model.weights_id import stored_mtp_layers, tensor_names
 
     experts = load_config(checkpoint).n_routed_experts
     alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else []
@@ -136,9 +137,10 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> EPSection:
     nodes = expert_shard_nodes(max(1, len(alive)), a.expert_shards)
     slots = a.expert_slots or experts + (-experts) % a.expert_shards + a.expert_shards
     name = ep_control_name(checkpoint)
+    drafts = stored_mtp_layers(load_config(checkpoint), tensor_names(checkpoint)) if a.drafts_per_step else 0
     control = ep_control_actor(name=name, namespace="tideserve", lifetime="detached", get_if_exists=True,
                                num_cpus=0).remote(checkpoint, shards, slots, nodes, rebalance_s=a.expert_rebalance_s,
-                                                  name=name)
+                                                  name=name, draft_layers=drafts)
     return EPSection(control, wire=a.ep_wire)
 
 

@@ -431,7 +431,7 @@ def load_model(
     ``fp8_weights`` (``model.quant.FP8_WEIGHTS``): whether an fp8 checkpoint's projections and
     experts stay e4m3 as stored (``Fp8Weight``, the fp8 GEMMs) or are dequantized at load.
     ``mtp``: load the multi-token-prediction layers the checkpoint holds (``model.mtp``; the
-    speculative decoding draft); they run beside the routed experts, so not without them."""
+    speculative decoding draft; without ``routed_experts`` theirs are left on disk too)."""
     from model.quant import CPU_WEIGHTS, quantize_model
 
     if cpu_weights not in CPU_WEIGHTS:
@@ -465,10 +465,10 @@ def load_model(
 
 def _include(cfg: ModelConfig, routed_experts: bool, mtp: bool) -> Callable[[str], bool] | None:
     """Which tensors ``load_model`` reads: without routed experts none of theirs, without MTP
-    none of the MTP layers' (the MTP layers' MoE needs its experts here)."""
+    none of the MTP layers'."""
     if routed_experts and mtp:
         return None
-    drafts = tuple(mtp_prefix(cfg, k) for k in range(cfg.num_nextn_predict_layers))
+    drafts = tuple(mtp_prefix(cfg, k) for k in range(cfg.num_nextn_predict_layers)) if not mtp else ()
     return lambda name: not (not routed_experts and is_routed_expert(name)) and not name.startswith(drafts)
 
 

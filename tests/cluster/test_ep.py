@@ -304,3 +304,45 @@ def test_the_model_over_ep_shards_gives_the_local_models_logits(wire, config):
     sure = (top2[:, 0] - top2[:, 1]) > 2 * (got - want).abs().amax(-1)
     assert sure.sum() >= len(ids) // 4  # many positions have the margin
     assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure])
+
+
+def test_mtp_drafts_with_their_experts_on_the_shards_give_the_local_engines_tokens():
+    """A model with an MTP layer under expert parallelism: the MTP layer's routed experts are
+    placed on the shards with the others, its rounds go there, and the engine drafting with it
+    gives the tokens of a local engine that does not draft."""
+    import dataclasses
+
+    from cachedir.hashing import Namespace
+    from cluster.engine import Engine, EngineConfig
+    from cluster.request import GenerationRequest
+    from model.checkpoint import build_model, random_state_dict
+    from model.config import named_config
+
+    cfg = dataclasses.replace(named_config("tiny"), num_nextn_predict_layers=1)
+    model = build_model(cfg, random_state_dict(cfg, seed=5, std=0.1))
+    local = model.moe_layers()[0].executor
+    layers = sorted(local.layers)
+    assert layers[-1] == cfg.num_hidden_layers  # the MTP layer's experts are placed too
+    placement = plan(torch.ones(len(layers), cfg.n_routed_experts, dtype=torch.float64),
+                     EplbConfig(cfg.n_routed_experts + 2, 1, 1, SHARDS, "global"))
+    transport = InProcessTransport(placement, local.layers)
+    seen = set()
+    rounds = transport.dispatch_combine
+    transport.dispatch_combine = lambda layer, version, rnd: seen.add(layer) or rounds(layer, version, rnd)
+    prompts = {f"r{i}": tuple(range(3 + i, 40 + 17 * i)) for i in range(3)}
+
+    def run(drafts: int) -> dict[str, list[int]]:
+        ns = Namespace(cfg.fingerprint(), "test", "float32", "latent", 64)
+        eng = Engine(model, EngineConfig(num_pages=64, speculative_tokens=drafts), ns, lambda ids: "", None)
+        for rid, p in prompts.items():
+            eng.add_request(GenerationRequest(rid, p, 12))
+        return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in eng.run_to_completion().items()}
+
+    want = run(0)
+    model.set_expert_executor(EPExecutor(placement, layers, transport))
+    try:
+        got = run(2)
+    finally:
+        model.set_expert_executor(local)
+    assert got == want
+    assert len(layers) - 1 in seen  # the MTP layer's rows went over the shards (its placement row)

@@ -227,3 +227,20 @@ def test_on_cuda_drafting_steps_replay_graphs_and_give_the_eager_engines_tokens(
         outs = _run(eng, [GenerationRequest(rid, p, 4 + 5 * i) for i, (rid, p) in enumerate(prompts.items())], False)
         runs[(eager, drafts)] = {rid: _tokens(o) for rid, o in outs.items()}
     assert runs[(False, 2)] == runs[(True, 2)] == runs[(True, 0)]
+
+
+def test_a_v32_model_drafts_with_its_mtp_layers_indexer(monkeypatch):
+    """DeepSeek-V3.2's MTP layer attends sparsely like its others (its indexer keys in the pool
+    beside the model's): past index_topk tokens, right drafts and the model's own give the tokens
+    of decoding without."""
+    cfg = dataclasses.replace(named_config("tiny-v3.2"), num_nextn_predict_layers=1)
+    model = build_model(cfg, random_state_dict(cfg, seed=3, std=0.1))
+    prompts = {"long": _prompt(150, 1), "short": _prompt(30, 2)}
+    want = {rid: generate(model, list(p), 16) for rid, p in prompts.items()}
+    assert _engine(model).kv.pool.index_k.shape[0] == cfg.num_hidden_layers + 1
+    got = _run(_engine(model), [GenerationRequest(rid, p, 16) for rid, p in prompts.items()])
+    assert {rid: _tokens(o) for rid, o in got.items()} == want
+    eng = _engine(model, speculative_tokens=2)
+    _oracle(eng, monkeypatch, want, 2, wrong_every=3)
+    got = _run(eng, [GenerationRequest(rid, p, 16) for rid, p in prompts.items()])
+    assert {rid: _tokens(o) for rid, o in got.items()} == want and eng.spec.stats.accepted[0] > 0
