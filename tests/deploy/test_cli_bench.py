@@ -279,6 +279,29 @@ def test_bench_model_json_on_a_checkpoint(tmp_path):
     assert int8["speedup_vs_fp32"]["decode_tokens_per_s"]["8"] == pytest.approx(
         int8["decode_tokens_per_s"]["8"] / out["decode_tokens_per_s"]["8"], abs=0.01)
     assert int8["weight_bytes"] < int8["fp32_weight_bytes"] / 3
+    assert out["mtp"]["available"] is False and "no MTP layers" in out["mtp"]["why"]
+
+
+def test_bench_model_mtp_only_decodes_with_and_without_drafts_in_turn(tmp_path):
+    import dataclasses
+
+    from model.checkpoint import random_state_dict, save_checkpoint
+    from model.config import named_config
+
+    cfg = dataclasses.replace(named_config("tiny"), num_nextn_predict_layers=1)
+    ckpt = save_checkpoint(tmp_path / "mtp", cfg, random_state_dict(cfg, seed=0))
+    r = tide_here("bench", "model", "--checkpoint", str(ckpt), "--mtp-only", "--repeats", "3", "--mtp-tokens", "8",
+                  "--json")
+    assert r.returncode == 0, r.stderr
+    mtp = json.loads(r.stdout)["mtp"]
+    assert mtp["available"] and mtp["drafts_per_step"] == 1 and mtp["statistic"] == "median"
+    for b in ("1", "8", "32"):
+        case = mtp[b]
+        for kind in ("without", "with"):
+            slow, fast = case[f"range_{kind}"]
+            assert 0 < slow <= case[f"tokens_per_s_{kind}"] <= fast
+        assert case["speedup"] == pytest.approx(case["tokens_per_s_with"] / case["tokens_per_s_without"], abs=0.01)
+        assert len(case["acceptance_per_position"]) == 1 and 1 <= case["tokens_per_step_with"] <= 2
 
 
 def test_decode_step_bytes_counts_each_weight_once_and_the_experts_a_batch_touches(tmp_path):
