@@ -1,11 +1,11 @@
-"""The unit file format: one self-describing, checksummed, authenticated file per cache unit.
+"""The unit file format: one self-describing, checksummed, sealed file per cache unit.
 
 Layout (little-endian)::
 
     magic      8s   b"TIDEUNIT"
-    version    u16  2
+    version    u16  3
     dtype      u8   code (see DTYPES)
-    flags      u8   bit 0 SEALED: the token ids are withheld (zeros)
+    flags      u8   bit 0 SEALED: the token ids are withheld (zeros) and the payload encrypted
     header_len u32  bytes from the start to the payload
     namespace  16s  Namespace.seed
     key        16s  this unit's chain key
@@ -14,45 +14,50 @@ Layout (little-endian)::
     num_layers u32
     dim        u32  values per token per layer
     payload_len u64
-    checksum   u64  xxh3_64 of the payload
-    mac        32s  HMAC-SHA256 of everything else (this field zeroed) under the writer's MAC key;
-                    all zeros when written without one
+    checksum   u64  xxh3_64 of the payload as stored
+    mac        32s  a SEALED unit's AES-GCM nonce (12 bytes) and tag (16), then 4 zero bytes;
+                    all zeros when written without a key
     tokens     num_tokens x u32 (zeros when SEALED)
-    payload    [num_layers, num_tokens, dim] values of ``dtype``
+    payload    [num_layers, num_tokens, dim] values of ``dtype`` (encrypted when SEALED)
 
 ``decode`` verifies every field against what the reader expects; any mismatch raises
 ``UnitCorrupt`` and the caller treats it as a miss. Wrong KV is never returned. The checksum
-catches a damaged file and needs no secret (stores and agents check it); the MAC proves that a
-holder of the MAC key wrote the unit, so a reader that has the key (the serving replicas) also
-rejects a self-consistent unit forged by whoever can push to or serve from a cache agent.
+catches a damaged file and needs no secret (stores and agents check it).
 
-A unit written with a MAC key is SEALED: its header carries no token ids, so the files and the
-agents that store and relay them never hold a tenant's prompt. The reader, which knows the tokens
-it asks for, checks that the key is their chain hash (as it does for every unit); without the
-tokens (a store, an agent) the checksum is all there is to check.
+A unit written with its namespace's key is SEALED: AES-256-GCM encrypts the payload under a
+random nonce, with every other header byte as associated data, and the header carries no token
+ids. The files and the agents that store and relay them hold neither a tenant's prompt nor KV
+from which it could be recovered. The tag proves that a holder of the key wrote the unit, so a
+reader with the key (the serving replicas) rejects a self-consistent unit forged by whoever can
+push to or serve from a cache agent; it knows the tokens it asks for and checks that the key is
+their chain hash (as it does for every unit). AES-GCM runs at several GB/s a core (AES-NI,
+VAES): opening a unit costs less than reading it. Without the tokens and the key (a store, an
+agent) the checksum is all there is to check.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
+import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from cachedir.hashing import chain_hash
 
-__all__ = ["DTYPES", "NO_MAC", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "holds", "mac_of",
-           "read_header"]
+__all__ = ["DTYPES", "NO_MAC", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "holds", "open_sealed",
+           "read_header", "seal"]
 
 MAGIC = b"TIDEUNIT"
-VERSION = 2
+VERSION = 3
 _FIXED = struct.Struct("<8sHBBI16s16s16sIIIQQ32s")
 _MAC_AT = _FIXED.size - 32  # offset of the mac field
 NO_MAC = bytes(32)
+NONCE, TAG = 12, 16  # a sealed unit's mac field: nonce, tag, zeros
 SEALED = 1
 DTYPES = {1: "float32", 2: "bfloat16", 3: "float16"}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -83,14 +88,36 @@ class UnitHeader:
         return self.header_len + self.payload_len
 
 
-def mac_of(mac_key: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-    """HMAC-SHA256 of a unit: its header with the mac field zeroed, then its payload."""
-    m = hmac.new(mac_key, digestmod=hashlib.sha256)
-    m.update(header[:_MAC_AT])
-    m.update(NO_MAC)
-    m.update(header[_FIXED.size :])
-    m.update(payload)
-    return m.digest()
+def _aad(header: bytes | memoryview) -> bytes:
+    """A header's bytes but its mac field: what a seal authenticates besides the payload."""
+    return bytes(header[:_MAC_AT]) + bytes(header[_FIXED.size :])
+
+
+def seal(key: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> tuple[bytes, memoryview]:
+    """(the mac field, the encrypted payload): AES-256-GCM of ``payload`` under ``key`` and a
+    random nonce, with ``header`` (its mac field aside) as associated data."""
+    nonce = os.urandom(NONCE)
+    enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    enc.authenticate_additional_data(_aad(header))
+    out = bytearray(len(payload) + 15)
+    n = enc.update_into(payload, out)
+    enc.finalize()
+    return nonce + enc.tag + bytes(_FIXED.size - _MAC_AT - NONCE - TAG), memoryview(out)[:n]
+
+
+def open_sealed(key: bytes, header: bytes | memoryview, mac: bytes, payload: bytes | memoryview,
+                out: memoryview | bytearray | None = None) -> memoryview:
+    """The plaintext of a sealed payload (into ``out`` when given: at least 15 bytes longer);
+    ``UnitCorrupt`` when the tag does not match (another key, or anything changed)."""
+    dec = Cipher(algorithms.AES(key), modes.GCM(mac[:NONCE], mac[NONCE : NONCE + TAG])).decryptor()
+    dec.authenticate_additional_data(_aad(header))
+    out = bytearray(len(payload) + 15) if out is None else out
+    n = dec.update_into(payload, out)
+    try:
+        dec.finalize()
+    except InvalidTag:
+        raise UnitCorrupt("MAC mismatch: the unit was not sealed by a holder of this cluster's key") from None
+    return memoryview(out)[:n]
 
 
 def encode(
@@ -108,9 +135,9 @@ def encode_parts(
     dim: int, dtype: str, mac_key: bytes | None = None, mac: bytes = NO_MAC, sealed: bool = False,
 ) -> tuple[bytes, bytes]:
     """The header (fixed fields and token ids) and the payload, to be written one after the other
-    (no copy of the payload). ``mac_key``: authenticate and seal the unit (see the module
-    docstring); without one the header carries ``mac`` and ``sealed`` (a store re-encoding a unit
-    keeps both)."""
+    (no copy of an unsealed payload). ``mac_key``: seal the unit (see the module docstring);
+    without one the header carries ``mac`` and ``sealed`` (a store re-encoding a unit keeps both,
+    and its payload as stored)."""
     sealed = sealed or mac_key is not None
     tokens = np.asarray(token_ids, dtype="<u4")
     if sealed:
@@ -121,14 +148,16 @@ def encode_parts(
     if len(payload) != expected:
         raise ValueError(f"payload of {len(payload)} bytes, expected {expected} for [{num_layers}, {len(tokens)}, {dim}] {dtype}")
     header_len = _FIXED.size + tokens.nbytes
-    fixed = _FIXED.pack(
-        MAGIC, VERSION, DTYPE_CODES[dtype], SEALED if sealed else 0, header_len, namespace, key, parent, len(tokens),
-        num_layers, dim, len(payload), xxhash.xxh3_64_intdigest(payload), NO_MAC if mac_key else mac,
-    )
-    header = fixed + tokens.tobytes()
-    if mac_key is not None:
-        header = header[:_MAC_AT] + mac_of(mac_key, header, payload) + header[_FIXED.size :]
-    return header, payload
+
+    def header_with(mac: bytes, checksum: int) -> bytes:
+        return _FIXED.pack(MAGIC, VERSION, DTYPE_CODES[dtype], SEALED if sealed else 0, header_len, namespace, key,
+                           parent, len(tokens), num_layers, dim, len(payload), checksum, mac) + tokens.tobytes()
+
+    if mac_key is None:
+        return header_with(mac, xxhash.xxh3_64_intdigest(payload)), payload
+    # the checksum (of the stored, encrypted bytes) is known after sealing: the seal leaves it out
+    mac, stored = seal(mac_key, header_with(NO_MAC, 0), payload)
+    return header_with(mac, xxhash.xxh3_64_intdigest(stored)), stored
 
 
 def read_header(buf: bytes | memoryview) -> UnitHeader:
@@ -174,9 +203,12 @@ def holds(h: UnitHeader, namespace: bytes, key: bytes, token_ids) -> bool:
 
 def decode(
     buf: bytes | memoryview, namespace: bytes, key: bytes, token_ids=None, mac_key: bytes | None = None,
+    out: bytearray | memoryview | None = None,
 ) -> tuple[UnitHeader, memoryview]:
     """Verify ``buf`` as the unit ``key`` of ``namespace`` (and, when given, ``token_ids``, and
-    that a holder of ``mac_key`` wrote it); returns the header and a view of the payload."""
+    that a holder of ``mac_key`` sealed it); returns the header and a view of the payload: with
+    ``mac_key`` the plaintext (in ``out`` when given, at least 15 bytes longer than it), else
+    the payload as stored."""
     h = read_header(buf)
     if h.namespace != namespace:
         raise UnitCorrupt("namespace mismatch")
@@ -197,6 +229,10 @@ def decode(
     payload = memoryview(buf)[h.header_len :]
     if xxhash.xxh3_64_intdigest(payload) != h.checksum:
         raise UnitCorrupt("payload checksum mismatch")
-    if mac_key is not None and not hmac.compare_digest(mac_of(mac_key, memoryview(buf)[: h.header_len], payload), h.mac):
-        raise UnitCorrupt("MAC mismatch: the unit was not written by a holder of this cluster's MAC key")
-    return h, payload
+    if mac_key is None:
+        return h, payload
+    if not h.sealed:
+        raise UnitCorrupt("MAC mismatch: the unit is not sealed, and this cluster seals its units")
+    # the checksum is of the stored bytes, so the seal covers the header without it
+    plain = _FIXED.pack(*_FIXED.unpack_from(buf, 0)[:12], 0, NO_MAC) + bytes(memoryview(buf)[_FIXED.size : h.header_len])
+    return h, open_sealed(mac_key, plain, h.mac, payload, out)

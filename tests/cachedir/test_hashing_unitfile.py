@@ -135,6 +135,8 @@ def test_a_sealed_unit_keeps_no_token_ids_and_its_reader_checks_its_own(tmp_path
     unit = make_units(tokens, SECRET_NS)[0]
     sealed = unit.encode(SECRET_NS.mac_key)
     assert np.asarray(tokens, dtype="<u4").tobytes() not in sealed
+    assert bytes(unit.payload)[:256] not in sealed  # the KV is encrypted: it would give the prompt away
+    assert unit.encode(SECRET_NS.mac_key) != sealed  # a fresh nonce each time
     h = read_header(sealed)
     assert h.sealed and h.token_ids == (0,) * 64
     got, payload = decode(sealed, unit.namespace, unit.key, tokens, mac_key=SECRET_NS.mac_key)

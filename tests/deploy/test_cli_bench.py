@@ -81,6 +81,10 @@ def test_bench_unit_io_json(tmp_path):
             assert figures["fio_read_gb_per_s"] > 0 and figures["write_gb_per_s"] > 0
             assert figures["read_fraction_of_raw"] == pytest.approx(
                 figures["read_gb_per_s"] / figures["fio_read_gb_per_s"], rel=0.01, abs=0.002)
+        seal = out[shape]["integrity"]  # units are sealed and opened (AES-256-GCM), per unit on one core
+        assert seal["seal"] == "AES-256-GCM" and seal["open_gb_per_s"] > 0 and seal["seal_us_per_unit"] > 0
+        fio = max(out[shape][layout]["fio_read_gb_per_s"] for layout in ("unit", "segment"))
+        assert seal["open_over_fio_read"] == pytest.approx(seal["open_gb_per_s"] / fio, rel=0.02)
     r = tide_here("bench", "unit-io", "--dir", str(tmp_path), "--total-mb", "8", "--layout", "segment", "--layout", "tape")
     assert r.returncode == 2 and "tape" in r.stderr
 
