@@ -161,6 +161,35 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> memoryview:
     return buf[:got]
 
 
+def coalesce(locs: Sequence[Loc]) -> list[list[int]]:
+    """Indices of ``locs`` grouped into runs that one read covers (same file, in order, at most
+    ``_MAX_READ_GAP`` apart, at most ``_MAX_READ_BYTES`` long unless one unit is)."""
+    order = sorted(range(len(locs)), key=lambda i: (locs[i].path, locs[i].offset))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            first, prev, loc = locs[groups[-1][0]], locs[groups[-1][-1]], locs[i]
+            if (prev.path == loc.path and 0 <= loc.offset - (prev.offset + prev.length) <= _MAX_READ_GAP
+                    and loc.offset + loc.length - first.offset <= _MAX_READ_BYTES):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def read_run(locs: Sequence[Loc], take: Callable[[int], memoryview] = _fresh) -> list[memoryview]:
+    """One read covering ``locs`` (a group of ``coalesce``) into memory from ``take``: one view
+    per unit (shorter where the file ends early). For readers outside the store, which open the
+    file themselves."""
+    start, end = locs[0].offset, locs[-1].offset + locs[-1].length
+    fd = os.open(locs[0].path, os.O_RDONLY)
+    try:
+        buf = _pread_into(fd, take(end - start), start)
+    finally:
+        os.close(fd)
+    return [buf[loc.offset - start : loc.offset - start + loc.length] for loc in locs]
+
+
 def advise(loc: Loc, advice: int) -> None:
     """``posix_fadvise`` over every page the unit touches, the pages it shares with its
     neighbours in a segment included (the kernel only acts on whole pages in the range: asked
@@ -560,19 +589,7 @@ class SegmentFiles:
         return loc.path if sparse else None
 
     def read_groups(self, locs: Sequence[Loc]) -> list[list[int]]:
-        """Indices of ``locs`` grouped into runs that one read covers (same segment, in order,
-        at most ``_MAX_READ_GAP`` apart, at most ``_MAX_READ_BYTES`` long unless one unit is)."""
-        order = sorted(range(len(locs)), key=lambda i: (locs[i].path, locs[i].offset))
-        groups: list[list[int]] = []
-        for i in order:
-            if groups:
-                first, prev, loc = locs[groups[-1][0]], locs[groups[-1][-1]], locs[i]
-                if (prev.path == loc.path and 0 <= loc.offset - (prev.offset + prev.length) <= _MAX_READ_GAP
-                        and loc.offset + loc.length - first.offset <= _MAX_READ_BYTES):
-                    groups[-1].append(i)
-                    continue
-            groups.append([i])
-        return groups
+        return coalesce(locs)
 
     def read(self, locs: Sequence[Loc], take: Callable[[int], memoryview] = _fresh) -> list[memoryview]:
         """One read covering ``locs`` (a group from ``read_groups``) into memory from ``take``;

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+from cachedir.layout import Loc
 from cachedir.ram import RamTier
 from cachedir.store import StoreConfig, UnitStore
 from cachedir.unit import Unit, UnitRemoved, UnitStored
@@ -132,6 +133,12 @@ class NodeCache:
 
     def holds(self, key: bytes) -> bool:
         return key in self.ssd
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, Loc] | None]:
+        """(tier, where on SSD) of each key this node's store holds, for a reader on this node
+        (``UnitStore.locate``); None where the SSD has none."""
+        return [None if loc is None else ("ram" if self.ram is not None and k in self.ram else "ssd", loc)
+                for k, loc in zip(keys, self.ssd.locate(keys), strict=True)]
 
     def read_encoded(self, keys: Sequence[bytes]) -> list[tuple[str, bytes] | None]:
         """(tier, encoded unit file) for each key of any namespace, None where absent or damaged

@@ -291,6 +291,18 @@ class UnitStore:
         with self._lock:
             return self._locs.get(key)
 
+    def locate(self, keys: Sequence[bytes]) -> list[Loc | None]:
+        """Where each unit's bytes are, for a reader of the files on this node; each one held
+        counts as read for eviction. What a reader finds there may have moved or gone since: it
+        verifies what it reads (a unit evicted, rewritten or compacted away is a miss)."""
+        with self._lock:
+            locs = [self._locs.get(k) for k in keys]
+            now = self._now()
+            for k, loc in zip(keys, locs, strict=True):
+                if loc is not None and k in self._index:
+                    self._index.touch(k, now)
+        return locs
+
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hedir/agent/agent.proto\x12\x0ftideserve.cache\"/\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\trequester\x18\x02 \x01(\t\"\x81\x01\n\tUnitChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x0f\n\x07missing\x18\x06 \x01(\x08\x12\x0c\n\x04size\x18\x07 \x01(\x04\x12\x0f\n\x07replace\x18\x08 \x01(\x08\"\x1a\n\nHasRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x19\n\x08HasReply\x12\r\n\x05tiers\x18\x01 \x03(\t\"/\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\x98\x02\n\nCacheAgent\x12\x44\n\x05\x46\x65tch\x12\x1d.tideserve.cache.FetchRequest\x1a\x1a.tideserve.cache.UnitChunk0\x01\x12=\n\x03Has\x12\x1b.tideserve.cache.HasRequest\x1a\x19.tideserve.cache.HasReply\x12@\n\x04Push\x12\x1a.tideserve.cache.UnitChunk\x1a\x1a.tideserve.cache.PushReply(\x01\x12\x43\n\x05Stats\x12\x1d.tideserve.cache.StatsRequest\x1a\x1b.tideserve.cache.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61\x63hedir/agent/agent.proto\x12\x0ftideserve.cache\"/\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\trequester\x18\x02 \x01(\t\"\x81\x01\n\tUnitChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x0c\n\x04tier\x18\x05 \x01(\t\x12\x0f\n\x07missing\x18\x06 \x01(\x08\x12\x0c\n\x04size\x18\x07 \x01(\x04\x12\x0f\n\x07replace\x18\x08 \x01(\x08\"\x1a\n\nHasRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x19\n\x08HasReply\x12\r\n\x05tiers\x18\x01 \x03(\t\"/\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x1d\n\rLocateRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"F\n\x08Location\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\";\n\x0bLocateReply\x12,\n\tlocations\x18\x01 \x03(\x0b\x32\x19.tideserve.cache.Location2\xe0\x02\n\nCacheAgent\x12\x44\n\x05\x46\x65tch\x12\x1d.tideserve.cache.FetchRequest\x1a\x1a.tideserve.cache.UnitChunk0\x01\x12=\n\x03Has\x12\x1b.tideserve.cache.HasRequest\x1a\x19.tideserve.cache.HasReply\x12@\n\x04Push\x12\x1a.tideserve.cache.UnitChunk\x1a\x1a.tideserve.cache.PushReply(\x01\x12\x43\n\x05Stats\x12\x1d.tideserve.cache.StatsRequest\x1a\x1b.tideserve.cache.StatsReply\x12\x46\n\x06Locate\x12\x1e.tideserve.cache.LocateRequest\x1a\x1c.tideserve.cache.LocateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,6 +45,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_end=346
   _globals['_STATSREPLY']._serialized_start=348
   _globals['_STATSREPLY']._serialized_end=374
-  _globals['_CACHEAGENT']._serialized_start=377
-  _globals['_CACHEAGENT']._serialized_end=657
+  _globals['_LOCATEREQUEST']._serialized_start=376
+  _globals['_LOCATEREQUEST']._serialized_end=405
+  _globals['_LOCATION']._serialized_start=407
+  _globals['_LOCATION']._serialized_end=477
+  _globals['_LOCATEREPLY']._serialized_start=479
+  _globals['_LOCATEREPLY']._serialized_end=538
+  _globals['_CACHEAGENT']._serialized_start=541
+  _globals['_CACHEAGENT']._serialized_end=893
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,11 @@ class CacheAgentStub:
                 request_serializer=cachedir_dot_agent_dot_agent__pb2.StatsRequest.SerializeToString,
                 response_deserializer=cachedir_dot_agent_dot_agent__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/tideserve.cache.CacheAgent/Locate',
+                request_serializer=cachedir_dot_agent_dot_agent__pb2.LocateRequest.SerializeToString,
+                response_deserializer=cachedir_dot_agent_dot_agent__pb2.LocateReply.FromString,
+                _registered_method=True)
 
 
 class CacheAgentServicer:
@@ -89,6 +94,14 @@ class CacheAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Where the agent's SSD store holds each of `keys` (an empty path where it holds none there),
+        for a caller on the same node that reads the files itself; each counts as read for eviction.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_CacheAgentServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=cachedir_dot_agent_dot_agent__pb2.StatsRequest.FromString,
                     response_serializer=cachedir_dot_agent_dot_agent__pb2.StatsReply.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=cachedir_dot_agent_dot_agent__pb2.LocateRequest.FromString,
+                    response_serializer=cachedir_dot_agent_dot_agent__pb2.LocateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class CacheAgent:
             '/tideserve.cache.CacheAgent/Stats',
             cachedir_dot_agent_dot_agent__pb2.StatsRequest.SerializeToString,
             cachedir_dot_agent_dot_agent__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tideserve.cache.CacheAgent/Locate',
+            cachedir_dot_agent_dot_agent__pb2.LocateRequest.SerializeToString,
+            cachedir_dot_agent_dot_agent__pb2.LocateReply.FromString,
             options,
             channel_credentials,
             insecure,

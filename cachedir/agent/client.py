@@ -7,12 +7,14 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 
 import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
 from cachedir.agent.auth import Signer, body_digest
 from cachedir.agent.service import CHUNK_BYTES, MAX_UNIT_BYTES
+from cachedir.layout import Loc
 
 __all__ = ["AgentClient", "AgentError", "ClientPool"]
 
@@ -172,6 +174,23 @@ class AgentClient:
         except grpc.RpcError as e:
             raise self._error(e, "push") from None
         return reply.accepted, reply.rejected
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, Loc] | None]:
+        """(tier, where on the agent's SSD) per key, None where it holds none there: for a
+        caller on the agent's node, which reads the files itself (and verifies what it reads)."""
+        if not keys:
+            return []
+        request = agent_pb2.LocateRequest(keys=list(keys))
+        metadata, nonce = self._sign("Locate", request)
+        try:
+            reply, call = self._stub.Locate.with_call(request, timeout=self.timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "locate") from None
+        self._check_proof(call, "Locate", nonce)
+        if len(reply.locations) != len(keys):
+            raise AgentError(f"cache agent {self.address}: locate answered {len(reply.locations)} of {len(keys)} keys")
+        return [(loc.tier, Loc(Path(loc.path), loc.offset, loc.length)) if loc.path else None
+                for loc in reply.locations]
 
     def stats(self) -> dict:
         request = agent_pb2.StatsRequest()

@@ -2,8 +2,10 @@
 
 ``lookup`` asks the node's agent which leading units it holds and, in ONE directory round trip,
 which live nodes hold the rest of the run; units are then "ram"/"ssd" (this node) or "remote".
-``load_async`` fetches the local ones from the node's agent and the remote ones from their
-holders, several holders in parallel (each unit goes to one holder, spread evenly), verifies
+``load_async`` reads the local ones straight from the node's store files (the agent says where
+they are: no unit crosses gRPC on its own node; one the read misses, because it moved, went or
+cannot be read here, comes through the agent), and fetches the remote ones from their holders,
+several holders in parallel (each unit goes to one holder, spread evenly), verifies
 every unit against the key, tokens and namespace the engine expects, retries a failed unit once
 on another holder, and otherwise reports a miss there (the engine computes from that unit on).
 A holder that failed (unreachable, timed out, or served a unit that failed verification) is
@@ -33,7 +35,9 @@ from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.service import MAX_UNIT_BYTES
 from cachedir.directory.base import Directory, DirectoryUnavailable
 from cachedir.hashing import unit_mac_key
+from cachedir.layout import coalesce, read_run
 from cachedir.node_cache import LoadedUnit
+from cachedir.staging import StagingBuffers
 from cachedir.unit import Unit
 from cachedir.unitfile import UnitCorrupt, decode
 
@@ -56,11 +60,16 @@ class ClusterCache:
         suspect_s: float = 30.0,
         secret: bytes = b"",
         max_unit_bytes: int = MAX_UNIT_BYTES,
+        direct: bool = True,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         """``local`` is this node's agent; ``client_for(address)`` gives a client for another;
         ``secret``: the cluster's cache secret (units are authenticated under it);
         ``max_unit_bytes``: the largest encoded unit of the model (a peer's larger one fails
-        the fetch before its bytes are held)."""
+        the fetch before its bytes are held); ``direct``: read this node's units from its store
+        files (False: through its agent, as other nodes' are), into reusable buffers of at most
+        ``staging_bytes`` (``cachedir.staging``)."""
+        self.direct = direct
         self.node_id = node_id
         self._secret = secret
         self._max_unit_bytes = max_unit_bytes
@@ -70,6 +79,8 @@ class ClusterCache:
         # loads wait on fetches, so they run on separate pools (one pool could deadlock)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="cluster-cache")
         self._fetch_pool = ThreadPoolExecutor(2 * io_threads, thread_name_prefix="cluster-cache-fetch")
+        self._read_pool = ThreadPoolExecutor(max(2, io_threads // 2), thread_name_prefix="cluster-cache-read")
+        self._staging = StagingBuffers(staging_bytes)  # what direct reads (and opened units) land in
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._holders: OrderedDict[bytes, list[str]] = OrderedDict()  # remote key -> live holders
@@ -84,7 +95,7 @@ class ClusterCache:
         self._suspects: dict[str, tuple[float, str | None]] = {}
         self.counters = {"lookups": 0, "directory_errors": 0, "agent_errors": 0, "remote_units": 0,
                          "local_units": 0, "verify_failures": 0, "retried_units": 0, "persisted_units": 0,
-                         "suspected_holders": 0}
+                         "suspected_holders": 0, "direct_units": 0, "direct_misses": 0}
         # source -> [bytes, seconds] of loads, for measured bandwidths
         self.transfer = {"local": [0, 0.0], "remote": [0, 0.0]}
 
@@ -227,7 +238,7 @@ class ClusterCache:
         for i, hs in holders.items():
             if hs:
                 assigned.setdefault(min(hs, key=lambda n: len(assigned.get(n, ()))), []).append(i)
-        jobs = [self._fetch_pool.submit(self._fetch, None, local, keys, namespace, tokens)] if local else []
+        jobs = [self._fetch_pool.submit(self._fetch_local, local, keys, namespace, tokens)] if local else []
         jobs += [self._fetch_pool.submit(self._fetch, node, idx, keys, namespace, tokens) for node, idx in assigned.items()]
         failed: list[tuple[int, str]] = []
         for job in jobs:
@@ -246,6 +257,62 @@ class ClusterCache:
             for i, unit in got.items():
                 out[i] = unit
         return out
+
+    def _fetch_local(self, idx: list[int], keys: list[bytes], namespace: bytes,
+                     tokens: list[tuple]) -> tuple[None, dict[int, LoadedUnit | None]]:
+        """This node's units ``idx``: read from its store's files where its agent says they are,
+        each verified as a fetched one is; those the read misses come through the agent."""
+        got: dict[int, LoadedUnit | None] = dict.fromkeys(idx)
+        if self.direct:
+            got.update(self._read_direct(idx, keys, namespace, tokens))
+        rest = [i for i in idx if got[i] is None]
+        if rest:
+            _, more = self._fetch(None, rest, keys, namespace, tokens)
+            got.update(more)
+        return None, got
+
+    def _read_direct(self, idx: list[int], keys: list[bytes], namespace: bytes,
+                     tokens: list[tuple]) -> dict[int, LoadedUnit]:
+        """The units of ``idx`` this node's store holds, read from its files (runs of a segment
+        in one read, the runs side by side); one that moved, went, or fails verification (a
+        rewrite under the read) is left out: the agent's copy is tried next."""
+        t0 = time.perf_counter()
+        try:
+            where = self.local.locate([keys[i] for i in idx])
+        except AgentError as e:
+            self._agent_error(e)
+            return {}
+        found = [(i, w) for i, w in zip(idx, where, strict=True) if w is not None]
+        mac_key = unit_mac_key(self._secret, namespace)
+
+        def read(group: list[int]) -> list[tuple[int, LoadedUnit | None, int]]:
+            try:
+                views = read_run([found[j][1][1] for j in group], self._staging.take)
+            except OSError:  # gone, or not readable from this process: through the agent
+                return [(found[j][0], None, 0) for j in group]
+            out = []
+            for j, view in zip(group, views, strict=True):
+                i, (tier, _) = found[j]
+                try:  # a sealed unit is opened into a staging buffer of its own
+                    h, payload = decode(view, namespace, keys[i], tokens[i], mac_key=mac_key,
+                                        out=self._staging.take(len(view) + 15) if mac_key else None)
+                except UnitCorrupt:
+                    out.append((i, None, 0))
+                    continue
+                unit = Unit(namespace, keys[i], h.parent, h.token_ids, payload, h.num_layers, h.dim, h.dtype, h.mac,
+                            h.sealed)
+                out.append((i, LoadedUnit(unit, tier), len(view)))
+            return out
+
+        results = [r for rs in self._read_pool.map(read, coalesce([w for _, (_, w) in found])) for r in rs]
+        got = {i: unit for i, unit, _ in results if unit is not None}
+        with self._lock:
+            self.counters["direct_units"] += len(got)
+            self.counters["local_units"] += len(got)
+            self.counters["direct_misses"] += len(results) - len(got)
+            self.transfer["local"][0] += sum(n for _, _, n in results)
+            self.transfer["local"][1] += time.perf_counter() - t0
+        return got
 
     def _fetch(self, node: str | None, idx: list[int], keys: list[bytes], namespace: bytes,
                tokens: list[tuple]) -> tuple[str | None, dict[int, LoadedUnit | None]]:
@@ -355,3 +422,4 @@ class ClusterCache:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._fetch_pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.service import AgentBackend, ServerConfig, start_server
 from cachedir.directory.base import Directory
+from cachedir.layout import Loc
 from cachedir.node_cache import CacheConfig, NodeCache, done
 from cachedir.publisher import DirectoryPublisher
 from cachedir.replication import ReplicationConfig, Replicator
@@ -54,10 +55,10 @@ class NodeAgent:
         self.directory = directory
         self._removed: OrderedDict[bytes, float] = OrderedDict()  # key -> when it left this node
         self._lock = threading.Lock()
-        self.counters = {"fetch_units": 0, "fetch_remote_units": 0, "fetch_missing": 0,
+        self.counters = {"fetch_units": 0, "fetch_remote_units": 0, "fetch_missing": 0, "located_units": 0,
                          "push_accepted": 0, "push_refused": 0}
         self.server, self.port = start_server(
-            AgentBackend(self.read, self.has, self.accept, self.stats),
+            AgentBackend(self.read, self.has, self.accept, self.stats, self.locate),
             dataclasses.replace(cfg.server, name=cfg.node_id, advertise_hosts=(cfg.advertise_host,)))
         self.address = f"{cfg.advertise_host}:{self.port}"
         self.publisher = self.replicator = None
@@ -91,6 +92,12 @@ class NodeAgent:
 
     def has(self, keys: Sequence[bytes]) -> list[str]:
         return self.cache.has(keys)
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[str, Loc] | None]:
+        out = self.cache.locate(keys)
+        with self._lock:
+            self.counters["located_units"] += sum(o is not None for o in out)
+        return out
 
     def accept(self, encoded: bytes, replace: bool = False) -> Future[bool]:
         """Store a pushed unit, unless it fails verification or this node evicted it lately; the

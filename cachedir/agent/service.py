@@ -21,6 +21,7 @@ import grpc
 from cachedir.agent import agent_pb2, agent_pb2_grpc
 from cachedir.agent.auth import Verifier, body_digest
 from cachedir.hashing import KEY_BYTES
+from cachedir.layout import Loc
 
 __all__ = ["CHUNK_BYTES", "MAX_KEYS", "AgentBackend", "ServerConfig", "start_server"]
 
@@ -51,6 +52,7 @@ class AgentBackend:
     has: Callable[[Sequence[bytes]], list[str]]
     accept: Callable[[bytes, bool], Future[bool]]  # one encoded unit, replace: stored (False: rejected)
     stats: Callable[[], dict]
+    locate: Callable[[Sequence[bytes]], list[tuple[str, Loc] | None]] = lambda keys: [None] * len(keys)  # tier, where
 
 
 def _check_keys(keys: Sequence[bytes], context: grpc.ServicerContext) -> None:
@@ -130,6 +132,14 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
 
     def Stats(self, request, context) -> agent_pb2.StatsReply:  # noqa: N802
         return agent_pb2.StatsReply(json=json.dumps(self.b.stats()))
+
+    def Locate(self, request, context) -> agent_pb2.LocateReply:  # noqa: N802
+        keys = list(request.keys)
+        _check_keys(keys, context)
+        return agent_pb2.LocateReply(locations=[
+            agent_pb2.Location() if found is None else
+            agent_pb2.Location(path=str(found[1].path), offset=found[1].offset, length=found[1].length, tier=found[0])
+            for found in self.b.locate(keys)])
 
 
 class _SignedCalls(grpc.ServerInterceptor):

@@ -675,3 +675,81 @@ def test_the_client_pool_keeps_at_most_its_limit_open():
     assert closed == ["b:1"] and len(pool) == 2
     pool.close()
     assert sorted(closed) == ["a:1", "b:1", "c:1"] and len(pool) == 0
+
+
+@pytest.mark.parametrize("layout", ["segment", "unit"])
+def test_this_nodes_units_are_read_from_its_store_files_not_through_grpc(tmp_path, layout):
+    """A replica's own node's units come straight from the store's files, where the agent says
+    they are (sealed ones opened with the cluster's key), and count as read for eviction; the
+    agent sends no unit over gRPC."""
+    from cachedir.hashing import Namespace
+
+    secret_ns = Namespace(NS.model_fingerprint, NS.weights_revision, NS.kv_dtype, NS.kv_layout, 64, secret=b"k" * 32)
+    d = MemoryDirectory("agents")
+    cfg = AgentConfig("node-a", CacheConfig(StoreConfig(tmp_path / "a", 1 << 30, fsync=False, layout=layout),
+                                            ram_bytes=0), ServerConfig(host="127.0.0.1"), sync_every_s=3600)
+    a = NodeAgent(cfg, d)
+    cache = ClusterCache(a.node_id, AgentClient(a.address), d, AgentClient, secret=secret_ns.secret)
+    try:
+        units = make_units(TOKENS, secret_ns)
+        assert all(f.result(30) for f in cache.persist(units))
+        a.cache.flush()
+        keys, toks = [u.key for u in units], [u.token_ids for u in units]
+        where = AgentClient(a.address).locate(keys + [b"\0" * 16])
+        assert [w[0] for w in where[:4]] == ["ssd"] * 4 and where[4] is None
+        assert all(w[1].path.is_file() and w[1].length > len(units[0].payload) for w in where[:4])
+        fetched = a.stats()["fetch_units"]
+        assert cache.lookup(keys) == ["ssd"] * 4
+        loaded = cache.load_async(keys, secret_ns.seed, toks).result(30)
+        assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+        assert [x.tier for x in loaded] == ["ssd"] * 4
+        stats = cache.stats()
+        assert stats["direct_units"] == 4 and stats["direct_misses"] == 0 and stats["local_bytes"] > 0
+        assert a.stats()["fetch_units"] == fetched and a.stats()["located_units"] >= 8
+        # another tenant's reader (another namespace and key) reads the same files: a miss
+        other = secret_ns.for_tenant("other")
+        assert cache.load_async(keys[:1], other.seed, toks[:1]).result(30) == [None]
+    finally:
+        cache.close()
+        a.close()
+
+
+def test_a_unit_moved_rewritten_or_unreadable_under_a_direct_read_is_never_wrong_kv(pair, monkeypatch):
+    """What a direct read finds where the agent said may no longer be the unit: another unit
+    (compaction moved it), garbage (the space reused), or a file this process cannot open. It
+    fails verification or the read, and the unit comes through the agent instead (a hit where
+    the agent still holds it, a miss where it does not)."""
+    import cachedir.agent.cluster_cache as cc
+
+    d, a, _ = pair
+    units = make_units(TOKENS)
+    _store(a, units)
+    keys, toks = [u.key for u in units], [u.token_ids for u in units]
+    cache = _cluster_cache(a, d)
+    try:
+        real = cache.local.locate
+        # moved: the agent's answer is stale (unit 0 now "is" where unit 1 is)
+        monkeypatch.setattr(cache.local, "locate", lambda ks: [real([ks[-1]])[0]] + real(ks[1:]) if len(ks) > 1
+                            else real(ks))
+        cache.lookup(keys)
+        loaded = cache.load_async(keys, NS.seed, toks).result(30)
+        assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+        assert cache.stats()["direct_misses"] == 1 and a.stats()["fetch_units"] == 1  # unit 0 through the agent
+        monkeypatch.setattr(cache.local, "locate", real)
+        # unreadable here (another mount, another user): every unit through the agent
+        def denied(locs, take):
+            raise PermissionError("not from this process")
+
+        monkeypatch.setattr(cc, "read_run", denied)
+        loaded = cache.load_async(keys, NS.seed, toks).result(30)
+        assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+        monkeypatch.undo()
+        # rewritten in place (the space reused): damaged for the agent too, so a miss
+        (_, loc) = a.cache.locate(keys[:1])[0]
+        with open(loc.path, "r+b") as f:
+            f.seek(loc.offset + loc.length - 100)
+            f.write(b"\xff" * 100)
+        a.cache.ssd.drop_page_cache(keys[0])
+        assert cache.load_async(keys[:1], NS.seed, toks[:1]).result(30) == [None]
+    finally:
+        cache.close()
