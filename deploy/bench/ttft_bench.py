@@ -1,13 +1,16 @@
 """``tide bench ttft``: time to first token of a long prompt computed, and loaded from the prompt
-cache the way a deployment loads it: through the node's cache agent over gRPC (its RAM tier, its
-SSD) and through another node's agent, with the directory a deployment uses (a local
-redis-server when one is installed). Medians of ``repeats`` runs with their range.
+cache the way a deployment loads it: this node's units (in its agent's RAM tier, on its SSD) read
+from the store's files, another node's through its agent over gRPC, with the directory a
+deployment uses (a local redis-server when one is installed) and units sealed under a cluster
+secret as ``tide up`` seals them. Medians of ``repeats`` runs with their range.
 
 Beside each TTFT: the load alone (``load``: the cache's own load of the prompt's units, timed
 apart from the engine) as GB/s and tokens/s, against the prefill tokens/s measured here; and the
 same loads for DeepSeek-V3-sized units (61 layers x 576 bf16 values: ~70 KB of KV per token, a
-4K prompt ~288 MB), against the prefill rate DeepSeek reports per H800 node, so the figures say
-where loading beats recomputing and where it does not.
+4K prompt ~288 MB), against the prefill rate DeepSeek reports per H800 node and against this
+machine's disk (fio, O_DIRECT, the unit as block) and loopback TCP, so the figures say where
+loading beats recomputing and how near the load runs to the hardware. ``hit_breakdown``: where a
+local SSD hit's time goes besides its load and its suffix's compute.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from cachedir.agent.cluster_cache import ClusterCache
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import ServerConfig
 from cachedir.directory import open_directory
-from cachedir.hashing import Namespace, chain_keys, resume_key
+from cachedir.hashing import RESUME_TOKEN, Namespace, chain_keys, resume_key
 from cachedir.node_cache import CacheConfig
 from cachedir.store import StoreConfig
 from cachedir.unit import Unit
@@ -45,6 +48,7 @@ from model.weights_id import weights_digest
 __all__ = ["run_ttft"]
 
 UNIT_TOKENS = 64
+SECRET = b"bench-cluster-secret-0123456789ab"  # units sealed as a deployment seals them
 V3_LAYERS, V3_DIM = 61, 576  # DeepSeek-V3's latent KV per token and layer (kv_lora_rank 512 + rope 64), bf16
 H800_PREFILL_TOKENS_PER_S = 73_700  # per node, DeepSeek's published day (ARCHITECTURE.md)
 
@@ -74,7 +78,8 @@ class _Node:
             name, CacheConfig(StoreConfig(root / name, 1 << 40, fsync=False), ram_bytes=ram_bytes),
             ServerConfig(host="127.0.0.1"), heartbeat_ttl_s=3600, sync_every_s=3600, replication=None),
             self.directory)
-        self.cache = ClusterCache(name, AgentClient(self.agent.address), self.directory, AgentClient)
+        self.cache = ClusterCache(name, AgentClient(self.agent.address), self.directory, AgentClient, secret=SECRET,
+                                  staging_bytes=512 << 20)
 
     def publish(self) -> None:
         self.cache.flush()
@@ -92,13 +97,15 @@ class _Node:
         self.directory.close()
 
 
-def _timed_load(cache: ClusterCache, units: list[Unit], before: Callable[[], None]) -> float:
-    """Seconds the cache takes to look up and load ``units`` (each verified), after ``before``."""
+def _timed_load(cache: ClusterCache, units: list[Unit], before: Callable[[], None],
+                tokens: list[tuple[int, ...]] | None = None) -> float:
+    """Seconds the cache takes to look up and load ``units`` (each verified against ``tokens``,
+    default their own: a sealed unit as stored withholds them), after ``before``."""
     keys = [u.key for u in units]
     before()
     t0 = time.perf_counter()
     cache.lookup(keys)
-    loaded = cache.load_async(keys, units[0].namespace, [u.token_ids for u in units]).result(timeout=600)
+    loaded = cache.load_async(keys, units[0].namespace, tokens or [u.token_ids for u in units]).result(timeout=600)
     elapsed = time.perf_counter() - t0
     assert all(x is not None for x in loaded), "a unit failed to load"
     return elapsed
@@ -107,6 +114,116 @@ def _timed_load(cache: ClusterCache, units: list[Unit], before: Callable[[], Non
 def _load_figures(seconds: list[float], nbytes: int, tokens: int) -> dict[str, Any]:
     t = statistics.median(seconds)
     return {"ms": _median(seconds), "gb_per_s": round(nbytes / t / 1e9, 3), "tokens_per_s": round(tokens / t, 1)}
+
+
+def _loopback_tcp_gb_per_s(nbytes: int = 512 << 20) -> float:
+    """Raw TCP over loopback (``sendall`` and ``recv_into`` of 4 MiB buffers): the ceiling of a
+    load from another node's agent on this machine."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    chunk = memoryview(bytearray(4 << 20))
+
+    def send() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for start in range(0, nbytes, len(chunk)):
+                conn.sendall(chunk[: min(len(chunk), nbytes - start)])
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    buf, got = memoryview(bytearray(4 << 20)), 0
+    with socket.create_connection(server.getsockname()) as conn:
+        t0 = time.perf_counter()
+        while got < nbytes:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            got += n
+        took = time.perf_counter() - t0
+    sender.join(30)
+    server.close()
+    return got / took / 1e9
+
+
+def _fio_read_gb_per_s(path: Path, nbytes: int, block: int) -> float | None:
+    """The disk's O_DIRECT read rate at ``block`` (fio, as ``tide bench unit-io`` runs it); None
+    without fio."""
+    from deploy.bench.cache_bench import fio_raw
+
+    if shutil.which("fio") is None:
+        return None
+    try:
+        return fio_raw(path, nbytes, block)["read_gb_per_s"]
+    finally:
+        path.unlink(missing_ok=True)
+
+
+class _Spans:
+    """Where one hit's time goes: the engine's calls wrapped and timed (the bench's own
+    instrument: nothing in the engine measures itself for it)."""
+
+    def __init__(self, engine: Engine, cache: ClusterCache) -> None:
+        self.s: dict[str, float] = {"lookup": 0.0, "admit": 0.0, "page_copies": 0.0, "suffix_compute": 0.0,
+                                    "load": 0.0}
+        self._wrap(engine, "add_request", "lookup")
+        self._wrap(engine.scheduler, "_admit", "admit")  # the scheduler admits through the engine's
+        self._wrap(engine.kv, "write_unit", "page_copies")
+        model = engine.model
+        spans = self
+
+        class Timed:
+            def __getattr__(self, name):
+                return getattr(model, name)
+
+            def prefill(self, *a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return model.prefill(*a, **k)
+                finally:
+                    spans.s["suffix_compute"] += time.perf_counter() - t0
+
+        engine.model = Timed()
+        load_async = cache.load_async
+
+        def timed_load(*a, **k):
+            t0 = time.perf_counter()
+            fut = load_async(*a, **k)
+            fut.add_done_callback(lambda _: self.s.__setitem__("load", time.perf_counter() - t0))
+            return fut
+
+        cache.load_async = timed_load
+
+    def _wrap(self, obj, name: str, span: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.s[span] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def _hit_breakdown(runs: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
+    """Medians (ms) of the hits' parts: the lookup (hashing, the agent's and the directory's
+    answers, the load's start), the load (from its start to its last unit verified), the wait for
+    it when the prompt was admitted, the copies of its units into pages, the suffix's compute,
+    and what is left (``other``: scheduling, sampling, the output); ``fixed``: the hit's time
+    beyond its load and its suffix's compute."""
+    def med(f) -> float:
+        return round(statistics.median(f(t, s) for t, s in runs) * 1e3, 2)
+
+    return {
+        "ttft_ms": med(lambda t, s: t), "lookup_ms": med(lambda t, s: s["lookup"]), "load_ms": med(lambda t, s: s["load"]),
+        "load_wait_ms": med(lambda t, s: s["admit"] - s["page_copies"]),
+        "page_copies_ms": med(lambda t, s: s["page_copies"]), "suffix_compute_ms": med(lambda t, s: s["suffix_compute"]),
+        "other_ms": med(lambda t, s: t - s["lookup"] - s["admit"] - s["suffix_compute"]),
+        "fixed_ms": med(lambda t, s: t - s["load"] - s["suffix_compute"]),
+    }
 
 
 def _v3_units(prompt_tokens: int) -> list[Unit]:
@@ -181,15 +298,30 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
             if resume_key(ns.seed, keys[-1]) in a.agent.cache.ssd:  # the record after the last unit (V4)
                 keys.append(resume_key(ns.seed, keys[-1]))
             units = [u for u in (a.agent.cache.ssd.get(k, ns.seed) for k in keys) if u is not None]
+            toks = [prompt[i * UNIT_TOKENS : (i + 1) * UNIT_TOKENS] for i in range(len(units))]
+            if len(units) > prompt_tokens // UNIT_TOKENS:  # the resume record's one token
+                toks[-1] = (RESUME_TOKEN,)
             unit_bytes = len(bytes(units[0].payload))
             loaded_bytes = sum(len(bytes(u.payload)) for u in units)
-            load = {path: _load_figures([_timed_load(node.cache, units, before) for _ in range(repeats)],
+            load = {path: _load_figures([_timed_load(node.cache, units, before, toks) for _ in range(repeats)],
                                         loaded_bytes, cached)
                     for path, (node, before) in paths.items()}
+            breakdown = []  # where a local SSD hit's time goes
+            for i in range(repeats):
+                c.drop_page_cache()
+                eng = engine(c.cache)
+                spans = _Spans(eng, c.cache)
+                t, out, _ = _ttft(eng, prompt, f"parts{i}")
+                c.cache.load_async = ClusterCache.load_async.__get__(c.cache)
+                assert out == ref
+                breakdown.append((t, spans.s))
             v3 = _v3_units(v3_prompt_tokens)
-            c.agent.cache.persist(v3)
+            c.cache.persist(v3)  # sealed, as a replica persists them
             c.publish()
             v3_bytes = sum(len(u.payload) for u in v3)
+            block = -(-len(v3[0].encode()) // 4096) * 4096  # O_DIRECT: whole 4 KiB blocks, a unit each
+            fio = _fio_read_gb_per_s(root / "fio.bin", min(v3_bytes, 256 << 20) // block * block, block)
+            tcp = _loopback_tcp_gb_per_s()
             v3_load = {path: _load_figures([_timed_load(node.cache, v3, c.drop_page_cache) for _ in range(repeats)],
                                            v3_bytes, UNIT_TOKENS * len(v3))
                        for path, node in (("local_agent_ssd", c), ("remote_agent_ssd", b))}
@@ -220,5 +352,12 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
             "break_even_gb_per_s": round(v3_token_bytes * H800_PREFILL_TOKENS_PER_S / 1e9, 2),
             "load": {path: {**f, "beats_h800_prefill": f["tokens_per_s"] > H800_PREFILL_TOKENS_PER_S}
                      for path, f in v3_load.items()},
+            # the hardware under the loads, measured in this run: a local load reads the disk, a
+            # remote one the disk and the network
+            "fio_read_gb_per_s": fio, "loopback_tcp_gb_per_s": round(tcp, 3),
+            "fraction_of_hardware": {
+                "local_agent_ssd": round(v3_load["local_agent_ssd"]["gb_per_s"] / fio, 3) if fio else None,
+                "remote_agent_ssd": round(v3_load["remote_agent_ssd"]["gb_per_s"] / min(fio or tcp, tcp), 3)},
         },
+        "hit_breakdown": _hit_breakdown(breakdown),
     }
