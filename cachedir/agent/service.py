@@ -25,7 +25,7 @@ from cachedir.layout import Loc
 
 __all__ = ["CHUNK_BYTES", "MAX_KEYS", "AgentBackend", "ServerConfig", "start_server"]
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 8 << 20  # a DeepSeek-V3 unit (~4.3 MiB) travels as one message
 MAX_KEYS = 4096
 FETCH_GROUP = 16  # units a Fetch reads (and holds) at once before streaming them
 MAX_UNIT_BYTES = 64 << 20  # a DeepSeek-V3 unit is ~4.3 MiB; anything far larger is not a unit
