@@ -65,7 +65,7 @@ class CacheAgentServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Fetch(self, request, context):
-        """The encoded unit files of `keys` in order, each split into chunks of at most 1 MiB.
+        """The encoded unit files of `keys` in order, each split into chunks of at most 8 MiB.
         A unit the agent lacks (or that failed verification) comes as one chunk with `missing`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
