@@ -89,11 +89,12 @@ class KVManager:
 
     def grow_to(self, seq: Sequence, tokens: int) -> bool:
         """Pages for ``seq``'s first ``tokens`` positions (its table row too, while it runs),
-        where they are free; False (nothing taken) when not: a speculative step's drafts."""
+        where they are free (no prefix entry is dropped for them); False (nothing taken) when
+        not: a speculative step's drafts."""
         need = self.pages_for(tokens) - len(seq.pages)
         if need <= 0:
             return True
-        pages = self.allocate(need)
+        pages = self.pages.allocate(need)
         if pages is None:
             return False
         if seq.row is not None:

@@ -532,6 +532,15 @@ def test_bench_ttft_json():
     assert v3["prompt_bytes"] == 2 * 64 * 61 * 576 * 2 and v3["break_even_gb_per_s"] == pytest.approx(5.18)
     assert set(v3["load"]) == {"local_agent_ssd", "remote_agent_ssd"}
     assert out["prefix_load"]["bytes"] == 3 * out["unit_bytes"]  # whole units of latent rows, nothing else
+    # the loads beside the hardware measured in the same run
+    assert v3["loopback_tcp_gb_per_s"] > 0
+    if shutil.which("fio"):
+        assert v3["fraction_of_hardware"]["local_agent_ssd"] == pytest.approx(
+            v3["load"]["local_agent_ssd"]["gb_per_s"] / v3["fio_read_gb_per_s"], rel=0.02)
+    # a hit's parts add up: what is left beside them is what no part names
+    parts = out["hit_breakdown"]
+    assert parts["suffix_compute_ms"] > 0 and parts["load_ms"] > 0 and parts["page_copies_ms"] > 0
+    assert parts["fixed_ms"] < parts["ttft_ms"]
 
 
 @pytest.mark.redis
