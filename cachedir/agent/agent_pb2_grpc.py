@@ -59,6 +59,11 @@ class CacheAgentStub:
                 request_serializer=cachedir_dot_agent_dot_agent__pb2.LocateRequest.SerializeToString,
                 response_deserializer=cachedir_dot_agent_dot_agent__pb2.LocateReply.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/tideserve.cache.CacheAgent/Reserve',
+                request_serializer=cachedir_dot_agent_dot_agent__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=cachedir_dot_agent_dot_agent__pb2.ReserveReply.FromString,
+                _registered_method=True)
 
 
 class CacheAgentServicer:
@@ -102,6 +107,14 @@ class CacheAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """A ticket for one connection to the agent's bulk TCP port that receives `keys`' units
+        (cachedir/agent/bulk.py); port 0 where the agent offers none (it serves over TLS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +142,11 @@ def add_CacheAgentServicer_to_server(servicer, server):
                     servicer.Locate,
                     request_deserializer=cachedir_dot_agent_dot_agent__pb2.LocateRequest.FromString,
                     response_serializer=cachedir_dot_agent_dot_agent__pb2.LocateReply.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=cachedir_dot_agent_dot_agent__pb2.ReserveRequest.FromString,
+                    response_serializer=cachedir_dot_agent_dot_agent__pb2.ReserveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +284,33 @@ class CacheAgent:
             '/tideserve.cache.CacheAgent/Locate',
             cachedir_dot_agent_dot_agent__pb2.LocateRequest.SerializeToString,
             cachedir_dot_agent_dot_agent__pb2.LocateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tideserve.cache.CacheAgent/Reserve',
+            cachedir_dot_agent_dot_agent__pb2.ReserveRequest.SerializeToString,
+            cachedir_dot_agent_dot_agent__pb2.ReserveReply.FromString,
             options,
             channel_credentials,
             insecure,

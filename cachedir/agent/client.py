@@ -13,10 +13,11 @@ import grpc
 
 from cachedir.agent import agent_pb2, agent_pb2_grpc
 from cachedir.agent.auth import Signer, body_digest
+from cachedir.agent.bulk import fetch_bulk
 from cachedir.agent.service import CHUNK_BYTES, MAX_UNIT_BYTES
 from cachedir.layout import Loc
 
-__all__ = ["AgentClient", "AgentError", "ClientPool"]
+__all__ = ["AgentClient", "AgentError", "BulkUnavailable", "ClientPool"]
 
 
 class AgentError(RuntimeError):
@@ -25,6 +26,10 @@ class AgentError(RuntimeError):
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class BulkUnavailable(AgentError):
+    """The agent's bulk port failed where its gRPC answered: its units can still come over gRPC."""
 
 
 _SERVICE = "/" + agent_pb2.DESCRIPTOR.services_by_name["CacheAgent"].full_name + "/"
@@ -174,6 +179,39 @@ class AgentClient:
         except grpc.RpcError as e:
             raise self._error(e, "push") from None
         return reply.accepted, reply.rejected
+
+    def reserve(self, keys: Sequence[bytes], requester: str = "") -> tuple[bytes, int]:
+        """A ticket and the port of the agent's bulk listener for ``keys`` (``cachedir.agent.bulk``);
+        port 0 where it offers none."""
+        request = agent_pb2.ReserveRequest(keys=list(keys), requester=requester)
+        metadata, nonce = self._sign("Reserve", request)
+        try:
+            reply, call = self._stub.Reserve.with_call(request, timeout=self.timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "reserve") from None
+        self._check_proof(call, "Reserve", nonce)
+        return reply.ticket, reply.port
+
+    def fetch_bulk(self, keys: Sequence[bytes], requester: str, max_unit_bytes: int,
+                   take: Callable[[int], memoryview]) -> list[tuple[str, memoryview] | None] | None:
+        """``fetch``'s answer through the agent's bulk port (None where it offers none): units
+        read straight into memory from ``take``, unverified. ``AgentError`` when the agent's
+        ``Reserve`` fails; ``BulkUnavailable`` when the bulk connection does (the caller fetches
+        through gRPC then)."""
+        try:
+            ticket, port = self.reserve(keys, requester)
+        except AgentError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:  # an agent without a bulk port
+                return None
+            raise
+        if not port:
+            return None
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            got = fetch_bulk(host, port, ticket, len(keys), min(max_unit_bytes, MAX_UNIT_BYTES), take, self.timeout_s)
+        except OSError as e:
+            raise BulkUnavailable(f"cache agent {self.address}: bulk fetch failed: {e}") from None
+        return [None if data is None else ("ssd", data) for data in got]
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[str, Loc] | None]:
         """(tier, where on the agent's SSD) per key, None where it holds none there: for a

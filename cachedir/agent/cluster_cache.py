@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cachedir.agent.client import AgentClient, AgentError
+from cachedir.agent.client import AgentClient, AgentError, BulkUnavailable
 from cachedir.agent.service import MAX_UNIT_BYTES
 from cachedir.directory.base import Directory, DirectoryUnavailable
 from cachedir.hashing import unit_mac_key
@@ -62,14 +62,16 @@ class ClusterCache:
         max_unit_bytes: int = MAX_UNIT_BYTES,
         direct: bool = True,
         staging_bytes: int = 256 << 20,
+        bulk: bool = True,
     ) -> None:
         """``local`` is this node's agent; ``client_for(address)`` gives a client for another;
         ``secret``: the cluster's cache secret (units are authenticated under it);
         ``max_unit_bytes``: the largest encoded unit of the model (a peer's larger one fails
         the fetch before its bytes are held); ``direct``: read this node's units from its store
         files (False: through its agent, as other nodes' are), into reusable buffers of at most
-        ``staging_bytes`` (``cachedir.staging``)."""
-        self.direct = direct
+        ``staging_bytes`` (``cachedir.staging``); ``bulk``: other nodes' units over their agents'
+        bulk TCP ports where they offer one (``cachedir.agent.bulk``), else over gRPC."""
+        self.direct, self.bulk = direct, bulk
         self.node_id = node_id
         self._secret = secret
         self._max_unit_bytes = max_unit_bytes
@@ -95,7 +97,7 @@ class ClusterCache:
         self._suspects: dict[str, tuple[float, str | None]] = {}
         self.counters = {"lookups": 0, "directory_errors": 0, "agent_errors": 0, "remote_units": 0,
                          "local_units": 0, "verify_failures": 0, "retried_units": 0, "persisted_units": 0,
-                         "suspected_holders": 0, "direct_units": 0, "direct_misses": 0}
+                         "suspected_holders": 0, "direct_units": 0, "direct_misses": 0, "bulk_units": 0}
         # source -> [bytes, seconds] of loads, for measured bandwidths
         self.transfer = {"local": [0, 0.0], "remote": [0, 0.0]}
 
@@ -331,16 +333,14 @@ class ClusterCache:
                 if address is None:
                     return node, got
                 try:
-                    found = self._client_for(address).fetch(wanted, requester=self.node_id,
-                                                            max_unit_bytes=self._max_unit_bytes)
+                    found = self._fetch_remote(self._client_for(address), wanted)
                 except AgentError:
                     # its agent may have restarted since the directory was read: a new port
                     moved = self._live_nodes(fresh=True).get(node)
                     if moved is None or moved == address:
                         raise
                     address = moved
-                    found = self._client_for(address).fetch(wanted, requester=self.node_id,
-                                                            max_unit_bytes=self._max_unit_bytes)
+                    found = self._fetch_remote(self._client_for(address), wanted)
         except AgentError as e:
             self._agent_error(e)
             if node is not None:
@@ -356,8 +356,9 @@ class ClusterCache:
             if item is None:
                 continue
             tier, data = item
-            try:
-                h, payload = decode(data, namespace, keys[i], tokens[i], mac_key=mac_key)
+            try:  # a sealed unit is opened into a staging buffer of its own
+                h, payload = decode(data, namespace, keys[i], tokens[i], mac_key=mac_key,
+                                    out=self._staging.take(len(data) + 15) if mac_key else None)
             except UnitCorrupt:
                 self._count("verify_failures")
                 lied = True
@@ -377,6 +378,25 @@ class ClusterCache:
             self.transfer[source][0] += nbytes
             self.transfer[source][1] += time.perf_counter() - t0
         return node, got
+
+    def _fetch_remote(self, client: AgentClient, wanted: list[bytes]) -> list[tuple[str, bytes | memoryview] | None]:
+        """Another node's units: through its agent's bulk port where it has one (what that
+        misses, and everything when it fails, through gRPC)."""
+        found = None
+        if self.bulk:
+            try:
+                found = client.fetch_bulk(wanted, self.node_id, self._max_unit_bytes, self._staging.take)
+            except BulkUnavailable as e:  # its gRPC answered: the units come that way
+                self._agent_error(e)
+        if found is None:
+            return client.fetch(wanted, requester=self.node_id, max_unit_bytes=self._max_unit_bytes)
+        self._count("bulk_units", sum(f is not None for f in found))
+        rest = [i for i, f in enumerate(found) if f is None]
+        if rest:
+            for i, f in zip(rest, client.fetch([wanted[i] for i in rest], requester=self.node_id,
+                                               max_unit_bytes=self._max_unit_bytes), strict=True):
+                found[i] = f
+        return found
 
     # -- persistence ---------------------------------------------------------------------------
     def persist(self, units: Sequence[Unit]) -> list[Future[bool]]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from cachedir.agent.bulk import BulkServer
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.service import AgentBackend, ServerConfig, start_server
 from cachedir.directory.base import Directory
@@ -57,8 +58,10 @@ class NodeAgent:
         self._lock = threading.Lock()
         self.counters = {"fetch_units": 0, "fetch_remote_units": 0, "fetch_missing": 0, "located_units": 0,
                          "push_accepted": 0, "push_refused": 0}
+        # units to other nodes over plain TCP beside gRPC (not where gRPC runs over TLS)
+        self.bulk = BulkServer(cfg.server.host, self.cache.locate) if cfg.server.tls_cert_chain is None else None
         self.server, self.port = start_server(
-            AgentBackend(self.read, self.has, self.accept, self.stats, self.locate),
+            AgentBackend(self.read, self.has, self.accept, self.stats, self.locate, self.reserve),
             dataclasses.replace(cfg.server, name=cfg.node_id, advertise_hosts=(cfg.advertise_host,)))
         self.address = f"{cfg.advertise_host}:{self.port}"
         self.publisher = self.replicator = None
@@ -92,6 +95,16 @@ class NodeAgent:
 
     def has(self, keys: Sequence[bytes]) -> list[str]:
         return self.cache.has(keys)
+
+    def reserve(self, keys: Sequence[bytes], requester: str = "") -> tuple[bytes, int]:
+        """A ticket for the bulk port (``cachedir.agent.bulk``) and the port; (b"", 0) without one."""
+        if self.bulk is None:
+            return b"", 0
+        if requester and requester != self.node_id and self.replicator is not None:
+            for k in keys:  # a remote fetch, as ``read`` counts one
+                if k in self.cache.ssd:
+                    self.replicator.note_remote_fetch(k, requester)
+        return self.bulk.reserve(keys), self.bulk.port
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[str, Loc] | None]:
         out = self.cache.locate(keys)
@@ -129,6 +142,8 @@ class NodeAgent:
         out = {"node_id": self.node_id, "address": self.address, **self.cache.stats()}
         with self._lock:
             out.update(self.counters)
+        if self.bulk is not None:
+            out.update({f"bulk_{k}": v for k, v in self.bulk.counters.items()})
         if self.publisher is not None:
             out.update(directory_pending=self.publisher.pending, directory_failures=self.publisher.failures,
                        directory_resyncs=self.publisher.resyncs)
@@ -180,6 +195,8 @@ class NodeAgent:
         if self.replicator is not None:
             self.replicator.close()
         self.server.stop(grace=1.0)
+        if self.bulk is not None:
+            self.bulk.close()
         self.client.close()
         self.cache.flush(timeout_s=30)
         self.cache.close()

@@ -53,6 +53,7 @@ class AgentBackend:
     accept: Callable[[bytes, bool], Future[bool]]  # one encoded unit, replace: stored (False: rejected)
     stats: Callable[[], dict]
     locate: Callable[[Sequence[bytes]], list[tuple[str, Loc] | None]] = lambda keys: [None] * len(keys)  # tier, where
+    reserve: Callable[[Sequence[bytes], str], tuple[bytes, int]] = lambda keys, requester: (b"", 0)  # ticket, port
 
 
 def _check_keys(keys: Sequence[bytes], context: grpc.ServicerContext) -> None:
@@ -132,6 +133,12 @@ class _Servicer(agent_pb2_grpc.CacheAgentServicer):
 
     def Stats(self, request, context) -> agent_pb2.StatsReply:  # noqa: N802
         return agent_pb2.StatsReply(json=json.dumps(self.b.stats()))
+
+    def Reserve(self, request, context) -> agent_pb2.ReserveReply:  # noqa: N802
+        keys = list(request.keys)
+        _check_keys(keys, context)
+        ticket, port = self.b.reserve(keys, request.requester)
+        return agent_pb2.ReserveReply(ticket=ticket, port=port)
 
     def Locate(self, request, context) -> agent_pb2.LocateReply:  # noqa: N802
         keys = list(request.keys)

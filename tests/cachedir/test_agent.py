@@ -178,6 +178,7 @@ def test_tls(tmp_path):
     try:
         with AgentClient(a.address, root_certificates=ca.read_bytes()) as c:
             assert c.has([b"\0" * 16]) == [""]
+            assert c.reserve([b"\0" * 16]) == (b"", 0)  # no bulk port beside TLS: units go through TLS
         with AgentClient(a.address, timeout_s=2) as plain, pytest.raises(AgentError):
             plain.has([b"\0" * 16])
     finally:
@@ -280,8 +281,9 @@ def test_cluster_cache_spreads_a_run_over_holders_and_retries_another(tmp_path):
         assert cache.lookup(keys) == ["remote"] * 4
         loaded = cache.load_async(keys, NS.seed, [u.token_ids for u in units]).result(timeout=10)
         assert all(x is not None for x in loaded)
-        served = [ag.stats()["fetch_remote_units"] for ag in agents[:2]]
-        assert served == [2, 2]  # both holders served half of the run, in parallel
+        served = [ag.stats()["bulk_units"] for ag in agents[:2]]
+        assert served == [2, 2]  # both holders served half of the run, in parallel (over their bulk ports)
+        assert cache.stats()["bulk_units"] == 4 and sum(ag.stats()["fetch_remote_units"] for ag in agents) == 0
         # one holder's copy of unit 0 is damaged: the unit comes from the other holder
         flip_byte(agents[0].cache.ssd, keys[0])
         flip_byte(agents[1].cache.ssd, keys[0])
@@ -753,3 +755,48 @@ def test_a_unit_moved_rewritten_or_unreadable_under_a_direct_read_is_never_wrong
         assert cache.load_async(keys[:1], NS.seed, toks[:1]).result(30) == [None]
     finally:
         cache.close()
+
+
+def test_other_nodes_units_come_over_the_bulk_port_and_only_with_a_fresh_ticket(pair, monkeypatch):
+    """A remote load takes the holder's bulk TCP port (a ticket from its signed Reserve, good for
+    one connection); a stranger's ticket, a used one and a peer that fails or floods the bulk
+    connection get nothing from it, and the units then come over gRPC, verified as ever."""
+    import os
+    import socket
+
+    import cachedir.agent.client as client_mod
+    from cachedir.agent.bulk import TICKET_BYTES
+
+    d, a, b = pair
+    units = make_units(TOKENS)
+    _store(a, units)
+    keys, toks = [u.key for u in units], [u.token_ids for u in units]
+    cache = _cluster_cache(b, d)
+    try:
+        assert cache.lookup(keys) == ["remote"] * 4
+        loaded = cache.load_async(keys, NS.seed, toks).result(30)
+        assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+        assert cache.stats()["bulk_units"] == 4 and a.stats()["bulk_units"] == 4 and a.stats()["fetch_units"] == 0
+        # a ticket is for its one connection; a made-up one is refused without a byte
+        ticket, port = AgentClient(a.address).reserve(keys[:1])
+        for t, served in ((os.urandom(TICKET_BYTES), False), (ticket, True), (ticket, False)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(t)
+                got = conn.recv(1 << 20)
+                assert (len(got) >= 8) if served else got == b""  # the unit's length, then its bytes
+        assert a.stats()["bulk_refused"] == 2
+
+        # the bulk connection fails, or a peer floods it: the units come over gRPC instead
+        def broken(*args):
+            raise OSError("connection reset")
+
+        real = client_mod.fetch_bulk  # a flood: more than a unit's bytes declared
+        for fault in (broken, lambda h, p, t, n, limit, take, timeout: real(h, p, t, n, 10, take, timeout)):
+            monkeypatch.setattr(client_mod, "fetch_bulk", fault)
+            before = a.stats()["fetch_remote_units"]
+            loaded = cache.load_async(keys, NS.seed, toks).result(30)
+            assert [bytes(x.unit.payload) for x in loaded] == [bytes(u.payload) for u in units]
+            assert a.stats()["fetch_remote_units"] == before + 4
+    finally:
+        cache.close()
+
