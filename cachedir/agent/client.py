@@ -138,14 +138,17 @@ class AgentClient:
     def has(self, keys: Sequence[bytes]) -> list[str]:
         if not keys:
             return []
-        request = agent_pb2.HasRequest(keys=list(keys))
-        metadata, nonce = self._sign("Has", request)
+        return list(self._unary("Has", agent_pb2.HasRequest(keys=list(keys))).tiers)
+
+    def _unary(self, method: str, request):
+        """A signed unary call's reply, once the agent proved it holds the token."""
+        metadata, nonce = self._sign(method, request)
         try:
-            reply, call = self._stub.Has.with_call(request, timeout=self.timeout_s, metadata=metadata)
+            reply, call = getattr(self._stub, method).with_call(request, timeout=self.timeout_s, metadata=metadata)
         except grpc.RpcError as e:
-            raise self._error(e, "has") from None
-        self._check_proof(call, "Has", nonce)
-        return list(reply.tiers)
+            raise self._error(e, method.lower()) from None
+        self._check_proof(call, method, nonce)
+        return reply
 
     def push(self, encoded_units: Iterable[bytes], replace: frozenset[int] = frozenset()) -> tuple[int, int]:
         """Send units (encoded files); returns (accepted, rejected). The units at the positions in
@@ -183,13 +186,7 @@ class AgentClient:
     def reserve(self, keys: Sequence[bytes], requester: str = "") -> tuple[bytes, int]:
         """A ticket and the port of the agent's bulk listener for ``keys`` (``cachedir.agent.bulk``);
         port 0 where it offers none."""
-        request = agent_pb2.ReserveRequest(keys=list(keys), requester=requester)
-        metadata, nonce = self._sign("Reserve", request)
-        try:
-            reply, call = self._stub.Reserve.with_call(request, timeout=self.timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            raise self._error(e, "reserve") from None
-        self._check_proof(call, "Reserve", nonce)
+        reply = self._unary("Reserve", agent_pb2.ReserveRequest(keys=list(keys), requester=requester))
         return reply.ticket, reply.port
 
     def fetch_bulk(self, keys: Sequence[bytes], requester: str, max_unit_bytes: int,
@@ -218,27 +215,14 @@ class AgentClient:
         caller on the agent's node, which reads the files itself (and verifies what it reads)."""
         if not keys:
             return []
-        request = agent_pb2.LocateRequest(keys=list(keys))
-        metadata, nonce = self._sign("Locate", request)
-        try:
-            reply, call = self._stub.Locate.with_call(request, timeout=self.timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            raise self._error(e, "locate") from None
-        self._check_proof(call, "Locate", nonce)
+        reply = self._unary("Locate", agent_pb2.LocateRequest(keys=list(keys)))
         if len(reply.locations) != len(keys):
             raise AgentError(f"cache agent {self.address}: locate answered {len(reply.locations)} of {len(keys)} keys")
         return [(loc.tier, Loc(Path(loc.path), loc.offset, loc.length)) if loc.path else None
                 for loc in reply.locations]
 
     def stats(self) -> dict:
-        request = agent_pb2.StatsRequest()
-        metadata, nonce = self._sign("Stats", request)
-        try:
-            reply, call = self._stub.Stats.with_call(request, timeout=self.timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            raise self._error(e, "stats") from None
-        self._check_proof(call, "Stats", nonce)
-        return json.loads(reply.json)
+        return json.loads(self._unary("Stats", agent_pb2.StatsRequest()).json)
 
     def close(self) -> None:
         self._channel.close()
