@@ -16,7 +16,9 @@ sequences do not wait for a pass of their own behind a prompt's; with ``micro_ba
 chunk and the decode batch are that pass's two pipelined micro-batches (one's expert round hides
 behind the other's attention). A decode pass of its own replays, on a CUDA model, the CUDA graph
 of its batch bucket (``model.fixed_decode``) unless ``enforce_eager``; on a float32 CPU model it
-is one C++ call (``model.cpu_step``).
+is one C++ call (``model.cpu_step``). With the checkpoint's MTP layers loaded and drafting on
+(``speculative_tokens``), a decode row verifies its drafts in the same pass and the MTP layers
+propose the next ones (``cluster.speculative``): the tokens are those of decoding without.
 
 Which sequences run and how much of each prompt is the scheduler's (``cluster.scheduler``); the
 pages, the KV manager's (``cluster.kv_manager``); the output's text, ``cluster.output``'s;
@@ -68,6 +70,7 @@ from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logp
 __all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class _Pass:
