@@ -186,7 +186,8 @@ class LLMServer:
         client_for = ClientPool(lambda addr: AgentClient(addr, token, tls["ca"], timeout_s=agents.fetch_timeout_s,
                                                          name=name, client_certificate=mine))
 
-        sizes = kv_sizes(self.model.cfg, torch.float32)  # the widest KV a pool of this model keeps
+        # the widest KV a pool of this model keeps (the MTP layers' latents too, when it drafts)
+        sizes = kv_sizes(self.model.cfg, torch.float32, draft_layers=len(getattr(self.model, "mtp", ())))
         largest = max(sizes.unit_bytes, sizes.resume_bytes) + UNIT_HEADER_SLACK
         return ClusterCache(self.node_id, NodeAgentClient(self.node_id, client_for), agents.directory.open(),
                             client_for, secret=self._secret, max_unit_bytes=largest)

@@ -33,7 +33,10 @@ class KVSizes:
         return units * self.unit_bytes + (self.resume_bytes if units else 0)
 
 
-def kv_sizes(cfg: ModelConfig | V4Config, dtype: torch.dtype = torch.bfloat16, page_size: int = 16) -> KVSizes:
+def kv_sizes(cfg: ModelConfig | V4Config, dtype: torch.dtype = torch.bfloat16, page_size: int = 16,
+             draft_layers: int = 0) -> KVSizes:
+    """``draft_layers``: MTP layers whose latents the pool and the units carry beside the
+    model's (a replica that drafts with them, ``model.mtp``)."""
     size = torch.empty(0, dtype=dtype).element_size()
     if isinstance(cfg, V4Config):
         pool = HybridKVPool(cfg, 1, page_size, dtype)
@@ -42,7 +45,7 @@ def kv_sizes(cfg: ModelConfig | V4Config, dtype: torch.dtype = torch.bfloat16, p
         window_pages = -(-(cfg.window_keep + UNIT_TOKENS) // page_size) + 2
         return KVSizes(entries / page_size, UNIT_TOKENS * pool.row_dim * size, pool.resume_dim * size,
                        window_pages * window)
-    row = cfg.num_hidden_layers * cfg.kv_dim * size
+    row = (cfg.num_hidden_layers + draft_layers) * cfg.kv_dim * size
     # V2/V3/V3.2: a unit is its tokens' rows; nothing more is needed to go on after it
     return KVSizes(float(row), UNIT_TOKENS * row, 0)
 

@@ -104,3 +104,17 @@ def test_the_draft_is_the_same_in_one_cpp_call_and_layer_by_layer(ckpt):
     logits, h = model.decode(tok, pool, tables, pos, hidden=True)
     torch.testing.assert_close(logits, model.decode(tok, pool, tables, pos), atol=0, rtol=0)
     assert h.shape == (2, CFG.hidden_size)
+
+
+def test_a_drafting_pools_units_are_counted_with_their_mtp_latents(ckpt):
+    """What bounds a unit a peer may send (``kv_sizes``) counts the MTP layer's latents that a
+    drafting replica's units carry: a unit of a drafting pool is exactly that size."""
+    from cachedir.hashing import Namespace
+    from cluster.engine import Engine, EngineConfig
+    from model.kv_sizes import kv_sizes
+
+    model = load_model(ckpt, mtp=True)
+    eng = Engine(model, EngineConfig(num_pages=8, speculative_tokens=1), Namespace("f", "w", "float32", "l", 64),
+                 lambda ids: "", None)
+    assert kv_sizes(CFG, torch.float32, draft_layers=1).unit_bytes == eng.kv.unit_bytes()
+    assert kv_sizes(CFG, torch.float32).unit_bytes * 5 == eng.kv.unit_bytes() * 4  # 4 layers, and the MTP one
