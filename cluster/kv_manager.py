@@ -76,25 +76,17 @@ class KVManager:
 
     def grow(self, seq: Sequence) -> bool:
         """A page for ``seq``'s next token when its pages are full (its table row too, while it
-        runs); False when none is free."""
-        if (seq.length - 1) // self.page_size < len(seq.pages):
-            return True
-        page = self.allocate(1)
-        if page is None:
-            return False
-        if seq.row is not None:
-            self._tables[seq.row, len(seq.pages)] = page[0]
-        seq.pages.extend(page)
-        return True
+        runs), dropping prefix entries for it if need be; False when none is free."""
+        return self.grow_to(seq, seq.length, evict=True)
 
-    def grow_to(self, seq: Sequence, tokens: int) -> bool:
-        """Pages for ``seq``'s first ``tokens`` positions (its table row too, while it runs),
-        where they are free (no prefix entry is dropped for them); False (nothing taken) when
-        not: a speculative step's drafts."""
+    def grow_to(self, seq: Sequence, tokens: int, evict: bool = False) -> bool:
+        """Pages for ``seq``'s first ``tokens`` positions (its table row too, while it runs):
+        free ones, or with ``evict`` those prefix entries give up (a speculative step's drafts
+        take only free ones); False (nothing taken) when too few."""
         need = self.pages_for(tokens) - len(seq.pages)
         if need <= 0:
             return True
-        pages = self.pages.allocate(need)
+        pages = self.allocate(need) if evict else self.pages.allocate(need)
         if pages is None:
             return False
         if seq.row is not None:

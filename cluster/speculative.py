@@ -19,6 +19,7 @@ committed positions, and the next step writes over it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -79,7 +80,7 @@ class Speculator:
         """Whether this step's ``batch`` verifies drafts (and the MTP layers propose new ones);
         when not, their drafts are dropped."""
         on = self.enabled and 0 < len(batch) <= self.max_batch
-        if not on:
+        if self.enabled and not on:  # (an engine that never drafts has none to drop)
             for seq in batch:
                 seq.drafts = []
         return on
@@ -126,7 +127,7 @@ class Speculator:
         flat = long_tensor([i for r in rows for i in r])
         logits, normed = self._draft(0, hidden.index_select(0, flat.to(hidden.device)), long_tensor(ids), tables,
                                      long_tensor(positions))
-        last = long_tensor([sum(counts[: i + 1]) - 1 for i in range(len(seqs))])
+        last = long_tensor([end - 1 for end in accumulate(counts)])  # each sequence's last row
         self._chain(seqs, logits[last], normed[last])
 
     def propose_one(self, seq: Sequence, hidden: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ class Spans:
     def __init__(self, engine: Engine, cache: ClusterCache) -> None:
         self.s: dict[str, float] = {"lookup": 0.0, "admit": 0.0, "page_copies": 0.0, "suffix_compute": 0.0,
                                     "load": 0.0}
+        self._undo: list = []  # (object, attribute) set here
         self._wrap(engine, "add_request", "lookup")
         self._wrap(engine.scheduler, "_admit", "admit")  # the scheduler admits through the engine's
         self._wrap(engine.kv, "write_unit", "page_copies")
@@ -48,6 +49,12 @@ class Spans:
             return fut
 
         cache.load_async = timed_load
+        self._undo.append((cache, "load_async"))
+
+    def close(self) -> None:
+        """Let go of the shared cache: its own ``load_async`` again (the engine is the hit's own)."""
+        for obj, name in self._undo:
+            delattr(obj, name)
 
     def _wrap(self, obj, name: str, span: str) -> None:
         inner = getattr(obj, name)

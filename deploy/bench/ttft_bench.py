@@ -247,7 +247,7 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
                 eng = engine(c.cache)
                 spans = Spans(eng, c.cache)
                 t, out, _ = _ttft(eng, prompt, f"parts{i}")
-                c.cache.load_async = ClusterCache.load_async.__get__(c.cache)
+                spans.close()
                 assert out == ref
                 breakdown.append((t, spans.s))
             v3 = _v3_units(v3_prompt_tokens)
