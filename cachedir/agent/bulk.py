@@ -98,14 +98,14 @@ class BulkServer:
         except FileNotFoundError:  # gone since it was located
             conn.sendall(_LENGTH.pack(0))
             return
+        with self._lock:  # counted as it goes out: the caller may hold it before this thread goes on
+            self.counters["units"] += 1
+            self.counters["bytes"] += loc.length
         with f:
             conn.sendall(_LENGTH.pack(loc.length))
             # os.sendfile under the socket's timeout: the bytes go from the page cache to the socket
             if conn.sendfile(f, loc.offset, loc.length) != loc.length:
                 raise OSError(f"{loc.path} ended inside a unit")  # the stream cannot go on
-        with self._lock:
-            self.counters["units"] += 1
-            self.counters["bytes"] += loc.length
 
     def close(self) -> None:
         self._closed = True
