@@ -167,12 +167,17 @@ class Engine:
         keys = list(plan.unit_keys) if plan is not None else chain_keys(ns.seed, req.prompt_ids, UNIT_TOKENS)
         text = TextStream(self.detokenize, req.stop, req.continued_ids, req.continued_chars, req.include_stop)
         seq = Sequence(req, keys, text=text)
-        if req.sampling.penalized:  # counted as tokens come: the penalties' cost does not grow with the output
-            seq.token_counts = torch.bincount(torch.tensor(req.continued_ids, dtype=torch.long),
-                                              minlength=self.model.cfg.vocab_size)[: self.model.cfg.vocab_size]
+        # Penalties read per-token counts kept on the logits' device, in their dtype, and counted
+        # there as tokens come: a step moves no [V] row to the device and the cost does not grow
+        # with the output.
+        vocab, device = self.model.cfg.vocab_size, self.model.device
+        if req.sampling.penalized:
+            seq.token_counts = torch.bincount(long_tensor(list(req.continued_ids)), minlength=vocab)[:vocab].to(
+                device, torch.float32)
         if req.sampling.repeats:  # the prompt's tokens once; the output's as they come
-            seq.seen = torch.zeros(self.model.cfg.vocab_size, dtype=torch.bool)
-            seq.seen[long_tensor([t for t in req.prompt_ids if t < len(seq.seen)])] = True
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[long_tensor([t for t in req.prompt_ids if t < vocab])] = True
+            seq.seen = seen.to(device)
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
         if req.grammar is not None:

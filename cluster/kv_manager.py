@@ -1,9 +1,9 @@
 """The replica's latent KV: the paged pool, its pages (shared prefixes counted by reference), the
 running sequences' block-table rows, and moving cache units and handed-off prompts in and out.
 
-A sequence's ``pages`` list its pages in order; while it runs it also holds a row of one block-
-table tensor that mirrors them, so a decode step gathers rows instead of building tables from
-Python lists. Whole-unit pages of finished prompts stay in the prefix table (one reference each)
+A sequence's ``pages`` list its pages in order; while it runs it also holds a row of the block
+tables (``cluster.block_tables``: on the engine's device, changed in place) that mirrors them, so
+a decode step reads rows instead of building tables from Python lists. Whole-unit pages of finished prompts stay in the prefix table (one reference each)
 for later requests; ``allocate`` drops its least recently used entries when pages run short.
 """
 
@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from cachedir.unit import Unit
+from cluster.block_tables import BlockTables
 from cluster.pages import PageAllocator, PrefixTable
 from cluster.request import Sequence
 from model.model import DeepseekModel
@@ -43,7 +44,7 @@ class KVManager:
         self.num_pages, self.page_size, self.unit_tokens = num_pages, page_size, unit_tokens
         self.unit_pages = unit_tokens // page_size
         self.max_pages = min(num_pages, -(-(model.cfg.max_position_embeddings + 1) // page_size))
-        self._tables = torch.zeros(max_rows, self.max_pages, dtype=torch.long)  # [rows, pages]
+        self._tables = BlockTables(max_rows, self.max_pages, 0, model.device)
         self._free_rows = list(range(max_rows))  # a heap: the lowest free row is taken first
 
     def _new_pool(self, model: DeepseekModel, num_pages: int, page_size: int):
@@ -90,7 +91,7 @@ class KVManager:
         if pages is None:
             return False
         if seq.row is not None:
-            self._tables[seq.row, len(seq.pages) : len(seq.pages) + need] = long_tensor(pages)
+            self._tables.write(seq.row, len(seq.pages), pages)
         seq.pages.extend(pages)
         return True
 
@@ -128,21 +129,17 @@ class KVManager:
         """``seq`` starts running: the lowest free row of the block tables (running rows stay
         packed from row 0), filled with its pages."""
         seq.row = heapq.heappop(self._free_rows)
-        self._tables[seq.row, : len(seq.pages)] = long_tensor(seq.pages)
+        self._tables.write(seq.row, 0, seq.pages)
 
     def free_row(self, seq: Sequence) -> None:
         heapq.heappush(self._free_rows, seq.row)
         seq.row = None
 
     def tables(self, batch: list[Sequence]) -> torch.Tensor:
-        """Block tables [B, W] of running sequences (W: the longest's pages): a view of the rows
-        when the batch holds consecutive rows in order (no copy that grows with context), else
-        the rows gathered."""
-        width = max([len(s.pages) for s in batch])
-        rows = [s.row for s in batch]
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            return self._tables[rows[0] : rows[0] + len(rows), :width]
-        return self._tables[:, :width].index_select(0, long_tensor(rows))
+        """Block tables [B, W] of running sequences (W: the longest's pages) on the model's
+        device: a view of the rows when the batch holds consecutive rows in order (no copy that
+        grows with context), else the rows gathered."""
+        return self._tables.rows([s.row for s in batch], max([len(s.pages) for s in batch]))
 
     # -- units and prompts in and out ----------------------------------------------------
     def fits(self, unit: Unit) -> bool:
@@ -213,5 +210,6 @@ class KVManager:
         rows = [s.row for s in running]
         assert None not in rows and sorted(rows + self._free_rows) == list(range(self._tables.shape[0])), rows
         for s in running:
-            assert self._tables[s.row, : len(s.pages)].tolist() == s.pages, (s.req.request_id, s.pages)
+            assert self._tables.host[s.row, : len(s.pages)].tolist() == s.pages, (s.req.request_id, s.pages)
+        assert torch.equal(self._tables.device_copy().cpu(), self._tables.host), "device block tables drifted"
         assert all(s.row is None for s in seqs if id(s) not in running_ids)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from cachedir.unit import Unit
+from cluster.block_tables import BlockTables
 from cluster.kv_manager import KVManager, long_tensor
 from cluster.pages import PageAllocator
 from cluster.request import Sequence
@@ -51,7 +52,7 @@ class WindowKVManager(KVManager):
         super().__init__(model, num_pages, page_size, max_rows, unit_tokens)
         self.window = PageAllocator(self.num_window_pages)
         self.window_scratch = self.num_window_pages  # what released entries of a table point at
-        self._wtables = torch.full_like(self._tables, self.window_scratch)
+        self._wtables = BlockTables(max_rows, self.max_pages, self.window_scratch, model.device)
         self._window_of: OrderedDict[bytes, list[int]] = OrderedDict()  # prefix entry -> its window pages
 
     def _new_pool(self, model, num_pages: int, page_size: int):
@@ -74,7 +75,7 @@ class WindowKVManager(KVManager):
             if seq.window_pages[j] < 0:
                 seq.window_pages[j] = self._window_alloc()
                 if seq.row is not None:
-                    self._wtables[seq.row, j] = seq.window_pages[j]
+                    self._wtables.write(seq.row, j, [seq.window_pages[j]])
 
     def trim(self, seq: Sequence) -> None:
         """Give back ``seq``'s window pages wholly behind ``keep`` positions before its next."""
@@ -84,7 +85,7 @@ class WindowKVManager(KVManager):
                 self.window.release([seq.window_pages[j]])
                 seq.window_pages[j] = -1
                 if seq.row is not None:
-                    self._wtables[seq.row, j] = self.window_scratch
+                    self._wtables.write(seq.row, j, [self.window_scratch])
 
     def prepare(self, seq: Sequence, end: int) -> None:
         self._cover(seq, seq.num_computed, end)
@@ -154,11 +155,10 @@ class WindowKVManager(KVManager):
 
     def claim_row(self, seq: Sequence) -> None:
         super().claim_row(seq)
-        self._wtables[seq.row, : len(seq.window_pages)] = long_tensor(
-            [p if p >= 0 else self.window_scratch for p in seq.window_pages])
+        self._wtables.write(seq.row, 0, [p if p >= 0 else self.window_scratch for p in seq.window_pages])
 
     def free_row(self, seq: Sequence) -> None:
-        self._wtables[seq.row] = self.window_scratch
+        self._wtables.clear(seq.row)
         super().free_row(seq)
 
     def table(self, seq: Sequence) -> torch.Tensor:
@@ -168,8 +168,7 @@ class WindowKVManager(KVManager):
     def tables(self, batch: list[Sequence]) -> torch.Tensor:
         """[B, 2, W]: each row's entry pages, then its window pages."""
         pages = super().tables(batch)
-        rows = long_tensor([s.row for s in batch])
-        return torch.stack((pages, self._wtables[:, : pages.shape[1]].index_select(0, rows)), dim=1)
+        return torch.stack((pages, self._wtables.rows([s.row for s in batch], pages.shape[1])), dim=1)
 
     # -- records in and out ----------------------------------------------------------------
     def _window_table(self, seq: Sequence) -> torch.Tensor:
@@ -202,5 +201,6 @@ class WindowKVManager(KVManager):
             assert self.window.refcount(page) == holders[page], (page, self.window.refcount(page), holders[page])
         for s in running:
             want = [p if p >= 0 else self.window_scratch for p in s.window_pages]
-            assert self._wtables[s.row, : len(want)].tolist() == want, (s.req.request_id, s.window_pages)
+            assert self._wtables.host[s.row, : len(want)].tolist() == want, (s.req.request_id, s.window_pages)
+        assert torch.equal(self._wtables.device_copy().cpu(), self._wtables.host), "device window tables drifted"
         assert set(self._window_of) <= set(self.prefix.keys())

@@ -181,14 +181,16 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[
     those, so the cost does not grow with the output), then the repetition penalty on
     ``seen[b]`` (its prompt's and output's ids, or a mask [V]): a seen token's logit is divided
     by it when positive and multiplied by it when not."""
-    logits = logits.clone()
+    logits, vocab = logits.clone(), logits.shape[-1]
     for b, p in enumerate(params):
         if p.penalized and outputs is not None and outputs[b] is not None:
             counts = _per_token(outputs[b], logits)
             logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if p.repeats and seen is not None and seen[b] is not None:
             row, r = logits[b], p.repetition_penalty
-            logits[b] = torch.where(_per_token(seen[b], logits) > 0, torch.where(row > 0, row / r, row * r), row)
+            mask = seen[b] if isinstance(seen[b], torch.Tensor) and seen[b].dtype == torch.bool else \
+                _per_token(seen[b], logits) > 0
+            logits[b] = torch.where(mask[:vocab].to(logits.device), torch.where(row > 0, row / r, row * r), row)
     return logits
 
 

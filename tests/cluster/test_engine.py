@@ -274,6 +274,47 @@ def test_sampling_options_in_a_batch_equal_the_model_alone(model, case):
     assert eng.stats["preemptions"] >= 1
 
 
+def test_penalty_counts_stay_on_the_logits_device_and_no_step_moves_a_vocabulary_row(model):
+    """Penalized requests keep their counts and seen-masks on the model's device in the
+    sampler's form, updated in place: no step copies or converts a [V] row per request (on a GPU
+    that was a host-to-device copy of every penalized row, 1 MB each at a 129k vocabulary)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = model.cfg.vocab_size
+    moved: list[str] = []
+
+    class RowCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # a [V] row made anew in another dtype or on another device (writing a row of the
+            # logits in place is not a move)
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if func is torch.ops.aten._to_copy.default or (func is torch.ops.aten.copy_.default and (
+                    args[0].dtype != src.dtype or args[0].device != src.device)):
+                if src.dim() == 1 and src.numel() == vocab:
+                    moved.append(f"{func}: {src.dtype} {src.device}")
+            return func(*args, **(kwargs or {}))
+
+    params = {"freq": SamplingParams(frequency_penalty=1.5), "both": SamplingParams(0.8, seed=3, presence_penalty=0.5,
+                                                                                      repetition_penalty=1.2)}
+    eng = _engine(model)
+    prompts = {rid: _prompt(30 + 7 * i, 50 + i) for i, rid in enumerate(params)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 12, params[rid]))
+    outs: dict = {}
+    for o in eng.step():  # admitted: counts made once
+        outs.setdefault(o.request_id, []).append(o)
+    for seq in eng.running:
+        assert seq.token_counts.device == model.device and seq.token_counts.dtype == torch.float32
+        assert seq.seen is None or seq.seen.device == model.device
+    with RowCopies():
+        while eng.has_work():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).append(o)
+    assert moved == []
+    for rid, p in prompts.items():
+        assert _tokens(outs[rid]) == generate(model, list(p), 12, params[rid]), rid
+
+
 def test_stop_token_ids_end_the_output_and_min_tokens_holds_every_stop_back(model):
     prompt = _prompt(40, 95)
     ref = _ref(model, prompt, 12)
