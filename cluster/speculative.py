@@ -105,7 +105,7 @@ class Speculator:
                 self.stats.drafted[j] += 1
         tables = self.kv.tables(batch)
         if len(tokens) != len(batch):
-            tables = tables.repeat_interleave(long_tensor(counts), dim=0)
+            tables = tables.repeat_interleave(long_tensor(counts).to(tables.device), dim=0)
         return VerifyRows(tables, long_tensor(tokens), long_tensor(positions), first)
 
     def accepted(self, j: int) -> None:
@@ -123,7 +123,8 @@ class Speculator:
             ids += seq.output_ids[-n:]
             positions += range(seq.num_computed - n, seq.num_computed)
             counts.append(n)
-        tables = self.kv.tables(seqs).repeat_interleave(long_tensor(counts), dim=0)
+        tables = self.kv.tables(seqs)
+        tables = tables.repeat_interleave(long_tensor(counts).to(tables.device), dim=0)
         flat = long_tensor([i for r in rows for i in r])
         logits, normed = self._draft(0, hidden.index_select(0, flat.to(hidden.device)), long_tensor(ids), tables,
                                      long_tensor(positions))
