@@ -1,8 +1,9 @@
-"""``EPGroup``: an attention replica's expert-parallel group (Ray owns the shards, gloo moves data).
+"""``EPGroup``: an attention replica's expert-parallel group (Ray owns the shards, a collective
+group moves data: NCCL between GPUs, else gloo; ``cluster.ep_comm``).
 
 Runs inside the replica's process. It joins the app's ``EPControl`` (which owns the placement
-every replica serves), forms a gloo group with the placement's expert shards (the replica is
-rank 0; every replica has a group of its own with the same shards), and hands the model a
+every replica serves), forms a group with the placement's expert shards (the replica is rank 0;
+every replica has a group of its own with the same shards), and hands the model a
 ``cluster.ep.EPExecutor``.
 
 * Following the placement: a thread polls the control (reporting the version served and the
@@ -26,7 +27,13 @@ import ray
 import torch
 
 from cluster.ep import EPExecutor, EPTransportError, Wire
-from cluster.ep_gloo import GlooTransport, form_group, listen_socket
+from cluster.ep_comm import (
+    CollectiveTransport,
+    form_group,
+    group_backend,
+    group_device,
+    listen_socket,
+)
 
 __all__ = ["EPGroup", "expert_shard_actor"]
 
@@ -55,9 +62,12 @@ class EPGroup:
         recover_deadline_s: float = 180.0,
         poll_s: float = 0.25,
         wire: Wire | None = None,
+        device: str | torch.device = "cpu",
+        backend: str = "auto",
     ) -> None:
         """``control``: the app's ``EPControl`` actor; ``timeout_s``: a round slower than this
-        counts as a failed shard; ``poll_s``: how often to ask the control for a new placement."""
+        counts as a failed shard; ``poll_s``: how often to ask the control for a new placement;
+        ``device``: the replica's; ``backend``: auto | gloo | nccl (``cluster.ep_comm.group_backend``)."""
         self.control = control
         self.replica_id = replica_id
         self.hidden = hidden
@@ -66,12 +76,14 @@ class EPGroup:
         self.wire = wire if wire is not None else Wire.deepseek(dtype)  # how rows travel (cluster.ep.Wire)
         self.recover_deadline_s = recover_deadline_s
         self.poll_s = poll_s
+        self.backend = group_backend(backend, device)
+        self.device = group_device(self.backend, device)
         self.host = ray.util.get_node_ip_address()
         self.executor: EPExecutor | None = None
         self.stats = {"reforms": 0, "switches": 0, "poll_failures": 0}
         self._shards_of: dict[int, list] = {}  # placement version -> its shards
-        self._transport: GlooTransport | None = None
-        self._pending: tuple[int, GlooTransport | None] | None = None  # a switch not yet applied
+        self._transport: CollectiveTransport | None = None
+        self._pending: tuple[int, CollectiveTransport | None] | None = None  # a switch not yet applied
         self._stopped = threading.Event()
 
     @property
@@ -97,17 +109,18 @@ class EPGroup:
         except Exception:  # noqa: BLE001 - shutting down: the control forgets us after its timeout
             pass
 
-    def _form(self, shards: list) -> GlooTransport:
+    def _form(self, shards: list) -> CollectiveTransport:
         world = len(shards) + 1
         # the group's store listens on this node's cluster address only (loopback under `tide up`)
         sock, group_id = listen_socket(self.host), uuid.uuid4().hex[:12]
         port = sock.getsockname()[1]
         key = secrets.token_bytes(32)  # the group's members prove they hold it (through Ray only)
         for rank, shard in enumerate(shards, start=1):
-            shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden, key, self.wire)
+            shard.join.remote(group_id, self.host, port, rank, world, self.timeout_s, self.hidden, key, self.wire,
+                              self.backend)
         pg = form_group(self.host, port, 0, world, self.timeout_s, bind=self.host, listen_fd=sock.detach(),
-                        key=key, group_id=group_id)
-        return GlooTransport(pg, world, self.dtype, self.wire)
+                        key=key, group_id=group_id, backend=self.backend, device=self.device)
+        return CollectiveTransport(pg, world, self.dtype, self.wire, self.device)
 
     # -- following the control's placement ---------------------------------------------------
     def _follow(self) -> None:
@@ -155,7 +168,7 @@ class EPGroup:
         self.stats["switches"] += 1
 
     # -- failures ---------------------------------------------------------------------------
-    def _recover(self, error: BaseException) -> GlooTransport:
+    def _recover(self, error: BaseException) -> CollectiveTransport:
         """Called by the executor (engine thread) when a round fails; returns a new transport."""
         log.warning("expert-parallel round failed (%s); re-forming the group", error)
         self._transport = None  # drop our side of the broken group

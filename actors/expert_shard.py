@@ -4,12 +4,12 @@ A plain class; ``actors.ep_group.expert_shard_actor`` wraps it with ``ray.remote
 Ray when it dies; the app's ``EPControl`` then reloads its slots and every replica re-forms its
 group). It holds weights per placement version (``cluster.ep.ShardExperts``), loads a new version
 beside the serving ones, and runs one serve thread per attention replica's group
-(``cluster.ep_gloo``). Each version records its owner (the ``EPControl`` that placed it) and its
+(``cluster.ep_comm``). Each version records its owner (the ``EPControl`` that placed it) and its
 checkpoint: while a redeploy rolls replicas over to a new checkpoint, two controls place versions
 on the same shards, and weights are shared only between versions of the same checkpoint.
 With ``device="cuda"`` the weights live on the actor's GPU and the experts run there (the Triton
-grouped GEMM); rows arrive and leave through host memory, and weights travel between shards
-(``export``) as host tensors.
+grouped GEMM); over an NCCL group rows arrive and leave on that GPU (over gloo, through host
+memory), and weights travel between shards (``export``) as host tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import ray
 
 from cluster.ep import ShardExperts, Wire
-from cluster.ep_gloo import form_group, serve_shard
+from cluster.ep_comm import form_group, group_device, serve_shard
 from model.checkpoint import DTYPES, load_expert_slots
 from model.config import load_config
 from model.moe import ExpertWeights
@@ -134,21 +134,24 @@ class ExpertShard:
 
     def join(
         self, group_id: str, host: str, port: int, rank: int, world: int, timeout_s: float, hidden: int,
-        key: bytes | None = None, wire: Wire = Wire(),
+        key: bytes | None = None, wire: Wire = Wire(), backend: str = "gloo",
     ) -> None:
         """Serve group ``group_id`` as ``rank`` for rows of ``hidden`` features (returns at once;
         the serve thread forms the group); ``key``: the group's membership key; ``wire``: how
-        its rows travel."""
+        its rows travel; ``backend``: the group's, as the replica chose it (gloo | nccl)."""
         torch_dtype = DTYPES[self.dtype]
 
         def run() -> None:
             try:
+                device = group_device(backend, self.device)
                 pg = form_group(host, port, rank, world, timeout_s, op_timeout_s=IDLE_TIMEOUT_S,
-                                bind=ray.util.get_node_ip_address(), key=key, group_id=group_id)
+                                bind=ray.util.get_node_ip_address(), key=key, group_id=group_id, backend=backend,
+                                device=device)
             except Exception as e:  # noqa: BLE001 - the replica times out and re-forms
                 self.ended[group_id] = f"join failed: {e}"
                 return
-            self.ended[group_id] = serve_shard(pg, rank, world, hidden, torch_dtype, self.experts.compute, wire)
+            self.ended[group_id] = serve_shard(pg, rank, world, hidden, torch_dtype, self.experts.compute, wire,
+                                               device)
             del pg  # closing our side lets the other ranks fail fast
 
         thread = threading.Thread(target=run, name=f"ep-{group_id}", daemon=True)

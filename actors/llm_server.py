@@ -195,7 +195,7 @@ class LLMServer:
     def _start_ep(self, ep: EPSection) -> EPGroup:
         dtype = self.model.dtype
         group = EPGroup(ep.control, self.replica_id, self.model.cfg.hidden_size, dtype, timeout_s=ep.timeout_s,
-                        wire=Wire.named(ep.wire, dtype))
+                        wire=Wire.named(ep.wire, dtype), device=self.model.device, backend=ep.backend)
         self.model.set_expert_executor(group.start())
         return group
 

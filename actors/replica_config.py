@@ -99,15 +99,19 @@ class EPSection:
     """Expert parallelism: the app's ``EPControl`` actor (it owns the expert shards and the
     placement), how long an expert round may take before its shard counts as failed, and how
     rows travel (``wire``: "fp8" dispatches in FP8 and combines in BF16, as DeepSeek serves V3;
-    "native" sends the model's dtype both ways; "auto" is fp8 for a BF16 model, else native)."""
+    "native" sends the model's dtype both ways; "auto" is fp8 for a BF16 model, else native), and
+    what moves them (``backend``)."""
 
     control: object
     timeout_s: float = 30.0
     wire: str = "auto"
+    backend: str = "auto"  # what moves the rows: nccl | gloo | auto (``cluster.ep_comm.group_backend``)
 
     def __post_init__(self) -> None:
         if self.wire not in ("auto", "native", "fp8"):
             raise ValueError(f"ep wire must be auto, native or fp8, got {self.wire!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"ep backend must be auto, gloo or nccl, got {self.backend!r}")
 
 
 def _engine_config() -> EngineConfig:

@@ -18,10 +18,11 @@ Transport failures (a shard died, the group broke) raise ``EPTransportError``; t
 the injected ``recover`` (which re-forms the group) and resends the same layer. A layer's result
 depends only on its inputs, so a retried round returns the same values.
 
-On GPUs the rows cross host memory: the executor routes on the host, hands the transport host
-tensors and moves the combined output back to the replica's device; a shard moves its rows to its
-own device and its outputs back (the gloo transport moves host tensors). An NCCL transport that
-keeps the rows on the devices is not built.
+The executor routes where its transport's buffers live (``transport.device``; the host when a
+transport names none): with the NCCL transport (``cluster.ep_comm``) on the replica's GPU, so a
+round's rows, pairs and outputs stay on the devices; with gloo on the host, the combined output
+moving back to the replica's device once per layer. A shard computes on the device its rows
+arrive on, after moving them to its experts' device if that differs.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def shard_round(compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.
     slot's expert (``compute(version, layer, slots, x)``, unweighted), weight, sum per row and
     encode -> the combine payload [U, M]."""
     x = wire.decode_rows(rnd.rows, rnd.scales, dtype)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     if rnd.pair_row.numel():
         y = compute(version, layer, rnd.pair_slot, x.index_select(0, rnd.pair_row))
         out.index_add_(0, rnd.pair_row, y.float() * rnd.pair_weight[:, None])
@@ -175,7 +176,7 @@ def choose_slots(expert_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.
     grouped = flat[order]
     first = torch.searchsorted(grouped, grouped)  # where each pair's expert group starts
     nth = torch.empty_like(flat)
-    nth[order] = torch.arange(flat.numel()) - first  # the pair's place among its expert's pairs
+    nth[order] = torch.arange(flat.numel(), device=flat.device) - first  # the pair's place among its expert's pairs
     return log2phy[flat, nth % logcnt[flat]].view_as(expert_ids)
 
 
@@ -210,6 +211,7 @@ class EPExecutor:
         self._placement, self._version = placement, version
         self._pending: tuple[Placement, int, Transport | None] | None = None
         self._in_flight = 0
+        self._on_device: tuple = (None, None)  # (placement id, device) and its slot tables there
 
     @property
     def version(self) -> int:
@@ -247,15 +249,17 @@ class EPExecutor:
         if t == 0:
             empty = torch.zeros_like(x)
             return lambda: empty
-        device = x.device  # routing and rows on the host (no-ops on a CPU replica)
-        x, expert_ids, weights = x.cpu(), expert_ids.cpu(), weights.cpu()
+        device = x.device
         with self._lock:
             self._apply_pending()
             placement, version = self._placement, self._version
             self._in_flight += 1
+        route = getattr(self.transport, "device", None) or torch.device("cpu")  # where the round's buffers live
+        x, expert_ids, weights = x.to(route), expert_ids.to(route), weights.to(route)
         row = self.row_of[layer_idx]
         self._count(row, expert_ids)
-        slots = choose_slots(expert_ids, placement.log2phy[row], placement.logcnt[row])  # [T, K]
+        log2phy, logcnt = self._slot_tables(placement, row, route)
+        slots = choose_slots(expert_ids, log2phy, logcnt)  # [T, K]
         rnd, row_token = self._round(x, slots, weights, placement)
         args = (row, version, rnd)
         transport = self.transport
@@ -285,8 +289,9 @@ class EPExecutor:
             st["pairs"] += rnd.pair_row.numel()
             st["dispatch_bytes"] += rnd.dispatch_bytes()
             st["combine_bytes"] += payload.numel() * payload.element_size()
-            ys = self.wire.decode_out(payload, x.dtype).float()
-            return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, row_token, ys).to(x.dtype).to(device)
+            ys = self.wire.decode_out(payload.to(route), x.dtype).float()
+            out = torch.zeros(x.shape, dtype=torch.float32, device=route).index_add_(0, row_token, ys)
+            return out.to(x.dtype).to(device)
 
         return finish
 
@@ -298,7 +303,7 @@ class EPExecutor:
         per, shards = placement.slots_per_shard, placement.num_shards
         flat = slots.reshape(-1)
         pair_shard = flat // per
-        pair_token = torch.arange(t).repeat_interleave(k)
+        pair_token = torch.arange(t, device=slots.device).repeat_interleave(k)
         # one row per (shard, token): sorted by shard, then token
         keys, pair_key = torch.unique(pair_shard * t + pair_token, return_inverse=True)
         row_shard, row_token = keys // t, keys % t
@@ -330,15 +335,25 @@ class EPExecutor:
                 error = e
         raise error
 
+    def _slot_tables(self, placement: Placement, row: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Placement row ``row``'s log2phy and logcnt on ``device`` (copied once per placement)."""
+        if device.type == "cpu":
+            return placement.log2phy[row], placement.logcnt[row]
+        key = (id(placement), device)
+        if self._on_device[0] != key:
+            self._on_device = (key, (placement.log2phy.to(device), placement.logcnt.to(device)))
+        log2phy, logcnt = self._on_device[1]
+        return log2phy[row], logcnt[row]
+
     def _count(self, row: int, expert_ids: torch.Tensor) -> None:
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.load.shape[1]).double()
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.load.shape[1]).double().cpu()
         self.load[row].mul_(self.load_decay).add_(counts)
 
 
 class ShardExperts:
     """One shard's expert weights, per placement version: ``weights[version][row]`` stacks the
-    shard's P slots of placement row ``row`` (a MoE layer), on ``device``. ``compute`` takes and
-    returns host tensors and runs the experts on ``device`` (``impl``: see
+    shard's P slots of placement row ``row`` (a MoE layer), on ``device``. ``compute`` runs the
+    experts on ``device`` and returns its outputs where its inputs were (``impl``: see
     ``kernels.resolve_impl``; ``auto`` runs the Triton grouped GEMM on CUDA). Thread-safe."""
 
     def __init__(self, device: str | torch.device = "cpu", impl: str = "auto") -> None:
@@ -372,6 +387,7 @@ class ShardExperts:
             raise KeyError(f"placement version {version} is not loaded on this shard (have {self.versions()})")
         if x.shape[0] == 0:
             return x
+        came_from = x.device
         x, slots = x.to(self.device), local_slots.to(self.device)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=self.device)
-        return grouped_expert_forward(layers[row], x, slots[:, None], ones, self.impl).cpu()
+        return grouped_expert_forward(layers[row], x, slots[:, None], ones, self.impl).to(came_from)

@@ -141,7 +141,7 @@ def _expert_shards(checkpoint: str, a: AppArgs) -> EPSection:
     control = ep_control_actor(name=name, namespace="tideserve", lifetime="detached", get_if_exists=True,
                                num_cpus=0).remote(checkpoint, shards, slots, nodes, rebalance_s=a.expert_rebalance_s,
                                                   name=name, draft_layers=drafts)
-    return EPSection(control, wire=a.ep_wire)
+    return EPSection(control, wire=a.ep_wire, backend=a.ep_backend)
 
 
 _APP_ARGS_KEY = b"tideserve/app_args"

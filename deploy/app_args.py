@@ -139,6 +139,8 @@ class AppArgs(BaseModel):
     # how expert-parallel rows travel: fp8 dispatch + bf16 combine (DeepSeek's), the model's dtype
     # (native), or auto: fp8 for a bfloat16 model, else native
     ep_wire: Literal["auto", "native", "fp8"] = "auto"
+    # what moves expert-parallel rows: nccl (GPU to GPU), gloo (host memory), auto (nccl on CUDA)
+    ep_backend: Literal["auto", "gloo", "nccl"] = "auto"
     # key -> "TENANT" or "TENANT:MODEL[+MODEL...]" (the models it may use; default all);
     # also TIDE_API_KEYS="key:TENANT[:MODEL+...],..."
     api_keys: dict[str, str] | None = None

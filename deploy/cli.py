@@ -150,6 +150,7 @@ def up(
     micro_batches: int = typer.Option(1, "--micro-batches", min=1, max=2, help="2: overlap expert rounds with attention"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="with --device cuda: run every decode step eagerly instead of replaying the CUDA graph captured for its batch size"),
     ep_wire: str = typer.Option("auto", "--ep-wire", help="with --expert-shards, how rows travel to the shards and back: fp8 (FP8 dispatch, BF16 combine, as DeepSeek serves V3) | native (the model's dtype) | auto (fp8 for a bfloat16 model)"),
+    ep_backend: str = typer.Option("auto", "--ep-backend", help="with --expert-shards, what moves the rows: nccl (GPU to GPU, the rows never cross host memory) | gloo (through host memory) | auto (nccl on CUDA, else gloo)"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (each replica, and each expert shard, takes one GPU and runs the Triton kernels)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
     cpu_threads: int = typer.Option(None, "--cpu-threads", min=1, help="torch threads of each CPU replica (default: the machine's CPUs but one, shared by the replicas; OMP_NUM_THREADS, where set, stands)"),
@@ -169,7 +170,7 @@ def up(
             "replicas": replicas, "decode_replicas": decode_replicas, "cache_dir": str(cache_dir) if cache_dir else None,
             "ssd_gb": ssd_gb, "cache_layout": cache_layout, "admission": admission, "api_keys": _parse_api_keys(api_key),
             "expert_shards": expert_shards, "expert_rebalance_s": expert_rebalance_s, "micro_batches": micro_batches,
-            "enforce_eager": enforce_eager, "ep_wire": ep_wire, "device": device, "dtype": dtype, "cpu_weights": cpu_weights,
+            "enforce_eager": enforce_eager, "ep_wire": ep_wire, "ep_backend": ep_backend, "device": device, "dtype": dtype, "cpu_weights": cpu_weights,
             "cpu_threads": cpu_threads, "fp8_weights": fp8_weights, "speculative_tokens": speculative_tokens}
     cli_names = {"api_keys": "api_key"}
     edge = {"host": host, "port": port, "redis_url": redis_url, "num_cpus": num_cpus}
@@ -183,6 +184,10 @@ def up(
     check_redis_url(redis_url)
     if args["ep_wire"] not in ("auto", "native", "fp8"):
         raise typer.BadParameter(f"--ep-wire {args['ep_wire']!r} is not one of auto, native, fp8")
+    if args["ep_backend"] not in ("auto", "gloo", "nccl"):
+        raise typer.BadParameter(f"--ep-backend {args['ep_backend']!r} is not one of auto, gloo, nccl")
+    if args["ep_backend"] == "nccl" and args["device"] != "cuda":
+        raise typer.BadParameter(f"--ep-backend nccl needs --device cuda (got --device {args['device']})")
     if args["admission"] not in ("all", "second-sight"):
         raise typer.BadParameter(f"--admission {args['admission']!r} is not one of all, second-sight")
     if args["cache_layout"] not in ("segment", "unit"):

@@ -229,7 +229,7 @@ def test_the_gloo_transport_moves_a_rounds_bytes_as_the_in_process_one(setup):
     combine through the real all-to-alls give exactly what the in-process transport gives."""
     import threading
 
-    from cluster.ep_gloo import GlooTransport, form_group, listen_socket, serve_shard
+    from cluster.ep_comm import CollectiveTransport, form_group, listen_socket, serve_shard
 
     experts, placement, x, ids, w = setup
     wire = Wire("fp8", "bf16")
@@ -249,7 +249,7 @@ def test_the_gloo_transport_moves_a_rounds_bytes_as_the_in_process_one(setup):
     for t in threads:
         t.start()
     threads[0].join(60)
-    transport = GlooTransport(groups[0], world, torch.float32, wire)
+    transport = CollectiveTransport(groups[0], world, torch.float32, wire)
     try:
         over_gloo = EPExecutor(placement, [1, 3], transport, wire=wire)
         in_process = EPExecutor(placement, [1, 3], local, wire=wire)

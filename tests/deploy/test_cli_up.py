@@ -344,6 +344,13 @@ def test_serve_run_on_a_token_cluster_and_the_admin_commands_reach_it(tmp_path, 
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize("args,named", [(["--ep-backend", "mpi"], "--ep-backend 'mpi'"),
+                                        (["--ep-backend", "nccl"], "--ep-backend nccl needs --device cuda")])
+def test_up_refuses_an_expert_parallel_backend_it_cannot_use(tmp_path, args, named):
+    r = _tide_here("up", "--expert-shards", "2", *args, home=tmp_path)
+    assert r.returncode == 2 and named in r.stderr.replace("\n", " ").replace("│", ""), r.stderr
+
+
 def test_up_config_file_fields_are_checked_and_used(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("replicas: 0\n")

@@ -1,4 +1,5 @@
-"""The expert-parallel data plane over a ``torch.distributed`` process group (gloo on CPU).
+"""The expert-parallel data plane over a ``torch.distributed`` process group: gloo with host
+tensors, or NCCL with the rows on the GPUs (``group_backend``).
 
 Legend: H shards, W = H + 1 ranks, U rows, Q pairs, M hidden, B FP8 scale blocks per row.
 
@@ -20,11 +21,17 @@ so a process that reached the TCP store first cannot stand in for a shard, and t
 entries in the store are named under a prefix only key holders know (``store_prefix``), so one
 that reaches the store cannot rewrite where gloo connects. The rows themselves cross gloo in the
 clear: keep the group on a private network (loopback under ``tide up``).
-The group is a standalone ``ProcessGroupGloo``
-over its own TCP store (no global ``init_process_group``), so a shard can serve several replicas'
+The group is a standalone process group over
+its own TCP store (no global ``init_process_group``), so a shard can serve several replicas'
 groups at once, one thread each, and a group is re-formed by building a new one on a new port.
 Measured on a 2-core VM, a gloo all-to-all of 0.26 MB takes ~0.7 ms against 11-25 ms for a Ray
 actor call of the same size; Ray only sets groups up and tears them down.
+
+Both backends run the same code: every buffer lives on the group's ``device`` (the CPU for gloo,
+the rank's GPU for NCCL), so with NCCL a round's rows, pairs and outputs never cross host memory;
+only the headers and the per-shard counts are read on the host (the split sizes of the next
+all-to-alls). Split sizes change every round, so NCCL rounds are not captured in CUDA graphs:
+decode with expert shards runs eagerly.
 """
 
 from __future__ import annotations
@@ -41,18 +48,45 @@ import torch.distributed as dist
 
 from cluster.ep import EPTransportError, Round, Wire, shard_round
 
-__all__ = ["GlooTransport", "check_members", "form_group", "listen_socket", "serve_shard", "store_prefix"]
+__all__ = ["CollectiveTransport", "check_members", "form_group", "group_backend", "listen_socket", "serve_shard",
+           "store_prefix"]
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 log = logging.getLogger(__name__)
 
 CMD_LAYER, CMD_STOP = 1, 2
 
 
+def group_backend(choice: str, device: str | torch.device) -> str:
+    """The collective backend for a group whose members run on ``device``: ``auto`` is NCCL on
+    CUDA (when this torch has it), else gloo; ``nccl`` off CUDA is a ``ValueError`` naming why."""
+    if choice not in BACKENDS:
+        raise ValueError(f"expert-parallel backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    cuda = torch.device(device).type == "cuda"
+    if choice == "auto":
+        return "nccl" if cuda and dist.is_nccl_available() else "gloo"
+    if choice == "nccl" and not (cuda and dist.is_nccl_available()):
+        raise ValueError(f"expert-parallel backend nccl needs CUDA devices and a torch built with NCCL "
+                         f"(device {device}, NCCL {'available' if dist.is_nccl_available() else 'missing'})")
+    return choice
+
+
+def group_device(backend: str, device: str | torch.device) -> torch.device:
+    """Where a group's buffers live: the rank's GPU for NCCL, the host for gloo."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device(device)
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
 def form_group(
     host: str, port: int, rank: int, world: int, timeout_s: float, op_timeout_s: float | None = None,
     bind: str | None = None, listen_fd: int | None = None, key: bytes | None = None, group_id: str = "",
+    backend: str = "gloo", device: str | torch.device = "cpu",
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) the group's TCP store and build the gloo group; blocks until all
+    """Join (rank 0: host) the group's TCP store and build the ``backend`` group (``nccl``: on
+    ``device``, this rank's GPU); blocks until all
     ``world`` ranks have joined or ``timeout_s`` passes. Each collective then times out after
     ``op_timeout_s`` (default ``timeout_s``) on this rank: short on the replica, which must notice
     a hung shard, long on shards, which wait idle between requests (a dead replica closes the
@@ -64,17 +98,35 @@ def form_group(
                           wait_for_workers=False, **({"master_listen_fd": listen_fd} if listen_fd is not None else {}))
     if key is not None:  # rendezvous entries under names only the group's members can make
         store = dist.PrefixStore(store_prefix(key, group_id), store)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind else
-                     dist.ProcessGroupGloo.create_default_device()]
+    timeout = datetime.timedelta(seconds=op_timeout_s or timeout_s)
     try:
-        pg = dist.ProcessGroupGloo(store, rank, world, opts)
+        pg = _nccl_group(store, rank, world, timeout, device) if backend == "nccl" else \
+            _gloo_group(store, rank, world, timeout, bind)
     except RuntimeError as e:  # a rank did not join in time (or, holding another key, joined elsewhere)
         raise EPTransportError(f"expert-parallel group {group_id}: not every rank joined within {timeout_s:.0f}s "
                                f"(a rank that lacks the group's key cannot): {str(e).splitlines()[0]}") from e
     if key is not None:
-        check_members(pg, rank, world, key, group_id)
+        check_members(pg, rank, world, key, group_id, group_device(backend, device))
+    return pg
+
+
+def _gloo_group(store, rank: int, world: int, timeout: datetime.timedelta, bind: str | None):
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind else
+                     dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def _nccl_group(store, rank: int, world: int, timeout: datetime.timedelta, device):
+    dev = group_device("nccl", device)
+    torch.cuda.set_device(dev)  # NCCL binds the communicator to the current device
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+    # NCCL connects lazily: a first collective makes the ranks meet now (a missing rank raises)
+    pg.allreduce([torch.zeros(1, device=dev)]).wait()
+    torch.cuda.current_stream(dev).synchronize()
     return pg
 
 
@@ -90,13 +142,13 @@ def _member_tag(key: bytes, group_id: str, rank: int, world: int) -> torch.Tenso
     return torch.frombuffer(bytearray(tag), dtype=torch.int32)  # [8]
 
 
-def check_members(pg, rank: int, world: int, key: bytes, group_id: str) -> None:
+def check_members(pg, rank: int, world: int, key: bytes, group_id: str, device: torch.device = torch.device("cpu")) -> None:
     """Every rank shows an HMAC of (group, its rank, world) under ``key``; every rank checks
     all of them. ``EPTransportError`` naming a rank whose tag is wrong: the group is not used."""
-    tags = [torch.zeros(8, dtype=torch.int32) for _ in range(world)]
-    pg.allgather([tags], [_member_tag(key, group_id, rank, world)]).wait()
+    tags = [torch.zeros(8, dtype=torch.int32, device=device) for _ in range(world)]
+    pg.allgather([tags], [_member_tag(key, group_id, rank, world).to(device)]).wait()
     for r, got in enumerate(tags):
-        if not hmac.compare_digest(got.numpy().tobytes(), _member_tag(key, group_id, r, world).numpy().tobytes()):
+        if not hmac.compare_digest(got.cpu().numpy().tobytes(), _member_tag(key, group_id, r, world).numpy().tobytes()):
             raise EPTransportError(f"expert-parallel group {group_id}: rank {r} failed the membership check "
                                    "(it does not hold the group's key)")
 
@@ -109,6 +161,10 @@ def listen_socket(host: str) -> socket.socket:
     return sock
 
 
+def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _a2a(pg, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
     try:
         pg.alltoall_base(out, inp, out_splits, in_splits).wait()
@@ -116,14 +172,17 @@ def _a2a(pg, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_spl
         raise EPTransportError(f"expert-parallel all-to-all failed: {e}") from e
 
 
-class GlooTransport:
-    """Rank 0's side (the attention replica). See ``cluster.ep.Transport``."""
+class CollectiveTransport:
+    """Rank 0's side (the attention replica). See ``cluster.ep.Transport``. ``device``: where
+    the group's buffers live (``group_device``); the executor routes there."""
 
-    def __init__(self, pg, world: int, dtype: torch.dtype, wire: Wire = Wire()) -> None:
+    def __init__(self, pg, world: int, dtype: torch.dtype, wire: Wire = Wire(),
+                 device: str | torch.device = "cpu") -> None:
         self.pg = pg
         self.world = world
         self.dtype = dtype
         self.wire = wire
+        self.device = torch.device(device)
         self._ones = [1] * world
 
     def dispatch_combine(self, layer: int, version: int, rnd: Round) -> torch.Tensor:
@@ -134,32 +193,35 @@ class GlooTransport:
         Gloo tags collectives in the order they are posted, so rounds started back to back (two
         micro-batches) pair up with the shards' rounds in the same order."""
         assert len(rnd.counts) == self.world - 1, (rnd.counts, self.world)
+        dev = self.device
         header = torch.zeros(self.world, 5, dtype=torch.long)
         header[1:, 0] = CMD_LAYER
         header[1:, 1] = layer
         header[1:, 2] = version
         header[1:, 3] = torch.tensor(rnd.counts)
         header[1:, 4] = torch.tensor(rnd.pair_counts)
+        header = header.to(dev)
         rows, pairs, none = [0, *rnd.counts], [0, *rnd.pair_counts], [0] * self.world
         hidden = rnd.rows.shape[1]
         out_dtype = self.wire.out_dtype(self.dtype)
-        out = torch.empty(rnd.rows.shape[0], hidden, dtype=out_dtype)
-        meta = torch.stack([rnd.pair_row, rnd.pair_slot], 1).long().contiguous()
-        keep = [header, torch.empty_like(header), meta, rnd.pair_weight.contiguous(), rnd.rows.contiguous()]
+        out = torch.empty(rnd.rows.shape[0], hidden, dtype=out_dtype, device=dev)
+        meta = torch.stack([rnd.pair_row, rnd.pair_slot], 1).long().to(dev).contiguous()
+        keep = [header, torch.empty_like(header), meta, rnd.pair_weight.to(dev).contiguous(),
+                rnd.rows.to(dev).contiguous()]
         if rnd.scales is not None:
-            keep.append(rnd.scales.contiguous())
+            keep.append(rnd.scales.to(dev).contiguous())
         keep.append(out)  # every buffer stays alive until the round is done
         try:
             works = [
                 self.pg.alltoall_base(keep[1], header, self._ones, self._ones),
-                self.pg.alltoall_base(torch.empty(0, 2, dtype=torch.long), keep[2], none, pairs),
-                self.pg.alltoall_base(torch.empty(0, dtype=torch.float32), keep[3], none, pairs),
-                self.pg.alltoall_base(torch.empty(0, hidden, dtype=keep[4].dtype), keep[4], none, rows),
+                self.pg.alltoall_base(_empty((0, 2), torch.long, dev), keep[2], none, pairs),
+                self.pg.alltoall_base(_empty((0,), torch.float32, dev), keep[3], none, pairs),
+                self.pg.alltoall_base(_empty((0, hidden), keep[4].dtype, dev), keep[4], none, rows),
             ]
             if rnd.scales is not None:
-                works.append(self.pg.alltoall_base(torch.empty(0, rnd.scales.shape[1], dtype=torch.float32),
+                works.append(self.pg.alltoall_base(_empty((0, rnd.scales.shape[1]), torch.float32, dev),
                                                    keep[5], none, rows))
-            works.append(self.pg.alltoall_base(out, torch.empty(0, hidden, dtype=out_dtype), rows, none))
+            works.append(self.pg.alltoall_base(out, _empty((0, hidden), out_dtype, dev), rows, none))
         except RuntimeError as e:
             raise EPTransportError(f"expert-parallel all-to-all failed: {e}") from e
 
@@ -177,6 +239,7 @@ class GlooTransport:
         """End the shards' serve loops (best effort: a broken group needs no stop)."""
         header = torch.zeros(self.world, 5, dtype=torch.long)
         header[1:, 0] = CMD_STOP
+        header = header.to(self.device)
         try:
             _a2a(self.pg, torch.empty_like(header), header, self._ones, self._ones)
         except EPTransportError:
@@ -186,36 +249,39 @@ class GlooTransport:
 def serve_shard(
     pg, rank: int, world: int, hidden: int, dtype: torch.dtype,
     compute: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor], wire: Wire = Wire(),
+    device: str | torch.device = "cpu",
 ) -> str:
-    """A shard's loop for one group: receive a round's part, run it (``cluster.ep.shard_round``
-    over ``compute(version, row, local_slots, x)``), send the outputs back. Returns why it ended
-    (``stop`` or the transport error)."""
+    """A shard's loop for one group: receive a round's part into buffers on ``device`` (the
+    group's, ``group_device``), run it (``cluster.ep.shard_round`` over ``compute(version, row,
+    local_slots, x)``, which returns its outputs on ``x``'s device), send the outputs back.
+    Returns why it ended (``stop`` or the transport error)."""
+    dev = torch.device(device)
     ones = [1] * world
     none = [0] * world
-    zero_header = torch.zeros(world, 5, dtype=torch.long)
+    zero_header = torch.zeros(world, 5, dtype=torch.long, device=dev)
     rows_dtype, out_dtype = wire.rows_dtype(dtype), wire.out_dtype(dtype)
     blocks = wire.blocks(hidden)
     while True:
-        header = torch.empty(world, 5, dtype=torch.long)
+        header = _empty((world, 5), torch.long, dev)
         try:
             _a2a(pg, header, zero_header, ones, ones)
             cmd, layer, version, rows, pairs = header[0].tolist()
             if cmd == CMD_STOP:
                 return "stop"
             rows_from_root, pairs_from_root = [rows] + [0] * (world - 1), [pairs] + [0] * (world - 1)
-            meta = torch.empty(pairs, 2, dtype=torch.long)
-            _a2a(pg, meta, torch.empty(0, 2, dtype=torch.long), pairs_from_root, none)
-            weights = torch.empty(pairs, dtype=torch.float32)
-            _a2a(pg, weights, torch.empty(0, dtype=torch.float32), pairs_from_root, none)
-            x = torch.empty(rows, hidden, dtype=rows_dtype)
-            _a2a(pg, x, torch.empty(0, hidden, dtype=rows_dtype), rows_from_root, none)
+            meta = _empty((pairs, 2), torch.long, dev)
+            _a2a(pg, meta, _empty((0, 2), torch.long, dev), pairs_from_root, none)
+            weights = _empty((pairs,), torch.float32, dev)
+            _a2a(pg, weights, _empty((0,), torch.float32, dev), pairs_from_root, none)
+            x = _empty((rows, hidden), rows_dtype, dev)
+            _a2a(pg, x, _empty((0, hidden), rows_dtype, dev), rows_from_root, none)
             scales = None
             if wire.dispatch == "fp8":
-                scales = torch.empty(rows, blocks, dtype=torch.float32)
-                _a2a(pg, scales, torch.empty(0, blocks, dtype=torch.float32), rows_from_root, none)
+                scales = _empty((rows, blocks), torch.float32, dev)
+                _a2a(pg, scales, _empty((0, blocks), torch.float32, dev), rows_from_root, none)
             rnd = Round([rows], [pairs], x, scales, meta[:, 0], meta[:, 1], weights)
             y = shard_round(compute, wire, dtype, version, layer, rnd).contiguous()
-            _a2a(pg, torch.empty(0, hidden, dtype=out_dtype), y, none, rows_from_root)
+            _a2a(pg, _empty((0, hidden), out_dtype, dev), y, none, rows_from_root)
         except EPTransportError as e:
             log.info("shard rank %d leaves its group: %s", rank, e)
             return f"error: {e}"
