@@ -4,15 +4,19 @@ JSON, a schema, a choice of texts, a regex or an EBNF grammar, on xgrammar) and 
 A grammar compiles on a thread of its own, never the engine's: a request whose grammar is not
 compiled yet waits before its last prompt token (``ready``) while the others go on. The masks of
 a decode batch are filled on another thread while the forward pass runs (``prefetch``), and
-applied to the logits on their device (``apply``). An R1 request is free while it thinks, until
-its ``constrain_after`` token.
+applied to the logits on their device (``apply``). After the pass the batch waits for them at
+most ``wait_s``: a row whose mask is later is returned as late, sits the step out and decodes the
+same position again in the next, so one slow grammar never stalls the others. An R1 request is
+free while it thinks, until its ``constrain_after`` token.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -31,7 +35,7 @@ class Constraints:
         self._lock = threading.Lock()
         self._compile = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        self._prefetched: Future | None = None
+        self._filling: dict[GrammarState, Future] = {}  # a state -> the job filling its mask
         self._compiling: set[Future] = set()
 
     def grammars(self) -> Grammars:
@@ -91,17 +95,42 @@ class Constraints:
     def prefetch(self, batch: list[Sequence]) -> None:
         """Fill the masks ``apply`` will need for ``batch`` on the mask thread (while the forward
         pass runs)."""
-        states = [s.grammar for s in batch if isinstance(s.grammar, GrammarState) and s.grammar.active]
-        if states:
-            self._prefetched = self._masks.submit(lambda: [s.mask() for s in states])
+        states = [s.grammar for s in batch if isinstance(s.grammar, GrammarState) and s.grammar.active
+                  and not s.grammar.ready]
+        if not states:
+            return
+        job = self._masks.submit(lambda: [s.mask() for s in states])
+        for state in states:
+            self._filling[state] = job
 
-    def apply(self, logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
-        """``logits`` [B, V] with each constrained row's disallowed tokens at -inf (a copy)."""
-        if self._prefetched is not None:
-            prefetched, self._prefetched = self._prefetched, None
-            prefetched.result()
+        def forget(done: Future) -> None:
+            for state in states:
+                if self._filling.get(state) is done:
+                    del self._filling[state]
+
+        job.add_done_callback(forget)
+
+    def apply(self, logits: torch.Tensor, batch: list[Sequence], wait_s: float | None = None) -> tuple[torch.Tensor, list[int]]:
+        """``logits`` [B, V] with each constrained row's disallowed tokens at -inf (a copy), and
+        the rows whose masks the mask thread is still filling after ``wait_s`` (None: waits for
+        them): those rows are left as they are and must not be sampled."""
         rows, states = self._active(batch)
-        return apply_masks(logits, rows, states)
+        late: list[int] = []
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        for b, state in zip(rows, states, strict=True):
+            job = self._filling.get(state)
+            if state.ready or job is None:
+                continue  # filled, or filled here (a state no job holds)
+            try:
+                job.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                late.append(b)
+            except Exception:  # noqa: BLE001 - filled again here, where its error is the row's
+                pass
+        if late:
+            keep = [i for i, b in enumerate(rows) if b not in late]
+            rows, states = [rows[i] for i in keep], [states[i] for i in keep]
+        return apply_masks(logits, rows, states), late
 
     def holds(self, seq: Sequence) -> bool:
         """Whether the grammar decides ``seq``'s next token (min_tokens does not hold EOS back)."""

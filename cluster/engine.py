@@ -72,6 +72,16 @@ __all__ = ["Engine", "EngineConfig"]
 log = logging.getLogger(__name__)
 
 
+class _Late:
+    """A row whose token mask is still being filled: it is not sampled this step."""
+
+    def __repr__(self) -> str:
+        return "LATE"
+
+
+LATE = _Late()
+
+
 @dataclass(slots=True)
 class _Pass:
     """What a prefill chunk's forward pass gave: the chunk's last logits [V] and its normed
@@ -117,7 +127,8 @@ class Engine:
         if self.fixed_verify is not None:
             self.spec.fixed_draft = self._fixed_decode(rows, draft_layer=0)
         self.idle = False  # the last step found nothing it could do yet
-        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0}
+        self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0,
+                      "masks_late": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
                                    self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
                                    ready=self.constraints.ready, background_share=cfg.background_share,
@@ -476,12 +487,16 @@ class Engine:
         while live:
             seqs = [batch[b] for b in live]
             rows = logits if j == 0 and len(live) == logits.shape[0] else logits[long_tensor([first[b] + j for b in live])]
-            # one sampling call per round: on a GPU, one copy of the tokens to the host
-            toks = self._choose(rows, seqs)
+            # one sampling call per round: on a GPU, one copy of the tokens to the host; the first
+            # round waits a bounded time for the masks filled while the pass ran (later rounds'
+            # states were just fed: their masks are filled here)
+            toks = self._choose(rows, seqs, self.cfg.mask_wait_ms / 1000 if j == 0 else None)
             chosen = [t if isinstance(t, int) else 0 for t in toks]
             going = []
             for b, seq, tok, lp in zip(live, seqs, toks, token_logprobs(rows, chosen, [s.req.sampling for s in seqs]),
                                        strict=True):
+                if tok is LATE:  # decodes this position again next step (its KV is rewritten the same)
+                    continue
                 seq.num_computed = seq.length
                 if isinstance(tok, Exception):
                     self._fail(seq, tok, outputs)
@@ -499,20 +514,34 @@ class Engine:
                 outputs.append(self._output(seq))
         return taken
 
-    def _choose(self, logits: torch.Tensor, batch: list[Sequence]) -> list[int | Exception]:
+    def _choose(self, logits: torch.Tensor, batch: list[Sequence], mask_wait_s: float | None = None) -> list:
         """The next token of each row of ``logits`` [B, V] under its request's constraints and
         sampling, in one call (on a GPU, one copy of the tokens to the host); where that raises,
         row by row, so that a row whose grammar or sampling fails gets its error and the others
-        their tokens."""
+        their tokens. A row whose mask is still being filled after ``mask_wait_s`` is ``LATE``
+        (not sampled: its random draws are not spent)."""
         try:
-            allowed = self.constraints.apply(self._hold_stops(logits, batch), batch)
-            return sample(allowed, [s.req.sampling for s in batch], [s.generator for s in batch],
-                          [s.token_counts for s in batch], [s.seen for s in batch]).tolist()
+            allowed, late = self.constraints.apply(self._hold_stops(logits, batch), batch, mask_wait_s)
+            if late:
+                self.stats["masks_late"] += len(late)
+                keep = [b for b in range(len(batch)) if b not in late]
+                toks: list = [LATE] * len(batch)
+                for b, tok in zip(keep, self._sample([batch[b] for b in keep], allowed[long_tensor(keep)]), strict=True):
+                    toks[b] = tok
+                return toks
+            return self._sample(batch, allowed)
         except Exception as e:  # noqa: BLE001 - contained to the rows that raise it
             if len(batch) == 1:
                 log.warning("request %s failed to sample: %r", batch[0].req.request_id, e)
                 return [e]
-            return [self._choose(logits[b : b + 1], [seq])[0] for b, seq in enumerate(batch)]
+            return [self._choose(logits[b : b + 1], [seq], mask_wait_s)[0] for b, seq in enumerate(batch)]
+
+    @staticmethod
+    def _sample(batch: list[Sequence], allowed: torch.Tensor) -> list[int]:
+        if not batch:
+            return []
+        return sample(allowed, [s.req.sampling for s in batch], [s.generator for s in batch],
+                      [s.token_counts for s in batch], [s.seen for s in batch]).tolist()
 
     def _fail(self, seq: Sequence, error: Exception, outputs: list[RequestOutput]) -> None:
         """``seq`` fails alone (it decodes no more; its pages go)."""

@@ -49,6 +49,10 @@ class EngineConfig:
     # without drafts, where verifying costs more than it saves
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
+    # after a decode pass the batch waits at most this long (ms) for the token masks filled
+    # while it ran; a constrained row whose mask is later sits the step out (the others go on)
+    # and decodes the same position in the next: one slow grammar never stalls the batch
+    mask_wait_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):
@@ -71,5 +75,7 @@ class EngineConfig:
             raise ValueError(f"background_share must be in [0, 1], got {self.background_share}")
         if not self.background_slack >= 0:
             raise ValueError(f"background_slack must be >= 0, got {self.background_slack}")
+        if not self.mask_wait_ms >= 0:
+            raise ValueError(f"mask_wait_ms must be >= 0, got {self.mask_wait_ms}")
         if not self.itl_floor_ms >= 0:
             raise ValueError(f"itl_floor_ms must be >= 0, got {self.itl_floor_ms}")

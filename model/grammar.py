@@ -245,9 +245,15 @@ class GrammarState:
     def mask(self) -> torch.Tensor:
         """The tokens that may come next, as a bitmask row ([1, W] int32; a bit per token)."""
         if self._row is None:
-            self._row = self.grammars.bitmask(1)
-            self.matcher.fill_next_token_bitmask(self._row)
+            row = self.grammars.bitmask(1)
+            self.matcher.fill_next_token_bitmask(row)
+            self._row = row  # published whole: ``ready`` never sees a half-filled row
         return self._row
+
+    @property
+    def ready(self) -> bool:
+        """Whether the mask of this place is filled (``mask`` returns at once)."""
+        return self._row is not None
 
     def done(self) -> bool:
         """The output is whole: the grammar is matched and nothing but a stop token may follow

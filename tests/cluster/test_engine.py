@@ -402,6 +402,47 @@ def test_json_mode_requests_in_a_batch_are_json_and_equal_the_model_alone(model)
     assert eng.stats["preemptions"] >= 1
 
 
+def test_a_late_mask_makes_only_its_own_row_wait_and_changes_no_token(model, monkeypatch):
+    """One request's masks take 40 ms each on the mask thread (a pathological grammar), with a
+    1 ms wait: it sits steps out while the others decode every step (a seeded one's random draws
+    untouched), and every output equals the model alone."""
+    import threading
+
+    real_mask = GrammarState.mask
+
+    def slow_mask(self):
+        if getattr(self, "slow", False) and not self.ready and threading.current_thread().name.startswith("grammar-masks"):
+            import time
+
+            time.sleep(0.04)
+        return real_mask(self)
+
+    monkeypatch.setattr(GrammarState, "mask", slow_mask)
+    eng = _engine(model, mask_wait_ms=1.0)
+    json_object = GrammarSpec("json_object")
+    params = {"slow": SamplingParams(logit_bias=_closing(5.0)), "fast": SamplingParams(logit_bias=_closing(5.0)),
+              "seeded": SamplingParams(0.9, seed=11), "plain": SamplingParams()}
+    grammar = {"slow": json_object, "fast": json_object}
+    prompts = {rid: _prompt(20 + 5 * i, 90 + i) for i, rid in enumerate(params)}
+    for rid, p in prompts.items():
+        eng.add_request(GenerationRequest(rid, p, 24, params[rid], grammar=grammar.get(rid)))
+    outs: dict = {}
+    waited = 0  # steps in which the others got a token and the slow one did not
+    while eng.has_work():
+        slow = next((s for s in eng.running if s.req.request_id == "slow"), None)
+        if slow is not None and isinstance(slow.grammar, GrammarState):
+            slow.grammar.slow = True
+        step = eng.step()
+        for o in step:
+            outs.setdefault(o.request_id, []).append(o)
+        got = {o.request_id for o in step if o.new_token_ids}
+        waited += slow is not None and slow.finished is None and "slow" not in got and "plain" in got
+    assert waited >= 1 and eng.stats["masks_late"] >= 1, (waited, eng.stats)
+    for rid, p in prompts.items():
+        want = generate(model, list(p), 24, params[rid], grammar=_grammar(model, json_object) if rid in grammar else None)
+        assert _tokens(outs[rid]) == want, rid
+
+
 def test_schema_and_json_object_requests_share_a_batch_each_under_its_grammar(model):
     tok = ByteTokenizer()
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "array", "items": {"type": "boolean"}}},
