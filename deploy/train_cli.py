@@ -37,6 +37,8 @@ def train_run(
     lr: float = typer.Option(3e-3, "--lr", min=0.0),
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1),
     docs_limit: int = typer.Option(None, "--docs-limit", min=1, help="use only the first N docstrings"),
+    corpus_kind: str = typer.Option("docstrings", "--corpus",
+                                    help="docstrings (each as text or a chat turn) | mixed (also brief and JSON answers)"),
     seed: int = typer.Option(0, "--seed"),
     mtp_layers: int = typer.Option(1, "--mtp-layers", min=0,
                                    help="multi-token-prediction layers trained beside the model (the speculative "
@@ -51,7 +53,7 @@ def train_run(
     import dataclasses
 
     from model.config import ModelConfig, load_config, named_config
-    from model.train import TrainConfig, Trainer, encode_corpus, stdlib_documents
+    from model.train import CORPORA, TrainConfig, Trainer, encode_corpus, stdlib_documents
 
     try:
         cfg = load_config(init_from) if init_from is not None else named_config(config)
@@ -62,7 +64,9 @@ def train_run(
                             checkpoint_every=checkpoint_every, seed=seed, mtp_weight=mtp_weight, only_mtp=only_mtp)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
-    corpus = encode_corpus(stdlib_documents(limit=docs_limit), seed)
+    if corpus_kind not in CORPORA:
+        raise typer.BadParameter(f"--corpus {corpus_kind!r} is not one of {', '.join(CORPORA)}")
+    corpus = encode_corpus(stdlib_documents(limit=docs_limit), seed, corpus_kind)
     try:
         trainer = Trainer(cfg, train, out, corpus, init_from)
     except ValueError as e:  # a run directory that cannot be resumed

@@ -11,6 +11,9 @@ loss: after each step it moves by ``bias_rate`` towards under-loaded experts.
 The corpus is English that ships with every Python: the docstrings of the standard library.
 Half of the documents are shaped as a chat turn (the user names the function or class, the
 assistant answers with its docstring), so a chat request gets documentation-like English back.
+The ``mixed`` corpus also answers briefly (a docstring's first sentence) and in JSON (compact,
+short strings and small numbers about the documented name, the separators structured output
+uses), so chat answers end and constrained outputs close their strings and objects.
 
 Checkpoints are written atomically to ``out`` (``config.json`` + ``model.safetensors`` +
 ``trainer_state.pt`` with the optimizer, step and RNG), so a killed or stopped run resumes.
@@ -19,6 +22,7 @@ Checkpoints are written atomically to ``out`` (``config.json`` + ``model.safeten
 from __future__ import annotations
 
 import ast
+import json
 import math
 import pickle
 import random
@@ -45,7 +49,9 @@ from model.model import DeepseekModel
 from model.mtp import mtp_prefix
 from model.tokenizer import ByteTokenizer
 
-__all__ = ["TrainConfig", "Trainer", "encode_corpus", "stdlib_documents"]
+__all__ = ["CORPORA", "TrainConfig", "Trainer", "encode_corpus", "stdlib_documents"]
+
+CORPORA = ("docstrings", "mixed")
 
 FUSED = "gate_up_proj.weight"  # dense MLP gate and up rows, fused (see model.checkpoint.build_model)
 
@@ -97,17 +103,56 @@ def stdlib_documents(root: Path | None = None, limit: int | None = None) -> list
     return docs
 
 
-def encode_corpus(docs: list[tuple[str, str]], seed: int) -> torch.Tensor:
-    """One token stream: each document as plain text or as a chat turn, EOS between them."""
+def encode_corpus(docs: list[tuple[str, str]], seed: int, corpus: str = "docstrings") -> torch.Tensor:
+    """One token stream, EOS between documents. ``docstrings``: each document as plain text or
+    as a chat turn; ``mixed``: also as a brief chat answer or a JSON answer (``json_answer``)."""
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {', '.join(CORPORA)}, got {corpus!r}")
     tok = ByteTokenizer()
     rng = random.Random(seed)
     ids: list[int] = []
     for name, doc in docs:
-        if rng.random() < 0.5:
-            ids += tok.apply_chat_template([{"role": "user", "content": name}]) + tok.encode(doc) + [tok.EOS]
+        r = rng.random()
+        if corpus == "docstrings":
+            turn = ("chat", doc) if r < 0.5 else ("plain", doc)
         else:
-            ids += [tok.BOS] + tok.encode(doc) + [tok.EOS]
+            turn = ("plain", doc) if r < 0.3 else ("chat", doc) if r < 0.5 else \
+                ("chat", first_sentence(doc)) if r < 0.7 else ("json", json_answer(name, doc, rng))
+        kind, text = turn
+        if kind == "plain":
+            ids += [tok.BOS] + tok.encode(text) + [tok.EOS]
+            continue
+        ask = name if kind == "chat" else rng.choice([name, f"{name} as JSON", f"Describe {name} in JSON."])
+        messages = [{"role": "user", "content": ask}]
+        if kind == "json" and rng.random() < 0.5:
+            messages.insert(0, {"role": "system", "content": rng.choice(["Reply in JSON.", "Answer with a JSON object."])})
+        ids += tok.apply_chat_template(messages) + tok.encode(text) + [tok.EOS]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def first_sentence(doc: str, limit: int = 200) -> str:
+    """A docstring's first sentence (its first paragraph, cut at the first full stop), at most
+    ``limit`` characters."""
+    para = " ".join(doc.split("\n\n")[0].split())
+    end = para.find(". ")
+    return (para if end < 0 else para[: end + 1])[:limit]
+
+
+def json_answer(name: str, doc: str, rng: random.Random) -> str:
+    """A compact JSON object about a documented name: a few of its facts (short strings, small
+    numbers, a flag, a short list) in a random choice and order, with the separators structured
+    output writes (", " and ": ")."""
+    words = [w.strip(".,:;()`'\"") for w in first_sentence(doc).split()]
+    words = [w for w in words if w.isalpha()]
+    module, _, short = name.rpartition(".")
+    facts = {
+        "name": short or name, "module": module or name, "kind": "module" if not module else "member",
+        "summary": " ".join(words[: rng.randint(2, 6)]), "words": len(doc.split()), "lines": doc.count("\n") + 1,
+        "public": not (short or name).startswith("_"), "tags": sorted({w.lower() for w in words[:8] if len(w) > 3})[:3],
+        "id": rng.randint(0, 99),
+    }
+    keys = rng.sample(list(facts), rng.randint(2, 5))
+    return json.dumps({k: facts[k] for k in keys}, separators=(", ", ": "))
 
 
 class Trainer:
