@@ -15,8 +15,7 @@ ordinary (not special) tokens of DeepSeek's tokenizer, so they are in the decode
 calls, which are known when the output ends: text that may be the start of the calls marker is
 held back until it is clear. ``ForcedCall`` is the same interface for a request that names the
 function to call: the whole output (generated in JSON mode) is its arguments. ``RequiredCall`` is
-it for ``tool_choice`` required: the output (generated under a schema) is ``{NAME: ARGUMENTS}``
-or an array of those.
+it for ``tool_choice`` required: the output (generated under a schema) is ``{NAME: ARGUMENTS}``.
 """
 
 from __future__ import annotations
@@ -150,9 +149,9 @@ class FirstCall:
 
 class RequiredCall:
     """The output of a request whose ``tool_choice`` is required: one JSON object ``{NAME:
-    ARGUMENTS}``, or an array of them (parallel calls; ``deploy.ingress.structured.required_grammar``),
-    the calls of those functions with those arguments; no content. An output cut short
-    (max_tokens) is no call, and not content either: the choice ends with ``length`` and neither."""
+    ARGUMENTS}`` (``ChatCompletionRequest.required_grammar``), the call of that function with
+    those arguments; no content. An output cut short (max_tokens) is no call, and not content
+    either: the choice ends with ``length`` and neither."""
 
     def __init__(self) -> None:
         self._text = ""
@@ -166,7 +165,7 @@ class RequiredCall:
             call = json.loads(self._text)
         except ValueError:
             return "", []
-        calls = call if isinstance(call, list) and call else [call]
-        if not all(isinstance(c, dict) and len(c) == 1 for c in calls):
+        if not isinstance(call, dict) or len(call) != 1:
             return "", []
-        return "", [ToolCall(name, json.dumps(args, ensure_ascii=False)) for c in calls for name, args in c.items()]
+        (name, args), = call.items()
+        return "", [ToolCall(name, json.dumps(args, ensure_ascii=False))]

@@ -168,10 +168,9 @@ def forced_grammar(body, name: str, max_bytes: int, any_whitespace: bool = False
     return GrammarSpec("json_object", any_whitespace=any_whitespace)
 
 def required_grammar(body, max_bytes: int, any_whitespace: bool = False) -> GrammarSpec | None:
-    """With ``tool_choice`` required: the calls the output is: one call ``{NAME: ARGUMENTS}``
-    with one of the tools' names, each tool's arguments per its parameters (any JSON object
-    where it has none, or one this server cannot enforce), or, unless ``parallel_tool_calls``
-    is false, a JSON array of one or more such calls; None without ``required``."""
+    """With ``tool_choice`` required: the one call the output is, ``{NAME: ARGUMENTS}`` with
+    one of the tools' names, each tool's arguments per its parameters (any JSON object
+    where it has none, or one this server cannot enforce); None otherwise."""
     if body.tool_choice != "required":
         return None
     tools = body.tool_functions()
@@ -190,6 +189,4 @@ def required_grammar(body, max_bytes: int, any_whitespace: bool = False) -> Gram
         calls.append({"type": "object", "properties": {name: moved}, "required": [name],
                       "additionalProperties": False})
         all_defs.update(defs)
-    if getattr(body, "parallel_tool_calls", True) is not False:
-        calls = [*calls, {"type": "array", "items": {"anyOf": calls}, "minItems": 1}]
     return schema_spec({"anyOf": calls, "$defs": all_defs}, "tools", max_bytes, any_whitespace)

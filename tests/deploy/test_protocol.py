@@ -145,14 +145,6 @@ def test_tool_choice_required_is_a_schema_of_one_call_of_any_tool():
         assert validator.is_valid(value) and _accepts(spec, value), value
     for value in bad:
         assert not validator.is_valid(value) and not _accepts(spec, value), value
-    # parallel calls (unless parallel_tool_calls is false): an array of one or more calls
-    several, wrong = [{"ping": {}}, {"match": {"re": "a"}}], [[], [{"ping": {}}, {"other": {}}]]
-    assert validator.is_valid(several) and _accepts(spec, several)
-    for value in wrong:
-        assert not validator.is_valid(value) and not _accepts(spec, value), value
-    one = structured.required_grammar(ChatCompletionRequest(model="m", messages=MSGS, tools=tools, tool_choice="required",
-                                                            parallel_tool_calls=False), LIMIT)
-    assert _accepts(one, {"ping": {}}) and not _accepts(one, several)
     assert structured.required_grammar(ChatCompletionRequest(model="m", messages=MSGS, tools=tools), LIMIT) is None
     with pytest.raises(APIError, match="needs tools"):
         structured.required_grammar(ChatCompletionRequest(model="m", messages=MSGS, tool_choice="required"), LIMIT)

@@ -74,14 +74,6 @@ def test_a_required_call_is_the_one_function_the_object_names():
     cut = RequiredCall()
     cut.feed('{"get_weather": {"ci')  # max_tokens came first: no call, and no half call as content
     assert cut.finish() == ("", [])
-    several = RequiredCall()  # parallel calls: an array of them, in order
-    several.feed('[{"get_weather": {"city": "Brest"}}, {"get_tide": {"port": "Brest"}}]')
-    assert [(c.name, json.loads(c.arguments)) for c in several.finish()[1]] == [
-        ("get_weather", {"city": "Brest"}), ("get_tide", {"port": "Brest"})]
-    for cut_list in ('[{"get_weather": {}}, {"get_ti', "[]"):
-        split = RequiredCall()
-        split.feed(cut_list)
-        assert split.finish() == ("", [])
 
 
 def test_a_forced_call_cut_short_is_neither_a_call_nor_content():
