@@ -108,10 +108,11 @@ SHARED_RAY_GROUPS = {
                                     "tests/actors/test_tidal.py", "tests/actors/test_tidal_pd.py",
                                     "tests/deploy/test_sim_cluster.py")),
     "local_ray": ("local_ray", ("tests/actors/test_cache_agent_secure_redis.py", "tests/actors/test_pd_handoff.py",
-                                "tests/deploy/test_clients.py", "tests/deploy/test_connect.py",
-                                "tests/deploy/test_hostile_neighbour.py", "tests/deploy/test_current_families_app.py",
+                                "tests/deploy/test_connect.py", "tests/deploy/test_current_families_app.py",
                                 "tests/deploy/test_api_fuzz.py", "tests/deploy/test_deepseek_api.py",
                                 "tests/deploy/test_openai_app.py", "tests/deploy/test_pd_app.py")),
+    # one `tide up` process (its own Ray, the default model), as a user starts it
+    "tide_up": ("tide_up", ("tests/deploy/test_clients.py", "tests/deploy/test_hostile_neighbour.py")),
 }
 _GROUP_OF = {module: group for group, (_, modules) in SHARED_RAY_GROUPS.items() for module in modules}
 _ON_SHARED_RAY = {module: SHARED_RAY_GROUPS[group][0] for module, group in _GROUP_OF.items()}
@@ -220,6 +221,33 @@ def three_nodes(_shared_rays):
     shared.acquire()
     yield shared
     shared.reset()
+
+
+# the keys of the `tide up` cluster the client libraries and the hostile-neighbour tenants use
+TIDE_UP_KEYS = {"sk-client": "clients", "sk-bench-hostile": "hostile", "sk-bench-neighbour": "neighbour"}
+
+
+@pytest.fixture(scope="session")
+def tide_up(tmp_path_factory):
+    """A `tide up` cluster serving the default model with ``tide up``'s defaults and the keys of
+    ``TIDE_UP_KEYS``, started as a user starts it (a child process, its own HOME and TIDE_HOME)
+    by the first module of group ``tide_up`` and taken down with `tide down` at the end: its
+    base URL."""
+    from deploy.redis_proc import free_port
+    from tests.cli import tide
+
+    home = tmp_path_factory.mktemp("tide-up")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TIDE_"))}
+    env.update(HOME=str(home / "home"), TIDE_HOME=str(home))
+    port = free_port()
+    keys = [arg for key, tenant in TIDE_UP_KEYS.items() for arg in ("--api-key", f"{key}:{tenant}")]
+    up = tide("up", "--port", str(port), *keys, env=env, replace_env=True)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        down = tide("down", env=env, replace_env=True)
+        assert down.returncode == 0, down.stderr[-3000:]
 
 
 @pytest.fixture(scope="module", autouse=True)

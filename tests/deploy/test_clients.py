@@ -1,5 +1,5 @@
-"""Client libraries no one here wrote, used as their users use them, against the app serving the
-default model with ``tide up``'s defaults: the OpenAI Agents SDK (its Responses and chat
+"""Client libraries no one here wrote, used as their users use them, against a `tide up` cluster
+serving the default model (``tests/conftest.py``'s ``tide_up``): the OpenAI Agents SDK (its Responses and chat
 models, a tool round trip), instructor (JSON_SCHEMA and TOOLS), LangChain (invoke, stream,
 structured output by json_schema and by function calling) and LiteLLM (chat, stream, text
 completion). Settings are a user's (``max_tokens`` of a few hundred); a seed makes the default
@@ -12,7 +12,7 @@ import os
 import pytest
 from pydantic import BaseModel
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 MAX_TOKENS = 300
 SEED = 7
@@ -24,15 +24,8 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def url(local_ray, tmp_path_factory):
-    from deploy.app import build_app
-    from tests.shared_ray import serving
-
-    home = tmp_path_factory.mktemp("clients")
-    app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1,
-                     "api_keys": {"sk-client": "clients"}})
-    with serving(app, 120) as base:
-        yield base + "/v1"
+def url(tide_up):
+    return tide_up + "/v1"
 
 
 @pytest.fixture(scope="module")

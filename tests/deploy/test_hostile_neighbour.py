@@ -1,7 +1,8 @@
 """The hostile neighbour: one tenant sends each kind of request the security review found could
 hurt others (``deploy.bench.neighbour_bench.HOSTILE_REQUESTS``: sampling extremes, oversized
 numbers and keys, deep nesting, grammars and choices past their budget or matching nothing,
-batches past their cost) while another tenant's streams run on the same replica. Each hostile
+batches past their cost) while another tenant's streams run on the same replica of a `tide up`
+cluster (``tests/conftest.py``'s ``tide_up``, serving the default model). Each hostile
 request gets a 4xx or a bounded answer; the neighbour's tokens equal the model's alone. Its
 inter-token latency beside them is measured by ``tide bench neighbour`` (timings are never
 tested)."""
@@ -23,21 +24,17 @@ from deploy.bench.neighbour_bench import (
     neighbour_stream,
 )
 
-pytestmark = [pytest.mark.ray, pytest.mark.security, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.security, pytest.mark.slow]
 
 TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def url(local_ray, tmp_path_factory):
-    from deploy.app import build_app
-    from tests.shared_ray import serving
+def url(tide_up):
+    from tests.conftest import TIDE_UP_KEYS
 
-    home = tmp_path_factory.mktemp("neighbour")
-    app = build_app({"cache_dir": str(home / "cache"), "usage_dir": str(home / "usage"), "replica_cpus": 1,
-                     "api_keys": {HOSTILE_KEY: "hostile", NEIGHBOUR_KEY: "neighbour"}})
-    with serving(app, 120) as base:
-        yield base
+    assert {HOSTILE_KEY, NEIGHBOUR_KEY} <= set(TIDE_UP_KEYS)
+    return tide_up
 
 
 @pytest.fixture(scope="module")
