@@ -68,6 +68,10 @@ class PromptCache(Protocol):
 
     def holds(self, key: bytes) -> bool: ...
 
+    def memory_bytes(self) -> int:
+        """The most this cache holds in the replica's memory (RAM tier, read buffers)."""
+        ...
+
     def stats(self) -> dict: ...
 
 
@@ -201,6 +205,9 @@ class NodeCache:
 
     def holdings(self) -> dict[str, list[bytes]]:
         return {"ssd": self.ssd.keys()}
+
+    def memory_bytes(self) -> int:
+        return self.cfg.ram_bytes + self.cfg.ssd.staging_bytes
 
     def stats(self) -> dict:
         s = self.ssd.stats

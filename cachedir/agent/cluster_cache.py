@@ -431,6 +431,10 @@ class ClusterCache:
         for fut in pending:
             fut.result(timeout=timeout_s)
 
+    def memory_bytes(self) -> int:
+        """The most this cache holds in the replica's memory: its read buffers."""
+        return self._staging.capacity_bytes
+
     def stats(self) -> dict:
         with self._lock:
             out = dict(self.counters)

@@ -6,7 +6,8 @@ over; the runs alternate over repeats. Reported: the neighbour's inter-token lat
 the gaps between a stream's token events) in each case and their ratio (the target: p99 within
 3x of alone), whether its text was the same both times, the statuses the hostile requests got
 (each must be a 4xx or a bounded 200), and the app's replicas' peak resident memory in each case
-(sampled every 100 ms).
+(sampled every 100 ms), and the replica's own high-water mark beside its memory bound
+(``cluster.memory_bound``: what its configuration lets it hold).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def run_neighbour_bench(checkpoint: Path | None = None, max_tokens: int = 128, r
         for order in case_orders(repeats, cases):
             for case in order:
                 runs[case].append(asyncio.run(_run(url, max_tokens, case == "beside_hostile")))
+        memory = _replica_memory()
     out: dict[str, Any] = {**machine(), "streams": len(PROMPTS), "max_tokens": max_tokens, "repeats": repeats,
                            "hostile_kinds": len(HOSTILE_REQUESTS), "statistic": "median over repeats"}
     for case in cases:
@@ -149,4 +151,16 @@ def run_neighbour_bench(checkpoint: Path | None = None, max_tokens: int = 128, r
     texts = {json.dumps(r["texts"]) for case in cases for r in runs[case]}
     out["neighbour_tokens_equal"] = len(texts) == 1
     out["only_4xx_or_200"] = all(code == "200" or code.startswith("4") for code in statuses)
+    out["replica_memory"] = memory
     return out
+
+
+def _replica_memory() -> dict[str, Any]:
+    """The replica's own peak resident memory over every run (the kernel's high-water mark, not a
+    sample) beside the bound its configuration gives it (``cluster.memory_bound``)."""
+    from ray import serve
+
+    mem = serve.get_deployment_handle("LLMServer", app_name="bench").stats.remote(False).result()["memory"]
+    bound = mem["bound"]
+    return {"peak_rss_mb": mem.get("peak_rss_mb"), "bound_mb": bound["total_mb"], "bound": bound,
+            "within_bound": mem.get("peak_rss_mb", float("inf")) <= bound["total_mb"]}

@@ -88,3 +88,27 @@ def test_a_batch_lines_usage_is_logged_as_batch_with_the_tokens_of_an_interactiv
     until(lambda: len(rep.usage.path.read_text().splitlines()) == 2, 10, "a usage record per request")
     records = [json.loads(x) for x in rep.usage.path.read_text().splitlines()]
     assert [r["batch"] for r in records] == [False, True]
+
+
+def test_stats_give_the_replicas_memory_beside_its_bound(replica, model):
+    """The bound adds the model's weights, its pool, the cache's in-memory caps (RAM tier and read
+    buffers), the grammar cache, the scored-logits cap, a step's logits and their copies, and the
+    runtime's allowance; it grows with the engine's caps."""
+    import resource
+
+    from cluster.engine_config import EngineConfig
+    from cluster.memory_bound import RUNTIME_MB, memory_bound
+    from model.quant import weight_bytes
+
+    rep, _ = replica
+    mem = rep.stats()["memory"]
+    bound, eng = mem["bound"], rep.engine
+    assert bound["weights_mb"] == round(weight_bytes(model) / 2**20, 1) > 0
+    assert bound["kv_pool_mb"] == round(eng.kv.pool.nbytes() / 2**20, 1)
+    assert bound["cache_mb"] == round(eng.cache.memory_bytes() / 2**20, 1) == 256  # the store's read buffers (no RAM tier)
+    assert bound["runtime_mb"] == RUNTIME_MB and bound["scored_logits_mb"] == eng.cfg.scored_logits_mib
+    assert bound["total_mb"] == pytest.approx(sum(v for k, v in bound.items() if k != "total_mb"), abs=0.5)
+    assert 0 < mem["rss_mb"] <= mem["peak_rss_mb"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 1
+    base = memory_bound(1, 1, 129280, EngineConfig())
+    more = memory_bound(1, 1, 129280, EngineConfig(max_num_seqs=32, speculative_tokens=1, scored_logits_mib=512))
+    assert more.step_logits_mb == 4 * base.step_logits_mb and more.scored_logits_mb == 2 * base.scored_logits_mb

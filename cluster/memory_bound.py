@@ -1,0 +1,78 @@
+"""A replica's memory bound: the most its configuration lets it hold, whatever requests it accepts.
+
+A replica holds its weights and its KV pool (both fixed at start), its cache's RAM tier and read
+buffers (fixed caps), compiled grammars (the grammar cache's cap), and per pass what the engine's
+caps allow: a scored prompt chunk's logits and their log-softmax (``scored_logits_mib``) and a
+step's logits with the copies sampling makes of them (one row per sequence and draft). The rest
+of a request (its tokens, its grammar's place, its outputs) is bounded by the ingress's cost
+budget and is small beside these. The process itself (Python, torch, xgrammar, Ray's worker)
+takes a measured allowance. ``tide bench neighbour`` compares the replicas' peak resident memory
+under the hostile requests with this bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cluster.engine_config import EngineConfig
+
+__all__ = ["RUNTIME_MB", "MemoryBound", "memory_bound", "resident_mb"]
+
+MIB = 1 << 20
+# A CPU replica's resident memory before its model, pool and caches: the interpreter, torch,
+# xgrammar, the CPU kernels and Ray's worker (about 700-900 MB measured here), with headroom.
+RUNTIME_MB = 1024.0
+# float32 [rows, V] tensors a step makes of its logits at once: the logits, the held-stops,
+# biased, penalized and masked copies, and the sampler's probabilities
+STEP_LOGIT_COPIES = 6
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBound:
+    """The parts of a replica's bound, in MiB."""
+
+    weights_mb: float
+    kv_pool_mb: float
+    cache_mb: float  # the cache's RAM tier and read buffers
+    grammar_cache_mb: float
+    scored_logits_mb: float
+    step_logits_mb: float
+    runtime_mb: float
+
+    @property
+    def total_mb(self) -> float:
+        return sum(asdict(self).values())
+
+    def to_dict(self) -> dict[str, float]:
+        return {**{k: round(v, 1) for k, v in asdict(self).items()}, "total_mb": round(self.total_mb, 1)}
+
+
+def memory_bound(weights_bytes: int, pool_bytes: int, vocab_size: int, cfg: EngineConfig, cache_bytes: int = 0,
+                 grammar_cache_bytes: int = 256 * MIB, runtime_mb: float = RUNTIME_MB) -> MemoryBound:
+    """The bound of a replica whose model holds ``weights_bytes`` and pool ``pool_bytes``, with
+    ``vocab_size`` logits per row, the engine's caps ``cfg``, a cache holding at most
+    ``cache_bytes`` in memory, and a grammar cache of at most ``grammar_cache_bytes``."""
+    rows = cfg.max_num_seqs * (1 + cfg.speculative_tokens)
+    return MemoryBound(
+        weights_mb=weights_bytes / MIB,
+        kv_pool_mb=pool_bytes / MIB,
+        cache_mb=cache_bytes / MIB,
+        grammar_cache_mb=grammar_cache_bytes / MIB,
+        scored_logits_mb=float(cfg.scored_logits_mib),
+        step_logits_mb=rows * vocab_size * 4 * STEP_LOGIT_COPIES / MIB,
+        runtime_mb=runtime_mb,
+    )
+
+
+def resident_mb() -> dict[str, float]:
+    """This process's resident memory now and at its peak, in MiB (Linux's /proc; {} elsewhere)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = {"VmRSS:": "rss_mb", "VmHWM:": "peak_rss_mb"}.get(line.split(maxsplit=1)[0]) if line.strip() else None
+                if key:
+                    out[key] = round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return out
