@@ -48,6 +48,9 @@ HOSTILE_REQUESTS: list[tuple[str, dict[str, Any], int]] = [
     ("completions", {"prompt": "x", "seed": 2**64}, 400),
     ("completions", {"prompt": [[1] * 64] * 64, "n": 8, "prompt_logprobs": 20, "max_tokens": 4}, 200),  # within cost
     ("completions", {"prompt": [[1] * 1000] * 64, "n": 8, "prompt_logprobs": 20, "max_tokens": 4}, 400),
+    # the most scored tokens one request may have (limits.max_scored_tokens: 64 x 512): the heaviest
+    # accepted request for a replica's memory
+    ("completions", {"prompt": [[1] * 512] * 64, "prompt_logprobs": 20, "max_tokens": 1}, 200),
     ("completions", {"prompt": "x", "max_tokens": 4, "guided_choice": ["c" * 1000 + str(i) for i in range(100)]}, 400),
     ("completions", {"prompt": "x", "max_tokens": 4, "guided_regex": "(a|"}, 400),
     ("completions", {"prompt": "x", "max_tokens": 4, "guided_grammar": "root ::= root root"}, 400),
