@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from cluster.engine_config import EngineConfig
 
-__all__ = ["RUNTIME_MB", "MemoryBound", "memory_bound", "resident_mb"]
+__all__ = ["RUNTIME_MB", "MemoryBound", "memory_bound", "resident_mb", "tensor_bytes"]
 
 MIB = 1 << 20
 # A CPU replica's resident memory before its model, pool and caches: the interpreter, torch,
@@ -76,3 +78,30 @@ def resident_mb() -> dict[str, float]:
     except OSError:
         pass
     return out
+
+
+def tensor_bytes(root: object) -> int:
+    """Bytes of the distinct tensors reachable from ``root`` through attributes, lists, tuples
+    and dicts (a model of any family: its weights, quantized ones with their scales, its tables)."""
+    seen_objects: set[int] = set()
+    seen_storage: set[int] = set()
+    total, stack = 0, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects or obj is None or isinstance(obj, str | bytes | int | float | bool | torch.dtype):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta" and obj.untyped_storage().data_ptr() not in seen_storage:
+                seen_storage.add(obj.untyped_storage().data_ptr())
+                total += obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set):
+            stack.extend(obj)
+        elif isinstance(obj, torch.nn.Module):
+            stack.extend(obj.state_dict(keep_vars=True).values())
+        elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else
+                         [getattr(obj, n) for n in obj.__slots__ if hasattr(obj, n)])
+    return total

@@ -22,11 +22,10 @@ from cachedir.publisher import DirectoryPublisher
 from cluster.daily_report import JsonlLog, UsageRecord
 from cluster.engine import Engine
 from cluster.engine_loop import EngineLoop, PromptKV
-from cluster.memory_bound import memory_bound, resident_mb
+from cluster.memory_bound import memory_bound, resident_mb, tensor_bytes
 from cluster.prefill_lb import Bandwidth, CostModel, fit_compute, load_units
 from cluster.request import UNIT_TOKENS, FinishReason, GenerationRequest, RequestOutput
 from cluster.routing_stats import RoutingStats
-from model.quant import weight_bytes
 
 __all__ = ["Replica"]
 
@@ -54,7 +53,7 @@ class Replica:
             self.publisher = DirectoryPublisher(directory, node_id, "", self.cache.holdings)
         self._cost = CostModel(unit_bytes=engine.kv.unit_bytes())
         # the most its configuration lets it hold (``cluster.memory_bound``), beside its RSS in stats
-        self.memory_bound = memory_bound(weight_bytes(engine.model), engine.kv.pool.nbytes(),
+        self.memory_bound = memory_bound(tensor_bytes(engine.model), engine.kv.pool.nbytes(),
                                          engine.model.cfg.vocab_size, engine.cfg,
                                          self.cache.memory_bytes() if self.cache is not None else 0)
         self._bandwidth = {"local": Bandwidth(self._cost.local_bps), "remote": Bandwidth(self._cost.remote_bps)}

@@ -19,7 +19,16 @@ def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0
         tokens.append(token_text(e.token))
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [_by_text(e.top, token_text) for e in entries], "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[int, float]], token_text) -> dict[str, float]:
+    """The alternatives keyed by their text, as OpenAI's completions give them: of tokens with the
+    same text (special tokens, partial characters) the likelier one's logprob."""
+    out: dict[str, float] = {}
+    for i, v in top:
+        out.setdefault(token_text(i), v)
+    return out
 
 
 def echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], k: int, token_text) -> dict:

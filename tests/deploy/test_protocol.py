@@ -92,6 +92,12 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only():
     assert not CompletionRequest(model="m", prompt="x", max_tokens=0).scores_only()
 
 
+def test_alternatives_with_the_same_text_keep_the_likelier_ones_logprob():
+    text = {0: "", 1: "", 2: "a"}.__getitem__  # two special tokens, both without text
+    lp = completion_logprobs([TokenLogprob(2, -0.2, ((0, -1.0), (2, -0.2), (1, -2.0)))], text)
+    assert lp["top_logprobs"] == [{"": -1.0, "a": -0.2}]
+
+
 def test_echoed_logprobs_score_every_prompt_token_but_the_first_and_join_the_completions():
     text = {1: "ab", 2: "c", 3: "", 4: "de"}.__getitem__
     scored = [None, TokenLogprob(2, -0.5, ((2, -0.5), (4, -1.0), (1, -3.0)), rank=1), TokenLogprob(3, -2.0, rank=4)]
