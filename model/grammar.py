@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -223,32 +224,37 @@ class Grammars:
 
 class GrammarState:
     """One output's place in its grammar: an xgrammar matcher, and whether the grammar applies
-    yet (an R1 answer is free while it thinks, until its ``constrain_after`` token)."""
+    yet (an R1 answer is free while it thinks, until its ``constrain_after`` token). The engine's
+    thread feeds it while the mask thread may fill its mask: a lock keeps the two apart (an
+    xgrammar matcher is not thread-safe)."""
 
     def __init__(self, matcher: xgrammar.GrammarMatcher, grammars: Grammars, constrain_after: int | None = None) -> None:
         self.matcher, self.grammars = matcher, grammars
         self.constrain_after, self.active = constrain_after, constrain_after is None
         self._row: torch.Tensor | None = None  # this state's mask ([1, W] int32), filled once
+        self._lock = threading.RLock()
 
     def feed(self, token: int) -> None:
         """The output goes on with ``token`` (a ``GrammarError`` when the grammar refuses it)."""
-        if not self.active:
-            self.active = token == self.constrain_after
-            return
-        if not self.matcher.accept_token(token):
-            if token in self.grammars.stop_ids and not unpack(self.mask()[0], self.grammars.vocab_size).any():
-                raise GrammarError("the grammar allows no token here and the output is not whole (one of its "
-                                   "rules never ends)")
-            raise GrammarError(f"token {token} does not continue the output under its grammar")
-        self._row = None
+        with self._lock:
+            if not self.active:
+                self.active = token == self.constrain_after
+                return
+            if not self.matcher.accept_token(token):
+                if token in self.grammars.stop_ids and not unpack(self.mask()[0], self.grammars.vocab_size).any():
+                    raise GrammarError("the grammar allows no token here and the output is not whole (one of its "
+                                       "rules never ends)")
+                raise GrammarError(f"token {token} does not continue the output under its grammar")
+            self._row = None
 
     def mask(self) -> torch.Tensor:
         """The tokens that may come next, as a bitmask row ([1, W] int32; a bit per token)."""
-        if self._row is None:
-            row = self.grammars.bitmask(1)
-            self.matcher.fill_next_token_bitmask(row)
-            self._row = row  # published whole: ``ready`` never sees a half-filled row
-        return self._row
+        with self._lock:
+            if self._row is None:
+                row = self.grammars.bitmask(1)
+                self.matcher.fill_next_token_bitmask(row)
+                self._row = row  # published whole: ``ready`` never sees a half-filled row
+            return self._row
 
     @property
     def ready(self) -> bool:
@@ -258,6 +264,10 @@ class GrammarState:
     def done(self) -> bool:
         """The output is whole: the grammar is matched and nothing but a stop token may follow
         (a text that another choice goes on from is not yet whole)."""
+        with self._lock:
+            return self._done()
+
+    def _done(self) -> bool:
         if not self.active or not self.matcher.is_completed():
             return False
         allowed = unpack(self.mask()[0], self.grammars.vocab_size)
