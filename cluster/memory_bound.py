@@ -68,16 +68,13 @@ def memory_bound(weights_bytes: int, pool_bytes: int, vocab_size: int, cfg: Engi
 
 def resident_mb() -> dict[str, float]:
     """This process's resident memory now and at its peak, in MiB (Linux's /proc; {} elsewhere)."""
-    out: dict[str, float] = {}
+    names = {"VmRSS:": "rss_mb", "VmHWM:": "peak_rss_mb"}
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                key = {"VmRSS:": "rss_mb", "VmHWM:": "peak_rss_mb"}.get(line.split(maxsplit=1)[0]) if line.strip() else None
-                if key:
-                    out[key] = round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return out
+            fields = [line.split() for line in f]
+    except OSError:  # not Linux: no figures
+        return {}
+    return {names[x[0]]: round(int(x[1]) / 1024, 1) for x in fields if x and x[0] in names}
 
 
 def tensor_bytes(root: object) -> int:
