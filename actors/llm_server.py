@@ -39,6 +39,7 @@ from cachedir.store import StoreConfig, StoreLocked
 from cluster.engine import Engine
 from cluster.engine_loop import PromptKV
 from cluster.ep import Wire
+from cluster.kv_transfer import KVOutbox
 from cluster.replica import Replica
 from cluster.request import (
     GenerationRequest,
@@ -122,6 +123,7 @@ class LLMServer:
         if not isinstance(cfg, ReplicaConfig):
             raise TypeError(f"LLMServer takes an actors.replica_config.ReplicaConfig, got {type(cfg).__name__}")
         self._stop = False
+        self._kv_outbox: KVOutbox | None = None
         self.replica_id = _actor_name() or uuid.uuid4().hex  # Serve's replica actor name, when there is one
         startup = StartupReporter(self.replica_id)
         self.model = self._load(cfg, startup)
@@ -259,7 +261,15 @@ class LLMServer:
         req = await pd_handoff.resolve(req)
         async with contextlib.aclosing(self.replica.generate(req)) as stream:  # a client gone aborts now
             async for item in stream:
-                yield item.kv if isinstance(item, PromptKV) else _for_caller(item)
+                yield self._outbox().put(item.kv) if isinstance(item, PromptKV) else _for_caller(item)
+
+    def _outbox(self) -> KVOutbox:
+        """Where this replica's handed-off prompts' KV waits for the decode replicas (made at the
+        first handoff; sealed when the cluster has a cache secret; at most a KV pool's bytes)."""
+        if self._kv_outbox is None:
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            self._kv_outbox = KVOutbox(host, seal=bool(self._secret), max_bytes=self.engine.kv.pool.nbytes())
+        return self._kv_outbox
 
     def unit_keys(self, prompt_ids: list[int] | None = None, tenant: str = "", text: str | None = None) -> list[str]:
         """The prompt's cache unit keys (hex), as the directory knows them."""
@@ -281,6 +291,8 @@ class LLMServer:
     def stats(self, gpus: bool = True) -> dict:
         """Engine counters, queue, cache per tier; the node's GPUs (``gpus``, an NVML read)."""
         out = {**self.replica.stats(), "replica_id": self.replica_id, "cpu_kernels": kernel_state()}
+        if self._kv_outbox is not None:
+            out["kv_outbox"] = {**self._kv_outbox.counters, "held": self._kv_outbox.held()}
         if gpus:
             out["gpus"] = gpu_telemetry()
         return out
@@ -301,6 +313,8 @@ class LLMServer:
             self.loop.stop()
         if getattr(self, "ep", None) is not None:
             self.ep.stop()
+        if getattr(self, "_kv_outbox", None) is not None:
+            self._kv_outbox.close()
         name = _actor_name()
         if name and ray.is_initialized():
             try:

@@ -18,6 +18,7 @@ import ray
 
 from actors.pd_handoff import read_prefill
 from cluster.decode_lb import DecodeBalancer
+from cluster.kv_transfer import KVLost
 from cluster.request import GenerationRequest, RequestMigrated, RequestOutput
 
 __all__ = ["ActorPool", "continuable"]
@@ -27,9 +28,9 @@ def continuable(e: BaseException) -> bool:
     """A replica gave the request back or went away: the request can go on elsewhere."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 
-    # ObjectLostError: P/D, the prompt's KV was lost before the decode replica pulled it (its
-    # node went away); nothing was streamed from it, the request starts over
-    gone = (RequestMigrated, RayActorError, ActorDiedError, ActorUnavailableError, ObjectLostError)
+    # KVLost, ObjectLostError: P/D, the prompt's KV (or its ticket) was lost before the decode
+    # replica pulled it (its replica or node went away); nothing was streamed, the request starts over
+    gone = (RequestMigrated, KVLost, RayActorError, ActorDiedError, ActorUnavailableError, ObjectLostError)
     return isinstance(e, gone) or isinstance(getattr(e, "cause", None), gone)
 
 

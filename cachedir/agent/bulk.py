@@ -21,9 +21,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from cachedir.layout import Loc
+from cachedir.tcp import Listener, recv_exactly, recv_into
 
 __all__ = ["TICKET_BYTES", "BulkServer", "fetch_bulk"]
 
@@ -43,12 +43,9 @@ class BulkServer:
         self._ttl = ticket_ttl_s
         self._tickets: dict[bytes, tuple[float, list[bytes]]] = {}
         self._lock = threading.Lock()
-        self._sock = socket.create_server((host, 0))
-        self.port = self._sock.getsockname()[1]
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cache-agent-bulk")
-        self._closed = False
         self.counters = {"connections": 0, "units": 0, "bytes": 0, "refused": 0}
-        threading.Thread(target=self._accept, name="cache-agent-bulk-accept", daemon=True).start()
+        self._listener = Listener(host, self._serve, threads, "cache-agent-bulk")
+        self.port = self._listener.port
 
     def reserve(self, keys: Sequence[bytes]) -> bytes:
         """A ticket for one connection that receives ``keys``."""
@@ -60,33 +57,24 @@ class BulkServer:
             self._tickets[ticket] = (now + self._ttl, list(keys))
         return ticket
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            self._pool.submit(self._serve, conn)
-
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(10.0)
-            try:
-                ticket = _recv_exactly(conn, TICKET_BYTES)
-            except OSError:
-                return
+        conn.settimeout(10.0)
+        try:
+            ticket = recv_exactly(conn, TICKET_BYTES)
+        except OSError:
+            return
+        with self._lock:
+            until, keys = self._tickets.pop(ticket, (0.0, None))
+            self.counters["connections"] += 1
+        if keys is None or until < time.monotonic():
             with self._lock:
-                until, keys = self._tickets.pop(ticket, (0.0, None))
-                self.counters["connections"] += 1
-            if keys is None or until < time.monotonic():
-                with self._lock:
-                    self.counters["refused"] += 1
-                return  # an unknown or stale ticket: closed without a byte
-            try:
-                for found in self._locate(keys):
-                    self._send_unit(conn, found)
-            except OSError as e:  # the caller went, or a file did: it fetches the rest through gRPC
-                log.debug("bulk transfer ended early: %s", e)
+                self.counters["refused"] += 1
+            return  # an unknown or stale ticket: closed without a byte
+        try:
+            for found in self._locate(keys):
+                self._send_unit(conn, found)
+        except OSError as e:  # the caller went, or a file did: it fetches the rest through gRPC
+            log.debug("bulk transfer ended early: %s", e)
 
     def _send_unit(self, conn: socket.socket, found: tuple[str, Loc] | None) -> None:
         if found is None:
@@ -108,9 +96,7 @@ class BulkServer:
                 raise OSError(f"{loc.path} ended inside a unit")  # the stream cannot go on
 
     def close(self) -> None:
-        self._closed = True
-        self._sock.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._listener.close()
 
 
 def fetch_bulk(host: str, port: int, ticket: bytes, n: int, max_unit_bytes: int,
@@ -122,28 +108,12 @@ def fetch_bulk(host: str, port: int, ticket: bytes, n: int, max_unit_bytes: int,
     with socket.create_connection((host, port), timeout=timeout_s) as conn:
         conn.sendall(ticket)
         for i in range(n):
-            (length,) = _LENGTH.unpack(_recv_exactly(conn, _LENGTH.size))
+            (length,) = _LENGTH.unpack(recv_exactly(conn, _LENGTH.size))
             if length == 0:
                 continue
             if length > max_unit_bytes:
                 raise OSError(f"bulk unit {i} declares {length} bytes, more than a unit's {max_unit_bytes}")
             buf = take(length)
-            got = 0
-            while got < length:
-                k = conn.recv_into(buf[got:], length - got)
-                if k == 0:
-                    raise OSError(f"the bulk connection ended inside unit {i}")
-                got += k
+            recv_into(conn, buf[:length])
             out[i] = buf
     return out
-
-
-def _recv_exactly(conn: socket.socket, nbytes: int) -> bytes:
-    buf = bytearray(nbytes)
-    view, got = memoryview(buf), 0
-    while got < nbytes:
-        k = conn.recv_into(view[got:], nbytes - got)
-        if k == 0:
-            raise OSError("the connection ended early")
-        got += k
-    return bytes(buf)

@@ -9,8 +9,9 @@ apart from the engine) as GB/s and tokens/s, against the prefill tokens/s measur
 same loads for DeepSeek-V3-sized units (61 layers x 576 bf16 values: ~70 KB of KV per token, a
 4K prompt ~288 MB), against the prefill rate DeepSeek reports per H800 node and against this
 machine's disk (fio, O_DIRECT, the unit as block) and loopback TCP, so the figures say where
-loading beats recomputing and how near the load runs to the hardware. ``hit_breakdown``: where a
-local SSD hit's time goes besides its load and its suffix's compute.
+loading beats recomputing and how near the load runs to the hardware; the same prompt's KV handed
+off from a prefill replica to a decode replica (P/D: ``pd_handoff_gb_per_s``, plain and sealed).
+``hit_breakdown``: where a local SSD hit's time goes besides its load and its suffix's compute.
 """
 
 from __future__ import annotations
@@ -148,6 +149,24 @@ def _loopback_tcp_gb_per_s(nbytes: int = 512 << 20) -> float:
     return got / took / 1e9
 
 
+def _handoff_gb_per_s(tokens: int, seal: bool, repeats: int) -> float:
+    """A DeepSeek-V3-sized prompt's KV (bf16) handed off from a prefill replica's outbox to a
+    decode replica (``cluster.kv_transfer``: TCP over loopback here), the median of ``repeats``."""
+    from cluster.kv_transfer import KVOutbox, fetch_kv
+
+    kv = torch.zeros((V3_LAYERS, tokens, V3_DIM), dtype=torch.bfloat16)
+    box, rates = KVOutbox("127.0.0.1", seal=seal), []
+    try:
+        for _ in range(repeats):
+            ticket = box.put(kv)
+            t0 = time.perf_counter()
+            fetch_kv(ticket)
+            rates.append(ticket.nbytes / (time.perf_counter() - t0) / 1e9)
+    finally:
+        box.close()
+    return statistics.median(rates)
+
+
 def _fio_read_gb_per_s(path: Path, nbytes: int, block: int) -> float | None:
     """The disk's O_DIRECT read rate at ``block`` (fio, as ``tide bench unit-io`` runs it); None
     without fio."""
@@ -257,6 +276,8 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
             block = -(-len(v3[0].encode()) // 4096) * 4096  # O_DIRECT: whole 4 KiB blocks, a unit each
             fio = _fio_read_gb_per_s(root / "fio.bin", min(v3_bytes, 256 << 20) // block * block, block)
             tcp = _loopback_tcp_gb_per_s()
+            handoff = {("sealed" if seal else "plain"): round(_handoff_gb_per_s(v3_prompt_tokens, seal, repeats), 3)
+                       for seal in (False, True)}
             v3_load = {path: _load_figures([_timed_load(node.cache, v3, c.drop_page_cache) for _ in range(repeats)],
                                            v3_bytes, UNIT_TOKENS * len(v3))
                        for path, node in (("local_agent_ssd", c), ("remote_agent_ssd", b))}
@@ -293,6 +314,10 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
             "fraction_of_hardware": {
                 "local_agent_ssd": round(v3_load["local_agent_ssd"]["gb_per_s"] / fio, 3) if fio else None,
                 "remote_agent_ssd": round(v3_load["remote_agent_ssd"]["gb_per_s"] / min(fio or tcp, tcp), 3)},
+            # the P/D handoff of this prompt's KV from a prefill replica's outbox (plain, and sealed
+            # as a cluster with a cache secret sends it) against loopback TCP measured above
+            "pd_handoff_gb_per_s": handoff,
+            "pd_handoff_fraction_of_tcp": {k: round(v / tcp, 3) for k, v in handoff.items()},
         },
         "hit_breakdown": hit_breakdown(breakdown),
     }

@@ -1,6 +1,7 @@
-"""The P/D handoff between two ``LLMServer`` actors (``actors/pd_handoff.py``): the prompt's KV is
-the prefill stream's last item, owned by the caller, so the decode replica gets it even when the
-prefill replica is gone by then (lent to training, killed); the answer equals the model alone."""
+"""The P/D handoff between two ``LLMServer`` actors (``actors/pd_handoff.py``): the prefill stream's
+last item is a ticket, the decode replica pulls the prompt's KV from the prefill replica's outbox
+over TCP (never through Ray's object store) and the answer equals the model alone; when the
+prefill replica is gone before the pull, the pull fails so that the request starts over."""
 
 from __future__ import annotations
 
@@ -42,11 +43,23 @@ def _dead(actor) -> bool:
     return False
 
 
-def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoint, tmp_path_factory):
+def _refused(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_decode_pulls_the_kv_from_the_prefill_replicas_outbox_and_a_lost_one_starts_over(
+        local_ray, checkpoint, tmp_path_factory):
     import ray
-    import torch
 
     from actors.pd_handoff import read_prefill
+    from actors.replica_pool import continuable
+    from cluster.kv_transfer import KVTicket
     from cluster.request import GenerationRequest
     from deploy.ingress.dispatch import decode_request
     from model.checkpoint import load_model
@@ -73,9 +86,8 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
         refs = prefill.generate.options(num_returns="streaming").remote(dataclasses.replace(req, handoff=True))
         last, kv = await read_prefill(refs)
         assert last.finished and last.handoff.kv is None and kv is not None, last  # the tensor came apart
-        assert isinstance(ray.get(kv), torch.Tensor)
-        ray.kill(prefill, no_restart=True)  # before the decode replica pulled the KV
-        until(lambda: _dead(prefill), 60, "the prefill replica to die")
+        ticket = ray.get(kv)
+        assert isinstance(ticket, KVTicket) and ticket.shape[1] == len(PROMPT)  # only the ticket went through Ray
         decode_req = decode_request(req, last, kv)
         return [await ref for ref in decode.generate.options(num_returns="streaming").remote(decode_req)]
 
@@ -88,6 +100,25 @@ def test_decode_pulls_the_kv_after_the_prefill_replica_died(local_ray, checkpoin
     want = [lp for item in whole for lp in item.new_logprobs]
     assert [lp.token for lp in logprobs] == tokens and [len(lp.top) for lp in logprobs] == [2] * MAX_TOKENS
     assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
+    outbox = ray.get(prefill.stats.remote(gpus=False), timeout=60)["kv_outbox"]
+    assert outbox["held"] == 0 and outbox["sent_bytes"] > 0  # pulled once, then let go
+
+    async def lost() -> BaseException:
+        refs = prefill.generate.options(num_returns="streaming").remote(dataclasses.replace(req, handoff=True))
+        last, kv = await read_prefill(refs)
+        ray.kill(prefill, no_restart=True)  # before the decode replica pulled the KV
+        until(lambda: _dead(prefill), 60, "the prefill replica to die")
+        ticket = ray.get(kv)  # (a process Ray calls dead may still be exiting: wait until it is gone)
+        until(lambda: _refused(ticket.host, ticket.port), 60, "the prefill replica's outbox to close")
+        try:
+            [await ref for ref in decode.generate.options(num_returns="streaming").remote(decode_request(req, last, kv))]
+        except Exception as e:  # noqa: BLE001 - the error is the point
+            return e
+        raise AssertionError("the decode replica streamed without the KV")
+
+    error = asyncio.run(lost())
+    assert continuable(error), repr(error)  # the ingress starts the request over elsewhere
+    assert ray.get(decode.check_health.remote(), timeout=30) is None  # and the decode replica serves on
 
 
 def test_a_request_that_ends_on_the_prefill_replica_hands_nothing_off(local_ray, checkpoint, tmp_path_factory):

@@ -534,6 +534,7 @@ def test_bench_ttft_json():
     assert out["prefix_load"]["bytes"] == 3 * out["unit_bytes"]  # whole units of latent rows, nothing else
     # the loads beside the hardware measured in the same run
     assert v3["loopback_tcp_gb_per_s"] > 0
+    assert set(v3["pd_handoff_gb_per_s"]) == {"plain", "sealed"} and all(v > 0 for v in v3["pd_handoff_gb_per_s"].values())
     if shutil.which("fio"):
         assert v3["fraction_of_hardware"]["local_agent_ssd"] == pytest.approx(
             v3["load"]["local_agent_ssd"]["gb_per_s"] / v3["fio_read_gb_per_s"], rel=0.02)
