@@ -49,8 +49,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from cachedir.hashing import chain_hash
 
-__all__ = ["DTYPES", "NO_MAC", "UnitCorrupt", "UnitHeader", "decode", "encode", "encode_parts", "holds", "open_sealed",
-           "read_header", "seal"]
+__all__ = ["DTYPES", "NO_MAC", "PayloadOpener", "UnitCorrupt", "UnitHeader", "check_header", "decode", "encode",
+           "encode_parts", "holds", "open_sealed", "read_header", "seal"]
 
 MAGIC = b"TIDEUNIT"
 VERSION = 3
@@ -201,14 +201,12 @@ def holds(h: UnitHeader, namespace: bytes, key: bytes, token_ids) -> bool:
     return chain_hash(namespace, h.parent, _raw(tokens)) == key
 
 
-def decode(
+def check_header(
     buf: bytes | memoryview, namespace: bytes, key: bytes, token_ids=None, mac_key: bytes | None = None,
-    out: bytearray | memoryview | None = None,
-) -> tuple[UnitHeader, memoryview]:
-    """Verify ``buf`` as the unit ``key`` of ``namespace`` (and, when given, ``token_ids``, and
-    that a holder of ``mac_key`` sealed it); returns the header and a view of the payload: with
-    ``mac_key`` the plaintext (in ``out`` when given, at least 15 bytes longer than it), else
-    the payload as stored."""
+) -> UnitHeader:
+    """The header at the start of ``buf`` verified as the unit ``key`` of ``namespace`` (and,
+    when given, ``token_ids``; with ``mac_key``, a sealed one): what ``decode`` checks before
+    the payload. ``buf`` may end after the token ids."""
     h = read_header(buf)
     if h.namespace != namespace:
         raise UnitCorrupt("namespace mismatch")
@@ -224,6 +222,20 @@ def decode(
     # without the reader's tokens a sealed unit has no ids to check: the checksum (and MAC) below
     elif not h.sealed and chain_hash(namespace, h.parent, bytes(memoryview(buf)[_FIXED.size : h.header_len])) != key:
         raise UnitCorrupt("key is not the chain hash of parent and tokens")
+    if mac_key is not None and not h.sealed:
+        raise UnitCorrupt("MAC mismatch: the unit is not sealed, and this cluster seals its units")
+    return h
+
+
+def decode(
+    buf: bytes | memoryview, namespace: bytes, key: bytes, token_ids=None, mac_key: bytes | None = None,
+    out: bytearray | memoryview | None = None,
+) -> tuple[UnitHeader, memoryview]:
+    """Verify ``buf`` as the unit ``key`` of ``namespace`` (and, when given, ``token_ids``, and
+    that a holder of ``mac_key`` sealed it); returns the header and a view of the payload: with
+    ``mac_key`` the plaintext (in ``out`` when given, at least 15 bytes longer than it), else
+    the payload as stored."""
+    h = check_header(buf, namespace, key, token_ids, mac_key)
     if len(buf) != h.file_len:
         raise UnitCorrupt(f"file is {len(buf)} bytes, header says {h.file_len}")
     payload = memoryview(buf)[h.header_len :]
@@ -231,8 +243,48 @@ def decode(
         raise UnitCorrupt("payload checksum mismatch")
     if mac_key is None:
         return h, payload
-    if not h.sealed:
-        raise UnitCorrupt("MAC mismatch: the unit is not sealed, and this cluster seals its units")
-    # the checksum is of the stored bytes, so the seal covers the header without it
-    plain = _FIXED.pack(*_FIXED.unpack_from(buf, 0)[:12], 0, NO_MAC) + bytes(memoryview(buf)[_FIXED.size : h.header_len])
-    return h, open_sealed(mac_key, plain, h.mac, payload, out)
+    return h, open_sealed(mac_key, _sealed_header(buf, h), h.mac, payload, out)
+
+
+def _sealed_header(buf: bytes | memoryview, h: UnitHeader) -> bytes:
+    """The header as sealed: the checksum is of the stored bytes, so the seal covers the header
+    without it."""
+    return _FIXED.pack(*_FIXED.unpack_from(buf, 0)[:12], 0, NO_MAC) + bytes(memoryview(buf)[_FIXED.size : h.header_len])
+
+
+class PayloadOpener:
+    """A unit's payload verified piece by piece, in order, as it is read: each piece's plaintext
+    comes at once (into ``out``, for a sealed unit); whether the whole was the unit's (its
+    checksum and, sealed, its seal) is known only at the end (``verified``). Plaintext handed
+    out before then must not be trusted until it says so."""
+
+    def __init__(self, header: bytes | memoryview, h: UnitHeader, mac_key: bytes | None) -> None:
+        self._hash = xxhash.xxh3_64()
+        self._checksum, self._fed, self._size = h.checksum, 0, h.payload_len
+        self._dec = None
+        if mac_key is not None:
+            mac = h.mac
+            self._dec = Cipher(algorithms.AES(mac_key), modes.GCM(mac[:NONCE], mac[NONCE : NONCE + TAG])).decryptor()
+            self._dec.authenticate_additional_data(_aad(_sealed_header(header, h)))
+
+    def feed(self, stored: memoryview, out: memoryview) -> memoryview:
+        """The plaintext of the next piece ``stored``: ``stored`` itself, or decrypted into ``out``
+        (at least 15 bytes longer than it)."""
+        self._hash.update(stored)
+        self._fed += len(stored)
+        if self._dec is None:
+            return stored
+        n = self._dec.update_into(stored, out)
+        return out[:n]
+
+    def verified(self) -> bool:
+        """After the last piece: the checksum, and the seal, hold."""
+        if self._fed != self._size or self._hash.intdigest() != self._checksum:
+            return False
+        if self._dec is None:
+            return True
+        try:
+            self._dec.finalize()
+        except InvalidTag:
+            return False
+        return True

@@ -42,11 +42,13 @@ import torch
 
 from cachedir.admission import make_admission
 from cachedir.hashing import RESUME_TOKEN, Namespace, chain_keys, resume_key
+from cachedir.layered import LayeredLoad
 from cachedir.node_cache import PromptCache
 from cachedir.unit import Unit
 from cluster.constraints import Constraints
 from cluster.engine_config import EngineConfig
 from cluster.kv_manager import long_tensor
+from cluster.layer_feed import LayerFeed
 from cluster.output import TextStream
 from cluster.pass_timer import PassTimer
 from cluster.request import (
@@ -93,6 +95,7 @@ class _Pass:
     rows: VerifyRows | None
     decode_logits: torch.Tensor | None
     decode_hidden: torch.Tensor | None
+    discarded: bool = False  # its prefix's load failed verification: the prompt is computed again
 
 
 class Engine:
@@ -119,6 +122,8 @@ class Engine:
         self.constraints = Constraints(grammar_vocab, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
         self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens)
+        self.layered_loads = not self.kv.resumable and (
+            cfg.layered_loads if cfg.layered_loads is not None else model.device.type == "cuda")
         self.spec = Speculator(model, self.kv, cfg.speculative_tokens, cfg.speculative_max_batch)
         self.fixed_decode = self._fixed_decode(cfg.max_num_seqs)
         # a drafting step's verify pass and MTP pass, of fixed shapes too (up to k + 1 rows a sequence)
@@ -213,7 +218,8 @@ class Engine:
                 if self.kv.resumable:  # the units' entries, then the window state after the last
                     load.append(resume_key(ns.seed, keys[n - 1]))
                     toks.append((RESUME_TOKEN,))
-                seq.load = self.cache.load_async(load, ns.seed, toks)
+                layered = getattr(self.cache, "load_layered", None) if self.layered_loads else None
+                seq.load = (layered or self.cache.load_async)(load, ns.seed, toks)
                 seq.expected_cached = n * UNIT_TOKENS
         with self._lock:
             if req.request_id in self._by_id:
@@ -269,7 +275,8 @@ class Engine:
         self.idle = not batch and not chunks  # work waits (a grammar compiling): the loop may rest
         rode = None
         for k, (seq, end) in enumerate(chunks):
-            rides = k == 0 and seq.prompt_logprobs is None  # the decode rides in the first (not a scored one)
+            # the decode rides in the first (not a scored one, nor one whose prefix is still loading)
+            rides = k == 0 and seq.prompt_logprobs is None and seq.feed is None
             done = self._run_chunk(seq, end, batch if rides else None, spec)
             rode = done if done.rows is not None else rode
             self._chunk_done(seq, end, done, outputs)
@@ -294,7 +301,10 @@ class Engine:
         ids, table = long_tensor(seq.ids(start, end)), self.kv.table(seq)
         drafting = {"hidden": True} if self.spec.enabled else {}  # the MTP layers read the hidden states
         done = _Pass(None, None, None, None, None)
-        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s, len(batch) if batch else 0)):
+        feed, seq.feed = seq.feed, None
+        waited = (lambda: feed.waited_s) if feed is not None else (lambda: 0.0)  # not the chunk's cost
+        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s - waited(),
+                                                                     len(batch) if batch else 0)):
             if batch:
                 done.rows = rows = self._decode_rows(batch, spec)
                 out = self.model.mixed(ids, table, start, rows.tokens, rows.tables, rows.positions, self.kv.pool,
@@ -309,8 +319,13 @@ class Engine:
                 self._score_prompt(seq, start, end, every)
                 done.logits = every[-1]
             else:
-                out = self.model.prefill(ids, self.kv.pool, table, start=start, **drafting)
+                fed = {"before_layer": feed} if feed is not None else {}  # (only DeepseekModel's pools load so)
+                out = self.model.prefill(ids, self.kv.pool, table, start=start, **fed, **drafting)
                 done.logits, done.hidden = out if drafting else (out, None)
+            if feed is not None and not feed.finish():
+                self._unload(seq, feed.first)
+                done.discarded = True
+                return done
             if done.hidden is not None:
                 self._draft_prompt(seq, start, end, done.hidden, table)
         self.stats["prefill_tokens"] += n_new
@@ -340,7 +355,7 @@ class Engine:
     def _chunk_done(self, seq: Sequence, end: int, done: _Pass, outputs: list[RequestOutput]) -> None:
         """After a chunk: a finished prompt joins the running sequences with its first token (and
         its first drafts)."""
-        if end < seq.length:
+        if end < seq.length or done.discarded:
             return
         logits = done.logits
         self.scheduler.prefilled(seq)
@@ -357,6 +372,15 @@ class Engine:
         if done.hidden is not None and seq.finished is None and self.spec.active([seq]):
             self.spec.propose_one(seq, done.hidden[-1])
 
+    def _unload(self, seq: Sequence, first: int) -> None:
+        """``seq``'s loaded units (from unit ``first``) failed verification after its pass used
+        them: that pass is thrown away and the prompt is computed from there (a miss)."""
+        self.stats["load_failures"] += 1
+        seq.num_computed = first * UNIT_TOKENS
+        src = seq.sources
+        src.ram, src.ssd, src.remote = min(src.ram, seq.num_computed), 0, 0
+        src.compute = len(seq.req.prompt_ids) - src.cached
+
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` pages for its tokens, reusing or loading its cached leading units."""
         # Shared pages are immutable, so they never include the prompt's last token, which is
@@ -368,9 +392,11 @@ class Engine:
             shareable = 0
         shared = self.kv.match(seq.unit_keys[:shareable])
         loaded: list = []
+        layered = isinstance(seq.load, LayeredLoad)
         if seq.load is not None and len(shared) < usable:
-            try:
-                results = seq.load.result(timeout=self.cfg.load_timeout_s)
+            try:  # a layered load says now which units it brings; their KV comes during the first pass
+                results = seq.load.units(self.cfg.load_timeout_s) if layered else \
+                    seq.load.result(timeout=self.cfg.load_timeout_s)
             except Exception:  # noqa: BLE001 - any load failure is a cache miss, never an error
                 self.stats["load_failures"] += 1
                 results = []
@@ -382,11 +408,16 @@ class Engine:
             if loaded and self.kv.resumable and (len(shared) + len(loaded) < len(results) or resume is None
                                                  or not self.kv.fits_resume(resume.unit)):
                 loaded = []  # entries without the state to go on after them: computed instead
-            seq.load = None
+            if not layered:
+                seq.load = None
         n_cached_units = len(shared) + len(loaded)
         if not self.kv.admit(seq, shared, seq.length + 1):
             return False
-        for i, r in enumerate(loaded):
+        if layered and loaded:
+            seq.feed = LayerFeed(seq.load, self.kv, seq, len(shared), [r.unit for r in loaded],
+                                 self.cfg.load_timeout_s)
+        seq.load = None
+        for i, r in enumerate(loaded if seq.feed is None else ()):
             self.kv.write_unit(seq, len(shared) + i, r.unit)
         if loaded and self.kv.resumable:
             self.kv.write_resume(seq, n_cached_units * UNIT_TOKENS, resume.unit, len(shared) * UNIT_TOKENS)

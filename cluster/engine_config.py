@@ -53,6 +53,11 @@ class EngineConfig:
     # while it ran; a constrained row whose mask is later sits the step out (the others go on)
     # and decodes the same position in the next: one slow grammar never stalls the batch
     mask_wait_ms: float = 5.0
+    # a prefix loaded from this node's SSD is handed over layer by layer while the suffix computes
+    # (cachedir.layered): None = on where the engine computes on a GPU, whose passes leave the
+    # host's cores to the reads; on a CPU the reads and the compute share the cores and the GIL
+    # (measured slower there: tide bench ttft's local_agent_ssd_layered)
+    layered_loads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):

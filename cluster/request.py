@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -242,7 +241,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token computed, when asked
     text: object = None  # cluster.output.TextStream: the output's text, decoded as tokens come
     emitted_tokens: int = 0
-    load: Future | None = None  # cache units being loaded while the request queues
+    load: object = None  # cache units being loaded while the request queues (a Future, or a LayeredLoad)
+    feed: object = None  # cluster.layer_feed.LayerFeed: loaded units its first pass writes layer by layer
     expected_cached: int = 0  # prompt tokens the cache lookup found (the queue estimate)
     sources: TokenSources = field(default_factory=TokenSources)
     scheduled_s: float | None = None  # when a step first took it up (its queue time ends)

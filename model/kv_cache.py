@@ -125,6 +125,15 @@ class LatentKVPool:
     def write_unit(self, pages: list[int] | torch.Tensor, unit_idx: int, rows: torch.Tensor) -> None:
         self.write_pages(pages, rows)
 
+    def write_layer(self, pages: list[int] | torch.Tensor, layer: int, rows: torch.Tensor) -> None:
+        """One layer of ``write_pages``: rows [len(pages)*Z, row_dim] into ``layer`` of ``pages``."""
+        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
+        rows = rows.view(len(pages_t), self.page_size, -1).to(self.data.device, self.dtype)
+        self.data.view(self.num_layers, self.num_pages, self.page_size, -1)[layer, pages_t] = rows[..., : self.latent_dim]
+        if self.index_k is not None:
+            self.index_k.view(self.num_layers, self.num_pages, self.page_size, -1)[layer, pages_t] = \
+                rows[..., self.latent_dim :]
+
     def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
         """Whole pages for every layer, in order: -> rows [L, len(pages)*Z, row_dim] (a copy)."""
         pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)

@@ -8,6 +8,7 @@ tables; this module reads and writes latents where it is told to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -157,6 +158,7 @@ class DeepseekModel:
         attn: AttnPath = "auto",
         all_logits: bool = False,
         hidden: bool = False,
+        before_layer: Callable[[int], None] | None = None,
     ):
         """Run ``token_ids`` [T] at positions ``start..start+T-1`` of one sequence.
 
@@ -170,9 +172,12 @@ class DeepseekModel:
 
         ``hidden``: (the logits, every token's final hidden state normed [T, M]: what the MTP
         layers draft from).
+
+        ``before_layer(i)`` is called before layer ``i`` reads the pool: the prefix's latents
+        of that layer may arrive as late as then (a prefix loaded layer by layer).
         """
         chunk = _Chunk.build(self, token_ids, block_table, start, pool.page_size, attn)
-        h = self._forward(pool, chunk, None)
+        h = self._forward(pool, chunk, None, before_layer=before_layer)
         if hidden:
             normed = self._normed(h)
             return linear(normed if all_logits else normed[-1], self.lm_head).float(), normed
@@ -320,15 +325,19 @@ class DeepseekModel:
         return logits[0], logits[1:]
 
     def _forward(self, pool: LatentKVPool, chunk: _Chunk | None, batch: _DecodeBatch | None,
-                 layers: list[tuple[int, DecoderLayer]] | None = None) -> torch.Tensor:
+                 layers: list[tuple[int, DecoderLayer]] | None = None,
+                 before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states [T + B, M] after the last layer: the chunk's T rows, then the batch's B.
         Projections and FFNs run over all rows at once; each part attends over its own KV (on a
         float32 CPU model, where every part is read in place, all of them in one C++ call).
-        ``layers``: (pool layer, layer) to run instead of the decoder's (an MTP layer)."""
+        ``layers``: (pool layer, layer) to run instead of the decoder's (an MTP layer);
+        ``before_layer``: as ``prefill``'s."""
         parts = [p for p in (chunk, batch) if p is not None]
         h, cos, sin, new_slots = _Rows.of(*parts)
         fused = all(p.paged == "cpu" for p in parts)
         for i, layer in layers or enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
             if fused:  # one call past the projections
                 h = self._ffn(layer, h + _attend_fused(layer.attn, x, cos, sin, pool, i, new_slots, chunk, batch))

@@ -35,6 +35,7 @@ from cachedir.agent.client import AgentClient, AgentError, BulkUnavailable
 from cachedir.agent.service import MAX_UNIT_BYTES
 from cachedir.directory.base import Directory, DirectoryUnavailable
 from cachedir.hashing import unit_mac_key
+from cachedir.layered import LayeredLoad, WholeLoad, fill_whole, read_layered
 from cachedir.layout import coalesce, read_run
 from cachedir.node_cache import LoadedUnit
 from cachedir.staging import StagingBuffers
@@ -222,6 +223,38 @@ class ClusterCache:
     ) -> Future[list[LoadedUnit | None]]:
         """Verified units for ``keys`` (None where missing or damaged), in order."""
         return self._submit(self._load, list(keys), namespace, [tuple(t) for t in token_ids])
+
+    def load_layered(self, keys: Sequence[bytes], namespace: bytes,
+                     token_ids: Sequence[Sequence[int]]) -> LayeredLoad:
+        """As ``load_async``, but handing the units over layer by layer (``cachedir.layered``)
+        where this node's store holds every one in its files and reads are direct; else whole."""
+        keys, tokens = list(keys), [tuple(t) for t in token_ids]
+        with self._lock:
+            elsewhere = any(self._holders.get(k) for k in keys)
+        if not self.direct or elsewhere:
+            return WholeLoad(self.load_async(keys, namespace, tokens))
+        load = LayeredLoad()
+        self._submit(self._read_layered, keys, namespace, tokens, load)
+        return load
+
+    def _read_layered(self, keys: list[bytes], namespace: bytes, tokens: list[tuple], load: LayeredLoad) -> None:
+        t0 = time.perf_counter()
+        try:
+            where = self.local.locate(keys)
+        except AgentError as e:
+            self._agent_error(e)
+            where = [None]
+        if any(w is None for w in where):  # not all in this node's files: whole, through the agent too
+            fill_whole(load, self._load(keys, namespace, tokens))
+            return
+        read_layered(where, keys, namespace, tokens, unit_mac_key(self._secret, namespace), self._staging.take, load)
+        n = len(load.units(0))
+        with self._lock:
+            self.counters["direct_units"] += n
+            self.counters["local_units"] += n
+            self.counters["direct_misses"] += len(keys) - n
+            self.transfer["local"][0] += sum(len(u.unit.payload) for u in load.units(0))
+            self.transfer["local"][1] += time.perf_counter() - t0
 
     def _submit(self, fn, *args) -> Future:
         fut = self._pool.submit(fn, *args)

@@ -11,11 +11,14 @@ same loads for DeepSeek-V3-sized units (61 layers x 576 bf16 values: ~70 KB of K
 machine's disk (fio, O_DIRECT, the unit as block) and loopback TCP, so the figures say where
 loading beats recomputing and how near the load runs to the hardware; the same prompt's KV handed
 off from a prefill replica to a decode replica (P/D: ``pd_handoff_gb_per_s``, plain and sealed).
+``local_agent_ssd_layered``: the local SSD hit with its prefix handed over layer by layer while the
+suffix computes (``EngineConfig.layered_loads``; the other paths load whole, the CPU's default).
 ``hit_breakdown``: where a local SSD hit's time goes besides its load and its suffix's compute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import statistics
 import tempfile
@@ -51,6 +54,7 @@ __all__ = ["run_ttft"]
 
 UNIT_TOKENS = 64
 SECRET = b"bench-cluster-secret-0123456789ab"  # units sealed as a deployment seals them
+LAYERED = "local_agent_ssd_layered"  # the local SSD hit with its prefix handed over layer by layer
 V3_LAYERS, V3_DIM = 61, 576  # DeepSeek-V3's latent KV per token and layer (kv_lora_rank 512 + rope 64), bf16
 H800_PREFILL_TOKENS_PER_S = 73_700  # per node, DeepSeek's published day (ARCHITECTURE.md)
 
@@ -214,8 +218,8 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
             ecfg = EngineConfig(num_pages=-(-(prompt_tokens + 16) // 16) + 8, max_prefill_tokens=prompt_tokens)
             tok = ByteTokenizer()
 
-            def engine(cache) -> Engine:
-                return Engine(model, ecfg, ns, tok.decode, None, cache)
+            def engine(cache, layered: bool = False) -> Engine:
+                return Engine(model, dataclasses.replace(ecfg, layered_loads=layered), ns, tok.decode, None, cache)
 
             engine(None)  # warm-up allocations
             cold, ref = [], None
@@ -238,12 +242,12 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
             c.publish()
             paths = {"local_agent_ram": (a, lambda: None), "local_agent_ssd": (c, c.drop_page_cache),
                      "remote_agent_ssd": (b, c.drop_page_cache)}
-            ttft: dict[str, list[float]] = {"cold": cold, **{p: [] for p in paths}}
+            ttft: dict[str, list[float]] = {"cold": cold, **{p: [] for p in paths}, LAYERED: []}
             cached = 0
             for i in range(repeats):
-                for path, (node, before) in paths.items():
+                for path, (node, before) in [*paths.items(), (LAYERED, paths["local_agent_ssd"])]:
                     before()
-                    t, out, cached = _ttft(engine(node.cache), prompt, f"{path}{i}")
+                    t, out, cached = _ttft(engine(node.cache, layered=path == LAYERED), prompt, f"{path}{i}")
                     assert out == ref and cached == prompt_tokens // UNIT_TOKENS * UNIT_TOKENS, (path, out, ref, cached)
                     ttft[path].append(t)
 
@@ -299,6 +303,8 @@ def run_ttft(checkpoint: Path | None, prompt_tokens: int = 4096 + 37, repeats: i
         "ttft_ms": {path: _median(ts) for path, ts in ttft.items()},
         "speedup": {path: round(statistics.median(cold) / statistics.median(ts), 2)
                     for path, ts in ttft.items() if path != "cold"},
+        # the local SSD hit with its prefix handed over layer by layer, over the whole-load one
+        "layered_vs_whole": round(statistics.median(ttft[LAYERED]) / statistics.median(ttft["local_agent_ssd"]), 3),
         "prefill_tokens_per_s": round(prefill, 1),
         "load": {path: {**f, "beats_prefill": f["tokens_per_s"] > prefill} for path, f in load.items()},
         "deepseek_v3": {

@@ -524,7 +524,8 @@ def test_bench_ttft_json():
     out = json.loads(r.stdout)
     paths = ("local_agent_ram", "local_agent_ssd", "remote_agent_ssd")
     assert out["cached_tokens"] == 192 and out["directory"] == "redis" and out["repeats"] == 1 and out["cpus"] >= 1
-    assert set(out["ttft_ms"]) == {"cold", *paths} and set(out["load"]) == set(paths)
+    assert set(out["ttft_ms"]) == {"cold", *paths, "local_agent_ssd_layered"} and set(out["load"]) == set(paths)
+    assert out["layered_vs_whole"] > 0
     for path in paths:
         load = out["load"][path]
         assert load["gb_per_s"] > 0 and load["tokens_per_s"] > 0 and isinstance(load["beats_prefill"], bool)
