@@ -30,6 +30,10 @@ class LayerFeed:
         self.timeout_s = timeout_s
         self.layers = units[0].num_layers
         self.written = 0  # layers in the pages so far
+        with warnings.catch_warnings():  # read-only buffers: write_layer copies them
+            warnings.simplefilter("ignore", UserWarning)
+            self._flat = [torch.frombuffer(u.payload, dtype=kv.pool.dtype) for u in units]
+        self._pages = [p for j in range(len(units)) for p in kv.unit_page_list(seq, first + j)]
         self.failed = False
         self.waited_s = 0.0  # time the pass spent waiting for layers (not its compute)
 
@@ -46,14 +50,10 @@ class LayerFeed:
         if not ready:
             self.failed = True  # the pass goes on over whatever the pages hold; it is discarded
             return
-        pool, tokens = self.kv.pool, self.kv.unit_tokens
-        for j, unit in enumerate(self.units):
-            with warnings.catch_warnings():  # a read-only buffer: write_layer copies it
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(unit.payload, dtype=pool.dtype)
-            per_layer = tokens * unit.dim
-            rows = flat[layer * per_layer : (layer + 1) * per_layer].view(tokens, unit.dim)
-            pool.write_layer(self.kv.unit_page_list(self.seq, self.first + j), layer, rows)
+        tokens = self.kv.unit_tokens
+        rows = torch.cat([flat[layer * tokens * unit.dim : (layer + 1) * tokens * unit.dim].view(tokens, unit.dim)
+                          for flat, unit in zip(self._flat, self.units, strict=True)])
+        self.kv.pool.write_layer(self._pages, layer, rows)  # every unit's rows of the layer in one copy
 
     def finish(self) -> bool:
         """After the pass: the remaining layers in the pages; whether the load was whole and
