@@ -71,6 +71,8 @@ from model.sampling import TokenLogprob, next_token_logprobs, sample, token_logp
 
 __all__ = ["Engine", "EngineConfig"]
 
+GPU_BACKGROUND_SLACK = 0.05  # EngineConfig.background_slack's default on a GPU
+
 log = logging.getLogger(__name__)
 
 
@@ -137,7 +139,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
                                    self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
                                    ready=self.constraints.ready, background_share=cfg.background_share,
-                                   background_slack=cfg.background_slack,
+                                   background_slack=cfg.background_slack if cfg.background_slack is not None
+                                   else GPU_BACKGROUND_SLACK if model.device.type == "cuda" else 0.0,
                                    scored_chunk=scored_chunk(cfg.scored_logits_mib, model.cfg.vocab_size))
         self._by_id: dict[str, Sequence] = {}
         self._lock = threading.RLock()  # add/abort from other threads vs step

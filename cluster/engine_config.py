@@ -42,8 +42,10 @@ class EngineConfig:
     # rest stays free for interactive arrivals, which preempt background work when short
     background_share: float = 0.5
     # ... and a decode step takes only as many of them as keep it within this much longer than the
-    # interactive rows' own step (measured): batch work uses the spare capacity, not the latency
-    background_slack: float = 0.05
+    # interactive rows' own step (measured): batch work uses the spare capacity, not the latency.
+    # 0: none beside interactive rows. None: 0.05 on a GPU; 0 on the CPU, whose cores the engine's
+    # compute shares with the HTTP path of the interactive requests (no spare capacity there)
+    background_slack: float | None = None
     # speculative decoding with the checkpoint's MTP layers (when they are loaded): drafts verified
     # per sequence and step (0: off); a step of more sequences than speculative_max_batch decodes
     # without drafts, where verifying costs more than it saves
@@ -78,7 +80,7 @@ class EngineConfig:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {self.itl_factor}")
         if not 0 <= self.background_share <= 1:
             raise ValueError(f"background_share must be in [0, 1], got {self.background_share}")
-        if not self.background_slack >= 0:
+        if self.background_slack is not None and not self.background_slack >= 0:
             raise ValueError(f"background_slack must be >= 0, got {self.background_slack}")
         if not self.mask_wait_ms >= 0:
             raise ValueError(f"mask_wait_ms must be >= 0, got {self.mask_wait_ms}")

@@ -218,6 +218,8 @@ class Scheduler:
             return batch
         else:
             return []
+        if background and not self.background_slack:  # no slack: none beside interactive rows
+            return [s for s in batch if not s.req.background]
         base = self.decode_s(interactive) if background else None
         if base is None:
             return batch
@@ -322,7 +324,7 @@ class Scheduler:
         of their step."""
         if not self._interactive_recently():
             return self.max_prefill_tokens
-        if not batch or any(not s.req.background for s, _ in chunks):
+        if not batch or not self.background_slack or any(not s.req.background for s, _ in chunks):
             return 0
         decode_s = self.decode_s(len(batch))
         if decode_s is None:

@@ -87,8 +87,9 @@ class AppArgs(BaseModel):
     # requests preempt them when short
     background_share: float = Field(default=_ENGINE.background_share, ge=0, le=1)
     # ... and a decode step takes only as many as keep it within this much longer than the
-    # interactive requests' own step (measured): batch work fills spare capacity only
-    background_slack: float = Field(default=_ENGINE.background_slack, ge=0)
+    # interactive requests' own step (measured): batch work fills spare capacity only. None: 0.05
+    # on a GPU, 0 (none beside interactive requests) on the CPU
+    background_slack: float | None = Field(default=_ENGINE.background_slack, ge=0)
     # speculative decoding with the checkpoint's MTP layers, where it has them: drafts per
     # sequence and step (0: off, the MTP layers are not loaded). None: 1 on CUDA, 0 on the CPU,
     # where verifying a draft costs about what decoding its token does (tide bench model --mtp-only);

@@ -107,6 +107,7 @@ def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 8, max_to
                 "files_dir": tmp}
         if background_share is not None:
             args["background_share"] = background_share
+
         with deployed(url, args):
             asyncio.run(_run(url, 1, 1, max_tokens, 0, False))  # warm-up: kernels and first passes
             for order in case_orders(repeats, CASES):

@@ -222,6 +222,22 @@ def test_a_decode_step_takes_only_the_background_rows_its_measured_time_allows(m
     for _ in range(3):
         sched.observe_decode(0.010, 1)
     assert len(sched.decode_batch()) == 2  # larger steps not measured yet: one background row tried
+    sched.background_slack = 0  # none beside interactive rows, measured or not
+    assert sched.decode_batch() == [i]
+    late = _add(sched, "late", 5, background=True)  # nor a background prompt's chunk in their pass
+    assert sched.prefill_chunks(sched.decode_batch()) == [] and late.pages == []
+    sched.leave_running(i)
+    sched._interactive_s -= 3600  # quiet: background work runs whole
+    assert len(sched.decode_batch()) == 4 and sched.prefill_chunks(sched.decode_batch()) == [(late, 5)]
+
+
+def test_background_work_rides_beside_interactive_rows_on_a_gpu_only(model):
+    """A CPU engine's compute shares the cores with the interactive requests' HTTP path: by
+    default no background row rides beside them there; a GPU's spare rows take some."""
+    from tests.cluster.test_engine import _engine
+
+    assert _engine(model).scheduler.background_slack == 0
+    assert _engine(model, background_slack=0.2).scheduler.background_slack == 0.2
 
 
 def test_no_step_of_background_rows_alone_runs_while_interactive_requests_come(model):
