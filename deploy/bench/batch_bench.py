@@ -99,7 +99,7 @@ async def _run(url: str, clients: int, requests: int, max_tokens: int, batch_lin
             "batch_lines_done": lines_beside}
 
 
-def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 8, max_tokens: int = 32,
+def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 32, max_tokens: int = 32,
                     batch_lines: int = 400, repeats: int = 3, background_share: float | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict]] = {c: [] for c in CASES}
     with tempfile.TemporaryDirectory() as tmp, local_serve() as url:
