@@ -221,15 +221,16 @@ ROUTERS = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
            "prefix-affinity": "deploy.prefill_router:PrefixAffinityRouter"}
 
 
-def _routed(router_class: str) -> RequestRouterConfig:
-    return RequestRouterConfig(request_router_class=router_class, request_routing_stats_period_s=0.5,
-                               request_routing_stats_timeout_s=5)
+def _routed(router_class: str, a: AppArgs) -> RequestRouterConfig:
+    kwargs = {"affinity_tokens": a.affinity_tokens} if router_class == ROUTERS["prefix-affinity"] else {}
+    return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
 
 
 def _model_deployments(a: AppArgs, server_cfg: ReplicaConfig):
     """The bound ``LLMServer`` deployment and, under P/D, the decode pool ``LLMDecode`` (else None)."""
     router = ROUTERS.get(a.router)
-    options: dict[str, Any] = {"request_router_config": _routed(router)} if router else {}
+    options: dict[str, Any] = {"request_router_config": _routed(router, a)} if router else {}
     replica_options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": a.replica_cpus, "num_gpus": gpus_per_actor(a.device)},
         "max_ongoing_requests": 64, "health_check_period_s": 10, "max_replicas_per_node": a.max_replicas_per_node,
@@ -240,7 +241,7 @@ def _model_deployments(a: AppArgs, server_cfg: ReplicaConfig):
     if not a.decode_replicas:
         return server, None
     decode_dep = serve.deployment(LLMServer, name="LLMDecode", num_replicas=a.decode_replicas, **replica_options,
-                                  request_router_config=_routed("deploy.decode_router:DecodeRouter"))
+                                  request_router_config=_routed("deploy.decode_router:DecodeRouter", a))
     return server, _versioned(decode_dep, server_cfg, replica_options, "decode").bind(server_cfg)
 
 

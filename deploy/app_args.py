@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.replica_config import DEFAULT_NAMESPACE, AgentSection, ReplicaConfig, StoreSection
 from cluster.engine_config import EngineConfig
+from cluster.prefix_affinity import AFFINITY_TOKENS
 from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
 from deploy.limits import KeyGrant, Limits
 
@@ -125,6 +126,7 @@ class AppArgs(BaseModel):
     agent_tls_ca_file: str | None = None
     agent_tls_mutual: bool = False  # agents require a node certificate signed by agent_tls_ca_file (and present theirs)
     router: Literal["cache-aware", "round-robin", "prefix-affinity", "power-of-two"] = "cache-aware"
+    affinity_tokens: int = Field(default=AFFINITY_TOKENS, ge=1)  # prefix-affinity: the prompt's first N tokens decide
     directory_password_env: str | None = None  # name of the env var holding the Redis password
     directory_tls_ca_file: str | None = None  # PEM CA of the Redis server's certificate (rediss:// URLs)
     usage_dir: str | None = None  # per-request usage logs for `tide stats` (default: $TIDE_HOME/usage)

@@ -36,7 +36,7 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate, prefix_info
-from cluster.prefix_affinity import rank_by_prefix
+from cluster.prefix_affinity import AFFINITY_TOKENS, rank_by_prefix
 from cluster.request import GenerationRequest, PrefixPlan
 from cluster.routing_stats import RoutingStats
 
@@ -143,6 +143,10 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, affinity_tokens: int = AFFINITY_TOKENS, **kwargs) -> None:
+        """``affinity_tokens`` (AppArgs'): how many of a prompt's first tokens decide its replica."""
+        self.affinity_tokens = affinity_tokens
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
@@ -152,5 +156,6 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         pairs = _serving(candidate_replicas)
         serving = [r for r, _ in pairs]
         queued = [len(st.queued) + st.running for _, st in pairs]
-        order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued)
+        order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued,
+                               getattr(self, "affinity_tokens", AFFINITY_TOKENS))
         return [[serving[order[0]]], [serving[i] for i in order[1:]]]

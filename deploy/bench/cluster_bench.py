@@ -5,13 +5,16 @@ node, a real redis-server directory), in three modes:
 * ``shared`` — the cache directory is shared and the cache-aware prefill router places requests;
 * ``prefix_affinity`` — no directory: prompts whose first 256 tokens agree go to the same replica
   (rendezvous hashing with a bounded load, as SGLang's router and Ray Serve's prefix-aware router
-  do): the baseline a user would pick instead of a shared directory;
+  do; 256 tokens of the trace, scaled like the prompts: ``affinity_tokens``): the baseline a user
+  would pick instead of a shared directory;
 * ``per_node`` — no directory: each node hits only its own cache (the router balances load);
 * ``round_robin`` — the shared directory, but cache-unaware round-robin placement.
 
 Each mode runs ``repeats`` times, the modes taking turns (a run of every mode, then the next), each
 run on empty caches; figures are medians over the runs with their range, and every request's TTFT
 is also counted under where most of its prompt's KV came from (``compute`` when nothing hit).
+``shared_vs_<mode>``: whether the directory's mode beats another on hit rate and TTFT p50/p99 by
+a margin (their ranges do not overlap), loses by one, or neither (``no_margin``).
 
 The trace is scaled down so it runs on a small machine: each 512-token ``hash_id`` block becomes
 ``block_tokens`` tokens (the scale factor 512 / block_tokens is printed) whose ids are derived
@@ -36,11 +39,12 @@ from typing import Any
 import httpx
 
 from cachedir.trace import BLOCK_TOKENS, read_trace
+from cluster.prefix_affinity import AFFINITY_TOKENS
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "run_cluster_bench", "trace_prompts"]
+__all__ = ["MODES", "run_cluster_bench", "scaled_affinity_tokens", "trace_prompts", "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -169,9 +173,10 @@ def run_cluster_bench(
     from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
+    affinity = scaled_affinity_tokens(block_tokens)
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
-        "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
+        "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens, "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
         "prompt_tokens": sum(len(p) for p, _ in work),
     }
@@ -186,6 +191,7 @@ def run_cluster_bench(
                     "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / f"{mode}-{rep}" / "{node}"),
                     "directory_url": redis.url if spec["directory"] else None,
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
+                    "affinity_tokens": affinity,
                     "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
                 })
                 serve.run(app, name="bench", route_prefix="/", blocking=False)
@@ -206,12 +212,29 @@ def run_cluster_bench(
                         pass
     for mode in modes:
         out[mode] = _medians(runs[mode])
-    hit = {m: out[m]["token_hit_rate"].get("median") for m in modes}
-    p50 = {m: out[m]["ttft_p50_ms"].get("median") for m in modes}
-    for baseline in ("prefix_affinity", "per_node"):
+    for baseline in ("prefix_affinity", "per_node", "round_robin"):
         if "shared" in out and baseline in out:
-            out[f"shared_beats_{baseline}_hit_rate"] = (hit["shared"] or 0) > (hit[baseline] or 0)
-    for baseline in ("prefix_affinity", "round_robin"):
-        if "shared" in out and baseline in out and p50["shared"] and p50[baseline]:
-            out[f"shared_beats_{baseline}_ttft_p50"] = p50["shared"] < p50[baseline]
+            out[f"shared_vs_{baseline}"] = {
+                "hit_rate": verdict(out["shared"]["token_hit_rate"], out[baseline]["token_hit_rate"], higher=True),
+                "ttft_p50": verdict(out["shared"]["ttft_p50_ms"], out[baseline]["ttft_p50_ms"], higher=False),
+                "ttft_p99": verdict(out["shared"]["ttft_p99_ms"], out[baseline]["ttft_p99_ms"], higher=False)}
     return out
+
+
+def scaled_affinity_tokens(block_tokens: int) -> int:
+    """The prefix-affinity key scaled like the prompts: ``AFFINITY_TOKENS`` real tokens of the
+    trace are this many of the replay's (at least one)."""
+    return max(1, round(AFFINITY_TOKENS * block_tokens / BLOCK_TOKENS))
+
+
+def verdict(mine: dict[str, Any], theirs: dict[str, Any], higher: bool) -> str:
+    """``beats`` or ``loses`` when the two modes' ranges over the runs do not overlap (the margin),
+    else ``no_margin``; ``unknown`` without figures."""
+    if not mine.get("range") or not theirs.get("range"):
+        return "unknown"
+    (lo, hi), (tlo, thi) = mine["range"], theirs["range"]
+    if (lo > thi) if higher else (hi < tlo):
+        return "beats"
+    if (hi < tlo) if higher else (lo > thi):
+        return "loses"
+    return "no_margin"

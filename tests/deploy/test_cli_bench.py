@@ -178,6 +178,7 @@ def test_bench_cluster_json(tmp_path):
     out = json.loads(r.stdout)
     assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"  # hit rate and TTFT by mode
     assert out["scale_factor"] == 16 and out["requests"] == 8 and out["repeats"] == 1 and out["ray"]
+    assert out["affinity_tokens"] == 16 and set(out["shared_vs_prefix_affinity"]) == {"hit_rate", "ttft_p50", "ttft_p99"}
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
         (run,) = m["runs"]
@@ -218,6 +219,21 @@ def test_cluster_bench_verdicts_are_on_medians_over_runs():
     assert _source_of({"prompt_cache_hit_tokens": 0, "prompt_cache_hit_sources": {"ram": 0, "ssd": 0, "remote": 0}}) == "compute"
     assert _source_of({"prompt_cache_hit_tokens": 192, "prompt_cache_hit_sources": {"ram": 64, "ssd": 0, "remote": 128}}) == "remote"
     assert _source_of({"prompt_cache_hit_tokens": 64, "prompt_cache_hit_sources": {"ram": 0, "ssd": 64, "remote": 0}}) == "local_ssd"
+
+
+def test_cluster_bench_verdicts_need_a_margin_and_the_affinity_key_scales_like_the_prompts():
+    from deploy.bench.cluster_bench import scaled_affinity_tokens, verdict
+
+    def spread(lo, hi):
+        return {"median": (lo + hi) / 2, "range": [lo, hi]}
+
+    assert verdict(spread(0.30, 0.35), spread(0.20, 0.25), higher=True) == "beats"
+    assert verdict(spread(0.24, 0.35), spread(0.20, 0.25), higher=True) == "no_margin"  # ranges overlap
+    assert verdict(spread(10.0, 20.0), spread(25.0, 30.0), higher=False) == "beats"  # a TTFT: lower wins
+    assert verdict(spread(31.0, 40.0), spread(25.0, 30.0), higher=False) == "loses"
+    assert verdict({}, spread(1, 2), higher=True) == "unknown"
+    # 256 tokens of the trace: at 8 tokens a 512-token block (64x), 4 tokens of the replay
+    assert (scaled_affinity_tokens(8), scaled_affinity_tokens(512), scaled_affinity_tokens(1)) == (4, 256, 1)
 
 
 @pytest.mark.ray
