@@ -12,6 +12,7 @@ replication and timings).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,12 +24,15 @@ from actors.replica_config import AgentSection
 from cachedir.agent.client import AgentClient, AgentError
 from cachedir.agent.node_agent import AgentConfig, NodeAgent
 from cachedir.agent.service import ServerConfig
+from cachedir.keeping import KeepBudget
 from cachedir.node_cache import CacheConfig
 from cachedir.replication import ReplicationConfig
 from cachedir.store import StoreConfig
 
-__all__ = ["CacheAgent", "NodeAgentClient", "agent_handles", "agent_name", "agents_stats", "ensure_cache_agents",
+__all__ = ["CacheAgent", "NodeAgentClient", "agent_handles", "agent_name", "agents_stats", "ensure_cache_agents", "keep_units_of",
            "NAMESPACE"]
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "tideserve"
 
@@ -104,6 +108,11 @@ class CacheAgent:
     def sync(self) -> None:
         self.agent.sync_once()
 
+    def keep(self, leaving: list[str], max_bytes: int, deadline_s: float) -> dict[str, int]:
+        """This node leaves serving with ``leaving``: copy its hot units that only they hold to
+        the nodes that stay (``cachedir.keeping``)."""
+        return self.agent.keep(leaving, KeepBudget(max_bytes=max_bytes, deadline_s=deadline_s))
+
 
 def ensure_cache_agents(cfg: AgentSection, timeout_s: float = 120.0) -> dict[str, ray.actor.ActorHandle]:
     """The agent of every alive node (created where missing), by node id, each ready."""
@@ -132,6 +141,22 @@ def agent_handles() -> dict[str, ray.actor.ActorHandle]:
             out[node["NodeID"]] = ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE)
         except ValueError:  # no agent on that node (yet)
             continue
+    return out
+
+
+def keep_units_of(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float) -> dict[str, dict[str, int]]:
+    """Before ``nodes`` leave serving (lent at night): each one's agent copies its hot units that
+    only they hold to the nodes that stay (``cachedir.keeping``), side by side, within
+    ``max_bytes`` a node and ``deadline_s``. A node whose agent cannot is left as it is (its units
+    are misses in the morning): keeping never stops the night."""
+    agents = agent_handles()
+    calls = {node: agents[node].keep.remote(nodes, max_bytes, deadline_s) for node in nodes if node in agents}
+    out = {}
+    for node, ref in calls.items():
+        try:
+            out[node] = ray.get(ref, timeout=min(timeout_s, deadline_s + 30.0))
+        except Exception as e:  # noqa: BLE001 - keeping is best effort
+            log.warning("node %s could not keep its units: %s", node, e)
     return out
 
 

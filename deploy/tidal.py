@@ -12,16 +12,17 @@ Night (``lend_nodes``)
      report it in their routing stats, so the router stops sending them requests; in-flight
      requests finish. Past ``deadline_s`` the role becomes ``migrate``: the replica hands its
      remaining requests back and the ingress continues each one on another replica (prompt +
-     tokens so far; greedy output is unchanged). No request fails.
+     tokens so far; greedy output is unchanged). No request fails. Then each node's cache agent
+     copies its hot units that no staying node holds to the nodes that stay (``night_keep_bytes``
+     within ``night_keep_s``: ``cachedir.keeping``), so the morning's prompts still hit them.
   3. Lease the node (a pinned actor holding the replica's resources, so Serve cannot place a
      serving replica there), stop its replicas, wait until Serve has seen them gone, and lower
      the deployments' replica counts (a P/D app: each pool by what it lost; a node holding a
      pool's last replica is never chosen); the role becomes ``lent``. The redeploy keeps the
      other replicas: deployment versions change only with what replicas are built from
-     (``deploy.app.deployment_version``). The node's cache agent keeps running: its units stay
-     fetchable.
-  4. Optionally submit a training job through the Ray Jobs API, its driver constrained to the
-     lent nodes by the ``ray.io/node-id`` label.
+     (``deploy.app.deployment_version``). The node's cache agent keeps serving its units.
+  4. Optionally submit a training job through the Ray Jobs API, its driver pinned to the lent
+     nodes by the ``ray.io/node-id`` label.
 
 Day (``return_nodes``)
   Stop the training job (SIGTERM: ``tide train run`` checkpoints and exits; after ``deadline_s``
@@ -36,6 +37,7 @@ Day: the experts are re-planned onto every shard and the replicas come back to t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -45,6 +47,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.cache_agent import keep_units_of
 from actors.tidal import (
     lease_node,
     release_lease,
@@ -110,12 +113,10 @@ def _drain(state, leaving: list[str], lend: list[str], deadline_s: float) -> boo
     """Drain the leaving replicas (the routers stop sending them work; in-flight requests
     finish, or past ``deadline_s`` move elsewhere). Whether any had to move."""
     ray.get(state.set_roles.remote(dict.fromkeys(lend, "draining")))
-    drain = Drain(leaving, deadline_s)
-    migrated = False
+    drain, migrated = Drain(leaving, deadline_s), False
     while (phase := drain.state(ray.get(state.replica_reports.remote()))) != "drained":
         if phase == "stuck":
-            raise TimeoutError(f"timed out after {deadline_s + drain.grace_s:.0f} s waiting for the lent nodes "
-                               f"to hand their requests back")
+            raise TimeoutError(f"timed out after {deadline_s + drain.grace_s:.0f} s: the lent nodes kept requests")
         if phase == "migrate" and not migrated:
             ray.get(state.set_roles.remote(dict.fromkeys(lend, "migrate")))
             migrated = True
@@ -130,10 +131,8 @@ def _remove_replicas(app_name: str, leaving: list[str], timeout_s: float, expert
     at its next health check of each (every 10 s), later when its controller is busy. The killed
     replicas are named: a count taken before the kill races with replicas Serve starts meanwhile."""
     for name in leaving:
-        try:
+        with contextlib.suppress(ValueError):  # already gone
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-        except ValueError:
-            pass  # already gone
     seen: dict[str, tuple[str, str | None]] = {}
 
     def noticed() -> bool:
@@ -176,6 +175,7 @@ def lend_nodes(
     log.info("lending %s", plan.lend)
     resized = _experts_off(shards, where, plan.lend, timeout_s) if shards else None
     migrated = _drain(state, plan.leaving, plan.lend, deadline_s)
+    kept = keep_units_of(plan.lend, a.night_keep_bytes, a.night_keep_s, timeout_s) if a.directory_url else {}
     leases = [lease_node(x, a.replica_cpus) for x in plan.lend]
     _remove_replicas(app_name, plan.leaving, timeout_s, expert_parallel=bool(shards))
     if redeploy:
@@ -188,7 +188,7 @@ def lend_nodes(
         _wait_serving(app_name, plan.target, timeout_s)
     ray.get(state.set_roles.remote(dict.fromkeys(plan.lend, "lent")))
     out = {"lent": plan.lend, "serving_replicas": plan.target["LLMServer"], "replicas": plan.target,
-           "nodes": plan.nodes, "migrated": migrated, "job_id": _train(state, plan.lend, train)}
+           "nodes": plan.nodes, "migrated": migrated, "kept": kept, "job_id": _train(state, plan.lend, train)}
     if "LLMDecode" in plan.target:
         out["decode_replicas"] = plan.target["LLMDecode"]
     if resized is not None:

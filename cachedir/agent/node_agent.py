@@ -22,6 +22,7 @@ from cachedir.agent.bulk import BulkServer
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.service import AgentBackend, ServerConfig, start_server
 from cachedir.directory.base import Directory
+from cachedir.keeping import KeepBudget, keep_units
 from cachedir.layout import Loc
 from cachedir.node_cache import CacheConfig, NodeCache, done
 from cachedir.publisher import DirectoryPublisher
@@ -159,6 +160,14 @@ class NodeAgent:
     def _push_to(self, address: str, encoded: bytes) -> bool:
         accepted, _ = self.client(address).push([encoded])
         return accepted == 1
+
+    def keep(self, leaving: Sequence[str], budget: KeepBudget = KeepBudget()) -> dict[str, int]:
+        """Before this node (and ``leaving``) stop serving: its hot units no staying node holds,
+        copied to the nodes that stay (``cachedir.keeping``)."""
+        if self.directory is None:
+            return {}
+        self.sync_once()  # the directory knows what this node holds now
+        return keep_units(self.node_id, self.directory, leaving, self._read_one, self._push_to, budget)
 
     # -- the background loop -----------------------------------------------------------------
     def sync_once(self) -> None:

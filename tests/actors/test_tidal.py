@@ -126,6 +126,8 @@ def test_day_night_day(serving):
         assert set(staying) < set(reports)  # the others were not replaced
         lent = night["lent"][0]
         assert night["serving_replicas"] == 2 and night["job_id"]
+        # its agent copied its hot units that no staying node held to the nodes that stay
+        assert set(night["kept"]) == {lent} and night["kept"][lent]["failed"] == 0, night["kept"]
         from deploy.serve_state import serve_replicas as _serve_replicas
 
         ingress = {node for name, (_, node) in _serve_replicas("tideserve").items() if "#OpenAIIngress#" in name}

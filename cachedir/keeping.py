@@ -1,0 +1,84 @@
+"""Keeping the cache through the night: before nodes leave serving, their hot units that no
+staying node holds are copied to the nodes that stay.
+
+A node lent to training (or a Kubernetes pod deleted at night) takes its units with it, and
+the morning's prompts that shared them would miss. Before it goes, its agent asks the directory
+for the hottest units (decayed hit counts), keeps those whose every live holder is leaving,
+and pushes each, hottest first, to a staying node (rendezvous hashing of unit and node, so the
+copies spread), within a byte and a time budget. A unit held by several leaving nodes is pushed
+by the one with the smallest id, as replication does. Each copy a receiver accepted is
+registered in the directory for it at once, so lookups find it there before the receiver's
+next sync; the leaving node's own registration stays until its heartbeat lapses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import xxhash
+
+from cachedir.directory.base import Directory, DirectoryUnavailable
+
+__all__ = ["KeepBudget", "keep_units"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeepBudget:
+    max_bytes: int = 8 << 30  # encoded unit bytes pushed at most
+    deadline_s: float = 60.0  # pushes stop after this long
+    min_hits: float = 0.5  # decayed hit count from which a unit counts as hot (one hit within a half-life)
+    scan_limit: int = 65536  # hot units examined
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0 or self.deadline_s < 0 or self.scan_limit < 1:
+            raise ValueError(f"a keep budget needs max_bytes, deadline_s >= 0 and scan_limit >= 1, got {self}")
+
+
+def keep_units(node_id: str, directory: Directory, leaving: Iterable[str], read: Callable[[bytes], bytes | None],
+               push: Callable[[str, bytes], bool], budget: KeepBudget = KeepBudget(),
+               now_s: Callable[[], float] = time.monotonic) -> dict[str, int]:
+    """Push ``node_id``'s hot units that only leaving nodes hold to the nodes that stay (``read``:
+    a unit's encoded bytes on this node; ``push(address, encoded)``: whether the agent there took
+    it). Returns counts: ``kept`` units and their ``bytes``, ``over_budget`` (hot units left
+    behind for the budget), ``failed`` (pushes refused or failed), ``held_elsewhere``."""
+    leaving = set(leaving) | {node_id}
+    out = {"kept": 0, "bytes": 0, "over_budget": 0, "failed": 0, "held_elsewhere": 0}
+    start = now_s()
+    try:
+        live = directory.live_nodes()
+        staying = {n: a for n, a in live.items() if n not in leaving}
+        hot = directory.hot_units(budget.scan_limit, len(leaving) + len(staying) + 1, time.time()) if staying else []
+    except DirectoryUnavailable:
+        return out
+    for unit in hot:
+        if unit.hits < budget.min_hits:
+            break
+        holders = {n for n in unit.holders if n in live}
+        if holders - leaving:
+            out["held_elsewhere"] += node_id in holders
+            continue
+        if node_id not in holders or node_id != min(holders):
+            continue  # not here, or another leaving holder pushes it
+        data = read(unit.key)
+        if data is None:
+            continue
+        if out["bytes"] + len(data) > budget.max_bytes or now_s() - start > budget.deadline_s:
+            out["over_budget"] += 1
+            continue
+        target = max(staying, key=lambda n: xxhash.xxh3_64_intdigest(unit.key + n.encode()))
+        try:
+            ok = push(staying[target], data)
+        except Exception:  # noqa: BLE001 - a unit not kept is a miss in the morning, not an error
+            ok = False
+        if not ok:
+            out["failed"] += 1
+            continue
+        out["kept"] += 1
+        out["bytes"] += len(data)
+        try:
+            directory.register(target, [unit.key])
+        except DirectoryUnavailable:
+            pass  # the receiver registers it at its next sync
+    return out
