@@ -113,6 +113,10 @@ class CacheAgent:
         the nodes that stay (``cachedir.keeping``)."""
         return self.agent.keep(leaving, KeepBudget(max_bytes=max_bytes, deadline_s=deadline_s))
 
+    def warm(self, max_bytes: int, deadline_s: float) -> dict[str, int]:
+        """This node serves again: fetch the hot units it lacks from their holders."""
+        return self.agent.warm(KeepBudget(max_bytes=max_bytes, deadline_s=deadline_s))
+
 
 def ensure_cache_agents(cfg: AgentSection, timeout_s: float = 120.0) -> dict[str, ray.actor.ActorHandle]:
     """The agent of every alive node (created where missing), by node id, each ready."""
@@ -144,13 +148,16 @@ def agent_handles() -> dict[str, ray.actor.ActorHandle]:
     return out
 
 
-def keep_units_of(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float) -> dict[str, dict[str, int]]:
+def keep_units_of(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float,
+                  warm: bool = False) -> dict[str, dict[str, int]]:
     """Before ``nodes`` leave serving (lent at night): each one's agent copies its hot units that
     only they hold to the nodes that stay (``cachedir.keeping``), side by side, within
-    ``max_bytes`` a node and ``deadline_s``. A node whose agent cannot is left as it is (its units
-    are misses in the morning): keeping never stops the night."""
+    ``max_bytes`` a node and ``deadline_s``. ``warm``: ``nodes`` come back instead, and each one's
+    agent fetches the hot units it lacks. A node whose agent cannot is left as it is (those units
+    are misses): keeping never stops the night or the morning."""
     agents = agent_handles()
-    calls = {node: agents[node].keep.remote(nodes, max_bytes, deadline_s) for node in nodes if node in agents}
+    calls = {node: agents[node].warm.remote(max_bytes, deadline_s) if warm else
+             agents[node].keep.remote(nodes, max_bytes, deadline_s) for node in nodes if node in agents}
     out = {}
     for node, ref in calls.items():
         try:

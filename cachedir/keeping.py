@@ -1,5 +1,6 @@
 """Keeping the cache through the night: before nodes leave serving, their hot units that no
-staying node holds are copied to the nodes that stay.
+staying node holds are copied to the nodes that stay; when nodes come back, they fetch the hot
+units they lack before they serve (``warm_units``).
 
 A node lent to training (or a Kubernetes pod deleted at night) takes its units with it, and
 the morning's prompts that shared them would miss. Before it goes, its agent asks the directory
@@ -21,7 +22,9 @@ import xxhash
 
 from cachedir.directory.base import Directory, DirectoryUnavailable
 
-__all__ = ["KeepBudget", "keep_units"]
+__all__ = ["KeepBudget", "keep_units", "warm_units"]
+
+FETCH_BATCH = 32  # units asked of one holder in one call
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +84,52 @@ def keep_units(node_id: str, directory: Directory, leaving: Iterable[str], read:
             directory.register(target, [unit.key])
         except DirectoryUnavailable:
             pass  # the receiver registers it at its next sync
+    return out
+
+
+def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[bytes]], list[bytes | None]],
+               store: Callable[[bytes], bool], budget: KeepBudget = KeepBudget(),
+               now_s: Callable[[], float] = time.monotonic) -> dict[str, int]:
+    """A node coming back to serving fetches the hot units it lacks, hottest first, from their
+    holders (``fetch(address, keys)``: their encoded bytes, None where gone) and ``store``s each
+    (verified there: whether it was kept), within ``budget``; each one stored is registered for
+    it at once. Returns counts: ``warmed`` units and their ``bytes``, ``over_budget``, ``failed``."""
+    out = {"warmed": 0, "bytes": 0, "over_budget": 0, "failed": 0}
+    start = now_s()
+    try:
+        live = directory.live_nodes()
+        hot = directory.hot_units(budget.scan_limit, len(live) + 1, time.time())
+    except DirectoryUnavailable:
+        return out
+    wanted: dict[str, list[bytes]] = {}  # holder -> keys, hottest first
+    for unit in hot:
+        if unit.hits < budget.min_hits:
+            break
+        holders = [n for n in unit.holders if n in live and n != node_id]
+        if node_id in unit.holders or not holders:
+            continue
+        wanted.setdefault(min(holders, key=lambda n: len(wanted.get(n, ()))), []).append(unit.key)
+    for holder, keys in wanted.items():
+        for i in range(0, len(keys), FETCH_BATCH):
+            if now_s() - start > budget.deadline_s:
+                out["over_budget"] += len(keys) - i
+                break
+            try:
+                got = fetch(live[holder], keys[i : i + FETCH_BATCH])
+            except Exception:  # noqa: BLE001 - a holder that cannot answer: those stay misses
+                out["failed"] += len(keys[i : i + FETCH_BATCH])
+                continue
+            for key, data in zip(keys[i : i + FETCH_BATCH], got, strict=True):
+                if data is not None and out["bytes"] + len(data) > budget.max_bytes:
+                    out["over_budget"] += 1
+                    continue
+                if data is None or not store(data):
+                    out["failed"] += 1
+                    continue
+                out["warmed"] += 1
+                out["bytes"] += len(data)
+                try:
+                    directory.register(node_id, [key])
+                except DirectoryUnavailable:
+                    pass  # registered at this node's next sync
     return out

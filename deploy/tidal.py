@@ -26,7 +26,8 @@ Night (``lend_nodes``)
 
 Day (``return_nodes``)
   Stop the training job (SIGTERM: ``tide train run`` checkpoints and exits; after ``deadline_s``
-  it is killed), release the leases, and raise the replicas again (``reload``: a new checkpoint).
+  it is killed), release the leases, let the nodes' agents fetch the hot units they lack, and
+  raise the replicas again (``reload``: a new checkpoint).
 
 Expert-parallel apps (``expert_shards``) lend nodes that host only expert shards when there are
 enough. Night: EPLB re-plans the experts onto the shards that stay (``EPControl.resize``; weights
@@ -227,9 +228,10 @@ def return_nodes(
     lent = [x for x, r in roles.items() if r != "serving"]
     for x in lent:
         release_lease(x)
+    warmed = keep_units_of(lent, a.night_keep_bytes, a.night_keep_s, timeout_s, warm=True) if a.directory_url else {}
     ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
     ray.get(state.set_job.remote(None))
-    out: dict[str, Any] = {"returned": lent, "job_id": job_id, "job_status": job_status}
+    out: dict[str, Any] = {"returned": lent, "job_id": job_id, "job_status": job_status, "warmed": warmed}
     if a.expert_shards:
         out["expert_shards"] = (_resize_experts(_shards(a), timeout_s) if lent else {}).get("shards")
     if a.expert_shards or a.decode_replicas:
@@ -271,12 +273,10 @@ def lend_pods(app_args: AppArgs | dict[str, Any], pods: list[str], n: int, deadl
     by_node = node_pods()
     among = [node for node, pod in by_node.items() if pod in pods]
     if not among:
-        raise ValueError(f"none of the pods {pods} is a node of this Ray cluster "
-                         f"(its nodes' pods: {sorted(by_node.values())})")
+        raise ValueError(f"none of the pods {pods} is a node of this Ray cluster (its pods: {sorted(by_node.values())})")
     out = lend_nodes(app_args, n, deadline_s=deadline_s, timeout_s=timeout_s, among=among, redeploy=False)
-    # a node without replicas drains its HTTP proxy (its readiness fails, so KubeRay's serve
-    # Service stops sending it connections); deleting the pod before that would cut requests
-    # passing through it
+    # a node without replicas drains its HTTP proxy (KubeRay's serve Service stops sending it
+    # connections); deleting the pod before that would cut requests passing through it
     try:
         wait_for(lambda: _proxies_drained(out["lent"]), deadline_s + 60.0, "the lent nodes' HTTP proxies to drain",
               every_s=1.0)

@@ -22,7 +22,7 @@ from cachedir.agent.bulk import BulkServer
 from cachedir.agent.client import AgentClient, ClientPool
 from cachedir.agent.service import AgentBackend, ServerConfig, start_server
 from cachedir.directory.base import Directory
-from cachedir.keeping import KeepBudget, keep_units
+from cachedir.keeping import KeepBudget, keep_units, warm_units
 from cachedir.layout import Loc
 from cachedir.node_cache import CacheConfig, NodeCache, done
 from cachedir.publisher import DirectoryPublisher
@@ -168,6 +168,18 @@ class NodeAgent:
             return {}
         self.sync_once()  # the directory knows what this node holds now
         return keep_units(self.node_id, self.directory, leaving, self._read_one, self._push_to, budget)
+
+    def warm(self, budget: KeepBudget = KeepBudget()) -> dict[str, int]:
+        """Before this node serves again: the hot units it lacks, fetched from their holders
+        (``cachedir.keeping.warm_units``)."""
+        if self.directory is None:
+            return {}
+        self.sync_once()  # heartbeating, and the directory knows what this node holds
+
+        def fetch(address: str, keys: list[bytes]) -> list[bytes | None]:
+            return [f[1] if f is not None else None for f in self.client(address).fetch(keys, requester=self.node_id)]
+
+        return warm_units(self.node_id, self.directory, fetch, lambda data: self.accept(data).result(60), budget)
 
     # -- the background loop -----------------------------------------------------------------
     def sync_once(self) -> None:

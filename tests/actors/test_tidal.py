@@ -154,6 +154,7 @@ def test_day_night_day(serving):
 
         day = return_nodes(args, deadline_s=60)
         assert day["returned"] == [lent] and day["serving_replicas"] == 3
+        assert set(day["warmed"]) == {lent} and day["warmed"][lent]["failed"] == 0, day["warmed"]  # before serving
         assert day["job_status"] in ("STOPPED", "SUCCEEDED"), client.get_job_logs(night["job_id"])[-2000:]
         assert lent in _llm_replica_nodes()  # serving is back on the lent node
         served_at_dawn = stream.done

@@ -76,3 +76,25 @@ def test_a_leaving_agent_copies_its_hot_units_to_an_agent_that_stays(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_node_coming_back_fetches_the_hot_units_it_lacks_within_its_budget(tmp_path):
+    d = MemoryDirectory("warming-agents")
+    a, b = _agent(tmp_path, "node-a", d), _agent(tmp_path, "node-b", d)
+    try:
+        units = make_units(TOKENS)
+        _store(a, units)
+        now = time.time()
+        for j, u in enumerate(units[:4]):  # four hot, the first the hottest; two cold
+            d.record_hits([u.key] * (4 - j), now)
+        size = len(a.cache.read_encoded([units[0].key])[0][1])
+        out = b.warm(KeepBudget(max_bytes=3 * size))
+        assert (out["warmed"], out["over_budget"], out["failed"]) == (3, 1, 0)
+        b.cache.flush()
+        assert b.cache.has([u.key for u in units]) == ["ssd"] * 3 + [""] * 3  # the hottest three
+        match = d.longest_prefix([u.key for u in units[:3]])
+        assert all(b.node_id in {h.node_id for h in hs} for hs in match.holders)  # found there at once
+        assert b.warm()["warmed"] == 1  # later, with room: the fourth; a node warms only what it lacks
+    finally:
+        a.close()
+        b.close()
