@@ -28,7 +28,6 @@ import dataclasses
 
 import ray
 
-from cluster.kv_transfer import KVTicket, fetch_kv
 from cluster.request import GenerationRequest, RequestOutput
 
 __all__ = ["read_prefill", "resolve"]
@@ -49,6 +48,9 @@ async def read_prefill(refs: ray.ObjectRefGenerator) -> tuple[RequestOutput | No
 async def resolve(req: GenerationRequest) -> GenerationRequest:
     """A decode replica's view of a ``decode_request``: the KV tensor pulled from the prefill
     replica's outbox in place of its ticket's reference; ``KVLost`` when it cannot be."""
+    # imported here: it needs torch, which the replicas have and the ingress (read_prefill) need not
+    from cluster.kv_transfer import KVTicket, fetch_kv
+
     p = req.prefilled
     if p is None or not isinstance(p.kv, ray.ObjectRef):
         return req

@@ -18,8 +18,7 @@ import ray
 
 from actors.pd_handoff import read_prefill
 from cluster.decode_lb import DecodeBalancer
-from cluster.kv_transfer import KVLost
-from cluster.request import GenerationRequest, RequestMigrated, RequestOutput
+from cluster.request import GenerationRequest, KVLost, RequestMigrated, RequestOutput
 
 __all__ = ["ActorPool", "continuable"]
 

@@ -395,6 +395,7 @@ class Engine:
             shareable = 0
         shared = self.kv.match(seq.unit_keys[:shareable])
         loaded: list = []
+        seq.feed = None  # (a feed from an admission before a preemption wrote pages no longer its own)
         layered = isinstance(seq.load, LayeredLoad)
         if seq.load is not None and len(shared) < usable:
             try:  # a layered load says now which units it brings; their KV comes during the first pass

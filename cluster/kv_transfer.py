@@ -34,6 +34,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from cachedir.tcp import Listener, recv_exactly, recv_into
+from cluster.request import KVLost
 
 __all__ = ["KVLost", "KVOutbox", "KVTicket", "fetch_kv"]
 
@@ -51,10 +52,6 @@ HUGE_PAGE, MADV_HUGEPAGE = 2 << 20, 14
 _LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
 _REQUEST = struct.Struct("<QQ")  # after the ticket: the range's offset and length
 _LENGTH = struct.Struct("<Q")  # the answer: the range's length, 0 when the ticket is unknown
-
-
-class KVLost(ConnectionError):
-    """The handed-off KV cannot be fetched (its replica, its ticket or its bytes are gone or bad)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,11 @@ class RequestMigrated(RuntimeError):
     elsewhere from its prompt and the tokens generated so far."""
 
 
+class KVLost(ConnectionError):
+    """A prompt's KV handed off from a prefill replica cannot be fetched (its replica, its ticket
+    or its bytes are gone or bad: ``cluster.kv_transfer``); the caller starts the request over."""
+
+
 class PlanMismatch(RuntimeError):
     """A prefix plan was made in another cache namespace than the replica's: its unit keys name
     other units, so every planned load would miss."""

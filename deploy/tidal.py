@@ -176,7 +176,7 @@ def lend_nodes(
     log.info("lending %s", plan.lend)
     resized = _experts_off(shards, where, plan.lend, timeout_s) if shards else None
     migrated = _drain(state, plan.leaving, plan.lend, deadline_s)
-    kept = keep_units_of(plan.lend, a.night_keep_bytes, a.night_keep_s, timeout_s) if a.directory_url else {}
+    kept = keep_units_of(plan.lend, a.night_keep_bytes, a.night_keep_s, timeout_s)  # (no agents: none)
     leases = [lease_node(x, a.replica_cpus) for x in plan.lend]
     _remove_replicas(app_name, plan.leaving, timeout_s, expert_parallel=bool(shards))
     if redeploy:
@@ -228,7 +228,7 @@ def return_nodes(
     lent = [x for x, r in roles.items() if r != "serving"]
     for x in lent:
         release_lease(x)
-    warmed = keep_units_of(lent, a.night_keep_bytes, a.night_keep_s, timeout_s, warm=True) if a.directory_url else {}
+    warmed = keep_units_of(lent, a.night_keep_bytes, a.night_keep_s, timeout_s, warm=True)
     ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
     ray.get(state.set_job.remote(None))
     out: dict[str, Any] = {"returned": lent, "job_id": job_id, "job_status": job_status, "warmed": warmed}
