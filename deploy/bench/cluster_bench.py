@@ -44,7 +44,7 @@ from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "run_cluster_bench", "scaled_affinity_tokens", "trace_prompts", "verdict"]
+__all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "trace_prompts", "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -72,6 +72,28 @@ def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt
             ids += blocks[h]
         ids = ids[:n] or [0]
         out.append((ids, max(1, min(max_tokens, math.ceil(req.output_length / scale)))))
+    return out
+
+
+SCENARIOS = ("trace", "skew")
+
+
+def skewed(work: list[tuple[list[int], int]], share: float = 0.6, hot: int = 3, hot_tokens: int = 1024,
+           vocab: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
+    """The ``skew`` scenario: ``share`` of the requests (chosen at random, seeded) start with one
+    of ``hot`` prefixes of ``hot_tokens`` tokens (Zipf: the first twice as likely as the second),
+    the rest of their prompt as it was; the others stay as they were. A few hot prefixes then
+    carry most of the traffic."""
+    rng = random.Random(seed)
+    prefixes = [[random.Random(f"hot-{k}").randrange(vocab) for _ in range(hot_tokens)] for k in range(hot)]
+    weights = [1 / (k + 1) for k in range(hot)]
+    out = []
+    for ids, max_tokens in work:
+        if rng.random() < share:
+            prefix = rng.choices(prefixes, weights)[0]
+            n = min(hot_tokens, max(0, len(ids) - 1))
+            ids = prefix[:n] + ids[n:]
+        out.append((ids, max_tokens))
     return out
 
 
@@ -162,9 +184,10 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-    modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3,
+    modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace",
 ) -> dict[str, Any]:
-    """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``)."""
+    """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
+    ``scenario``: the trace as it is, or ``skew`` (``skewed``)."""
     import ray
     from ray import serve
 
@@ -172,11 +195,16 @@ def run_cluster_bench(
     from deploy.app import build_app
     from deploy.local import agent_token_file
 
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
+    if scenario == "skew":
+        work = skewed(work)
     affinity = scaled_affinity_tokens(block_tokens)
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
-        "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens, "affinity_tokens": affinity,
+        "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
+        "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
         "prompt_tokens": sum(len(p) for p, _ in work),
     }

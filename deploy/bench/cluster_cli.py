@@ -113,6 +113,8 @@ def bench_cluster(
     modes: str = typer.Option("shared,prefix_affinity,per_node,round_robin", "--modes",
                               help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
+    scenario: str = typer.Option("trace", "--scenario",
+                                 help="trace: as it is; skew: 60%% of the requests start with one of 3 hot prefixes"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
@@ -123,7 +125,10 @@ def bench_cluster(
     placement. Every mode --repeats times, taking turns, on empty caches each run: medians with
     ranges of token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms and
     ttft_p99_ms, every run's figures with its TTFT by where the prompt's KV came from, errors."""
-    from deploy.bench.cluster_bench import MODES, run_cluster_bench
+    from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench
+
+    if scenario not in SCENARIOS:
+        raise typer.BadParameter(f"--scenario {scenario!r}: choose from {', '.join(SCENARIOS)}")
 
     if not trace.is_file():
         raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
@@ -145,7 +150,7 @@ def bench_cluster(
     with contextlib.redirect_stdout(sys.stderr), progress("replaying", None) as bar:  # Ray's shutdown
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
-                                   max_tokens, checkpoint, chosen, progress=bar, repeats=repeats)
+                                   max_tokens, checkpoint, chosen, progress=bar, repeats=repeats, scenario=scenario)
     emit(plotted("cluster", result, plot))
 
 

@@ -142,6 +142,7 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__, "--modes", "shared,fifo"], "fifo"),
     (["cluster", "--trace", __file__], "not a trace record"),
     (["cluster", "--trace", __file__, "--nodes", "1"], "--nodes"),
+    (["cluster", "--trace", __file__, "--scenario", "rush-hour"], "rush-hour"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
     r = tide_here("bench", *args)
@@ -219,6 +220,19 @@ def test_cluster_bench_verdicts_are_on_medians_over_runs():
     assert _source_of({"prompt_cache_hit_tokens": 0, "prompt_cache_hit_sources": {"ram": 0, "ssd": 0, "remote": 0}}) == "compute"
     assert _source_of({"prompt_cache_hit_tokens": 192, "prompt_cache_hit_sources": {"ram": 64, "ssd": 0, "remote": 128}}) == "remote"
     assert _source_of({"prompt_cache_hit_tokens": 64, "prompt_cache_hit_sources": {"ram": 0, "ssd": 64, "remote": 0}}) == "local_ssd"
+
+
+def test_the_skew_scenario_puts_most_requests_on_a_few_hot_prefixes():
+    from deploy.bench.cluster_bench import skewed
+
+    work = [([k % 250] * 300, 4) for k in range(400)]
+    out = skewed(work, share=0.6, hot=3, hot_tokens=100)
+    firsts = [tuple(ids[:100]) for ids, _ in out]
+    hot = sorted({f for f in firsts if firsts.count(f) > 10}, key=firsts.count, reverse=True)
+    assert len(hot) == 3 and 0.5 < sum(map(firsts.count, hot)) / 400 < 0.7  # about 60% on them
+    assert firsts.count(hot[0]) > firsts.count(hot[2])  # Zipf: the first hottest
+    assert [ids[100:] for ids, _ in out] == [ids[100:] for ids, _ in work]  # the rest as it was
+    assert skewed(work) == skewed(work)  # seeded
 
 
 def test_cluster_bench_verdicts_need_a_margin_and_the_affinity_key_scales_like_the_prompts():
