@@ -210,7 +210,7 @@ def run_cluster_bench(
     }
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     total = len(work) * len(modes) * repeats
-    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url):
+    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, _):
         for rep in range(repeats):
             for k, mode in enumerate(modes):
                 spec = MODES[mode]

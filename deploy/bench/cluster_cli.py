@@ -114,7 +114,9 @@ def bench_cluster(
                               help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     scenario: str = typer.Option("trace", "--scenario",
-                                 help="trace: as it is; skew: 60%% of the requests start with one of 3 hot prefixes"),
+                                 help="trace: as it is; skew: 60%% of the requests start with one of 3 hot prefixes; "
+                                      "night: the night half's hits with no node lent, one lent and removed, and one "
+                                      "lent with its hot units kept (the shared directory only; --modes is ignored)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
@@ -127,8 +129,8 @@ def bench_cluster(
     ttft_p99_ms, every run's figures with its TTFT by where the prompt's KV came from, errors."""
     from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench
 
-    if scenario not in SCENARIOS:
-        raise typer.BadParameter(f"--scenario {scenario!r}: choose from {', '.join(SCENARIOS)}")
+    if scenario not in (*SCENARIOS, "night"):
+        raise typer.BadParameter(f"--scenario {scenario!r}: choose from {', '.join(SCENARIOS)}, night")
 
     if not trace.is_file():
         raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
@@ -149,8 +151,14 @@ def bench_cluster(
 
     with contextlib.redirect_stdout(sys.stderr), progress("replaying", None) as bar:  # Ray's shutdown
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
-        result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
-                                   max_tokens, checkpoint, chosen, progress=bar, repeats=repeats, scenario=scenario)
+        if scenario == "night":
+            from deploy.bench.night_bench import run_night_bench
+
+            result = run_night_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens, max_tokens,
+                                     checkpoint, repeats)
+        else:
+            result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
+                                       max_tokens, checkpoint, chosen, progress=bar, repeats=repeats, scenario=scenario)
     emit(plotted("cluster", result, plot))
 
 

@@ -70,10 +70,10 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 
 @contextlib.contextmanager
-def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]]:
+def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str, Any]]:
     """A redis-server and a simulated cluster of ``nodes`` one-CPU nodes with Serve listening on
     a free loopback port (one HTTP proxy, on the head: the nodes share 127.0.0.1): yields
-    (redis, url); everything stops on exit."""
+    (redis, url, the ``deploy.sim_cluster.SimulatedCluster``); everything stops on exit."""
     import ray
     from ray import serve
 
@@ -87,7 +87,7 @@ def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str]
     try:
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        yield redis, f"http://127.0.0.1:{port}"
+        yield redis, f"http://127.0.0.1:{port}", cluster
     finally:
         serve.shutdown()
         ray.shutdown()

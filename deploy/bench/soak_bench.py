@@ -200,7 +200,7 @@ def run_soak(minutes: float, concurrency: int = 4, nodes: int = 2, fault_every_s
 
     checkpoint = Path(checkpoint) if checkpoint else default_checkpoint()
     rss: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url):
+    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, _):
         serve.run(build_app({
             "checkpoint": str(checkpoint), "replicas": nodes, "replica_cpus": 1, "max_replicas_per_node": 1,
             "cache_dir": str(Path(tmp) / "cache" / "{node}"), "usage_dir": str(Path(tmp) / "usage"),
