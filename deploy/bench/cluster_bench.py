@@ -44,7 +44,8 @@ from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "trace_prompts", "verdict"]
+__all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents", "trace_prompts",
+           "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -188,10 +189,8 @@ def run_cluster_bench(
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
     ``scenario``: the trace as it is, or ``skew`` (``skewed``)."""
-    import ray
     from ray import serve
 
-    from actors.cache_agent import NAMESPACE, agent_name
     from deploy.app import build_app
     from deploy.local import agent_token_file
 
@@ -233,11 +232,7 @@ def run_cluster_bench(
                 after = _source_tokens(url)
                 runs[mode].append(_summary(results, {s: after.get(s, 0) - before.get(s, 0) for s in after}, wall))
                 serve.delete("bench")
-                for node in ray.nodes():  # the next run starts from empty caches
-                    try:
-                        ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
-                    except ValueError:
-                        pass
+                stop_agents()  # the next run starts from empty caches
     for mode in modes:
         out[mode] = _medians(runs[mode])
     for baseline in ("prefix_affinity", "per_node", "round_robin"):
@@ -247,6 +242,19 @@ def run_cluster_bench(
                 "ttft_p50": verdict(out["shared"]["ttft_p50_ms"], out[baseline]["ttft_p50_ms"], higher=False),
                 "ttft_p99": verdict(out["shared"]["ttft_p99_ms"], out[baseline]["ttft_p99_ms"], higher=False)}
     return out
+
+
+def stop_agents() -> None:
+    """Stop every node's cache agent (the next app starts them afresh, on empty caches)."""
+    import ray
+
+    from actors.cache_agent import NAMESPACE, agent_name
+
+    for node in ray.nodes():
+        try:
+            ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
 
 
 def scaled_affinity_tokens(block_tokens: int) -> int:

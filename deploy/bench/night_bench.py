@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from cachedir.trace import BLOCK_TOKENS
-from deploy.bench.cluster_bench import _medians, _replay, _source_tokens, _summary, trace_prompts
+from deploy.bench.cluster_bench import (
+    _medians,
+    _replay,
+    _source_tokens,
+    _summary,
+    stop_agents,
+    trace_prompts,
+)
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster
 from deploy.redis_proc import wait_healthy
@@ -70,7 +77,6 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
     import ray
     from ray import serve
 
-    from actors.cache_agent import NAMESPACE, agent_name
     from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
@@ -90,11 +96,7 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                 }
                 runs[case].append(_run(url, app_args, work, concurrency, case, sim))
                 serve.delete("bench")
-                for node in ray.nodes():  # the next run starts from empty caches
-                    try:
-                        ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
-                    except ValueError:
-                        pass
+                stop_agents()  # the next run starts from empty caches
                 while len([n for n in ray.nodes() if n["Alive"]]) < nodes:  # the removed node replaced
                     sim.add_node(num_cpus=1)
                     sim.wait_for_nodes()
