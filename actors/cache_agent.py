@@ -80,9 +80,13 @@ class CacheAgent:
             heartbeat_ttl_s=cfg.heartbeat_ttl_s, sync_every_s=cfg.sync_every_s, replication=replication,
         ), cfg.directory.open())
         self.agent.sync_once()  # registered and heartbeating before anyone asks
+        if cfg.warm_bytes:  # before this node's replica serves (it waits for its agent): the hot units it lacks
+            self.warmed = self.agent.warm(KeepBudget(max_bytes=cfg.warm_bytes, deadline_s=cfg.warm_s))
+
+    warmed: dict[str, int] | None = None  # what it fetched as it started (``AgentSection.warm_bytes``)
 
     def info(self) -> dict:
-        return {"node_id": self.agent.node_id, "address": self.agent.address}
+        return {"node_id": self.agent.node_id, "address": self.agent.address, "warmed": self.warmed}
 
     def stats(self) -> dict:
         return self.agent.stats()

@@ -207,7 +207,8 @@ def replica_config(a: AppArgs) -> ReplicaConfig:
     if a.cache_agents and a.enable_cache:
         agents = AgentSection(store, directory, **_agent_token_source(a), tls_cert_file=a.agent_tls_cert_file,
                               tls_key_file=a.agent_tls_key_file, tls_ca_file=a.agent_tls_ca_file,
-                              tls_mutual=a.agent_tls_mutual, replicas=a.cache_replicas)
+                              tls_mutual=a.agent_tls_mutual, replicas=a.cache_replicas,
+                              warm_bytes=a.night_keep_bytes, warm_s=a.night_keep_s)
     return ReplicaConfig(
         checkpoint, store, a.dtype, a.device, a.cpu_weights, a.fp8_weights, cpu_threads=a.cpu_threads,
         engine=a.engine_config(), stream_batching_interval_ms=a.stream_batching_interval_ms,

@@ -98,7 +98,7 @@ def _prompt(seed: int) -> list[int]:
     return [256] + [(seed * 131 + i * 7) % 250 + 3 for i in range(64 * 3 + 4)]  # 3 whole units
 
 
-def test_one_agent_per_node_also_on_nodes_added_later(cluster, servers):
+def test_one_agent_per_node_also_on_nodes_added_later(cluster, servers, directory):
     import ray
 
     from actors.cache_agent import ensure_cache_agents
@@ -109,11 +109,21 @@ def test_one_agent_per_node_also_on_nodes_added_later(cluster, servers):
     assert len(first) == 3 and {k: h._actor_id for k, h in first.items()} == {k: h._actor_id for k, h in again.items()}
     infos = ray.get([h.info.remote() for h in first.values()])
     assert {i["node_id"] for i in infos} == set(first)  # each agent runs on its own node
+    a, b = servers
+    prompt = _prompt(7)
+    _run(a, prompt)
+    until(lambda: len(_holders(directory, a, prompt)) == 3, 10, "A's units in the directory")
+    assert _run(b, prompt)["sources"]["remote"] > 0  # B hit A's units: they are hot now
     node = c.add_node(num_cpus=0)
     try:
         c.wait_for_nodes()
-        grown = ensure_cache_agents(agent_cfg)
+        # a node joining (or back in the morning): its agent fetches the hot units before it answers
+        grown = ensure_cache_agents(dataclasses.replace(agent_cfg, warm_bytes=1 << 30))
         assert len(grown) == 4 and set(first) < set(grown)
+        (new,) = set(grown) - set(first)
+        info = ray.get(grown[new].info.remote())
+        assert info["warmed"]["warmed"] >= 3 and info["warmed"]["failed"] == 0, info
+        assert all(new in hs for hs in _holders(directory, a, prompt))  # found there at once
     finally:
         c.remove_node(node)
 
