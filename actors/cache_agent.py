@@ -30,7 +30,7 @@ from cachedir.replication import ReplicationConfig
 from cachedir.store import StoreConfig
 
 __all__ = ["CacheAgent", "NodeAgentClient", "agent_handles", "agent_name", "agents_stats", "ensure_cache_agents", "keep_units_of",
-           "NAMESPACE"]
+           "warm_nodes", "NAMESPACE"]
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,8 @@ class CacheAgent:
             heartbeat_ttl_s=cfg.heartbeat_ttl_s, sync_every_s=cfg.sync_every_s, replication=replication,
         ), cfg.directory.open())
         self.agent.sync_once()  # registered and heartbeating before anyone asks
-        if cfg.warm_bytes:  # before this node's replica serves (it waits for its agent): the hot units it lacks
-            self.warmed = self.agent.warm(KeepBudget(max_bytes=cfg.warm_bytes, deadline_s=cfg.warm_s))
-
-    warmed: dict[str, int] | None = None  # what it fetched as it started (``AgentSection.warm_bytes``)
+        # before this node's replica serves (it waits for its agent): the hot units it lacks
+        self.warmed = self.warm(cfg.warm_bytes, cfg.warm_s) if cfg.warm_bytes else None
 
     def info(self) -> dict:
         return {"node_id": self.agent.node_id, "address": self.agent.address, "warmed": self.warmed}
@@ -152,22 +150,31 @@ def agent_handles() -> dict[str, ray.actor.ActorHandle]:
     return out
 
 
-def keep_units_of(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float,
-                  warm: bool = False) -> dict[str, dict[str, int]]:
+def keep_units_of(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float) -> dict[str, dict[str, int]]:
     """Before ``nodes`` leave serving (lent at night): each one's agent copies its hot units that
     only they hold to the nodes that stay (``cachedir.keeping``), side by side, within
-    ``max_bytes`` a node and ``deadline_s``. ``warm``: ``nodes`` come back instead, and each one's
-    agent fetches the hot units it lacks. A node whose agent cannot is left as it is (those units
-    are misses): keeping never stops the night or the morning."""
+    ``max_bytes`` a node and ``deadline_s``."""
+    return _on_agents(nodes, lambda agent: agent.keep.remote(nodes, max_bytes, deadline_s),
+                      min(timeout_s, deadline_s + 30.0))
+
+
+def warm_nodes(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float) -> dict[str, dict[str, int]]:
+    """``nodes`` serve again: each one's agent fetches the hot units it lacks, side by side."""
+    return _on_agents(nodes, lambda agent: agent.warm.remote(max_bytes, deadline_s), min(timeout_s, deadline_s + 30.0))
+
+
+def _on_agents(nodes: list[str], call: Callable, timeout_s: float) -> dict[str, dict[str, int]]:
+    """``call`` on each node's agent (those that have one), their answers by node. A node whose
+    agent cannot answer is left out (its units are misses): keeping never stops a night or a
+    morning."""
     agents = agent_handles()
-    calls = {node: agents[node].warm.remote(max_bytes, deadline_s) if warm else
-             agents[node].keep.remote(nodes, max_bytes, deadline_s) for node in nodes if node in agents}
+    refs = {node: call(agents[node]) for node in nodes if node in agents}
     out = {}
-    for node, ref in calls.items():
+    for node, ref in refs.items():
         try:
-            out[node] = ray.get(ref, timeout=min(timeout_s, deadline_s + 30.0))
-        except Exception as e:  # noqa: BLE001 - keeping is best effort
-            log.warning("node %s could not keep its units: %s", node, e)
+            out[node] = ray.get(ref, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - keeping is best effort; said in the log
+            log.warning("the cache agent of node %s could not keep or warm its units: %s", node, e)
     return out
 
 

@@ -111,7 +111,7 @@ def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[by
         wanted.setdefault(min(holders, key=lambda n: len(wanted.get(n, ()))), []).append(unit.key)
     for holder, keys in wanted.items():
         for i in range(0, len(keys), FETCH_BATCH):
-            if now_s() - start > budget.deadline_s:
+            if now_s() - start > budget.deadline_s or out["bytes"] >= budget.max_bytes:  # nothing more fetched
                 out["over_budget"] += len(keys) - i
                 break
             try:

@@ -26,7 +26,7 @@ class LayerFeed:
     def __init__(self, load, kv: KVManager, seq: Sequence, first: int, units: list[Unit], timeout_s: float) -> None:
         """``units`` are ``seq``'s units ``first``, ``first + 1``, ... (their pages given);
         ``load`` fills their payloads; waits end after ``timeout_s`` (the load is then a miss)."""
-        self.load, self.kv, self.seq, self.first, self.units = load, kv, seq, first, units
+        self.load, self.kv, self.first, self.units = load, kv, first, units
         self.timeout_s = timeout_s
         self.layers = units[0].num_layers
         self.written = 0  # layers in the pages so far

@@ -48,7 +48,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.cache_agent import keep_units_of
+from actors.cache_agent import keep_units_of, warm_nodes
 from actors.tidal import (
     lease_node,
     release_lease,
@@ -228,7 +228,7 @@ def return_nodes(
     lent = [x for x, r in roles.items() if r != "serving"]
     for x in lent:
         release_lease(x)
-    warmed = keep_units_of(lent, a.night_keep_bytes, a.night_keep_s, timeout_s, warm=True)
+    warmed = warm_nodes(lent, a.night_keep_bytes, a.night_keep_s, timeout_s)
     ray.get(state.set_roles.remote(dict.fromkeys(lent, "serving")))
     ray.get(state.set_job.remote(None))
     out: dict[str, Any] = {"returned": lent, "job_id": job_id, "job_status": job_status, "warmed": warmed}

@@ -128,11 +128,15 @@ class LatentKVPool:
     def write_layer(self, pages: list[int] | torch.Tensor, layer: int, rows: torch.Tensor) -> None:
         """One layer of ``write_pages``: rows [len(pages)*Z, row_dim] into ``layer`` of ``pages``."""
         pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
-        rows = rows.view(len(pages_t), self.page_size, -1).to(self.data.device, self.dtype)
-        self.data.view(self.num_layers, self.num_pages, self.page_size, -1)[layer, pages_t] = rows[..., : self.latent_dim]
+        self._put((layer, pages_t), rows.view(len(pages_t), self.page_size, -1))
+
+    def _put(self, where: tuple, rows: torch.Tensor) -> None:
+        """``rows`` (row_dim values each, a page's Z together) into the pages at ``where`` of the
+        planes viewed as [L, pages, Z, -1]: the latent part, and the indexer keys where kept."""
+        rows = rows.to(self.data.device, self.dtype)
+        self.data.view(self.num_layers, self.num_pages, self.page_size, -1)[where] = rows[..., : self.latent_dim]
         if self.index_k is not None:
-            self.index_k.view(self.num_layers, self.num_pages, self.page_size, -1)[layer, pages_t] = \
-                rows[..., self.latent_dim :]
+            self.index_k.view(self.num_layers, self.num_pages, self.page_size, -1)[where] = rows[..., self.latent_dim :]
 
     def read_pages(self, pages: list[int] | torch.Tensor) -> torch.Tensor:
         """Whole pages for every layer, in order: -> rows [L, len(pages)*Z, row_dim] (a copy)."""
@@ -152,8 +156,4 @@ class LatentKVPool:
         if self.impl == "triton" and self.index_k is None:
             scatter_units(self.data, pages_t[None], rows[None].to(self.data.device, self.dtype), self.page_size)
             return
-        rows = rows.view(self.num_layers, len(pages_t), self.page_size, -1).to(self.data.device, self.dtype)
-        self.data.view(self.num_layers, self.num_pages, self.page_size, -1)[:, pages_t] = rows[..., : self.latent_dim]
-        if self.index_k is not None:
-            self.index_k.view(self.num_layers, self.num_pages, self.page_size, -1)[:, pages_t] = \
-                rows[..., self.latent_dim :]
+        self._put((slice(None), pages_t), rows.view(self.num_layers, len(pages_t), self.page_size, -1))

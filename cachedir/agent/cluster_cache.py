@@ -248,12 +248,12 @@ class ClusterCache:
             fill_whole(load, self._load(keys, namespace, tokens))
             return
         read_layered(where, keys, namespace, tokens, unit_mac_key(self._secret, namespace), self._staging.take, load)
-        n = len(load.units(0))
+        units = load.units(0)
         with self._lock:
-            self.counters["direct_units"] += n
-            self.counters["local_units"] += n
-            self.counters["direct_misses"] += len(keys) - n
-            self.transfer["local"][0] += sum(len(u.unit.payload) for u in load.units(0))
+            self.counters["direct_units"] += len(units)
+            self.counters["local_units"] += len(units)
+            self.counters["direct_misses"] += len(keys) - len(units)
+            self.transfer["local"][0] += sum(len(u.unit.payload) for u in units)
             self.transfer["local"][1] += time.perf_counter() - t0
 
     def _submit(self, fn, *args) -> Future:

@@ -6,12 +6,27 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from cachedir.directory.memory import MemoryDirectory
 from cachedir.keeping import KeepBudget, keep_units
 from tests.cachedir.test_agent import _agent, _store
 from tests.cachedir.units import make_units
 
 TOKENS = list(range(2000, 2000 + 64 * 6))
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """Two real agents on one directory, node A holding six units (none hit yet), B none."""
+    d = MemoryDirectory("keeping-agents")
+    a, b = _agent(tmp_path, "node-a", d), _agent(tmp_path, "node-b", d)
+    units = make_units(TOKENS)
+    _store(a, units)
+    b.sync_once()  # b heartbeats
+    yield d, a, b, units
+    a.close()
+    b.close()
 
 
 def _fleet(held: dict[str, list[bytes]], hits: dict[bytes, int]) -> MemoryDirectory:
@@ -56,45 +71,30 @@ def test_only_hot_units_that_only_leaving_nodes_hold_move_hottest_first_within_t
     assert out["kept"] == 0 and out["failed"] == 1  # k2, the one left: refused, a miss in the morning
 
 
-def test_a_leaving_agent_copies_its_hot_units_to_an_agent_that_stays(tmp_path):
-    d = MemoryDirectory("keeping-agents")
-    a, b = _agent(tmp_path, "node-a", d), _agent(tmp_path, "node-b", d)
-    try:
-        units = make_units(TOKENS)
-        _store(a, units)
-        b.sync_once()  # b heartbeats: a node that stays
-        d.record_hits([u.key for u in units[:4]], time.time())  # four hot, two cold
-        assert b.cache.has([u.key for u in units]) == [""] * 6
-        out = a.keep([a.node_id])
-        assert out["kept"] == 4 and out["failed"] == 0
-        b.cache.flush()
-        assert b.cache.has([u.key for u in units]) == ["ssd"] * 4 + [""] * 2
-        got = b.read([u.key for u in units[:4]])
-        assert [tier for tier, _ in got] == ["ssd"] * 4
-        match = d.longest_prefix([u.key for u in units])
-        assert match.num_units == 6 and all(b.node_id in {h.node_id for h in hs} for hs in match.holders[:4])
-    finally:
-        a.close()
-        b.close()
+def test_a_leaving_agent_copies_its_hot_units_to_an_agent_that_stays(agents):
+    d, a, b, units = agents
+    d.record_hits([u.key for u in units[:4]], time.time())  # four hot, two cold
+    assert b.cache.has([u.key for u in units]) == [""] * 6
+    out = a.keep([a.node_id])
+    assert out["kept"] == 4 and out["failed"] == 0
+    b.cache.flush()
+    assert b.cache.has([u.key for u in units]) == ["ssd"] * 4 + [""] * 2
+    got = b.read([u.key for u in units[:4]])
+    assert [tier for tier, _ in got] == ["ssd"] * 4
+    match = d.longest_prefix([u.key for u in units])
+    assert match.num_units == 6 and all(b.node_id in {h.node_id for h in hs} for hs in match.holders[:4])
 
 
-def test_a_node_coming_back_fetches_the_hot_units_it_lacks_within_its_budget(tmp_path):
-    d = MemoryDirectory("warming-agents")
-    a, b = _agent(tmp_path, "node-a", d), _agent(tmp_path, "node-b", d)
-    try:
-        units = make_units(TOKENS)
-        _store(a, units)
-        now = time.time()
-        for j, u in enumerate(units[:4]):  # four hot, the first the hottest; two cold
-            d.record_hits([u.key] * (4 - j), now)
-        size = len(a.cache.read_encoded([units[0].key])[0][1])
-        out = b.warm(KeepBudget(max_bytes=3 * size))
-        assert (out["warmed"], out["over_budget"], out["failed"]) == (3, 1, 0)
-        b.cache.flush()
-        assert b.cache.has([u.key for u in units]) == ["ssd"] * 3 + [""] * 3  # the hottest three
-        match = d.longest_prefix([u.key for u in units[:3]])
-        assert all(b.node_id in {h.node_id for h in hs} for hs in match.holders)  # found there at once
-        assert b.warm()["warmed"] == 1  # later, with room: the fourth; a node warms only what it lacks
-    finally:
-        a.close()
-        b.close()
+def test_a_node_coming_back_fetches_the_hot_units_it_lacks_within_its_budget(agents):
+    d, a, b, units = agents
+    now = time.time()
+    for j, u in enumerate(units[:4]):  # four hot, the first the hottest; two cold
+        d.record_hits([u.key] * (4 - j), now)
+    size = len(a.cache.read_encoded([units[0].key])[0][1])
+    out = b.warm(KeepBudget(max_bytes=3 * size))
+    assert (out["warmed"], out["over_budget"], out["failed"]) == (3, 1, 0)
+    b.cache.flush()
+    assert b.cache.has([u.key for u in units]) == ["ssd"] * 3 + [""] * 3  # the hottest three
+    match = d.longest_prefix([u.key for u in units[:3]])
+    assert all(b.node_id in {h.node_id for h in hs} for hs in match.holders)  # found there at once
+    assert b.warm()["warmed"] == 1  # later, with room: the fourth; a node warms only what it lacks
