@@ -134,8 +134,9 @@ class Engine:
         if self.fixed_verify is not None:
             self.spec.fixed_draft = self._fixed_decode(rows, draft_layer=0)
         self.idle = False  # the last step found nothing it could do yet
+        # finished_*: requests finished, their prompt tokens and those found cached (a replica's hit rate)
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0,
-                      "masks_late": 0}
+                      "masks_late": 0, "finished": 0, "finished_prompt_tokens": 0, "finished_cached_tokens": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
                                    self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
                                    ready=self.constraints.ready, background_share=cfg.background_share,
@@ -680,6 +681,9 @@ class Engine:
             self.kv.release(seq)
         with self._lock:
             self._by_id.pop(seq.req.request_id, None)
+        self.stats["finished"] += 1
+        self.stats["finished_prompt_tokens"] += len(seq.req.prompt_ids)
+        self.stats["finished_cached_tokens"] += seq.sources.cached
         outputs.append(self._output(seq, handoff=handoff, error=error))
 
     def _persist(self, seq: Sequence, unit_idx: list[int], keys: list[bytes]) -> None:

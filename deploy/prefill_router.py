@@ -8,9 +8,10 @@ estimate's choice of how many units to load (``cluster.prefill_lb.load_units``: 
 loading is slower than computing) without hashing or asking the directory again. The router
 never changes the request it routes. Every replica
 reports its node, queue and measured cost model through ``record_routing_stats`` (polled every
-``request_routing_stats_period_s``). Requests this router sent since the last report and that
-have not finished are added to the queue it scores, so a burst between two polls does not all
-land on one replica. The chosen replica is
+``request_routing_stats_period_s``). Requests this router sent after a replica's report was
+taken are added to the queue it scores, so a burst between two polls does not all land on one
+replica; when a request finished there after the report, the report is stale and the requests
+this router has in flight there are its queue. The chosen replica is
 ranked first and the rest by estimated TTFT, so Serve falls back in that order when one is full.
 
 ``CacheAwareRouter`` does not use Serve's ``FIFOMixin``: it hands the replica found for one
@@ -43,7 +44,6 @@ from cluster.routing_stats import RoutingStats
 __all__ = ["CacheAwareRouter", "PrefixAffinityRouter", "RoundRobinRouter", "plan_prefix"]
 
 MIN_SAMPLES = 8  # prefill chunks a replica must have timed before its fit counts
-RECENT_S = 0.5  # the replicas' report period: a request sent since is not in the reported queue
 
 
 def plan_prefix(prompt_tokens: int, plan: PrefixPlan | None) -> PrefixInfo:
@@ -69,15 +69,16 @@ def _request(pending: PendingRequest | None) -> GenerationRequest | None:
 class CacheAwareRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._planned: dict[str, tuple[int, int]] = {}  # request id -> (new, cached) tokens
-        self._inflight: dict[str, tuple[str, float, int, int]] = {}  # request id -> (replica, sent, new, cached)
+        # request id -> (replica, sent: wall time, as the replicas' reports are stamped, new, cached)
+        self._inflight: dict[str, tuple[str, float, int, int]] = {}
         self._done_at: dict[str, float] = {}  # replica -> wall time of its last finished request
 
-    def _state(self, replica: RunningReplica, st: RoutingStats, now: float) -> ReplicaState:
+    def _state(self, replica: RunningReplica, st: RoutingStats) -> ReplicaState:
         rid = replica.replica_id.unique_id
         mine = [(sent, new, cached) for r, sent, new, cached in self._inflight.values() if r == rid]
         if st.time >= self._done_at.get(rid, 0.0):
-            # the report is current: add what was sent since (not in its queue yet)
-            queued = list(st.queued) + [(n, c) for sent, n, c in mine if now - sent < RECENT_S]
+            # the report is current: add what was sent after it was taken (not in its queue)
+            queued = list(st.queued) + [(n, c) for sent, n, c in mine if sent > st.time]
         else:  # a request finished after the report: its queue is stale; count what is in flight
             queued = [(n, c) for _, n, c in mine]
         return ReplicaState(rid, st.node or replica.node_id, queued, st.running)
@@ -101,11 +102,10 @@ class CacheAwareRouter(RequestRouter):
         req = _request(pending_request)
         if req is None or not candidate_replicas:
             return [candidate_replicas]
-        now = time.monotonic()
         # replicas whose node is being lent to training get no new work (unless all are)
         serving = _serving(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r, _ in serving}
-        states = [self._state(r, st, now) for r, st in serving]
+        states = [self._state(r, st) for r, st in serving]
         prefix = plan_prefix(len(req.prompt_ids), req.plan)
         cost = self._pooled_cost([st for _, st in serving])
         best = choose(states, prefix, cost)  # the chosen replica decides its load itself (the same estimate)
@@ -118,9 +118,9 @@ class CacheAwareRouter(RequestRouter):
         rid = pending_request.metadata.internal_request_id
         req = _request(pending_request)
         new, cached = self._planned.pop(rid, (len(req.prompt_ids) if req is not None else 0, 0))
-        self._inflight[rid] = (replica_id.unique_id, time.monotonic(), new, cached)
+        self._inflight[rid] = (replica_id.unique_id, time.time(), new, cached)
         if len(self._inflight) > 4096:  # completions that never came (a dead replica): forget old ones
-            now = time.monotonic()
+            now = time.time()
             self._inflight = {k: v for k, v in self._inflight.items() if now - v[1] < 60}
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

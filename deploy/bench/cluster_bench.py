@@ -31,15 +31,16 @@ import math
 import random
 import statistics
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
+import xxhash
 
 from cachedir.trace import BLOCK_TOKENS, read_trace
 from cluster.prefix_affinity import AFFINITY_TOKENS
+from cluster.units import UNIT_TOKENS
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
@@ -76,7 +77,28 @@ def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt
     return out
 
 
-SCENARIOS = ("trace", "skew")
+SCENARIOS = ("trace", "skew", "scale", "failure", "pressure")
+PRESSURE_SHARE = 0.25  # ``pressure``: each node's SSD holds this share of the working set's unit bytes
+
+
+def working_set_units(work: list[tuple[list[int], int]], unit_tokens: int = UNIT_TOKENS) -> int:
+    """Distinct cache units the prompts of ``work`` make (a unit is its whole prefix)."""
+    seen: set[bytes] = set()
+    for ids, _ in work:
+        h = b""
+        for k in range((len(ids) - 1) // unit_tokens):
+            h = xxhash.xxh3_128_digest(h + b"".join(int(t).to_bytes(4, "little") for t in ids[k * unit_tokens:(k + 1) * unit_tokens]))
+            seen.add(h)
+    return len(seen)
+
+
+def unit_bytes(checkpoint: Path | None) -> int:
+    """Bytes of one cache unit of the model the bench serves (float32 KV on the CPU)."""
+    from model.config import load_config
+    from model.default import default_checkpoint
+
+    cfg = load_config(checkpoint or default_checkpoint())
+    return cfg.num_hidden_layers * UNIT_TOKENS * cfg.kv_dim * 4
 
 
 def skewed(work: list[tuple[list[int], int]], share: float = 0.6, hot: int = 3, hot_tokens: int = 1024,
@@ -172,14 +194,21 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's figures over its runs: medians with their ranges; every run as it came."""
     def spread(get) -> dict[str, Any]:
         values = [v for v in (get(r) for r in runs) if v is not None]
-        return {"median": round(statistics.median(values), 4), "range": [min(values), max(values)]} if values else {}
+        return {"median": round(statistics.median(values), 4), "range": [min(values), max(values)], "runs": len(values)} \
+            if values else {}
 
-    return {
+    out = {
         "token_hit_rate": spread(lambda r: r["token_hit_rate"]),
         "hit_rate_by_source": {k: spread(lambda r, k=k: r["hit_rate_by_source"][k]) for k in ("ram", "local_ssd", "remote")},
         "ttft_p50_ms": spread(lambda r: r["ttft_p50_ms"]), "ttft_p99_ms": spread(lambda r: r["ttft_p99_ms"]),
+        "busiest_replica_share": spread(lambda r: (r.get("replica_load") or {}).get("busiest_share")),
         "errors": sum(r["errors"] for r in runs), "runs": runs,
     }
+    windows = [name for name in runs[0].get("windows", {}) if all(name in r.get("windows", {}) for r in runs)]
+    if windows:  # each window's figures over the runs (their runs are inside the runs')
+        out["windows"] = {name: {k: v for k, v in _medians([r["windows"][name] for r in runs]).items() if k != "runs"}
+                          for name in windows}
+    return out
 
 
 def run_cluster_bench(
@@ -188,10 +217,11 @@ def run_cluster_bench(
     modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace",
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
-    ``scenario``: the trace as it is, or ``skew`` (``skewed``)."""
+    ``scenario``: one of ``SCENARIOS``."""
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.bench.fleet_events import replay, restore_nodes
     from deploy.local import agent_token_file
 
     if scenario not in SCENARIOS:
@@ -200,47 +230,58 @@ def run_cluster_bench(
     if scenario == "skew":
         work = skewed(work)
     affinity = scaled_affinity_tokens(block_tokens)
+    capacity: dict[str, Any] = {}
+    if scenario == "pressure":  # each node's SSD holds a share of the working set; no RAM tier
+        working_set = working_set_units(work) * unit_bytes(checkpoint)
+        capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0}
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
         "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
         "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
         "prompt_tokens": sum(len(p) for p, _ in work),
+        **({"node_cache_share": PRESSURE_SHARE, "node_ssd_bytes": int(capacity["ssd_gb"] * 1e9)} if capacity else {}),
     }
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     total = len(work) * len(modes) * repeats
-    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, _):
+    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, sim):
         for rep in range(repeats):
             for k, mode in enumerate(modes):
                 spec = MODES[mode]
-                app = build_app({
+                app_args = {
                     "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
                     "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / f"{mode}-{rep}" / "{node}"),
                     "directory_url": redis.url if spec["directory"] else None,
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
                     "affinity_tokens": affinity,
                     "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
-                })
-                serve.run(app, name="bench", route_prefix="/", blocking=False)
+                    **capacity,
+                }
+                serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
                 wait_healthy(url)
-                before = _source_tokens(url)
-                t0 = time.perf_counter()
                 offset = (rep * len(modes) + k) * len(work)
-                results = asyncio.run(_replay(url, work, concurrency, done=lambda n, m=mode, o=offset: progress and (
-                    progress.update(o + n, total, f"{m}: request {n}/{len(work)}"))))
-                wall = time.perf_counter() - t0
-                after = _source_tokens(url)
-                runs[mode].append(_summary(results, {s: after.get(s, 0) - before.get(s, 0) for s in after}, wall))
+                runs[mode].append(replay(url, app_args, work, concurrency, scenario, sim, done=lambda n, m=mode, o=offset: (
+                    progress and progress.update(o + n, total, f"{m}: request {n}/{len(work)}"))))
                 serve.delete("bench")
                 stop_agents()  # the next run starts from empty caches
+                restore_nodes(sim, nodes)
     for mode in modes:
         out[mode] = _medians(runs[mode])
     for baseline in ("prefix_affinity", "per_node", "round_robin"):
         if "shared" in out and baseline in out:
-            out[f"shared_vs_{baseline}"] = {
-                "hit_rate": verdict(out["shared"]["token_hit_rate"], out[baseline]["token_hit_rate"], higher=True),
-                "ttft_p50": verdict(out["shared"]["ttft_p50_ms"], out[baseline]["ttft_p50_ms"], higher=False),
-                "ttft_p99": verdict(out["shared"]["ttft_p99_ms"], out[baseline]["ttft_p99_ms"], higher=False)}
+            out[f"shared_vs_{baseline}"] = _verdicts(out["shared"], out[baseline])
+    return out
+
+
+def _verdicts(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """``verdict`` on hit rate and TTFT p50/p99, for the whole replay and for each window."""
+    out: dict[str, Any] = {
+        "hit_rate": verdict(mine["token_hit_rate"], theirs["token_hit_rate"], higher=True),
+        "ttft_p50": verdict(mine["ttft_p50_ms"], theirs["ttft_p50_ms"], higher=False),
+        "ttft_p99": verdict(mine["ttft_p99_ms"], theirs["ttft_p99_ms"], higher=False)}
+    for name, window in mine.get("windows", {}).items():
+        if name in theirs.get("windows", {}):
+            out[name] = _verdicts(window, theirs["windows"][name])
     return out
 
 
@@ -265,9 +306,12 @@ def scaled_affinity_tokens(block_tokens: int) -> int:
 
 def verdict(mine: dict[str, Any], theirs: dict[str, Any], higher: bool) -> str:
     """``beats`` or ``loses`` when the two modes' ranges over the runs do not overlap (the margin),
-    else ``no_margin``; ``unknown`` without figures."""
+    else ``no_margin``; ``single_run`` when either has one run (no spread to compare with);
+    ``unknown`` without figures."""
     if not mine.get("range") or not theirs.get("range"):
         return "unknown"
+    if min(mine.get("runs", 2), theirs.get("runs", 2)) < 2:
+        return "single_run"
     (lo, hi), (tlo, thi) = mine["range"], theirs["range"]
     if (lo > thi) if higher else (hi < tlo):
         return "beats"

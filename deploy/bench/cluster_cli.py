@@ -115,8 +115,11 @@ def bench_cluster(
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     scenario: str = typer.Option("trace", "--scenario",
                                  help="trace: as it is; skew: 60%% of the requests start with one of 3 hot prefixes; "
-                                      "night: the night half's hits with no node lent, one lent and removed, and one "
-                                      "lent with its hot units kept (the shared directory only; --modes is ignored)"),
+                                      "scale: a node lent a third of the way in and back two thirds in; failure: a "
+                                      "node removed half way; pressure: each node's SSD holds a quarter of the "
+                                      "working set, no RAM tier; night: the night's and the morning's hits with no "
+                                      "node lent, one lent and removed, and one lent with its hot units kept (the "
+                                      "shared directory only; --modes is ignored)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
@@ -126,7 +129,10 @@ def bench_cluster(
     tokens, the baseline SGLang's and Ray Serve's routers offer); per-node caches only; round-robin
     placement. Every mode --repeats times, taking turns, on empty caches each run: medians with
     ranges of token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms and
-    ttft_p99_ms, every run's figures with its TTFT by where the prompt's KV came from, errors."""
+    ttft_p99_ms, busiest_replica_share, every run's figures with its TTFT by where the prompt's KV
+    came from and what each replica did, errors; with scale and failure, the same for each window
+    after an event (windows); shared_vs_<mode>: beats/loses by a margin (the runs' ranges apart),
+    no_margin, single_run."""
     from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench
 
     if scenario not in (*SCENARIOS, "night"):

@@ -1,23 +1,28 @@
 """``tide bench cluster --scenario night``: what a night's scale-down costs the cache, with and
-without keeping (``cachedir/keeping.py``).
+without keeping and warming (``cachedir/keeping.py``).
 
-On a simulated cluster with the shared directory, each case replays the trace's first half (the
-day), then the second half (the night) and reports the night's hit rate and TTFT:
+On a simulated cluster with the shared directory, each case replays the trace's first 40% (the
+day), its next 30% (the night) and the rest (the morning), and reports the night's hit rate and
+TTFT, and the morning's:
 
 * ``stay`` — no node leaves: the baseline;
 * ``lend`` — before the night one node is lent (``deploy.tidal.lend_nodes``) with keeping off,
-  and the node is then removed, as a Kubernetes night deletes its pod: its units go with it;
+  and the node is then removed, as a Kubernetes night deletes its pod: its units go with it; in
+  the morning a new node joins and serves (``return_nodes``), cold;
 * ``lend_keep`` — the same with keeping on: the node's hot units that no staying node holds are
-  copied to the nodes that stay before it goes.
+  copied to the nodes that stay before it goes, and the morning's node fetches the hot units
+  before its replica serves.
 
 The cases take turns over ``repeats`` runs, each on empty caches with the removed node replaced
-for the next; figures are medians with their range. The target: ``lend_keep``'s night hit rate
-within 2 points of ``stay``'s.
+for the next; figures are medians with their range. The targets: ``lend_keep``'s night hit rate
+within 2 points of ``stay``'s, and the morning node's hit rate within 5 points of its fleet's
+(``morning_node_gap_points``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import tempfile
 import time
 import uuid
@@ -33,6 +38,7 @@ from deploy.bench.cluster_bench import (
     stop_agents,
     trace_prompts,
 )
+from deploy.bench.fleet_events import load_summary, replica_load, restore_nodes
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster
 from deploy.redis_proc import wait_healthy
@@ -40,48 +46,63 @@ from deploy.redis_proc import wait_healthy
 __all__ = ["NIGHT_CASES", "run_night_bench"]
 
 NIGHT_CASES = ("stay", "lend", "lend_keep")
+CUTS = (0.4, 0.7)  # the day is the trace's first 40%, the night the next 30%, the morning the rest
+
+
+def _window(url: str, work: list, concurrency: int) -> dict[str, Any]:
+    """``work`` replayed: its figures, with what each replica did (``fleet_events.load_summary``)."""
+    before, load = _source_tokens(url), replica_load()
+    t0 = time.perf_counter()
+    results = asyncio.run(_replay(url, work, concurrency))
+    wall = time.perf_counter() - t0
+    after = _source_tokens(url)
+    return {**_summary(results, {s: after.get(s, 0) - before.get(s, 0) for s in after}, wall),
+            "replica_load": load_summary(load, replica_load())}
 
 
 def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case: str, sim) -> dict[str, Any]:
-    """One case: the day replayed, the node lent and removed (unless ``stay``), the night
-    replayed; the night's figures, and what was kept."""
+    """One case: the day replayed; the node lent and removed (unless ``stay``); the night
+    replayed; a new node in its place serving again (``return_nodes``); the morning replayed.
+    The night's figures, the morning's, the returned node's morning hit rate, what was kept."""
     from ray import serve
 
     from deploy.app import build_app
-    from deploy.tidal import lend_nodes
+    from deploy.tidal import lend_nodes, return_nodes
 
     serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
     wait_healthy(url)
-    half = len(work) // 2
-    asyncio.run(_replay(url, work[:half], concurrency))
+    day, night = (int(share * len(work)) for share in CUTS)
+    asyncio.run(_replay(url, work[:day], concurrency))
     kept: dict = {}
     if case != "stay":
-        night = lend_nodes(app_args, 1, app_name="bench", deadline_s=30, timeout_s=300)
-        kept = night.get("kept", {})
-        (lent,) = night["lent"]
-        node = next(n for n in sim.worker_nodes if n.node_id == lent)
-        sim.remove_node(node)  # its pod deleted: its agent and its units go
-    before = _source_tokens(url)
-    t0 = time.perf_counter()
-    results = asyncio.run(_replay(url, work[half:], concurrency))
-    wall = time.perf_counter() - t0
-    after = _source_tokens(url)
-    out = _summary(results, {s: after.get(s, 0) - before.get(s, 0) for s in after}, wall)
+        lent = lend_nodes(app_args, 1, app_name="bench", deadline_s=30, timeout_s=300)
+        kept = lent.get("kept", {})
+        sim.remove_node(next(n for n in sim.worker_nodes if n.node_id in lent["lent"]))  # its pod deleted
+    out = _window(url, work[day:night], concurrency)
     out["kept_units"] = sum(k.get("kept", 0) for k in kept.values())
+    morning_node = None
+    if case != "stay":  # a new pod in the morning: its agent warms (keeping on) before its replica serves
+        morning_node = sim.add_node(num_cpus=1).node_id
+        sim.wait_for_nodes()
+        return_nodes(app_args, app_name="bench", timeout_s=300)
+    out["morning"] = _window(url, work[night:], concurrency)
+    if morning_node is not None:
+        mine = [r for r in out["morning"]["replica_load"]["replicas"] if r["node"] == morning_node[:12]]
+        out["morning_node_hit_rate"] = mine[0]["hit_rate"] if mine else None
     return out
 
 
 def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrency: int = 4, block_tokens: int = 8,
                     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
                     repeats: int = 2) -> dict[str, Any]:
-    import ray
     from ray import serve
 
     from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
     out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "nodes": nodes,
-                           "requests": len(work), "night_requests": len(work) - len(work) // 2,
+                           "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
+                           "morning_requests": len(work) - int(CUTS[1] * len(work)),
                            "scale_factor": BLOCK_TOKENS / block_tokens, "repeats": repeats}
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in NIGHT_CASES}
     with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, sim):
@@ -97,14 +118,26 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                 runs[case].append(_run(url, app_args, work, concurrency, case, sim))
                 serve.delete("bench")
                 stop_agents()  # the next run starts from empty caches
-                while len([n for n in ray.nodes() if n["Alive"]]) < nodes:  # the removed node replaced
-                    sim.add_node(num_cpus=1)
-                    sim.wait_for_nodes()
+                restore_nodes(sim, nodes)
     for case in NIGHT_CASES:
-        out[case] = {**_medians(runs[case]), "kept_units": [r["kept_units"] for r in runs[case]]}
+        mornings = [r["morning"] for r in runs[case]]
+        out[case] = {**_medians(runs[case]), "kept_units": [r["kept_units"] for r in runs[case]],
+                     "morning": {k: v for k, v in _medians(mornings).items() if k != "runs"}}
+        if case != "stay":  # the new node's hit rate in the morning, and the fleet's, in points apart
+            gaps = [100 * (m["token_hit_rate"] - r["morning_node_hit_rate"]) for m, r in zip(mornings, runs[case],
+                    strict=True) if r.get("morning_node_hit_rate") is not None]
+            out[case]["morning_node_gap_points"] = _spread(gaps)
     hit = {c: out[c]["token_hit_rate"].get("median") for c in NIGHT_CASES}
     if all(v is not None for v in hit.values()):
         out["keeping_gap_points"] = round(100 * (hit["stay"] - hit["lend_keep"]), 2)
         out["lending_gap_points"] = round(100 * (hit["stay"] - hit["lend"]), 2)
         out["within_2_points"] = out["keeping_gap_points"] <= 2.0
+    morning = out["lend_keep"]["morning_node_gap_points"]
+    if morning:
+        out["morning_within_5_points"] = morning["median"] <= 5.0
     return out
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), 2), "range": [round(min(values), 2), round(max(values), 2)]} \
+        if values else {}

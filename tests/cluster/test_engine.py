@@ -70,6 +70,9 @@ def test_concurrent_requests_with_shared_and_unique_prefixes_match_the_reference
     # the odd requests shared the 150-token system prompt: 2 whole units reused in-pool
     assert any(outs[f"r{i}"][-1].cached_tokens == 128 for i in (3, 5))
     assert eng.stats["mixed_steps"] > 0  # decode tokens rode in prefill chunks' passes
+    # the counters a replica's hit rate comes from (tide bench cluster's per-replica load)
+    assert eng.stats["finished"] == 7 and eng.stats["finished_prompt_tokens"] == sum(map(len, prompts.values()))
+    assert eng.stats["finished_cached_tokens"] == sum(o[-1].cached_tokens for o in outs.values()) >= 128
 
 
 def test_decode_rides_in_the_prefill_pass_with_one_or_two_micro_batches(model):

@@ -167,30 +167,40 @@ def test_trace_prompts_share_blocks_exactly_like_the_trace(tmp_path):
 @pytest.mark.redis
 @pytest.mark.slow
 def test_bench_cluster_json(tmp_path):
-    """The shared directory and the prefix-affinity baseline replay the same requests; without a
-    directory no KV comes from another node; each request's TTFT is counted under its source."""
+    """The shared directory and the prefix-affinity baseline replay the same requests, a node lent
+    a third of the way in and back two thirds in (``--scenario scale``); without a directory no KV
+    comes from another node; each request's TTFT is counted under its source; each window after
+    an event has its own figures and what each replica did."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
-                                         "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(8)))
+                                         "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(9)))
     r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
-              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1",
+              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1", "--scenario", "scale",
               "--plot", str(tmp_path / "cluster.png"))
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"  # hit rate and TTFT by mode
-    assert out["scale_factor"] == 16 and out["requests"] == 8 and out["repeats"] == 1 and out["ray"]
-    assert out["affinity_tokens"] == 16 and set(out["shared_vs_prefix_affinity"]) == {"hit_rate", "ttft_p50", "ttft_p99"}
+    assert out["scale_factor"] == 16 and out["requests"] == 9 and out["repeats"] == 1 and out["ray"]
+    assert out["affinity_tokens"] == 16 and out["scenario"] == "scale"
+    assert out["shared_vs_prefix_affinity"]["after_lend"]["hit_rate"] == "single_run"  # one run: no spread
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
         (run,) = m["runs"]
-        assert m["errors"] == 0 and run["requests"] == 8 and run["prompt_tokens"] == out["prompt_tokens"]
+        assert m["errors"] == 0 and run["requests"] == 9 and run["prompt_tokens"] == out["prompt_tokens"]
         assert m["token_hit_rate"]["median"] == run["token_hit_rate"] and set(m["hit_rate_by_source"]) == {
             "ram", "local_ssd", "remote"}
         assert sum(run["hit_rate_by_source"].values()) == pytest.approx(run["token_hit_rate"], abs=1e-3)
-        assert sum(s["requests"] for s in run["ttft_by_source"].values()) == 8 and "compute" in run["ttft_by_source"]
+        assert sum(s["requests"] for s in run["ttft_by_source"].values()) == 9 and "compute" in run["ttft_by_source"]
+        night, morning = run["windows"]["after_lend"], run["windows"]["after_return"]
+        assert night["requests"] == morning["requests"] == 3 and len(night["event"]["lent"]) == 1
+        assert night["event"]["lent"] == morning["event"]["returned"]
+        # the night's one replica did the night's requests; in the morning both serve again
+        assert [r["requests"] for r in night["replica_load"]["replicas"]] == [3]
+        assert len(morning["replica_load"]["replicas"]) == 2
+        assert sum(r["requests"] for r in morning["replica_load"]["replicas"]) == 3
     assert out["prefix_affinity"]["runs"][0]["hit_rate_by_source"]["remote"] == 0  # no directory, no remote KV
-    # requests 2..7 share a 64-token unit with an earlier one (at most 6 x 64 of 8 x 128 tokens)
-    assert 0 < out["shared"]["runs"][0]["token_hit_rate"] <= 6 * 64 / (8 * 128) + 1e-3
+    # requests 2..8 share a 64-token unit with an earlier one (at most 7 x 64 of 9 x 128 tokens)
+    assert 0 < out["shared"]["runs"][0]["token_hit_rate"] <= 7 * 64 / (9 * 128) + 1e-3
 
 
 def test_cluster_plot_draws_every_mode_from_the_benchmarks_json(tmp_path):
@@ -215,11 +225,54 @@ def test_cluster_bench_verdicts_are_on_medians_over_runs():
                 "hit_rate_by_source": {"ram": hit, "local_ssd": 0.0, "remote": 0.0}}
 
     m = _medians([run(0.5, 30.0), run(0.1, 90.0), run(0.4, 20.0)])  # one bad run does not decide
-    assert m["token_hit_rate"] == {"median": 0.4, "range": [0.1, 0.5]}
-    assert m["ttft_p50_ms"] == {"median": 30.0, "range": [20.0, 90.0]} and len(m["runs"]) == 3
+    assert m["token_hit_rate"] == {"median": 0.4, "range": [0.1, 0.5], "runs": 3}
+    assert m["ttft_p50_ms"] == {"median": 30.0, "range": [20.0, 90.0], "runs": 3} and len(m["runs"]) == 3
     assert _source_of({"prompt_cache_hit_tokens": 0, "prompt_cache_hit_sources": {"ram": 0, "ssd": 0, "remote": 0}}) == "compute"
     assert _source_of({"prompt_cache_hit_tokens": 192, "prompt_cache_hit_sources": {"ram": 64, "ssd": 0, "remote": 128}}) == "remote"
     assert _source_of({"prompt_cache_hit_tokens": 64, "prompt_cache_hit_sources": {"ram": 0, "ssd": 64, "remote": 0}}) == "local_ssd"
+
+
+def test_scenario_windows_get_medians_and_verdicts_of_their_own():
+    from deploy.bench.cluster_bench import _medians, _verdicts
+
+    def run(hit, p99, after_hit, after_p99, busiest):
+        fig = {"ttft_p50_ms": 10.0, "errors": 0, "hit_rate_by_source": {"ram": 0.0, "local_ssd": 0.0, "remote": 0.0}}
+        return {**fig, "token_hit_rate": hit, "ttft_p99_ms": p99, "replica_load": {"busiest_share": busiest},
+                "windows": {"after_failure": {**fig, "token_hit_rate": after_hit, "ttft_p99_ms": after_p99}}}
+
+    shared = _medians([run(0.30, 100.0, 0.30, 50.0, 0.4), run(0.32, 120.0, 0.28, 60.0, 0.5)])
+    affinity = _medians([run(0.31, 110.0, 0.10, 90.0, 0.6), run(0.33, 130.0, 0.12, 80.0, 0.7)])
+    assert shared["windows"]["after_failure"]["token_hit_rate"] == {"median": 0.29, "range": [0.28, 0.3], "runs": 2}
+    assert shared["busiest_replica_share"]["median"] == 0.45
+    v = _verdicts(shared, affinity)
+    assert (v["hit_rate"], v["ttft_p99"]) == ("no_margin", "no_margin")  # over the whole replay
+    assert (v["after_failure"]["hit_rate"], v["after_failure"]["ttft_p99"]) == ("beats", "beats")
+
+
+def test_replica_load_says_what_each_replica_did_between_two_reads():
+    from deploy.bench.fleet_events import load_summary
+
+    def counts(node, finished, prefill, prompt, cached):
+        return {"node": node, "finished": finished, "prefill_tokens": prefill, "decode_tokens": finished,
+                "finished_prompt_tokens": prompt, "finished_cached_tokens": cached}
+
+    before = {"a": counts("node-a" * 4, 10, 1000, 1000, 0), "gone": counts("node-g", 5, 500, 500, 0)}
+    after = {"a": counts("node-a" * 4, 14, 1300, 1600, 300), "b": counts("node-b", 6, 900, 900, 0)}
+    out = load_summary(before, after)
+    assert out["replicas"] == [  # busiest first; a replica new since the first read counts from 0
+        {"node": "node-b", "requests": 6, "prefill_tokens": 900, "hit_rate": 0.0},
+        {"node": "node-anode-a", "requests": 4, "prefill_tokens": 300, "hit_rate": 0.5}]
+    assert out["busiest_share"] == 0.75
+    assert load_summary(after, after)["busiest_share"] is None  # nothing computed
+
+
+def test_the_pressure_scenario_sizes_caches_from_the_working_set():
+    from deploy.bench.cluster_bench import unit_bytes, working_set_units
+
+    a, b = list(range(200)), [7] * 64 + list(range(100))
+    # a: 3 units before its last token; b shares none of them: 2 more; a again adds nothing
+    assert working_set_units([(a, 4), (b, 4), (a[:129], 4)]) == 5
+    assert unit_bytes(None) == 4 * 64 * (64 + 16) * 4  # the tiny model: 4 layers, latent 64 + rope 16, float32
 
 
 def test_the_skew_scenario_puts_most_requests_on_a_few_hot_prefixes():
@@ -246,6 +299,8 @@ def test_cluster_bench_verdicts_need_a_margin_and_the_affinity_key_scales_like_t
     assert verdict(spread(10.0, 20.0), spread(25.0, 30.0), higher=False) == "beats"  # a TTFT: lower wins
     assert verdict(spread(31.0, 40.0), spread(25.0, 30.0), higher=False) == "loses"
     assert verdict({}, spread(1, 2), higher=True) == "unknown"
+    one = {"median": 0.3, "range": [0.3, 0.3], "runs": 1}
+    assert verdict(one, spread(0.1, 0.2), higher=True) == "single_run"  # one run has no spread
     # 256 tokens of the trace: at 8 tokens a 512-token block (64x), 4 tokens of the replay
     assert (scaled_affinity_tokens(8), scaled_affinity_tokens(512), scaled_affinity_tokens(1)) == (4, 256, 1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 
 from cluster.prefill_lb import CostModel, load_units
@@ -55,3 +56,31 @@ def test_a_busy_holder_loses_to_an_idle_replica_that_fetches():
     req = GenerationRequest("", tuple(range(4 * 64 + 1)), 1, plan=PrefixPlan(KEYS, (("n1",),) * 3))
     busy = _replica("r-n1", "n1", fast_net, queued=[(4000, 0)] * 4)
     assert _route([busy, _replica("r-n2", "n2", fast_net)], req) == "r-n2"
+
+
+def test_requests_sent_after_a_report_count_in_its_queue_and_those_before_it_do_not():
+    """A report counts what reached the replica before it was taken; what the router sent after
+    it is added, so a burst does not all go where the last report showed an empty queue."""
+    cost = CostModel(token_s=1e-3, attn_s=0.0)
+    router = object.__new__(CacheAwareRouter)
+    router.initialize_state()
+
+    def replica(rid, taken, queued=()):
+        stats = RoutingStats(rid, time=taken, queued=tuple(queued), samples=100, cost=cost).to_dict()
+        return SimpleNamespace(routing_stats=stats, replica_id=SimpleNamespace(unique_id=rid), node_id=rid)
+
+    def route(replicas, rid, tokens=300):
+        req = GenerationRequest(rid, tuple(range(tokens)), 1)
+        pending = SimpleNamespace(args=[req], metadata=SimpleNamespace(internal_request_id=rid))
+        chosen = asyncio.run(router.choose_replicas(replicas, pending))[0][0]
+        router.on_request_routed(pending, chosen.replica_id, None)
+        return chosen.replica_id.unique_id
+
+    a, b = replica("a", taken=1.0), replica("b", taken=1.0)  # reports from long ago, both idle
+    assert route([a, b], "r1", 3000) == "a"
+    assert route([a, b], "r2") == "b"  # r1 was sent after the reports: a is busier
+    # fresh reports that show r1 and r2 queued where they went (and b one more from elsewhere):
+    # r1 is not counted twice, so a's 3,000 tokens are less than b's 3,500
+    later = time.time() + 1.0
+    assert route([replica("a", later, queued=[(3000, 0)]), replica("b", later, queued=[(300, 0), (3200, 0)])],
+                 "r3") == "a"
