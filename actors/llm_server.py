@@ -230,6 +230,10 @@ class LLMServer:
             except Exception as e:  # noqa: BLE001 - the state actor restarts; keep serving
                 log.warning("day/night state unreachable (%s); serving on as %s", e, self.replica.role)
                 time.sleep(1.0)
+                try:  # a state actor that died is made again on the next look-up
+                    state = tidal_state()
+                except Exception:  # noqa: BLE001 - no cluster to ask now: the next round tries again
+                    pass
                 continue
             if role == "migrate" and self.replica.role != "migrate":
                 self.loop.fail_all(RequestMigrated("this replica's node is being lent to training; continue elsewhere"))

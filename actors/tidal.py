@@ -81,9 +81,14 @@ class TidalState:
         return self.job_id
 
 
+HEAD = "node:__internal_head__"  # the resource only the head node has
+
+
 def tidal_state():
+    """The cluster's ``TidalState`` (made on first use). It lives on the head node: a worker
+    node that fails or whose pod is deleted at night must not take the roles with it."""
     return ray.remote(TidalState).options(name=STATE_NAME, namespace=NAMESPACE, lifetime="detached",
-                                          get_if_exists=True, num_cpus=0).remote()
+                                          get_if_exists=True, num_cpus=0, resources={HEAD: 0.001}).remote()
 
 
 class _Lease:

@@ -231,9 +231,10 @@ def run_cluster_bench(
         work = skewed(work)
     affinity = scaled_affinity_tokens(block_tokens)
     capacity: dict[str, Any] = {}
-    if scenario == "pressure":  # each node's SSD holds a share of the working set; no RAM tier
+    if scenario == "pressure":  # each node's SSD holds a share of the working set; no RAM tier, and no
+        # finished prompt's pages kept in a replica's pool: every hit comes from the nodes' caches
         working_set = working_set_units(work) * unit_bytes(checkpoint)
-        capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0}
+        capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0, "prefix_sharing": False}
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
         "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,

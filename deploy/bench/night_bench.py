@@ -127,6 +127,11 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
             gaps = [100 * (m["token_hit_rate"] - r["morning_node_hit_rate"]) for m, r in zip(mornings, runs[case],
                     strict=True) if r.get("morning_node_hit_rate") is not None]
             out[case]["morning_node_gap_points"] = _spread(gaps)
+        # the same gap for the replica with the lowest hit rate: with no node lent (stay), how far
+        # apart a cache-aware router leaves replicas that all were there the day before
+        rates = [[r["hit_rate"] for r in m["replica_load"]["replicas"] if r["hit_rate"] is not None] for m in mornings]
+        lowest = [100 * (m["token_hit_rate"] - min(rs)) for m, rs in zip(mornings, rates, strict=True) if rs]
+        out[case]["morning_lowest_replica_gap_points"] = _spread(lowest)
     hit = {c: out[c]["token_hit_rate"].get("median") for c in NIGHT_CASES}
     if all(v is not None for v in hit.values()):
         out["keeping_gap_points"] = round(100 * (hit["stay"] - hit["lend_keep"]), 2)

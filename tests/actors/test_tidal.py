@@ -114,6 +114,21 @@ def test_day_night_day(serving):
     until(prefilled, 60, "3 replicas reporting, one of them the request's prefill")
     reports = reports_of(3)
     assert len({r["node_id"] for r in reports.values()}) == 3
+    # the state lives on the head node (a worker that fails must not take it along); one that
+    # died anyway is made again on the next look-up, and the replicas report to that one
+    from actors.tidal import STATE_NAME
+
+    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    assert [a.node_id for a in alive_actors() if a.name == STATE_NAME] == [head]
+    ray.kill(tidal_state(), no_restart=True)
+
+    def reporting_again():
+        try:
+            return reports_of(3)
+        except ray.exceptions.RayActorError:  # the dead one's name is not free yet
+            return None
+
+    until(reporting_again, 60, "the replicas reporting to a state actor made again")
 
     stream = _RequestStream(url)
     with day_after_a_failure(args), stream:
