@@ -26,8 +26,6 @@ EVENTS: dict[str, tuple[tuple[str, float], ...]] = {
     "failure": (("kill", 1 / 2),),
 }
 WINDOW = {"lend": "after_lend", "return": "after_return", "kill": "after_failure"}
-
-
 REPORT_S = 1.0  # replicas report twice a second
 COUNTERS = ("finished", "prefill_tokens", "decode_tokens", "finished_prompt_tokens", "finished_cached_tokens")
 
@@ -81,7 +79,7 @@ def _apply(event: str, app_args: dict[str, Any], sim, app_name: str) -> dict[str
     raise ValueError(f"unknown event {event!r}")
 
 
-def replay(url: str, app_args: dict[str, Any], work: list, concurrency: int, scenario: str, sim,
+def replay(url: str, app_args: dict[str, Any], work: list, concurrency: int, scenario: str = "trace", sim=None,
            app_name: str = "bench", done=lambda n: None) -> dict[str, Any]:
     """One run of ``work`` with the scenario's events (none for a scenario without): the whole
     replay's summary, and each window's, with its per-replica load, under ``windows`` (without

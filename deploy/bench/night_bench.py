@@ -24,21 +24,13 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from cachedir.trace import BLOCK_TOKENS
-from deploy.bench.cluster_bench import (
-    _medians,
-    _replay,
-    _source_tokens,
-    _summary,
-    stop_agents,
-    trace_prompts,
-)
-from deploy.bench.fleet_events import load_summary, replica_load, restore_nodes
+from deploy.bench.cluster_bench import _medians, _replay, stop_agents, trace_prompts
+from deploy.bench.fleet_events import replay, restore_nodes
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster
 from deploy.redis_proc import wait_healthy
@@ -47,17 +39,6 @@ __all__ = ["NIGHT_CASES", "run_night_bench"]
 
 NIGHT_CASES = ("stay", "lend", "lend_keep")
 CUTS = (0.4, 0.7)  # the day is the trace's first 40%, the night the next 30%, the morning the rest
-
-
-def _window(url: str, work: list, concurrency: int) -> dict[str, Any]:
-    """``work`` replayed: its figures, with what each replica did (``fleet_events.load_summary``)."""
-    before, load = _source_tokens(url), replica_load()
-    t0 = time.perf_counter()
-    results = asyncio.run(_replay(url, work, concurrency))
-    wall = time.perf_counter() - t0
-    after = _source_tokens(url)
-    return {**_summary(results, {s: after.get(s, 0) - before.get(s, 0) for s in after}, wall),
-            "replica_load": load_summary(load, replica_load())}
 
 
 def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case: str, sim) -> dict[str, Any]:
@@ -78,14 +59,14 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
         lent = lend_nodes(app_args, 1, app_name="bench", deadline_s=30, timeout_s=300)
         kept = lent.get("kept", {})
         sim.remove_node(next(n for n in sim.worker_nodes if n.node_id in lent["lent"]))  # its pod deleted
-    out = _window(url, work[day:night], concurrency)
+    out = replay(url, app_args, work[day:night], concurrency)
     out["kept_units"] = sum(k.get("kept", 0) for k in kept.values())
     morning_node = None
     if case != "stay":  # a new pod in the morning: its agent warms (keeping on) before its replica serves
         morning_node = sim.add_node(num_cpus=1).node_id
         sim.wait_for_nodes()
         return_nodes(app_args, app_name="bench", timeout_s=300)
-    out["morning"] = _window(url, work[night:], concurrency)
+    out["morning"] = replay(url, app_args, work[night:], concurrency)
     if morning_node is not None:
         mine = [r for r in out["morning"]["replica_load"]["replicas"] if r["node"] == morning_node[:12]]
         out["morning_node_hit_rate"] = mine[0]["hit_rate"] if mine else None
