@@ -73,12 +73,19 @@ def test_prefill_hands_off_to_decode_replicas_by_free_kv(base_url):
     assert all(s["engine"]["decode_tokens"] > 0 for s in stats), stats
     assert sum(s["engine"]["decode_tokens"] for s in stats) >= len(PROMPTS) * (MAX_TOKENS - 1)
     assert all(s["engine"]["preemptions"] == 0 for s in stats), stats
-    assert _handoffs(url) == len(PROMPTS)
+    # one handoff a request, and one more for each request that went on elsewhere (a busy
+    # machine can make a decode replica unreachable for a moment: the request starts over)
+    continued = _counter(url, "tide:requests_continued_total")
+    assert len(PROMPTS) <= _handoffs(url) <= len(PROMPTS) + continued
+
+
+def _counter(url: str, name: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    return next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name)), 0.0)
 
 
 def _handoffs(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("tide:pd_handoffs_total"))
+    return _counter(url, "tide:pd_handoffs_total")
 
 
 def test_a_request_that_ends_at_its_first_token_never_reaches_the_decode_pool(base_url):
