@@ -93,11 +93,14 @@ def working_set_units(work: list[tuple[list[int], int]], unit_tokens: int = UNIT
 
 
 def unit_bytes(checkpoint: Path | None) -> int:
-    """Bytes of one cache unit of the model the bench serves (float32 KV on the CPU)."""
+    """Bytes of one cache unit of the model the bench serves (float32 KV on the CPU); a
+    ``ValueError`` for a model whose units are not per-token rows (V4)."""
     from model.config import load_config
     from model.default import default_checkpoint
 
     cfg = load_config(checkpoint or default_checkpoint())
+    if not hasattr(cfg, "kv_dim"):
+        raise ValueError(f"the pressure scenario sizes caches from per-token KV rows; {cfg.model_type} has none")
     return cfg.num_hidden_layers * UNIT_TOKENS * cfg.kv_dim * 4
 
 

@@ -146,6 +146,13 @@ def bench_cluster(
         raise typer.BadParameter(f"--modes {modes!r}: unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(MODES)}")
     check_checkpoint(checkpoint)
     check_plot(plot)
+    if scenario == "pressure":
+        from deploy.bench.cluster_bench import unit_bytes
+
+        try:
+            unit_bytes(checkpoint)
+        except ValueError as e:
+            raise typer.BadParameter(f"--scenario pressure: {e}") from None
     try:
         from cachedir.trace import read_trace
 

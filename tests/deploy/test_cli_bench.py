@@ -266,13 +266,19 @@ def test_replica_load_says_what_each_replica_did_between_two_reads():
     assert load_summary(after, after)["busiest_share"] is None  # nothing computed
 
 
-def test_the_pressure_scenario_sizes_caches_from_the_working_set():
+def test_the_pressure_scenario_sizes_caches_from_the_working_set(tmp_path):
     from deploy.bench.cluster_bench import unit_bytes, working_set_units
+    from model.config import NAMED_CONFIGS
 
     a, b = list(range(200)), [7] * 64 + list(range(100))
     # a: 3 units before its last token; b shares none of them: 2 more; a again adds nothing
     assert working_set_units([(a, 4), (b, 4), (a[:129], 4)]) == 5
     assert unit_bytes(None) == 4 * 64 * (64 + 16) * 4  # the tiny model: 4 layers, latent 64 + rope 16, float32
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    (v4 / "config.json").write_text(json.dumps(NAMED_CONFIGS["tiny-v4"].to_hf_dict()))
+    with pytest.raises(ValueError, match="deepseek_v4"):  # its units are not per-token rows
+        unit_bytes(v4)
 
 
 def test_the_skew_scenario_puts_most_requests_on_a_few_hot_prefixes():
