@@ -61,6 +61,7 @@ def load_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[str, A
 
 
 def _apply(event: str, app_args: dict[str, Any], sim, app_name: str) -> dict[str, Any]:
+    """Make ``event`` happen to the running app; what it did (the nodes lent, returned, killed)."""
     from deploy.serve_state import running_replicas
     from deploy.tidal import lend_nodes, return_nodes
 
