@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import xxhash
 
+from cachedir.hashing import chain_keys
 from cachedir.trace import BLOCK_TOKENS, read_trace
 from cluster.prefix_affinity import AFFINITY_TOKENS
 from cluster.units import UNIT_TOKENS
@@ -84,11 +84,8 @@ PRESSURE_SHARE = 0.25  # ``pressure``: each node's SSD holds this share of the w
 def working_set_units(work: list[tuple[list[int], int]], unit_tokens: int = UNIT_TOKENS) -> int:
     """Distinct cache units the prompts of ``work`` make (a unit is its whole prefix)."""
     seen: set[bytes] = set()
-    for ids, _ in work:
-        h = b""
-        for k in range((len(ids) - 1) // unit_tokens):
-            h = xxhash.xxh3_128_digest(h + b"".join(int(t).to_bytes(4, "little") for t in ids[k * unit_tokens:(k + 1) * unit_tokens]))
-            seen.add(h)
+    for ids, _ in work:  # the units before the prompt's last token, keyed as the cache keys them
+        seen.update(chain_keys(b"", ids[:-1], unit_tokens))
     return len(seen)
 
 
