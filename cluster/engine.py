@@ -494,6 +494,7 @@ class Engine:
     def _decode(self, batch: list[Sequence], rode: _Pass | None, spec: bool, outputs: list[RequestOutput]) -> None:
         """The next tokens of every sequence of ``batch`` (one, and the drafts accepted), from the
         logits of the prefill chunk's pass its decode rode in, else of a decode pass of its own."""
+        guessed = None
         if rode is not None:
             rows, logits, hidden = rode.rows, rode.decode_logits, rode.decode_hidden
         else:
@@ -503,34 +504,49 @@ class Engine:
                     logits = self.fixed_decode(rows.tokens, rows.tables, rows.positions)
                 elif self.fixed_verify is not None and spec:
                     logits, hidden = self.fixed_verify(rows.tokens, rows.tables, rows.positions)
+                elif spec:
+                    logits, hidden, guessed = self.spec.verify(rows, self.cfg.micro_batches)
                 else:
                     logits = self.model.decode(rows.tokens, self.kv.pool, rows.tables, rows.positions,
-                                               micro_batches=self.cfg.micro_batches, **({"hidden": True} if spec else {}))
-                    logits, hidden = logits if spec else (logits, None)
-        taken = self._sample_rows(batch, logits, rows.first, outputs)
+                                               micro_batches=self.cfg.micro_batches)
+        argmax = guessed.tokens if guessed is not None and self._plain_greedy(batch) else None
+        taken = self._sample_rows(batch, logits, rows.first, outputs, argmax)
         self.stats["decode_tokens"] += sum(taken)
         if spec:
             going = [b for b, seq in enumerate(batch) if seq.finished is None and taken[b]]
             self.spec.propose([batch[b] for b in going], hidden,
-                              [list(range(rows.first[b], rows.first[b] + taken[b])) for b in going])
+                              [list(range(rows.first[b], rows.first[b] + taken[b])) for b in going], guessed)
+
+    def _plain_greedy(self, batch: list[Sequence]) -> bool:
+        """Whether every row's token is its logits' argmax: greedy with no bias or penalty, no
+        grammar, no logprobs, and no EOS held back for ``min_tokens``."""
+        return all(s.req.sampling.plain_greedy and s.req.sampling.logprobs is None and s.grammar is None
+                   and self._produced(s) + 1 >= s.req.min_tokens for s in batch)
 
     def _sample_rows(self, batch: list[Sequence], logits: torch.Tensor, first: list[int],
-                     outputs: list[RequestOutput]) -> list[int]:
+                     outputs: list[RequestOutput], argmax: list[int] | None = None) -> list[int]:
         """Each sequence's next token from its first row of ``logits``, then, while the token
         sampled equals the draft the next row verifies, the next one from that row: decoding a
-        token at a time, with the pass's logits. Returns how many tokens each took."""
+        token at a time, with the pass's logits. ``argmax``: each row's argmax, where that is
+        its token (``_plain_greedy``). Returns how many tokens each took."""
         taken, live, j = [0] * len(batch), list(range(len(batch))), 0
         while live:
             seqs = [batch[b] for b in live]
-            rows = logits if j == 0 and len(live) == logits.shape[0] else logits[long_tensor([first[b] + j for b in live])]
-            # one sampling call per round: on a GPU, one copy of the tokens to the host; the first
-            # round waits a bounded time for the masks filled while the pass ran (later rounds'
-            # states were just fed: their masks are filled here)
-            toks = self._choose(rows, seqs, self.cfg.mask_wait_ms / 1000 if j == 0 else None)
+            if argmax is not None:
+                toks: list = [argmax[first[b] + j] for b in live]
+                rows = None
+            else:
+                rows = logits if j == 0 and len(live) == logits.shape[0] else \
+                    logits[long_tensor([first[b] + j for b in live])]
+                # one sampling call per round: on a GPU, one copy of the tokens to the host; the
+                # first round waits a bounded time for the masks filled while the pass ran (later
+                # rounds' states were just fed: their masks are filled here)
+                toks = self._choose(rows, seqs, self.cfg.mask_wait_ms / 1000 if j == 0 else None)
             chosen = [t if isinstance(t, int) else 0 for t in toks]
             going = []
-            for b, seq, tok, lp in zip(live, seqs, toks, token_logprobs(rows, chosen, [s.req.sampling for s in seqs]),
-                                       strict=True):
+            lps = token_logprobs(rows, chosen, [s.req.sampling for s in seqs]) if rows is not None else \
+                [None] * len(seqs)
+            for b, seq, tok, lp in zip(live, seqs, toks, lps, strict=True):
                 if tok is LATE:  # decodes this position again next step (its KV is rewritten the same)
                     continue
                 seq.num_computed = seq.length

@@ -11,7 +11,11 @@ one token, so outputs follow the target distribution, and greedy and seeded outp
 of decoding without drafts.
 
 After sampling, the MTP layers read the committed positions (their latents go into the pool
-beside the model's) and propose the next drafts. KV written for rejected drafts lies past the
+beside the model's) and propose the next drafts. Where the C++ steps run the pass, MTP layer 0
+runs in the same call over every row, guessing each row's token is its argmax
+(``DeepseekModel.verify_draft``): a sequence whose committed tokens are those guesses (every one
+decoded greedily) takes its draft from there, the others run the layer again over their
+committed rows. KV written for rejected drafts lies past the
 sequence's computed tokens: pages, prefix sharing, cache units and persist triggers only read
 committed positions, and the next step writes over it.
 """
@@ -26,7 +30,7 @@ import torch
 from cluster.kv_manager import long_tensor
 from cluster.request import Sequence
 
-__all__ = ["SpecStats", "Speculator", "VerifyRows"]
+__all__ = ["Guessed", "SpecStats", "Speculator", "VerifyRows"]
 
 
 @dataclass(slots=True)
@@ -52,6 +56,15 @@ class VerifyRows:
     tokens: torch.Tensor  # [R]
     positions: torch.Tensor  # [R]
     first: list[int]  # each sequence's first row
+
+
+@dataclass(slots=True)
+class Guessed:
+    """MTP layer 0 run in the verify pass, each row's argmax taken as the token after it."""
+
+    tokens: list[int]  # [R] each row's argmax
+    drafts: list[int]  # [R] the draft after each row
+    normed: torch.Tensor  # [R, M] the MTP's normed hidden states (a chained draft's input)
 
 
 class Speculator:
@@ -104,19 +117,44 @@ class Speculator:
             for j in range(len(drafts)):
                 self.stats.drafted[j] += 1
         tables = self.kv.tables(batch)
-        if len(tokens) != len(batch):
-            tables = tables.repeat_interleave(long_tensor(counts).to(tables.device), dim=0)
+        if len(tokens) != len(batch):  # each sequence's row of the block table, once per verify row
+            tables = tables.index_select(0, long_tensor([b for b, n in enumerate(counts) for _ in range(n)])
+                                         .to(tables.device))
         return VerifyRows(tables, long_tensor(tokens), long_tensor(positions), first)
 
     def accepted(self, j: int) -> None:
         self.stats.accepted[j] += 1
 
-    def propose(self, seqs: list[Sequence], hidden: torch.Tensor, rows: list[list[int]]) -> None:
+    def verify(self, rows: VerifyRows, micro_batches: int = 1) -> tuple[torch.Tensor, torch.Tensor, Guessed | None]:
+        """The verify pass over ``rows``: (fp32 logits [R, V], normed hidden states [R, M], MTP
+        layer 0's guesses where it ran in the same call, else None)."""
+        out = self.model.verify_draft(rows.tokens, self.kv.pool, rows.tables, rows.positions)
+        if out is None:
+            logits, hidden = self.model.decode(rows.tokens, self.kv.pool, rows.tables, rows.positions,
+                                               micro_batches=micro_batches, hidden=True)
+            return logits, hidden, None
+        logits, hidden, tokens, drafts, normed = out
+        return logits, hidden, Guessed(tokens.tolist(), drafts.tolist(), normed)
+
+    def propose(self, seqs: list[Sequence], hidden: torch.Tensor, rows: list[list[int]],
+                guessed: Guessed | None = None) -> None:
         """New drafts for ``seqs``: the MTP layers over each one's committed positions of this
         pass (``rows[i]``: their rows of ``hidden``, the pass's normed hidden states), the
-        committed tokens after each as inputs; chained to ``tokens`` drafts."""
+        committed tokens after each as inputs; chained to ``tokens`` drafts. A sequence whose
+        committed tokens are ``guessed``'s takes its first draft from there."""
         if not seqs:
             return
+        hit = [guessed is not None and seq.output_ids[-len(r):] == [guessed.tokens[i] for i in r]
+               for seq, r in zip(seqs, rows, strict=True)]
+        if all(hit):
+            last = [r[-1] for r in rows]
+            self._chain(seqs, [guessed.drafts[i] for i in last], guessed.normed[long_tensor(last)])
+            return
+        if any(hit):  # (sequences sampled off their argmax beside greedy ones)
+            self.propose([s for s, h in zip(seqs, hit, strict=True) if h], hidden,
+                         [r for r, h in zip(rows, hit, strict=True) if h], guessed)
+            seqs = [s for s, h in zip(seqs, hit, strict=True) if not h]
+            rows = [r for r, h in zip(rows, hit, strict=True) if not h]
         ids, positions, counts = [], [], []
         for seq, r in zip(seqs, rows, strict=True):
             n = len(r)
@@ -129,20 +167,19 @@ class Speculator:
         logits, normed = self._draft(0, hidden.index_select(0, flat.to(hidden.device)), long_tensor(ids), tables,
                                      long_tensor(positions))
         last = long_tensor([end - 1 for end in accumulate(counts)])  # each sequence's last row
-        self._chain(seqs, logits[last], normed[last])
+        self._chain(seqs, logits[last].argmax(dim=-1).tolist(), normed[last])
 
     def propose_one(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """``seq``'s first drafts, after its prompt: the MTP layers at the prompt's last
         position (``hidden`` [M]) with the first output token as input."""
         pos = long_tensor([seq.num_computed - 1])
         logits, normed = self._draft(0, hidden[None], long_tensor([seq.output_ids[-1]]), self.kv.tables([seq]), pos)
-        self._chain([seq], logits, normed)
+        self._chain([seq], logits.argmax(dim=-1).tolist(), normed)
 
-    def _chain(self, seqs: list[Sequence], logits: torch.Tensor, normed: torch.Tensor) -> None:
-        """Drafts from the MTP logits [S, V] at each sequence's last committed position, then
-        the layers again over each draft (its normed hidden state [S, M] as input) while more
-        are asked for and pages allow."""
-        drafts = logits.argmax(dim=-1).tolist()
+    def _chain(self, seqs: list[Sequence], drafts: list[int], normed: torch.Tensor) -> None:
+        """``drafts``: each sequence's first (MTP layer 0's argmax at its last committed
+        position), then the layers again over each draft (its normed hidden state [S, M] as
+        input) while more are asked for and pages allow."""
         for seq, d in zip(seqs, drafts, strict=True):
             seq.drafts = [d]
         n_layers = len(self.model.mtp)

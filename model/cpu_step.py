@@ -30,6 +30,7 @@ from model.quant import Q8Weight
 if TYPE_CHECKING:
     from model.kv_cache import LatentKVPool
     from model.model import DecoderLayer, DeepseekModel, _Chunk, _DecodeBatch, _Rows
+    from model.mtp import MtpLayer
 
 __all__ = ["CpuStep", "Stack"]
 
@@ -40,12 +41,14 @@ class _Ineligible(Exception):
 
 class Stack(NamedTuple):
     """Decoder layers run back to back, then a norm and an LM head: the model's own, or an MTP
-    layer's (``model.mtp``); ``first`` is the pool layer of its first."""
+    layer's (``model.mtp``, which ``mtp`` then is: its input stage runs in ``CpuStep.verify``);
+    ``first`` is the pool layer of its first."""
 
     layers: list[DecoderLayer]
     norm: torch.Tensor
     lm_head: torch.Tensor
     first: int = 0
+    mtp: MtpLayer | None = None
 
 
 class CpuStep:
@@ -81,6 +84,10 @@ class CpuStep:
                 _linear(mod, w.kv_a, w.kv_a_bias), w.kv_a_norm, attn.w_uk, attn.w_uv_t, _linear(mod, w.o, w.o_bias),
                 attn.scale, layer.post_attn_norm, mlp, moe,
             )
+        if stack.mtp is not None:
+            m = stack.mtp
+            _check_f32(m.embed, m.enorm, m.hnorm)
+            step.set_draft_inputs(m.embed, m.enorm, m.hnorm, _linear(mod, m.eh_proj))
         return step
 
     @classmethod
@@ -107,6 +114,15 @@ class CpuStep:
         run = self.step.forward_hidden if hidden else self.step.forward
         return run(batch.h, batch.cos, batch.sin, self._kv(pool), batch.new_slots, batch.block_tables, batch.lens(),
                    pool.page_size)
+
+    def verify(self, batch: _DecodeBatch, pool: LatentKVPool, draft: CpuStep):
+        """A speculative decode pass of ``batch`` and MTP layer ``draft``'s pass over the same
+        rows, each row's argmax as its next token, in one call -> (fp32 logits [B, V], normed
+        hidden states [B, M], the argmaxes [B], the draft after each row [B], the MTP's normed
+        hidden states [B, M]); writes both passes' latents (the MTP's right where a row's token is
+        its argmax)."""
+        return self.step.verify(batch.h, batch.cos, batch.sin, self._kv(pool), draft._kv(pool), batch.new_slots,
+                                batch.block_tables, batch.lens(), pool.page_size, draft.step)
 
     def mixed(self, chunk: _Chunk, batch: _DecodeBatch, rows: _Rows, pool: LatentKVPool, hidden: bool = False):
         """The mixed pass of an absorbed prefill ``chunk`` (T rows) and a decode ``batch`` (B rows,
@@ -169,6 +185,8 @@ def _weights_key(stack: Stack) -> list:
     """Every object the step is built from, held (so no identity is reused while the step lives):
     a replaced weight, expert table, executor or routing hook differs in identity."""
     key: list = [stack.norm, stack.lm_head]
+    if stack.mtp is not None:
+        key += (stack.mtp.embed, stack.mtp.enorm, stack.mtp.hnorm, stack.mtp.eh_proj)
     for layer in stack.layers:
         attn, mlp = layer.attn, layer.mlp
         key += (layer.input_norm, layer.post_attn_norm, attn.w_uk, attn.w_uv_t)

@@ -249,6 +249,22 @@ class DeepseekModel:
         return mtp.head(self._forward(pool, None, batch, [(self.cfg.num_hidden_layers + k, mtp.layer)]), eps)
 
     @torch.inference_mode()
+    def verify_draft(self, token_ids: torch.Tensor, pool: LatentKVPool, block_tables: torch.Tensor,
+                     positions: torch.Tensor):
+        """``decode(hidden=True)`` over a speculative step's verify rows and MTP layer 0 over the
+        same rows, each row's argmax as the token after it, as one C++ call (``CpuStep.verify``)
+        -> (logits [B, V], normed hidden [B, M], argmaxes [B], the draft after each row [B], MTP
+        layer 0's normed hidden [B, M]); the MTP latents are right for the rows whose token turns
+        out to be their argmax. None where the C++ steps cannot run this pass (call ``decode``)."""
+        rows = token_ids.shape[0]
+        step = self._whole_cpu_step(rows)
+        draft = self._mtp_cpu_step(0, rows) if step is not None and self.mtp else None
+        if draft is None:
+            return None
+        return step.verify(_DecodeBatch.build(self, token_ids, block_tables, positions, pool.page_size, "absorbed"),
+                           pool, draft)
+
+    @torch.inference_mode()
     def draft_chunk(self, k: int, hidden: torch.Tensor, next_ids: torch.Tensor, pool: LatentKVPool,
                     block_table: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer ``k`` over a prompt chunk's positions ``start..start+T-1`` of one sequence
@@ -266,7 +282,7 @@ class DeepseekModel:
         if not self.cpu_step or self.device.type != "cpu" or self.dtype != torch.float32:
             return None
         mtp = self.mtp[k]
-        stack = Stack([mtp.layer], mtp.head_norm, mtp.lm_head, self.cfg.num_hidden_layers + k)
+        stack = Stack([mtp.layer], mtp.head_norm, mtp.lm_head, self.cfg.num_hidden_layers + k, mtp)
         step = self._mtp_steps[k] = CpuStep.of(self, self._mtp_steps[k], stack)
         return step if step.takes(rows) else None
 

@@ -10,6 +10,7 @@
 // Legend: B rows, M hidden, L layers, D latent values per token.
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/silu.h>
 #include <torch/csrc/utils/pybind.h>
@@ -89,6 +90,17 @@ struct Layer {
   c10::optional<Moe> moe;
 };
 
+// An MTP layer's input stage (model.mtp.MtpLayer.inputs): eh_proj([enorm(embed[t]), hnorm(h)]).
+struct DraftInputs {
+  at::Tensor embed, enorm, hnorm;  // [V, M], [M], [M]
+  Linear eh_proj;                  // [M, 2M]
+
+  at::Tensor operator()(const at::Tensor& hidden, const at::Tensor& next_ids, double eps) const {
+    auto e = rms_norm(embed.index_select(0, next_ids), enorm, eps);
+    return eh_proj(at::cat({e, rms_norm(hidden, hnorm, eps)}, -1));
+  }
+};
+
 class DecodeStep {
  public:
   DecodeStep(double eps, bool interleave, at::Tensor norm, Linear lm_head)
@@ -108,6 +120,11 @@ class DecodeStep {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Makes this the step of an MTP layer, which ``verify`` runs as the draft.
+  void set_draft_inputs(at::Tensor embed, at::Tensor enorm, at::Tensor hnorm, Linear eh_proj) {
+    draft_inputs_ = DraftInputs{std::move(embed), std::move(enorm), std::move(hnorm), std::move(eh_proj)};
+  }
 
   // h [B, M] the tokens' embeddings, cos/sin [B, P/2] their angles, kv [L, slots, D] the pool,
   // new_slots [B], block_tables [B, X], seq_lens [B] (the new token included) -> fp32 logits
@@ -132,6 +149,26 @@ class DecodeStep {
     h = run_layers(h, cos, sin, kv, new_slots, block_tables, seq_lens, page_size, chunk_table, chunk_start);
     auto normed = rms_norm(h, norm_, eps_);
     return {lm_head_(normed.narrow(0, logits_from, normed.size(0) - logits_from)), normed};
+  }
+
+  // A speculative decode pass and its drafts in one call: forward_hidden over the rows (a
+  // sequence's last token and its drafts, at consecutive positions), each row's argmax as the
+  // token after it, then ``draft`` (an MTP layer's step, its kv [1, slots, D] ``draft_kv``) at
+  // the same positions with those tokens as its inputs. -> (logits [B, V], normed hidden states
+  // [B, M], the argmaxes [B], the draft after each [B] (the MTP logits' argmax), the MTP's normed
+  // hidden states [B, M]). The MTP latents written are right for the rows whose sampled token is
+  // their argmax (every row under greedy decoding).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify(
+      at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor draft_kv, at::Tensor new_slots,
+      at::Tensor block_tables, at::Tensor seq_lens, int64_t page_size, const DecodeStep& draft) const {
+    TORCH_CHECK(draft.draft_inputs_.has_value(), "verify's draft must be an MTP layer's step");
+    auto [logits, normed] = forward_hidden(h, cos, sin, kv, new_slots, block_tables, seq_lens, page_size,
+                                           c10::nullopt, 0, 0);
+    auto guesses = argmax_rows(logits);
+    auto x = (*draft.draft_inputs_)(normed, guesses, eps_);
+    auto [draft_logits, draft_normed] = draft.forward_hidden(x, cos, sin, draft_kv, new_slots, block_tables,
+                                                             seq_lens, page_size, c10::nullopt, 0, 0);
+    return {logits, normed, guesses, argmax_rows(draft_logits), draft_normed};
   }
 
  private:
@@ -159,6 +196,7 @@ class DecodeStep {
   at::Tensor norm_;
   Linear lm_head_;
   std::vector<Layer> layers_;
+  c10::optional<DraftInputs> draft_inputs_;
 };
 
 }  // namespace
@@ -211,6 +249,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStep::add_layer, py::arg("input_norm"), py::arg("q"), py::arg("q_a"),
            py::arg("q_a_norm"), py::arg("q_b"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),
            py::arg("w_uv_t"), py::arg("o"), py::arg("scale"), py::arg("post_norm"), py::arg("mlp"), py::arg("moe"))
+      .def("set_draft_inputs", &DecodeStep::set_draft_inputs, py::arg("embed"), py::arg("enorm"), py::arg("hnorm"),
+           py::arg("eh_proj"))
       .def_property_readonly("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
            py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
@@ -219,5 +259,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_hidden", &DecodeStep::forward_hidden, py::arg("h"), py::arg("cos"), py::arg("sin"),
            py::arg("kv"), py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("page_size"),
            py::arg("chunk_table") = py::none(), py::arg("chunk_start") = 0, py::arg("logits_from") = 0,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("verify", &DecodeStep::verify, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
+           py::arg("draft_kv"), py::arg("new_slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("page_size"), py::arg("draft"), py::call_guard<py::gil_scoped_release>());
 }

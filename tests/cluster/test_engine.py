@@ -722,6 +722,10 @@ class _Clocked:
         self.now += self.decode_s + self.row_s * tokens.shape[0]
         return self.inner.decode(tokens, *a, **k)
 
+    def verify_draft(self, tokens, *a, **k):  # a decode pass (its MTP layer's pass rides in it)
+        self.now += self.decode_s + self.row_s * tokens.shape[0]
+        return self.inner.verify_draft(tokens, *a, **k)
+
     def mixed(self, chunk_ids, chunk_table, chunk_start, tokens, *a, **k):  # the two passes' cost
         self.now += self.decode_s + self.row_s * tokens.shape[0] + self._chunk_s(chunk_ids.shape[0], chunk_start)
         return self.inner.mixed(chunk_ids, chunk_table, chunk_start, tokens, *a, **k)

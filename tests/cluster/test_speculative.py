@@ -89,6 +89,26 @@ def test_greedy_output_with_the_models_own_drafts_equals_decoding_without(model)
     assert eng.stats["decode_tokens"] == sum(len(_tokens(o)) - 1 for o in outs.values())
 
 
+def test_greedy_rows_take_their_drafts_from_the_verify_call_and_sampled_rows_beside_them_too(model, monkeypatch):
+    """With the C++ steps the MTP layer drafts in the verify pass's call: a greedy request alone
+    runs no separate MTP pass after its prompt's; greedy and seeded sampled requests in one batch
+    (the sampled ones' drafts computed again from their sampled tokens) give the tokens they give
+    without drafts."""
+    calls = []
+    eng = _engine(model)
+    real = eng.spec._draft
+    monkeypatch.setattr(eng.spec, "_draft", lambda *a: calls.append(a[0]) or real(*a))
+    outs = _run(eng, [GenerationRequest("g", _prompt(40, 3), 20)])
+    assert _tokens(outs["g"]) == generate(model, list(_prompt(40, 3)), 20)
+    assert len(calls) == 1 and eng.spec.stats.drafted[0] > 0  # the prompt's first draft only
+    reqs = lambda: [GenerationRequest(f"r{i}", _prompt(30 + 20 * i, i), 24,  # noqa: E731
+                                      SamplingParams() if i % 2 else SamplingParams(0.9, seed=i)) for i in range(4)]
+    want = {rid: _tokens(o) for rid, o in _run(_engine(model, speculative_tokens=0), reqs()).items()}
+    for k in (1, 2):
+        got = _run(_engine(model, speculative_tokens=k), reqs())
+        assert {rid: _tokens(o) for rid, o in got.items()} == want, k
+
+
 @pytest.mark.parametrize(("k", "wrong_every"), [(1, 0), (3, 0), (3, 3), (2, 2)])
 def test_accepted_drafts_commit_several_tokens_a_step_and_change_nothing(model, monkeypatch, k, wrong_every):
     prompts = {f"r{i}": _prompt(30 + 70 * i, i) for i in range(3)}

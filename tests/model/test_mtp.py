@@ -106,6 +106,30 @@ def test_the_draft_is_the_same_in_one_cpp_call_and_layer_by_layer(ckpt):
     assert h.shape == (2, CFG.hidden_size)
 
 
+def test_a_verify_pass_and_its_drafts_in_one_call_are_the_two_passes(ckpt):
+    """``verify_draft``: the verify pass's logits and hidden states, each row's argmax, and MTP
+    layer 0 over the same rows with those argmaxes as inputs, bit for bit as ``decode`` then
+    ``draft`` give them, the same latents written; None where the C++ steps do not run."""
+    model = load_model(ckpt, mtp=True)
+    pool, tables = model.new_pool(16), torch.arange(16).view(2, 8)
+    gen = torch.Generator().manual_seed(1)
+    for row, n in zip(tables, (30, 50), strict=True):
+        model.prefill(torch.randint(0, 256, (n,), generator=gen), pool, row)
+    tok, where = torch.tensor([3, 7, 4]), (tables[[0, 0, 1]], torch.tensor([30, 31, 50]))
+    before = pool.data.clone()
+    logits, hidden, guesses, drafts, normed = model.verify_draft(tok, pool, *where)
+    one_call = pool.data.clone()
+    pool.data.copy_(before)
+    want_logits, want_hidden = model.decode(tok, pool, *where, hidden=True)
+    draft_logits, want_normed = model.draft(0, want_hidden, want_logits.argmax(-1), pool, *where)
+    for got, want in ((logits, want_logits), (hidden, want_hidden), (guesses, want_logits.argmax(-1)),
+                      (drafts, draft_logits.argmax(-1)), (normed, want_normed), (one_call, pool.data)):
+        assert torch.equal(got, want)
+    model.cpu_step = False
+    assert model.verify_draft(tok, pool, *where) is None
+    model.cpu_step = True
+
+
 def test_a_drafting_pools_units_are_counted_with_their_mtp_latents(ckpt):
     """What bounds a unit a peer may send (``kv_sizes``) counts the MTP layer's latents that a
     drafting replica's units carry: a unit of a drafting pool is exactly that size."""
