@@ -156,7 +156,7 @@ def up(
     cpu_threads: int = typer.Option(None, "--cpu-threads", min=1, help="torch threads of each CPU replica (default: the machine's CPUs but one, shared by the replicas; OMP_NUM_THREADS, where set, stands)"),
     cpu_weights: str = typer.Option("fp32", "--cpu-weights", help="fp32 | int8: a CPU replica holds its projections and routed experts as int8 with a scale per 128 columns (a quarter of the bytes a decode step reads; float32 models only)"),
     fp8_weights: str = typer.Option("auto", "--fp8-weights", help="auto | keep | dequantize: an fp8 checkpoint's (DeepSeek-V3/R1 as published) weights stay fp8 on CUDA and run the block-scaled fp8 GEMMs (auto), always (keep), or are dequantized to --dtype at load"),
-    speculative_tokens: int = typer.Option(None, "--speculative-tokens", min=0, max=8, help="drafts per sequence and step from the checkpoint's MTP layers, where it has them (0: off; default: 1 with --device cuda, 0 on the CPU, where a draft's verification costs about what decoding its token does); steps of more than speculative_max_batch sequences (8) decode without drafts"),
+    speculative_tokens: int = typer.Option(None, "--speculative-tokens", min=0, max=8, help="drafts per sequence and step from the checkpoint's MTP layers, where it has them (0: off; default: 1 with --device cuda, 0 on the CPU, where drafting gains about a tenth at batch 1 and loses from batch 8 on); steps of more than speculative_max_batch sequences (8) decode without drafts"),
     insecure: bool = typer.Option(False, "--insecure", help="allow a --host other than loopback without API keys (anyone who reaches it may use the model)"),
 ) -> None:
     """Start a local cluster (redis-server, Ray, the Serve app) serving the model over HTTP."""
