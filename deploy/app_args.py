@@ -93,7 +93,7 @@ class AppArgs(BaseModel):
     background_slack: float | None = Field(default=_ENGINE.background_slack, ge=0)
     # speculative decoding with the checkpoint's MTP layers, where it has them: drafts per
     # sequence and step (0: off, the MTP layers are not loaded). None: 1 on CUDA, 0 on the CPU,
-    # where drafting gains about a tenth at batch 1 and loses from batch 8 on (tide bench model --mtp-only);
+    # where drafting gains about a tenth up to batch 4 but costs each prompt a quarter more prefill;
     # a step of more sequences than speculative_max_batch decodes without drafts
     speculative_tokens: int | None = Field(default=None, ge=0, le=8)
     speculative_max_batch: int = Field(default=_ENGINE.speculative_max_batch, ge=0)

@@ -20,7 +20,7 @@ def bench_model(
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers comparison"),
     no_int8: bool = typer.Option(False, "--no-int8", help="skip the int8-weights cases"),
     family: str = typer.Option("v3", "--family", help="without --checkpoint: the bench config of v3, v3.2 or v4"),
-    mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="with a checkpoint that has MTP layers: decode tokens/s through the engine with and without their drafts (batch 1/8/32) and the acceptance"),
+    mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="with a checkpoint that has MTP layers: decode tokens/s through the engine with and without their drafts (batch 1/2/4/8/32) and the acceptance"),
     mtp_only: bool = typer.Option(False, "--mtp-only", help="only the MTP section"),
     mtp_tokens: int = typer.Option(64, "--mtp-tokens", min=8, help="tokens each request decodes in the MTP section"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),

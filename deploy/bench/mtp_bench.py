@@ -1,5 +1,6 @@
 """``tide bench model``'s ``mtp`` section: decode tokens/s through the engine with and without the
-checkpoint's MTP drafts, at batch 1, 8 and 32, in the same run, with the drafts' acceptance.
+checkpoint's MTP drafts, at batch 1, 2, 4, 8 and 32 (where drafting stops paying), in the same
+run, with the drafts' acceptance.
 
 The requests are chats asking for the documentation of standard-library names (what the
 ``tiny`` model was trained on; any checkpoint's tokenizer renders them), greedy, EOS ignored so
@@ -21,7 +22,7 @@ from model.sampling import SamplingParams
 
 __all__ = ["MTP_BATCHES", "mtp_decode_bench"]
 
-MTP_BATCHES = (1, 8, 32)
+MTP_BATCHES = (1, 2, 4, 8, 32)
 
 
 def _prompts(tokenizer, n: int) -> list[tuple[int, ...]]:

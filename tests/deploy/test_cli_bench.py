@@ -390,7 +390,7 @@ def test_bench_model_mtp_only_decodes_with_and_without_drafts_in_turn(tmp_path):
     assert r.returncode == 0, r.stderr
     mtp = json.loads(r.stdout)["mtp"]
     assert mtp["available"] and mtp["drafts_per_step"] == 1 and mtp["statistic"] == "median"
-    for b in ("1", "8", "32"):
+    for b in ("1", "2", "4", "8", "32"):
         case = mtp[b]
         for kind in ("without", "with"):
             slow, fast = case[f"range_{kind}"]
