@@ -14,6 +14,7 @@ CUDA, kept as stored (``model.quant.Fp8Weight``) and multiplied by the block-sca
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -49,6 +50,8 @@ __all__ = [
     "random_state_dict",
     "save_checkpoint",
 ]
+
+log = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -451,6 +454,9 @@ def load_model(
 
         if cpu_weights != "fp32":  # its fp8 and fp4 weights are dequantized: no V4 kernel takes them yet
             raise ValueError(f"cpu_weights {cpu_weights!r}: DeepSeek-V4 loads its weights in the model's dtype")
+        if mtp and cfg.num_nextn_predict_layers:
+            log.warning("%s: DeepSeek-V4's MTP layer does not draft yet; decoding without speculative drafts",
+                        ckpt_dir)
         return load_v4(ckpt_dir, cfg, dtype, impl, routed_experts, device)
     include = _include(cfg, routed_experts, mtp)
     sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include, keep_fp8=keep_fp8)

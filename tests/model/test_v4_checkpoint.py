@@ -94,3 +94,19 @@ def test_an_expert_shard_loads_v4_experts_with_their_clip(tmp_path):
     got = load_expert_slots(ckpt, {1: [5, 0, 5]})[1]
     assert got.limit == cfg.swiglu_limit
     assert torch.equal(got.gate_up, local.gate_up[[5, 0, 5]]) and torch.equal(got.down, local.down[[5, 0, 5]])
+
+
+def test_asking_a_v4_checkpoint_for_mtp_drafts_says_they_do_not_run(tmp_path, caplog):
+    """Its MTP layer (``mtp.*``) is not loaded: a replica or ``tide generate`` asked to draft
+    decodes without drafts, and the log says so."""
+    import dataclasses
+
+    cfg = dataclasses.replace(named_config("tiny-v4"), num_nextn_predict_layers=1)
+    ckpt = save_checkpoint(tmp_path / "v4", cfg, random_state_dict(cfg, seed=5))
+    with caplog.at_level("WARNING", logger="model.checkpoint"):
+        assert load_model(ckpt, mtp=True).cfg == cfg
+    assert "MTP layer does not draft yet" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="model.checkpoint"):
+        load_model(ckpt)
+    assert "MTP" not in caplog.text
