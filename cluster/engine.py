@@ -136,7 +136,8 @@ class Engine:
         self.idle = False  # the last step found nothing it could do yet
         # finished_*: requests finished, their prompt tokens and those found cached (a replica's hit rate)
         self.stats = {"preemptions": 0, "load_failures": 0, "prefill_tokens": 0, "decode_tokens": 0, "mixed_steps": 0,
-                      "masks_late": 0, "finished": 0, "finished_prompt_tokens": 0, "finished_cached_tokens": 0}
+                      "masks_late": 0, "finished": 0, "finished_prompt_tokens": 0, "finished_cached_tokens": 0,
+                      "finished_local_tokens": 0}
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.itl_factor, self._admit,
                                    self._admit_prefilled, self.stats, itl_floor_s=cfg.itl_floor_ms / 1e3,
                                    ready=self.constraints.ready, background_share=cfg.background_share,
@@ -700,6 +701,7 @@ class Engine:
         self.stats["finished"] += 1
         self.stats["finished_prompt_tokens"] += len(seq.req.prompt_ids)
         self.stats["finished_cached_tokens"] += seq.sources.cached
+        self.stats["finished_local_tokens"] += seq.sources.ram + seq.sources.ssd  # of those, this node's own
         outputs.append(self._output(seq, handoff=handoff, error=error))
 
     def _persist(self, seq: Sequence, unit_idx: list[int], keys: list[bytes]) -> None:

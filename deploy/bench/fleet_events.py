@@ -27,7 +27,8 @@ EVENTS: dict[str, tuple[tuple[str, float], ...]] = {
 }
 WINDOW = {"lend": "after_lend", "return": "after_return", "kill": "after_failure"}
 REPORT_S = 1.0  # replicas report twice a second
-COUNTERS = ("finished", "prefill_tokens", "decode_tokens", "finished_prompt_tokens", "finished_cached_tokens")
+COUNTERS = ("finished", "prefill_tokens", "decode_tokens", "finished_prompt_tokens", "finished_cached_tokens",
+            "finished_local_tokens")
 
 
 def replica_load() -> dict[str, dict[str, Any]]:
@@ -46,15 +47,17 @@ def replica_load() -> dict[str, dict[str, Any]]:
 
 def load_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What each replica did between two ``replica_load`` reads, busiest first: its node,
-    requests finished, prefill tokens computed and its hit rate (cached of its finished
-    requests' prompt tokens); ``busiest_share``: the busiest replica's share of the prefill
+    requests finished, prefill tokens computed, its hit rate (cached of its finished requests'
+    prompt tokens) and its local hit rate (those from its own node's pool, RAM or SSD, not
+    fetched from another node); ``busiest_share``: the busiest replica's share of the prefill
     tokens computed (1/replicas is even)."""
     done = []
     for name, counts in after.items():
-        grew = {k: counts[k] - before.get(name, {}).get(k, 0) for k in COUNTERS}
+        grew = {k: counts.get(k, 0) - before.get(name, {}).get(k, 0) for k in COUNTERS}
+        prompt = grew["finished_prompt_tokens"]
         done.append({"node": counts["node"][:12], "requests": grew["finished"], "prefill_tokens": grew["prefill_tokens"],
-                     "hit_rate": round(grew["finished_cached_tokens"] / grew["finished_prompt_tokens"], 4)
-                     if grew["finished_prompt_tokens"] else None})
+                     "hit_rate": round(grew["finished_cached_tokens"] / prompt, 4) if prompt else None,
+                     "local_hit_rate": round(grew["finished_local_tokens"] / prompt, 4) if prompt else None})
     done.sort(key=lambda d: -d["prefill_tokens"])
     total = sum(d["prefill_tokens"] for d in done)
     return {"replicas": done, "busiest_share": round(done[0]["prefill_tokens"] / total, 3) if total else None}

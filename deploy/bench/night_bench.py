@@ -16,7 +16,8 @@ TTFT, and the morning's:
 The cases take turns over ``repeats`` runs, each on empty caches with the removed node replaced
 for the next; figures are medians with their range. The targets: ``lend_keep``'s night hit rate
 within 2 points of ``stay``'s, and the morning node's hit rate within 5 points of its fleet's
-(``morning_node_gap_points``).
+(``morning_node_gap_points``; ``morning_node_local_gap_points`` the same for the hits from the
+node's own RAM or SSD, which warming fills, not fetched from another node).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
     if morning_node is not None:
         mine = [r for r in out["morning"]["replica_load"]["replicas"] if r["node"] == morning_node[:12]]
         out["morning_node_hit_rate"] = mine[0]["hit_rate"] if mine else None
+        out["morning_node_local_hit_rate"] = mine[0]["local_hit_rate"] if mine else None
     return out
 
 
@@ -104,10 +106,8 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
         mornings = [r["morning"] for r in runs[case]]
         out[case] = {**_medians(runs[case]), "kept_units": [r["kept_units"] for r in runs[case]],
                      "morning": {k: v for k, v in _medians(mornings).items() if k != "runs"}}
-        if case != "stay":  # the new node's hit rate in the morning, and the fleet's, in points apart
-            gaps = [100 * (m["token_hit_rate"] - r["morning_node_hit_rate"]) for m, r in zip(mornings, runs[case],
-                    strict=True) if r.get("morning_node_hit_rate") is not None]
-            out[case]["morning_node_gap_points"] = _spread(gaps)
+        if case != "stay":
+            out[case] |= _morning_node(mornings, runs[case])
         # the same gap for the replica with the lowest hit rate: with no node lent (stay), how far
         # apart a cache-aware router leaves replicas that all were there the day before
         rates = [[r["hit_rate"] for r in m["replica_load"]["replicas"] if r["hit_rate"] is not None] for m in mornings]
@@ -122,6 +122,21 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
     if morning:
         out["morning_within_5_points"] = morning["median"] <= 5.0
     return out
+
+
+def _morning_node(mornings: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The new node's morning against its fleet's, in points: its hit rate (``morning_node_gap_points``;
+    a request it fetches from another node hits too) and its local hit rate (from its own RAM or
+    SSD: what warming put there; ``morning_node_local_gap_points``, and the rate itself)."""
+    def local(m: dict[str, Any]) -> float:
+        return m["hit_rate_by_source"].get("ram", 0.0) + m["hit_rate_by_source"].get("local_ssd", 0.0)
+
+    pairs = [(m, r) for m, r in zip(mornings, runs, strict=True) if r.get("morning_node_hit_rate") is not None]
+    return {"morning_node_gap_points": _spread([100 * (m["token_hit_rate"] - r["morning_node_hit_rate"])
+                                                for m, r in pairs]),
+            "morning_node_local_hit_rate": _spread([r["morning_node_local_hit_rate"] for _, r in pairs]),
+            "morning_node_local_gap_points": _spread([100 * (local(m) - r["morning_node_local_hit_rate"])
+                                                      for m, r in pairs])}
 
 
 def _spread(values: list[float]) -> dict[str, Any]:

@@ -73,6 +73,7 @@ def test_concurrent_requests_with_shared_and_unique_prefixes_match_the_reference
     # the counters a replica's hit rate comes from (tide bench cluster's per-replica load)
     assert eng.stats["finished"] == 7 and eng.stats["finished_prompt_tokens"] == sum(map(len, prompts.values()))
     assert eng.stats["finished_cached_tokens"] == sum(o[-1].cached_tokens for o in outs.values()) >= 128
+    assert eng.stats["finished_local_tokens"] == eng.stats["finished_cached_tokens"]  # no other node here
 
 
 def test_decode_rides_in_the_prefill_pass_with_one_or_two_micro_batches(model):

@@ -252,18 +252,33 @@ def test_scenario_windows_get_medians_and_verdicts_of_their_own():
 def test_replica_load_says_what_each_replica_did_between_two_reads():
     from deploy.bench.fleet_events import load_summary
 
-    def counts(node, finished, prefill, prompt, cached):
+    def counts(node, finished, prefill, prompt, cached, local):
         return {"node": node, "finished": finished, "prefill_tokens": prefill, "decode_tokens": finished,
-                "finished_prompt_tokens": prompt, "finished_cached_tokens": cached}
+                "finished_prompt_tokens": prompt, "finished_cached_tokens": cached, "finished_local_tokens": local}
 
-    before = {"a": counts("node-a" * 4, 10, 1000, 1000, 0), "gone": counts("node-g", 5, 500, 500, 0)}
-    after = {"a": counts("node-a" * 4, 14, 1300, 1600, 300), "b": counts("node-b", 6, 900, 900, 0)}
+    before = {"a": counts("node-a" * 4, 10, 1000, 1000, 0, 0), "gone": counts("node-g", 5, 500, 500, 0, 0)}
+    after = {"a": counts("node-a" * 4, 14, 1300, 1600, 300, 120), "b": counts("node-b", 6, 900, 900, 0, 0)}
     out = load_summary(before, after)
     assert out["replicas"] == [  # busiest first; a replica new since the first read counts from 0
-        {"node": "node-b", "requests": 6, "prefill_tokens": 900, "hit_rate": 0.0},
-        {"node": "node-anode-a", "requests": 4, "prefill_tokens": 300, "hit_rate": 0.5}]
+        {"node": "node-b", "requests": 6, "prefill_tokens": 900, "hit_rate": 0.0, "local_hit_rate": 0.0},
+        {"node": "node-anode-a", "requests": 4, "prefill_tokens": 300, "hit_rate": 0.5, "local_hit_rate": 0.2}]
     assert out["busiest_share"] == 0.75
     assert load_summary(after, after)["busiest_share"] is None  # nothing computed
+
+
+def test_the_night_compares_the_morning_node_with_its_fleet_in_all_hits_and_in_its_own():
+    """A node that fetched its hits from other nodes is close to its fleet on hits, far on local
+    hits (what warming puts on the node); runs without the node's figures are left out."""
+    from deploy.bench.night_bench import _morning_node
+
+    fleet = {"token_hit_rate": 0.30, "hit_rate_by_source": {"ram": 0.10, "local_ssd": 0.05, "remote": 0.15}}
+    runs = [{"morning_node_hit_rate": 0.28, "morning_node_local_hit_rate": 0.02},
+            {"morning_node_hit_rate": 0.26, "morning_node_local_hit_rate": 0.12},
+            {"morning_node_hit_rate": None, "morning_node_local_hit_rate": None}]
+    out = _morning_node([fleet] * 3, runs)
+    assert out["morning_node_gap_points"] == {"median": 3.0, "range": [2.0, 4.0]}
+    assert out["morning_node_local_hit_rate"] == {"median": 0.07, "range": [0.02, 0.12]}
+    assert out["morning_node_local_gap_points"] == {"median": 8.0, "range": [3.0, 13.0]}
 
 
 def test_the_pressure_scenario_sizes_caches_from_the_working_set(tmp_path):
