@@ -15,9 +15,9 @@ beside the model's) and propose the next drafts. Where the C++ steps run the pas
 runs in the same call over every row, guessing each row's token is its argmax
 (``DeepseekModel.verify_draft``): a sequence whose committed tokens are those guesses (every one
 decoded greedily) takes its draft from there, the others run the layer again over their
-committed rows. KV written for rejected drafts lies past the
-sequence's computed tokens: pages, prefix sharing, cache units and persist triggers only read
-committed positions, and the next step writes over it.
+committed rows. KV written for rejected drafts lies past the sequence's computed tokens: pages,
+prefix sharing, cache units and persist triggers only read committed positions, and the next
+step writes over it.
 """
 
 from __future__ import annotations
