@@ -142,19 +142,17 @@ class Speculator:
         pass (``rows[i]``: their rows of ``hidden``, the pass's normed hidden states), the
         committed tokens after each as inputs; chained to ``tokens`` drafts. A sequence whose
         committed tokens are ``guessed``'s takes its first draft from there."""
-        if not seqs:
-            return
-        hit = [guessed is not None and seq.output_ids[-len(r):] == [guessed.tokens[i] for i in r]
-               for seq, r in zip(seqs, rows, strict=True)]
-        if all(hit):
-            last = [r[-1] for r in rows]
-            self._chain(seqs, [guessed.drafts[i] for i in last], guessed.normed[long_tensor(last)])
-            return
-        if any(hit):  # (sequences sampled off their argmax beside greedy ones)
-            self.propose([s for s, h in zip(seqs, hit, strict=True) if h], hidden,
-                         [r for r, h in zip(rows, hit, strict=True) if h], guessed)
+        if guessed is not None:
+            hit = [seq.output_ids[-len(r):] == [guessed.tokens[i] for i in r] for seq, r in zip(seqs, rows, strict=True)]
+            last = [r[-1] for r, h in zip(rows, hit, strict=True) if h]
+            if last:
+                self._chain([s for s, h in zip(seqs, hit, strict=True) if h], [guessed.drafts[i] for i in last],
+                            guessed.normed[long_tensor(last)])
+            # the rest (sampled off their argmax) run the layer again over their committed rows
             seqs = [s for s, h in zip(seqs, hit, strict=True) if not h]
             rows = [r for r, h in zip(rows, hit, strict=True) if not h]
+        if not seqs:
+            return
         ids, positions, counts = [], [], []
         for seq, r in zip(seqs, rows, strict=True):
             n = len(r)

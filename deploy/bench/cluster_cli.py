@@ -117,9 +117,10 @@ def bench_cluster(
                                  help="trace: as it is; skew: 60% of the requests start with one of 3 hot prefixes; "
                                       "scale: a node lent a third of the way in and back two thirds in; failure: a "
                                       "node removed half way; pressure: each node's SSD holds a quarter of the "
-                                      "working set, no RAM tier, no pages kept in a replica's pool; night: the night's and the morning's hits with no "
-                                      "node lent, one lent and removed, and one lent with its hot units kept (the "
-                                      "shared directory only; --modes is ignored)"),
+                                      "working set, no RAM tier, no pages kept in a replica's pool; night: the "
+                                      "night's and the morning's hits with no node lent, one lent and removed, and "
+                                      "one lent with its hot units kept (the shared directory only; --modes is "
+                                      "ignored)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
