@@ -123,7 +123,8 @@ class Engine:
         self.cache = cache
         self.constraints = Constraints(grammar_vocab, model.cfg.vocab_size, eos_id)
         self.admission = make_admission(cfg.admission)
-        self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens)
+        self.kv = kv_manager(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, UNIT_TOKENS, cfg.max_prefill_tokens,
+                             cfg.speculative_tokens)
         self.layered_loads = not self.kv.resumable and (
             cfg.layered_loads if cfg.layered_loads is not None else model.device.type == "cuda")
         self.spec = Speculator(model, self.kv, cfg.speculative_tokens, cfg.speculative_max_batch)

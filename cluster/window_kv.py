@@ -29,24 +29,27 @@ from cluster.request import Sequence
 __all__ = ["WindowKVManager", "kv_manager"]
 
 
-def kv_manager(model, num_pages: int, page_size: int, max_rows: int, unit_tokens: int, max_chunk: int) -> KVManager:
+def kv_manager(model, num_pages: int, page_size: int, max_rows: int, unit_tokens: int, max_chunk: int,
+               drafts: int = 0) -> KVManager:
     """The KV manager a model's pool needs: ``WindowKVManager`` where the model keeps window rows
-    apart (``model.window_keep``), else ``KVManager``."""
+    apart (``model.window_keep``), else ``KVManager``. ``drafts``: speculative tokens a running
+    sequence verifies a step, past its next position."""
     keep = getattr(model, "window_keep", None)
     if keep is None:
         return KVManager(model, num_pages, page_size, max_rows, unit_tokens)
-    return WindowKVManager(model, num_pages, page_size, max_rows, unit_tokens, keep, max_chunk)
+    return WindowKVManager(model, num_pages, page_size, max_rows, unit_tokens, keep, max_chunk, drafts)
 
 
 class WindowKVManager(KVManager):
     def __init__(self, model, num_pages: int, page_size: int, max_rows: int, unit_tokens: int, keep: int,
-                 max_chunk: int) -> None:
+                 max_chunk: int, drafts: int = 0) -> None:
         """``keep``: positions behind the next one whose window rows a sequence must hold (what
         its next token reads, and a resume record at its last whole unit); ``max_chunk``: the
-        longest prefill chunk, whose rows are held at once."""
+        longest prefill chunk, whose rows are held at once; ``drafts``: the positions past the
+        next one that a speculative step writes."""
         self.back = keep  # going on at a position reads this many window rows behind it
         self.keep = keep + unit_tokens  # ... and a resume record at the last whole unit, up to a unit behind
-        per_seq = -(-self.keep // page_size) + 2
+        per_seq = -(-(self.keep + drafts) // page_size) + 2
         # every running sequence and one part-prefilled prompt hold a window each, one chunk more
         self.num_window_pages = (max_rows + 1) * per_seq + -(-max_chunk // page_size) + 1
         super().__init__(model, num_pages, page_size, max_rows, unit_tokens)
@@ -59,23 +62,28 @@ class WindowKVManager(KVManager):
         return model.new_pool(num_pages, page_size, num_window_pages=self.num_window_pages + 1)
 
     # -- window pages ----------------------------------------------------------------------
-    def _window_alloc(self) -> int:
+    def _window_alloc(self, must: bool = True) -> int | None:
         page = self.window.allocate(1)
         while page is None and self._window_of:  # prefix entries' windows go first
             _, pages = self._window_of.popitem(last=False)
             self.window.release(pages)
             page = self.window.allocate(1)
-        assert page is not None, f"window pages ({self.num_window_pages}) sized for every sequence ran out"
-        return page[0]
+        assert page is not None or not must, f"window pages ({self.num_window_pages}) sized for every sequence ran out"
+        return None if page is None else page[0]
 
-    def _cover(self, seq: Sequence, start: int, end: int) -> None:
-        """Window pages for positions [start, end) where ``seq`` holds none."""
+    def _cover(self, seq: Sequence, start: int, end: int, must: bool = True) -> bool:
+        """Window pages for positions [start, end) where ``seq`` holds none; unless ``must``,
+        False when one cannot be had (those taken are kept)."""
         z = self.page_size
         for j in range(max(0, start) // z, -(-end // z)):
             if seq.window_pages[j] < 0:
-                seq.window_pages[j] = self._window_alloc()
+                page = self._window_alloc(must)
+                if page is None:
+                    return False
+                seq.window_pages[j] = page
                 if seq.row is not None:
-                    self._wtables.write(seq.row, j, [seq.window_pages[j]])
+                    self._wtables.write(seq.row, j, [page])
+        return True
 
     def trim(self, seq: Sequence) -> None:
         """Give back ``seq``'s window pages wholly behind ``keep`` positions before its next."""
@@ -123,6 +131,14 @@ class WindowKVManager(KVManager):
         self._cover(seq, seq.length - 1, seq.length)
         self.trim(seq)
         return True
+
+    def grow_to(self, seq: Sequence, tokens: int, evict: bool = False) -> bool:
+        """The base's pages, and window pages up to ``tokens`` (a speculative step's drafts: their
+        rows are written, and those accepted read, before a later step would cover them)."""
+        if not super().grow_to(seq, tokens, evict):
+            return False
+        seq.window_pages += [-1] * (len(seq.pages) - len(seq.window_pages))
+        return self._cover(seq, seq.num_computed, tokens, must=False)
 
     def release(self, seq: Sequence) -> None:
         self.window.release([p for p in seq.window_pages if p >= 0])

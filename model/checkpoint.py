@@ -396,14 +396,17 @@ def load_expert_slots(
     dtype = _dtype(dtype)
     cfg = load_config(ckpt_dir)
     if isinstance(cfg, V4Config):  # Hub names, the clipped SwiGLU
-        from model.v4.checkpoint import load_v4_state_dict
+        from model.v4.checkpoint import layer_prefix, load_v4_state_dict
 
-        wanted = {f"layers.{layer}.ffn.experts.{e}.{w}.weight" for layer, experts in slot_experts.items()
-                  for e in experts for w in ("w1", "w2", "w3")}
-        sd = load_v4_state_dict(ckpt_dir, cfg, dtype, include=wanted.__contains__)
+        def at(layer: int, e: int, w: str) -> str:
+            return f"{layer_prefix(cfg, layer)}ffn.experts.{e}.{w}.weight"
+
+        wanted = {at(layer, e, w) for layer, experts in slot_experts.items() for e in experts for w in ("w1", "w2", "w3")}
+        drafts = any(layer >= cfg.num_hidden_layers for layer in slot_experts)  # an MTP layer's experts
+        sd = load_v4_state_dict(ckpt_dir, cfg, dtype, include=wanted.__contains__, mtp=drafts)
         return {layer: ExpertWeights.stack(
-            [torch.cat((sd[f"layers.{layer}.ffn.experts.{e}.w1.weight"], sd[f"layers.{layer}.ffn.experts.{e}.w3.weight"]))
-             for e in experts], [sd[f"layers.{layer}.ffn.experts.{e}.w2.weight"] for e in experts], cfg.swiglu_limit)
+            [torch.cat((sd[at(layer, e, "w1")], sd[at(layer, e, "w3")])) for e in experts],
+            [sd[at(layer, e, "w2")] for e in experts], cfg.swiglu_limit)
             for layer, experts in slot_experts.items()}
     names = {
         f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
@@ -454,10 +457,7 @@ def load_model(
 
         if cpu_weights != "fp32":  # its fp8 and fp4 weights are dequantized: no V4 kernel takes them yet
             raise ValueError(f"cpu_weights {cpu_weights!r}: DeepSeek-V4 loads its weights in the model's dtype")
-        if mtp and cfg.num_nextn_predict_layers:
-            log.warning("%s: DeepSeek-V4's MTP layer does not draft yet; decoding without speculative drafts",
-                        ckpt_dir)
-        return load_v4(ckpt_dir, cfg, dtype, impl, routed_experts, device)
+        return load_v4(ckpt_dir, cfg, dtype, impl, routed_experts, device, mtp)
     include = _include(cfg, routed_experts, mtp)
     sd = load_state_dict(ckpt_dir, cfg, dtype, progress, include, keep_fp8=keep_fp8)
     for name in sd:  # one tensor at a time, so host memory holds at most one extra copy

@@ -39,7 +39,7 @@ def kv_sizes(cfg: ModelConfig | V4Config, dtype: torch.dtype = torch.bfloat16, p
     model's (a replica that drafts with them, ``model.mtp``)."""
     size = torch.empty(0, dtype=dtype).element_size()
     if isinstance(cfg, V4Config):
-        pool = HybridKVPool(cfg, 1, page_size, dtype)
+        pool = HybridKVPool(cfg, 1, page_size, dtype, draft_layers=draft_layers)
         entries = pool.entry_values_per_page() * size  # a page's compressed entries: kept as long as the sequence
         window = pool.nbytes() - entries  # a page's window rows: cluster.window_kv keeps about keep + a unit of them
         window_pages = -(-(cfg.window_keep + UNIT_TOKENS) // page_size) + 2

@@ -61,13 +61,13 @@ def stored_mtp_layers(cfg, names: set[str] | dict) -> int:
     """How many of the MTP layers ``cfg`` declares the checkpoint's tensor ``names`` hold, from
     the first (published conversions often drop them and keep the config): those
     ``load_model(mtp=True)`` loads, whose latents cache units carry."""
-    declared = getattr(cfg, "num_nextn_predict_layers", 0)  # V4's are not loaded yet
-    if not hasattr(cfg, "kv_lora_rank"):
-        return 0
-    for k in range(declared):
-        if f"model.layers.{cfg.num_hidden_layers + k}.eh_proj.weight" not in names:
+    v4 = not hasattr(cfg, "kv_lora_rank")  # DeepSeek-V4's are mtp.{k}. (model. in front as transformers writes)
+    for k in range(cfg.num_nextn_predict_layers):
+        if v4 and f"mtp.{k}.e_proj.weight" not in names and f"model.mtp.{k}.e_proj.weight" not in names:
             return k
-    return declared
+        if not v4 and f"model.layers.{cfg.num_hidden_layers + k}.eh_proj.weight" not in names:
+            return k
+    return cfg.num_nextn_predict_layers
 
 
 def keeps_fp8(ckpt_dir: str | Path, device: str | torch.device, fp8_weights: str = "auto") -> bool:

@@ -23,7 +23,7 @@ from kernels.index_topk import index_topk
 from model.dsa import select_top_k
 from model.kv_cache import slots_for
 from model.layers import linear, rms_norm
-from model.v4.config import CSA, V4Config
+from model.v4.config import CSA, SLIDING, V4Config
 from model.v4.kv import HybridKVPool, entry_slots
 from model.v4.layers import Rope, rms_unweighted, rope_tail
 
@@ -85,11 +85,14 @@ def _pool_entries(kv: torch.Tensor, gate: torch.Tensor, norm: torch.Tensor, eps:
 
 
 class Attention:
-    def __init__(self, cfg: V4Config, layer_idx: int, w: AttentionWeights, rope: Rope, impl: str = "ref") -> None:
+    def __init__(self, cfg: V4Config, layer_idx: int, w: AttentionWeights, rope: Rope, impl: str = "ref",
+                 kind: str | None = None) -> None:
+        """``kind``: the layer's (default ``cfg.layer_types[layer_idx]``; an MTP layer's, after the
+        model's, is given)."""
         self.cfg, self.layer_idx, self.w, self.rope = cfg, layer_idx, w, rope
         self.impl = impl  # the indexer top-k's kernel at decode (kernels.index_topk)
-        self.kind = cfg.layer_types[layer_idx]
-        self.ratio = cfg.ratio(layer_idx)
+        self.kind = kind or cfg.layer_types[layer_idx]
+        self.ratio = 0 if self.kind == SLIDING else cfg.ratio(layer_idx)
         self.scale = cfg.head_dim**-0.5
 
     # -- a pass ----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Per compressed entry (entry planes, what a long sequence keeps), in P pages:
   ``csa_kv`` [Lc, P*Sc, D], ``csa_ik`` [Lc, P*Sc, I], ``hca_kv`` [Lh, P*Sh, D].
 Per token (window planes, needed only near the end of a sequence), in Pw window pages (P, or
 fewer where ``cluster.window_kv`` gives them out and takes them back apart):
-  ``swa``      [L, Pw*Z, D]          the sliding window's K=V, every layer;
+  ``swa``      [L, Pw*Z, D]          the sliding window's K=V, every layer (then the MTP layers',
+                                     sliding-window only, when the pool has draft layers);
   ``csa_src``  [Lc, Pw*Z, 4D + 4I]   a CSA layer's compressor inputs: kv (2D), gate (2D), then its
                                      indexer's kv (2I) and gate (2I);
   ``hca_src``  [Lh, Pw*Z, 2D]        an HCA layer's compressor inputs: kv (D), gate (D).
@@ -51,9 +52,12 @@ def entry_slots(table: torch.Tensor, entries: torch.Tensor, ratio: int, page_siz
 
 class HybridKVPool:
     def __init__(self, cfg: V4Config, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", num_window_pages: int | None = None) -> None:
+                 device: str | torch.device = "cpu", num_window_pages: int | None = None,
+                 draft_layers: int = 0) -> None:
         """``num_window_pages``: pages of the window planes (default ``num_pages``: a sequence's
-        pages then hold both; fewer, when window pages are given and taken back apart)."""
+        pages then hold both; fewer, when window pages are given and taken back apart).
+        ``draft_layers``: MTP layers whose window rows the ``swa`` plane holds after the model's
+        (layer ``num_hidden_layers + k``); resume records and handoffs carry them too."""
         num_window_pages = num_pages if num_window_pages is None else num_window_pages
         if num_pages <= 0 or num_window_pages <= 0:
             raise ValueError(f"num_pages and num_window_pages must be > 0, got {num_pages}, {num_window_pages}")
@@ -63,7 +67,7 @@ class HybridKVPool:
             if page_size % ratio and ratio % page_size:
                 raise ValueError(f"page_size {page_size} and a compressor's ratio {ratio}: one must divide the other")
         self.cfg, self.num_pages, self.page_size = cfg, num_pages, page_size
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers = cfg.num_hidden_layers + draft_layers
         self.csa_layers = [i for i, t in enumerate(cfg.layer_types) if t == CSA]
         self.hca_layers = [i for i, t in enumerate(cfg.layer_types) if t == HCA]
         # a model layer's index in its kind's planes

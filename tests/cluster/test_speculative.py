@@ -264,3 +264,42 @@ def test_a_v32_model_drafts_with_its_mtp_layers_indexer(monkeypatch):
     _oracle(eng, monkeypatch, want, 2, wrong_every=3)
     got = _run(eng, [GenerationRequest(rid, p, 16) for rid, p in prompts.items()])
     assert {rid: _tokens(o) for rid, o in got.items()} == want and eng.spec.stats.accepted[0] > 0
+
+
+def test_a_v4_model_drafts_with_its_mtp_layer_through_window_pages_units_and_handoffs(monkeypatch, tmp_path):
+    """DeepSeek-V4's MTP layer (a sliding-window block on the model's streams): its own drafts
+    and right or wrong ones give the tokens of decoding without, past the window and compressed
+    windows closed by verify rows; its window rows travel in resume records and handoffs."""
+    cfg = dataclasses.replace(named_config("tiny-v4"), num_nextn_predict_layers=1)
+    model = build_model(cfg, random_state_dict(cfg, seed=3, std=0.1))
+    prompts = {"long": _prompt(150, 1), "short": _prompt(30, 2)}
+    want = {rid: generate(model, list(p), 16) for rid, p in prompts.items()}
+    for k in (1, 2):
+        eng = _engine(model, speculative_tokens=k)
+        assert eng.kv.pool.planes["swa"].shape[0] == cfg.num_hidden_layers + 1
+        got = _run(eng, [GenerationRequest(rid, p, 16) for rid, p in prompts.items()])
+        assert {rid: _tokens(o) for rid, o in got.items()} == want and eng.spec.stats.drafted[0] > 0
+    eng = _engine(model, speculative_tokens=2)
+    _oracle(eng, monkeypatch, want, 2, wrong_every=2)
+    got = _run(eng, [GenerationRequest(rid, p, 16) for rid, p in prompts.items()])
+    assert {rid: _tokens(o) for rid, o in got.items()} == want
+    assert eng.spec.stats.accepted[0] > 0 and eng.spec.stats.accepted[1] < eng.spec.stats.drafted[1]
+
+    cache = NodeCache(CacheConfig(StoreConfig(tmp_path / "ssd", capacity_bytes=1 << 30), ram_bytes=64 << 20))
+    prompt = prompts["long"]
+    first = _engine(model, cache, prefix_sharing=False)
+    _oracle(first, monkeypatch, want, 1)
+    assert _tokens(_run(first, [GenerationRequest("long", prompt, 16)])["long"]) == want["long"]
+    cache.flush()
+    second = _engine(model, cache, prefix_sharing=False)
+    _oracle(second, monkeypatch, {"b": generate(model, list(prompt) + [7], 12)}, 1)
+    out = _run(second, [GenerationRequest("b", prompt + (7,), 12)])["b"]
+    assert out[-1].cached_tokens >= 64
+    assert _tokens(out) == generate(model, list(prompt) + [7], 12) and second.spec.stats.accepted[0] >= 5
+
+    pre = _run(_engine(model), [GenerationRequest("long", prompt, 16, handoff=True)])["long"][-1]
+    assert pre.finish_reason == FinishReason.HANDOFF
+    dec = _engine(model)
+    _oracle(dec, monkeypatch, want, 1)
+    out = _run(dec, [GenerationRequest("long", prompt, 16, prefilled=pre.handoff)])["long"]
+    assert _tokens(out) == want["long"] and dec.spec.stats.accepted[0] > 5

@@ -69,7 +69,8 @@ def test_transformers_names_are_read_and_a_stray_tensor_is_named(tmp_path):
     cfg = named_config("tiny-v4")
     sd = random_state_dict(cfg, seed=1)
     renamed = {("model.embed_tokens.weight" if k == "embed.weight" else "model." + k if k.startswith("layers.")
-                else k): v for k, v in sd.items()}
+                else k).replace(".attn.kv_norm.", ".attn.norm."): v for k, v in sd.items()}
+    assert any(k.endswith(".attn.norm.weight") for k in renamed)  # as transformers saves the Hub's kv_norm
     save_checkpoint(tmp_path / "hf", cfg, renamed)
     assert load_model(tmp_path / "hf").cfg == cfg
     save_checkpoint(tmp_path / "extra", cfg, {**sd, "layers.0.attn.bogus": torch.zeros(2)})
@@ -96,17 +97,86 @@ def test_an_expert_shard_loads_v4_experts_with_their_clip(tmp_path):
     assert torch.equal(got.gate_up, local.gate_up[[5, 0, 5]]) and torch.equal(got.down, local.down[[5, 0, 5]])
 
 
-def test_asking_a_v4_checkpoint_for_mtp_drafts_says_they_do_not_run(tmp_path, caplog):
-    """Its MTP layer (``mtp.*``) is not loaded: a replica or ``tide generate`` asked to draft
-    decodes without drafts, and the log says so."""
+def test_a_v4_checkpoints_mtp_layer_loads_when_asked_and_its_experts_on_a_shard(tmp_path):
+    """``mtp.0.*`` (a sliding-window, top-k routed block): loaded with ``mtp=True`` only, its
+    window rows in the pool after the model's layers (resume records and handoffs with them), its
+    experts where an expert shard asks for layer L; a checkpoint that dropped it loads without,
+    half of one is named."""
     import dataclasses
 
+    from model.checkpoint import load_expert_slots
+    from model.kv_sizes import kv_sizes
+    from model.weights_id import stored_mtp_layers, tensor_names
+
     cfg = dataclasses.replace(named_config("tiny-v4"), num_nextn_predict_layers=1)
-    ckpt = save_checkpoint(tmp_path / "v4", cfg, random_state_dict(cfg, seed=5))
-    with caplog.at_level("WARNING", logger="model.checkpoint"):
-        assert load_model(ckpt, mtp=True).cfg == cfg
-    assert "MTP layer does not draft yet" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="model.checkpoint"):
-        load_model(ckpt)
-    assert "MTP" not in caplog.text
+    sd = random_state_dict(cfg, seed=5)
+    ckpt = save_checkpoint(tmp_path / "v4", cfg, sd)
+    plain, drafting = load_model(ckpt), load_model(ckpt, mtp=True)
+    assert plain.mtp == [] and len(drafting.mtp) == 1 and stored_mtp_layers(cfg, tensor_names(ckpt)) == 1
+    layers = cfg.num_hidden_layers
+    assert plain.new_pool(2).planes["swa"].shape[0] == layers
+    assert drafting.new_pool(2).planes["swa"].shape[0] == layers + 1
+    assert drafting.new_pool(2).resume_dim > plain.new_pool(2).resume_dim
+    assert kv_sizes(cfg, draft_layers=1).resume_bytes > kv_sizes(cfg).resume_bytes
+    assert drafting.mtp[0].layer.attn.kind == "sliding_attention" and drafting.mtp[0].layer.attn.ratio == 0
+    ids = torch.arange(70) % 256
+    a = plain.prefill(ids, plain.new_pool(5), torch.arange(5))
+    b = drafting.prefill(ids, drafting.new_pool(5), torch.arange(5))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # a resume record (and a handoff) carries the MTP layer's window rows with the model's
+    pool, table = drafting.new_pool(5), torch.arange(5)
+    _, streams = drafting.prefill(ids, pool, table, hidden=True)
+    drafting.draft_chunk(0, streams[:-1], ids[1:], pool, table, 0)
+    other = drafting.new_pool(5)
+    other.write_resume(table, 64, pool.read_resume(table, 64))
+    rows = torch.arange(64 - cfg.sliding_window, 64)
+    assert pool.planes["swa"][layers, rows].abs().sum() > 0
+    torch.testing.assert_close(other.planes["swa"][:, rows], pool.planes["swa"][:, rows], atol=0, rtol=0)
+    shard = load_expert_slots(ckpt, {layers: [3, 1]})[layers]
+    held = drafting.moe_layers()[0].executor.layers[layers]
+    assert torch.equal(shard.gate_up, held.gate_up[[3, 1]]) and torch.equal(shard.down, held.down[[3, 1]])
+
+    dropped = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    save_checkpoint(tmp_path / "dropped", cfg, dropped)
+    assert load_model(tmp_path / "dropped", mtp=True).mtp == []
+    save_checkpoint(tmp_path / "half", cfg, {**dropped, "mtp.0.e_proj.weight": sd["mtp.0.e_proj.weight"]})
+    with pytest.raises(CheckpointError, match="missing tensor 'mtp.0."):
+        load_model(tmp_path / "half", mtp=True)
+    assert load_model(tmp_path / "half").mtp == []  # not asked for: not read
+
+
+def test_the_v4_draft_mixes_the_next_tokens_embedding_into_every_stream_and_rows_equal_a_chunk(tmp_path):
+    """MTP layer 0's input is e_proj(enorm(embed(next))) + h_proj(hnorm(stream)) on each of the
+    model's last streams; drafted a row at a time (decode) it gives a prompt chunk's drafts, and
+    chained it reads its own output streams."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from model.checkpoint import build_model
+
+    cfg = dataclasses.replace(named_config("tiny-v4"), num_nextn_predict_layers=1)
+    model = build_model(cfg, random_state_dict(cfg, seed=6, std=0.1))
+    mtp, eps = model.mtp[0], cfg.rms_norm_eps
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (90,), generator=gen)  # past the window (32) and an HCA window (64)
+    table = torch.arange(8)
+    pool = model.new_pool(8, 16)
+    _, streams = model.prefill(ids, pool, table, hidden=True)
+    assert streams.shape == (90, cfg.hc_mult, cfg.hidden_size)
+    e = F.rms_norm(model.embed[ids[1:3]], (cfg.hidden_size,), mtp.enorm, eps) @ mtp.e_proj.T
+    h = F.rms_norm(streams[:2], (cfg.hidden_size,), mtp.hnorm, eps) @ mtp.h_proj.T
+    torch.testing.assert_close(mtp.inputs(model.embed, streams[:2], ids[1:3], eps), e[:, None] + h)
+    # the chunk's drafts at positions 0..88 (the token after each known), then position 89 as a row
+    whole, _ = model.draft_chunk(0, streams[:89], ids[1:90], pool, table, 0)
+    chunk_pool = model.new_pool(8, 16)
+    model.prefill(ids, chunk_pool, table)
+    model.draft_chunk(0, streams[:60], ids[1:61], chunk_pool, table, 0)
+    rows = [model.draft(0, streams[p : p + 1], ids[p + 1 : p + 2], chunk_pool, table[None], torch.tensor([p]))
+            for p in range(60, 89)]
+    torch.testing.assert_close(rows[-1][0][0], whole, atol=1e-4, rtol=1e-4)
+    # chained: a draft after the last position reads the layer's output streams there
+    nxt = whole.argmax()
+    logits, out = model.draft(0, rows[-1][1], nxt[None], chunk_pool, table[None], torch.tensor([89]))
+    assert logits.shape == (1, cfg.vocab_size) and out.shape == (1, cfg.hc_mult, cfg.hidden_size)
+    assert torch.isfinite(logits).all()
