@@ -1,7 +1,8 @@
 """The Serve app (what ``tide up`` deploys) serving a DeepSeek-V3.2 and a DeepSeek-V4 checkpoint
 as transformers writes them: through HTTP, cold and from the prompt cache, the tokens are
 transformers' greedy ones. V4's app splits prefill and decode (P/D): its prompts' KV (entry pages
-and the window state at their end) crosses to a decode replica."""
+and the window state at their end) crosses to a decode replica, which drafts with the MTP layer
+DeepSeek's V4 checkpoints store (``mtp.0.*``, added to what transformers writes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from model.dsml import DSML_FORMATS, render_dsml
 from model.tokenizer import load_tokenizer
-from tests.model.hf_checkpoints import make_hf_checkpoint
+from tests.model.hf_checkpoints import add_v4_mtp_layer, make_hf_checkpoint
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +27,10 @@ def served(request, local_ray, tmp_path_factory):
     home = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, home / "ckpt", seed=11)
     _word_tokenizer(home / "ckpt", hf.config.vocab_size)  # DeepSeek's chat tokens, no template: the encoding renders
-    split = {"replicas": 1, "decode_replicas": 1, "replica_cpus": 0.5} if request.param.startswith("v4") else {}
+    split = {}
+    if request.param.startswith("v4"):
+        add_v4_mtp_layer(home / "ckpt", seed=12)
+        split = {"replicas": 1, "decode_replicas": 1, "replica_cpus": 0.5, "speculative_tokens": 2}
     app = build_app({"checkpoint": str(home / "ckpt"), "model_name": request.param, "cache_dir": str(home / "cache"),
                      "replica_cpus": 1, "num_pages": 128, **split})
     with serving(app, 120) as url:
@@ -64,6 +68,11 @@ def test_cold_and_cached_completions_are_transformers_greedy_tokens(served):
     assert cold["choices"][0]["text"] == text and hit["choices"][0]["text"] == text
     assert cold["usage"]["prompt_cache_hit_tokens"] == 0
     assert hit["usage"]["prompt_cache_hit_tokens"] == 128  # two whole units of the 150-token prompt
+    if name.startswith("v4"):  # the decode replica drafted (a random MTP layer: its drafts are rejected)
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        drafted = [float(x.split()[-1]) for x in metrics.splitlines()
+                   if x.startswith("tide:spec_decode_num_draft_tokens_total")]
+        assert drafted and drafted[0] > 0, metrics[-3000:]
 
 
 def test_a_chat_is_rendered_by_the_models_encoding_with_thinking_and_tools(served):

@@ -76,3 +76,18 @@ def make_hf_checkpoint(name: str, out_dir: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(out_dir)
     return model
+
+
+def add_v4_mtp_layer(out_dir: Path, seed: int = 0) -> None:
+    """Give a V4 checkpoint that transformers wrote (it declares an MTP layer and drops it) a
+    random one, as DeepSeek stores it (``mtp.0.*``)."""
+    from safetensors.torch import load_file, save_file
+
+    from model.config import load_config
+    from model.v4.checkpoint import random_v4_state_dict
+
+    cfg = load_config(out_dir)
+    assert cfg.num_nextn_predict_layers >= 1
+    mtp = {k: v for k, v in random_v4_state_dict(cfg, seed, std=0.1).items() if k.startswith("mtp.")}
+    path = Path(out_dir) / "model.safetensors"
+    save_file({**load_file(str(path)), **mtp}, str(path), metadata={"format": "pt"})
