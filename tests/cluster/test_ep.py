@@ -306,10 +306,11 @@ def test_the_model_over_ep_shards_gives_the_local_models_logits(wire, config):
     assert torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure])
 
 
-def test_mtp_drafts_with_their_experts_on_the_shards_give_the_local_engines_tokens():
-    """A model with an MTP layer under expert parallelism: the MTP layer's routed experts are
-    placed on the shards with the others, its rounds go there, and the engine drafting with it
-    gives the tokens of a local engine that does not draft."""
+@pytest.mark.parametrize("family", ["tiny", "tiny-v4"])
+def test_mtp_drafts_with_their_experts_on_the_shards_give_the_local_engines_tokens(family):
+    """A model with an MTP layer (V3's, V4's) under expert parallelism: the MTP layer's routed
+    experts are placed on the shards with the others, its rounds go there, and the engine
+    drafting with it gives the tokens of a local engine that does not draft."""
     import dataclasses
 
     from cachedir.hashing import Namespace
@@ -318,7 +319,7 @@ def test_mtp_drafts_with_their_experts_on_the_shards_give_the_local_engines_toke
     from model.checkpoint import build_model, random_state_dict
     from model.config import named_config
 
-    cfg = dataclasses.replace(named_config("tiny"), num_nextn_predict_layers=1)
+    cfg = dataclasses.replace(named_config(family), num_nextn_predict_layers=1)
     model = build_model(cfg, random_state_dict(cfg, seed=5, std=0.1))
     local = model.moe_layers()[0].executor
     layers = sorted(local.layers)
