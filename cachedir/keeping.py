@@ -1,6 +1,6 @@
 """Keeping the cache through the night: before nodes leave serving, their hot units that no
 staying node holds are copied to the nodes that stay; when nodes come back, they fetch the hot
-units they lack before they serve (``warm_units``).
+units they lack before they serve, then, budget left, the fleet's other units (``warm_units``).
 
 A node lent to training (or a Kubernetes pod deleted at night) takes its units with it, and
 the morning's prompts that shared them would miss. Before it goes, its agent asks the directory
@@ -33,6 +33,7 @@ class KeepBudget:
     deadline_s: float = 60.0  # pushes stop after this long
     min_hits: float = 0.5  # decayed hit count from which a unit counts as hot (one hit within a half-life)
     scan_limit: int = 65536  # hot units examined
+    fill: bool = True  # warming: after the hot units, the fleet's others (never hit yet, as most new units)
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.deadline_s < 0 or self.scan_limit < 1:
@@ -93,7 +94,10 @@ def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[by
     """A node coming back to serving fetches the hot units it lacks, hottest first, from their
     holders (``fetch(address, keys)``: their encoded bytes, None where gone) and ``store``s each
     (verified there: whether it was kept), within ``budget``; each one stored is registered for
-    it at once. Returns counts: ``warmed`` units and their ``bytes``, ``over_budget``, ``failed``."""
+    it at once. With ``budget.fill``, budget and time left, then the other units the live nodes
+    hold (those on more nodes first): a unit made yesterday and not reused yet has no hits, and
+    it is what most of a fleet's first reuses are. Returns counts: ``warmed`` units and their
+    ``bytes``, ``over_budget``, ``failed``."""
     out = {"warmed": 0, "bytes": 0, "over_budget": 0, "failed": 0}
     start = now_s()
     try:
@@ -101,6 +105,7 @@ def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[by
         hot = directory.hot_units(budget.scan_limit, len(live) + 1, time.time())
     except DirectoryUnavailable:
         return out
+    taken: set[bytes] = set()  # keys asked for
     wanted: dict[str, list[bytes]] = {}  # holder -> keys, hottest first
     for unit in hot:
         if unit.hits < budget.min_hits:
@@ -109,27 +114,53 @@ def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[by
         if node_id in unit.holders or not holders:
             continue
         wanted.setdefault(min(holders, key=lambda n: len(wanted.get(n, ()))), []).append(unit.key)
-    for holder, keys in wanted.items():
-        for i in range(0, len(keys), FETCH_BATCH):
-            if now_s() - start > budget.deadline_s or out["bytes"] >= budget.max_bytes:  # nothing more fetched
-                out["over_budget"] += len(keys) - i
-                break
-            try:
-                got = fetch(live[holder], keys[i : i + FETCH_BATCH])
-            except Exception:  # noqa: BLE001 - a holder that cannot answer: those stay misses
-                out["failed"] += len(keys[i : i + FETCH_BATCH])
-                continue
-            for key, data in zip(keys[i : i + FETCH_BATCH], got, strict=True):
-                if data is not None and out["bytes"] + len(data) > budget.max_bytes:
-                    out["over_budget"] += 1
-                    continue
-                if data is None or not store(data):
-                    out["failed"] += 1
-                    continue
-                out["warmed"] += 1
-                out["bytes"] += len(data)
+        taken.add(unit.key)
+
+    def pull(wanted: dict[str, list[bytes]]) -> None:
+        for holder, keys in wanted.items():
+            for i in range(0, len(keys), FETCH_BATCH):
+                if now_s() - start > budget.deadline_s or out["bytes"] >= budget.max_bytes:  # nothing more fetched
+                    out["over_budget"] += len(keys) - i
+                    break
                 try:
-                    directory.register(node_id, [key])
-                except DirectoryUnavailable:
-                    pass  # registered at this node's next sync
+                    got = fetch(live[holder], keys[i : i + FETCH_BATCH])
+                except Exception:  # noqa: BLE001 - a holder that cannot answer: those stay misses
+                    out["failed"] += len(keys[i : i + FETCH_BATCH])
+                    continue
+                for key, data in zip(keys[i : i + FETCH_BATCH], got, strict=True):
+                    if data is not None and out["bytes"] + len(data) > budget.max_bytes:
+                        out["over_budget"] += 1
+                        continue
+                    if data is None or not store(data):
+                        out["failed"] += 1
+                        continue
+                    out["warmed"] += 1
+                    out["bytes"] += len(data)
+                    try:
+                        directory.register(node_id, [key])
+                    except DirectoryUnavailable:
+                        pass  # registered at this node's next sync
+
+    pull(wanted)
+    if budget.fill and out["over_budget"] == 0:
+        try:
+            pull(_fleet_units(node_id, directory, live, taken))
+        except DirectoryUnavailable:
+            pass
     return out
+
+
+def _fleet_units(node_id: str, directory: Directory, live: dict[str, str], taken: set[bytes]) -> dict[str, list[bytes]]:
+    """holder -> the units live nodes hold that ``node_id`` lacks and ``taken`` does not name,
+    those held by more nodes first, spread over their holders."""
+    mine = directory.node_keys(node_id)
+    holders: dict[bytes, list[str]] = {}
+    for n in sorted(live):
+        if n != node_id:
+            for key in directory.node_keys(n):
+                if key not in mine and key not in taken:
+                    holders.setdefault(key, []).append(n)
+    wanted: dict[str, list[bytes]] = {}
+    for key, nodes in sorted(holders.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        wanted.setdefault(min(nodes, key=lambda n: len(wanted.get(n, ()))), []).append(key)
+    return wanted

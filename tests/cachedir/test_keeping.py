@@ -85,7 +85,7 @@ def test_a_leaving_agent_copies_its_hot_units_to_an_agent_that_stays(agents):
     assert match.num_units == 6 and all(b.node_id in {h.node_id for h in hs} for hs in match.holders[:4])
 
 
-def test_a_node_coming_back_fetches_the_hot_units_it_lacks_within_its_budget(agents):
+def test_a_node_coming_back_fetches_the_hot_units_it_lacks_then_the_rest_within_its_budget(agents):
     d, a, b, units = agents
     now = time.time()
     for j, u in enumerate(units[:4]):  # four hot, the first the hottest; two cold
@@ -97,4 +97,8 @@ def test_a_node_coming_back_fetches_the_hot_units_it_lacks_within_its_budget(age
     assert b.cache.has([u.key for u in units]) == ["ssd"] * 3 + [""] * 3  # the hottest three
     match = d.longest_prefix([u.key for u in units[:3]])
     assert all(b.node_id in {h.node_id for h in hs} for hs in match.holders)  # found there at once
-    assert b.warm()["warmed"] == 1  # later, with room: the fourth; a node warms only what it lacks
+    # later, with room: the fourth, then the two never hit; a node warms only what it lacks
+    assert b.warm(KeepBudget(fill=False))["warmed"] == 1
+    assert b.warm()["warmed"] == 2 and b.warm()["warmed"] == 0
+    b.cache.flush()
+    assert b.cache.has([u.key for u in units]) == ["ssd"] * 6
