@@ -159,7 +159,8 @@ def keep_units_of(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s
 
 
 def warm_nodes(nodes: list[str], max_bytes: int, deadline_s: float, timeout_s: float) -> dict[str, dict[str, int]]:
-    """``nodes`` serve again: each one's agent fetches the hot units it lacks, side by side."""
+    """``nodes`` serve again: each one's agent fetches the hot units it lacks (then the fleet's
+    others, budget left), side by side."""
     return _on_agents(nodes, lambda agent: agent.warm.remote(max_bytes, deadline_s), min(timeout_s, deadline_s + 30.0))
 
 

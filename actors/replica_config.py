@@ -87,7 +87,8 @@ class AgentSection:
     fetch_timeout_s: float = 5.0  # a replica's fetch from an agent
     check_s: float = 30.0  # how often a replica makes sure every node has its agent
     # an agent that starts on a node (a node joining, or back in the morning) first fetches the
-    # fleet's hot units it lacks, at most this many bytes within this many seconds (0: it does not)
+    # fleet's hot units it lacks, then its others, at most this many bytes within this many seconds
+    # (0: it does not)
     warm_bytes: int = 0
     warm_s: float = 60.0
 

@@ -26,8 +26,8 @@ Night (``lend_nodes``)
 
 Day (``return_nodes``)
   Stop the training job (SIGTERM: ``tide train run`` checkpoints and exits; after ``deadline_s``
-  it is killed), release the leases, let the nodes' agents fetch the hot units they lack, and
-  raise the replicas again (``reload``: a new checkpoint).
+  it is killed), release the leases, let the nodes' agents fetch the hot units they lack (then,
+  budget left, the fleet's others), and raise the replicas again (``reload``: a new checkpoint).
 
 Expert-parallel apps (``expert_shards``) lend nodes that host only expert shards when there are
 enough. Night: EPLB re-plans the experts onto the shards that stay (``EPControl.resize``; weights

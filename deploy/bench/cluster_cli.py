@@ -119,8 +119,8 @@ def bench_cluster(
                                       "node removed half way; pressure: each node's SSD holds a quarter of the "
                                       "working set, no RAM tier, no pages kept in a replica's pool; night: the "
                                       "night's and the morning's hits with no node lent, one lent and removed, and "
-                                      "one lent with its hot units kept (the shared directory only; --modes is "
-                                      "ignored)"),
+                                      "one lent with its hot units kept and the morning's node warmed (the "
+                                      "shared directory only; --modes is ignored)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),

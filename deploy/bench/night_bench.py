@@ -10,8 +10,8 @@ TTFT, and the morning's:
   and the node is then removed, as a Kubernetes night deletes its pod: its units go with it; in
   the morning a new node joins and serves (``return_nodes``), cold;
 * ``lend_keep`` — the same with keeping on: the node's hot units that no staying node holds are
-  copied to the nodes that stay before it goes, and the morning's node fetches the hot units
-  before its replica serves.
+  copied to the nodes that stay before it goes, and the morning's node fetches the hot units it
+  lacks, then the fleet's others, before its replica serves (``cachedir.keeping.warm_units``).
 
 The cases take turns over ``repeats`` runs, each on empty caches with the removed node replaced
 for the next; figures are medians with their range. The targets: ``lend_keep``'s night hit rate
