@@ -57,12 +57,13 @@ MODES = {
 
 
 def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt_tokens: int,
-                  max_tokens: int, vocab: int = 256) -> list[tuple[list[int], int]]:
-    """(prompt ids, max tokens) for the first ``requests`` records of the trace, scaled down."""
+                  max_tokens: int, vocab: int = 256, skip: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, max tokens) for ``requests`` records of the trace after its first ``skip``,
+    scaled down (a block's tokens depend on its hash id only, wherever it is read)."""
     scale = BLOCK_TOKENS / block_tokens
     blocks: dict[int, list[int]] = {}
     out = []
-    for req in read_trace(path, limit=requests):
+    for req in list(read_trace(path, limit=skip + requests))[skip:]:
         n = min(max_prompt_tokens, max(1, math.ceil(req.input_length / scale)))
         ids: list[int] = []
         for h in req.hash_ids:
@@ -214,10 +215,10 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-    modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace",
+    modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace", skip: int = 0,
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
-    ``scenario``: one of ``SCENARIOS``."""
+    ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's."""
     from ray import serve
 
     from deploy.app import build_app
@@ -226,7 +227,7 @@ def run_cluster_bench(
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
-    work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
+    work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
     if scenario == "skew":
         work = skewed(work)
     affinity = scaled_affinity_tokens(block_tokens)
@@ -236,7 +237,8 @@ def run_cluster_bench(
         working_set = working_set_units(work) * unit_bytes(checkpoint)
         capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0, "prefix_sharing": False}
     out: dict[str, Any] = {
-        **machine(), "trace": str(trace), "nodes": nodes, "requests": len(work), "concurrency": concurrency,
+        **machine(), "trace": str(trace), "skip": skip, "nodes": nodes, "requests": len(work),
+        "concurrency": concurrency,
         "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
         "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,

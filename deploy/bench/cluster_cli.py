@@ -106,6 +106,7 @@ def bench_cluster(
     trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)"),
     nodes: int = typer.Option(3, "--nodes", min=2, max=8, help="simulated Ray nodes (one replica and one cache agent each)"),
     requests: int = typer.Option(1500, "--requests", min=1, help="replay the first N trace records (the whole 3,993-request shared trace takes ~13 min here)"),
+    skip: int = typer.Option(0, "--skip", min=0, help="pass over the trace's first N records: replay the N+1th on (a part of the trace the figures were not tuned on)"),
     concurrency: int = typer.Option(4, "--concurrency", min=1),
     block_tokens: int = typer.Option(8, "--block-tokens", min=1, max=512, help="tokens per 512-token trace block (scale factor = 512 / this)"),
     max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
@@ -158,8 +159,11 @@ def bench_cluster(
         from cachedir.trace import read_trace
 
         next(iter(read_trace(trace, limit=1)), None)
+        records = sum(1 for _ in read_trace(trace, limit=skip + 1))
     except ValueError as e:
         raise typer.BadParameter(f"--trace: {e}") from None
+    if records <= skip:
+        raise typer.BadParameter(f"--skip {skip}: the trace has {records} records")
 
     from deploy.term import progress
 
@@ -169,10 +173,11 @@ def bench_cluster(
             from deploy.bench.night_bench import run_night_bench
 
             result = run_night_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens, max_tokens,
-                                     checkpoint, repeats)
+                                     checkpoint, repeats, skip)
         else:
             result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
-                                       max_tokens, checkpoint, chosen, progress=bar, repeats=repeats, scenario=scenario)
+                                       max_tokens, checkpoint, chosen, progress=bar, repeats=repeats, scenario=scenario,
+                                       skip=skip)
     emit(plotted("cluster", result, plot))
 
 

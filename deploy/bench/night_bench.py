@@ -77,13 +77,13 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
 
 def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrency: int = 4, block_tokens: int = 8,
                     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-                    repeats: int = 2) -> dict[str, Any]:
+                    repeats: int = 2, skip: int = 0) -> dict[str, Any]:
     from ray import serve
 
     from deploy.local import agent_token_file
 
-    work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens)
-    out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "nodes": nodes,
+    work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
+    out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "skip": skip, "nodes": nodes,
                            "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
                            "morning_requests": len(work) - int(CUTS[1] * len(work)),
                            "scale_factor": BLOCK_TOKENS / block_tokens, "repeats": repeats}

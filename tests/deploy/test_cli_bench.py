@@ -161,6 +161,10 @@ def test_trace_prompts_share_blocks_exactly_like_the_trace(tmp_path):
     assert (len(p0), len(p1), len(p2)) == (188, 128, 75)  # lengths / 8, rounded up
     assert p1 == p0[:128] and p2[:64] != p0[:64] and p2[64:] == p0[64:75]  # same block = same tokens
     assert (m0, m1, m2) == (4, 1, 1)  # outputs scaled and capped
+    # past the first record (--skip 1): the same prompts from the second on, blocks as before
+    assert trace_prompts(trace, 10, block_tokens=64, max_prompt_tokens=4096, max_tokens=4, skip=1) == [(p1, m1), (p2, m2)]
+    r = tide_here("bench", "cluster", "--trace", str(trace), "--skip", "3")
+    assert r.returncode == 2 and "--skip 3: the trace has 3 records" in " ".join(r.stderr.replace("│", "").split())
 
 
 @pytest.mark.ray
