@@ -133,12 +133,13 @@ class WindowKVManager(KVManager):
         return True
 
     def grow_to(self, seq: Sequence, tokens: int, evict: bool = False) -> bool:
-        """The base's pages, and window pages up to ``tokens`` (a speculative step's drafts: their
-        rows are written, and those accepted read, before a later step would cover them)."""
+        """The base's pages, and window pages from the next token's position up to ``tokens`` (a
+        speculative step's drafts: their rows are written, and those accepted read, before a
+        later step would cover them)."""
         if not super().grow_to(seq, tokens, evict):
             return False
         seq.window_pages += [-1] * (len(seq.pages) - len(seq.window_pages))
-        return self._cover(seq, seq.num_computed, tokens, must=False)
+        return self._cover(seq, seq.length - 1, tokens, must=False)
 
     def release(self, seq: Sequence) -> None:
         self.window.release([p for p in seq.window_pages if p >= 0])
