@@ -1,5 +1,6 @@
 """DeepSeek-V4 checkpoints as the Hub publishes them: names, fp8 projections and fp4 routed experts
-with their ``.scale`` grids (dequantized at load), and what a bad one is told."""
+with their ``.scale`` grids (dequantized at load), the MTP layer (``mtp.*``), and what a bad one
+is told."""
 
 from __future__ import annotations
 
