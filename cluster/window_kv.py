@@ -124,11 +124,10 @@ class WindowKVManager(KVManager):
         return True
 
     def grow(self, seq: Sequence) -> bool:
+        """The base's (its ``grow_to`` is this class's: the next token's window page too), then
+        the window pages fallen behind given back."""
         if not super().grow(seq):
             return False
-        if len(seq.window_pages) < len(seq.pages):
-            seq.window_pages.append(-1)
-        self._cover(seq, seq.length - 1, seq.length)
         self.trim(seq)
         return True
 

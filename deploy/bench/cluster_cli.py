@@ -158,8 +158,7 @@ def bench_cluster(
     try:
         from cachedir.trace import read_trace
 
-        next(iter(read_trace(trace, limit=1)), None)
-        records = sum(1 for _ in read_trace(trace, limit=skip + 1))
+        records = sum(1 for _ in read_trace(trace, limit=skip + 1))  # (a malformed line raises)
     except ValueError as e:
         raise typer.BadParameter(f"--trace: {e}") from None
     if records <= skip:
