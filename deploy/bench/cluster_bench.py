@@ -27,11 +27,13 @@ ingress's ``tide:prompt_tokens_total`` counters; TTFT is measured by the client 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import statistics
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +47,8 @@ from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents", "trace_prompts",
-           "verdict"]
+__all__ = ["MODES", "SCENARIOS", "on_cluster", "run_cluster_bench", "run_scenarios", "scaled_affinity_tokens", "skewed",
+           "stop_agents", "trace_prompts", "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -216,9 +218,12 @@ def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
     modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace", skip: int = 0,
+    cluster: tuple | None = None,
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
-    ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's."""
+    ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's;
+    ``cluster``: a running ``simulated_cluster``'s (redis, url, sim) to replay on (``nodes`` of
+    them alive), else one is started and stopped."""
     from ray import serve
 
     from deploy.app import build_app
@@ -247,13 +252,13 @@ def run_cluster_bench(
     }
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     total = len(work) * len(modes) * repeats
-    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, sim):
+    with on_cluster(nodes, cluster) as (tmp, (redis, url, sim)):
         for rep in range(repeats):
             for k, mode in enumerate(modes):
                 spec = MODES[mode]
                 app_args = {
                     "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
-                    "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / f"{mode}-{rep}" / "{node}"),
+                    "max_replicas_per_node": 1, "cache_dir": str(tmp / f"{mode}-{rep}" / "{node}"),
                     "directory_url": redis.url if spec["directory"] else None,
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
                     "affinity_tokens": affinity,
@@ -274,6 +279,36 @@ def run_cluster_bench(
         if "shared" in out and baseline in out:
             out[f"shared_vs_{baseline}"] = _verdicts(out["shared"], out[baseline])
     return out
+
+
+@contextlib.contextmanager
+def on_cluster(nodes: int, cluster: tuple | None) -> Iterator[tuple[Path, tuple]]:
+    """A scratch directory and ``cluster`` (a ``simulated_cluster``'s (redis, url, sim)), or a
+    new simulated cluster of ``nodes`` nodes, stopped on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if cluster is not None:
+            yield Path(tmp), cluster
+            return
+        with simulated_cluster(nodes, Path(tmp)) as started:
+            yield Path(tmp), started
+
+
+def run_scenarios(trace: Path, scenarios: tuple[str, ...], nodes: int = 3, **kwargs: Any) -> dict[str, Any]:
+    """Each of ``scenarios`` (``SCENARIOS`` and ``night``) replayed in turn on one simulated
+    cluster, as ``run_cluster_bench`` or ``deploy.bench.night_bench.run_night_bench`` replays it
+    alone (``kwargs`` are theirs; ``night`` takes no ``modes`` or ``progress``): their outputs by
+    scenario."""
+    from deploy.bench.night_bench import run_night_bench
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as cluster:
+        for scenario in scenarios:
+            if scenario == "night":
+                night = {k: v for k, v in kwargs.items() if k not in ("modes", "progress")}
+                out[scenario] = run_night_bench(trace, nodes, cluster=cluster, **night)
+            else:
+                out[scenario] = run_cluster_bench(trace, nodes, scenario=scenario, cluster=cluster, **kwargs)
+    return {"scenarios": out}
 
 
 def _verdicts(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:

@@ -115,7 +115,8 @@ def bench_cluster(
                               help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     scenario: str = typer.Option("trace", "--scenario",
-                                 help="trace: as it is; skew: 60% of the requests start with one of 3 hot prefixes; "
+                                 help="comma-separated; several are replayed in turn on one simulated cluster, "
+                                      "their outputs under 'scenarios'. trace: as it is; skew: 60% of the requests start with one of 3 hot prefixes; "
                                       "scale: a node lent a third of the way in and back two thirds in; failure: a "
                                       "node removed half way; pressure: each node's SSD holds a quarter of the "
                                       "working set, no RAM tier, no pages kept in a replica's pool; night: the "
@@ -135,10 +136,14 @@ def bench_cluster(
     came from and what each replica did, errors; with scale and failure, the same for each window
     after an event (windows); shared_vs_<mode>: beats/loses by a margin (the runs' ranges apart),
     no_margin, single_run."""
-    from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench
+    from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench, run_scenarios
 
-    if scenario not in (*SCENARIOS, "night"):
-        raise typer.BadParameter(f"--scenario {scenario!r}: choose from {', '.join(SCENARIOS)}, night")
+    scenarios = tuple(s.strip() for s in scenario.split(",") if s.strip())
+    for name in scenarios or ("",):
+        if name not in (*SCENARIOS, "night"):
+            raise typer.BadParameter(f"--scenario {name!r}: choose from {', '.join(SCENARIOS)}, night")
+    if len(set(scenarios)) < len(scenarios):
+        raise typer.BadParameter(f"--scenario {scenario!r}: a scenario named twice")
 
     if not trace.is_file():
         raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
@@ -148,7 +153,7 @@ def bench_cluster(
         raise typer.BadParameter(f"--modes {modes!r}: unknown mode {bad[0] if bad else ''!r}; choose from {', '.join(MODES)}")
     check_checkpoint(checkpoint)
     check_plot(plot)
-    if scenario == "pressure":
+    if "pressure" in scenarios:
         from deploy.bench.cluster_bench import unit_bytes
 
         try:
@@ -168,15 +173,17 @@ def bench_cluster(
 
     with contextlib.redirect_stdout(sys.stderr), progress("replaying", None) as bar:  # Ray's shutdown
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
-        if scenario == "night":
+        common = dict(requests=requests, concurrency=concurrency, block_tokens=block_tokens,
+                      max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, checkpoint=checkpoint,
+                      repeats=repeats, skip=skip)
+        if len(scenarios) > 1:
+            result = run_scenarios(trace, scenarios, nodes, modes=chosen, progress=bar, **common)
+        elif scenarios == ("night",):
             from deploy.bench.night_bench import run_night_bench
 
-            result = run_night_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens, max_tokens,
-                                     checkpoint, repeats, skip)
+            result = run_night_bench(trace, nodes, **common)
         else:
-            result = run_cluster_bench(trace, nodes, requests, concurrency, block_tokens, max_prompt_tokens,
-                                       max_tokens, checkpoint, chosen, progress=bar, repeats=repeats, scenario=scenario,
-                                       skip=skip)
+            result = run_cluster_bench(trace, nodes, modes=chosen, progress=bar, scenario=scenarios[0], **common)
     emit(plotted("cluster", result, plot))
 
 

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 from cachedir.trace import BLOCK_TOKENS
-from deploy.bench.cluster_bench import _medians, _replay, stop_agents, trace_prompts
+from deploy.bench.cluster_bench import _medians, _replay, on_cluster, stop_agents, trace_prompts
 from deploy.bench.fleet_events import replay, restore_nodes
 from deploy.bench.machine import machine
-from deploy.bench.serve_bench import simulated_cluster
 from deploy.redis_proc import wait_healthy
 
 __all__ = ["NIGHT_CASES", "run_night_bench"]
@@ -77,7 +75,9 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
 
 def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrency: int = 4, block_tokens: int = 8,
                     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-                    repeats: int = 2, skip: int = 0) -> dict[str, Any]:
+                    repeats: int = 2, skip: int = 0, cluster: tuple | None = None) -> dict[str, Any]:
+    """The night's cases over ``repeats`` runs (module docstring); ``cluster``: a running
+    ``simulated_cluster``'s (redis, url, sim) to replay on, else one is started and stopped."""
     from ray import serve
 
     from deploy.local import agent_token_file
@@ -88,12 +88,12 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                            "morning_requests": len(work) - int(CUTS[1] * len(work)),
                            "scale_factor": BLOCK_TOKENS / block_tokens, "repeats": repeats}
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in NIGHT_CASES}
-    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as (redis, url, sim):
+    with on_cluster(nodes, cluster) as (tmp, (redis, url, sim)):
         for rep in range(repeats):
             for case in NIGHT_CASES if rep % 2 == 0 else tuple(reversed(NIGHT_CASES)):
                 app_args = {
                     "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
-                    "max_replicas_per_node": 1, "cache_dir": str(Path(tmp) / f"{case}-{rep}" / "{node}"),
+                    "max_replicas_per_node": 1, "cache_dir": str(tmp / f"{case}-{rep}" / "{node}"),
                     "directory_url": redis.url, "directory_namespace": f"night-{case}-{uuid.uuid4().hex[:8]}",
                     "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
                     "night_keep_bytes": (8 << 30) if case == "lend_keep" else 0,

@@ -1,7 +1,8 @@
 """``tide bench cluster|eplb|engine --plot FILE``: the figures people compare by eye, drawn from
 the benchmark's own JSON with matplotlib (an optional extra: ``pip install 'tideserve[plot]'``).
 
-cluster: token hit rate and TTFT p50 per mode, medians with their range over the repeats.
+cluster: token hit rate and TTFT p50 per mode (the night's cases), medians with their range over
+the repeats; a row per scenario.
 eplb: out-of-sample imbalance (the next window, sampled batches) per policy and Zipf exponent,
 beside the placement in expert order and the sampling floor.
 engine: host milliseconds per decode step against context, a line per batch size.
@@ -59,17 +60,21 @@ def _spread(figure: dict) -> tuple[float, float, float]:
 
 
 def plot_cluster(out: dict[str, Any], path: Path) -> None:
-    modes = [m for m, v in out.items() if isinstance(v, dict) and "token_hit_rate" in v]
-    title = (f"tide bench cluster: {out.get('requests')} requests x {out.get('repeats')} runs, "
-             f"{out.get('nodes', '?')} nodes (median, range)")
-    with _figure(path, title, 1, 2, figsize=(11, 4.5)) as (hit_ax, ttft_ax):
-        for ax, key, label, scale in ((hit_ax, "token_hit_rate", "token hit rate (%)", 100.0),
-                                      (ttft_ax, "ttft_p50_ms", "TTFT p50 (ms)", 1.0)):
-            figures = [_spread(out[m][key]) for m in modes]
-            ax.bar(modes, [f[0] * scale for f in figures], color="#3182bd",
-                   yerr=[[f[1] * scale for f in figures], [f[2] * scale for f in figures]], capsize=4)
-            ax.set_ylabel(label)
-            ax.tick_params(axis="x", labelrotation=15)
+    scenarios = out.get("scenarios") or {out.get("scenario", "trace"): out}  # a row of two plots each
+    first = next(iter(scenarios.values()))
+    title = (f"tide bench cluster: {first.get('requests')} requests x {first.get('repeats')} runs, "
+             f"{first.get('nodes', '?')} nodes (median, range)")
+    with _figure(path, title, len(scenarios), 2, figsize=(11, 4.5 * len(scenarios)), squeeze=False) as axes:
+        for (name, result), (hit_ax, ttft_ax) in zip(scenarios.items(), axes, strict=True):
+            modes = [m for m, v in result.items() if isinstance(v, dict) and "token_hit_rate" in v]
+            for ax, key, label, scale in ((hit_ax, "token_hit_rate", "token hit rate (%)", 100.0),
+                                          (ttft_ax, "ttft_p50_ms", "TTFT p50 (ms)", 1.0)):
+                figures = [_spread(result[m][key]) for m in modes]
+                ax.bar(modes, [f[0] * scale for f in figures], color="#3182bd",
+                       yerr=[[f[1] * scale for f in figures], [f[2] * scale for f in figures]], capsize=4)
+                ax.set_ylabel(label)
+                ax.set_title(name, fontsize="medium")
+                ax.tick_params(axis="x", labelrotation=15)
 
 
 def plot_eplb(out: dict[str, Any], path: Path) -> None:

@@ -143,6 +143,8 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__], "not a trace record"),
     (["cluster", "--trace", __file__, "--nodes", "1"], "--nodes"),
     (["cluster", "--trace", __file__, "--scenario", "rush-hour"], "rush-hour"),
+    (["cluster", "--trace", __file__, "--scenario", "scale,rush-hour"], "'rush-hour'"),
+    (["cluster", "--trace", __file__, "--scenario", "scale,scale"], "named twice"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
     r = tide_here("bench", *args)
@@ -171,22 +173,27 @@ def test_trace_prompts_share_blocks_exactly_like_the_trace(tmp_path):
 @pytest.mark.redis
 @pytest.mark.slow
 def test_bench_cluster_json(tmp_path):
-    """The shared directory and the prefix-affinity baseline replay the same requests, a node lent
-    a third of the way in and back two thirds in (``--scenario scale``); without a directory no KV
-    comes from another node; each request's TTFT is counted under its source; each window after
-    an event has its own figures and what each replica did."""
+    """The fleet scenarios in one run on one simulated cluster. Failure: the shared directory and
+    the prefix-affinity baseline replay the same requests, a node removed half way; without a
+    directory no KV comes from another node; each request's TTFT is counted under its source; the
+    window after the failure has its own figures and what each replica did (the node left served
+    it all). Night: no node lent, one lent and removed, one lent with its units kept; a new node
+    in the morning. (The scale scenario's lending and return are the night's; its windows are
+    the failure's.)"""
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(9)))
     r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
-              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1", "--scenario", "scale",
-              "--plot", str(tmp_path / "cluster.png"))
+              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1",
+              "--scenario", "failure,night", "--plot", str(tmp_path / "cluster.png"))
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
-    assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"  # hit rate and TTFT by mode
+    scenarios = json.loads(r.stdout)["scenarios"]
+    assert list(scenarios) == ["failure", "night"]
+    assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"  # hit rate and TTFT by mode, a row each
+    out = scenarios["failure"]
     assert out["scale_factor"] == 16 and out["requests"] == 9 and out["repeats"] == 1 and out["ray"]
-    assert out["affinity_tokens"] == 16 and out["scenario"] == "scale"
-    assert out["shared_vs_prefix_affinity"]["after_lend"]["hit_rate"] == "single_run"  # one run: no spread
+    assert out["affinity_tokens"] == 16 and out["scenario"] == "failure"
+    assert out["shared_vs_prefix_affinity"]["after_failure"]["hit_rate"] == "single_run"  # one run: no spread
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
         (run,) = m["runs"]
@@ -195,16 +202,21 @@ def test_bench_cluster_json(tmp_path):
             "ram", "local_ssd", "remote"}
         assert sum(run["hit_rate_by_source"].values()) == pytest.approx(run["token_hit_rate"], abs=1e-3)
         assert sum(s["requests"] for s in run["ttft_by_source"].values()) == 9 and "compute" in run["ttft_by_source"]
-        night, morning = run["windows"]["after_lend"], run["windows"]["after_return"]
-        assert night["requests"] == morning["requests"] == 3 and len(night["event"]["lent"]) == 1
-        assert night["event"]["lent"] == morning["event"]["returned"]
-        # the night's one replica did the night's requests; in the morning both serve again
-        assert [r["requests"] for r in night["replica_load"]["replicas"]] == [3]
-        assert len(morning["replica_load"]["replicas"]) == 2
-        assert sum(r["requests"] for r in morning["replica_load"]["replicas"]) == 3
+        after = run["windows"]["after_failure"]
+        assert after["requests"] == 5 and after["event"]["killed"] and after["errors"] == 0
+        assert [r["requests"] for r in after["replica_load"]["replicas"]] == [5]  # the node left
     assert out["prefix_affinity"]["runs"][0]["hit_rate_by_source"]["remote"] == 0  # no directory, no remote KV
     # requests 2..8 share a 64-token unit with an earlier one (at most 7 x 64 of 9 x 128 tokens)
     assert 0 < out["shared"]["runs"][0]["token_hit_rate"] <= 7 * 64 / (9 * 128) + 1e-3
+    night = scenarios["night"]
+    assert (night["night_requests"], night["morning_requests"]) == (3, 3)
+    for case in ("stay", "lend", "lend_keep"):
+        (run,) = night[case]["runs"]
+        assert run["errors"] == 0 and run["requests"] == 3 and run["morning"]["errors"] == 0
+        # the night served by the replica left (by both when none was lent)
+        assert len(run["replica_load"]["replicas"]) == (2 if case == "stay" else 1)
+    assert night["stay"]["kept_units"] == [0] and night["lend"]["kept_units"] == [0]
+    assert "morning_node_gap_points" in night["lend_keep"] and "keeping_gap_points" in night
 
 
 def test_cluster_plot_draws_every_mode_from_the_benchmarks_json(tmp_path):
@@ -561,13 +573,12 @@ def test_bench_serve_alternates_which_case_goes_first_and_reports_medians():
 @pytest.mark.slow
 def test_bench_serve_json():
     r = tide("bench", "serve", "--requests", "4", "--concurrency", "2", "--system-tokens", "128", "--max-tokens", "2",
-              "--repeats", "2")
+              "--repeats", "1")  # (which case goes first in each repeat: tested above)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for label in ("with_cache", "without_cache"):
         case = out[label]
-        assert case["errors"] == 0 and len(case["runs"]) == 2
-        assert sorted(run["order"] for run in case["runs"]) == [0, 1]  # first once, second once
+        assert case["errors"] == 0 and len(case["runs"]) == 1
     assert out["without_cache"]["token_hit_rate"] == 0 < out["with_cache"]["token_hit_rate"]
 
 
