@@ -6,7 +6,8 @@ A node lent to training (or a Kubernetes pod deleted at night) takes its units w
 the morning's prompts that shared them would miss. Before it goes, its agent asks the directory
 for the hottest units (decayed hit counts), keeps those whose every live holder is leaving,
 and pushes each, hottest first, to a staying node (rendezvous hashing of unit and node, so the
-copies spread), within a byte and a time budget. A unit held by several leaving nodes is pushed
+copies spread), then (``KeepBudget.fill``) its other units no staying node holds, within a byte
+and a time budget. A unit held by several leaving nodes is pushed
 by the one with the smallest id, as replication does. Each copy a receiver accepted is
 registered in the directory for it at once, so lookups find it there before the receiver's
 next sync; the leaving node's own registration stays until its heartbeat lapses.
@@ -33,7 +34,7 @@ class KeepBudget:
     deadline_s: float = 60.0  # pushes stop after this long
     min_hits: float = 0.5  # decayed hit count from which a unit counts as hot (one hit within a half-life)
     scan_limit: int = 65536  # hot units examined
-    fill: bool = True  # warming: after the hot units, the fleet's others (never hit yet, as most new units)
+    fill: bool = True  # after the hot units, the others (never hit yet, as most new units): kept or warmed
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.deadline_s < 0 or self.scan_limit < 1:
@@ -45,8 +46,10 @@ def keep_units(node_id: str, directory: Directory, leaving: Iterable[str], read:
                now_s: Callable[[], float] = time.monotonic) -> dict[str, int]:
     """Push ``node_id``'s hot units that only leaving nodes hold to the nodes that stay (``read``:
     a unit's encoded bytes on this node; ``push(address, encoded)``: whether the agent there took
-    it). Returns counts: ``kept`` units and their ``bytes``, ``over_budget`` (hot units left
-    behind for the budget), ``failed`` (pushes refused or failed), ``held_elsewhere``."""
+    it), hottest first; with ``budget.fill``, budget and time left, then its other units that only
+    leaving nodes hold (a unit not reused yet has no hits, and first reuses are most of the next
+    hours' hits). Returns counts: ``kept`` units and their ``bytes``, ``over_budget`` (units left
+    behind for the budget), ``failed`` (pushes refused or failed), ``held_elsewhere`` (hot units)."""
     leaving = set(leaving) | {node_id}
     out = {"kept": 0, "bytes": 0, "over_budget": 0, "failed": 0, "held_elsewhere": 0}
     start = now_s()
@@ -56,36 +59,59 @@ def keep_units(node_id: str, directory: Directory, leaving: Iterable[str], read:
         hot = directory.hot_units(budget.scan_limit, len(leaving) + len(staying) + 1, time.time()) if staying else []
     except DirectoryUnavailable:
         return out
-    for unit in hot:
-        if unit.hits < budget.min_hits:
-            break
-        holders = {n for n in unit.holders if n in live}
-        if holders - leaving:
-            out["held_elsewhere"] += node_id in holders
-            continue
-        if node_id not in holders or node_id != min(holders):
-            continue  # not here, or another leaving holder pushes it
-        data = read(unit.key)
+
+    def keep(key: bytes) -> None:
+        data = read(key)
         if data is None:
-            continue
+            return
         if out["bytes"] + len(data) > budget.max_bytes or now_s() - start > budget.deadline_s:
             out["over_budget"] += 1
-            continue
-        target = max(staying, key=lambda n: xxhash.xxh3_64_intdigest(unit.key + n.encode()))
+            return
+        target = max(staying, key=lambda n: xxhash.xxh3_64_intdigest(key + n.encode()))
         try:
             ok = push(staying[target], data)
         except Exception:  # noqa: BLE001 - a unit not kept is a miss in the morning, not an error
             ok = False
         if not ok:
             out["failed"] += 1
-            continue
+            return
         out["kept"] += 1
         out["bytes"] += len(data)
         try:
-            directory.register(target, [unit.key])
+            directory.register(target, [key])
         except DirectoryUnavailable:
             pass  # the receiver registers it at its next sync
+
+    seen: set[bytes] = set()
+    for unit in hot:
+        if unit.hits < budget.min_hits:
+            break
+        seen.add(unit.key)
+        holders = {n for n in unit.holders if n in live}
+        if holders - leaving:
+            out["held_elsewhere"] += node_id in holders
+            continue
+        if node_id in holders and node_id == min(holders):  # (else not here, or another leaving holder pushes it)
+            keep(unit.key)
+    if budget.fill and staying and out["over_budget"] == 0:
+        try:
+            rest = _only_here(node_id, directory, live, leaving, seen)
+        except DirectoryUnavailable:
+            rest = []
+        for key in rest:
+            keep(key)
     return out
+
+
+def _only_here(node_id: str, directory: Directory, live: dict[str, str], leaving: set[str],
+               seen: set[bytes]) -> list[bytes]:
+    """``node_id``'s units that no staying node holds, ``seen`` left out, without those a leaving
+    node with a smaller id holds (that one pushes them)."""
+    elsewhere: set[bytes] = set()
+    for n in live:
+        if n != node_id and (n not in leaving or n < node_id):
+            elsewhere |= directory.node_keys(n)
+    return sorted(directory.node_keys(node_id) - elsewhere - seen)
 
 
 def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[bytes]], list[bytes | None]],

@@ -1,6 +1,6 @@
 """Keeping the cache through the night (``cachedir/keeping.py``): before nodes leave serving,
-their hot units that no staying node holds move to the nodes that stay, hottest first, within a
-byte budget, and the directory finds them there at once."""
+their units that no staying node holds move to the nodes that stay, hottest first, then the
+others, within a byte budget, and the directory finds them there at once."""
 
 from __future__ import annotations
 
@@ -55,14 +55,19 @@ def test_only_hot_units_that_only_leaving_nodes_hold_move_hottest_first_within_t
         return True
 
     out = keep_units("a", d, ["c"], lambda key: key * 4, push)  # a unit's bytes: 64 here
-    assert [data[:16] for _, data in pushed] == [k[0], k[1], k[3]]  # hottest first; k5 is cold
+    assert [data[:16] for _, data in pushed] == [k[0], k[1], k[3], k[5]]  # hottest first, then the cold
     assert {address for address, _ in pushed} <= {"b:1", "d:1"}  # to the nodes that stay
-    assert out == {"kept": 3, "bytes": 3 * 64, "over_budget": 0, "failed": 0, "held_elsewhere": 1}
-    for key in (k[0], k[1], k[3]):  # the directory finds each copy at once, on a staying node
+    assert out == {"kept": 4, "bytes": 4 * 64, "over_budget": 0, "failed": 0, "held_elsewhere": 1}
+    for key in (k[0], k[1], k[3], k[5]):  # the directory finds each copy at once, on a staying node
         assert {"b", "d"} & {h.node_id for h in d.longest_prefix([key]).holders[0]}
     pushed.clear()
     out = keep_units("c", d, ["a"], lambda key: key * 4, push)
     assert [data[:16] for _, data in pushed] == [k[4]]  # k3 is on a staying node now
+    # without fill, the hot units alone
+    d = _fleet({"a": [k[0], k[5]]}, {k[0]: 2})
+    out = keep_units("a", d, [], lambda key: key * 4, lambda address, data: True, KeepBudget(fill=False))
+    assert out["kept"] == 1
+    assert keep_units("a", d, [], lambda key: key * 4, lambda address, data: True)["kept"] == 1  # then k5
 
     d = _fleet({"a": k[:3]}, dict.fromkeys(k[:3], 4))
     out = keep_units("a", d, [], lambda key: key * 4, lambda address, data: True, KeepBudget(max_bytes=2 * 64))
@@ -75,10 +80,13 @@ def test_a_leaving_agent_copies_its_hot_units_to_an_agent_that_stays(agents):
     d, a, b, units = agents
     d.record_hits([u.key for u in units[:4]], time.time())  # four hot, two cold
     assert b.cache.has([u.key for u in units]) == [""] * 6
-    out = a.keep([a.node_id])
+    out = a.keep([a.node_id], KeepBudget(fill=False))
     assert out["kept"] == 4 and out["failed"] == 0
     b.cache.flush()
     assert b.cache.has([u.key for u in units]) == ["ssd"] * 4 + [""] * 2
+    assert a.keep([a.node_id])["kept"] == 2  # with fill (the default): then the cold ones
+    b.cache.flush()
+    assert b.cache.has([u.key for u in units]) == ["ssd"] * 6
     got = b.read([u.key for u in units[:4]])
     assert [tier for tier, _ in got] == ["ssd"] * 4
     match = d.longest_prefix([u.key for u in units])
