@@ -9,9 +9,10 @@ TTFT, and the morning's:
 * ``lend`` — before the night one node is lent (``deploy.tidal.lend_nodes``) with keeping off,
   and the node is then removed, as a Kubernetes night deletes its pod: its units go with it; in
   the morning a new node joins and serves (``return_nodes``), cold;
-* ``lend_keep`` — the same with keeping on: the node's hot units that no staying node holds are
-  copied to the nodes that stay before it goes, and the morning's node fetches the hot units it
-  lacks, then the fleet's others, before its replica serves (``cachedir.keeping.warm_units``).
+* ``lend_keep`` — the same with keeping on: the node's units that no staying node holds, the hot
+  ones first, are copied to the nodes that stay before it goes (``cachedir.keeping.keep_units``),
+  and the morning's node fetches the hot units it lacks, then the fleet's others, before its
+  replica serves (``cachedir.keeping.warm_units``).
 
 The cases take turns over ``repeats`` runs, each on empty caches with the removed node replaced
 for the next; figures are medians with their range. The targets: ``lend_keep``'s night hit rate
