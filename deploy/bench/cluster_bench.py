@@ -301,7 +301,7 @@ def run_scenarios(trace: Path, scenarios: tuple[str, ...], nodes: int = 3, **kwa
     from deploy.bench.night_bench import run_night_bench
 
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp, simulated_cluster(nodes, Path(tmp)) as cluster:
+    with on_cluster(nodes, None) as (_, cluster):
         for scenario in scenarios:
             if scenario == "night":
                 night = {k: v for k, v in kwargs.items() if k not in ("modes", "progress")}
