@@ -223,7 +223,8 @@ ROUTERS = {"cache-aware": "deploy.prefill_router:CacheAwareRouter",
 
 
 def _routed(router_class: str, a: AppArgs) -> RequestRouterConfig:
-    kwargs = {"affinity_tokens": a.affinity_tokens} if router_class == ROUTERS["prefix-affinity"] else {}
+    kwargs = {"affinity_tokens": a.affinity_tokens, "affinity_queue_ratio": a.affinity_queue_ratio,
+              "affinity_queue_gap": a.affinity_queue_gap} if router_class == ROUTERS["prefix-affinity"] else {}
     return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
                                request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5)
 

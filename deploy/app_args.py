@@ -127,8 +127,11 @@ class AppArgs(BaseModel):
     agent_tls_mutual: bool = False  # agents require a node certificate signed by agent_tls_ca_file (and present theirs)
     router: Literal["cache-aware", "round-robin", "prefix-affinity", "power-of-two"] = "cache-aware"
     affinity_tokens: int = Field(default=AFFINITY_TOKENS, ge=1)  # prefix-affinity: the prompt's first N tokens decide
-    # at night, before a node is lent: its hot units that no staying node holds are copied to the
-    # nodes that stay, at most this many bytes per node within this many seconds (0 bytes: off)
+    # prefix-affinity's bounded load: a replica more than ratio x the shortest queue (+2) and gap requests longer is passed over
+    affinity_queue_ratio: float = Field(default=2.0, ge=1.0)
+    affinity_queue_gap: int = Field(default=0, ge=0)
+    # at night, before a node is lent: its units that no staying node holds (the hot first) are copied
+    # to the nodes that stay, at most this many bytes per node within this many seconds (0 bytes: off)
     night_keep_bytes: int = Field(default=8 << 30, ge=0)
     night_keep_s: float = Field(default=60.0, ge=0)
     directory_password_env: str | None = None  # name of the env var holding the Redis password

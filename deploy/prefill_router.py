@@ -143,9 +143,13 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, affinity_tokens: int = AFFINITY_TOKENS, **kwargs) -> None:
-        """``affinity_tokens`` (AppArgs'): how many of a prompt's first tokens decide its replica."""
+    def initialize_state(self, affinity_tokens: int = AFFINITY_TOKENS, affinity_queue_ratio: float = 2.0,
+                         affinity_queue_gap: int = 0, **kwargs) -> None:
+        """AppArgs': ``affinity_tokens``, how many of a prompt's first tokens decide its replica;
+        ``affinity_queue_ratio`` and ``affinity_queue_gap``, its bounded load
+        (``cluster.prefix_affinity``)."""
         self.affinity_tokens = affinity_tokens
+        self.queue_ratio, self.queue_gap = affinity_queue_ratio, affinity_queue_gap
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -157,5 +161,6 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         serving = [r for r, _ in pairs]
         queued = [len(st.queued) + st.running for _, st in pairs]
         order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued,
-                               getattr(self, "affinity_tokens", AFFINITY_TOKENS))
+                               getattr(self, "affinity_tokens", AFFINITY_TOKENS), getattr(self, "queue_ratio", 2.0),
+                               min_gap=getattr(self, "queue_gap", 0))
         return [[serving[order[0]]], [serving[i] for i in order[1:]]]

@@ -7,6 +7,9 @@ node, a real redis-server directory), in three modes:
   (rendezvous hashing with a bounded load, as SGLang's router and Ray Serve's prefix-aware router
   do; 256 tokens of the trace, scaled like the prompts: ``affinity_tokens``): the baseline a user
   would pick instead of a shared directory;
+* ``prefix_affinity_sglang`` — the same balanced as SGLang's and vLLM's routers are by default:
+  a replica is passed over only when its queue is 64 requests and 1.5 times longer than the
+  shortest one (below that the prefix alone decides);
 * ``per_node`` — no directory: each node hits only its own cache (the router balances load);
 * ``round_robin`` — the shared directory, but cache-unaware round-robin placement.
 
@@ -41,7 +44,7 @@ import httpx
 
 from cachedir.hashing import chain_keys
 from cachedir.trace import BLOCK_TOKENS, read_trace
-from cluster.prefix_affinity import AFFINITY_TOKENS
+from cluster.prefix_affinity import AFFINITY_TOKENS, SGLANG_QUEUE_GAP, SGLANG_QUEUE_RATIO
 from cluster.units import UNIT_TOKENS
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import simulated_cluster, stream_completion
@@ -53,6 +56,8 @@ __all__ = ["MODES", "SCENARIOS", "on_cluster", "run_cluster_bench", "run_scenari
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
     "prefix_affinity": {"router": "prefix-affinity", "directory": False},
+    "prefix_affinity_sglang": {"router": "prefix-affinity", "directory": False,
+                               "args": {"affinity_queue_ratio": SGLANG_QUEUE_RATIO, "affinity_queue_gap": SGLANG_QUEUE_GAP}},
     "per_node": {"router": "cache-aware", "directory": False},
     "round_robin": {"router": "round-robin", "directory": True},
 }
@@ -263,7 +268,7 @@ def run_cluster_bench(
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
                     "affinity_tokens": affinity,
                     "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
-                    **capacity,
+                    **capacity, **spec.get("args", {}),
                 }
                 serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
                 wait_healthy(url)
@@ -275,8 +280,8 @@ def run_cluster_bench(
                 restore_nodes(sim, nodes)
     for mode in modes:
         out[mode] = _medians(runs[mode])
-    for baseline in ("prefix_affinity", "per_node", "round_robin"):
-        if "shared" in out and baseline in out:
+    for baseline in MODES:
+        if "shared" in out and baseline in out and baseline != "shared":
             out[f"shared_vs_{baseline}"] = _verdicts(out["shared"], out[baseline])
     return out
 

@@ -112,7 +112,7 @@ def bench_cluster(
     max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, help="cap on each request's (scaled) output"),
     modes: str = typer.Option("shared,prefix_affinity,per_node,round_robin", "--modes",
-                              help="comma-separated: shared, prefix_affinity, per_node, round_robin"),
+                              help="comma-separated: shared, prefix_affinity, prefix_affinity_sglang, per_node, round_robin"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     scenario: str = typer.Option("trace", "--scenario",
                                  help="comma-separated; several are replayed in turn on one simulated cluster, "
@@ -129,7 +129,8 @@ def bench_cluster(
 ) -> None:
     """Replay a trace against a simulated multi-node cluster: the shared cache directory with the
     cache-aware router; prefix affinity without a directory (consistent hashing of the first 256
-    tokens, the baseline SGLang's and Ray Serve's routers offer); per-node caches only; round-robin
+    tokens, the baseline SGLang's and Ray Serve's routers offer; bounded load, or with
+    prefix_affinity_sglang balanced only as far as SGLang's router by default); per-node caches only; round-robin
     placement. Every mode --repeats times, taking turns, on empty caches each run: medians with
     ranges of token_hit_rate (overall and by source: ram, local_ssd, remote), ttft_p50_ms and
     ttft_p99_ms, busiest_replica_share, every run's figures with its TTFT by where the prompt's KV

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cluster.prefix_affinity import rank_by_prefix
+from cluster.prefix_affinity import SGLANG_QUEUE_GAP, SGLANG_QUEUE_RATIO, rank_by_prefix
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -40,5 +40,13 @@ def test_an_overloaded_replica_is_passed_over_and_every_replica_is_ranked():
     shifted = rank_by_prefix(p, ["r0", "r1", "r2"], queued)
     assert shifted[0] == order[1] and shifted[-1] == order[0] and sorted(shifted) == [0, 1, 2]
     assert rank_by_prefix(p, []) == []
+    # balanced as SGLang's router is by default: 10 queued over 0 is no imbalance yet, 70 over 2 is
+    sglang = {"max_queue_ratio": SGLANG_QUEUE_RATIO, "slack": 0, "min_gap": SGLANG_QUEUE_GAP}
+    assert rank_by_prefix(p, ["r0", "r1", "r2"], queued, **sglang) == order
+    queued = [2, 2, 2]
+    queued[order[0]] = 70
+    assert rank_by_prefix(p, ["r0", "r1", "r2"], queued, **sglang)[0] == order[1]
+    queued[order[0]] = 66  # 64 more, but not more than 64
+    assert rank_by_prefix(p, ["r0", "r1", "r2"], queued, **sglang)[0] == order[0]
     with pytest.raises(ValueError, match="affinity_tokens"):
         rank_by_prefix(p, ["r0"], affinity_tokens=0)

@@ -266,3 +266,17 @@ def test_a_deploy_without_an_agent_token_is_refused_and_none_is_made_up(tmp_path
     server = build_app({"agent_token_file": str(token)})._bound_deployment.init_args[0]
     agents = server._bound_deployment.init_args[0].agents
     assert agents.token_file == str(token) and agents.token is None  # the path travels, not the token
+
+
+def test_the_prefix_affinity_router_gets_its_bounded_load_from_the_app_args():
+    from deploy.app import ROUTERS, AppArgs, _routed
+    from deploy.prefill_router import PrefixAffinityRouter
+
+    cfg = _routed(ROUTERS["prefix-affinity"], AppArgs(affinity_tokens=16, affinity_queue_ratio=1.5, affinity_queue_gap=64))
+    assert cfg.request_router_kwargs == {"affinity_tokens": 16, "affinity_queue_ratio": 1.5, "affinity_queue_gap": 64}
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # (Serve builds it with its own arguments)
+    router.initialize_state(**cfg.request_router_kwargs)
+    assert (router.affinity_tokens, router.queue_ratio, router.queue_gap) == (16, 1.5, 64)
+    assert _routed(ROUTERS["round-robin"], AppArgs()).request_router_kwargs == {}
+    with pytest.raises(ValueError, match="affinity_queue_ratio"):
+        AppArgs(affinity_queue_ratio=0.5)
