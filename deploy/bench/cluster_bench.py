@@ -1,12 +1,13 @@
 """``tide bench cluster``: a Mooncake-format trace replayed through HTTP against a simulated
 multi-node Ray cluster (``ray.cluster_utils.Cluster``, one Serve replica and one cache agent per
-node, a real redis-server directory), in three modes:
+node, a real redis-server directory), in these modes:
 
 * ``shared`` — the cache directory is shared and the cache-aware prefill router places requests;
 * ``prefix_affinity`` — no directory: prompts whose first 256 tokens agree go to the same replica
-  (rendezvous hashing with a bounded load, as SGLang's router and Ray Serve's prefix-aware router
-  do; 256 tokens of the trace, scaled like the prompts: ``affinity_tokens``): the baseline a user
-  would pick instead of a shared directory;
+  (rendezvous hashing, as SGLang's router and Ray Serve's prefix-aware router approximate, with
+  a bounded load: a queue twice the shortest plus 2 is passed over; 256 tokens of the trace,
+  scaled like the prompts: ``affinity_tokens``): the baseline a user would pick instead of a
+  shared directory;
 * ``prefix_affinity_sglang`` — the same balanced as SGLang's and vLLM's routers are by default:
   a replica is passed over only when its queue is 64 requests and 1.5 times longer than the
   shortest one (below that the prefix alone decides);
