@@ -31,13 +31,10 @@ ingress's ``tide:prompt_tokens_total`` counters; TTFT is measured by the client 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import statistics
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +45,11 @@ from cachedir.trace import BLOCK_TOKENS, read_trace
 from cluster.prefix_affinity import AFFINITY_TOKENS, SGLANG_QUEUE_GAP, SGLANG_QUEUE_RATIO
 from cluster.units import UNIT_TOKENS
 from deploy.bench.machine import machine
-from deploy.bench.serve_bench import simulated_cluster, stream_completion
+from deploy.bench.serve_bench import on_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "SCENARIOS", "on_cluster", "run_cluster_bench", "run_scenarios", "scaled_affinity_tokens", "skewed",
-           "stop_agents", "trace_prompts", "verdict"]
+__all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents", "trace_prompts",
+           "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -285,36 +282,6 @@ def run_cluster_bench(
         if "shared" in out and baseline in out and baseline != "shared":
             out[f"shared_vs_{baseline}"] = _verdicts(out["shared"], out[baseline])
     return out
-
-
-@contextlib.contextmanager
-def on_cluster(nodes: int, cluster: tuple | None) -> Iterator[tuple[Path, tuple]]:
-    """A scratch directory and ``cluster`` (a ``simulated_cluster``'s (redis, url, sim)), or a
-    new simulated cluster of ``nodes`` nodes, stopped on exit."""
-    with tempfile.TemporaryDirectory() as tmp:
-        if cluster is not None:
-            yield Path(tmp), cluster
-            return
-        with simulated_cluster(nodes, Path(tmp)) as started:
-            yield Path(tmp), started
-
-
-def run_scenarios(trace: Path, scenarios: tuple[str, ...], nodes: int = 3, **kwargs: Any) -> dict[str, Any]:
-    """Each of ``scenarios`` (``SCENARIOS`` and ``night``) replayed in turn on one simulated
-    cluster, as ``run_cluster_bench`` or ``deploy.bench.night_bench.run_night_bench`` replays it
-    alone (``kwargs`` are theirs; ``night`` takes no ``modes`` or ``progress``): their outputs by
-    scenario."""
-    from deploy.bench.night_bench import run_night_bench
-
-    out: dict[str, Any] = {}
-    with on_cluster(nodes, None) as (_, cluster):
-        for scenario in scenarios:
-            if scenario == "night":
-                night = {k: v for k, v in kwargs.items() if k not in ("modes", "progress")}
-                out[scenario] = run_night_bench(trace, nodes, cluster=cluster, **night)
-            else:
-                out[scenario] = run_cluster_bench(trace, nodes, scenario=scenario, cluster=cluster, **kwargs)
-    return {"scenarios": out}
 
 
 def _verdicts(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:

@@ -137,7 +137,8 @@ def bench_cluster(
     came from and what each replica did, errors; with scale and failure, the same for each window
     after an event (windows); shared_vs_<mode>: beats/loses by a margin (the runs' ranges apart),
     no_margin, single_run."""
-    from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench, run_scenarios
+    from deploy.bench.cluster_bench import MODES, SCENARIOS, run_cluster_bench
+    from deploy.bench.fleet_events import run_scenarios
 
     scenarios = tuple(s.strip() for s in scenario.split(",") if s.strip())
     for name in scenarios or ("",):

@@ -10,15 +10,18 @@ event happens, and each window's figures are those of the requests after it:
   and ``after_return`` (the morning);
 * ``failure`` — half way one worker node is removed from the cluster (its replica, its agent and
   its units gone; Serve cannot place the replica again): window ``after_failure``.
+
+``run_scenarios`` replays several scenarios (these, the others and the night) on one cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
-__all__ = ["EVENTS", "replay", "replica_load", "restore_nodes"]
+__all__ = ["EVENTS", "replay", "replica_load", "restore_nodes", "run_scenarios"]
 
 # scenario -> (event, where in the replay it happens, as a share of the requests)
 EVENTS: dict[str, tuple[tuple[str, float], ...]] = {
@@ -126,3 +129,23 @@ def restore_nodes(sim, nodes: int) -> None:
     while len([n for n in ray.nodes() if n["Alive"]]) < nodes:
         sim.add_node(num_cpus=1)
         sim.wait_for_nodes()
+
+
+def run_scenarios(trace: Path, scenarios: tuple[str, ...], nodes: int = 3, **kwargs: Any) -> dict[str, Any]:
+    """Each of ``scenarios`` (``SCENARIOS`` and ``night``) replayed in turn on one simulated
+    cluster, as ``run_cluster_bench`` or ``deploy.bench.night_bench.run_night_bench`` replays it
+    alone (``kwargs`` are theirs; ``night`` takes no ``modes`` or ``progress``): their outputs by
+    scenario."""
+    from deploy.bench.cluster_bench import run_cluster_bench
+    from deploy.bench.night_bench import run_night_bench
+    from deploy.bench.serve_bench import on_cluster
+
+    out: dict[str, Any] = {}
+    with on_cluster(nodes, None) as (_, cluster):
+        for scenario in scenarios:
+            if scenario == "night":
+                night = {k: v for k, v in kwargs.items() if k not in ("modes", "progress")}
+                out[scenario] = run_night_bench(trace, nodes, cluster=cluster, **night)
+            else:
+                out[scenario] = run_cluster_bench(trace, nodes, scenario=scenario, cluster=cluster, **kwargs)
+    return {"scenarios": out}

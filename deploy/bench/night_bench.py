@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from cachedir.trace import BLOCK_TOKENS
-from deploy.bench.cluster_bench import _medians, _replay, on_cluster, stop_agents, trace_prompts
+from deploy.bench.cluster_bench import _medians, _replay, stop_agents, trace_prompts
 from deploy.bench.fleet_events import replay, restore_nodes
 from deploy.bench.machine import machine
+from deploy.bench.serve_bench import on_cluster
 from deploy.redis_proc import wait_healthy
 
 __all__ = ["NIGHT_CASES", "run_night_bench"]

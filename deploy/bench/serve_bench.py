@@ -95,6 +95,18 @@ def simulated_cluster(nodes: int, tmp: Path) -> Iterator[tuple[RedisServer, str,
         redis.kill()
 
 
+@contextlib.contextmanager
+def on_cluster(nodes: int, cluster: tuple | None) -> Iterator[tuple[Path, tuple]]:
+    """A scratch directory and ``cluster`` (a ``simulated_cluster``'s (redis, url, sim)), or a
+    new simulated cluster of ``nodes`` nodes, stopped on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if cluster is not None:
+            yield Path(tmp), cluster
+            return
+        with simulated_cluster(nodes, Path(tmp)) as started:
+            yield Path(tmp), started
+
+
 async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=300) as client:
