@@ -55,6 +55,8 @@ class Failpoints:
                 old = f.read(len(data))
 
             def undo(path=path, old=old, offset=offset):
+                if not os.path.exists(path):
+                    return  # removed since, durably (a compacted segment): nothing left to undo
                 with open(path, "r+b") as f:
                     f.seek(offset)
                     f.write(old)
