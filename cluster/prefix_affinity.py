@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["AFFINITY_TOKENS", "SGLANG_QUEUE_GAP", "SGLANG_QUEUE_RATIO", "rank_by_prefix"]
+__all__ = ["AFFINITY_TOKENS", "QUEUE_RATIO", "SGLANG_QUEUE_GAP", "SGLANG_QUEUE_RATIO", "rank_by_prefix"]
 
 AFFINITY_TOKENS = 256  # the first 4 cache units decide where a prompt goes
+QUEUE_RATIO = 2.0  # the bounded load: a queue over twice the shortest (+ slack) is passed over
 SGLANG_QUEUE_RATIO, SGLANG_QUEUE_GAP = 1.5, 64  # --balance-rel-threshold, --balance-abs-threshold
 
 
@@ -29,7 +30,7 @@ def _score(prefix: bytes, replica: str) -> int:
 
 
 def rank_by_prefix(prompt_ids: Sequence[int], replicas: Sequence[str], queued: Sequence[int] | None = None,
-                   affinity_tokens: int = AFFINITY_TOKENS, max_queue_ratio: float = 2.0, slack: int = 2,
+                   affinity_tokens: int = AFFINITY_TOKENS, max_queue_ratio: float = QUEUE_RATIO, slack: int = 2,
                    min_gap: int = 0) -> list[int]:
     """Indices of ``replicas`` in the order to try them for a prompt: by rendezvous hash of its
     first ``affinity_tokens`` ids, the overloaded ones (``queued``: requests waiting at each;

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.replica_config import DEFAULT_NAMESPACE, AgentSection, ReplicaConfig, StoreSection
 from cluster.engine_config import EngineConfig
-from cluster.prefix_affinity import AFFINITY_TOKENS
+from cluster.prefix_affinity import AFFINITY_TOKENS, QUEUE_RATIO
 from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
 from deploy.limits import KeyGrant, Limits
 
@@ -128,7 +128,7 @@ class AppArgs(BaseModel):
     router: Literal["cache-aware", "round-robin", "prefix-affinity", "power-of-two"] = "cache-aware"
     affinity_tokens: int = Field(default=AFFINITY_TOKENS, ge=1)  # prefix-affinity: the prompt's first N tokens decide
     # prefix-affinity's bounded load: a replica more than ratio x the shortest queue (+2) and gap requests longer is passed over
-    affinity_queue_ratio: float = Field(default=2.0, ge=1.0)
+    affinity_queue_ratio: float = Field(default=QUEUE_RATIO, ge=1.0)
     affinity_queue_gap: int = Field(default=0, ge=0)
     # at night, before a node is lent: its units that no staying node holds (the hot first) are copied
     # to the nodes that stay, at most this many bytes per node within this many seconds (0 bytes: off)

@@ -37,7 +37,7 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.prefill_lb import CostModel, PrefixInfo, ReplicaState, choose, estimate, prefix_info
-from cluster.prefix_affinity import AFFINITY_TOKENS, rank_by_prefix
+from cluster.prefix_affinity import AFFINITY_TOKENS, QUEUE_RATIO, rank_by_prefix
 from cluster.request import GenerationRequest, PrefixPlan
 from cluster.routing_stats import RoutingStats
 
@@ -143,7 +143,7 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, affinity_tokens: int = AFFINITY_TOKENS, affinity_queue_ratio: float = 2.0,
+    def initialize_state(self, affinity_tokens: int = AFFINITY_TOKENS, affinity_queue_ratio: float = QUEUE_RATIO,
                          affinity_queue_gap: int = 0, **kwargs) -> None:
         """AppArgs': ``affinity_tokens``, how many of a prompt's first tokens decide its replica;
         ``affinity_queue_ratio`` and ``affinity_queue_gap``, its bounded load
@@ -161,6 +161,6 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         serving = [r for r, _ in pairs]
         queued = [len(st.queued) + st.running for _, st in pairs]
         order = rank_by_prefix(req.prompt_ids, [r.replica_id.unique_id for r in serving], queued,
-                               getattr(self, "affinity_tokens", AFFINITY_TOKENS), getattr(self, "queue_ratio", 2.0),
+                               getattr(self, "affinity_tokens", AFFINITY_TOKENS), getattr(self, "queue_ratio", QUEUE_RATIO),
                                min_gap=getattr(self, "queue_gap", 0))
         return [[serving[order[0]]], [serving[i] for i in order[1:]]]
