@@ -24,7 +24,8 @@ The trace is scaled down so it runs on a small machine: each 512-token ``hash_id
 ``block_tokens`` tokens (the scale factor 512 / block_tokens is printed) whose ids are derived
 from the hash id, so equal blocks are equal token runs and prefixes are shared exactly as in the
 trace; prompts are capped at ``max_prompt_tokens`` and outputs at ``max_tokens``. Requests are
-replayed in trace order by ``concurrency`` clients (closed loop). Token sources come from the
+replayed in trace order by ``concurrency`` clients (closed loop), or with a ``rate`` each at its
+arrival time (open loop, ``deploy.bench.arrivals``). Token sources come from the
 ingress's ``tide:prompt_tokens_total`` counters; TTFT is measured by the client (streaming).
 """
 
@@ -44,6 +45,7 @@ from cachedir.hashing import chain_keys
 from cachedir.trace import BLOCK_TOKENS, read_trace
 from cluster.prefix_affinity import AFFINITY_TOKENS, SGLANG_QUEUE_GAP, SGLANG_QUEUE_RATIO
 from cluster.units import UNIT_TOKENS
+from deploy.bench.arrivals import open_loop, trace_arrivals
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import on_cluster, stream_completion
 from deploy.redis_proc import wait_healthy
@@ -127,8 +129,11 @@ def skewed(work: list[tuple[list[int], int]], share: float = 0.6, hot: int = 3, 
 
 
 async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int,
-                  done=lambda n: None) -> list[dict]:
-    """Every request of ``work``, ``concurrency`` at a time; ``done(n)`` after each finishes."""
+                  done=lambda n: None, arrivals: list[float] | None = None) -> list[dict]:
+    """Every request of ``work``, ``concurrency`` at a time; or, given their ``arrivals``, each at
+    its own (``deploy.bench.arrivals.open_loop``). ``done(n)`` after each finishes."""
+    if arrivals is not None:
+        return await open_loop(url, work, arrivals, done)
     queue: asyncio.Queue = asyncio.Queue()
     finished = 0
     for i, item in enumerate(work):
@@ -221,10 +226,12 @@ def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
     modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace", skip: int = 0,
-    cluster: tuple | None = None,
+    cluster: tuple | None = None, rate: float | None = None,
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
     ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's;
+    ``rate``: requests a second in an open loop at the trace's arrival times (``trace_arrivals``),
+    else ``concurrency`` clients in a closed loop;
     ``cluster``: a running ``simulated_cluster``'s (redis, url, sim) to replay on (``nodes`` of
     them alive), else one is started and stopped."""
     from ray import serve
@@ -238,6 +245,7 @@ def run_cluster_bench(
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
     if scenario == "skew":
         work = skewed(work)
+    arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
     affinity = scaled_affinity_tokens(block_tokens)
     capacity: dict[str, Any] = {}
     if scenario == "pressure":  # each node's SSD holds a share of the working set; no RAM tier, and no
@@ -246,7 +254,7 @@ def run_cluster_bench(
         capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0, "prefix_sharing": False}
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "skip": skip, "nodes": nodes, "requests": len(work),
-        "concurrency": concurrency,
+        "concurrency": None if rate else concurrency, "rate": rate,
         "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
         "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
@@ -271,7 +279,7 @@ def run_cluster_bench(
                 serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
                 wait_healthy(url)
                 offset = (rep * len(modes) + k) * len(work)
-                runs[mode].append(replay(url, app_args, work, concurrency, scenario, sim, done=lambda n, m=mode, o=offset: (
+                runs[mode].append(replay(url, app_args, work, concurrency, scenario, sim, arrivals=arrivals, done=lambda n, m=mode, o=offset: (
                     progress and progress.update(o + n, total, f"{m}: request {n}/{len(work)}"))))
                 serve.delete("bench")
                 stop_agents()  # the next run starts from empty caches

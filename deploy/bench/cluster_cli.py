@@ -107,7 +107,11 @@ def bench_cluster(
     nodes: int = typer.Option(3, "--nodes", min=2, max=8, help="simulated Ray nodes (one replica and one cache agent each)"),
     requests: int = typer.Option(1500, "--requests", min=1, help="replay the first N trace records (the whole 3,993-request shared trace takes ~13 min here)"),
     skip: int = typer.Option(0, "--skip", min=0, help="pass over the trace's first N records: replay the N+1th on (a part of the trace the figures were not tuned on)"),
-    concurrency: int = typer.Option(4, "--concurrency", min=1),
+    concurrency: int = typer.Option(4, "--concurrency", min=1, help="closed-loop HTTP clients (without --rate)"),
+    rate: float = typer.Option(None, "--rate",
+                               help="requests a second in an open loop: each sent at the trace's timestamp, the timestamps "
+                                    "scaled to this mean rate, whatever is in flight; TTFT counts from the arrival "
+                                    "(default: --concurrency clients in a closed loop)"),
     block_tokens: int = typer.Option(8, "--block-tokens", min=1, max=512, help="tokens per 512-token trace block (scale factor = 512 / this)"),
     max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, help="cap on each request's (scaled) output"),
@@ -146,6 +150,8 @@ def bench_cluster(
             raise typer.BadParameter(f"--scenario {name!r}: choose from {', '.join(SCENARIOS)}, night")
     if len(set(scenarios)) < len(scenarios):
         raise typer.BadParameter(f"--scenario {scenario!r}: a scenario named twice")
+    if rate is not None and not rate > 0:
+        raise typer.BadParameter(f"--rate {rate}: requests a second must be positive")
 
     if not trace.is_file():
         raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
@@ -177,7 +183,7 @@ def bench_cluster(
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         common = dict(requests=requests, concurrency=concurrency, block_tokens=block_tokens,
                       max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, checkpoint=checkpoint,
-                      repeats=repeats, skip=skip)
+                      repeats=repeats, skip=skip, rate=rate)
         if len(scenarios) > 1:
             result = run_scenarios(trace, scenarios, nodes, modes=chosen, progress=bar, **common)
         elif scenarios == ("night",):

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.bench.arrivals import rebase
+
 __all__ = ["EVENTS", "replay", "replica_load", "restore_nodes", "run_scenarios"]
 
 # scenario -> (event, where in the replay it happens, as a share of the requests)
@@ -87,10 +89,11 @@ def _apply(event: str, app_args: dict[str, Any], sim, app_name: str) -> dict[str
 
 
 def replay(url: str, app_args: dict[str, Any], work: list, concurrency: int, scenario: str = "trace", sim=None,
-           app_name: str = "bench", done=lambda n: None) -> dict[str, Any]:
+           app_name: str = "bench", done=lambda n: None, arrivals: list[float] | None = None) -> dict[str, Any]:
     """One run of ``work`` with the scenario's events (none for a scenario without): the whole
     replay's summary, and each window's, with its per-replica load, under ``windows`` (without
-    events, the replay's per-replica load)."""
+    events, the replay's per-replica load). ``arrivals``: each request's, in an open loop (each
+    window from its first), else ``concurrency`` clients."""
     from deploy.bench.cluster_bench import _replay, _source_tokens, _summary
 
     events = EVENTS.get(scenario, ())
@@ -104,7 +107,7 @@ def replay(url: str, app_args: dict[str, Any], work: list, concurrency: int, sce
         before, load = _source_tokens(url), replica_load()
         t0 = time.perf_counter()
         got = asyncio.run(_replay(url, work[cuts[i]:cuts[i + 1]], concurrency,
-                                  done=lambda n, o=cuts[i]: done(o + n)))
+                                  done=lambda n, o=cuts[i]: done(o + n), arrivals=rebase(arrivals, cuts[i], cuts[i + 1])))
         took = time.perf_counter() - t0
         grew = {s: v - before.get(s, 0) for s, v in _source_tokens(url).items()}
         load = load_summary(load, replica_load())

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cachedir.trace import BLOCK_TOKENS
+from deploy.bench.arrivals import rebase, trace_arrivals
 from deploy.bench.cluster_bench import _medians, _replay, stop_agents, trace_prompts
 from deploy.bench.fleet_events import replay, restore_nodes
 from deploy.bench.machine import machine
@@ -42,10 +43,13 @@ NIGHT_CASES = ("stay", "lend", "lend_keep")
 CUTS = (0.4, 0.7)  # the day is the trace's first 40%, the night the next 30%, the morning the rest
 
 
-def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case: str, sim) -> dict[str, Any]:
+def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case: str, sim,
+         arrivals: list[float] | None = None) -> dict[str, Any]:
     """One case: the day replayed; the node lent and removed (unless ``stay``); the night
     replayed; a new node in its place serving again (``return_nodes``); the morning replayed.
-    The night's figures, the morning's, the returned node's morning hit rate, what was kept."""
+    The night's figures, the morning's, the returned node's morning hit rate, what was kept.
+    ``arrivals``: each request's in an open loop (each part from its first), else ``concurrency``
+    clients."""
     from ray import serve
 
     from deploy.app import build_app
@@ -54,20 +58,20 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
     serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
     wait_healthy(url)
     day, night = (int(share * len(work)) for share in CUTS)
-    asyncio.run(_replay(url, work[:day], concurrency))
+    asyncio.run(_replay(url, work[:day], concurrency, arrivals=rebase(arrivals, 0, day)))
     kept: dict = {}
     if case != "stay":
         lent = lend_nodes(app_args, 1, app_name="bench", deadline_s=30, timeout_s=300)
         kept = lent.get("kept", {})
         sim.remove_node(next(n for n in sim.worker_nodes if n.node_id in lent["lent"]))  # its pod deleted
-    out = replay(url, app_args, work[day:night], concurrency)
+    out = replay(url, app_args, work[day:night], concurrency, arrivals=rebase(arrivals, day, night))
     out["kept_units"] = sum(k.get("kept", 0) for k in kept.values())
     morning_node = None
     if case != "stay":  # a new pod in the morning: its agent warms (keeping on) before its replica serves
         morning_node = sim.add_node(num_cpus=1).node_id
         sim.wait_for_nodes()
         return_nodes(app_args, app_name="bench", timeout_s=300)
-    out["morning"] = replay(url, app_args, work[night:], concurrency)
+    out["morning"] = replay(url, app_args, work[night:], concurrency, arrivals=rebase(arrivals, night, len(work)))
     if morning_node is not None:
         mine = [r for r in out["morning"]["replica_load"]["replicas"] if r["node"] == morning_node[:12]]
         out["morning_node_hit_rate"] = mine[0]["hit_rate"] if mine else None
@@ -77,15 +81,20 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
 
 def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrency: int = 4, block_tokens: int = 8,
                     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
-                    repeats: int = 2, skip: int = 0, cluster: tuple | None = None) -> dict[str, Any]:
+                    repeats: int = 2, skip: int = 0, cluster: tuple | None = None,
+                    rate: float | None = None) -> dict[str, Any]:
     """The night's cases over ``repeats`` runs (module docstring); ``cluster``: a running
-    ``simulated_cluster``'s (redis, url, sim) to replay on, else one is started and stopped."""
+    ``simulated_cluster``'s (redis, url, sim) to replay on, else one is started and stopped;
+    ``rate``: requests a second in an open loop at the trace's arrival times, else
+    ``concurrency`` clients in a closed loop."""
     from ray import serve
 
     from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
+    arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
     out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "skip": skip, "nodes": nodes,
+                           "concurrency": None if rate else concurrency, "rate": rate,
                            "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
                            "morning_requests": len(work) - int(CUTS[1] * len(work)),
                            "scale_factor": BLOCK_TOKENS / block_tokens, "repeats": repeats}
@@ -100,7 +109,7 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                     "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
                     "night_keep_bytes": (8 << 30) if case == "lend_keep" else 0,
                 }
-                runs[case].append(_run(url, app_args, work, concurrency, case, sim))
+                runs[case].append(_run(url, app_args, work, concurrency, case, sim, arrivals))
                 serve.delete("bench")
                 stop_agents()  # the next run starts from empty caches
                 restore_nodes(sim, nodes)

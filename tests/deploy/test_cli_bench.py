@@ -145,6 +145,7 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__, "--scenario", "rush-hour"], "rush-hour"),
     (["cluster", "--trace", __file__, "--scenario", "scale,rush-hour"], "'rush-hour'"),
     (["cluster", "--trace", __file__, "--scenario", "scale,scale"], "named twice"),
+    (["cluster", "--trace", __file__, "--rate", "0"], "--rate 0.0: requests a second must be positive"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
     r = tide_here("bench", *args)
@@ -179,12 +180,13 @@ def test_bench_cluster_json(tmp_path):
     window after the failure has its own figures and what each replica did (the node left served
     it all). Night: no node lent, one lent and removed, one lent with its units kept; a new node
     in the morning. (The scale scenario's lending and return are the night's; its windows are
-    the failure's.)"""
+    the failure's.) Requests arrive in an open loop (--rate), each window and part of the night
+    from its first arrival."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(9)))
     r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
-              "--modes", "shared,prefix_affinity", "--concurrency", "1", "--repeats", "1",
+              "--modes", "shared,prefix_affinity", "--rate", "5", "--repeats", "1",
               "--scenario", "failure,night", "--plot", str(tmp_path / "cluster.png"))
     assert r.returncode == 0, r.stderr[-3000:]
     scenarios = json.loads(r.stdout)["scenarios"]
@@ -193,6 +195,7 @@ def test_bench_cluster_json(tmp_path):
     out = scenarios["failure"]
     assert out["scale_factor"] == 16 and out["requests"] == 9 and out["repeats"] == 1 and out["ray"]
     assert out["affinity_tokens"] == 16 and out["scenario"] == "failure"
+    assert (out["rate"], out["concurrency"]) == (5, None) and scenarios["night"]["rate"] == 5
     assert out["shared_vs_prefix_affinity"]["after_failure"]["hit_rate"] == "single_run"  # one run: no spread
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
