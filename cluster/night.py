@@ -70,12 +70,12 @@ def shard_only_nodes(fleet: Fleet, shard_nodes: Sequence[str], among: Sequence[s
 
 def unique_units(directory, nodes: Sequence[str]) -> dict[str, int]:
     """Units each of ``nodes`` holds and no other live node does (``directory``: the cache
-    directory's client; its errors are the caller's)."""
-    keys = {n: directory.node_keys(n) for n in directory.live_nodes()}
+    directory's client; its errors are the caller's). Reads those nodes' units and their
+    holders, not the fleet's."""
     out = {}
     for n in nodes:
-        others = set().union(*(k for m, k in keys.items() if m != n)) if len(keys) > 1 else set()
-        out[n] = len(keys.get(n, set()) - others)
+        keys = list(directory.node_keys(n))
+        out[n] = sum(1 for held in directory.holders(keys) if [h.node_id for h in held] == [n])
     return out
 
 

@@ -13,6 +13,8 @@ Contract shared by every backend (``tests/cachedir/test_directory_contract.py`` 
 * A node is live while its heartbeat (TTL) lasts. Units of a dead node are ignored at once and
   removed by ``collect_dead`` (every node's publisher calls it now and then); a heartbeat says
   when the node was not live before, so a node that comes back registers its units again.
+* ``holders(keys)`` gives each key's live holders and ``node_keys(node)`` a node's keys: the
+  maintenance paths (night keeping, lending plans), never a request's.
 * ``record_hits`` adds to per-unit hit counters that halve every ``half_life_s``; ``hot_units``
   returns the hottest units with fewer than ``max_replicas`` live holders.
 * Backends raise ``DirectoryUnavailable`` when their store cannot be reached in time; callers on
@@ -33,10 +35,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Directory", "DirectoryUnavailable", "Holder", "HotUnit", "PrefixMatch", "FANOUT", "GONE_TTL_S", "TIERS",
-           "bisect_runs"]
+__all__ = ["Directory", "DirectoryUnavailable", "Holder", "HotUnit", "PrefixMatch", "FANOUT", "GONE_TTL_S",
+           "HOLDER_BATCH", "TIERS", "bisect_runs"]
 
 TIERS = ("ram", "ssd")
+HOLDER_BATCH = 4096  # units ``Directory.holders`` reads per round trip
 GONE_TTL_S = 86400.0  # how long a unit every holder dropped is remembered as dropped
 
 
@@ -173,6 +176,11 @@ class Directory(ABC):
     @abstractmethod
     def node_keys(self, node_id: str) -> set[bytes]:
         """Keys registered for ``node_id`` (maintenance path, not for requests)."""
+
+    @abstractmethod
+    def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
+        """The live holders of each of ``keys``, by node id (maintenance path: a call reads every
+        key it is given, in batches of ``HOLDER_BATCH``)."""
 
     @abstractmethod
     def collect_dead(self) -> list[str]:

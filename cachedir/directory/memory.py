@@ -103,6 +103,10 @@ class MemoryDirectory(Directory):
         with self._lock:
             return set(self._by_node.get(node_id, set()))
 
+    def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
+        with self._lock:
+            return [[Holder(n, t) for n, t in sorted(self._holders.get(k, {}).items()) if self._is_live(n)] for k in keys]
+
     def collect_dead(self) -> list[str]:
         with self._lock:
             dead = [n for n in self._by_node if not self._is_live(n)]

@@ -43,6 +43,7 @@ import redis
 
 from cachedir.directory.base import (
     GONE_TTL_S,
+    HOLDER_BATCH,
     MAX_HOT,
     Directory,
     DirectoryUnavailable,
@@ -267,6 +268,18 @@ class RedisDirectory(Directory):
         sets = [self._node_set(node_id, s) for s in range(NODE_SHARDS)]
         replies = self._send([(k, "SMEMBERS", k) for k in sets])
         return {bytes.fromhex(m.decode()) for members in replies for m in members}
+
+    def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
+        out: list[list[Holder]] = []
+        for start in range(0, len(keys), HOLDER_BATCH):
+            batch = keys[start : start + HOLDER_BATCH]
+            replies = self._send([(u, "HGETALL", u) for u in (self._unit(k.hex()) for k in batch)]
+                                 + [(self._expiry, "HGETALL", self._expiry), (self._expiry, "TIME")])
+            now_ms = _now_ms(replies[-1])
+            live = {node for node, until in _pairs(replies[-2]) if int(until) > now_ms}
+            out += [[Holder(n.decode(), t.decode()) for n, t in sorted(_pairs(h)) if n in live]
+                    for h in replies[: len(batch)]]
+        return out
 
     def collect_dead(self) -> list[str]:
         (reaping,) = self._send([(self._expiry, "EVALSHA", self._reap, 3, self._expiry, self._addr, self._reaping)])

@@ -61,6 +61,22 @@ def test_register_is_idempotent_and_unregister_removes(make_dir):
         d.register("a", [K(3)], "disk")
 
 
+def test_holders_are_each_keys_live_nodes_in_batches(make_dir, monkeypatch):
+    import cachedir.directory.redis_backend as redis_backend
+
+    monkeypatch.setattr(redis_backend, "HOLDER_BATCH", 2)  # 5 keys: three round trips
+    d = make_dir()
+    d.heartbeat("a", "x", ttl_s=30)
+    d.heartbeat("b", "y", ttl_s=30)
+    d.register("a", [K(1), K(2), K(5)], "ssd")
+    d.register("b", [K(1), K(5)], "ram")
+    d.register("c", [K(1), K(3)])  # never beats: not live
+    d.unregister("a", [K(2)])  # every holder dropped it
+    assert d.holders([K(1), K(2), K(3), K(4), K(5)]) == [
+        [Holder("a", "ssd"), Holder("b", "ram")], [], [], [], [Holder("a", "ssd"), Holder("b", "ram")]]
+    assert d.holders([]) == []
+
+
 def test_a_unit_every_holder_dropped_is_told_from_one_never_seen(make_dir):
     """The cache's accounting: the unit after a lookup's run was dropped by the nodes that held
     it (evicted), or never registered; registering it again forgets the drop, and a dead node's

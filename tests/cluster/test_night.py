@@ -58,6 +58,8 @@ def test_unique_units_are_those_no_other_live_node_holds():
         d.register(node, keys)
         d.heartbeat(node, f"{node}:1", 60)
     assert unique_units(d, ["a", "b", "c"]) == {"a": 1, "b": 0, "c": 1}
+    d.register("dead", [b"1", b"4"])  # never beats: its units are no one's
+    assert unique_units(d, ["a", "dead"]) == {"a": 1, "dead": 0}
 
 
 def test_the_drain_waits_then_migrates_then_gives_up():
