@@ -109,9 +109,9 @@ def _only_here(node_id: str, directory: Directory, live: dict[str, str], leaving
     node with a smaller id holds (that one pushes them). Reads this node's units and their
     holders, not the fleet's."""
     mine = sorted(directory.node_keys(node_id) - seen)
-    pushes_it = lambda n: n != node_id and n in live and (n not in leaving or n < node_id)  # noqa: E731
+    covered_by = {n for n in live if n != node_id and (n not in leaving or n < node_id)}
     return [key for key, held in zip(mine, directory.holders(mine), strict=True)
-            if not any(pushes_it(h.node_id) for h in held)]
+            if not any(h.node_id in covered_by for h in held)]
 
 
 def warm_units(node_id: str, directory: Directory, fetch: Callable[[str, list[bytes]], list[bytes | None]],
