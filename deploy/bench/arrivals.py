@@ -19,7 +19,16 @@ import httpx
 from cachedir.trace import read_trace
 from deploy.bench.serve_bench import stream_completion
 
-__all__ = ["open_loop", "rebase", "trace_arrivals"]
+__all__ = ["open_loop", "rebase", "replay_one", "trace_arrivals"]
+
+
+async def replay_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One replayed request (greedy, EOS ignored): ``stream_completion``'s result, or its
+    transport error as ``{"error": ...}``."""
+    try:
+        return await stream_completion(client, url, "tiny", prompt, max_tokens, ignore_eos=True)
+    except httpx.HTTPError as e:
+        return {"error": repr(e)}
 
 
 def trace_arrivals(path: str | Path, requests: int, rate: float, skip: int = 0) -> list[float]:
@@ -62,10 +71,7 @@ async def open_loop(url: str, work: list[tuple[list[int], int]], arrivals: list[
 
         async def send(i: int, prompt: list[int], max_tokens: int) -> None:
             late = max(0.0, time.perf_counter() - start - arrivals[i])
-            try:
-                result = await stream_completion(client, url, "tiny", prompt, max_tokens, ignore_eos=True)
-            except httpx.HTTPError as e:
-                result = {"error": repr(e)}
+            result = await replay_one(client, url, prompt, max_tokens)
             if result.get("ttft") is not None:
                 result["ttft"] += late
             results[i] = result

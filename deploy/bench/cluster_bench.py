@@ -45,9 +45,9 @@ from cachedir.hashing import chain_keys
 from cachedir.trace import BLOCK_TOKENS, read_trace
 from cluster.prefix_affinity import AFFINITY_TOKENS, SGLANG_QUEUE_GAP, SGLANG_QUEUE_RATIO
 from cluster.units import UNIT_TOKENS
-from deploy.bench.arrivals import open_loop, trace_arrivals
+from deploy.bench.arrivals import open_loop, replay_one, trace_arrivals
 from deploy.bench.machine import machine
-from deploy.bench.serve_bench import on_cluster, stream_completion
+from deploy.bench.serve_bench import on_cluster
 from deploy.redis_proc import wait_healthy
 
 __all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents", "trace_prompts",
@@ -143,10 +143,7 @@ async def _replay(url: str, work: list[tuple[list[int], int]], concurrency: int,
         async def worker() -> None:
             while not queue.empty():
                 i, (prompt, max_tokens) = queue.get_nowait()
-                try:
-                    results[i] = await stream_completion(client, url, "tiny", prompt, max_tokens, ignore_eos=True)
-                except httpx.HTTPError as e:
-                    results[i] = {"error": repr(e)}
+                results[i] = await replay_one(client, url, prompt, max_tokens)
                 nonlocal finished
                 finished += 1
                 done(finished)
