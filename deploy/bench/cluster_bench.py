@@ -223,12 +223,13 @@ def run_cluster_bench(
     trace: Path, nodes: int = 3, requests: int = 4000, concurrency: int = 4, block_tokens: int = 8,
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
     modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace", skip: int = 0,
-    cluster: tuple | None = None, rate: float | None = None,
+    cluster: tuple | None = None, rate: float | None = None, max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
     ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's;
     ``rate``: requests a second in an open loop at the trace's arrival times (``trace_arrivals``),
-    else ``concurrency`` clients in a closed loop;
+    else ``concurrency`` clients in a closed loop; ``max_num_seqs``: each replica's running
+    sequences (default: ``concurrency``, at least 4);
     ``cluster``: a running ``simulated_cluster``'s (redis, url, sim) to replay on (``nodes`` of
     them alive), else one is started and stopped."""
     from ray import serve
@@ -240,6 +241,7 @@ def run_cluster_bench(
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
+    seats = max_num_seqs or max(4, concurrency)
     if scenario == "skew":
         work = skewed(work)
     arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
@@ -251,7 +253,7 @@ def run_cluster_bench(
         capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0, "prefix_sharing": False}
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "skip": skip, "nodes": nodes, "requests": len(work),
-        "concurrency": None if rate else concurrency, "rate": rate,
+        "concurrency": None if rate else concurrency, "rate": rate, "max_num_seqs": seats,
         "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
         "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
@@ -270,7 +272,7 @@ def run_cluster_bench(
                     "directory_url": redis.url if spec["directory"] else None,
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
                     "affinity_tokens": affinity,
-                    "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
+                    "max_num_seqs": seats, "num_pages": 2048, "agent_token_file": agent_token_file(),
                     **capacity, **spec.get("args", {}),
                 }
                 serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)

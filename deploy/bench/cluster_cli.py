@@ -112,6 +112,9 @@ def bench_cluster(
                                help="requests a second in an open loop: each sent at the trace's timestamp, the timestamps "
                                     "scaled to this mean rate, whatever is in flight; TTFT counts from the arrival "
                                     "(default: --concurrency clients in a closed loop)"),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", min=1,
+                                     help="sequences each replica runs at once (default: --concurrency, at least 4; "
+                                          "the app's own default is 16)"),
     block_tokens: int = typer.Option(8, "--block-tokens", min=1, max=512, help="tokens per 512-token trace block (scale factor = 512 / this)"),
     max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens", min=1),
     max_tokens: int = typer.Option(4, "--max-tokens", min=1, help="cap on each request's (scaled) output"),
@@ -183,7 +186,7 @@ def bench_cluster(
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         common = dict(requests=requests, concurrency=concurrency, block_tokens=block_tokens,
                       max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, checkpoint=checkpoint,
-                      repeats=repeats, skip=skip, rate=rate)
+                      repeats=repeats, skip=skip, rate=rate, max_num_seqs=max_num_seqs)
         if len(scenarios) > 1:
             result = run_scenarios(trace, scenarios, nodes, modes=chosen, progress=bar, **common)
         elif scenarios == ("night",):

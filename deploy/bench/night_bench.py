@@ -82,19 +82,21 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
 def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrency: int = 4, block_tokens: int = 8,
                     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
                     repeats: int = 2, skip: int = 0, cluster: tuple | None = None,
-                    rate: float | None = None) -> dict[str, Any]:
+                    rate: float | None = None, max_num_seqs: int | None = None) -> dict[str, Any]:
     """The night's cases over ``repeats`` runs (module docstring); ``cluster``: a running
     ``simulated_cluster``'s (redis, url, sim) to replay on, else one is started and stopped;
     ``rate``: requests a second in an open loop at the trace's arrival times, else
-    ``concurrency`` clients in a closed loop."""
+    ``concurrency`` clients in a closed loop; ``max_num_seqs``: each replica's running sequences
+    (default: ``concurrency``, at least 4)."""
     from ray import serve
 
     from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
     arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
+    seats = max_num_seqs or max(4, concurrency)
     out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "skip": skip, "nodes": nodes,
-                           "concurrency": None if rate else concurrency, "rate": rate,
+                           "concurrency": None if rate else concurrency, "rate": rate, "max_num_seqs": seats,
                            "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
                            "morning_requests": len(work) - int(CUTS[1] * len(work)),
                            "scale_factor": BLOCK_TOKENS / block_tokens, "repeats": repeats}
@@ -106,7 +108,7 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                     "checkpoint": str(checkpoint) if checkpoint else None, "replicas": nodes, "replica_cpus": 1,
                     "max_replicas_per_node": 1, "cache_dir": str(tmp / f"{case}-{rep}" / "{node}"),
                     "directory_url": redis.url, "directory_namespace": f"night-{case}-{uuid.uuid4().hex[:8]}",
-                    "max_num_seqs": max(4, concurrency), "num_pages": 2048, "agent_token_file": agent_token_file(),
+                    "max_num_seqs": seats, "num_pages": 2048, "agent_token_file": agent_token_file(),
                     "night_keep_bytes": (8 << 30) if case == "lend_keep" else 0,
                 }
                 runs[case].append(_run(url, app_args, work, concurrency, case, sim, arrivals))

@@ -146,6 +146,7 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__, "--scenario", "scale,rush-hour"], "'rush-hour'"),
     (["cluster", "--trace", __file__, "--scenario", "scale,scale"], "named twice"),
     (["cluster", "--trace", __file__, "--rate", "0"], "--rate 0.0: requests a second must be positive"),
+    (["cluster", "--trace", __file__, "--max-num-seqs", "0"], "--max-num-seqs"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
     r = tide_here("bench", *args)
@@ -186,7 +187,7 @@ def test_bench_cluster_json(tmp_path):
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(9)))
     r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
-              "--modes", "shared,prefix_affinity", "--rate", "5", "--repeats", "1",
+              "--modes", "shared,prefix_affinity", "--rate", "5", "--max-num-seqs", "16", "--repeats", "1",
               "--scenario", "failure,night", "--plot", str(tmp_path / "cluster.png"))
     assert r.returncode == 0, r.stderr[-3000:]
     scenarios = json.loads(r.stdout)["scenarios"]
@@ -196,6 +197,7 @@ def test_bench_cluster_json(tmp_path):
     assert out["scale_factor"] == 16 and out["requests"] == 9 and out["repeats"] == 1 and out["ray"]
     assert out["affinity_tokens"] == 16 and out["scenario"] == "failure"
     assert (out["rate"], out["concurrency"]) == (5, None) and scenarios["night"]["rate"] == 5
+    assert out["max_num_seqs"] == scenarios["night"]["max_num_seqs"] == 16
     assert out["shared_vs_prefix_affinity"]["after_failure"]["hit_rate"] == "single_run"  # one run: no spread
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
