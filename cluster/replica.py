@@ -115,7 +115,7 @@ class Replica:
         speculative decoding's acceptance."""
         eng = self.engine
         out = {"node_id": self.node_id, "engine": dict(eng.stats), "running": len(eng.running),
-               "waiting": len(eng.waiting), "threads": self.loop.threads_used,
+               "waiting": len(eng.waiting), "max_num_seqs": eng.cfg.max_num_seqs, "threads": self.loop.threads_used,
                "kv_usage": 1.0 - eng.kv.pages.num_free / eng.kv.num_pages,
                "cache": self.cache.stats() if self.cache is not None else {}}
         if self.publisher is not None:

@@ -37,30 +37,31 @@ COUNTERS = ("finished", "prefill_tokens", "decode_tokens", "finished_prompt_toke
 
 
 def replica_load() -> dict[str, dict[str, Any]]:
-    """Each serving replica's node and engine counters now (``COUNTERS``), by actor name, from
-    the replicas' heartbeats."""
+    """Each serving replica's node, sequences it runs at once and engine counters now
+    (``COUNTERS``), by actor name, from the replicas' heartbeats."""
     import ray
 
     from actors.tidal import tidal_state
 
     time.sleep(REPORT_S)  # the last requests' counts reach the heartbeats
     reports = ray.get(tidal_state().replica_reports.remote(), timeout=30)
-    return {name: {"node": r.get("node_id", ""),
+    return {name: {"node": r.get("node_id", ""), "max_num_seqs": (r.get("stats") or {}).get("max_num_seqs"),
                    **{k: int(((r.get("stats") or {}).get("engine") or {}).get(k, 0)) for k in COUNTERS}}
             for name, r in reports.items()}
 
 
 def load_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """What each replica did between two ``replica_load`` reads, busiest first: its node,
-    requests finished, prefill tokens computed, its hit rate (cached of its finished requests'
-    prompt tokens) and its local hit rate (those from its own node's pool, RAM or SSD, not
-    fetched from another node); ``busiest_share``: the busiest replica's share of the prefill
-    tokens computed (1/replicas is even)."""
+    """What each replica did between two ``replica_load`` reads, busiest first: its node, its
+    ``max_num_seqs``, requests finished, prefill tokens computed, its hit rate (cached of its
+    finished requests' prompt tokens) and its local hit rate (those from its own node's pool,
+    RAM or SSD, not fetched from another node); ``busiest_share``: the busiest replica's share
+    of the prefill tokens computed (1/replicas is even)."""
     done = []
     for name, counts in after.items():
         grew = {k: counts.get(k, 0) - before.get(name, {}).get(k, 0) for k in COUNTERS}
         prompt = grew["finished_prompt_tokens"]
-        done.append({"node": counts["node"][:12], "requests": grew["finished"], "prefill_tokens": grew["prefill_tokens"],
+        done.append({"node": counts["node"][:12], "max_num_seqs": counts.get("max_num_seqs"), "requests": grew["finished"],
+                     "prefill_tokens": grew["prefill_tokens"],
                      "hit_rate": round(grew["finished_cached_tokens"] / prompt, 4) if prompt else None,
                      "local_hit_rate": round(grew["finished_local_tokens"] / prompt, 4) if prompt else None})
     done.sort(key=lambda d: -d["prefill_tokens"])

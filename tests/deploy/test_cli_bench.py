@@ -210,6 +210,7 @@ def test_bench_cluster_json(tmp_path):
         after = run["windows"]["after_failure"]
         assert after["requests"] == 5 and after["event"]["killed"] and after["errors"] == 0
         assert [r["requests"] for r in after["replica_load"]["replicas"]] == [5]  # the node left
+        assert {r["max_num_seqs"] for r in after["replica_load"]["replicas"]} == {16}  # --max-num-seqs reached them
     assert out["prefix_affinity"]["runs"][0]["hit_rate_by_source"]["remote"] == 0  # no directory, no remote KV
     # requests 2..8 share a 64-token unit with an earlier one (at most 7 x 64 of 9 x 128 tokens)
     assert 0 < out["shared"]["runs"][0]["token_hit_rate"] <= 7 * 64 / (9 * 128) + 1e-3
@@ -220,6 +221,7 @@ def test_bench_cluster_json(tmp_path):
         assert run["errors"] == 0 and run["requests"] == 3 and run["morning"]["errors"] == 0
         # the night served by the replica left (by both when none was lent)
         assert len(run["replica_load"]["replicas"]) == (2 if case == "stay" else 1)
+        assert {r["max_num_seqs"] for r in run["replica_load"]["replicas"]} == {16}
     assert night["stay"]["kept_units"] == [0] and night["lend"]["kept_units"] == [0]
     assert "morning_node_gap_points" in night["lend_keep"] and "keeping_gap_points" in night
 
@@ -274,15 +276,17 @@ def test_replica_load_says_what_each_replica_did_between_two_reads():
     from deploy.bench.fleet_events import load_summary
 
     def counts(node, finished, prefill, prompt, cached, local):
-        return {"node": node, "finished": finished, "prefill_tokens": prefill, "decode_tokens": finished,
+        return {"node": node, "max_num_seqs": 16, "finished": finished, "prefill_tokens": prefill, "decode_tokens": finished,
                 "finished_prompt_tokens": prompt, "finished_cached_tokens": cached, "finished_local_tokens": local}
 
     before = {"a": counts("node-a" * 4, 10, 1000, 1000, 0, 0), "gone": counts("node-g", 5, 500, 500, 0, 0)}
     after = {"a": counts("node-a" * 4, 14, 1300, 1600, 300, 120), "b": counts("node-b", 6, 900, 900, 0, 0)}
     out = load_summary(before, after)
     assert out["replicas"] == [  # busiest first; a replica new since the first read counts from 0
-        {"node": "node-b", "requests": 6, "prefill_tokens": 900, "hit_rate": 0.0, "local_hit_rate": 0.0},
-        {"node": "node-anode-a", "requests": 4, "prefill_tokens": 300, "hit_rate": 0.5, "local_hit_rate": 0.2}]
+        {"node": "node-b", "max_num_seqs": 16, "requests": 6, "prefill_tokens": 900, "hit_rate": 0.0,
+         "local_hit_rate": 0.0},
+        {"node": "node-anode-a", "max_num_seqs": 16, "requests": 4, "prefill_tokens": 300, "hit_rate": 0.5,
+         "local_hit_rate": 0.2}]
     assert out["busiest_share"] == 0.75
     assert load_summary(after, after)["busiest_share"] is None  # nothing computed
 
