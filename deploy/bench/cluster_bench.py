@@ -235,7 +235,7 @@ def run_cluster_bench(
     from ray import serve
 
     from deploy.app import build_app
-    from deploy.bench.fleet_events import replay, restore_nodes
+    from deploy.bench.fleet_events import keep_serve_logs, replay, restore_nodes
     from deploy.local import agent_token_file
 
     if scenario not in SCENARIOS:
@@ -278,8 +278,9 @@ def run_cluster_bench(
                 serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
                 wait_healthy(url)
                 offset = (rep * len(modes) + k) * len(work)
-                runs[mode].append(replay(url, app_args, work, concurrency, scenario, sim, arrivals=arrivals, done=lambda n, m=mode, o=offset: (
-                    progress and progress.update(o + n, total, f"{m}: request {n}/{len(work)}"))))
+                run = replay(url, app_args, work, concurrency, scenario, sim, arrivals=arrivals, done=lambda n, m=mode, o=offset: (
+                    progress and progress.update(o + n, total, f"{m}: request {n}/{len(work)}")))
+                runs[mode].append(keep_serve_logs(run, sim, f"cluster-{scenario}-{mode}-{rep}"))
                 serve.delete("bench")
                 stop_agents()  # the next run starts from empty caches
                 restore_nodes(sim, nodes)

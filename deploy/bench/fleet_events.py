@@ -69,6 +69,23 @@ def load_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[str, A
     return {"replicas": done, "busiest_share": round(done[0]["prefill_tokens"] / total, 3) if total else None}
 
 
+def keep_serve_logs(run: dict[str, Any], sim, name: str) -> dict[str, Any]:
+    """``run``, with ``logs_kept`` (where Serve's logs were copied: the ingress's and the
+    replicas' tracebacks) when a request of it failed; the simulated cluster's own copy goes
+    with its temp dir when the bench ends."""
+    import shutil
+
+    from model.default import cache_root
+
+    failed = run.get("errors") or (run.get("morning") or {}).get("errors")
+    src = Path(getattr(sim, "temp_dir", "") or "/nonexistent") / "session_latest" / "logs" / "serve"
+    if not failed or not src.is_dir():
+        return run
+    dest = cache_root() / "bench-logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    return {**run, "logs_kept": str(dest)}
+
+
 def _apply(event: str, app_args: dict[str, Any], sim, app_name: str) -> dict[str, Any]:
     """Make ``event`` happen to the running app; what it did (the nodes lent, returned, killed)."""
     from deploy.serve_state import running_replicas

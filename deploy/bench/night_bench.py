@@ -32,7 +32,7 @@ from typing import Any
 from cachedir.trace import BLOCK_TOKENS
 from deploy.bench.arrivals import rebase, trace_arrivals
 from deploy.bench.cluster_bench import _medians, _replay, stop_agents, trace_prompts
-from deploy.bench.fleet_events import replay, restore_nodes
+from deploy.bench.fleet_events import keep_serve_logs, replay, restore_nodes
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import on_cluster
 from deploy.redis_proc import wait_healthy
@@ -111,7 +111,8 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                     "max_num_seqs": seats, "num_pages": 2048, "agent_token_file": agent_token_file(),
                     "night_keep_bytes": (8 << 30) if case == "lend_keep" else 0,
                 }
-                runs[case].append(_run(url, app_args, work, concurrency, case, sim, arrivals))
+                runs[case].append(keep_serve_logs(_run(url, app_args, work, concurrency, case, sim, arrivals), sim,
+                                                  f"night-{case}-{rep}"))
                 serve.delete("bench")
                 stop_agents()  # the next run starts from empty caches
                 restore_nodes(sim, nodes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,6 +290,27 @@ def test_replica_load_says_what_each_replica_did_between_two_reads():
          "local_hit_rate": 0.2}]
     assert out["busiest_share"] == 0.75
     assert load_summary(after, after)["busiest_share"] is None  # nothing computed
+
+
+def test_a_run_with_a_failed_request_keeps_serves_logs(tmp_path, monkeypatch):
+    """The simulated cluster's logs go with its temp dir; a run with an error keeps a copy of
+    Serve's (the traceback behind "the request failed") under TIDE_HOME and says where."""
+    from types import SimpleNamespace
+
+    from deploy.bench.fleet_events import keep_serve_logs
+
+    monkeypatch.setenv("TIDE_HOME", str(tmp_path / "home"))
+    serve_logs = tmp_path / "sim" / "session_latest" / "logs" / "serve"
+    serve_logs.mkdir(parents=True)
+    (serve_logs / "proxy.log").write_text("Traceback (most recent call last): ...")
+    sim = SimpleNamespace(temp_dir=str(tmp_path / "sim"))
+    assert keep_serve_logs({"errors": 0}, sim, "clean") == {"errors": 0}
+    kept = keep_serve_logs({"errors": 2}, sim, "cluster-skew-shared-0")["logs_kept"]
+    assert kept.startswith(str(tmp_path / "home" / "bench-logs" / "cluster-skew-shared-0-"))
+    assert (Path(kept) / "proxy.log").read_text().startswith("Traceback")
+    night = keep_serve_logs({"errors": 0, "morning": {"errors": 1}}, sim, "night-lend-0")
+    assert Path(night["logs_kept"]).is_dir()
+    assert "logs_kept" not in keep_serve_logs({"errors": 1}, None, "no-cluster")  # nothing to copy
 
 
 def test_the_night_compares_the_morning_node_with_its_fleet_in_all_hits_and_in_its_own():
