@@ -78,8 +78,9 @@ def keep_serve_logs(run: dict[str, Any], sim, name: str) -> dict[str, Any]:
     from model.default import cache_root
 
     failed = run.get("errors") or (run.get("morning") or {}).get("errors")
-    src = Path(getattr(sim, "temp_dir", "") or "/nonexistent") / "session_latest" / "logs" / "serve"
-    if not failed or not src.is_dir():
+    temp_dir = getattr(sim, "temp_dir", None)  # every simulated node's logs are under the head's
+    src = Path(temp_dir) / "session_latest" / "logs" / "serve" if temp_dir else None
+    if not failed or src is None or not src.is_dir():
         return run
     dest = cache_root() / "bench-logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     shutil.copytree(src, dest, dirs_exist_ok=True)
