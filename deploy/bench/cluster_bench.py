@@ -50,8 +50,8 @@ from deploy.bench.machine import machine
 from deploy.bench.serve_bench import on_cluster
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "SCENARIOS", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents", "trace_prompts",
-           "verdict"]
+__all__ = ["MODES", "SCENARIOS", "replica_seats", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents",
+           "trace_prompts", "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -229,7 +229,7 @@ def run_cluster_bench(
     ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's;
     ``rate``: requests a second in an open loop at the trace's arrival times (``trace_arrivals``),
     else ``concurrency`` clients in a closed loop; ``max_num_seqs``: each replica's running
-    sequences (default: ``concurrency``, at least 4);
+    sequences (``replica_seats``);
     ``cluster``: a running ``simulated_cluster``'s (redis, url, sim) to replay on (``nodes`` of
     them alive), else one is started and stopped."""
     from ray import serve
@@ -241,7 +241,7 @@ def run_cluster_bench(
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
-    seats = max_num_seqs or max(4, concurrency)
+    seats = replica_seats(max_num_seqs, concurrency)
     if scenario == "skew":
         work = skewed(work)
     arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
@@ -315,6 +315,12 @@ def stop_agents() -> None:
             ray.kill(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE), no_restart=True)
         except ValueError:
             pass
+
+
+def replica_seats(max_num_seqs: int | None, concurrency: int) -> int:
+    """The sequences each bench replica runs at once: ``max_num_seqs``, by default as many as
+    the closed loop's clients, at least 4."""
+    return max_num_seqs or max(4, concurrency)
 
 
 def scaled_affinity_tokens(block_tokens: int) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 from cachedir.trace import BLOCK_TOKENS
 from deploy.bench.arrivals import rebase, trace_arrivals
-from deploy.bench.cluster_bench import _medians, _replay, stop_agents, trace_prompts
+from deploy.bench.cluster_bench import _medians, _replay, replica_seats, stop_agents, trace_prompts
 from deploy.bench.fleet_events import keep_serve_logs, replay, restore_nodes
 from deploy.bench.machine import machine
 from deploy.bench.serve_bench import on_cluster
@@ -87,14 +87,14 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
     ``simulated_cluster``'s (redis, url, sim) to replay on, else one is started and stopped;
     ``rate``: requests a second in an open loop at the trace's arrival times, else
     ``concurrency`` clients in a closed loop; ``max_num_seqs``: each replica's running sequences
-    (default: ``concurrency``, at least 4)."""
+    (``replica_seats``)."""
     from ray import serve
 
     from deploy.local import agent_token_file
 
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
     arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
-    seats = max_num_seqs or max(4, concurrency)
+    seats = replica_seats(max_num_seqs, concurrency)
     out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "skip": skip, "nodes": nodes,
                            "concurrency": None if rate else concurrency, "rate": rate, "max_num_seqs": seats,
                            "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
