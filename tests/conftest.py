@@ -112,7 +112,8 @@ SHARED_RAY_GROUPS = {
                                 "tests/deploy/test_api_fuzz.py", "tests/deploy/test_deepseek_api.py",
                                 "tests/deploy/test_openai_app.py", "tests/deploy/test_pd_app.py")),
     # one `tide up` process (its own Ray, the default model), as a user starts it
-    "tide_up": ("tide_up", ("tests/deploy/test_clients.py", "tests/deploy/test_hostile_neighbour.py")),
+    "tide_up": ("tide_up", ("tests/deploy/test_clients.py", "tests/deploy/test_hostile_neighbour.py",
+                            "tests/deploy/test_bench_batch.py")),
 }
 _GROUP_OF = {module: group for group, (_, modules) in SHARED_RAY_GROUPS.items() for module in modules}
 _ON_SHARED_RAY = {module: SHARED_RAY_GROUPS[group][0] for module, group in _GROUP_OF.items()}

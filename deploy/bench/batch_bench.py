@@ -1,6 +1,7 @@
 """``tide bench batch``: what a running batch (``/v1/batches``) costs the interactive requests beside it.
 
-One local app (the default model unless ``--checkpoint``). An interactive load — ``clients``
+One local app (the default model unless ``--checkpoint``), or a server already up (``--url``,
+with ``--api-key`` where it has keys; the model it lists first). An interactive load — ``clients``
 clients, each sending greedy streamed chats one after another — runs alone, then again while a
 batch of ``batch_lines`` lines runs (submitted as OpenAI's client does, cancelled once the load
 ends); the two alternate over repeats. Reported, medians over repeats: the interactive time to
@@ -33,9 +34,9 @@ def _quantile(values: list[float], q: float) -> float:
     return ranked[min(len(ranked) - 1, int(q * len(ranked)))]
 
 
-async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+async def _stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
     """One greedy streamed chat: its time to first token and the gaps between its token events."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
     start, times = time.perf_counter(), []
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -46,14 +47,15 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tu
     return times[0] - start, [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
-async def _client(client: httpx.AsyncClient, worker: int, requests: int, max_tokens: int) -> list[tuple[float, list]]:
-    return [await _stream(client, f"Client {worker}, question {i}: tell me about the tides.", max_tokens)
+async def _client(client: httpx.AsyncClient, model: str, worker: int, requests: int,
+                  max_tokens: int) -> list[tuple[float, list]]:
+    return [await _stream(client, model, f"Client {worker}, question {i}: tell me about the tides.", max_tokens)
             for i in range(requests)]
 
 
-async def _submit(client: httpx.AsyncClient, lines: int, max_tokens: int) -> str:
+async def _submit(client: httpx.AsyncClient, model: str, lines: int, max_tokens: int) -> str:
     data = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": {
-        "model": "tiny", "prompt": f"Batch document {i}: summarize the night shift.", "max_tokens": max_tokens,
+        "model": model, "prompt": f"Batch document {i}: summarize the night shift.", "max_tokens": max_tokens,
         "temperature": 0, "ignore_eos": True}}) + "\n" for i in range(lines))
     f = await client.post("/v1/files", files={"file": ("bench.jsonl", data.encode())}, data={"purpose": "batch"})
     f.raise_for_status()
@@ -71,23 +73,28 @@ async def _until_running(client: httpx.AsyncClient, bid: str, timeout_s: float =
         await asyncio.sleep(0.2)
 
 
-async def _stop(client: httpx.AsyncClient, bid: str) -> int:
-    """Cancel the batch and wait until it ended: the lines it completed."""
+async def _stop(client: httpx.AsyncClient, bid: str) -> None:
+    """Cancel the batch, wait until it ended, and delete its files (on a server of the user's, the
+    bench leaves nothing behind)."""
     await client.post(f"/v1/batches/{bid}/cancel")
     while True:
         b = (await client.get(f"/v1/batches/{bid}")).json()
         if b["status"] in ("cancelled", "completed", "failed", "expired"):
-            return b["request_counts"]["completed"]
+            break
         await asyncio.sleep(0.2)
+    for key in ("input_file_id", "output_file_id", "error_file_id"):
+        if b.get(key):
+            await client.delete(f"/v1/files/{b[key]}")
 
 
-async def _run(url: str, clients: int, requests: int, max_tokens: int, batch_lines: int, beside: bool) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        bid = await _submit(client, batch_lines, 4 * max_tokens) if beside else None
+async def _run(url: str, auth: dict[str, str], model: str, clients: int, requests: int, max_tokens: int,
+               batch_lines: int, beside: bool) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=auth) as client:
+        bid = await _submit(client, model, batch_lines, 4 * max_tokens) if beside else None
         if bid is not None:
             await _until_running(client, bid)
         done_before = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] if bid else 0
-        per_client = await asyncio.gather(*(_client(client, w, requests, max_tokens) for w in range(clients)))
+        per_client = await asyncio.gather(*(_client(client, model, w, requests, max_tokens) for w in range(clients)))
         lines_beside = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] - done_before \
             if bid else 0
         if bid is not None:
@@ -99,22 +106,53 @@ async def _run(url: str, clients: int, requests: int, max_tokens: int, batch_lin
             "batch_lines_done": lines_beside}
 
 
-def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 32, max_tokens: int = 32,
-                    batch_lines: int = 400, repeats: int = 3, background_share: float | None = None) -> dict[str, Any]:
-    runs: dict[str, list[dict]] = {c: [] for c in CASES}
-    with tempfile.TemporaryDirectory() as tmp, local_serve() as url:
-        args = {"checkpoint": str(checkpoint) if checkpoint else None, "replica_cpus": 1, "enable_cache": False,
-                "files_dir": tmp}
-        if background_share is not None:
-            args["background_share"] = background_share
+def server_root(url: str) -> str:
+    """A server's root URL from what a user may give: its root or its OpenAI base (``.../v1``)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
 
-        with deployed(url, args):
-            asyncio.run(_run(url, 1, 1, max_tokens, 0, False))  # warm-up: kernels and first passes
-            for order in case_orders(repeats, CASES):
-                for case in order:
-                    runs[case].append(asyncio.run(_run(url, clients, requests, max_tokens, batch_lines,
-                                                       case == "beside_batch")))
-    out: dict[str, Any] = {**machine(), "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
+
+def _served_model(url: str, auth: dict[str, str]) -> str:
+    """The first model the server at ``url`` lists; a RuntimeError saying why when it lists none."""
+    try:
+        r = httpx.get(url + "/v1/models", timeout=30, headers=auth)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"{url} does not answer: {e}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}/v1/models answered {r.status_code}: {r.text[:300]}")
+    return r.json()["data"][0]["id"]
+
+
+def _runs(url: str, auth: dict[str, str], model: str, clients: int, requests: int, max_tokens: int,
+          batch_lines: int, repeats: int) -> dict[str, list[dict]]:
+    """Each case's runs against the server at ``url``, after a warm-up (kernels, first passes)."""
+    runs: dict[str, list[dict]] = {c: [] for c in CASES}
+    asyncio.run(_run(url, auth, model, 1, 1, max_tokens, 0, False))
+    for order in case_orders(repeats, CASES):
+        for case in order:
+            runs[case].append(asyncio.run(_run(url, auth, model, clients, requests, max_tokens, batch_lines,
+                                               case == "beside_batch")))
+    return runs
+
+
+def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 32, max_tokens: int = 32,
+                    batch_lines: int = 400, repeats: int = 3, background_share: float | None = None,
+                    url: str | None = None, api_key: str | None = None) -> dict[str, Any]:
+    """``url``: measure the server there (``api_key`` its key, where it has keys) instead of a
+    local app of ``checkpoint`` and ``background_share``."""
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if url is not None:
+        url = server_root(url)
+        runs = _runs(url, auth, _served_model(url, auth), clients, requests, max_tokens, batch_lines, repeats)
+    else:
+        with tempfile.TemporaryDirectory() as tmp, local_serve() as local:
+            args = {"checkpoint": str(checkpoint) if checkpoint else None, "replica_cpus": 1, "enable_cache": False,
+                    "files_dir": tmp}
+            if background_share is not None:
+                args["background_share"] = background_share
+            with deployed(local, args) as model:
+                runs = _runs(local, auth, model, clients, requests, max_tokens, batch_lines, repeats)
+    out: dict[str, Any] = {**machine(), "url": url, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
                            "batch_lines": batch_lines, "batch_line_max_tokens": 4 * max_tokens, "repeats": repeats,
                            "background_share": background_share, "statistic": "median over repeats (order alternates)"}
     for case in CASES:

@@ -245,16 +245,35 @@ def bench_batch(
     background_share: float = typer.Option(None, "--background-share", min=0.0, max=1.0,
                                            help="the replica's share of seats and pages for batch lines (default: the app's)"),
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
+    url: str = typer.Option(None, "--url", help="measure a server already up (e.g. `tide up`'s http://127.0.0.1:8000/v1) "
+                                                "instead of starting a local app; its first listed model"),
+    api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="with --url: the server's API key"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """An interactive load of greedy streamed chats alone, then beside a running batch
-    (/v1/batches) on one local replica: the load's time to first token and inter-token latency
-    (p50, p99) in each case, their p99 ratios (target: within 1.10x) and the batch lines done."""
-    from deploy.bench.batch_bench import run_batch_bench
+    (/v1/batches) on one local replica, or on the server at --url: the load's time to first token
+    and inter-token latency (p50, p99) in each case, their p99 ratios (target: within 1.10x) and
+    the batch lines done. The batch is cancelled and its files deleted when the load ends."""
+    import httpx
+
+    from deploy.bench.batch_bench import run_batch_bench, server_root
 
     check_checkpoint(checkpoint)
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
-        result = run_batch_bench(checkpoint, clients, requests, max_tokens, batch_lines, repeats, background_share)
+    if url is not None:
+        for given, option in ((checkpoint, "--checkpoint"), (background_share, "--background-share")):
+            if given is not None:
+                raise typer.BadParameter(f"{option} sets up the local app; the server at --url {url} runs as it was started")
+        if not server_root(url).startswith(("http://", "https://")):
+            raise typer.BadParameter(f"--url {url!r} must be an http:// or https:// URL")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
+            result = run_batch_bench(checkpoint, clients, requests, max_tokens, batch_lines, repeats,
+                                     background_share, url=url, api_key=api_key)
+    except (RuntimeError, httpx.HTTPError) as e:
+        if url is None:
+            raise
+        typer.echo(f"error: the server at --url {url}: {e}", err=True)
+        raise typer.Exit(1) from None
     emit(result)
 
 
