@@ -459,6 +459,11 @@ def test_bench_model_mtp_only_decodes_with_and_without_drafts_in_turn(tmp_path):
             assert 0 < slow <= case[f"tokens_per_s_{kind}"] <= fast
         assert case["speedup"] == pytest.approx(case["tokens_per_s_with"] / case["tokens_per_s_without"], abs=0.01)
         assert len(case["acceptance_per_position"]) == 1 and 1 <= case["tokens_per_step_with"] <= 2
+        # where a step's time goes: the model's call is part of the step, and a drafting step's cost
+        # in plain steps is what its tokens must exceed
+        for kind in ("without", "with"):
+            assert 0 < case[f"pass_us_{kind}"] < case[f"step_us_{kind}"]
+        assert case["step_cost_ratio"] == pytest.approx(case["step_us_with"] / case["step_us_without"], abs=0.01)
 
 
 def test_decode_step_bytes_counts_each_weight_once_and_the_experts_a_batch_touches(tmp_path):
