@@ -59,8 +59,11 @@ async def _submit(client: httpx.AsyncClient, model: str, lines: int, max_tokens:
         "temperature": 0, "ignore_eos": True}}) + "\n" for i in range(lines))
     f = await client.post("/v1/files", files={"file": ("bench.jsonl", data.encode())}, data={"purpose": "batch"})
     f.raise_for_status()
-    b = await client.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions",
+    fid = f.json()["id"]
+    b = await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
                                                "completion_window": "24h"})
+    if b.status_code != 200:  # no batch to cancel later: its file goes now
+        await client.delete(f"/v1/files/{fid}")
     b.raise_for_status()
     return b.json()["id"]
 
@@ -91,14 +94,17 @@ async def _run(url: str, auth: dict[str, str], model: str, clients: int, request
                batch_lines: int, beside: bool) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600, headers=auth) as client:
         bid = await _submit(client, model, batch_lines, 4 * max_tokens) if beside else None
-        if bid is not None:
-            await _until_running(client, bid)
-        done_before = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] if bid else 0
-        per_client = await asyncio.gather(*(_client(client, model, w, requests, max_tokens) for w in range(clients)))
-        lines_beside = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] - done_before \
-            if bid else 0
-        if bid is not None:
-            await _stop(client, bid)
+        try:
+            if bid is not None:
+                await _until_running(client, bid)
+            done_before = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] if bid else 0
+            per_client = await asyncio.gather(*(_client(client, model, w, requests, max_tokens)
+                                                for w in range(clients)))
+            lines_beside = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] \
+                - done_before if bid else 0
+        finally:  # also when the load failed: no batch of the bench's goes on running
+            if bid is not None:
+                await _stop(client, bid)
     ttft = [t for runs in per_client for t, _ in runs]
     gaps = [g for runs in per_client for _, gs in runs for g in gs]
     return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * _quantile(ttft, 0.99),
@@ -120,7 +126,10 @@ def _served_model(url: str, auth: dict[str, str]) -> str:
         raise RuntimeError(f"{url} does not answer: {e}") from None
     if r.status_code != 200:
         raise RuntimeError(f"{url}/v1/models answered {r.status_code}: {r.text[:300]}")
-    return r.json()["data"][0]["id"]
+    models = r.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return models[0]["id"]
 
 
 def _runs(url: str, auth: dict[str, str], model: str, clients: int, requests: int, max_tokens: int,
@@ -139,8 +148,8 @@ def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 32, max_t
                     batch_lines: int = 400, repeats: int = 3, background_share: float | None = None,
                     url: str | None = None, api_key: str | None = None) -> dict[str, Any]:
     """``url``: measure the server there (``api_key`` its key, where it has keys) instead of a
-    local app of ``checkpoint`` and ``background_share``."""
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    local app of ``checkpoint`` and ``background_share`` (which has none: ``api_key`` is unused)."""
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key and url is not None else {}
     if url is not None:
         url = server_root(url)
         runs = _runs(url, auth, _served_model(url, auth), clients, requests, max_tokens, batch_lines, repeats)
