@@ -10,9 +10,9 @@ it to the end; drafting and not drafting take turns run by run, the median of ``
 Where the time goes, per engine step (medians): ``step_us`` the whole step, ``pass_us`` its call
 of the model (the pass's inputs and the forward pass: the decode pass, or with drafts the verify
 pass, which on the C++ path also runs MTP layer 0), the rest the engine's own work (scheduling,
-sampling, detokenizing, the drafts' bookkeeping). Drafting pays where a step's tokens (``tokens_per_step_with``) exceed
-what a drafting step costs in plain steps (``step_cost_ratio``); the speedup is about their
-quotient.
+sampling, detokenizing, the drafts' bookkeeping). Drafting pays where a step's tokens
+(``tokens_per_step_with``) exceed what a drafting step costs in plain steps
+(``step_cost_ratio``); the speedup is about their quotient.
 """
 
 from __future__ import annotations
