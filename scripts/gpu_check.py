@@ -12,13 +12,17 @@ runs on the machine's own python, torch and triton and imports nothing else of t
   reference (error) and timed against the device's peak (efficiency): MLA decode at batch 64 x
   4K and batch 1 x 128K, with 128 and 16 heads; the grouped expert GEMM on prefill and decode
   batches; DeepSeek's fp8 GEMM at M = 64 and 4096 and its grouped experts.
+- ``mtp``: MTP speculative decoding on CUDA, where a replica drafts by default: the default
+  model's engine decode tokens/s with and without drafts at batch 1 and 8 (CUDA graphs, bf16;
+  ``deploy.bench.mtp_bench``), its drafts' acceptance, and whether drafting pays at batch 1.
 
 Every case prints one JSON line as it finishes, every phase one line with its outcome; the last
 line is the verdict (exit status 0 when every phase passed). ``--dry-run`` runs the same phases
 on the CPU in Triton's interpreter at toy shapes (errors checked, efficiency not), so the script
 itself is tested where there is no GPU.
 
-Usage: ``scripts/gpu-check.sh [--dry-run] [--min-efficiency SCALE]``; output also under ``$OUT``.
+Usage: ``scripts/gpu-check.sh [--dry-run] [--min-efficiency SCALE] [--phases env,tests,kernels,mtp]``;
+output also under ``$OUT``.
 """
 
 from __future__ import annotations
@@ -47,8 +51,13 @@ class Phase:
     budget_s: float  # on a GPU; a dry run gets its own
 
 
-PHASES = (Phase("env", 30), Phase("tests", 200), Phase("kernels", 230))  # 460 s: two calls of 240 s
-DRY_BUDGETS = {"env": 60, "tests": 120, "kernels": 240}
+# 550 s in all: on a lent GPU, two calls (``--phases env,tests,mtp``, 320 s, then ``--phases
+# kernels``, 230 s) within the 600 s a call may run and, with a machine's start, the device budget
+PHASES = (Phase("env", 30), Phase("tests", 200), Phase("kernels", 230), Phase("mtp", 90))
+DRY_BUDGETS = {"env": 60, "tests": 120, "kernels": 240, "mtp": 120}
+# MTP at batch 1 on CUDA, where drafting is on by default: its drafts must be mostly accepted
+# (the default model accepts 85-91% on the CPU) and the step must pay (judged on a GPU only)
+MTP_FLOORS = {"acceptance": 0.5, "speedup": 1.0}
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,31 @@ def run_kernels(dry: bool, efficiency: float, log) -> bool:
     return ok
 
 
+def run_mtp(dry: bool, log) -> bool:
+    """The default model's decode with and without MTP drafts (``deploy.bench.mtp_bench``): on
+    CUDA at batch 1 and 8; a dry run at batch 1 on the CPU, a few tokens, judged on acceptance
+    only."""
+    from deploy.bench.mtp_bench import mtp_decode_bench
+    from model.default import default_checkpoint
+
+    t0 = time.monotonic()
+    try:
+        if dry:
+            out = mtp_decode_bench(default_checkpoint(), tokens=8, repeats=1, batches=(1,))
+        else:
+            out = mtp_decode_bench(default_checkpoint(), tokens=64, repeats=3, batches=(1, 8), device="cuda",
+                                   dtype="bfloat16")
+        one = out["1"]
+        figures = {"acceptance": one["acceptance_per_position"][0], "speedup": one["speedup"]}
+        missed = [f"{k} {figures[k]} < {v}" for k, v in MTP_FLOORS.items() if not (dry and k == "speedup")
+                  and figures[k] < v]
+    except Exception as e:  # noqa: BLE001 - reported as the phase's failure
+        out, missed = {}, [f"{type(e).__name__}: {e}"]
+    emit({"phase": "mtp", "case": "mtp_decode", "ok": not missed, "failures": missed,
+          "seconds": round(time.monotonic() - t0, 1), **out}, log)
+    return not missed
+
+
 def _tests(dry: bool, budget_s: float, out_dir: Path) -> dict:
     """The GPU-marked tests, two pytest processes side by side (a dry run collects them only)."""
     env = {**os.environ, "TIDE_CPU_KERNELS": "0", "PYTHONPATH": str(ROOT)}
@@ -255,8 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, in Triton's interpreter, at toy shapes")
     ap.add_argument("--min-efficiency", type=float, default=1.0,
                     help="scale of the efficiency floors (0: judge errors only)")
+    ap.add_argument("--phases", default=",".join(p.name for p in PHASES),
+                    help="the phases to run, comma-separated, in their order (default: all)")
     ap.add_argument("--phase", choices=[p.name for p in PHASES], help=argparse.SUPPRESS)  # a child's
     a = ap.parse_args(argv)
+    chosen = [x for x in a.phases.split(",") if x]
+    unknown = sorted(set(chosen) - {p.name for p in PHASES})
+    if unknown or not chosen:
+        ap.error(f"--phases {a.phases!r}: choose among {', '.join(p.name for p in PHASES)}")
+    phases = [p for p in PHASES if p.name in chosen]
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     out_dir = Path(os.environ.get("OUT", ROOT / "gpu-check"))
@@ -266,12 +307,14 @@ def main(argv: list[str] | None = None) -> int:
             if a.phase == "env":
                 emit({"phase": "env", **run_env(a.dry_run)}, sink)
                 return 0
+            if a.phase == "mtp":
+                return 0 if run_mtp(a.dry_run, sink) else 1
             return 0 if run_kernels(a.dry_run, a.min_efficiency, sink) else 1
     with open(out_dir / "gpu-check.jsonl", "w") as log:
-        budgets = {p.name: DRY_BUDGETS[p.name] if a.dry_run else p.budget_s for p in PHASES}
+        budgets = {p.name: DRY_BUDGETS[p.name] if a.dry_run else p.budget_s for p in phases}
         emit({"plan": [{"phase": p, "budget_s": b} for p, b in budgets.items()], "dry_run": a.dry_run}, log)
         results, t_all = {}, time.monotonic()
-        for p in PHASES:
+        for p in phases:
             t0 = time.monotonic()
             if p.name == "tests":
                 result = _tests(a.dry_run, budgets[p.name], out_dir)
@@ -282,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             emit({"phase": p.name, "budget_s": budgets[p.name], **result}, log)
             if p.name == "env" and not result["ok"]:
                 break  # nothing else can run
-        verdict = "pass" if all(r["ok"] for r in results.values()) and len(results) == len(PHASES) else "fail"
+        verdict = "pass" if all(r["ok"] for r in results.values()) and len(results) == len(phases) else "fail"
         emit({"verdict": verdict, "seconds": round(time.monotonic() - t_all, 1),
               "failed": [n for n, r in results.items() if not r["ok"]]}, log)
     return 0 if verdict == "pass" else 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from deploy.bench.cli_common import PLOT, check_plot, emit, family_name, ints, plotted
-from deploy.options import check_checkpoint
+from deploy.options import check_checkpoint, check_device, check_dtype
 
 
 def bench_model(
@@ -23,6 +23,9 @@ def bench_model(
     mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="with a checkpoint that has MTP layers: decode tokens/s through the engine with and without their drafts (batch 1/2/4/8/32) and the acceptance"),
     mtp_only: bool = typer.Option(False, "--mtp-only", help="only the MTP section"),
     mtp_tokens: int = typer.Option(64, "--mtp-tokens", min=8, help="tokens each request decodes in the MTP section"),
+    mtp_batches: str = typer.Option("1,2,4,8,32", "--mtp-batches", help="the MTP section's batch sizes, comma-separated"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda: where the MTP section runs (--mtp-only; the other sections are the CPU's)"),
+    dtype: str = typer.Option(None, "--dtype", help="the MTP section's dtype (default: float32 on the CPU, bfloat16 on CUDA)"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
 ) -> None:
     """Prefill (2,048-token prompt) and decode (batch 1/8/32, 256-token context) tokens/s,
@@ -37,16 +40,28 @@ def bench_model(
     from deploy.bench.mtp_bench import mtp_decode_bench
 
     check_checkpoint(checkpoint)
+    check_device(device)
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    check_dtype(dtype)
+    batches = ints(mtp_batches, "--mtp-batches")
+    if device == "cuda" and not mtp_only:
+        raise typer.BadParameter("--device cuda measures the MTP section alone: add --mtp-only")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("--device cuda: torch sees no CUDA device here")
     if mtp_only:
         from model.default import default_checkpoint
 
         ckpt = checkpoint or default_checkpoint()
-        emit({"checkpoint": str(ckpt), "mtp": mtp_decode_bench(ckpt, tokens=mtp_tokens, repeats=repeats)})
+        emit({"checkpoint": str(ckpt), "mtp": mtp_decode_bench(ckpt, tokens=mtp_tokens, repeats=repeats,
+                                                                batches=batches, device=device, dtype=dtype)})
         return
     result = run_model_bench(checkpoint, steps=steps, repeats=repeats, with_hf=not no_hf, with_int8=not no_int8,
                              family=family_name(family))
     if mtp and checkpoint is not None:
-        result["mtp"] = mtp_decode_bench(checkpoint, tokens=mtp_tokens, repeats=repeats)
+        result["mtp"] = mtp_decode_bench(checkpoint, tokens=mtp_tokens, repeats=repeats, batches=batches, dtype=dtype)
     emit(result)
 
 

@@ -60,18 +60,20 @@ def _run(model, prompts: list[tuple[int, ...]], tokens: int, drafts: int) -> tup
 
 
 def mtp_decode_bench(checkpoint: Path, tokens: int = 64, repeats: int = 5, drafts: int = 1,
-                     batches: tuple[int, ...] = MTP_BATCHES) -> dict[str, Any]:
+                     batches: tuple[int, ...] = MTP_BATCHES, device: str = "cpu",
+                     dtype: str = "float32") -> dict[str, Any]:
     """Per batch size: tokens/s with and without drafts (median, and the range of the runs), the
-    speedup, and the drafts' acceptance per position."""
+    speedup, and the drafts' acceptance per position; the model on ``device`` in ``dtype`` (on
+    CUDA each engine replays its decode and verify steps as CUDA graphs, as a replica does)."""
     from model.checkpoint import load_model
     from model.tokenizer import load_tokenizer
 
-    model = load_model(checkpoint, mtp=True)
+    model = load_model(checkpoint, dtype, device=device, mtp=True)
     if not model.mtp:
         return {"available": False, "why": f"{checkpoint} has no MTP layers (config num_nextn_predict_layers)"}
     tokenizer = load_tokenizer(checkpoint)
-    out: dict[str, Any] = {"available": True, "drafts_per_step": drafts, "tokens_per_request": tokens,
-                           "repeats": repeats, "statistic": "median"}
+    out: dict[str, Any] = {"available": True, "device": device, "dtype": dtype, "drafts_per_step": drafts,
+                           "tokens_per_request": tokens, "repeats": repeats, "statistic": "median"}
     for b in batches:
         prompts = _prompts(tokenizer, b)
         for k in (0, drafts):  # warm-up: kernels, the C++ steps of this many rows

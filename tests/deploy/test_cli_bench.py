@@ -448,11 +448,12 @@ def test_bench_model_mtp_only_decodes_with_and_without_drafts_in_turn(tmp_path):
     cfg = dataclasses.replace(named_config("tiny"), num_nextn_predict_layers=1)
     ckpt = save_checkpoint(tmp_path / "mtp", cfg, random_state_dict(cfg, seed=0))
     r = tide_here("bench", "model", "--checkpoint", str(ckpt), "--mtp-only", "--repeats", "3", "--mtp-tokens", "8",
-                  "--json")
+                  "--mtp-batches", "1,3", "--json")
     assert r.returncode == 0, r.stderr
     mtp = json.loads(r.stdout)["mtp"]
     assert mtp["available"] and mtp["drafts_per_step"] == 1 and mtp["statistic"] == "median"
-    for b in ("1", "2", "4", "8", "32"):
+    assert (mtp["device"], mtp["dtype"]) == ("cpu", "float32") and "2" not in mtp
+    for b in ("1", "3"):
         case = mtp[b]
         for kind in ("without", "with"):
             slow, fast = case[f"range_{kind}"]
@@ -464,6 +465,23 @@ def test_bench_model_mtp_only_decodes_with_and_without_drafts_in_turn(tmp_path):
         for kind in ("without", "with"):
             assert 0 < case[f"pass_us_{kind}"] < case[f"step_us_{kind}"]
         assert case["step_cost_ratio"] == pytest.approx(case["step_us_with"] / case["step_us_without"], abs=0.01)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "tpu", "--mtp-only"], "tpu"),
+    (["--device", "cuda"], "--mtp-only"),
+    (["--mtp-only", "--dtype", "int3"], "int3"),
+    (["--mtp-only", "--mtp-batches", "1,0"], "--mtp-batches"),
+])
+def test_bench_model_mtp_options_name_the_bad_value(args, message):
+    r = tide_here("bench", "model", *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer where there is no CUDA device")
+def test_bench_model_mtp_on_cuda_without_a_device_says_so():
+    r = tide_here("bench", "model", "--mtp-only", "--device", "cuda")
+    assert r.returncode == 2 and "no CUDA device" in r.stderr, r.stderr
 
 
 def test_decode_step_bytes_counts_each_weight_once_and_the_experts_a_batch_touches(tmp_path):
