@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-efficiency", type=float, default=1.0,
                     help="scale of the efficiency floors (0: judge errors only)")
     ap.add_argument("--phases", default=",".join(p.name for p in PHASES),
-                    help="the phases to run, comma-separated, in their order (default: all)")
+                    help="the phases to run, comma-separated (always in the order env, tests, kernels, mtp; default: all)")
     ap.add_argument("--phase", choices=[p.name for p in PHASES], help=argparse.SUPPRESS)  # a child's
     a = ap.parse_args(argv)
     chosen = [x for x in a.phases.split(",") if x]
