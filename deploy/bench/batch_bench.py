@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from deploy.bench.machine import machine
-from deploy.bench.serve_bench import case_orders, deployed, local_serve
+from deploy.bench.serve_bench import case_orders, deployed, local_serve, served_model
 
 __all__ = ["run_batch_bench"]
 
@@ -68,9 +68,14 @@ async def _submit(client: httpx.AsyncClient, model: str, lines: int, max_tokens:
     return b.json()["id"]
 
 
+async def _completed(client: httpx.AsyncClient, bid: str) -> int:
+    """The lines the batch has completed so far."""
+    return (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"]
+
+
 async def _until_running(client: httpx.AsyncClient, bid: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] < 1:
+    while await _completed(client, bid) < 1:
         if time.monotonic() > deadline:
             raise RuntimeError(f"batch {bid} ran no line within {timeout_s:.0f} s")
         await asyncio.sleep(0.2)
@@ -97,11 +102,10 @@ async def _run(url: str, auth: dict[str, str], model: str, clients: int, request
         try:
             if bid is not None:
                 await _until_running(client, bid)
-            done_before = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] if bid else 0
+            done_before = await _completed(client, bid) if bid else 0
             per_client = await asyncio.gather(*(_client(client, model, w, requests, max_tokens)
                                                 for w in range(clients)))
-            lines_beside = (await client.get(f"/v1/batches/{bid}")).json()["request_counts"]["completed"] \
-                - done_before if bid else 0
+            lines_beside = await _completed(client, bid) - done_before if bid else 0
         finally:  # also when the load failed: no batch of the bench's goes on running
             if bid is not None:
                 await _stop(client, bid)
@@ -114,22 +118,7 @@ async def _run(url: str, auth: dict[str, str], model: str, clients: int, request
 
 def server_root(url: str) -> str:
     """A server's root URL from what a user may give: its root or its OpenAI base (``.../v1``)."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _served_model(url: str, auth: dict[str, str]) -> str:
-    """The first model the server at ``url`` lists; a RuntimeError saying why when it lists none."""
-    try:
-        r = httpx.get(url + "/v1/models", timeout=30, headers=auth)
-    except httpx.HTTPError as e:
-        raise RuntimeError(f"{url} does not answer: {e}") from None
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}/v1/models answered {r.status_code}: {r.text[:300]}")
-    models = r.json().get("data") or []
-    if not models:
-        raise RuntimeError(f"{url}/v1/models lists no model")
-    return models[0]["id"]
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def _runs(url: str, auth: dict[str, str], model: str, clients: int, requests: int, max_tokens: int,
@@ -152,7 +141,7 @@ def run_batch_bench(checkpoint=None, clients: int = 2, requests: int = 32, max_t
     auth = {"Authorization": f"Bearer {api_key}"} if api_key and url is not None else {}
     if url is not None:
         url = server_root(url)
-        runs = _runs(url, auth, _served_model(url, auth), clients, requests, max_tokens, batch_lines, repeats)
+        runs = _runs(url, auth, served_model(url, auth), clients, requests, max_tokens, batch_lines, repeats)
     else:
         with tempfile.TemporaryDirectory() as tmp, local_serve() as local:
             args = {"checkpoint": str(checkpoint) if checkpoint else None, "replica_cpus": 1, "enable_cache": False,

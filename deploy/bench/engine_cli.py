@@ -44,11 +44,11 @@ def bench_model(
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     check_dtype(dtype)
     batches = ints(mtp_batches, "--mtp-batches")
-    if device == "cuda" and not mtp_only:
-        raise typer.BadParameter("--device cuda measures the MTP section alone: add --mtp-only")
     if device == "cuda":
         import torch
 
+        if not mtp_only:
+            raise typer.BadParameter("--device cuda measures the MTP section alone: add --mtp-only")
         if not torch.cuda.is_available():
             raise typer.BadParameter("--device cuda: torch sees no CUDA device here")
     if mtp_only:

@@ -45,9 +45,13 @@ def replica_load() -> dict[str, dict[str, Any]]:
 
     time.sleep(REPORT_S)  # the last requests' counts reach the heartbeats
     reports = ray.get(tidal_state().replica_reports.remote(), timeout=30)
-    return {name: {"node": r.get("node_id", ""), "max_num_seqs": (r.get("stats") or {}).get("max_num_seqs"),
-                   **{k: int(((r.get("stats") or {}).get("engine") or {}).get(k, 0)) for k in COUNTERS}}
-            for name, r in reports.items()}
+    out = {}
+    for name, r in reports.items():
+        stats = r.get("stats") or {}
+        engine = stats.get("engine") or {}
+        out[name] = {"node": r.get("node_id", ""), "max_num_seqs": stats.get("max_num_seqs"),
+                     **{k: int(engine.get(k, 0)) for k in COUNTERS}}
+    return out
 
 
 def load_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -186,10 +186,23 @@ def deployed(url: str, app_args: dict[str, Any], api_key: str | None = None) -> 
               blocking=False)
     try:
         wait_healthy(url)
-        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        yield httpx.get(url + "/v1/models", timeout=30, headers=auth).json()["data"][0]["id"]
+        yield served_model(url, {"Authorization": f"Bearer {api_key}"} if api_key else {})
     finally:
         serve.delete("bench")
+
+
+def served_model(url: str, auth: dict[str, str]) -> str:
+    """The first model the server at ``url`` lists; a RuntimeError saying why when it lists none."""
+    try:
+        r = httpx.get(url + "/v1/models", timeout=30, headers=auth)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"{url} does not answer: {e}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}/v1/models answered {r.status_code}: {r.text[:300]}")
+    models = r.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return models[0]["id"]
 
 
 def run_serve_bench(checkpoint: Path | None, requests: int = 64, concurrency: int = 8,
