@@ -29,6 +29,7 @@ other's copy; if that fails, or ``TIDE_CPU_KERNELS=0``, callers use the referenc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -134,6 +135,22 @@ def prune_other_builds(now: float | None = None) -> list[Path]:
     return removed
 
 
+@contextlib.contextmanager
+def _install_scripts_first():
+    """PATH with this install's scripts directory (``.venv/bin``) first while the extension
+    builds. torch runs whichever ``ninja`` PATH finds: an unactivated venv (``.venv/bin/tide
+    up``) finds none on a machine without a system ninja, and two ninja versions throw away each
+    other's build log, so each rebuilds everything. The install's own (pyproject.toml pins it) is
+    the one every process of it uses."""
+    scripts = sysconfig.get_path("scripts")
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([scripts, *(p for p in before.split(os.pathsep) if p and p != scripts)])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def kernel_state() -> str:
     """``loaded`` (built and in this process), ``unavailable`` (the build failed or is off), or
     ``not loaded`` (nothing asked for it yet)."""
@@ -156,14 +173,15 @@ def cpu_kernels():
 
                 out = build_dir()
                 out.mkdir(parents=True, exist_ok=True)
-                mod = load(
-                    name="tide_cpu_gemv",
-                    sources=[str(f) for f in _SOURCES],
-                    extra_cflags=list(_CFLAGS),
-                    extra_ldflags=list(_LDFLAGS),
-                    build_directory=str(out),
-                    verbose=False,
-                )
+                with _install_scripts_first():
+                    mod = load(
+                        name="tide_cpu_gemv",
+                        sources=[str(f) for f in _SOURCES],
+                        extra_cflags=list(_CFLAGS),
+                        extra_ldflags=list(_LDFLAGS),
+                        build_directory=str(out),
+                        verbose=False,
+                    )
             except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
                 log.warning("CPU decode kernels unavailable, using torch references: %s", e)
         _state["mod"] = mod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -164,6 +165,25 @@ def test_the_build_directory_is_one_per_install_and_source(monkeypatch, tmp_path
     assert cpu_gemv.build_dir().name != mine.name
     monkeypatch.setenv("TIDE_KERNEL_BUILD_DIR", str(tmp_path))
     assert cpu_gemv.build_dir().parent == tmp_path
+
+
+def test_the_build_uses_the_installs_own_ninja_whatever_path_says(tmp_path):
+    """An unactivated venv (``.venv/bin/tide up``) on a machine without a system ninja still loads
+    the kernels, and runs the same ninja as an activated one: another version would throw the
+    build log away and rebuild everything."""
+    from kernels.cpu_gemv import build_dir
+
+    bare = tmp_path / "bin"  # the compiler, no ninja
+    bare.mkdir()
+    for tool in ("c++", "cc", "g++", "gcc"):
+        if found := shutil.which(tool):
+            (bare / tool).symlink_to(found)
+    built = build_dir() / "tide_cpu_gemv.so"
+    before = built.stat().st_mtime_ns
+    r = subprocess.run([sys.executable, "-m", "kernels.cpu_gemv"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PATH": str(bare)})
+    assert r.returncode == 0 and "CPU decode kernels built in" in r.stdout + r.stderr, r.stderr[-2000:]
+    assert built.stat().st_mtime_ns == before  # nothing rebuilt
 
 
 def test_the_build_command_fails_when_the_kernels_cannot_be_built():
