@@ -56,8 +56,12 @@ class Phase:
 PHASES = (Phase("env", 30), Phase("tests", 200), Phase("kernels", 230), Phase("mtp", 90))
 DRY_BUDGETS = {"env": 60, "tests": 120, "kernels": 240, "mtp": 120}
 # MTP at batch 1 on CUDA, where drafting is on by default: its drafts must be mostly accepted
-# (the default model accepts 85-91% on the CPU) and the step must pay (judged on a GPU only)
+# (the default model accepts 85-91% on the CPU) and the step must pay (judged on a GPU only).
+# MTP_GOAL is the speedup the project aims for at batch 1 (medians of MTP_REPEATS runs): reported
+# as met or not, without failing the phase.
 MTP_FLOORS = {"acceptance": 0.5, "speedup": 1.0}
+MTP_GOAL = 1.4
+MTP_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -222,12 +226,13 @@ def run_mtp(dry: bool, log) -> bool:
         if dry:
             out = mtp_decode_bench(default_checkpoint(), tokens=8, repeats=1, batches=(1,))
         else:
-            out = mtp_decode_bench(default_checkpoint(), tokens=64, repeats=3, batches=(1, 8), device="cuda",
-                                   dtype="bfloat16")
+            out = mtp_decode_bench(default_checkpoint(), tokens=64, repeats=MTP_REPEATS, batches=(1, 8),
+                                   device="cuda", dtype="bfloat16")
         one = out["1"]
         figures = {"acceptance": one["acceptance_per_position"][0], "speedup": one["speedup"]}
         missed = [f"{k} {figures[k]} < {v}" for k, v in MTP_FLOORS.items() if not (dry and k == "speedup")
                   and figures[k] < v]
+        out = {"goal": {"speedup_at_batch_1": MTP_GOAL, "met": one["speedup"] >= MTP_GOAL}, **out}
     except Exception as e:  # noqa: BLE001 - reported as the phase's failure
         out, missed = {}, [f"{type(e).__name__}: {e}"]
     emit({"phase": "mtp", "case": "mtp_decode", "ok": not missed, "failures": missed,

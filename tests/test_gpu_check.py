@@ -32,6 +32,7 @@ def test_the_dry_run_lists_its_phases_and_passes_each_within_its_budget(tmp_path
     assert all(c["ok"] and c["seconds"] >= 0 for c in cases), cases
     mtp = cases[-1]  # the default model on the CPU, drafting and not at batch 1
     assert mtp["device"] == "cpu" and mtp["1"]["acceptance_per_position"][0] >= gpu_check.MTP_FLOORS["acceptance"]
+    assert mtp["goal"] == {"speedup_at_batch_1": gpu_check.MTP_GOAL, "met": mtp["1"]["speedup"] >= gpu_check.MTP_GOAL}
     assert lines[-1]["verdict"] == "pass" and r.returncode == 0
     assert (tmp_path / "gpu-check.jsonl").read_text().count("\n") == len(lines)
     env = next(x for x in lines if x.get("phase") == "env" and "torch" in x)
