@@ -14,9 +14,10 @@ replica; when a request finished there after the report, the report is stale and
 this router has in flight there are its queue. The chosen replica is
 ranked first and the rest by estimated TTFT, so Serve falls back in that order when one is full.
 
-``CacheAwareRouter`` does not use Serve's ``FIFOMixin``: it hands the replica found for one
-request to the oldest request waiting, whose prefix may live on another node; without it each
-request gets the replica ranked for its own prompt.
+``CacheAwareRouter`` and ``PrefixAffinityRouter`` do not use Serve's ``FIFOMixin``: it hands
+the replica found for one request to the oldest request waiting, whose prefix may live on another
+node (or hash to another replica); without it each request gets the replica ranked for its own
+prompt.
 
 Why a router rather than the ingress picking a replica: Serve owns replica membership, queue
 limits, retries and back-pressure; a router keeps all of that and only supplies the ranking.
@@ -142,7 +143,7 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
         return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]  # ranks: this one, then the rest
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, affinity_tokens: int = AFFINITY_TOKENS, affinity_queue_ratio: float = QUEUE_RATIO,
                          affinity_queue_gap: int = 0, **kwargs) -> None:
         """AppArgs': ``affinity_tokens``, how many of a prompt's first tokens decide its replica;

@@ -278,5 +278,12 @@ def test_the_prefix_affinity_router_gets_its_bounded_load_from_the_app_args():
     router.initialize_state(**cfg.request_router_kwargs)
     assert (router.affinity_tokens, router.queue_ratio, router.queue_gap) == (16, 1.5, 64)
     assert _routed(ROUTERS["round-robin"], AppArgs()).request_router_kwargs == {}
+    # each request gets the replica ranked for its own prompt: Serve's FIFOMixin would hand it to
+    # the oldest request waiting, whose prefix hashes elsewhere (a hot prefix then spreads by chance)
+    from ray.serve.request_router import FIFOMixin
+
+    from deploy.prefill_router import CacheAwareRouter
+
+    assert not issubclass(PrefixAffinityRouter, FIFOMixin) and not issubclass(CacheAwareRouter, FIFOMixin)
     with pytest.raises(ValueError, match="affinity_queue_ratio"):
         AppArgs(affinity_queue_ratio=0.5)
