@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up tideserve on a fresh machine: a virtual environment in .venv with torch (the CPU build
 # on machines without CUDA), the package and its test dependencies, the CPU decode kernels, and
-# redis-server.
+# redis-server (and a C++ compiler for the kernels where none is found).
 # Usage: scripts/setup.sh            (idempotent and quick when nothing changed; re-run after pulling)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,11 +9,16 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "== installing redis-server (apt)"
+# redis-server is the cache directory; g++ builds the CPU decode kernels (without one the engine
+# runs their torch references, several times slower)
+apt_missing=()
+command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
+command -v c++ >/dev/null 2>&1 || apt_missing+=(g++)
+if [ ${#apt_missing[@]} -gt 0 ]; then
+  echo "== installing ${apt_missing[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq redis-server >/dev/null
+  $SUDO apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
 fi
 
 # What the install depends on: when none of it changed since the last setup, there is nothing to do.

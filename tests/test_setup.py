@@ -79,3 +79,32 @@ def test_an_install_sections_setting_comes_before_the_global_one(tmp_path):
     (uv,) = _run(tmp_path, uv_exit=0, config=config)
     args = uv.split()
     assert [v for k, v in pairwise(args) if k == "--find-links"] == ["/opt/from-install"]
+
+
+def _apt_installs(tmp_path: Path, present: tuple[str, ...]) -> list[str]:
+    """setup.sh's apt block run with only ``present`` of its tools (and a stand-in apt-get that
+    records its calls) on PATH; the calls, in order."""
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    found = re.search(r"^apt_missing=\(\)\n.*?^fi\n", text, re.S | re.M)
+    assert found, "setup.sh lost its apt block"
+    bin_dir, log = tmp_path / "bin", tmp_path / "apt-calls"
+    bin_dir.mkdir(parents=True)
+    for tool in (*present, "apt-get"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >>{log}\n')
+        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")  # as root: no sudo
+    (bin_dir / "id").chmod(0o755)
+    r = subprocess.run(["/bin/bash", "-c", "set -euo pipefail\n" + found.group(0)], capture_output=True, text=True,
+                       timeout=60, env={"PATH": str(bin_dir)})
+    assert r.returncode == 0, r.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_setup_installs_with_apt_only_what_the_machine_lacks(tmp_path):
+    """redis-server (the directory) and a C++ compiler (the CPU decode kernels; without one the
+    engine runs their slower torch references), each only when missing."""
+    assert _apt_installs(tmp_path / "both", ("redis-server", "c++")) == []
+    calls = _apt_installs(tmp_path / "no-compiler", ("redis-server",))
+    assert calls[-1].split()[-1:] == ["g++"] and "redis-server" not in calls[-1]
+    calls = _apt_installs(tmp_path / "bare", ())
+    assert calls[0] == "apt-get update -qq" and calls[-1].split()[-2:] == ["redis-server", "g++"]
