@@ -109,21 +109,24 @@ def unit_bytes(checkpoint: Path | None) -> int:
     return cfg.num_hidden_layers * UNIT_TOKENS * cfg.kv_dim * 4
 
 
-def skewed(work: list[tuple[list[int], int]], share: float = 0.6, hot: int = 3, hot_tokens: int = 1024,
-           vocab: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
-    """The ``skew`` scenario: ``share`` of the requests (chosen at random, seeded) start with one
-    of ``hot`` prefixes of ``hot_tokens`` tokens (Zipf: the first twice as likely as the second),
-    the rest of their prompt as it was; the others stay as they were. A few hot prefixes then
-    carry most of the traffic."""
+HOT_PREFIX_TOKENS = 4096  # a hot prefix's trace tokens: a long system prompt with its tools
+
+
+def skewed(work: list[tuple[list[int], int]], block_tokens: int, share: float = 0.6, hot: int = 3,
+           hot_tokens: int = HOT_PREFIX_TOKENS, vocab: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
+    """The ``skew`` scenario: ``share`` of the requests (chosen at random, seeded) get one of
+    ``hot`` prefixes in front of their own prompt, as a shared system prompt is (Zipf: the first
+    twice as likely as the second); the others stay as they were. A hot prefix is ``hot_tokens``
+    tokens of the trace, scaled like the prompts (``block_tokens`` per 512), so a few hot
+    prefixes carry most of the traffic while each request still brings its own prompt to compute."""
     rng = random.Random(seed)
-    prefixes = [[random.Random(f"hot-{k}").randrange(vocab) for _ in range(hot_tokens)] for k in range(hot)]
+    n = max(1, round(hot_tokens * block_tokens / BLOCK_TOKENS))
+    prefixes = [[random.Random(f"hot-{k}").randrange(vocab) for _ in range(n)] for k in range(hot)]
     weights = [1 / (k + 1) for k in range(hot)]
     out = []
     for ids, max_tokens in work:
         if rng.random() < share:
-            prefix = rng.choices(prefixes, weights)[0]
-            n = min(hot_tokens, max(0, len(ids) - 1))
-            ids = prefix[:n] + ids[n:]
+            ids = rng.choices(prefixes, weights)[0] + ids
         out.append((ids, max_tokens))
     return out
 
@@ -243,7 +246,7 @@ def run_cluster_bench(
     work = trace_prompts(trace, requests, block_tokens, max_prompt_tokens, max_tokens, skip=skip)
     seats = replica_seats(max_num_seqs, concurrency)
     if scenario == "skew":
-        work = skewed(work)
+        work = skewed(work, block_tokens)
     arrivals = trace_arrivals(trace, requests, rate, skip=skip) if rate else None
     affinity = scaled_affinity_tokens(block_tokens)
     capacity: dict[str, Any] = {}

@@ -123,7 +123,7 @@ def bench_cluster(
     repeats: int = typer.Option(3, "--repeats", min=1, help="runs of every mode, taking turns (medians count)"),
     scenario: str = typer.Option("trace", "--scenario",
                                  help="comma-separated; several are replayed in turn on one simulated cluster, "
-                                      "their outputs under 'scenarios'. trace: as it is; skew: 60% of the requests start with one of 3 hot prefixes; "
+                                      "their outputs under 'scenarios'. trace: as it is; skew: 60% of the requests get one of 3 hot prefixes (4,096 trace tokens, scaled) in front of their prompt; "
                                       "scale: a node lent a third of the way in and back two thirds in; failure: a "
                                       "node removed half way; pressure: each node's SSD holds a quarter of the "
                                       "working set, no RAM tier, no pages kept in a replica's pool; night: the "

@@ -344,16 +344,23 @@ def test_the_pressure_scenario_sizes_caches_from_the_working_set(tmp_path):
 
 
 def test_the_skew_scenario_puts_most_requests_on_a_few_hot_prefixes():
-    from deploy.bench.cluster_bench import skewed
+    from deploy.bench.cluster_bench import HOT_PREFIX_TOKENS, skewed
 
-    work = [([k % 250] * 300, 4) for k in range(400)]
-    out = skewed(work, share=0.6, hot=3, hot_tokens=100)
-    firsts = [tuple(ids[:100]) for ids, _ in out]
-    hot = sorted({f for f in firsts if firsts.count(f) > 10}, key=firsts.count, reverse=True)
-    assert len(hot) == 3 and 0.5 < sum(map(firsts.count, hot)) / 400 < 0.7  # about 60% on them
-    assert firsts.count(hot[0]) > firsts.count(hot[2])  # Zipf: the first hottest
-    assert [ids[100:] for ids, _ in out] == [ids[100:] for ids, _ in work]  # the rest as it was
-    assert skewed(work) == skewed(work)  # seeded
+    work = [([k % 250] * (1 + k % 300), 4) for k in range(400)]
+    out = skewed(work, block_tokens=8, share=0.6, hot=3, hot_tokens=6400)  # 100 tokens at 64x
+    hot = {}
+    for (ids, _), (own, _) in zip(out, work, strict=True):
+        assert ids[len(ids) - len(own):] == own  # each request keeps its own prompt, after the prefix
+        if len(ids) > len(own):
+            assert len(ids) - len(own) == 100
+            hot[tuple(ids[:100])] = hot.get(tuple(ids[:100]), 0) + 1
+    counts = sorted(hot.values(), reverse=True)
+    assert len(counts) == 3 and 0.5 < sum(counts) / 400 < 0.7  # about 60% on them
+    assert counts[0] > counts[2]  # Zipf: the first hottest
+    assert skewed(work, 8) == skewed(work, 8)  # seeded
+    # the default prefix is scaled like the prompts: 4,096 trace tokens are 64 at 64x, 256 at 16x
+    assert {len(ids) - len(own) for (ids, _), (own, _) in zip(skewed(work, 8), work, strict=True)} == {0, 64}
+    assert max(len(a) - len(b) for (a, _), (b, _) in zip(skewed(work, 32), work, strict=True)) == HOT_PREFIX_TOKENS // 16
 
 
 def test_cluster_bench_verdicts_need_a_margin_and_the_affinity_key_scales_like_the_prompts():
