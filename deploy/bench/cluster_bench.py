@@ -50,7 +50,7 @@ from deploy.bench.machine import machine
 from deploy.bench.serve_bench import on_cluster
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["MODES", "SCENARIOS", "replica_seats", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents",
+__all__ = ["HOT_PREFIX_TOKENS", "MODES", "SCENARIOS", "replica_seats", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents",
            "trace_prompts", "verdict"]
 
 MODES = {
