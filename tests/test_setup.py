@@ -31,20 +31,24 @@ def _install_helpers() -> str:
     return found.group(0)
 
 
+def _script(path: Path, text: str) -> None:
+    """An executable shell script at ``path``."""
+    path.write_text(text)
+    path.chmod(0o755)
+
+
 def _run(tmp_path: Path, uv_exit: int | None, config: str = CONFIG_LIST) -> list[str]:
     """The calls of ``install -e .[test]``; ``uv_exit`` None: no uv (it has no build for the machine)."""
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
     log = tmp_path / "calls"
-    (venv / "pip").write_text(f"""#!/bin/sh
+    _script(venv / "pip", f"""#!/bin/sh
 if [ "$1 $2" = "config list" ]; then cat <<'EOF'
 {config}EOF
 else echo "pip $*" >>{log}; fi
 """)
-    (venv / "pip").chmod(0o755)
     if uv_exit is not None:
-        (venv / "uv").write_text(f'#!/bin/sh\necho "uv $*" >>{log}\nexit {uv_exit}\n')
-        (venv / "uv").chmod(0o755)
+        _script(venv / "uv", f'#!/bin/sh\necho "uv $*" >>{log}\nexit {uv_exit}\n')
     script = (f'set -euo pipefail\nPYTHON={sys.executable}\nVENV={tmp_path / "venv"}\nPIP="$VENV/bin/pip"\n'
               + _install_helpers() + 'install -e ".[test]"\n')
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
@@ -90,10 +94,8 @@ def _apt_installs(tmp_path: Path, present: tuple[str, ...]) -> list[str]:
     bin_dir, log = tmp_path / "bin", tmp_path / "apt-calls"
     bin_dir.mkdir(parents=True)
     for tool in (*present, "apt-get"):
-        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >>{log}\n')
-        (bin_dir / tool).chmod(0o755)
-    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")  # as root: no sudo
-    (bin_dir / "id").chmod(0o755)
+        _script(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >>{log}\n')
+    _script(bin_dir / "id", "#!/bin/sh\necho 0\n")  # as root: no sudo
     r = subprocess.run(["/bin/bash", "-c", "set -euo pipefail\n" + found.group(0)], capture_output=True, text=True,
                        timeout=60, env={"PATH": str(bin_dir)})
     assert r.returncode == 0, r.stderr

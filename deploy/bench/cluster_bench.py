@@ -50,8 +50,8 @@ from deploy.bench.machine import machine
 from deploy.bench.serve_bench import on_cluster
 from deploy.redis_proc import wait_healthy
 
-__all__ = ["HOT_PREFIX_TOKENS", "MODES", "SCENARIOS", "replica_seats", "run_cluster_bench", "scaled_affinity_tokens", "skewed", "stop_agents",
-           "trace_prompts", "verdict"]
+__all__ = ["HOT_PREFIX_TOKENS", "MODES", "SCENARIOS", "replica_seats", "run_cluster_bench", "scaled_affinity_tokens",
+           "scaled_tokens", "skewed", "stop_agents", "trace_prompts", "verdict"]
 
 MODES = {
     "shared": {"router": "cache-aware", "directory": True},
@@ -87,6 +87,7 @@ def trace_prompts(path: str | Path, requests: int, block_tokens: int, max_prompt
 
 SCENARIOS = ("trace", "skew", "scale", "failure", "pressure")
 PRESSURE_SHARE = 0.25  # ``pressure``: each node's SSD holds this share of the working set's unit bytes
+HOT_PREFIX_TOKENS = 4096  # ``skew``: a hot prefix's trace tokens (a long system prompt with its tools)
 
 
 def working_set_units(work: list[tuple[list[int], int]], unit_tokens: int = UNIT_TOKENS) -> int:
@@ -109,18 +110,14 @@ def unit_bytes(checkpoint: Path | None) -> int:
     return cfg.num_hidden_layers * UNIT_TOKENS * cfg.kv_dim * 4
 
 
-HOT_PREFIX_TOKENS = 4096  # a hot prefix's trace tokens: a long system prompt with its tools
-
-
 def skewed(work: list[tuple[list[int], int]], block_tokens: int, share: float = 0.6, hot: int = 3,
            hot_tokens: int = HOT_PREFIX_TOKENS, vocab: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
     """The ``skew`` scenario: ``share`` of the requests (chosen at random, seeded) get one of
-    ``hot`` prefixes in front of their own prompt, as a shared system prompt is (Zipf: the first
-    twice as likely as the second); the others stay as they were. A hot prefix is ``hot_tokens``
-    tokens of the trace, scaled like the prompts (``block_tokens`` per 512), so a few hot
-    prefixes carry most of the traffic while each request still brings its own prompt to compute."""
+    ``hot`` prefixes of ``hot_tokens`` trace tokens (scaled like the prompts) in front of their
+    own prompt, as a shared system prompt is (Zipf: the first twice as likely as the second); the
+    others stay as they were. A few hot prefixes carry most of the traffic; each prompt computes."""
     rng = random.Random(seed)
-    n = max(1, round(hot_tokens * block_tokens / BLOCK_TOKENS))
+    n = scaled_tokens(hot_tokens, block_tokens)
     prefixes = [[random.Random(f"hot-{k}").randrange(vocab) for _ in range(n)] for k in range(hot)]
     weights = [1 / (k + 1) for k in range(hot)]
     out = []
@@ -326,10 +323,14 @@ def replica_seats(max_num_seqs: int | None, concurrency: int) -> int:
     return max_num_seqs or max(4, concurrency)
 
 
+def scaled_tokens(trace_tokens: int, block_tokens: int) -> int:
+    """How many replay tokens ``trace_tokens`` of the trace are, scaled like the prompts (>= 1)."""
+    return max(1, round(trace_tokens * block_tokens / BLOCK_TOKENS))
+
+
 def scaled_affinity_tokens(block_tokens: int) -> int:
-    """The prefix-affinity key scaled like the prompts: ``AFFINITY_TOKENS`` real tokens of the
-    trace are this many of the replay's (at least one)."""
-    return max(1, round(AFFINITY_TOKENS * block_tokens / BLOCK_TOKENS))
+    """The prefix-affinity key scaled like the prompts: ``AFFINITY_TOKENS`` real tokens of the trace."""
+    return scaled_tokens(AFFINITY_TOKENS, block_tokens)
 
 
 def verdict(mine: dict[str, Any], theirs: dict[str, Any], higher: bool) -> str:
