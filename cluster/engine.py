@@ -149,6 +149,8 @@ class Engine:
         self._lock = threading.RLock()  # add/abort from other threads vs step
         self._aborted = False  # an abort arrived since the last step
         self.timer = PassTimer(model.device, clock)  # on a GPU, device time read a pass later
+        if cfg.pace is not None and model.device.type == "cuda":
+            raise ValueError("EngineConfig.pace emulates a device on the CPU; this model computes on a GPU")
 
     @property
     def waiting(self) -> deque[Sequence]:
@@ -290,6 +292,10 @@ class Engine:
             self._decode(batch, rode, spec, outputs)
         return outputs
 
+    def _paced(self, tokens: int, rows: int) -> float:
+        """The least a pass of ``tokens`` prompt tokens and ``rows`` decode rows lasts (``pace``)."""
+        return self.cfg.pace.seconds(tokens, rows) if self.cfg.pace is not None else 0.0
+
     def _reap_aborted(self, outputs: list[RequestOutput]) -> None:
         if not self._aborted:
             return
@@ -309,8 +315,9 @@ class Engine:
         done = _Pass(None, None, None, None, None)
         feed, seq.feed = seq.feed, None
         waited = (lambda: feed.waited_s) if feed is not None else (lambda: 0.0)  # not the chunk's cost
-        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s - waited(),
-                                                                     len(batch) if batch else 0)):
+        riding = len(batch) if batch else 0  # decode rows in the pass
+        with self.timer.timed(lambda s: self.scheduler.observe_chunk(n_new, start, s - waited(), riding),
+                              self._paced(n_new, riding)):
             if batch:
                 done.rows = rows = self._decode_rows(batch, spec)
                 out = self.model.mixed(ids, table, start, rows.tokens, rows.tables, rows.positions, self.kv.pool,
@@ -501,7 +508,7 @@ class Engine:
             rows, logits, hidden = rode.rows, rode.decode_logits, rode.decode_hidden
         else:
             rows, hidden = self._decode_rows(batch, spec), None
-            with self.timer.timed(lambda s: self.scheduler.observe_decode(s, len(batch))):
+            with self.timer.timed(lambda s: self.scheduler.observe_decode(s, len(batch)), self._paced(0, len(batch))):
                 if self.fixed_decode is not None and not spec:
                     logits = self.fixed_decode(rows.tokens, rows.tables, rows.positions)
                 elif self.fixed_verify is not None and spec:

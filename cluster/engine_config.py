@@ -6,7 +6,29 @@ from dataclasses import dataclass
 
 from cluster.units import UNIT_TOKENS
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "PassPace"]
+
+
+@dataclass(frozen=True, slots=True)
+class PassPace:
+    """An emulated device's pass times: a forward pass of ``tokens`` prompt tokens and ``rows``
+    decode rows lasts at least ``pass_ms + tokens * token_ms + rows * row_ms``. Replicas that
+    share one machine's cores (a simulated cluster) then each have a device's capacity of their
+    own, as replicas on separate GPUs do: routing is measured where a replica's queue, not the
+    machine's cores, sets its TTFT."""
+
+    pass_ms: float = 0.0
+    token_ms: float = 0.0
+    row_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("pass_ms", "token_ms", "row_ms"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"pace {name} must be a finite number of ms >= 0, got {getattr(self, name)}")
+
+    def seconds(self, tokens: int, rows: int) -> float:
+        """The least a pass of ``tokens`` prompt tokens and ``rows`` decode rows lasts."""
+        return (self.pass_ms + tokens * self.token_ms + rows * self.row_ms) / 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +82,9 @@ class EngineConfig:
     # host's cores to the reads; on a CPU the reads and the compute share the cores and the GIL
     # (measured slower there: tide bench ttft's local_agent_ssd_layered)
     layered_loads: bool | None = None
+    # benchmarks of routing on one machine: every forward pass lasts at least what this emulated
+    # device takes for it (the rest slept, which leaves the cores to the other replicas); CPU only
+    pace: PassPace | None = None
 
     def __post_init__(self) -> None:
         if self.admission not in ("all", "second-sight"):

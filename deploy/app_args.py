@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from actors.replica_config import DEFAULT_NAMESPACE, AgentSection, ReplicaConfig, StoreSection
-from cluster.engine_config import EngineConfig
+from cluster.engine_config import EngineConfig, PassPace
 from cluster.prefix_affinity import AFFINITY_TOKENS, QUEUE_RATIO
 from deploy.http_edge import OPTIONAL_PUBLIC_PATHS
 from deploy.limits import KeyGrant, Limits
@@ -97,6 +97,10 @@ class AppArgs(BaseModel):
     # a step of more sequences than speculative_max_batch decodes without drafts
     speculative_tokens: int | None = Field(default=None, ge=0, le=8)
     speculative_max_batch: int = Field(default=_ENGINE.speculative_max_batch, ge=0)
+    # benchmarks of routing on one machine ({pass_ms, token_ms, row_ms}): each CPU replica's
+    # forward passes last at least what that emulated device takes for them (EngineConfig.pace),
+    # so replicas sharing the machine's cores each have capacity of their own. None: off
+    pace: PassPace | None = None
     # structured output's JSON: "compact" (separators as json.dumps writes them, no other
     # whitespace: a model cannot loop on blank runs) or "any" (runs of at most 16); a request's
     # structured_outputs.disable_any_whitespace decides for itself
@@ -173,7 +177,7 @@ class AppArgs(BaseModel):
                             enforce_eager=self.enforce_eager, scored_logits_mib=self.scored_logits_mib,
                             background_share=self.background_share, background_slack=self.background_slack,
                             speculative_tokens=self.drafts_per_step,
-                            speculative_max_batch=self.speculative_max_batch)
+                            speculative_max_batch=self.speculative_max_batch, pace=self.pace)
 
     @property
     def drafts_per_step(self) -> int:
@@ -193,6 +197,13 @@ class AppArgs(BaseModel):
         if v != 0 and v <= 1:
             raise ValueError(f"itl_factor must be 0 (off) or > 1, got {v}")
         return v
+
+    @field_validator("pace")
+    @classmethod
+    def _pace(cls, pace: PassPace | None, info: ValidationInfo) -> PassPace | None:
+        if pace is not None and info.data.get("device") == "cuda":
+            raise ValueError("pace emulates a device on the CPU; a cuda replica's passes take their own time")
+        return pace
 
     @field_validator("limits")
     @classmethod

@@ -6,13 +6,9 @@ import typer
 
 from deploy.bench.cluster_cli import (
     bench_all,
-    bench_batch,
     bench_cluster,
     bench_directory,
-    bench_neighbour,
-    bench_serve,
     bench_soak,
-    bench_stream,
     bench_trace,
     bench_ttft,
 )
@@ -25,6 +21,7 @@ from deploy.bench.engine_cli import (
     bench_structured,
     bench_unit_io,
 )
+from deploy.bench.serve_cli import bench_batch, bench_neighbour, bench_serve, bench_stream
 
 bench_app = typer.Typer(help="Benchmarks; each prints one JSON object.", no_args_is_help=True)
 bench_app.command("model")(bench_model)

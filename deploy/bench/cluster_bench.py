@@ -224,12 +224,13 @@ def run_cluster_bench(
     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
     modes: tuple[str, ...] = tuple(MODES), progress=None, repeats: int = 3, scenario: str = "trace", skip: int = 0,
     cluster: tuple | None = None, rate: float | None = None, max_num_seqs: int | None = None,
+    pace: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """``progress``: an object with ``update(completed, total, description)`` (``deploy.term``);
     ``scenario``: one of ``SCENARIOS``; ``skip``: trace records passed over before the replay's;
     ``rate``: requests a second in an open loop at the trace's arrival times (``trace_arrivals``),
     else ``concurrency`` clients in a closed loop; ``max_num_seqs``: each replica's running
-    sequences (``replica_seats``);
+    sequences (``replica_seats``); ``pace``: each replica's emulated device (``AppArgs.pace``);
     ``cluster``: a running ``simulated_cluster``'s (redis, url, sim) to replay on (``nodes`` of
     them alive), else one is started and stopped."""
     from ray import serve
@@ -253,7 +254,7 @@ def run_cluster_bench(
         capacity = {"ssd_gb": PRESSURE_SHARE * working_set / 1e9, "ram_mb": 0, "prefix_sharing": False}
     out: dict[str, Any] = {
         **machine(), "trace": str(trace), "skip": skip, "nodes": nodes, "requests": len(work),
-        "concurrency": None if rate else concurrency, "rate": rate, "max_num_seqs": seats,
+        "concurrency": None if rate else concurrency, "rate": rate, "max_num_seqs": seats, "pace": pace,
         "scenario": scenario, "scale_factor": BLOCK_TOKENS / block_tokens, "block_tokens": block_tokens,
         "affinity_tokens": affinity,
         "max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens, "repeats": repeats,
@@ -272,7 +273,7 @@ def run_cluster_bench(
                     "directory_url": redis.url if spec["directory"] else None,
                     "directory_namespace": f"bench-{mode}-{uuid.uuid4().hex[:8]}", "router": spec["router"],
                     "affinity_tokens": affinity,
-                    "max_num_seqs": seats, "num_pages": 2048, "agent_token_file": agent_token_file(),
+                    "max_num_seqs": seats, "num_pages": 2048, "agent_token_file": agent_token_file(), "pace": pace,
                     **capacity, **spec.get("args", {}),
                 }
                 serve.run(build_app(app_args), name="bench", route_prefix="/", blocking=False)
@@ -335,8 +336,7 @@ def scaled_affinity_tokens(block_tokens: int) -> int:
 
 def verdict(mine: dict[str, Any], theirs: dict[str, Any], higher: bool) -> str:
     """``beats`` or ``loses`` when the two modes' ranges over the runs do not overlap (the margin),
-    else ``no_margin``; ``single_run`` when either has one run (no spread to compare with);
-    ``unknown`` without figures."""
+    else ``no_margin``; ``single_run`` when either has one run; ``unknown`` without figures."""
     if not mine.get("range") or not theirs.get("range"):
         return "unknown"
     if min(mine.get("runs", 2), theirs.get("runs", 2)) < 2:

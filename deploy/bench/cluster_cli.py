@@ -1,5 +1,5 @@
-"""``tide bench`` on clusters: the directory, trace replays, TTFT, the cluster, the Serve app, hostile
-neighbours, streams, soak; ``all`` of the CPU benchmarks."""
+"""``tide bench`` on clusters: the directory, trace replays, TTFT, the cluster, soak; ``all`` of the
+CPU benchmarks."""
 
 from __future__ import annotations
 
@@ -130,6 +130,11 @@ def bench_cluster(
                                       "night's and the morning's hits with no node lent, one lent and removed, and "
                                       "one lent with its hot units kept and the morning's node warmed (the "
                                       "shared directory only; --modes is ignored)"),
+    pace: str = typer.Option(None, "--pace", metavar="PASS_MS,TOKEN_MS,ROW_MS",
+                             help="emulate a device per replica: each forward pass lasts at least PASS_MS + "
+                                  "TOKEN_MS per prompt token + ROW_MS per decode row (the rest slept), so "
+                                  "the simulated nodes, which share this machine's cores, each have capacity "
+                                  "of their own, as replicas on separate GPUs do (default: the CPU's own time)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
     plot: Path = PLOT,
     as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
@@ -155,6 +160,7 @@ def bench_cluster(
         raise typer.BadParameter(f"--scenario {scenario!r}: a scenario named twice")
     if rate is not None and not rate > 0:
         raise typer.BadParameter(f"--rate {rate}: requests a second must be positive")
+    paced = parse_pace(pace) if pace is not None else None
 
     if not trace.is_file():
         raise typer.BadParameter(f"--trace {str(trace)!r} is not a file")
@@ -186,7 +192,7 @@ def bench_cluster(
         # messages must not precede the JSON; the bar shows on a terminal only (stderr)
         common = dict(requests=requests, concurrency=concurrency, block_tokens=block_tokens,
                       max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, checkpoint=checkpoint,
-                      repeats=repeats, skip=skip, rate=rate, max_num_seqs=max_num_seqs)
+                      repeats=repeats, skip=skip, rate=rate, max_num_seqs=max_num_seqs, pace=paced)
         if len(scenarios) > 1:
             result = run_scenarios(trace, scenarios, nodes, modes=chosen, progress=bar, **common)
         elif scenarios == ("night",):
@@ -198,102 +204,18 @@ def bench_cluster(
     emit(plotted("cluster", result, plot))
 
 
-def bench_serve(
-    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
-    requests: int = typer.Option(64, "--requests", min=1),
-    concurrency: int = typer.Option(8, "--concurrency", min=1),
-    system_tokens: int = typer.Option(2048, "--system-tokens", min=0, help="shared system prompt (half the requests)"),
-    max_tokens: int = typer.Option(16, "--max-tokens", min=1),
-    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
-) -> None:
-    """A bounded load through HTTP (streaming, half the requests sharing a system prompt) against
-    a local Ray Serve app, with the prompt cache and without, the order alternating over repeats."""
-    from deploy.bench.serve_bench import run_serve_bench
+def parse_pace(text: str) -> dict[str, float]:
+    """``--pace PASS_MS,TOKEN_MS,ROW_MS`` as ``AppArgs.pace`` (a CLI error names a bad value)."""
+    from cluster.engine_config import PassPace
 
-    check_checkpoint(checkpoint)
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
-        result = run_serve_bench(checkpoint, requests, concurrency, system_tokens, max_tokens, repeats)
-    emit(result)
-
-
-def bench_neighbour(
-    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
-    max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="tokens each neighbour stream generates"),
-    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
-) -> None:
-    """A tenant's greedy streams alone, then beside another tenant's hostile requests (sampling
-    extremes, oversized numbers, deep nesting, heavy or empty grammars, costly batches) on one
-    local replica: the streams' inter-token latency p50/p99 in each case and their ratio (target:
-    p99 within 3x), whether their tokens stayed the same, and the statuses the hostile requests got."""
-    from deploy.bench.neighbour_bench import run_neighbour_bench
-
-    check_checkpoint(checkpoint)
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
-        result = run_neighbour_bench(checkpoint, max_tokens, repeats)
-    emit(result)
-
-
-def bench_batch(
-    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
-    clients: int = typer.Option(2, "--clients", min=1, help="interactive clients, each streaming chats one after another"),
-    requests: int = typer.Option(32, "--requests", min=1,
-                                 help="streamed chats per client per run (their TTFTs' p99 is a run's; fewer than 50 make it the max)"),
-    max_tokens: int = typer.Option(32, "--max-tokens", min=2, help="tokens per interactive chat (a batch line: 4x)"),
-    batch_lines: int = typer.Option(400, "--batch-lines", min=1, help="lines of the batch beside the load"),
-    background_share: float = typer.Option(None, "--background-share", min=0.0, max=1.0,
-                                           help="the replica's share of seats and pages for batch lines (default: the app's)"),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
-    url: str = typer.Option(None, "--url", help="measure a server already up (e.g. `tide up`'s http://127.0.0.1:8000/v1) "
-                                                "instead of starting a local app; its first listed model"),
-    api_key: str = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="with --url: the server's API key"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
-) -> None:
-    """An interactive load of greedy streamed chats alone, then beside a running batch
-    (/v1/batches) on one local replica, or on the server at --url: the load's time to first token
-    and inter-token latency (p50, p99) in each case, their p99 ratios (target: within 1.10x) and
-    the batch lines done. The batch is cancelled and its files deleted when the load ends."""
-    import httpx
-
-    from deploy.bench.batch_bench import run_batch_bench, server_root
-
-    check_checkpoint(checkpoint)
-    if url is not None:
-        for given, option in ((checkpoint, "--checkpoint"), (background_share, "--background-share")):
-            if given is not None:
-                raise typer.BadParameter(f"{option} sets up the local app; the server at --url {url} runs as it was started")
-        if not server_root(url).startswith(("http://", "https://")):
-            raise typer.BadParameter(f"--url {url!r} must be an http:// or https:// URL")
+    parts = [p.strip() for p in text.split(",")]
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
-            result = run_batch_bench(checkpoint, clients, requests, max_tokens, batch_lines, repeats,
-                                     background_share, url=url, api_key=api_key)
-    except (RuntimeError, httpx.HTTPError) as e:
-        if url is None:
-            raise
-        typer.echo(f"error: the server at --url {url}: {e}", err=True)
-        raise typer.Exit(1) from None
-    emit(result)
-
-
-def bench_stream(
-    checkpoint: Path = typer.Option(None, "--checkpoint", help="HF checkpoint dir; default: the built-in 'tiny' model"),
-    streams: int = typer.Option(8, "--streams", min=1, help="concurrent streamed completions"),
-    max_tokens: int = typer.Option(400, "--max-tokens", min=2, help="tokens each stream generates (ignore_eos)"),
-    repeats: int = typer.Option(2, "--repeats", min=1, help="runs of both cases, the order alternating (medians reported)"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="JSON output (always JSON)"),
-) -> None:
-    """Output tokens a second of concurrent streams through HTTP against a local Ray Serve app,
-    with the serving default's stream batching (stream_batching_interval_ms) and with an output
-    per engine step; the outputs a request took, time to first token, the p99 gap between
-    outputs."""
-    from deploy.bench.stream_bench import run_stream_bench
-
-    check_checkpoint(checkpoint)
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown messages must not precede the JSON
-        result = run_stream_bench(checkpoint, streams, max_tokens, repeats)
-    emit(result)
+        pace = PassPace(*map(float, parts)) if len(parts) == 3 else None
+    except ValueError as e:
+        raise typer.BadParameter(f"--pace {text!r}: {e}") from None
+    if pace is None:
+        raise typer.BadParameter(f"--pace {text!r}: give three numbers of ms, PASS_MS,TOKEN_MS,ROW_MS (e.g. 5,2,0.5)")
+    return {"pass_ms": pace.pass_ms, "token_ms": pace.token_ms, "row_ms": pace.row_ms}
 
 
 def bench_soak(

@@ -82,12 +82,13 @@ def _run(url: str, app_args: dict[str, Any], work: list, concurrency: int, case:
 def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrency: int = 4, block_tokens: int = 8,
                     max_prompt_tokens: int = 2048, max_tokens: int = 4, checkpoint: Path | None = None,
                     repeats: int = 2, skip: int = 0, cluster: tuple | None = None,
-                    rate: float | None = None, max_num_seqs: int | None = None) -> dict[str, Any]:
+                    rate: float | None = None, max_num_seqs: int | None = None,
+                    pace: dict[str, float] | None = None) -> dict[str, Any]:
     """The night's cases over ``repeats`` runs (module docstring); ``cluster``: a running
     ``simulated_cluster``'s (redis, url, sim) to replay on, else one is started and stopped;
     ``rate``: requests a second in an open loop at the trace's arrival times, else
     ``concurrency`` clients in a closed loop; ``max_num_seqs``: each replica's running sequences
-    (``replica_seats``)."""
+    (``replica_seats``); ``pace``: each replica's emulated device (``AppArgs.pace``)."""
     from ray import serve
 
     from deploy.local import agent_token_file
@@ -97,7 +98,7 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
     seats = replica_seats(max_num_seqs, concurrency)
     out: dict[str, Any] = {**machine(), "scenario": "night", "trace": str(trace), "skip": skip, "nodes": nodes,
                            "concurrency": None if rate else concurrency, "rate": rate, "max_num_seqs": seats,
-                           "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
+                           "pace": pace, "requests": len(work), "night_requests": int(CUTS[1] * len(work)) - int(CUTS[0] * len(work)),
                            "morning_requests": len(work) - int(CUTS[1] * len(work)),
                            "scale_factor": BLOCK_TOKENS / block_tokens, "repeats": repeats}
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in NIGHT_CASES}
@@ -109,7 +110,7 @@ def run_night_bench(trace: Path, nodes: int = 3, requests: int = 600, concurrenc
                     "max_replicas_per_node": 1, "cache_dir": str(tmp / f"{case}-{rep}" / "{node}"),
                     "directory_url": redis.url, "directory_namespace": f"night-{case}-{uuid.uuid4().hex[:8]}",
                     "max_num_seqs": seats, "num_pages": 2048, "agent_token_file": agent_token_file(),
-                    "night_keep_bytes": (8 << 30) if case == "lend_keep" else 0,
+                    "night_keep_bytes": (8 << 30) if case == "lend_keep" else 0, "pace": pace,
                 }
                 runs[case].append(keep_serve_logs(_run(url, app_args, work, concurrency, case, sim, arrivals), sim,
                                                   f"night-{case}-{rep}"))

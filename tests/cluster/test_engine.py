@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from cachedir.hashing import Namespace
 from cachedir.node_cache import CacheConfig, NodeCache
 from cachedir.store import StoreConfig
 from cluster.engine import Engine, EngineConfig
+from cluster.engine_config import PassPace
 from cluster.request import FinishReason, GenerationRequest
 from model.fixed_decode import FixedShapeDecode, buckets_up_to
 from model.generate import generate
@@ -149,6 +151,25 @@ def test_without_prefix_sharing_a_repeat_reads_the_prompt_cache(model, tmp_path)
         sources = out[-1].sources
         assert getattr(sources, source) == 192 and sources.cached == 192, (sharing, sources)
         eng.check_integrity()
+
+
+def test_a_paced_engine_gives_every_pass_its_emulated_time_and_the_same_tokens(model):
+    """Under ``pace`` a pass lasts at least its emulated device's time (lower bounds only: the
+    sleep guarantees them whatever the machine's load), the scheduler learns the emulated times,
+    and no token changes."""
+    pace = PassPace(pass_ms=2.0, token_ms=0.5, row_ms=15.0)
+    eng = _engine(model, pace=pace)
+    prompt = _prompt(70, 3)
+    eng.add_request(GenerationRequest("a", prompt, max_tokens=3))
+    outs, steps = [], []
+    while eng.has_work():
+        t0 = time.perf_counter()
+        outs += eng.step()
+        steps.append(time.perf_counter() - t0)
+    assert _tokens(outs) == _ref(model, prompt, 3)
+    assert steps[0] >= pace.seconds(70, 0) and all(s >= pace.seconds(0, 1) for s in steps[1:]), steps
+    assert [n for n, _, _ in eng.prefill_samples] == [70] and eng.prefill_samples[0][2] >= 0.037
+    assert eng.scheduler.decode_s(1) >= 0.017
 
 
 def test_logprobs_of_batched_greedy_and_seeded_requests(model):

@@ -3,6 +3,8 @@ call; on a GPU by device events read a pass later, never by the launch's time.""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.pass_timer import PassTimer
 
 
@@ -61,3 +63,25 @@ def test_a_cpu_pass_is_timed_by_the_clock_around_it():
     with timer.timed(seen.append):
         now[0] += 0.25
     assert seen == [0.25]
+
+
+def test_a_cpu_pass_with_a_floor_sleeps_the_rest_and_reports_the_floor():
+    now, seen, slept = [1.0], [], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    timer = PassTimer("cpu", clock=lambda: now[0], sleep=sleep)
+    with timer.timed(seen.append, floor_s=0.25):
+        now[0] += 0.1
+    assert slept == [pytest.approx(0.15)] and seen == [pytest.approx(0.25)]
+    with timer.timed(seen.append, floor_s=0.25):  # a pass longer than its floor takes its own time
+        now[0] += 0.4
+    assert len(slept) == 1 and seen[-1] == pytest.approx(0.4)
+
+
+def test_a_gpu_pass_refuses_a_floor():
+    timer = PassTimer("cuda", clock=lambda: 0.0, event=FakeDevice().event)
+    with pytest.raises(ValueError, match="emulates a device on the CPU"), timer.timed(lambda s: None, floor_s=0.1):
+        pass

@@ -34,3 +34,20 @@ def test_every_default_has_one_source():
     assert a.stream_batching_interval_ms == replica["stream_batching_interval_ms"]
     assert a.cache_replicas == {f.name: f.default for f in dataclasses.fields(AgentSection)}["replicas"]
     assert AppArgs(enable_cache=False).engine_config().prefix_sharing is False
+
+
+def test_a_pace_reaches_the_engine_and_bad_ones_are_refused_by_name():
+    import pytest
+    from pydantic import ValidationError
+
+    from cluster.engine_config import PassPace
+    from deploy.app_args import AppArgs
+
+    a = AppArgs(pace={"pass_ms": 5, "token_ms": 2.5, "row_ms": 0.5})
+    assert a.engine_config().pace == PassPace(5.0, 2.5, 0.5)
+    assert PassPace(5.0, 2.5, 0.5).seconds(tokens=100, rows=4) == pytest.approx(0.257)
+    for bad, said in (({"token_ms": -1}, "token_ms must be a finite number of ms >= 0"), ({"tokens_ms": 1}, "tokens_ms")):
+        with pytest.raises(ValidationError, match=said):
+            AppArgs(pace=bad)
+    with pytest.raises(ValidationError, match="emulates a device on the CPU"):
+        AppArgs(device="cuda", pace={"pass_ms": 5})

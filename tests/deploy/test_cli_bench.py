@@ -148,6 +148,9 @@ def test_kernel_bench_cases_check_then_time_the_kernels_at_small_shapes():
     (["cluster", "--trace", __file__, "--scenario", "scale,scale"], "named twice"),
     (["cluster", "--trace", __file__, "--rate", "0"], "--rate 0.0: requests a second must be positive"),
     (["cluster", "--trace", __file__, "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["cluster", "--trace", __file__, "--pace", "5,2"], "--pace '5,2': give three numbers"),
+    (["cluster", "--trace", __file__, "--pace", "5,x,1"], "--pace '5,x,1'"),
+    (["cluster", "--trace", __file__, "--pace", "5,1,inf"], "row_ms must be a finite number of ms >= 0, got inf"),
 ])
 def test_bench_cluster_bad_arguments(args, message):
     r = tide_here("bench", *args)
