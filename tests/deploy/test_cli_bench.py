@@ -186,13 +186,14 @@ def test_bench_cluster_json(tmp_path):
     it all). Night: no node lent, one lent and removed, one lent with its units kept; a new node
     in the morning. (The scale scenario's lending and return are the night's; its windows are
     the failure's.) Requests arrive in an open loop (--rate), each window and part of the night
-    from its first arrival."""
+    from its first arrival. Paced (--pace): every prompt computes at least 64 tokens, at 2 ms each
+    on the emulated device, so no first token comes in under 128 ms."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 2048, "output_length": 16,
                                          "hash_ids": [i % 2, 10 + i % 2, 20 + i, 30 + i]}) + "\n" for i in range(9)))
     r = tide("bench", "cluster", "--trace", str(trace), "--nodes", "2", "--block-tokens", "32",
               "--modes", "shared,prefix_affinity", "--rate", "5", "--max-num-seqs", "16", "--repeats", "1",
-              "--scenario", "failure,night", "--plot", str(tmp_path / "cluster.png"))
+              "--scenario", "failure,night", "--pace", "0,2,0", "--plot", str(tmp_path / "cluster.png"))
     assert r.returncode == 0, r.stderr[-3000:]
     scenarios = json.loads(r.stdout)["scenarios"]
     assert list(scenarios) == ["failure", "night"]
@@ -202,6 +203,7 @@ def test_bench_cluster_json(tmp_path):
     assert out["affinity_tokens"] == 16 and out["scenario"] == "failure"
     assert (out["rate"], out["concurrency"]) == (5, None) and scenarios["night"]["rate"] == 5
     assert out["max_num_seqs"] == scenarios["night"]["max_num_seqs"] == 16
+    assert out["pace"] == scenarios["night"]["pace"] == {"pass_ms": 0.0, "token_ms": 2.0, "row_ms": 0.0}
     assert out["shared_vs_prefix_affinity"]["after_failure"]["hit_rate"] == "single_run"  # one run: no spread
     for mode in ("shared", "prefix_affinity"):
         m = out[mode]
@@ -211,6 +213,7 @@ def test_bench_cluster_json(tmp_path):
             "ram", "local_ssd", "remote"}
         assert sum(run["hit_rate_by_source"].values()) == pytest.approx(run["token_hit_rate"], abs=1e-3)
         assert sum(s["requests"] for s in run["ttft_by_source"].values()) == 9 and "compute" in run["ttft_by_source"]
+        assert run["ttft_p50_ms"] >= 128  # the replicas were paced
         after = run["windows"]["after_failure"]
         assert after["requests"] == 5 and after["event"]["killed"] and after["errors"] == 0
         assert [r["requests"] for r in after["replica_load"]["replicas"]] == [5]  # the node left
@@ -226,6 +229,7 @@ def test_bench_cluster_json(tmp_path):
         # the night served by the replica left (by both when none was lent)
         assert len(run["replica_load"]["replicas"]) == (2 if case == "stay" else 1)
         assert {r["max_num_seqs"] for r in run["replica_load"]["replicas"]} == {16}
+        assert run["ttft_p50_ms"] >= 128
     assert night["stay"]["kept_units"] == [0] and night["lend"]["kept_units"] == [0]
     assert "morning_node_gap_points" in night["lend_keep"] and "keeping_gap_points" in night
 
