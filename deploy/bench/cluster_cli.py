@@ -206,16 +206,17 @@ def bench_cluster(
 
 def parse_pace(text: str) -> dict[str, float]:
     """``--pace PASS_MS,TOKEN_MS,ROW_MS`` as ``AppArgs.pace`` (a CLI error names a bad value)."""
+    import dataclasses
+
     from cluster.engine_config import PassPace
 
-    parts = [p.strip() for p in text.split(",")]
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise typer.BadParameter(f"--pace {text!r}: give three numbers of ms, PASS_MS,TOKEN_MS,ROW_MS (e.g. 5,1,0.5)")
     try:
-        pace = PassPace(*map(float, parts)) if len(parts) == 3 else None
+        return dataclasses.asdict(PassPace(*map(float, parts)))
     except ValueError as e:
         raise typer.BadParameter(f"--pace {text!r}: {e}") from None
-    if pace is None:
-        raise typer.BadParameter(f"--pace {text!r}: give three numbers of ms, PASS_MS,TOKEN_MS,ROW_MS (e.g. 5,2,0.5)")
-    return {"pass_ms": pace.pass_ms, "token_ms": pace.token_ms, "row_ms": pace.row_ms}
 
 
 def bench_soak(
